@@ -1,0 +1,146 @@
+"""The `[guard]` TOML table: detector thresholds and policy, with defaults tuned on the tiny config.
+
+    [guard.grad_spike]   z = 6.0 ...
+    [guard.policy]       snapshot_every = 25 ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from guard.tomlconf import check, check_choice, from_dict, load_toml
+
+
+@dataclass(kw_only=True, slots=True)
+class SpikeConfig:
+    """Robust spike rule on the log scale: median/MAD over a window of accepted values.
+
+    Fires when x > median * rel_min AND robust z > z, or when x > abs_max (if set).
+    Flagged values never enter the window, so one spike cannot widen the baseline.
+    """
+
+    enabled: bool = True
+    window: int = 256
+    warmup: int = 32  # accepted values needed before the relative rule may fire
+    z: float = 6.0
+    rel_min: float = 1.5  # never flag a value within 1.5x of the median, however small the MAD
+    abs_max: float | None = None  # always flag above this (no warm-up), e.g. 1e4 for grad norms
+    mad_floor: float = 0.02  # MAD floor on the log scale (2%): very steady series stay quiet
+
+    def __post_init__(self) -> None:
+        check(self.window >= 8, "window", self.window, "must be >= 8")
+        check(0 < self.warmup <= self.window, "warmup", self.warmup, "must be in 1..window")
+        check(self.z > 0, "z", self.z, "must be > 0")
+        check(self.rel_min >= 1.0, "rel_min", self.rel_min, "must be >= 1.0")
+        check(self.abs_max is None or self.abs_max > 0, "abs_max", self.abs_max, "must be > 0")
+        check(self.mad_floor >= 0, "mad_floor", self.mad_floor, "must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class CollapseConfig:
+    """Per-MoE-layer routing health."""
+
+    enabled: bool = True
+    warmup: int = 50  # routing is chaotic at init; no collapse verdict before this step
+    dead_window: int = 50  # an expert with no token over this many steps is dead
+    max_dead_frac: float = 0.25  # fire when more than this share of a layer's experts is dead
+    maxvio: float = 2.0  # fire when MaxVio stays above this ...
+    maxvio_for: int = 10  # ... for this many consecutive steps
+    load_entropy_floor: float = 0.5  # normalised load entropy (0..1)
+    router_entropy_floor: float = 0.0  # nats; 0 disables (depends on score function)
+    entropy_for: int = 5  # consecutive steps below a floor before firing
+
+    def __post_init__(self) -> None:
+        check(self.dead_window >= 1, "dead_window", self.dead_window, "must be >= 1")
+        check(0 <= self.max_dead_frac < 1, "max_dead_frac", self.max_dead_frac, "must be in [0, 1)")
+        check(self.maxvio > 0, "maxvio", self.maxvio, "must be > 0")
+        check(self.maxvio_for >= 1, "maxvio_for", self.maxvio_for, "must be >= 1")
+        check(0 <= self.load_entropy_floor < 1, "load_entropy_floor", self.load_entropy_floor, "must be in [0, 1)")
+        check(self.entropy_for >= 1, "entropy_for", self.entropy_for, "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class StallConfig:
+    enabled: bool = True
+    min_seconds: float = 5.0  # data wait above this AND above factor x median fires
+    factor: float = 10.0
+
+    def __post_init__(self) -> None:
+        check(self.min_seconds > 0, "min_seconds", self.min_seconds, "must be > 0")
+        check(self.factor >= 1, "factor", self.factor, "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class ThroughputConfig:
+    enabled: bool = True
+    window: int = 50
+    drop: float = 0.5  # fire when tokens/s < drop x median of the window ...
+    sustain: int = 10  # ... for this many consecutive steps
+
+    def __post_init__(self) -> None:
+        check(0 < self.drop < 1, "drop", self.drop, "must be in (0, 1)")
+        check(self.sustain >= 1, "sustain", self.sustain, "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyConfig:
+    """What the guard does about verdicts, and when it escalates."""
+
+    skip: bool = True  # skip the optimizer step on a step verdict
+    rollback: bool = True
+    bias_correct: bool = True
+    lr_cooldown: bool = True
+    halt: bool = True
+    snapshot_every: int = 25  # in-memory snapshot cadence (steps)
+    ring_size: int = 4  # snapshots kept in memory
+    rollback_after_skips: int = 3  # this many skips within skip_window -> roll back
+    skip_window: int = 50
+    rollback_skip_batches: int = 20  # data batches skipped after a rollback (PaLM skipped 200-500)
+    halt_after_rollbacks: int = 3  # this many rollbacks within rollback_window -> halt and page
+    rollback_window: int = 500
+    cooldown_factor: float = 0.5  # LR multiplier after a rollback ...
+    cooldown_steps: int = 50  # ... ramping back to 1 over this many steps
+    bias_boost: float = 10.0  # expert-bias correction: rate multiplier for a collapsing layer
+    bias_boost_steps: int = 50  # how long the boost lasts before we check recovery
+    bias_max: float = 1.0  # |bias| cap during correction (keeps the push bounded)
+    aux_boost: float = 10.0  # for models without a bias: aux-loss coefficient multiplier
+
+    def __post_init__(self) -> None:
+        for key in ("snapshot_every", "ring_size", "rollback_after_skips", "skip_window",
+                    "halt_after_rollbacks", "rollback_window", "bias_boost_steps"):  # fmt: skip
+            v = getattr(self, key)
+            check(isinstance(v, int) and v >= 1, key, v, "must be an integer >= 1")
+        check(self.rollback_skip_batches >= 0, "rollback_skip_batches", self.rollback_skip_batches, "must be >= 0")
+        check(0 < self.cooldown_factor <= 1, "cooldown_factor", self.cooldown_factor, "must be in (0, 1]")
+        check(self.bias_boost >= 1, "bias_boost", self.bias_boost, "must be >= 1")
+        check(self.aux_boost >= 1, "aux_boost", self.aux_boost, "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class GuardConfig:
+    enabled: bool = True  # False: telemetry and verdicts only, every action off (--no-guard)
+    nonfinite: bool = True
+    grad_spike: SpikeConfig = field(default_factory=SpikeConfig)
+    loss_spike: SpikeConfig = field(default_factory=lambda: SpikeConfig(z=6.0, rel_min=1.25, mad_floor=0.02))
+    layer_grad_spike: SpikeConfig = field(default_factory=lambda: SpikeConfig(z=8.0, rel_min=3.0))
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
+    stall: StallConfig = field(default_factory=StallConfig)
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    mode: str = "act"  # act | observe (observe == enabled=False)
+
+    def __post_init__(self) -> None:
+        check_choice("mode", self.mode, ("act", "observe"))
+
+    @property
+    def acting(self) -> bool:
+        return self.enabled and self.mode == "act"
+
+
+def load_guard_config(path: str | Path | None = None, table: dict | None = None) -> GuardConfig:
+    """From a TOML file (its `[guard]` table, or the whole file if it has none) or a dict."""
+    if path is not None:
+        data = load_toml(path)
+        table = data.get("guard", data)
+    return from_dict(GuardConfig, table or {}, prefix="guard.")

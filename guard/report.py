@@ -1,0 +1,174 @@
+"""StepReport: everything one training step tells moeguard, host-side, after ONE copy.
+
+Shapes (suffix legend): L = transformer layers, M = MoE layers, E = experts per MoE layer.
+The trainer builds it from a single device->host transfer; the exporter ships it as JSON;
+the collector rebuilds it; detectors, the run store and replay all consume the same object.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from guard import schema
+
+
+@dataclass(kw_only=True, slots=True)
+class StepReport:
+    step: int
+    time: float
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    step_time_s: float = float("nan")
+    data_wait_s: float = float("nan")
+    tokens_per_s: float = float("nan")
+    mfu: float = float("nan")
+    mem_peak_bytes: int = 0
+    action: str = schema.ACT_APPLY
+    rank: int = 0
+    # per layer (L): index into the model's blocks
+    layer_ids_L: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    layer_grad_norm_L: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # per MoE layer (M), aligned with moe_layer_ids_M
+    moe_layer_ids_M: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    router_entropy_M: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    load_entropy_M: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    maxvio_M: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    dead_experts_M: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    bias_norm_M: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    load_ME: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    bias_ME: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+
+    # ---- derived -------------------------------------------------------------------
+    @property
+    def finite(self) -> bool:
+        """False when the loss or any gradient norm is NaN/Inf."""
+        vals = [self.loss, self.grad_norm]
+        return all(math.isfinite(v) for v in vals) and bool(np.isfinite(self.layer_grad_norm_L).all())
+
+    def n_values(self) -> int:
+        """Numeric values carried (for ingest accounting)."""
+        return (
+            11
+            + 2 * self.layer_grad_norm_L.size
+            + 6 * self.router_entropy_M.size
+            + self.load_ME.size
+            + self.bias_ME.size
+        )
+
+    # ---- run-store rows ------------------------------------------------------------
+    def steps_row(self) -> dict[str, Any]:
+        return {c: getattr(self, c) for c in schema.STEPS_COLUMNS}
+
+    def layer_rows(self) -> dict[str, list]:
+        """Columns for the `layers` table: one row per transformer layer.
+
+        Dense layers (no router) carry NaN routing statistics.
+        """
+        n = len(self.layer_ids_L)
+        cols: dict[str, list] = {
+            "step": [self.step] * n,
+            "layer": self.layer_ids_L.astype(int).tolist(),
+            "grad_norm": self.layer_grad_norm_L.astype(float).tolist(),
+        }
+        moe_pos = {int(lid): i for i, lid in enumerate(self.moe_layer_ids_M)}
+        for name, arr, fill in (
+            ("router_entropy", self.router_entropy_M, float("nan")),
+            ("load_entropy", self.load_entropy_M, float("nan")),
+            ("maxvio", self.maxvio_M, float("nan")),
+            ("dead_experts", self.dead_experts_M, 0),
+            ("bias_norm", self.bias_norm_M, float("nan")),
+        ):
+            cols[name] = [
+                (arr[moe_pos[int(lid)]].item() if int(lid) in moe_pos else fill) for lid in self.layer_ids_L
+            ]
+        return cols
+
+    def expert_rows(self) -> dict[str, list]:
+        m, e = self.load_ME.shape if self.load_ME.ndim == 2 else (0, 0)
+        return {
+            "step": [self.step] * (m * e),
+            "layer": np.repeat(self.moe_layer_ids_M.astype(int), e).tolist(),
+            "expert": np.tile(np.arange(e), m).tolist(),
+            "load": self.load_ME.reshape(-1).astype(np.int64).tolist(),
+            "bias": self.bias_ME.reshape(-1).astype(float).tolist() if self.bias_ME.size else [0.0] * (m * e),
+        }
+
+    # ---- wire format ---------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.__slots__:  # type: ignore[attr-defined]
+            v = getattr(self, name)
+            out[name] = v.tolist() if isinstance(v, np.ndarray) else v
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StepReport:
+        """Rebuild from `to_json`; raises ValueError naming the bad field."""
+        kwargs: dict[str, Any] = {}
+        for name in cls.__slots__:  # type: ignore[attr-defined]
+            if name not in d:
+                if name in _REQUIRED:
+                    raise ValueError(f"missing field {name!r}")
+                continue
+            v = d[name]
+            try:
+                if name in _ARRAY_DTYPES:
+                    arr = np.asarray(v if v is not None else [], dtype=_ARRAY_DTYPES[name])
+                    if name.endswith("_ME") and arr.size == 0:
+                        arr = arr.reshape(0, 0)
+                    kwargs[name] = arr
+                elif name in ("step", "tokens", "mem_peak_bytes", "rank"):
+                    if isinstance(v, bool) or not isinstance(v, int):
+                        raise TypeError
+                    kwargs[name] = int(v)
+                elif name == "action":
+                    if v not in schema.ACTIONS:
+                        raise ValueError(f"field 'action': {v!r} not one of {schema.ACTIONS}")
+                    kwargs[name] = v
+                else:
+                    kwargs[name] = float("nan") if v is None else float(v)
+            except (TypeError, ValueError, OverflowError) as e:
+                if isinstance(e, ValueError) and str(e).startswith("field"):
+                    raise
+                raise ValueError(f"field {name!r}: bad value {str(v)[:60]!r}") from None
+        rep = cls(**kwargs)
+        rep.validate()
+        return rep
+
+    def validate(self) -> None:
+        """Check array shapes agree; raises ValueError saying which."""
+        n_l = len(self.layer_ids_L)
+        if self.layer_grad_norm_L.shape != (n_l,):
+            raise ValueError(f"layer_grad_norm_L has shape {self.layer_grad_norm_L.shape}, expected ({n_l},)")
+        m = len(self.moe_layer_ids_M)
+        for name in ("router_entropy_M", "load_entropy_M", "maxvio_M", "dead_experts_M", "bias_norm_M"):
+            arr = getattr(self, name)
+            if arr.shape != (m,):
+                raise ValueError(f"{name} has shape {arr.shape}, expected ({m},)")
+        if m and (self.load_ME.ndim != 2 or self.load_ME.shape[0] != m):
+            raise ValueError(f"load_ME has shape {self.load_ME.shape}, expected ({m}, E)")
+        if self.bias_ME.size and self.bias_ME.shape != self.load_ME.shape:
+            raise ValueError(f"bias_ME has shape {self.bias_ME.shape}, expected {self.load_ME.shape}")
+        if self.step < 0:
+            raise ValueError(f"step must be >= 0, got {self.step}")
+
+
+_REQUIRED = ("step", "time", "loss", "grad_norm", "lr", "tokens")
+_ARRAY_DTYPES = {
+    "layer_ids_L": np.int32,
+    "layer_grad_norm_L": np.float64,
+    "moe_layer_ids_M": np.int32,
+    "router_entropy_M": np.float64,
+    "load_entropy_M": np.float64,
+    "maxvio_M": np.float64,
+    "dead_experts_M": np.int32,
+    "bias_norm_M": np.float64,
+    "load_ME": np.int64,
+    "bias_ME": np.float64,
+}

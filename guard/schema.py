@@ -1,0 +1,226 @@
+"""Every metric, column, event and action name in moeguard, defined once.
+
+Alert rules, dashboards, the collector, the app and the tests import these names (or are
+checked against them by tests) so a rename cannot silently break a panel or an alert.
+"""
+
+from __future__ import annotations
+
+# Bumped when a run-store table changes shape; readers refuse newer, migrate older.
+SCHEMA_VERSION = 1
+
+# ---------------------------------------------------------------------------------------
+# Run store tables: runs/<run_id>/<table>/part-*.parquet, plus meta.json.
+# Column order here is the column order on disk.
+# ---------------------------------------------------------------------------------------
+TABLE_STEPS = "steps"
+TABLE_LAYERS = "layers"
+TABLE_EXPERTS = "experts"
+TABLE_EVENTS = "events"
+TABLE_RANKS = "ranks"
+TABLES = (TABLE_STEPS, TABLE_LAYERS, TABLE_EXPERTS, TABLE_EVENTS, TABLE_RANKS)
+
+# name -> polars dtype name (kept as strings so this module imports without polars)
+STEPS_COLUMNS: dict[str, str] = {
+    "step": "Int64",
+    "time": "Float64",  # unix seconds when the step finished
+    "loss": "Float64",
+    "grad_norm": "Float64",  # total L2 norm before clipping
+    "lr": "Float64",
+    "tokens": "Int64",  # tokens consumed by this step (all ranks)
+    "step_time_s": "Float64",
+    "data_wait_s": "Float64",
+    "tokens_per_s": "Float64",
+    "mfu": "Float64",  # ratio 0..1, NaN when the peak is unknown
+    "mem_peak_bytes": "Int64",
+    "action": "String",  # the guard's decision for this step (ACTIONS)
+}
+LAYERS_COLUMNS: dict[str, str] = {
+    "step": "Int64",
+    "layer": "Int32",
+    "grad_norm": "Float64",
+    "router_entropy": "Float64",  # mean per-token entropy of the router distribution, nats
+    "load_entropy": "Float64",  # entropy of the load histogram / log(E), 0..1
+    "maxvio": "Float64",  # (max load - mean load) / mean load
+    "dead_experts": "Int32",  # experts that got no token over the dead-expert window
+    "bias_norm": "Float64",  # L2 norm of the expert-selection bias
+}
+EXPERTS_COLUMNS: dict[str, str] = {
+    "step": "Int64",
+    "layer": "Int32",
+    "expert": "Int32",
+    "load": "Int64",  # tokens routed to this expert this step (all ranks, all micro-batches)
+    "bias": "Float64",
+}
+EVENTS_COLUMNS: dict[str, str] = {
+    "step": "Int64",
+    "time": "Float64",
+    "kind": "String",  # EVENT_KINDS
+    "detector": "String",  # DETECTORS, or "" for events that come from no detector
+    "value": "Float64",  # the observed value that triggered it
+    "threshold": "Float64",  # the threshold it crossed
+    "action": "String",  # ACTIONS
+    "detail": "String",  # JSON evidence (layer, baseline, z-score, ...)
+}
+# Per-rank timing, written every `straggler_every` steps by rank 0 (multi-rank runs).
+RANKS_COLUMNS: dict[str, str] = {
+    "step": "Int64",
+    "rank": "Int32",
+    "step_time_s": "Float64",
+    "data_wait_s": "Float64",
+    "straggler_score": "Float64",
+    "tokens": "Int64",
+}
+TABLE_COLUMNS: dict[str, dict[str, str]] = {
+    TABLE_STEPS: STEPS_COLUMNS,
+    TABLE_LAYERS: LAYERS_COLUMNS,
+    TABLE_EXPERTS: EXPERTS_COLUMNS,
+    TABLE_EVENTS: EVENTS_COLUMNS,
+    TABLE_RANKS: RANKS_COLUMNS,
+}
+
+META_FILE = "meta.json"
+CHECKPOINT_DIR = "checkpoints"
+PROFILE_DIR = "profile"
+
+# Run status, kept in meta.json["status"].
+STATUS_RUNNING = "running"
+STATUS_FINISHED = "finished"
+STATUS_HALTED = "halted"
+STATUS_CRASHED = "crashed"
+STATUS_STALE = "stale"  # derived by readers: "running" but no update for a while
+RUN_STATUSES = (STATUS_RUNNING, STATUS_FINISHED, STATUS_HALTED, STATUS_CRASHED, STATUS_STALE)
+
+# ---------------------------------------------------------------------------------------
+# Guard vocabulary
+# ---------------------------------------------------------------------------------------
+# Detectors (Verdict.detector)
+DET_NONFINITE = "nonfinite"
+DET_GRAD_SPIKE = "grad_norm_spike"
+DET_LOSS_SPIKE = "loss_spike"
+DET_LAYER_GRAD_SPIKE = "layer_grad_norm_spike"
+DET_DEAD_EXPERTS = "dead_experts"
+DET_MAXVIO = "maxvio"
+DET_LOAD_ENTROPY = "load_entropy"
+DET_ROUTER_ENTROPY = "router_entropy"
+DET_STALL = "data_stall"
+DET_THROUGHPUT = "throughput_drop"
+DETECTORS = (
+    DET_NONFINITE,
+    DET_GRAD_SPIKE,
+    DET_LOSS_SPIKE,
+    DET_LAYER_GRAD_SPIKE,
+    DET_DEAD_EXPERTS,
+    DET_MAXVIO,
+    DET_LOAD_ENTROPY,
+    DET_ROUTER_ENTROPY,
+    DET_STALL,
+    DET_THROUGHPUT,
+)
+# Detectors whose verdict means "this update is bad, do not apply it".
+STEP_DETECTORS = (DET_NONFINITE, DET_GRAD_SPIKE, DET_LOSS_SPIKE, DET_LAYER_GRAD_SPIKE)
+# Detectors that watch a single MoE layer's routing.
+COLLAPSE_DETECTORS = (DET_DEAD_EXPERTS, DET_MAXVIO, DET_LOAD_ENTROPY, DET_ROUTER_ENTROPY)
+
+# Actions (steps.action, events.action)
+ACT_APPLY = "apply"
+ACT_SKIP = "skip"
+ACT_ROLLBACK = "rollback"
+ACT_BIAS_CORRECT = "bias_correct"
+ACT_LR_COOLDOWN = "lr_cooldown"
+ACT_HALT = "halt"
+ACT_NONE = "none"  # observe only (guard off, or a verdict that needs no action)
+ACTIONS = (ACT_APPLY, ACT_SKIP, ACT_ROLLBACK, ACT_BIAS_CORRECT, ACT_LR_COOLDOWN, ACT_HALT, ACT_NONE)
+
+# Event kinds (events.kind)
+EV_VERDICT = "verdict"  # a detector fired
+EV_ACTION = "action"  # the policy acted
+EV_RECOVERED = "recovered"  # a corrected layer is healthy again
+EV_INJECT = "inject"  # a fault was injected on purpose (drills)
+EV_CHECKPOINT = "checkpoint"
+EV_RESUME = "resume"
+EV_HALT = "halt"  # critical: the run stopped itself; pages a human
+EV_OPERATOR = "operator"  # a command from the collector (operator) was applied
+EV_STRAGGLER = "straggler"
+EVENT_KINDS = (
+    EV_VERDICT,
+    EV_ACTION,
+    EV_RECOVERED,
+    EV_INJECT,
+    EV_CHECKPOINT,
+    EV_RESUME,
+    EV_HALT,
+    EV_OPERATOR,
+    EV_STRAGGLER,
+)
+
+# ---------------------------------------------------------------------------------------
+# Prometheus metrics (collector /metrics). Base units, counters end in _total.
+# Labels: run (run_id), layer where per layer, rank where per rank.
+# ---------------------------------------------------------------------------------------
+M_STEP = "moeguard_step"
+M_LOSS = "moeguard_loss"
+M_GRAD_NORM = "moeguard_grad_norm"
+M_LR = "moeguard_learning_rate"
+M_TOKENS = "moeguard_tokens_total"
+M_TOKENS_PER_S = "moeguard_tokens_per_second"
+M_MFU = "moeguard_mfu_ratio"
+M_STEP_TIME = "moeguard_step_duration_seconds"
+M_DATA_WAIT = "moeguard_data_wait_seconds"
+M_MEM_PEAK = "moeguard_memory_peak_bytes"
+M_LAYER_GRAD_NORM = "moeguard_layer_grad_norm"
+M_LAYER_MAXVIO = "moeguard_layer_maxvio_ratio"
+M_LAYER_DEAD = "moeguard_layer_dead_experts"
+M_LAYER_LOAD_ENTROPY = "moeguard_layer_load_entropy_ratio"
+M_LAYER_ROUTER_ENTROPY = "moeguard_layer_router_entropy_nats"
+M_LAYER_BIAS_NORM = "moeguard_layer_bias_norm"
+M_EXPERT_LOAD_SHARE = "moeguard_expert_load_share"  # histogram per (run, layer) of expert shares
+M_VERDICTS = "moeguard_guard_verdicts_total"  # labels: run, detector
+M_ACTIONS = "moeguard_guard_actions_total"  # labels: run, action
+M_NONFINITE = "moeguard_nonfinite_steps_total"
+M_HALTED = "moeguard_run_halted"  # 1 when the run halted itself
+M_LAST_SEEN = "moeguard_last_report_timestamp_seconds"  # labels: run, rank
+M_HEARTBEAT_AGE = "moeguard_heartbeat_age_seconds"  # labels: run, rank
+M_HEARTBEAT_TIMEOUT = "moeguard_heartbeat_timeout_seconds"  # labels: run, rank
+M_HEARTBEAT_LOST = "moeguard_heartbeat_lost"  # labels: run, rank; 1 when age > timeout
+M_STRAGGLER = "moeguard_straggler_score"  # labels: run, rank
+M_GOODPUT = "moeguard_goodput_ratio"
+M_MFU_BASELINE = "moeguard_mfu_baseline_ratio"  # median MFU of the run's own first window
+M_TPS_BASELINE = "moeguard_tokens_per_second_baseline"
+M_INGEST_BATCHES = "moeguard_ingest_batches_total"  # labels: outcome
+M_INGEST_VALUES = "moeguard_ingest_values_total"
+M_RUN_INFO = "moeguard_run_info"  # labels: run, torch, device, attention, experts, compile
+
+METRICS = (
+    M_STEP, M_LOSS, M_GRAD_NORM, M_LR, M_TOKENS, M_TOKENS_PER_S, M_MFU, M_STEP_TIME, M_DATA_WAIT,
+    M_MEM_PEAK, M_LAYER_GRAD_NORM, M_LAYER_MAXVIO, M_LAYER_DEAD, M_LAYER_LOAD_ENTROPY,
+    M_LAYER_ROUTER_ENTROPY, M_LAYER_BIAS_NORM, M_EXPERT_LOAD_SHARE, M_VERDICTS, M_ACTIONS,
+    M_NONFINITE, M_HALTED, M_LAST_SEEN, M_HEARTBEAT_AGE, M_HEARTBEAT_TIMEOUT, M_HEARTBEAT_LOST,
+    M_STRAGGLER, M_GOODPUT, M_MFU_BASELINE, M_TPS_BASELINE, M_INGEST_BATCHES, M_INGEST_VALUES,
+    M_RUN_INFO,
+)  # fmt: skip
+
+# Alert names (alerts/moeguard.rules.yml); each has playbooks/<Alert>.md.
+ALERTS = (
+    "GradNormSpike",
+    "LossSpike",
+    "NonFiniteLoss",
+    "ExpertCollapse",
+    "DeadExperts",
+    "RouterEntropyLow",
+    "GuardRollbackStorm",
+    "RunHalted",
+    "MFUDrop",
+    "ThroughputDrop",
+    "DataLoaderStall",
+    "HeartbeatLost",
+    "Straggler",
+    "Watchdog",
+)
+
+# Fault-injection kinds (moeguard train --inject KIND@STEP[:ARG]); canary adds slow:PCT.
+INJECT_KINDS = ("gradspike", "lrspike", "nan", "badbatch", "collapse", "stall", "crash")
+
+# Environment variables
+ENV_TOKEN = "MOEGUARD_TOKEN"
+ENV_COLLECTOR = "MOEGUARD_COLLECTOR"  # URL of the collector for the trainer's exporter
