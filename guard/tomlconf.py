@@ -50,7 +50,7 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     if unknown:
         where = f"[{prefix.rstrip('.')}]" if prefix else "the top level"
         raise ConfigError(
-            f"unknown key {prefix}{unknown[0]!r} in {where}; allowed keys: {', '.join(sorted(fields))}"
+            f"unknown key '{prefix}{unknown[0]}' in {where}; allowed keys: {', '.join(sorted(fields))}"
         )
     kwargs: dict[str, Any] = {}
     for name, value in data.items():

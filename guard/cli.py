@@ -1,0 +1,61 @@
+"""`moeguard <command>`: a thin dispatcher.
+
+Each command lives in its own module exposing `configure(parser)` and `run(args) -> int`.
+Only the chosen command's module is imported, so `moeguard pager` starts without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from guard.tomlconf import ConfigError
+
+# name -> (module, one-line help). Order is the order --help lists them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("trainer.cli", "train an MoE model with the stability guard on (telemetry to the run store)"),
+    "demo": ("trainer.demo", "fault drill: same seed clean / faulty-unguarded / faulty-guarded, side by side"),
+    "replay": ("guard.replay", "run the detectors and policy over a recorded run and print what they would do"),
+    "collector": ("guard.collector", "HTTP service: ingest telemetry, server-side detectors, /metrics"),
+    "pager": ("guard.pager", "receive Alertmanager webhooks and guard events; page PagerDuty/Slack/webhooks"),
+    "app": ("dashboards.launch", "start the Streamlit run-health app over a run store"),
+    "canary": ("guard.canary", "MFU/throughput regression canary against a recorded history (CI gate)"),
+    "grafana": ("dashboards.grafana", "push moeguard's Grafana dashboards with grafana-client"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moeguard",
+        description="moeguard: watch every step of MoE training, fix what can be fixed in-job, "
+        "page a human for the rest, and chart run health.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            importlib.import_module(module).configure(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command is not None and command not in COMMANDS:
+        print(f"moeguard: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except ConfigError as e:
+        print(f"moeguard {args.command}: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"moeguard {args.command}: interrupted", file=sys.stderr)
+        return 130
