@@ -27,6 +27,8 @@ class SpikeConfig:
     rel_min: float = 1.5  # never flag a value within 1.5x of the median, however small the MAD
     abs_max: float | None = None  # always flag above this (no warm-up), e.g. 1e4 for grad norms
     mad_floor: float = 0.02  # MAD floor on the log scale (2%): very steady series stay quiet
+    level_window: int = 16  # the median ("level") is over this many latest accepted values;
+    # the MAD is over `window` residuals against that level, so a fast trend does not widen it
 
     def __post_init__(self) -> None:
         check(self.window >= 8, "window", self.window, "must be >= 8")
@@ -35,6 +37,7 @@ class SpikeConfig:
         check(self.rel_min >= 1.0, "rel_min", self.rel_min, "must be >= 1.0")
         check(self.abs_max is None or self.abs_max > 0, "abs_max", self.abs_max, "must be > 0")
         check(self.mad_floor >= 0, "mad_floor", self.mad_floor, "must be >= 0")
+        check(1 <= self.level_window <= self.window, "level_window", self.level_window, "must be in 1..window")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,6 +55,7 @@ class CollapseConfig:
     entropy_for: int = 5  # consecutive steps below a floor before firing
 
     def __post_init__(self) -> None:
+        check(self.warmup >= 0, "warmup", self.warmup, "must be >= 0")
         check(self.dead_window >= 1, "dead_window", self.dead_window, "must be >= 1")
         check(0 <= self.max_dead_frac < 1, "max_dead_frac", self.max_dead_frac, "must be in [0, 1)")
         check(self.maxvio > 0, "maxvio", self.maxvio, "must be > 0")
@@ -65,10 +69,14 @@ class StallConfig:
     enabled: bool = True
     min_seconds: float = 5.0  # data wait above this AND above factor x median fires
     factor: float = 10.0
+    window: int = 100  # recent non-stalled data waits the running median is taken over
+    warmup: int = 3  # first steps wait for worker start-up and compilation: never a stall
 
     def __post_init__(self) -> None:
         check(self.min_seconds > 0, "min_seconds", self.min_seconds, "must be > 0")
         check(self.factor >= 1, "factor", self.factor, "must be >= 1")
+        check(self.window >= 1, "window", self.window, "must be >= 1")
+        check(self.warmup >= 0, "warmup", self.warmup, "must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -77,10 +85,13 @@ class ThroughputConfig:
     window: int = 50
     drop: float = 0.5  # fire when tokens/s < drop x median of the window ...
     sustain: int = 10  # ... for this many consecutive steps
+    warmup: int = 10  # baseline values needed before a drop can count (compile steps are slow)
 
     def __post_init__(self) -> None:
+        check(self.window >= 1, "window", self.window, "must be >= 1")
         check(0 < self.drop < 1, "drop", self.drop, "must be in (0, 1)")
         check(self.sustain >= 1, "sustain", self.sustain, "must be >= 1")
+        check(1 <= self.warmup <= self.window, "warmup", self.warmup, "must be in 1..window")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,7 +112,7 @@ class PolicyConfig:
     rollback_window: int = 500
     cooldown_factor: float = 0.5  # LR multiplier after a rollback ...
     cooldown_steps: int = 50  # ... ramping back to 1 over this many steps
-    bias_boost: float = 10.0  # expert-bias correction: rate multiplier for a collapsing layer
+    bias_boost: float = 50.0  # expert-bias correction: rate multiplier for a collapsing layer
     bias_boost_steps: int = 50  # how long the boost lasts before we check recovery
     bias_max: float = 1.0  # |bias| cap during correction (keeps the push bounded)
     aux_boost: float = 10.0  # for models without a bias: aux-loss coefficient multiplier

@@ -105,6 +105,7 @@ DET_LOAD_ENTROPY = "load_entropy"
 DET_ROUTER_ENTROPY = "router_entropy"
 DET_STALL = "data_stall"
 DET_THROUGHPUT = "throughput_drop"
+DET_LR = "lr_spike"  # the LR about to be applied exceeds the schedule's bound
 DETECTORS = (
     DET_NONFINITE,
     DET_GRAD_SPIKE,
@@ -116,9 +117,10 @@ DETECTORS = (
     DET_ROUTER_ENTROPY,
     DET_STALL,
     DET_THROUGHPUT,
+    DET_LR,
 )
 # Detectors whose verdict means "this update is bad, do not apply it".
-STEP_DETECTORS = (DET_NONFINITE, DET_GRAD_SPIKE, DET_LOSS_SPIKE, DET_LAYER_GRAD_SPIKE)
+STEP_DETECTORS = (DET_NONFINITE, DET_GRAD_SPIKE, DET_LOSS_SPIKE, DET_LAYER_GRAD_SPIKE, DET_LR)
 # Detectors that watch a single MoE layer's routing.
 COLLAPSE_DETECTORS = (DET_DEAD_EXPERTS, DET_MAXVIO, DET_LOAD_ENTROPY, DET_ROUTER_ENTROPY)
 

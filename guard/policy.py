@@ -1,0 +1,215 @@
+"""Policy: turn fired verdicts into one Decision per step, with escalation.
+
+Pure logic (no torch, no I/O), so the trainer, the library Guard and `moeguard replay` share it.
+
+Escalation ladder
+    step verdict (spike, NaN)          -> skip the update
+    rollback_after_skips skips         -> roll back to the last snapshot before the incident,
+      within skip_window steps            skip a data window, cool the LR down
+    collapse verdict on a layer        -> boost that layer's expert-bias correction for
+                                          bias_boost_steps, then check it recovered;
+                                          not recovered -> roll back
+    halt_after_rollbacks rollbacks     -> halt: checkpoint, critical event, page a human
+      within rollback_window steps
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from guard import schema
+from guard.config import GuardConfig
+from guard.events import Event, Verdict
+
+
+@dataclass(kw_only=True, slots=True)
+class Decision:
+    step: int
+    action: str = schema.ACT_APPLY  # apply | skip | rollback | halt
+    lr_scale: float = 1.0  # multiply this step's LR (cool-down after a rollback)
+    bias_boost: dict[int, float] = field(default_factory=dict)  # layer -> bias-rate multiplier
+    aux_boost: dict[int, float] = field(default_factory=dict)  # layer -> aux-coef multiplier
+    rollback_before: int | None = None  # roll back to the newest snapshot taken before this step
+    skip_batches: int = 0  # data batches to skip after a rollback
+    events: list[Event] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+
+    @property
+    def applies_update(self) -> bool:
+        return self.action == schema.ACT_APPLY
+
+    @property
+    def halt(self) -> bool:
+        return self.action == schema.ACT_HALT
+
+
+@dataclass(slots=True)
+class _Correction:
+    layer: int
+    started: int
+    until: int
+    detector: str
+
+
+class Policy:
+    def __init__(self, cfg: GuardConfig, *, has_bias: bool = True) -> None:
+        self.cfg = cfg
+        self.p = cfg.policy
+        self.has_bias = has_bias  # models without expert bias get an aux-loss boost instead
+        self.skips: list[int] = []
+        self.rollbacks: list[int] = []
+        self.corrections: dict[int, _Correction] = {}
+        self.incident_start: int | None = None  # first step verdict of the current incident
+        self.cooldown_from: int | None = None
+        self.last_verdict_step = -(10**9)
+        # Collapse verdicts are level-triggered (every step while the condition holds); record an
+        # event only when a (layer, detector) condition opens, not on every step it persists.
+        self.open_conditions: set[tuple[int, str]] = set()
+
+    # ---- the decision --------------------------------------------------------------
+    def decide(self, step: int, verdicts: list[Verdict], healthy: Callable[[int], bool] | None = None) -> Decision:
+        """One Decision for this step. `healthy(layer)` says whether a layer's routing is fine now."""
+        d = Decision(step=step, verdicts=list(verdicts))
+        acting = self.cfg.acting
+        step_v = [v for v in verdicts if v.detector in schema.STEP_DETECTORS]
+        collapse_v = [v for v in verdicts if v.detector in schema.COLLAPSE_DETECTORS]
+        other_v = [v for v in verdicts if v not in step_v and v not in collapse_v]
+        if verdicts:
+            self.last_verdict_step = step
+
+        if step_v and acting:
+            d.action = self._on_step_verdict(step, d)
+        if acting:
+            self._on_collapse(step, collapse_v, d, healthy)
+        d.lr_scale = self._lr_scale(step) if acting else 1.0
+
+        observed = schema.ACT_NONE if not acting else None
+        for v in step_v:
+            d.events.insert(0, Event.from_verdict(step, v, observed or d.action))
+        now_open = {(v.layer, v.detector) for v in collapse_v if v.layer is not None}
+        new_collapse = [v for v in collapse_v if (v.layer, v.detector) not in self.open_conditions]
+        self.open_conditions = now_open
+        for v in new_collapse:
+            act = observed or (schema.ACT_BIAS_CORRECT if v.layer in d.bias_boost or v.layer in d.aux_boost
+                               else schema.ACT_NONE)  # fmt: skip
+            d.events.append(Event.from_verdict(step, v, act))
+        for v in other_v:
+            d.events.append(Event.from_verdict(step, v, schema.ACT_NONE))
+        if not step_v and self.incident_start is not None and step - self.last_verdict_step > self.p.skip_window:
+            self.incident_start = None
+        return d
+
+    def _on_step_verdict(self, step: int, d: Decision) -> str:
+        p = self.p
+        if self.incident_start is None:
+            self.incident_start = step
+        self.skips = [s for s in self.skips if s > step - p.skip_window]
+        action = schema.ACT_SKIP if p.skip else schema.ACT_APPLY
+        if p.skip:
+            self.skips.append(step)
+        if p.rollback and len(self.skips) >= p.rollback_after_skips:
+            action = self._rollback(step, d, reason=f"{len(self.skips)} skips within {p.skip_window} steps")
+        return action
+
+    def _rollback(self, step: int, d: Decision, reason: str) -> str:
+        p = self.p
+        self.rollbacks = [s for s in self.rollbacks if s > step - p.rollback_window]
+        if p.halt and len(self.rollbacks) + 1 > p.halt_after_rollbacks:
+            d.events.append(Event(step=step, kind=schema.EV_HALT, action=schema.ACT_HALT,
+                                  value=len(self.rollbacks) + 1, threshold=p.halt_after_rollbacks,
+                                  detail={"severity": "critical", "reason":
+                                          f"{len(self.rollbacks) + 1} rollbacks within {p.rollback_window} steps "
+                                          f"({reason})", "rollbacks": self.rollbacks[:]}))  # fmt: skip
+            return schema.ACT_HALT
+        self.rollbacks.append(step)
+        before = self.incident_start if self.incident_start is not None else step
+        d.rollback_before = before
+        d.skip_batches = p.rollback_skip_batches
+        d.events.append(Event(step=step, kind=schema.EV_ACTION, action=schema.ACT_ROLLBACK,
+                              value=len(self.rollbacks), threshold=p.halt_after_rollbacks,
+                              detail={"reason": reason, "snapshot_before": before,
+                                      "skip_batches": p.rollback_skip_batches}))  # fmt: skip
+        if p.lr_cooldown:
+            self.cooldown_from = step
+            d.events.append(Event(step=step, kind=schema.EV_ACTION, action=schema.ACT_LR_COOLDOWN,
+                                  value=p.cooldown_factor, detail={"steps": p.cooldown_steps}))  # fmt: skip
+        self.skips.clear()
+        self.incident_start = None
+        return schema.ACT_ROLLBACK
+
+    def _on_collapse(self, step: int, verdicts: list[Verdict], d: Decision,
+                     healthy: Callable[[int], bool] | None) -> None:  # fmt: skip
+        p = self.p
+        # 1) corrections whose window ended: recovered, or escalate to a rollback
+        for layer, c in list(self.corrections.items()):
+            if step < c.until:
+                continue
+            del self.corrections[layer]
+            if healthy is None or healthy(layer):
+                d.events.append(Event(step=step, kind=schema.EV_RECOVERED, detector=c.detector,
+                                      action=schema.ACT_BIAS_CORRECT,
+                                      detail={"layer": layer, "corrected_for": step - c.started}))  # fmt: skip
+            elif p.rollback and d.action == schema.ACT_APPLY:
+                self.incident_start = c.started
+                d.action = self._rollback(step, d, reason=f"layer {layer} did not recover from {c.detector}")
+        # 2) new collapse verdicts start a bounded correction on that layer
+        if not p.bias_correct:
+            return
+        for v in verdicts:
+            if v.layer is None or v.layer in self.corrections:
+                if v.layer in self.corrections:
+                    self._boost(d, v.layer)
+                continue
+            self.corrections[v.layer] = _Correction(v.layer, step, step + p.bias_boost_steps, v.detector)
+            self._boost(d, v.layer)
+            d.events.append(Event(step=step, kind=schema.EV_ACTION, action=schema.ACT_BIAS_CORRECT,
+                                  detector=v.detector, value=v.value, threshold=v.threshold,
+                                  detail={"layer": v.layer, "until": step + p.bias_boost_steps,
+                                          "mode": "bias" if self.has_bias else "aux_loss",
+                                          "boost": p.bias_boost if self.has_bias else p.aux_boost}))  # fmt: skip
+        for layer in self.corrections:
+            self._boost(d, layer)
+
+    def _boost(self, d: Decision, layer: int) -> None:
+        if self.has_bias:
+            d.bias_boost[layer] = self.p.bias_boost
+        else:
+            d.aux_boost[layer] = self.p.aux_boost
+
+    def _lr_scale(self, step: int) -> float:
+        if self.cooldown_from is None:
+            return 1.0
+        k = step - self.cooldown_from
+        if k >= self.p.cooldown_steps:
+            self.cooldown_from = None
+            return 1.0
+        f = self.p.cooldown_factor
+        return f + (1.0 - f) * k / self.p.cooldown_steps
+
+    def calm(self, step: int) -> bool:
+        """No incident under way: a good moment for a snapshot."""
+        return (self.incident_start is None and not self.corrections
+                and step - self.last_verdict_step > 2)  # fmt: skip
+
+    # ---- state ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "skips": self.skips[:],
+            "rollbacks": self.rollbacks[:],
+            "corrections": {str(k): [c.layer, c.started, c.until, c.detector] for k, c in self.corrections.items()},
+            "incident_start": self.incident_start,
+            "cooldown_from": self.cooldown_from,
+            "last_verdict_step": self.last_verdict_step,
+            "open_conditions": sorted([list(c) for c in self.open_conditions]),
+        }
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        self.skips = list(s["skips"])
+        self.rollbacks = list(s["rollbacks"])
+        self.corrections = {int(k): _Correction(*v) for k, v in s["corrections"].items()}
+        self.incident_start = s["incident_start"]
+        self.cooldown_from = s["cooldown_from"]
+        self.last_verdict_step = s["last_verdict_step"]
+        self.open_conditions = {(int(a), str(b)) for a, b in s.get("open_conditions", [])}

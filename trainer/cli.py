@@ -1,0 +1,110 @@
+"""`moeguard train`: train an MoE model with the stability guard on.
+
+    moeguard train --config configs/tiny.toml --steps 600 --run-dir runs/tiny
+    moeguard train --config configs/tiny.toml --inject gradspike@200:50 --inject nan@300
+    torchrun --nproc_per_node 2 -m guard train --config configs/tiny.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from guard import schema
+from guard.config import load_guard_config
+from guard.tomlconf import ConfigError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = __doc__.split("\n", 2)[2]
+    p.add_argument("--config", type=Path, default=None,
+                   help=f"training config TOML (default: {DEFAULT_CONFIG.name}, the CPU demo config)")
+    p.add_argument("--steps", type=int, help="override train.steps")
+    p.add_argument("--seed", type=int, help="override train.seed")
+    p.add_argument("--run-dir", type=Path, help="run store folder (default: runs/<name>-<timestamp>)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    p.add_argument("--no-guard", action="store_true",
+                   help="keep telemetry and verdicts, turn every guard action off")
+    p.add_argument("--guard", type=Path, metavar="FILE.toml", help="guard settings ([guard] table) to use instead")
+    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:ARG]",
+                   help=f"inject a fault for a drill (repeatable); kinds: {', '.join(schema.INJECT_KINDS)}")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config key, e.g. --set model.experts_kernel=bmm (TOML value syntax)")
+    p.add_argument("--collector", help=f"collector URL to stream telemetry to (default: ${schema.ENV_COLLECTOR})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    import tomllib
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. model.n_experts=16")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = raw  # bare strings: --set model.attention=math
+    return out
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    from trainer.config import load_config
+
+    overrides = parse_overrides(args.set)
+    if args.steps is not None:
+        overrides["train.steps"] = args.steps
+    if args.seed is not None:
+        overrides["train.seed"] = args.seed
+    cfg = load_config(args.config or DEFAULT_CONFIG, overrides)
+    if args.guard is not None:
+        cfg.guard = load_guard_config(args.guard)
+    if args.no_guard:
+        cfg.guard.mode = "observe"
+    return cfg
+
+
+def make_exporter(cfg: Any, run_id: str, run_dir: Path, rank: int) -> Any:
+    url = cfg.telemetry.collector or os.environ.get(schema.ENV_COLLECTOR, "")
+    if not url:
+        return None
+    from guard.exporter import Exporter
+
+    return Exporter(url, os.environ.get(schema.ENV_TOKEN, ""), run_id, rank, spool_dir=run_dir / "spool")
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainer.inject import parse_injection
+    from trainer.loop import Trainer
+
+    cfg = build_config(args)
+    if args.collector:
+        cfg.telemetry.collector = args.collector
+    injections = [parse_injection(s) for s in args.inject]
+    run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.resume and not run_dir.is_dir():
+        raise ConfigError(f"--resume: run folder {str(run_dir)!r} does not exist")
+    rank = int(os.environ.get("RANK", "0"))
+    exporter = make_exporter(cfg, run_dir.name, run_dir, rank)
+    trainer = Trainer(cfg, run_dir, resume=args.resume, injections=injections,
+                      progress=not args.no_progress, exporter=exporter)  # fmt: skip
+    code = trainer.run()
+    if trainer.dist.main:
+        summarize(trainer, run_dir)
+    return code
+
+
+def summarize(trainer: Any, run_dir: Path) -> None:
+    c = trainer.counts
+    acts = ", ".join(f"{k} {v}" for k, v in c.items() if v and k not in (schema.ACT_APPLY, schema.ACT_NONE))
+    gp = trainer.goodput()
+    print(f"run {run_dir.name}: {trainer.step} steps, {c.get(schema.ACT_APPLY, 0)} updates applied; "
+          f"guard actions: {acts or 'none'}; goodput {gp['goodput']:.1%}")  # fmt: skip
+    print(f"run store: {run_dir}  (open it with: moeguard app --runs {run_dir.parent})")

@@ -1,0 +1,180 @@
+"""Token data: the embedded default corpus (this interpreter's standard library source, as bytes)
+and pre-tokenized shards (.bin / .npy, uint16 / uint32) for real runs.
+
+Order is deterministic and resumable: the token stream is cut into non-overlapping windows of
+seq_len+1 tokens, windows are visited in a seeded permutation per epoch, and rank r of W takes
+every W-th window. `state_dict()` is just (epoch, cursor), so a resumed run reads exactly the
+batches an uninterrupted run would have read, and a rollback can skip a data window by moving
+the cursor forward (PaLM-style).
+"""
+
+from __future__ import annotations
+
+import glob
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from guard.tomlconf import ConfigError, check, check_choice
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    source: str = "stdlib"  # stdlib | shards
+    path: str = ""  # shards: a glob, a directory or a file (.bin/.npy)
+    dtype: str = "uint16"  # shards stored as raw .bin: uint16 | uint32 (.npy carries its own)
+    seq_len: int = 128
+    batch_size: int = 8  # sequences per micro-batch per rank
+    max_bytes: int = 16_000_000  # stdlib corpus: read files in sorted order up to this many bytes
+    vocab_size: int | None = None  # shards: check every token is below this (None: the model's)
+
+    def __post_init__(self) -> None:
+        check_choice("data.source", self.source, ("stdlib", "shards"))
+        check_choice("data.dtype", self.dtype, ("uint16", "uint32"))
+        check(self.seq_len >= 2, "data.seq_len", self.seq_len, "must be >= 2")
+        check(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be >= 1")
+        check(self.max_bytes >= 4096, "data.max_bytes", self.max_bytes, "must be >= 4096")
+        if self.source == "shards":
+            check(bool(self.path), "data.path", self.path, "must name token shards when data.source = 'shards'")
+
+
+def stdlib_corpus(max_bytes: int) -> np.ndarray:
+    """Bytes of the running interpreter's stdlib .py files, sorted by path (deterministic)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise ConfigError(f"the standard library source was not found at {root}")
+    chunks: list[bytes] = []
+    total = 0
+    for p in sorted(root.rglob("*.py")):
+        if "site-packages" in p.parts:
+            continue
+        try:
+            b = p.read_bytes()
+        except OSError:
+            continue
+        chunks.append(b)
+        total += len(b)
+        if total >= max_bytes:
+            break
+    if total == 0:
+        raise ConfigError(f"no .py files found under the standard library at {root}")
+    return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+
+
+def shard_files(path: str) -> list[Path]:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted([*p.glob("*.bin"), *p.glob("*.npy")])
+    elif any(c in path for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(path))
+    else:
+        files = [p] if p.exists() else []
+    files = [f for f in files if f.suffix in (".bin", ".npy")]
+    if not files:
+        raise ConfigError(f"data.path = {path!r}: no .bin or .npy token shards found there")
+    return files
+
+
+def load_shard(f: Path, dtype: str) -> np.ndarray:
+    arr = np.load(f, mmap_mode="r") if f.suffix == ".npy" else np.memmap(f, dtype=dtype, mode="r")
+    if arr.ndim != 1:
+        raise ConfigError(f"token shard {f} has shape {arr.shape}; expected a 1-D array of token ids")
+    if arr.dtype not in (np.uint16, np.uint32, np.int32, np.int64, np.uint8):
+        raise ConfigError(f"token shard {f} has dtype {arr.dtype}; expected uint16 or uint32")
+    return arr
+
+
+class TokenWindows:
+    """A token stream cut into windows of seq_len+1 tokens across one or more arrays."""
+
+    def __init__(self, arrays: list[np.ndarray], seq_len: int, names: list[str]) -> None:
+        self.arrays = arrays
+        self.win = seq_len + 1
+        counts = [len(a) // self.win for a in arrays]
+        self.offsets = np.cumsum([0, *counts])
+        if self.offsets[-1] == 0:
+            sizes = ", ".join(f"{n}: {len(a)} tokens" for n, a in zip(names, arrays, strict=True))
+            raise ConfigError(f"corpus too small for seq_len {seq_len}: {sizes}")
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def get(self, i: int) -> np.ndarray:
+        a = int(np.searchsorted(self.offsets, i, side="right") - 1)
+        j = i - int(self.offsets[a])
+        return np.asarray(self.arrays[a][j * self.win : (j + 1) * self.win], dtype=np.int64)
+
+
+class DataLoader:
+    """Deterministic, resumable batches of [B, T+1] int64 tokens for one rank."""
+
+    def __init__(self, cfg: DataConfig, *, vocab_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        self.cfg = cfg
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        if cfg.source == "stdlib":
+            if vocab_size < 256:
+                raise ConfigError(f"model.vocab_size = {vocab_size}: the stdlib corpus is bytes and needs >= 256")
+            self.windows = TokenWindows([stdlib_corpus(cfg.max_bytes)], cfg.seq_len, ["stdlib"])
+        else:
+            files = shard_files(cfg.path)
+            arrays = [load_shard(f, cfg.dtype) for f in files]
+            limit = cfg.vocab_size or vocab_size
+            for f, a in zip(files, arrays, strict=True):
+                hi = int(a[: min(len(a), 1_000_000)].max()) if len(a) else 0
+                if hi >= limit:
+                    raise ConfigError(f"token shard {f} holds token id {hi} >= vocab size {limit}")
+            self.windows = TokenWindows(arrays, cfg.seq_len, [str(f) for f in files])
+        self.epoch = 0
+        self.cursor = 0  # batches consumed by this rank in this epoch
+        self._perm = self._permutation(0)
+        self.stall_next_s = 0.0  # fault injection: sleep before the next batch
+
+    # Each rank takes every world_size-th window; a "batch index" is per rank.
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.windows) // (self.cfg.batch_size * self.world_size)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+
+    def next_batch(self) -> torch.Tensor:
+        if self.stall_next_s > 0:
+            time.sleep(self.stall_next_s)
+            self.stall_next_s = 0.0
+        if self.batches_per_epoch == 0:
+            raise ConfigError(
+                f"corpus has {len(self.windows)} windows; too few for batch_size {self.cfg.batch_size} "
+                f"x world size {self.world_size}"
+            )
+        if self.cursor >= self.batches_per_epoch:
+            self.epoch += 1
+            self.cursor = 0
+            self._perm = self._permutation(self.epoch)
+        b, w = self.cfg.batch_size, self.world_size
+        start = self.cursor * b * w
+        idx = self._perm[start + self.rank : start + b * w : w]
+        self.cursor += 1
+        return torch.from_numpy(np.stack([self.windows.get(int(i)) for i in idx]))
+
+    def skip(self, n_batches: int) -> None:
+        """Skip a data window (after a rollback) without reading it."""
+        for _ in range(n_batches):
+            if self.cursor >= self.batches_per_epoch:
+                self.epoch += 1
+                self.cursor = 0
+                self._perm = self._permutation(self.epoch)
+            self.cursor += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, d: dict[str, int]) -> None:
+        self.epoch = int(d["epoch"])
+        self.cursor = int(d["cursor"])
+        self._perm = self._permutation(self.epoch)

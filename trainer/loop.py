@@ -1,0 +1,469 @@
+"""The guarded training loop.
+
+One step:
+    data (timed) -> forward/backward over micro-batches -> [gradient all-reduce]
+    -> Probe.collect: every statistic, one device->host copy
+    -> Guard.observe: detectors + policy -> Decision
+    -> apply (clip, LR, optimizer.step, expert-bias update) | skip | roll back | halt
+    -> run store / exporter (buffers and background threads; never block the step)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from guard import schema
+from guard.events import Event
+from guard.guard import Guard
+from guard.report import StepReport
+from guard.runstore import RunStore, read_meta, truncate_after
+from guard.tomlconf import ConfigError, to_dict
+from trainer import checkpoint as ckpt
+from trainer.config import TrainConfig
+from trainer.data import DataLoader
+from trainer.envinfo import fingerprint
+from trainer.flops import flops_per_token, peak_flops
+from trainer.inject import Injection, Injector
+from trainer.model import MoETransformer
+from trainer.probe import Probe
+
+EXIT_HALTED = 3  # the guard halted the run (a checkpoint and a critical event were written)
+
+
+@dataclass(slots=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device_pref: str) -> tuple[Dist, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
+    if device_pref == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda': no CUDA device is available (use 'auto' or 'cpu')")
+    d = Dist()
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        d = Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    if use_cuda:
+        torch.cuda.set_device(d.local_rank)
+        return d, torch.device("cuda", d.local_rank)
+    return d, torch.device("cpu")
+
+
+def lr_at(opt_step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio at the last step."""
+    o = cfg.optim
+    if opt_step < o.warmup_steps:
+        return o.lr * (opt_step + 1) / o.warmup_steps
+    span = max(1, cfg.train.steps - o.warmup_steps)
+    frac = min(1.0, (opt_step - o.warmup_steps) / span)
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    # Decay matrices only (norm gains and embeddings' rows are left alone, as in nanoGPT).
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and not (p.ndim >= 2 and "embed" not in n)]
+    o = cfg.optim
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True,
+    )  # fmt: skip
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+
+
+def allreduce_grads(params: list[torch.nn.Parameter], world: int) -> None:
+    """Average gradients across ranks in one coalesced call (unused experts get zeros)."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= world
+    for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+        g.copy_(r)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False,
+                 injections: list[Injection] | None = None, progress: bool = True,
+                 exporter: Any = None) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.dist, self.device = setup_distributed(cfg.train.device)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        if cfg.train.deterministic and self.device.type == "cpu":
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.dtype = self._dtype()
+        torch.manual_seed(cfg.train.seed)
+        self.model = MoETransformer(cfg.model, device=self.device, compute_dtype=self.dtype)
+        self.fwd = torch.compile(self.model) if cfg.train.compile else self.model
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = build_optimizer(self.model, cfg)
+        self.data = DataLoader(cfg.data, vocab_size=cfg.model.vocab_size, seed=cfg.train.seed,
+                               rank=self.dist.rank, world_size=self.dist.world)  # fmt: skip
+        self.telemetry = cfg.telemetry.enabled
+        self.probe = Probe(self.model, dead_window=cfg.telemetry.dead_window, device=self.device)
+        self.guard = Guard(cfg.guard, self.model, self.opt, max_lr=cfg.optim.lr,
+                           has_bias=cfg.model.bias_mode != "off")  # fmt: skip
+        self.injector = Injector(injections or [])
+        self.opt_step = 0  # updates actually applied (drives the LR schedule; restored on rollback)
+        self.step = 0  # iterations run (monotonic; the run store's key)
+        self.progress = progress and self.dist.main
+        self.exporter = exporter
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak, self.peak_source = peak_flops(self.device, self.dtype)
+        self.aux_boosted: set[int] = set()
+        self.counts = {a: 0 for a in schema.ACTIONS}
+        self.time_split = {"productive_s": 0.0, "skipped_s": 0.0, "rolled_back_s": 0.0, "data_wait_s": 0.0,
+                           "checkpoint_s": 0.0, "startup_s": 0.0}  # fmt: skip
+        self._t_start = time.time()
+        self.probe_layer_ids = torch.arange(len(self.model.blocks)).numpy().astype("int32")
+        # productive compute done since each held snapshot: lost (badput) if we roll back to it
+        self.productive_since: dict[int, float] = {}
+        self.last_decision: Any = None
+        self.store = RunStore(self.run_dir, flush_every=cfg.telemetry.flush_every) if self.dist.main else None
+        self.env = fingerprint(device=self.device, dtype=self._dtype_name(), peak_flops=self.peak,
+                               peak_source=self.peak_source, attention_backend=self.model.attention_backend,
+                               expert_kernel=self.model.experts_kernel, compile=cfg.train.compile,
+                               world_size=self.dist.world)  # fmt: skip
+        if resume:
+            self._resume()
+        elif self.store is not None:
+            self.store.write_meta(self._meta(schema.STATUS_RUNNING))
+
+    # ---- setup helpers ------------------------------------------------------------------
+    def _dtype(self) -> torch.dtype:
+        want = self.cfg.train.dtype
+        if want == "bf16" or (want == "auto" and self.device.type == "cuda"):
+            return torch.bfloat16
+        return torch.float32
+
+    def _dtype_name(self) -> str:
+        return "bf16-autocast" if self.dtype == torch.bfloat16 else "fp32"
+
+    def _meta(self, status: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "run_id": self.run_dir.name,
+            "name": self.cfg.name,
+            "status": status,
+            "started_at": self._t_start,
+            "config": to_dict(self.cfg),
+            "env": self.env,
+            "flops_per_token": self.flops_per_token,
+            "model_params": self.model.n_params(),
+            "active_params": self.model.n_params(active=True),
+            "injections": [str(i) for s in self.injector.by_step.values() for i in s],
+            **extra,
+        }
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "opt_step": self.opt_step,
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "data": self.data.state_dict(),
+            "rng": ckpt.rng_state(),
+            "guard": self.guard.state_dict(),
+            "probe": self.probe.state_dict(),
+            "counts": dict(self.counts),
+            "time_split": dict(self.time_split),
+            "config": to_dict(self.cfg),
+        }
+
+    def save_checkpoint(self) -> Path | None:
+        t0 = time.perf_counter()
+        path = None
+        if self.dist.main:
+            path = ckpt.save_checkpoint(self.run_dir / schema.CHECKPOINT_DIR, self.step, self._state(),
+                                        keep=self.cfg.train.keep_checkpoints)  # fmt: skip
+        if self.dist.world > 1:
+            dist.barrier()
+        self.time_split["checkpoint_s"] += time.perf_counter() - t0
+        if self.store is not None and path is not None:
+            self.store.add_event(Event(step=self.step, kind=schema.EV_CHECKPOINT, detail={"path": path.name}))
+        return path
+
+    def _resume(self) -> None:
+        path = ckpt.latest_checkpoint(self.run_dir / schema.CHECKPOINT_DIR)
+        if path is None:
+            raise ConfigError(f"--resume: no checkpoint in {self.run_dir / schema.CHECKPOINT_DIR}")
+        s = ckpt.load_checkpoint(path)
+        self.model.load_state_dict(s["model"])
+        self.opt.load_state_dict(s["optimizer"])
+        self.data.load_state_dict(s["data"])
+        self.guard.load_state_dict(s["guard"])
+        self.probe.load_state_dict(s["probe"])
+        self.step, self.opt_step = s["step"], s["opt_step"]
+        self.counts.update(s.get("counts", {}))
+        self.time_split.update(s.get("time_split", {}))
+        ckpt.set_rng_state(s["rng"])
+        if self.store is not None:
+            dropped = truncate_after(self.run_dir, self.step - 1)
+            meta = read_meta(self.run_dir) or self._meta(schema.STATUS_RUNNING)
+            restarts = int(meta.get("restarts", 0)) + 1
+            self.store.write_meta({**meta, "status": schema.STATUS_RUNNING, "restarts": restarts})
+            self.store.add_event(Event(step=self.step, kind=schema.EV_RESUME,
+                                       detail={"checkpoint": path.name, "rows_dropped": dropped,
+                                               "restarts": restarts}))  # fmt: skip
+
+    # ---- one step -----------------------------------------------------------------------
+    def _batches(self) -> tuple[list[torch.Tensor], float]:
+        if (inj := self.injector.due(self.step, "stall")) is not None:
+            self.data.stall_next_s = inj.arg
+        t0 = time.perf_counter()
+        batches = [self.data.next_batch() for _ in range(self.cfg.train.grad_accum)]
+        wait = time.perf_counter() - t0
+        if self.injector.due(self.step, "badbatch") is not None:
+            batches = [Injector.garbage_batch(b, self.cfg.model.vocab_size, self.step) for b in batches]
+        return [b.to(self.device, non_blocking=True) for b in batches], wait
+
+    def _forward_backward(self, batches: list[torch.Tensor]) -> torch.Tensor:
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        n = len(batches)
+        for b in batches:
+            x, y = b[:, :-1], b[:, 1:]
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
+                logits, aux = self.fwd(x)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+            ((loss + aux) / n).backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def _inject_into_grads(self) -> None:
+        if (inj := self.injector.due(self.step, "gradspike")) is not None:
+            Injector.scale_grads(self.params, inj.arg)
+        if self.injector.due(self.step, "nan") is not None:
+            Injector.poison_grad(self.model)
+        if (inj := self.injector.due(self.step, "collapse")) is not None:
+            Injector.collapse(self.model, int(inj.arg))
+
+    def _apply_update(self, grad_norm: float, lr: float, bias_boost: dict[int, float]) -> None:
+        clip = self.cfg.optim.grad_clip
+        if clip > 0 and math.isfinite(grad_norm) and grad_norm > clip:
+            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], clip / (grad_norm + 1e-6))
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.opt_step += 1
+        if self.probe.loads_ME is not None:
+            bias_max = self.cfg.guard.policy.bias_max
+            for m, (layer_idx, layer) in enumerate(self.probe.moe):
+                boost = bias_boost.get(layer_idx)
+                layer.router.update_bias(self.probe.loads_ME[m], rate_scale=boost or 1.0,
+                                         bias_max=bias_max if boost else None)  # fmt: skip
+
+    def _set_aux_boost(self, aux_boost: dict[int, float]) -> None:
+        base = self.cfg.model.aux_loss_coef
+        for layer in set(aux_boost) | self.aux_boosted:
+            coef = max(base * aux_boost[layer], 1e-2) if layer in aux_boost else base
+            self.model.set_aux_loss_coef(layer, coef)
+        self.aux_boosted = set(aux_boost)
+
+    def plain_step(self) -> StepReport:
+        """Telemetry off: the loop any PyTorch user writes (the overhead benchmark's baseline)."""
+        t0 = time.perf_counter()
+        batches, data_wait = self._batches()
+        loss_sum = self._forward_backward(batches)
+        if self.dist.world > 1:
+            allreduce_grads(self.params, self.dist.world)
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip, foreach=True)
+        lr = lr_at(self.opt_step, self.cfg)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.opt_step += 1
+        if self.probe.moe and self.cfg.model.bias_mode != "off":
+            loads, _, _ = self.probe.reduced_router_stats()
+            for m, (_, layer) in enumerate(self.probe.moe):
+                layer.router.update_bias(loads[m])
+        self.opt.zero_grad(set_to_none=True)
+        self.probe.reset_router_stats()
+        loss = loss_sum.item() / len(batches)
+        dt = time.perf_counter() - t0
+        tokens = sum(b.numel() - b.size(0) for b in batches) * self.dist.world
+        return StepReport(step=self.step, time=time.time(), loss=loss, grad_norm=float("nan"), lr=lr,
+                          tokens=tokens, step_time_s=dt, data_wait_s=data_wait, tokens_per_s=tokens / dt)
+
+    def train_step(self) -> StepReport:
+        if not self.telemetry:
+            return self.plain_step()
+        t0 = time.perf_counter()
+        for inj in self.injector.at(self.step):
+            if inj.kind == "crash":
+                Injector.crash()
+        batches, data_wait = self._batches()
+        loss_sum = self._forward_backward(batches)
+        if self.dist.world > 1:
+            allreduce_grads(self.params, self.dist.world)
+        self._inject_into_grads()
+        planned_lr = lr_at(self.opt_step, self.cfg)
+        if (inj := self.injector.due(self.step, "lrspike")) is not None:
+            planned_lr *= inj.arg
+        pr = self.probe.collect(loss_sum, len(batches))
+        rep = StepReport(
+            step=self.step, time=time.time(), loss=pr.loss, grad_norm=pr.grad_norm, lr=planned_lr,
+            tokens=sum(b.numel() - b.size(0) for b in batches) * self.dist.world, data_wait_s=data_wait,
+            rank=self.dist.rank, layer_ids_L=self.probe_layer_ids, layer_grad_norm_L=pr.layer_grad_norm_L,
+            moe_layer_ids_M=self.probe.moe_ids_M, router_entropy_M=pr.router_entropy_M,
+            load_entropy_M=pr.load_entropy_M, maxvio_M=pr.maxvio_M, dead_experts_M=pr.dead_experts_M,
+            bias_norm_M=pr.bias_norm_M, load_ME=pr.load_ME, bias_ME=pr.bias_ME,
+        )  # fmt: skip
+        decision = self.guard.observe(rep, lr=planned_lr)
+        lr = planned_lr * decision.lr_scale
+        rep.lr = lr
+        self._set_aux_boost(decision.aux_boost)
+        events = list(decision.events)
+        for inj in self.injector.at(self.step):
+            events.insert(0, Event(step=self.step, kind=schema.EV_INJECT, detail={"injection": str(inj)}))
+        if decision.applies_update:
+            self._apply_update(pr.grad_norm, lr, decision.bias_boost)
+        elif decision.action == schema.ACT_ROLLBACK:
+            restored, extra = self.guard.rollback(decision)
+            self.opt_step = extra["opt_step"]
+            self.data.skip(decision.skip_batches)
+            lost = self.productive_since.get(restored, 0.0)
+            self.time_split["rolled_back_s"] += lost
+            self.time_split["productive_s"] -= lost
+            self.productive_since = {k: v for k, v in self.productive_since.items() if k <= restored}
+            self.productive_since[restored] = 0.0
+        self.opt.zero_grad(set_to_none=True)
+        self.probe.reset_router_stats()
+        rep.action = decision.action
+        rep.step_time_s = time.perf_counter() - t0
+        rep.tokens_per_s = rep.tokens / rep.step_time_s
+        rep.mfu = (self.flops_per_token * rep.tokens_per_s / (self.peak * self.dist.world)
+                   if self.peak else float("nan"))  # fmt: skip
+        rep.mem_peak_bytes = peak_memory_bytes(self.device)
+        self._account(rep, decision.action)
+        if self.store is not None:
+            self.store.add_step(rep)
+            for ev in events:
+                self.store.add_event(ev)
+        if self.exporter is not None and self.dist.main:
+            self.exporter.submit(rep, events)
+        self.last_decision = decision
+        return rep
+
+    def _account(self, rep: StepReport, action: str) -> None:
+        self.counts[action] = self.counts.get(action, 0) + 1
+        compute = rep.step_time_s - rep.data_wait_s
+        self.time_split["data_wait_s"] += rep.data_wait_s
+        if action == schema.ACT_APPLY:
+            self.time_split["productive_s"] += compute
+            # Productive time since the newest snapshot is lost if we later roll back to it.
+            for s in self.productive_since:
+                self.productive_since[s] += compute
+        else:
+            self.time_split["skipped_s"] += compute
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self) -> int:
+        """Train to cfg.train.steps. Returns 0, or EXIT_HALTED if the guard halted the run."""
+        self.time_split["startup_s"] += time.time() - self._t_start
+        bar = self._progress_bar()
+        prof = self._profiler()
+        status, code = schema.STATUS_FINISHED, 0
+        try:
+            while self.step < self.cfg.train.steps:
+                rep = self.train_step()
+                self.step += 1
+                if prof is not None:
+                    prof.step()
+                if self.last_decision is not None and self.last_decision.halt:
+                    status, code = schema.STATUS_HALTED, EXIT_HALTED
+                    self.save_checkpoint()
+                    break
+                if self.guard.after_step(self.step, {"opt_step": self.opt_step}):
+                    held = set(self.guard.ring.steps()) if self.guard.ring else set()
+                    self.productive_since = {k: v for k, v in self.productive_since.items() if k in held}
+                    self.productive_since[self.step] = 0.0
+                every = self.cfg.train.checkpoint_every
+                if every and self.step % every == 0 and self.step < self.cfg.train.steps:
+                    self.save_checkpoint()
+                if bar is not None:
+                    bar.update(1)
+                    if self.step % 5 == 0 or self.step == self.cfg.train.steps:
+                        bar.set_postfix_str(self._postfix(rep), refresh=False)
+            else:
+                self.save_checkpoint()
+        except BaseException:
+            status, code = schema.STATUS_CRASHED, 1
+            raise
+        finally:
+            if prof is not None:
+                prof.stop()
+            if bar is not None:
+                bar.close()
+            self._finish(status)
+        return code
+
+    def _postfix(self, rep: StepReport) -> str:
+        mfu = f"{rep.mfu * 100:.2f}%" if math.isfinite(rep.mfu) else "n/a"
+        acts = sum(v for k, v in self.counts.items() if k not in (schema.ACT_APPLY, schema.ACT_NONE))
+        return f"loss {rep.loss:.3f} | {rep.tokens_per_s:,.0f} tok/s | MFU {mfu} | guard actions {acts}"
+
+    def _progress_bar(self) -> Any:
+        if not self.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.train.steps, initial=self.step, desc=self.run_dir.name, unit="step",
+                    file=sys.stderr, dynamic_ncols=True, mininterval=0.5)  # fmt: skip
+
+    def _profiler(self) -> Any:
+        t = self.cfg.telemetry
+        if not (t.profile and self.dist.main and self.telemetry):
+            return None
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        prof = profile(activities=acts, schedule=schedule(wait=t.profile_wait, warmup=t.profile_warmup,
+                                                          active=t.profile_active, repeat=1),
+                       on_trace_ready=tensorboard_trace_handler(str(self.run_dir / schema.PROFILE_DIR)))  # fmt: skip
+        prof.start()
+        return prof
+
+    def goodput(self) -> dict[str, float]:
+        wall = max(1e-9, time.time() - self._t_start)
+        return {"wall_s": wall, "goodput": self.time_split["productive_s"] / wall, **self.time_split}
+
+    def _finish(self, status: str) -> None:
+        if self.exporter is not None:
+            self.exporter.close(timeout=30)
+        if self.store is not None:
+            last = read_meta(self.run_dir) or {}
+            self.store.close(status=status, final_step=self.step, counts=self.counts, goodput=self.goodput(),
+                             restarts=last.get("restarts", 0))  # fmt: skip
+        if self.dist.world > 1 and dist.is_initialized():
+            dist.barrier()
