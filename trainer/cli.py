@@ -28,6 +28,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="override train.steps")
     p.add_argument("--seed", type=int, help="override train.seed")
     p.add_argument("--run-dir", type=Path, help="run store folder (default: runs/<name>-<timestamp>)")
+    p.add_argument("--until", type=int, metavar="STEP",
+                   help="stop at STEP with a checkpoint (the LR schedule still spans --steps); resume later")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     p.add_argument("--no-guard", action="store_true",
                    help="keep telemetry and verdicts, turn every guard action off")
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     exporter = make_exporter(cfg, run_dir.name, run_dir, rank)
     trainer = Trainer(cfg, run_dir, resume=args.resume, injections=injections,
                       progress=not args.no_progress, exporter=exporter)  # fmt: skip
-    code = trainer.run()
+    code = trainer.run(until=args.until)
     if trainer.dist.main:
         summarize(trainer, run_dir)
     return code

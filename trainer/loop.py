@@ -388,14 +388,16 @@ class Trainer:
             self.time_split["skipped_s"] += compute
 
     # ---- the loop -----------------------------------------------------------------------
-    def run(self) -> int:
-        """Train to cfg.train.steps. Returns 0, or EXIT_HALTED if the guard halted the run."""
+    def run(self, until: int | None = None) -> int:
+        """Train to cfg.train.steps (or stop early at `until`, checkpointed, e.g. for a job's time
+        slice). Returns 0, or EXIT_HALTED if the guard halted the run."""
+        stop = min(until, self.cfg.train.steps) if until is not None else self.cfg.train.steps
         self.time_split["startup_s"] += time.time() - self._t_start
         bar = self._progress_bar()
         prof = self._profiler()
         status, code = schema.STATUS_FINISHED, 0
         try:
-            while self.step < self.cfg.train.steps:
+            while self.step < stop:
                 rep = self.train_step()
                 self.step += 1
                 if prof is not None:
@@ -417,6 +419,8 @@ class Trainer:
                         bar.set_postfix_str(self._postfix(rep), refresh=False)
             else:
                 self.save_checkpoint()
+                if self.step < self.cfg.train.steps:
+                    status = schema.STATUS_RUNNING  # stopped at --until; resumable
         except BaseException:
             status, code = schema.STATUS_CRASHED, 1
             raise

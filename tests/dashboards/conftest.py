@@ -1,0 +1,51 @@
+"""Fixtures for the app tests: a synthetic run store (written through RunStore), a canary
+history, and `open_page()` to run one page of the app under streamlit's AppTest.
+
+Set MOEGUARD_REAL_RUNS=/path/to/runs to also run the page smoke test over real trainer runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from dashboards import data
+from dashboards.testing import make_store, write_canary_history
+
+APP = Path(__file__).resolve().parents[2] / "dashboards" / "app.py"
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    make_store(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def history(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_canary_history(tmp_path_factory.mktemp("canary") / "history.jsonl")
+
+
+@pytest.fixture
+def open_page(monkeypatch: pytest.MonkeyPatch):
+    """open_page(page, runs_dir, run=None, history=None) -> AppTest after running the page."""
+
+    def _open(page: str, runs_dir: Path, *, run: str | None = None, history: Path | None = None,
+              timeout: float = 60) -> AppTest:  # fmt: skip
+        monkeypatch.setenv(data.ENV_RUNS, str(runs_dir))
+        if history is not None:
+            monkeypatch.setenv(data.ENV_HISTORY, str(history))
+        else:
+            monkeypatch.delenv(data.ENV_HISTORY, raising=False)
+        at = AppTest.from_file(str(APP), default_timeout=timeout).run()
+        if page != "runs":
+            at.switch_page(f"page_{page}.py")
+            if run is not None:
+                at.query_params["run"] = run
+            at.run()
+        return at
+
+    return _open

@@ -1,0 +1,127 @@
+"""Real browser: `moeguard app` serves the synthetic store on loopback, Chromium (playwright)
+loads each page, waits for the charts, and saves full-page screenshots.
+
+Screenshots land in the test's tmp_path and are copied to test-output/ at the repository root
+(gitignored) so a person can look at them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dashboards.testing import GUARDED
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(runs: Path, history: Path, log: Path) -> Iterator[str]:
+    """`python -m guard app` on a free loopback port; yields the base URL once healthy."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "guard", "app", "--runs", str(runs), "--port", str(port),
+           "--host", "127.0.0.1", "--history", str(history)]  # fmt: skip
+    with open(log, "wb") as out:
+        # own process group: the launcher's streamlit child is stopped with it
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                if proc.poll() is not None:
+                    raise AssertionError(f"app exited with {proc.returncode}: {log.read_text()[-2000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(base + "/_stcore/health", timeout=1).text.strip() == "ok":
+                        break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"app not healthy after 60 s: {log.read_text()[-2000:]}")
+                time.sleep(0.3)
+            yield base
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _screenshot(page, url: str, out: Path, *, min_charts: int) -> dict:
+    """Load `url`, wait until `min_charts` plotly charts have drawn, screenshot the whole page."""
+    page.goto(url, wait_until="networkidle")
+    page.wait_for_function(
+        f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {min_charts}", timeout=60_000
+    )
+    page.wait_for_timeout(1500)  # let the last charts finish their layout transitions
+    # Streamlit scrolls inside its own container: grow the viewport to the content so the
+    # full-page screenshot really holds the whole page
+    height = page.evaluate(
+        "Math.max(...[...document.querySelectorAll('[data-testid=stMain], section.main, body')]"
+        ".map(e => e.scrollHeight))"
+    )
+    page.set_viewport_size({"width": 1600, "height": int(height) + 40})
+    page.wait_for_timeout(1500)
+    page.screenshot(path=str(out), full_page=True)
+    return {
+        "exceptions": page.locator("[data-testid=stException]").count(),
+        "charts": page.locator(".js-plotly-plot").count(),
+        "text": page.inner_text("body"),
+    }
+
+
+def test_pages_render_in_chromium(store: Path, history: Path, tmp_path: Path) -> None:
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed")
+    keep = ROOT / "test-output" / "app"
+    keep.mkdir(parents=True, exist_ok=True)
+    results = {}
+    with serve(store, history, tmp_path / "app.log") as base, playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        for name, path, min_charts in (
+            ("health", f"/health?run={GUARDED}", 10),
+            ("runs", "/runs", 0),
+            ("compare", "/compare", 2),
+            ("canaries", "/canaries", 1),
+        ):
+            page.set_viewport_size({"width": 1600, "height": 1000})
+            shot = tmp_path / f"{name}.png"
+            results[name] = _screenshot(page, base + path, shot, min_charts=min_charts)
+            shutil.copy(shot, keep / shot.name)
+        browser.close()
+    for name, r in results.items():
+        assert r["exceptions"] == 0, f"{name}: Streamlit shows an exception"
+        assert "Traceback" not in r["text"], name
+    health = results["health"]
+    assert health["charts"] >= 10
+    for text in ("Run health", "Loss and grad norm with guard verdicts and actions", "Guard events",
+                 "Expert load", "Throughput and memory"):  # fmt: skip
+        assert text in health["text"], text
+    assert "finished" in results["runs"]["text"] and "stale" in results["runs"]["text"]
+    assert "Canary MFU history" in results["canaries"]["text"]

@@ -1,0 +1,473 @@
+"""The collector: payload validation, Parquet columns, metrics, and a real server over loopback.
+
+Integration tests start `python -m guard collector` as a subprocess (so it can be SIGKILLed)
+and talk to it with httpx.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import polars as pl
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from guard import schema
+from guard.collector import BadRequest, parse_batch, report_frames
+from guard.events import Event
+from guard.exporter import Exporter
+from guard.metrics import CollectorMetrics
+from guard.report import StepReport
+from guard.runstore import read_meta, read_table
+
+TOKEN = "test-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+# ---------------------------------------------------------------------------------------
+# helpers (also used by test_exporter.py)
+# ---------------------------------------------------------------------------------------
+def make_report(step: int, *, n_layers: int = 4, n_experts: int = 8, rank: int = 0, loss: float | None = None,
+                t: float | None = None) -> StepReport:  # fmt: skip
+    """MoE on every other layer (dense layers carry NaN routing stats)."""
+    rng = np.random.default_rng(step * 1000 + rank)
+    moe = np.arange(1, n_layers, 2, dtype=np.int32)
+    m = len(moe)
+    return StepReport(
+        step=step, time=time.time() if t is None else t, loss=2.0 + 0.01 * rng.random() if loss is None else loss,
+        grad_norm=1.0 + 0.01 * rng.random(), lr=1e-3, tokens=4096, step_time_s=0.1 + 0.001 * rng.random(),
+        data_wait_s=0.001, tokens_per_s=40960.0, mfu=0.4, mem_peak_bytes=1 << 30, rank=rank,
+        layer_ids_L=np.arange(n_layers, dtype=np.int32), layer_grad_norm_L=0.1 + 0.01 * rng.random(n_layers),
+        moe_layer_ids_M=moe, router_entropy_M=1.5 + 0.01 * rng.random(m), load_entropy_M=0.95 + 0.01 * rng.random(m),
+        maxvio_M=0.1 + 0.01 * rng.random(m), dead_experts_M=np.zeros(m, np.int32), bias_norm_M=0.01 * rng.random(m),
+        load_ME=rng.integers(90, 110, (m, n_experts)), bias_ME=0.001 * rng.standard_normal((m, n_experts)),
+    )  # fmt: skip
+
+
+def batch(run: str, rank: int, seq: int, reports: list[StepReport], events: list[dict] | None = None,
+          **extra: Any) -> dict[str, Any]:  # fmt: skip
+    return {"run": run, "rank": rank, "seq": seq, "reports": [r.to_json() for r in reports],
+            "events": events or [], **extra}  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CollectorProc:
+    """`python -m guard collector` in a subprocess on a fixed port (restartable on it)."""
+
+    def __init__(self, runs: Path, *args: str, port: int | None = None, token: str | None = TOKEN) -> None:
+        self.runs, self.args, self.token = runs, args, token
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> CollectorProc:
+        env = {k: v for k, v in os.environ.items() if k != schema.ENV_TOKEN}
+        if self.token:
+            env[schema.ENV_TOKEN] = self.token
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "guard", "collector", "--port", str(self.port), "--runs", str(self.runs),
+             "--log-level", "warning", *self.args], env=env,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"collector exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        raise RuntimeError("collector did not come up")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+    def post(self, payload: Any, headers: dict[str, str] | None = None) -> httpx.Response:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        return httpx.post(f"{self.url}/v1/ingest", content=body, headers=AUTH if headers is None else headers,
+                          timeout=10)  # fmt: skip
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+
+
+@pytest.fixture
+def collector(tmp_path: Path) -> Iterator[CollectorProc]:
+    c = CollectorProc(tmp_path / "runs", "--checkpoint-interval", "0.2").start()
+    yield c
+    c.stop()
+
+
+def wait_steps(run_dir: Path, n: int, timeout: float = 10.0) -> pl.DataFrame:
+    deadline = time.monotonic() + timeout
+    while True:
+        df = read_table(run_dir, schema.TABLE_STEPS)
+        if df.height >= n or time.monotonic() > deadline:
+            return df
+        time.sleep(0.05)
+
+
+def tree_digest(d: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(d.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(d)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# pure parts
+# ---------------------------------------------------------------------------------------
+def test_parse_batch_names_the_bad_field() -> None:
+    good = batch("r1", 0, 1, [make_report(0)])
+    assert parse_batch(json.dumps(good).encode()).reports[0].step == 0
+    cases = {
+        "run": {**good, "run": "../etc"},
+        "seq": {**good, "seq": -1},
+        "rank": {**good, "rank": "0"},
+        "reports[0]": {**good, "reports": [{**good["reports"][0], "loss": "high"}]},
+        "'step'": {**good, "reports": [{k: v for k, v in good["reports"][0].items() if k != "step"}]},
+        "events[0].kind": {**good, "events": [{"step": 1, "kind": "party"}]},
+        "heartbeat.phase": {**good, "heartbeat": {"time": 1.0, "step": 1, "phase": "nap"}},
+        "reports[0].rank": {**good, "rank": 1},
+    }
+    for field, payload in cases.items():
+        with pytest.raises(BadRequest, match=field.replace("[", r"\[").replace("]", r"\]")):
+            parse_batch(json.dumps(payload).encode())
+    with pytest.raises(BadRequest, match="JSON"):
+        parse_batch(b"[" * 100000)
+
+
+def test_nan_accepted_as_literal_or_null() -> None:
+    rep = make_report(3)
+    rep.mfu = float("nan")
+    d = batch("r1", 0, 1, [rep])
+    assert np.isnan(parse_batch(json.dumps(d).encode()).reports[0].mfu)  # NaN literal
+    d["reports"][0]["mfu"] = None
+    assert np.isnan(parse_batch(json.dumps(d).encode()).reports[0].mfu)
+
+
+def test_report_frames_match_runstore_rows() -> None:
+    reps = [make_report(s, n_layers=6, n_experts=5) for s in range(3)]
+    frames = report_frames(reps)
+    lay = frames[schema.TABLE_LAYERS]
+    exp = frames[schema.TABLE_EXPERTS]
+    want_l = {c: sum((r.layer_rows()[c] for r in reps), []) for c in schema.LAYERS_COLUMNS}
+    want_e = {c: sum((r.expert_rows()[c] for r in reps), []) for c in schema.EXPERTS_COLUMNS}
+    for c, v in want_l.items():
+        np.testing.assert_array_equal(lay[c].to_numpy(), np.asarray(v, dtype=lay[c].to_numpy().dtype), err_msg=c)
+    for c, v in want_e.items():
+        np.testing.assert_array_equal(exp[c].to_numpy(), np.asarray(v), err_msg=c)
+    assert frames[schema.TABLE_STEPS]["step"].to_list() == [0, 1, 2]
+
+
+def test_metrics_expert_share_histogram_and_heartbeat_age_at_scrape() -> None:
+    clock = [1000.0]
+    m = CollectorMetrics(clock=lambda: clock[0])
+    rep = make_report(1, n_experts=4)
+    rep.load_ME = np.array([[0, 0, 0, 100], [25, 25, 25, 25]])
+    m.observe_report("r", rep)
+    m.beat("r", 0, 1000.0, 1, "train")
+    text = m.render().decode()
+    s = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text) for x in f.samples}
+    b = "moeguard_expert_load_share_bucket"
+    assert s[(b, (("layer", "1"), ("le", "0.0"), ("run", "r")))] == 3  # three dead experts
+    assert s[(b, (("layer", "1"), ("le", "0.9"), ("run", "r")))] == 3
+    assert s[(b, (("layer", "1"), ("le", "1.0"), ("run", "r")))] == 4
+    assert s[(b, (("layer", "3"), ("le", "0.2"), ("run", "r")))] == 0
+    assert s[(b, (("layer", "3"), ("le", "0.5"), ("run", "r")))] == 4
+    assert s[("moeguard_expert_load_share_count", (("layer", "3"), ("run", "r")))] == 4
+    age = ("moeguard_heartbeat_age_seconds", (("rank", "0"), ("run", "r")))
+    assert s[age] == 0
+    clock[0] += 42
+    s2 = {(x.name, tuple(sorted(x.labels.items()))): x.value
+          for f in text_string_to_metric_families(m.render().decode()) for x in f.samples}  # fmt: skip
+    assert s2[age] == 42  # grows while the run is silent
+    assert s2[("moeguard_heartbeat_lost", (("rank", "0"), ("run", "r")))] == 1
+
+
+# ---------------------------------------------------------------------------------------
+# real server
+# ---------------------------------------------------------------------------------------
+@pytest.mark.integration
+def test_refuses_to_start_without_token(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != schema.ENV_TOKEN}
+    r = subprocess.run([sys.executable, "-m", "guard", "collector", "--port", "0", "--runs", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "MOEGUARD_TOKEN" in r.stdout + r.stderr
+
+
+@pytest.mark.integration
+def test_ingest_lands_in_run_store_and_replay_is_idempotent(collector: CollectorProc) -> None:
+    reps = [make_report(s) for s in range(25)]
+    ev = Event(step=7, kind=schema.EV_VERDICT, detector=schema.DET_GRAD_SPIKE, value=9.0, threshold=3.0,
+               action=schema.ACT_SKIP).row()  # fmt: skip
+    meta = {"run_id": "r1", "status": "running", "env": {"torch": "2.5.1", "device": "cpu"}, "model": {"n_experts": 8}}
+    p1 = batch("r1", 0, 1, reps[:10], [ev], meta=meta)
+    p2 = batch("r1", 0, 2, reps[10:])
+    assert collector.post(p1).json() == {"ok": True, "duplicate": False, "commands": []}
+    assert collector.post(p2).status_code == 200
+    r = collector.post(p1)  # replayed: same seq
+    assert r.status_code == 200 and r.json()["duplicate"] is True
+    run_dir = collector.runs / "r1"
+    df = wait_steps(run_dir, 25)
+    time.sleep(0.5)
+    df = read_table(run_dir, schema.TABLE_STEPS).sort("step")
+    assert df["step"].to_list() == list(range(25))
+    assert df["loss"].to_list() == [r.loss for r in reps]
+    assert read_table(run_dir, schema.TABLE_EXPERTS).height == 25 * 2 * 8
+    assert read_table(run_dir, schema.TABLE_LAYERS).height == 25 * 4
+    evs = read_table(run_dir, schema.TABLE_EVENTS)
+    assert evs.filter(pl.col("step") == 7)["detector"].to_list() == [schema.DET_GRAD_SPIKE]
+    assert read_meta(run_dir)["env"]["torch"] == "2.5.1"
+    m = collector.metrics()
+    assert m[("moeguard_guard_verdicts_total", (("detector", "grad_norm_spike"), ("run", "r1")))] == 1
+    assert m[("moeguard_run_info", (("attention", ""), ("compile", ""), ("device", "cpu"), ("experts", "8"),
+                                    ("run", "r1"), ("torch", "2.5.1")))] == 1  # fmt: skip
+    assert m[("moeguard_ingest_batches_total", (("outcome", "duplicate"),))] == 1
+    runs = httpx.get(f"{collector.url}/v1/runs").json()["runs"]
+    assert runs[0]["run"] == "r1" and runs[0]["last_step"] == 24 and runs[0]["status"] == "running"
+    assert "last_report_time" in runs[0]["ranks"]["0"]
+
+
+@pytest.mark.integration
+def test_rejections_leave_stored_data_unchanged(tmp_path: Path) -> None:
+    c = CollectorProc(tmp_path / "runs", "--max-body-bytes", "4096", "--checkpoint-interval", "0.1").start()
+    try:
+        assert c.post(batch("r1", 0, 1, [make_report(0, n_layers=2, n_experts=2)])).status_code == 200
+        time.sleep(0.5)
+        before = tree_digest(c.runs)
+        good = batch("r1", 0, 2, [make_report(1, n_layers=2, n_experts=2)])
+        r = c.post(good, headers={})
+        assert r.status_code == 401 and "token" in r.json()["error"]
+        assert c.post(good, headers={"authorization": "Bearer wrong"}).status_code == 401
+        big = batch("r1", 0, 2, [make_report(s, n_layers=8, n_experts=16) for s in range(1, 4)])
+        r = c.post(big)
+        assert r.status_code == 413 and "4096" in r.json()["error"]
+        # one bad report in an otherwise good batch: nothing of the batch is stored
+        bad = batch("r1", 0, 2, [make_report(1, n_layers=2, n_experts=2), make_report(2, n_layers=2, n_experts=2)])
+        bad["reports"][1]["load_ME"] = [[1, 2, 3]]
+        r = c.post(bad)
+        assert r.status_code == 400 and "reports[1]" in r.json()["error"]
+        r = c.post({**good, "run": "../../tmp/x"})
+        assert r.status_code == 400 and "'run'" in r.json()["error"]
+        time.sleep(0.4)
+        assert tree_digest(c.runs) == before
+        assert not (tmp_path / "tmp").exists()
+        assert c.post(good).status_code == 200  # seq 2 was never consumed by a rejected batch
+    finally:
+        c.stop()
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=5) | st.dictionaries(st.text(max_size=10), kids, max_size=5),
+    max_leaves=30,
+)
+_FIELDS = ["run", "rank", "seq", "meta", "reports", "events", "heartbeat", "commands_ack"]
+
+
+@st.composite
+def garbled_bodies(draw: st.DrawFn) -> bytes:
+    kind = draw(st.sampled_from(["bytes", "json", "mutated", "report_field"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=300))
+    if kind == "json":
+        return json.dumps(draw(_json)).encode()
+    base = batch("fz", draw(st.integers(0, 3)), 10**6, [make_report(1, n_layers=2, n_experts=2, t=1.0)])
+    if kind == "mutated":
+        base[draw(st.sampled_from(_FIELDS))] = draw(_json)
+        if draw(st.booleans()):
+            base.pop(draw(st.sampled_from(_FIELDS)), None)
+    else:
+        rep = base["reports"][0]
+        rep[draw(st.sampled_from(sorted(rep)))] = draw(_json)
+    body = json.dumps(base).encode()
+    if draw(st.booleans()):  # truncate or flip a byte
+        i = draw(st.integers(0, len(body) - 1))
+        body = body[:i] if draw(st.booleans()) else body[:i] + bytes([body[i] ^ 0x5A]) + body[i + 1 :]
+    return body
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_fuzz_never_5xx_and_rejections_store_nothing(tmp_path_factory: pytest.TempPathFactory) -> None:
+    c = CollectorProc(tmp_path_factory.mktemp("fuzz") / "runs", "--checkpoint-interval", "0.05").start()
+    client = httpx.Client(headers=AUTH, timeout=10)
+    try:
+        assert c.post(batch("fz", 0, 1, [make_report(0, n_layers=2, n_experts=2)])).status_code == 200
+        time.sleep(0.3)
+
+        @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(body=garbled_bodies())
+        def check(body: bytes) -> None:
+            before = tree_digest(c.runs)
+            r = client.post(f"{c.url}/v1/ingest", content=body)
+            assert r.status_code < 500, (r.status_code, r.text, body[:200])
+            if r.status_code != 200:
+                assert "error" in r.json()
+                time.sleep(0.06)  # a checkpoint tick: it must find nothing to write
+                assert tree_digest(c.runs) == before
+            else:
+                time.sleep(0.3)  # an accepted mutant: let its checkpoint land before the next digest
+
+        check()
+    finally:
+        client.close()
+        c.stop()
+
+
+@pytest.mark.integration
+def test_metrics_expose_every_schema_name(collector: CollectorProc) -> None:
+    reps = [make_report(s) for s in range(130)]  # past the baseline window (steps 20..120)
+    halt = Event(step=129, kind=schema.EV_HALT, action=schema.ACT_HALT).row()
+    act = Event(step=128, kind=schema.EV_ACTION, action=schema.ACT_ROLLBACK).row()
+    meta = {"torch": "2.5.1", "device_name": "cpu", "attention": "sdpa", "n_experts": 8, "compile": False}
+    for i in range(0, 130, 10):
+        verdict = Event(step=i, kind=schema.EV_VERDICT, detector=schema.DET_MAXVIO, action=schema.ACT_BIAS_CORRECT)
+        evs = [act, halt] if i == 120 else [verdict.row()] if i == 50 else []
+        assert collector.post(batch("m1", 0, i + 1, reps[i : i + 10], evs, meta=meta if i == 0 else None)).status_code == 200
+    collector.post(batch("m1", 1, 1, [make_report(5, rank=1)]))
+    text = httpx.get(f"{collector.url}/metrics").text
+    names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    missing = [m for m in schema.METRICS if m not in names and f"{m}_bucket" not in names]
+    assert not missing
+    m = collector.metrics()
+    assert m[("moeguard_run_halted", (("run", "m1"),))] == 1
+    assert m[("moeguard_guard_actions_total", (("action", "rollback"), ("run", "m1")))] == 1
+    assert m[("moeguard_guard_actions_total", (("action", "halt"), ("run", "m1")))] == 1
+    assert m[("moeguard_mfu_baseline_ratio", (("run", "m1"),))] == pytest.approx(0.4)
+    assert m[("moeguard_tokens_total", (("run", "m1"),))] == 130 * 4096
+    assert m[("moeguard_step", (("run", "m1"),))] == 129
+    assert m[("moeguard_layer_maxvio_ratio", (("layer", "3"), ("run", "m1")))] == pytest.approx(reps[-1].maxvio_M[1])
+    assert ("moeguard_straggler_score", (("rank", "1"), ("run", "m1"))) in m
+    assert m[("moeguard_ingest_values_total", (("run", "m1"),))] == sum(r.n_values() for r in reps) + reps[0].n_values()
+
+
+@pytest.mark.integration
+def test_heartbeat_lost_for_the_silent_rank(tmp_path: Path) -> None:
+    c = CollectorProc(tmp_path / "runs", "--heartbeat-floor", "1").start()
+    try:
+        for rank in (0, 1):
+            assert c.post(batch("hb", rank, 1, [make_report(0, rank=rank)])).status_code == 200
+        for i in range(15):  # rank 0 keeps beating, rank 1 is silent
+            hb = {"time": time.time(), "step": i, "phase": "train"}
+            assert c.post({"run": "hb", "rank": 0, "seq": 2 + i, "heartbeat": hb}).status_code == 200
+            time.sleep(0.1)
+        m = c.metrics()
+        assert m[("moeguard_heartbeat_lost", (("rank", "1"), ("run", "hb")))] == 1
+        assert m[("moeguard_heartbeat_lost", (("rank", "0"), ("run", "hb")))] == 0
+        assert m[("moeguard_heartbeat_age_seconds", (("rank", "1"), ("run", "hb")))] > 1
+        ranks = httpx.get(f"{c.url}/v1/runs").json()["runs"][0]["ranks"]
+        assert ranks["1"]["lost"] is True and ranks["0"]["lost"] is False
+    finally:
+        c.stop()
+
+
+@pytest.mark.integration
+def test_operator_commands_round_trip(collector: CollectorProc) -> None:
+    url = f"{collector.url}/v1/runs/c1/commands"
+    assert httpx.post(url, json={"action": "halt"}).status_code == 401
+    r = httpx.post(url, json={"action": "explode"}, headers=AUTH)
+    assert r.status_code == 400 and "action" in r.json()["error"]
+    cmd = httpx.post(url, json={"action": "rollback", "reason": "loss diverged"}, headers=AUTH).json()["command"]
+    assert httpx.get(url, params={"rank": 0}).json()["commands"] == [cmd]
+    # the trainer picks it up with its next batch, then acknowledges it
+    r = collector.post(batch("c1", 0, 1, [make_report(0)]))
+    assert r.json()["commands"] == [cmd]
+    collector.post(batch("c1", 0, 2, [make_report(1)], commands_ack=cmd["id"]))
+    assert httpx.get(url, params={"rank": 0}).json()["commands"] == []
+    assert httpx.get(url, params={"rank": 1}).json()["commands"] == [cmd]  # rank 1 has not taken it
+    assert httpx.get(f"{collector.url}/v1/runs/nope/commands").status_code == 404
+    assert httpx.get(f"{collector.url}/v1/runs/..%2Fx/commands").status_code in (400, 404)
+
+
+@pytest.mark.integration
+def test_restart_still_dedupes_and_replays_the_log(tmp_path: Path) -> None:
+    # checkpoints every 60 s: acknowledged rows live only in the write-ahead log when killed
+    c = CollectorProc(tmp_path / "runs", "--checkpoint-interval", "60").start()
+    try:
+        p = batch("w1", 0, 5, [make_report(s) for s in range(10)])
+        assert c.post(p).json()["duplicate"] is False
+        c.kill()
+        c.start()
+        assert c.post(p).json()["duplicate"] is True
+        assert c.post(batch("w1", 0, 6, [make_report(10)])).json()["duplicate"] is False
+        df = read_table(c.runs / "w1", schema.TABLE_STEPS)  # replay checkpoints at start
+        assert sorted(df["step"].to_list()) == list(range(10))
+        c.stop()  # graceful: final checkpoint
+        assert sorted(read_table(c.runs / "w1", schema.TABLE_STEPS)["step"].to_list()) == list(range(11))
+    finally:
+        c.stop()
+
+
+@pytest.mark.integration
+def test_resumed_trainer_replaces_rerun_steps(collector: CollectorProc, tmp_path: Path) -> None:
+    gen1 = Exporter(collector.url, TOKEN, "rs", 0, tmp_path / "spool")
+    for s in range(50):
+        gen1.submit(make_report(s, loss=1.0))
+    assert gen1.close(20)
+    # crash after step 49, resume from the checkpoint at step 29: steps 30.. are re-run
+    gen2 = Exporter(collector.url, TOKEN, "rs", 0, tmp_path / "spool")
+    assert gen2.generation > gen1.generation
+    for s in range(30, 60):
+        gen2.submit(make_report(s, loss=2.0))
+    assert gen2.close(20)
+    collector.stop()
+    df = read_table(collector.runs / "rs", schema.TABLE_STEPS).sort("step")
+    assert df["step"].to_list() == list(range(60))
+    assert df["loss"].to_list() == [1.0] * 30 + [2.0] * 30
+    assert read_table(collector.runs / "rs", schema.TABLE_EXPERTS).height == 60 * 2 * 8
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_kill_collector_mid_stream_loses_nothing(tmp_path: Path) -> None:
+    n = 400
+    c = CollectorProc(tmp_path / "runs", "--checkpoint-interval", "0.3").start()
+    exp = Exporter(c.url, TOKEN, "k1", 0, tmp_path / "spool", batch_max=8, backoff_max_s=0.3, timeout_s=2)
+    try:
+        for s in range(n):
+            exp.submit(make_report(s))
+            time.sleep(0.004)
+            if s in (120, 260):
+                c.kill()  # SIGKILL: no final checkpoint, the log is all there is
+            if s in (160, 300):
+                c.start()
+        assert exp.close(60), exp.stats
+        assert exp.stats["spooled"] > 0 and exp.stats["replayed"] > 0
+        c.stop()
+        steps = read_table(c.runs / "k1", schema.TABLE_STEPS)["step"].to_list()
+        assert sorted(steps) == list(range(n))  # every step, exactly once
+        assert read_table(c.runs / "k1", schema.TABLE_EXPERTS).height == n * 2 * 8
+    finally:
+        c.stop()
