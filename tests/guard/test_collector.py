@@ -184,7 +184,9 @@ def test_report_frames_match_runstore_rows() -> None:
     want_l = {c: sum((r.layer_rows()[c] for r in reps), []) for c in schema.LAYERS_COLUMNS}
     want_e = {c: sum((r.expert_rows()[c] for r in reps), []) for c in schema.EXPERTS_COLUMNS}
     for c, v in want_l.items():
-        np.testing.assert_array_equal(lay[c].to_numpy(), np.asarray(v, dtype=lay[c].to_numpy().dtype), err_msg=c)
+        np.testing.assert_array_equal(
+            lay[c].to_numpy(), np.asarray(v, dtype=lay[c].to_numpy().dtype), err_msg=c
+        )
     for c, v in want_e.items():
         np.testing.assert_array_equal(exp[c].to_numpy(), np.asarray(v), err_msg=c)
     assert frames[schema.TABLE_STEPS]["step"].to_list() == [0, 1, 2]
@@ -198,7 +200,11 @@ def test_metrics_expert_share_histogram_and_heartbeat_age_at_scrape() -> None:
     m.observe_report("r", rep)
     m.beat("r", 0, 1000.0, 1, "train")
     text = m.render().decode()
-    s = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text) for x in f.samples}
+    s = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for f in text_string_to_metric_families(text)
+        for x in f.samples
+    }
     b = "moeguard_expert_load_share_bucket"
     assert s[(b, (("layer", "1"), ("le", "0.0"), ("run", "r")))] == 3  # three dead experts
     assert s[(b, (("layer", "1"), ("le", "0.9"), ("run", "r")))] == 3
@@ -231,7 +237,12 @@ def test_ingest_lands_in_run_store_and_replay_is_idempotent(collector: Collector
     reps = [make_report(s) for s in range(25)]
     ev = Event(step=7, kind=schema.EV_VERDICT, detector=schema.DET_GRAD_SPIKE, value=9.0, threshold=3.0,
                action=schema.ACT_SKIP).row()  # fmt: skip
-    meta = {"run_id": "r1", "status": "running", "env": {"torch": "2.5.1", "device": "cpu"}, "model": {"n_experts": 8}}
+    meta = {
+        "run_id": "r1",
+        "status": "running",
+        "env": {"torch": "2.5.1", "device": "cpu"},
+        "model": {"n_experts": 8},
+    }
     p1 = batch("r1", 0, 1, reps[:10], [ev], meta=meta)
     p2 = batch("r1", 0, 2, reps[10:])
     assert collector.post(p1).json() == {"ok": True, "duplicate": False, "commands": []}
@@ -274,7 +285,9 @@ def test_rejections_leave_stored_data_unchanged(tmp_path: Path) -> None:
         r = c.post(big)
         assert r.status_code == 413 and "4096" in r.json()["error"]
         # one bad report in an otherwise good batch: nothing of the batch is stored
-        bad = batch("r1", 0, 2, [make_report(1, n_layers=2, n_experts=2), make_report(2, n_layers=2, n_experts=2)])
+        bad = batch(
+            "r1", 0, 2, [make_report(1, n_layers=2, n_experts=2), make_report(2, n_layers=2, n_experts=2)]
+        )
         bad["reports"][1]["load_ME"] = [[1, 2, 3]]
         r = c.post(bad)
         assert r.status_code == 400 and "reports[1]" in r.json()["error"]
@@ -353,9 +366,16 @@ def test_metrics_expose_every_schema_name(collector: CollectorProc) -> None:
     act = Event(step=128, kind=schema.EV_ACTION, action=schema.ACT_ROLLBACK).row()
     meta = {"torch": "2.5.1", "device_name": "cpu", "attention": "sdpa", "n_experts": 8, "compile": False}
     for i in range(0, 130, 10):
-        verdict = Event(step=i, kind=schema.EV_VERDICT, detector=schema.DET_MAXVIO, action=schema.ACT_BIAS_CORRECT)
+        verdict = Event(
+            step=i, kind=schema.EV_VERDICT, detector=schema.DET_MAXVIO, action=schema.ACT_BIAS_CORRECT
+        )
         evs = [act, halt] if i == 120 else [verdict.row()] if i == 50 else []
-        assert collector.post(batch("m1", 0, i + 1, reps[i : i + 10], evs, meta=meta if i == 0 else None)).status_code == 200
+        assert (
+            collector.post(
+                batch("m1", 0, i + 1, reps[i : i + 10], evs, meta=meta if i == 0 else None)
+            ).status_code
+            == 200
+        )
     collector.post(batch("m1", 1, 1, [make_report(5, rank=1)]))
     text = httpx.get(f"{collector.url}/metrics").text
     names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
@@ -368,9 +388,14 @@ def test_metrics_expose_every_schema_name(collector: CollectorProc) -> None:
     assert m[("moeguard_mfu_baseline_ratio", (("run", "m1"),))] == pytest.approx(0.4)
     assert m[("moeguard_tokens_total", (("run", "m1"),))] == 130 * 4096
     assert m[("moeguard_step", (("run", "m1"),))] == 129
-    assert m[("moeguard_layer_maxvio_ratio", (("layer", "3"), ("run", "m1")))] == pytest.approx(reps[-1].maxvio_M[1])
+    assert m[("moeguard_layer_maxvio_ratio", (("layer", "3"), ("run", "m1")))] == pytest.approx(
+        reps[-1].maxvio_M[1]
+    )
     assert ("moeguard_straggler_score", (("rank", "1"), ("run", "m1"))) in m
-    assert m[("moeguard_ingest_values_total", (("run", "m1"),))] == sum(r.n_values() for r in reps) + reps[0].n_values()
+    assert (
+        m[("moeguard_ingest_values_total", (("run", "m1"),))]
+        == sum(r.n_values() for r in reps) + reps[0].n_values()
+    )
 
 
 @pytest.mark.integration
@@ -399,7 +424,9 @@ def test_operator_commands_round_trip(collector: CollectorProc) -> None:
     assert httpx.post(url, json={"action": "halt"}).status_code == 401
     r = httpx.post(url, json={"action": "explode"}, headers=AUTH)
     assert r.status_code == 400 and "action" in r.json()["error"]
-    cmd = httpx.post(url, json={"action": "rollback", "reason": "loss diverged"}, headers=AUTH).json()["command"]
+    cmd = httpx.post(url, json={"action": "rollback", "reason": "loss diverged"}, headers=AUTH).json()[
+        "command"
+    ]
     assert httpx.get(url, params={"rank": 0}).json()["commands"] == [cmd]
     # the trainer picks it up with its next batch, then acknowledges it
     r = collector.post(batch("c1", 0, 1, [make_report(0)]))

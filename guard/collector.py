@@ -1,0 +1,999 @@
+"""`moeguard collector`: the HTTP service trainers stream telemetry to.
+
+    MOEGUARD_TOKEN=... moeguard collector --host 127.0.0.1 --port 9090 --runs runs/
+
+Endpoints
+    POST /v1/ingest                 a batch (below); bearer token required
+    GET  /v1/runs                   runs: id, status, last step, per-rank last report time
+    GET  /v1/runs/{run}/commands?rank=R[&after=ID]   pending operator commands for rank R
+    POST /v1/runs/{run}/commands    {"action": "rollback|halt|skip", "reason": str, "rank": int|null}
+                                    an operator command; bearer token required
+    GET  /metrics                   Prometheus text (guard/metrics.py)
+    GET  /healthz                   {"ok": true}
+
+Batch payload (JSON object; NaN may be written as NaN or null)
+    run        str, [A-Za-z0-9][A-Za-z0-9._-]{0,127} (it names a directory; nothing else passes)
+    rank       int >= 0
+    seq        int >= 0, strictly increasing per (run, rank). The exporter uses
+               seq = generation << 32 | counter, generation = the exporter start time in seconds
+               (kept increasing through a file in its spool dir), so a restarted trainer keeps
+               counting up.
+    meta       object, optional: the run's meta.json (merged over what is stored)
+    reports    list of StepReport.to_json() objects, optional; report.rank must equal rank
+    events     list of event rows (guard.events.Event.row()), optional: step and kind required;
+               detail may be a JSON string or an object
+    heartbeat  {"time": float (trainer clock), "step": int, "phase": "train|checkpoint|eval"},
+               optional (a batch with reports and no heartbeat beats at its last report)
+    commands_ack  int, optional: the highest operator-command id this rank has taken up
+Unknown top-level keys are ignored (newer exporters may send more).
+
+Answers: 200 {"ok": true, "duplicate": bool, "commands": [...]} once the batch is durably on
+disk; 400 {"error": "..."} naming the bad field; 401 without the token; 413 for a body over
+--max-body-bytes (refused before it is read); 503 when the run's storage failed (retry later).
+The whole batch is validated before anything is stored, so a rejected batch changes nothing.
+
+Idempotence: a batch whose seq is <= the high-water mark of its (run, rank) answers
+200 {"duplicate": true} and stores nothing. The marks are in the write-ahead log and in
+runs/<run>/.collector/state.json, so a restarted collector still dedupes.
+
+Durability: rank 0's reports, and every batch's events, meta and command acks, are appended to
+a per-run write-ahead log (runs/<run>/.collector/wal-*.log, fdatasync'd) before the 200. Every
+--checkpoint-interval seconds the pending rows go to Parquet parts in the run store's own format
+(runs/<run>/<table>/part-<first step>-<seq>.parquet) and state.json is replaced: that rename is
+the commit; the log segments it covers are then deleted. On start, parts newer than the commit
+are deleted and the log is replayed, so a SIGKILL at any point loses nothing that was answered
+200 and stores nothing twice. Other ranks' reports feed heartbeats and per-rank timing only.
+
+Resumed trainers: when rank 0 starts a new generation (seq >> 32 grows) whose first step is not
+after the last stored step, the steps it re-runs carry new data, so everything stored after
+`first step - 1` is dropped first (runstore.truncate_after), as the trainer does locally.
+
+Server-side detectors: one DetectorSuite per run sees every rank-0 report (runs that only
+stream telemetry get verdicts too). Rule against duplicate events: a collector verdict for
+step S is written as an event (detail.source = "collector", action "none") only when the batch
+that carried step S had no verdict, action or halt event for S from the trainer (the exporter
+ships a step's events with its report). Detector state is not persisted: after a collector
+restart the detectors warm up again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import math
+import os
+import re
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from guard import schema
+from guard.config import GuardConfig, load_guard_config
+from guard.events import Event
+from guard.heartbeat import PHASE_TRAIN, PHASES, HeartbeatConfig
+from guard.metrics import CollectorMetrics
+from guard.report import StepReport
+from guard.runstore import atomic_write_bytes, part_files, polars_schema, read_meta, truncate_after
+
+try:  # optional: 3-5x faster parsing of the numeric arrays; plain json otherwise
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson = None
+
+log = logging.getLogger("moeguard.collector")
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+GEN_SHIFT = 32
+MAX_RANK = 1 << 20
+MAX_SEQ = (1 << 63) - 1
+COMMAND_ACTIONS = (schema.ACT_ROLLBACK, schema.ACT_HALT, schema.ACT_SKIP)
+STATE_DIR = ".collector"
+_PART_RE = re.compile(r"part-(\d{10})-(\d{6})\.parquet$")
+_REC_HDR = struct.Struct("<II")  # length, crc32
+
+
+# ---------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------
+@dataclass(kw_only=True, slots=True)
+class CollectorConfig:
+    runs_dir: Path
+    token: str | None  # None: no auth (only with --insecure-no-auth)
+    max_body_bytes: int = 8 << 20
+    checkpoint_interval_s: float = 1.0
+    guard: GuardConfig | None = field(default_factory=GuardConfig)  # None: no server-side detectors
+    heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes = {self.max_body_bytes}: must be >= 1024")
+        if not self.checkpoint_interval_s > 0:
+            raise ValueError(f"checkpoint_interval_s = {self.checkpoint_interval_s}: must be > 0")
+
+
+# ---------------------------------------------------------------------------------------
+# Payload parsing: pure, all-or-nothing
+# ---------------------------------------------------------------------------------------
+class BadRequest(ValueError):
+    """The batch is malformed; the message names the field."""
+
+
+@dataclass(slots=True)
+class Batch:
+    run: str
+    rank: int
+    seq: int
+    meta: dict[str, Any] | None
+    reports: list[StepReport]
+    events: list[dict[str, Any]]
+    heartbeat: dict[str, Any] | None
+    commands_ack: int | None
+
+    @property
+    def generation(self) -> int:
+        return self.seq >> GEN_SHIFT
+
+
+def loads(body: bytes) -> Any:
+    if _orjson is not None:
+        try:
+            return _orjson.loads(body)
+        except _orjson.JSONDecodeError:
+            pass  # NaN/Infinity literals (stdlib json.dumps) are not JSON to orjson
+    return json.loads(body)
+
+
+def dumps(obj: Any) -> bytes:
+    if _orjson is not None:
+        return _orjson.dumps(obj, option=_orjson.OPT_SERIALIZE_NUMPY)
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _int(v: Any, name: str, lo: int = 0, hi: int = MAX_SEQ) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise BadRequest(f"field {name!r}: expected an integer in [{lo}, {hi}], got {str(v)[:60]!r}")
+    return v
+
+
+def _float(v: Any, name: str) -> float:
+    if v is None:
+        return math.nan
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise BadRequest(f"field {name!r}: expected a number, got {str(v)[:60]!r}")
+    return float(v)
+
+
+def valid_run_id(run: Any) -> bool:
+    return isinstance(run, str) and RUN_ID_RE.fullmatch(run) is not None
+
+
+def parse_event(d: Any, where: str) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise BadRequest(f"{where}: expected an object")
+    for req in ("step", "kind"):
+        if req not in d:
+            raise BadRequest(f"{where}: missing field {req!r}")
+    kind, action, detector = d["kind"], d.get("action", schema.ACT_NONE), d.get("detector", "")
+    if kind not in schema.EVENT_KINDS:
+        raise BadRequest(f"{where}.kind: {str(kind)[:60]!r} not one of {schema.EVENT_KINDS}")
+    if action not in schema.ACTIONS:
+        raise BadRequest(f"{where}.action: {str(action)[:60]!r} not one of {schema.ACTIONS}")
+    if not isinstance(detector, str) or len(detector) > 200:
+        raise BadRequest(f"{where}.detector: expected a short string")
+    detail = d.get("detail", "{}")
+    if isinstance(detail, dict):
+        detail = json.dumps(detail, sort_keys=True, default=str)
+    elif not isinstance(detail, str):
+        raise BadRequest(f"{where}.detail: expected a JSON string or an object")
+    t = _float(d.get("time"), f"{where}.time")
+    return {
+        "step": _int(d["step"], f"{where}.step"),
+        "time": t if math.isfinite(t) else time.time(),
+        "kind": kind,
+        "detector": detector,
+        "value": _float(d.get("value"), f"{where}.value"),
+        "threshold": _float(d.get("threshold"), f"{where}.threshold"),
+        "action": action,
+        "detail": detail,
+    }
+
+
+def parse_batch(body: bytes) -> Batch:
+    """Validate a whole batch; raises BadRequest naming the first bad field."""
+    try:
+        d = loads(body)
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise BadRequest(f"body is not valid JSON: {str(e)[:120]}") from None
+    if not isinstance(d, dict):
+        raise BadRequest("body: expected a JSON object")
+    for req in ("run", "rank", "seq"):
+        if req not in d:
+            raise BadRequest(f"missing field {req!r}")
+    if not valid_run_id(d["run"]):
+        raise BadRequest(f"field 'run': {str(d['run'])[:60]!r} is not a valid run id ({RUN_ID_RE.pattern})")
+    rank = _int(d["rank"], "rank", 0, MAX_RANK)
+    seq = _int(d["seq"], "seq")
+    meta = d.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise BadRequest("field 'meta': expected an object")
+    raw_reports, raw_events = d.get("reports") or [], d.get("events") or []
+    if not isinstance(raw_reports, list):
+        raise BadRequest("field 'reports': expected a list")
+    if not isinstance(raw_events, list):
+        raise BadRequest("field 'events': expected a list")
+    reports = []
+    for i, r in enumerate(raw_reports):
+        if not isinstance(r, dict):
+            raise BadRequest(f"reports[{i}]: expected an object")
+        try:
+            rep = StepReport.from_json(r)
+        except BadRequest:
+            raise
+        except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as e:
+            raise BadRequest(f"reports[{i}]: {str(e)[:200]}") from None
+        if "rank" in r and rep.rank != rank:
+            raise BadRequest(f"reports[{i}].rank: {rep.rank} differs from the batch rank {rank}")
+        rep.rank = rank
+        reports.append(rep)
+    events = [parse_event(e, f"events[{i}]") for i, e in enumerate(raw_events)]
+    hb = d.get("heartbeat")
+    if hb is not None:
+        if not isinstance(hb, dict):
+            raise BadRequest("field 'heartbeat': expected an object")
+        phase = hb.get("phase", PHASE_TRAIN)
+        if phase not in PHASES:
+            raise BadRequest(f"heartbeat.phase: {str(phase)[:60]!r} not one of {PHASES}")
+        t = _float(hb.get("time"), "heartbeat.time")
+        if not math.isfinite(t):
+            raise BadRequest("heartbeat.time: must be a finite number")
+        hb = {"time": t, "step": _int(hb.get("step", 0), "heartbeat.step"), "phase": phase}
+    ack = d.get("commands_ack")
+    if ack is not None:
+        ack = _int(ack, "commands_ack")
+    return Batch(run=d["run"], rank=rank, seq=seq, meta=meta, reports=reports, events=events, heartbeat=hb,
+                 commands_ack=ack)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# Write-ahead log: length + crc framed records in numbered segments
+# ---------------------------------------------------------------------------------------
+class Wal:
+    def __init__(self, d: Path) -> None:
+        self.dir = d
+        self.cur = max(self.segments(), default=0) + 1
+        self._fd: int | None = None
+
+    def _path(self, seg: int) -> Path:
+        return self.dir / f"wal-{seg:010d}.log"
+
+    def segments(self) -> list[int]:
+        return sorted(int(p.name[4:14]) for p in self.dir.glob("wal-*.log"))
+
+    def append(self, rec: bytes) -> None:
+        if self._fd is None:
+            self._fd = os.open(self._path(self.cur), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.write(self._fd, _REC_HDR.pack(len(rec), zlib.crc32(rec)) + rec)
+        os.fdatasync(self._fd)
+
+    def rotate(self) -> int:
+        """Close the segment being written; returns the last segment holding records."""
+        if self._fd is None:
+            return self.cur - 1
+        os.close(self._fd)
+        self._fd = None
+        self.cur += 1
+        return self.cur - 1
+
+    def read(self, seg: int) -> Iterator[bytes]:
+        """Records of a segment; stops at a torn or corrupt tail (never acknowledged)."""
+        data = self._path(seg).read_bytes()
+        off = 0
+        while off + _REC_HDR.size <= len(data):
+            n, crc = _REC_HDR.unpack_from(data, off)
+            rec = data[off + _REC_HDR.size : off + _REC_HDR.size + n]
+            if len(rec) != n or zlib.crc32(rec) != crc:
+                log.warning("wal %s: torn record at byte %d ignored", self._path(seg), off)
+                return
+            yield rec
+            off += _REC_HDR.size + n
+
+    def delete_upto(self, seg: int) -> None:
+        for s in self.segments():
+            if s <= seg and s != self.cur:
+                self._path(s).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+# ---------------------------------------------------------------------------------------
+# Parquet parts in the run store's format, columns built with numpy
+# ---------------------------------------------------------------------------------------
+def _part_seq(p: Path) -> int:
+    m = _PART_RE.search(p.name)
+    return int(m.group(2)) if m else -1
+
+
+def next_part_seq(run_dir: Path) -> int:
+    return max((_part_seq(p) for t in schema.TABLES for p in part_files(run_dir, t)), default=-1) + 1
+
+
+def report_frames(reports: list[StepReport]) -> dict[str, pl.DataFrame]:
+    """steps / layers / experts frames for rank-0 reports (no per-value Python loop)."""
+    out: dict[str, pl.DataFrame] = {}
+    if not reports:
+        return out
+    steps = {c: [getattr(r, c) for r in reports] for c in schema.STEPS_COLUMNS}
+    out[schema.TABLE_STEPS] = pl.DataFrame(steps, schema=polars_schema(schema.TABLE_STEPS), strict=False)
+    lay: dict[str, list[np.ndarray]] = {c: [] for c in schema.LAYERS_COLUMNS}
+    exp: dict[str, list[np.ndarray]] = {c: [] for c in schema.EXPERTS_COLUMNS}
+    for r in reports:
+        n_l = len(r.layer_ids_L)
+        if n_l:
+            lay["step"].append(np.full(n_l, r.step, np.int64))
+            lay["layer"].append(r.layer_ids_L.astype(np.int32))
+            lay["grad_norm"].append(r.layer_grad_norm_L.astype(np.float64))
+            # position of each layer in the MoE arrays, -1 for dense layers
+            moe = r.moe_layer_ids_M
+            order = np.argsort(moe, kind="stable")
+            pos = np.searchsorted(moe[order], r.layer_ids_L)
+            pos = np.minimum(pos, max(len(moe) - 1, 0))
+            hit = (len(moe) > 0) & (moe[order][pos] == r.layer_ids_L) if len(moe) else np.zeros(n_l, bool)
+            idx = order[pos] if len(moe) else pos
+            for name, arr, fill, dt in (("router_entropy", r.router_entropy_M, np.nan, np.float64),
+                                        ("load_entropy", r.load_entropy_M, np.nan, np.float64),
+                                        ("maxvio", r.maxvio_M, np.nan, np.float64),
+                                        ("dead_experts", r.dead_experts_M, 0, np.int32),
+                                        ("bias_norm", r.bias_norm_M, np.nan, np.float64)):  # fmt: skip
+                col = np.full(n_l, fill, dt)
+                if len(moe):
+                    col[hit] = arr[idx[hit]]
+                lay[name].append(col)
+        if r.load_ME.size:
+            m, e = r.load_ME.shape
+            exp["step"].append(np.full(m * e, r.step, np.int64))
+            exp["layer"].append(np.repeat(r.moe_layer_ids_M.astype(np.int32), e))
+            exp["expert"].append(np.tile(np.arange(e, dtype=np.int32), m))
+            exp["load"].append(r.load_ME.reshape(-1).astype(np.int64, copy=False))
+            exp["bias"].append(
+                r.bias_ME.reshape(-1).astype(np.float64) if r.bias_ME.size else np.zeros(m * e)
+            )
+    for table, cols in ((schema.TABLE_LAYERS, lay), (schema.TABLE_EXPERTS, exp)):
+        if cols["step"]:
+            data = {c: np.concatenate(v) for c, v in cols.items()}
+            out[table] = pl.DataFrame(data, schema=polars_schema(table))
+    return out
+
+
+def event_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
+    cols = {c: [r[c] for r in rows] for c in schema.EVENTS_COLUMNS}
+    return pl.DataFrame(cols, schema=polars_schema(schema.TABLE_EVENTS), strict=False)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Snapshot:
+    segment: int
+    reports: list[StepReport]
+    events: list[dict[str, Any]]
+    state: dict[str, Any]
+
+
+class RunState:
+    """A run's dedupe marks, pending rows, log and detectors. `lock` guards memory;
+    `ckpt_lock` serialises checkpoints and truncations (taken before `lock`)."""
+
+    def __init__(self, run: str, run_dir: Path, cfg: CollectorConfig, metrics: CollectorMetrics) -> None:
+        self.run, self.dir, self.cfg, self.metrics = run, run_dir, cfg, metrics
+        self.lock = threading.Lock()
+        self.ckpt_lock = threading.Lock()
+        self.state_dir = run_dir / STATE_DIR
+        for t in schema.TABLES:
+            (run_dir / t).mkdir(parents=True, exist_ok=True)
+        self.state_dir.mkdir(exist_ok=True)
+        self.hwm: dict[int, int] = {}
+        self.acks: dict[int, int] = {}
+        self.last_step = -1  # last rank-0 step stored or pending
+        self.pending_reports: list[StepReport] = []
+        self.pending_events: list[dict[str, Any]] = []
+        self.dirty = False
+        self.failed: BaseException | None = None
+        self.detectors = _make_detectors(cfg.guard)
+        self.commands: list[dict[str, Any]] = _read_json(self.state_dir / "commands.json", [])
+        self.wal = Wal(self.state_dir)
+        self._recover()
+
+    # ---- recovery ------------------------------------------------------------------
+    def _recover(self) -> None:
+        st = _read_json(self.state_dir / "state.json", None)
+        if st is None:  # first time: commit an empty state over whatever is already there
+            last = scan_last_step(self.dir)
+            st = {"segment_done": 0, "next_part_seq": next_part_seq(self.dir), "hwm": {}, "acks": {},
+                  "last_step": last, "ranks": {}}  # fmt: skip
+            self._commit_state(st)
+        self.segment_done = int(st["segment_done"])
+        self.next_part = int(st["next_part_seq"])
+        self.hwm = {int(k): int(v) for k, v in st["hwm"].items()}
+        self.acks = {int(k): int(v) for k, v in st["acks"].items()}
+        self.last_step = int(st["last_step"])
+        for rank, (seen, sent, step, phase) in st.get("ranks", {}).items():
+            self.metrics.beat(self.run, int(rank), seen, step, phase, sent)
+        # parts written by a checkpoint that never committed
+        for t in schema.TABLES:
+            for p in part_files(self.dir, t):
+                if _part_seq(p) >= self.next_part:
+                    log.warning("run %s: removing uncommitted part %s", self.run, p.name)
+                    p.unlink()
+        segs = self.wal.segments()
+        self.wal.delete_upto(self.segment_done)
+        n = 0
+        for s in (s for s in segs if s > self.segment_done):
+            for rec in self.wal.read(s):
+                batch = parse_batch(rec)
+                sent = batch.heartbeat["time"] if batch.heartbeat else None
+                self._ingest(batch, None, now=sent if sent is not None else time.time(), replay=True)
+                n += 1
+        self.wal.cur = max([*segs, self.segment_done]) + 1
+        if n:
+            log.info("run %s: replayed %d logged batches", self.run, n)
+        self.checkpoint()
+
+    # ---- ingest --------------------------------------------------------------------
+    def ingest(self, batch: Batch, body: bytes) -> dict[str, Any]:
+        now = time.time()
+        with self.lock:
+            if self.failed is not None:
+                raise StorageFailed(f"run {self.run}: storage failed: {self.failed!r}")
+            if batch.seq <= self.hwm.get(batch.rank, -1):
+                return self._answer(batch, duplicate=True)
+            if not self._needs_truncate(batch):
+                self._ingest(batch, body, now)
+                return self._answer(batch, duplicate=False)
+        with self.ckpt_lock, self.lock:  # rare: a resumed trainer re-runs stored steps
+            if batch.seq <= self.hwm.get(batch.rank, -1):
+                return self._answer(batch, duplicate=True)
+            self._ingest(batch, body, now)
+            return self._answer(batch, duplicate=False)
+
+    def _needs_truncate(self, b: Batch) -> bool:
+        if b.rank != 0 or not b.reports or 0 not in self.hwm:
+            return False
+        return b.generation > (self.hwm[0] >> GEN_SHIFT) and min(r.step for r in b.reports) <= self.last_step
+
+    def _ingest(self, b: Batch, body: bytes | None, now: float, replay: bool = False) -> None:
+        """Apply a validated, non-duplicate batch. Caller holds `lock` (and `ckpt_lock` when the
+        batch truncates). `body` None means replay: the record is already in the log."""
+        if replay and b.seq <= self.hwm.get(b.rank, -1):
+            return
+        if self._needs_truncate(b):
+            first = min(r.step for r in b.reports)
+            dropped = truncate_after(self.dir, first - 1)
+            self.pending_reports = [r for r in self.pending_reports if r.step < first]
+            self.pending_events = [e for e in self.pending_events if e["step"] < first]
+            self.last_step = first - 1
+            log.info(
+                "run %s: rank 0 restarted at step %d; dropped %d stored rows after it",
+                self.run,
+                first,
+                dropped,
+            )
+        durable = bool(b.events or b.meta or (b.rank == 0 and b.reports)
+                       or (b.commands_ack is not None and b.commands_ack > self.acks.get(b.rank, -1)))  # fmt: skip
+        if durable and body is not None:
+            self.wal.append(body)  # the batch is durable from here on
+        m = self.metrics
+        if b.meta:
+            meta = {**(read_meta(self.dir) or {}), **b.meta, "schema_version": schema.SCHEMA_VERSION,
+                    "updated_at": time.time()}  # fmt: skip
+            meta.setdefault("run_id", self.run)
+            atomic_write_bytes(
+                self.dir / schema.META_FILE, json.dumps(meta, indent=2, sort_keys=True, default=str).encode()
+            )
+            m.set_meta(self.run, meta)
+        elif b.reports and not (self.dir / schema.META_FILE).is_file():
+            self._write_minimal_meta()
+        trainer_steps = {
+            e["step"] for e in b.events if e["kind"] in (schema.EV_VERDICT, schema.EV_ACTION, schema.EV_HALT)
+        }
+        server_events: list[dict[str, Any]] = []
+        for rep in b.reports:
+            m.observe_report(self.run, rep)
+            if b.rank != 0:
+                continue
+            self.pending_reports.append(rep)
+            self.last_step = max(self.last_step, rep.step)
+            for v in self._detect(rep):
+                if rep.step in trainer_steps:
+                    continue
+                ev = Event.from_verdict(rep.step, v, schema.ACT_NONE)
+                ev.detail["source"] = "collector"
+                ev.time = rep.time
+                server_events.append(ev.row())
+        events = b.events + server_events
+        if events:
+            self.pending_events.extend(events)
+            m.observe_events(self.run, events)
+        hb = b.heartbeat
+        if hb is not None:
+            m.beat(self.run, b.rank, now, hb["step"], hb["phase"], hb["time"])
+        elif b.reports:
+            last = max(b.reports, key=lambda r: r.step)
+            m.beat(self.run, b.rank, now, last.step, PHASE_TRAIN, last.time)
+        if b.commands_ack is not None:
+            self.acks[b.rank] = max(self.acks.get(b.rank, -1), b.commands_ack)
+        self.hwm[b.rank] = b.seq
+        self.dirty = True
+
+    def _detect(self, rep: StepReport) -> list[Any]:
+        if self.detectors is None:
+            return []
+        try:
+            return [v for v in self.detectors.update(rep) if v.fired]
+        except Exception:  # a detector bug must not take ingest down
+            log.exception("run %s: server-side detectors failed; disabled for this run", self.run)
+            self.detectors = None
+            return []
+
+    def _write_minimal_meta(self) -> None:
+        meta = {"run_id": self.run, "status": schema.STATUS_RUNNING, "source": "collector",
+                "schema_version": schema.SCHEMA_VERSION, "updated_at": time.time()}  # fmt: skip
+        atomic_write_bytes(self.dir / schema.META_FILE, json.dumps(meta, indent=2, sort_keys=True).encode())
+
+    def _answer(self, b: Batch, duplicate: bool) -> dict[str, Any]:
+        return {"ok": True, "duplicate": duplicate, "commands": self._pending_commands(b.rank, None)}
+
+    # ---- commands ------------------------------------------------------------------
+    def _pending_commands(self, rank: int, after: int | None) -> list[dict[str, Any]]:
+        after = self.acks.get(rank, -1) if after is None else after
+        return [c for c in self.commands if c["id"] > after and c.get("rank") in (None, rank)]
+
+    def pending_commands(self, rank: int, after: int | None) -> list[dict[str, Any]]:
+        with self.lock:
+            return self._pending_commands(rank, after)
+
+    def add_command(self, action: str, reason: str, rank: int | None) -> dict[str, Any]:
+        with self.lock:
+            cmd = {"id": max((c["id"] for c in self.commands), default=0) + 1, "action": action,
+                   "reason": reason, "rank": rank, "time": time.time()}  # fmt: skip
+            cmds = [*self.commands, cmd]
+            atomic_write_bytes(self.state_dir / "commands.json", json.dumps(cmds).encode())
+            self.commands = cmds
+            return cmd
+
+    # ---- checkpoint ----------------------------------------------------------------
+    def checkpoint(self) -> None:
+        """Move pending rows to Parquet and commit; the log up to here is then deleted."""
+        with self.ckpt_lock:
+            with self.lock:
+                if not self.dirty or self.failed is not None:
+                    return
+                snap = _Snapshot(
+                    segment=self.wal.rotate(), reports=self.pending_reports, events=self.pending_events,
+                    state={"hwm": dict(self.hwm), "acks": dict(self.acks), "last_step": self.last_step,
+                           "ranks": self._rank_beats()},
+                )  # fmt: skip
+                self.pending_reports, self.pending_events, self.dirty = [], [], False
+            try:
+                self._write(snap)
+            except BaseException as e:
+                # Acknowledged rows are still in the log; a restart replays them. Until then
+                # this run answers 503 so exporters keep their data.
+                self.failed = e
+                log.exception("run %s: checkpoint failed; run refuses ingest until restart", self.run)
+                raise
+
+    def _rank_beats(self) -> dict[str, list[Any]]:
+        return {str(r): v for r, v in self.metrics.beats(self.run).items()}
+
+    def _write(self, snap: _Snapshot) -> None:
+        frames = report_frames(snap.reports)
+        if snap.events:
+            frames[schema.TABLE_EVENTS] = event_frame(snap.events)
+        seq = self.next_part
+        touched = []
+        for table, df in frames.items():
+            first = int(df["step"].min())  # type: ignore[arg-type]
+            path = self.dir / table / f"part-{first:010d}-{seq:06d}.parquet"
+            tmp = path.with_name(f".{path.name}.tmp")
+            df.write_parquet(tmp, compression="zstd", statistics=True)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            touched.append(path.parent)
+            seq += 1
+        for d in touched:
+            _fsync_dir(d)
+        st = {**snap.state, "segment_done": snap.segment, "next_part_seq": seq}
+        self._commit_state(st)  # the commit point
+        self.next_part, self.segment_done = seq, snap.segment
+        self.wal.delete_upto(snap.segment)
+
+    def _commit_state(self, st: dict[str, Any]) -> None:
+        atomic_write_bytes(self.state_dir / "state.json", json.dumps(st, sort_keys=True).encode())
+        _fsync_dir(self.state_dir)
+
+    def close(self) -> None:
+        try:
+            self.checkpoint()
+        finally:
+            self.wal.close()
+
+
+class StorageFailed(RuntimeError):
+    pass
+
+
+def _read_json(p: Path, default: Any) -> Any:
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        return default
+
+
+def _make_detectors(cfg: GuardConfig | None) -> Any:
+    if cfg is None:
+        return None
+    try:
+        from guard.detectors import DetectorSuite  # lazy: written in parallel, optional here
+    except ImportError as e:
+        log.warning("server-side detectors unavailable (%s)", e)
+        return None
+    return DetectorSuite(cfg)
+
+
+def scan_last_step(run_dir: Path) -> int:
+    if not part_files(run_dir, schema.TABLE_STEPS):
+        return -1
+    from guard.runstore import scan_table
+
+    v = scan_table(run_dir, schema.TABLE_STEPS).select(pl.col("step").max()).collect().item()
+    return -1 if v is None else int(v)
+
+
+# ---------------------------------------------------------------------------------------
+# The service
+# ---------------------------------------------------------------------------------------
+class Collector:
+    """All runs, the metrics and the background checkpointer; no HTTP (see build_app)."""
+
+    def __init__(self, cfg: CollectorConfig, metrics: CollectorMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or CollectorMetrics(heartbeat=cfg.heartbeat)
+        self.runs: dict[str, RunState] = {}
+        self._runs_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        cfg.runs_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        """Recover every run this collector wrote before, then start checkpointing."""
+        for d in sorted(self.cfg.runs_dir.iterdir()):
+            if d.is_dir() and (d / STATE_DIR / "state.json").is_file() and valid_run_id(d.name):
+                self.run_state(d.name)
+        self._thread = threading.Thread(target=self._checkpointer, name="moeguard-checkpoint", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for rs in list(self.runs.values()):
+            try:
+                rs.close()
+            except Exception:
+                log.exception("run %s: final checkpoint failed", rs.run)
+
+    def _checkpointer(self) -> None:
+        while not self._stop.wait(self.cfg.checkpoint_interval_s):
+            for rs in list(self.runs.values()):
+                try:
+                    rs.checkpoint()
+                except Exception:
+                    pass  # logged by checkpoint(); the run now answers 503
+
+    def run_state(self, run: str) -> RunState:
+        rs = self.runs.get(run)
+        if rs is not None:
+            return rs
+        with self._runs_lock:
+            rs = self.runs.get(run)
+            if rs is None:
+                self.metrics.ensure_run(run)
+                rs = RunState(run, self.cfg.runs_dir / run, self.cfg, self.metrics)
+                meta = read_meta(rs.dir)
+                if meta:
+                    self.metrics.set_meta(run, meta)
+                _restore_run_metrics(self.metrics, run, rs.dir)
+                self.runs[run] = rs
+            return rs
+
+    # ---- request handlers (synchronous; called from a worker thread) ------------------
+    def ingest(self, body: bytes) -> tuple[int, dict[str, Any]]:
+        try:
+            batch = parse_batch(body)
+        except BadRequest as e:
+            self.metrics.batch("bad_request")
+            return 400, {"error": str(e)}
+        try:
+            ans = self.run_state(batch.run).ingest(batch, body)
+        except StorageFailed as e:
+            self.metrics.batch("unavailable")
+            return 503, {"error": str(e)}
+        self.metrics.batch("duplicate" if ans["duplicate"] else "ok")
+        return 200, ans
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        now = time.time()
+        names = set(self.runs) | {d.name for d in self.cfg.runs_dir.iterdir()
+                                  if d.is_dir() and (d / schema.META_FILE).is_file()}  # fmt: skip
+        out = []
+        for run in sorted(names):
+            meta = read_meta(self.cfg.runs_dir / run) or {}
+            ranks = self.metrics.rank_status(run, now)
+            status = meta.get("status", schema.STATUS_RUNNING)
+            if self.metrics.is_halted(run):
+                status = schema.STATUS_HALTED
+            elif status == schema.STATUS_RUNNING and ranks and all(r["lost"] for r in ranks.values()):
+                status = schema.STATUS_STALE
+            rs = self.runs.get(run)
+            last = self.metrics.last_step(run)
+            if last is None and rs is not None and rs.last_step >= 0:
+                last = rs.last_step
+            out.append({"run": run, "status": status, "last_step": last,
+                        "ranks": {str(k): v for k, v in ranks.items()}})  # fmt: skip
+        return _finite(out)
+
+    def post_command(self, run: str, body: bytes) -> tuple[int, dict[str, Any]]:
+        if not valid_run_id(run):
+            return 400, {"error": f"run {run[:60]!r} is not a valid run id"}
+        try:
+            d = loads(body)
+        except (ValueError, RecursionError, UnicodeDecodeError):
+            return 400, {"error": "body is not valid JSON"}
+        if not isinstance(d, dict):
+            return 400, {"error": "body: expected a JSON object"}
+        action, reason, rank = d.get("action"), d.get("reason", ""), d.get("rank")
+        if action not in COMMAND_ACTIONS:
+            return 400, {"error": f"field 'action': {str(action)[:60]!r} not one of {COMMAND_ACTIONS}"}
+        if not isinstance(reason, str) or len(reason) > 2000:
+            return 400, {"error": "field 'reason': expected a string (<= 2000 chars)"}
+        if rank is not None:
+            try:
+                rank = _int(rank, "rank", 0, MAX_RANK)
+            except BadRequest as e:
+                return 400, {"error": str(e)}
+        cmd = self.run_state(run).add_command(action, reason, rank)
+        log.warning("run %s: operator command %s", run, cmd)
+        return 200, {"ok": True, "command": cmd}
+
+    def get_commands(self, run: str, rank: str | None, after: str | None) -> tuple[int, dict[str, Any]]:
+        if not valid_run_id(run):
+            return 400, {"error": f"run {run[:60]!r} is not a valid run id"}
+        try:
+            r = int(rank) if rank is not None else 0
+            a = int(after) if after is not None else None
+        except ValueError:
+            return 400, {"error": "query 'rank' and 'after' must be integers"}
+        rs = self.runs.get(run)
+        if rs is None:
+            if not (self.cfg.runs_dir / run / STATE_DIR).is_dir():
+                return 404, {"error": f"unknown run {run!r}"}
+            rs = self.run_state(run)
+        return 200, {"commands": rs.pending_commands(r, a)}
+
+
+def _restore_run_metrics(metrics: CollectorMetrics, run: str, run_dir: Path) -> None:
+    """Baselines and halted flag survive a collector restart (read back from the run store)."""
+    from guard.runstore import scan_table
+
+    meta = read_meta(run_dir) or {}
+    if meta.get("status") == schema.STATUS_HALTED:
+        metrics.set_halted(run)
+    try:
+        ev = (
+            scan_table(run_dir, schema.TABLE_EVENTS)
+            .filter(pl.col("kind") == schema.EV_HALT)
+            .select(pl.len())
+            .collect()
+        )
+        if ev.item():
+            metrics.set_halted(run)
+        b = metrics.baseline
+        steps = scan_table(run_dir, schema.TABLE_STEPS)
+        last = steps.select(pl.col("step").max()).collect().item()
+        if last is not None and last > b.end:
+            w = (
+                steps.filter(pl.col("step").is_between(b.start, b.end))
+                .select(
+                    pl.col("mfu").filter(pl.col("mfu").is_not_nan()).median(),
+                    pl.col("tokens_per_s").filter(pl.col("tokens_per_s").is_not_nan()).median(),
+                )
+                .collect()
+            )
+            mfu, tps = w.row(0)
+            if mfu is not None or tps is not None:
+                metrics.set_baselines(run, mfu, tps)
+    except Exception:
+        log.exception("run %s: could not restore metrics from the run store", run)
+
+
+def _finite(o: Any) -> Any:
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_finite(v) for v in o]
+    return o
+
+
+# ---------------------------------------------------------------------------------------
+# HTTP
+# ---------------------------------------------------------------------------------------
+def build_app(collector: Collector) -> Any:
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    cfg = collector.cfg
+    token = cfg.token.encode() if cfg.token else None
+
+    def authorized(request: Request) -> bool:
+        if token is None:
+            return True
+        h = request.headers.get("authorization", "")
+        scheme, _, cred = h.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(cred.strip().encode(), token)
+
+    def answer(status: int, payload: dict[str, Any]) -> Response:
+        return Response(dumps(payload), status_code=status, media_type="application/json")
+
+    async def read_body(request: Request) -> bytes | None:
+        """The body, or None once it is known to exceed the limit (the rest is never read)."""
+        limit = cfg.max_body_bytes
+        cl = request.headers.get("content-length")
+        if cl is not None and (not cl.isdigit() or int(cl) > limit):
+            return None
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def ingest(request: Request) -> Response:
+        if not authorized(request):
+            collector.metrics.batch("unauthorized")
+            return answer(401, {"error": "missing or wrong bearer token"})
+        body = await read_body(request)
+        if body is None:
+            collector.metrics.batch("too_large")
+            return answer(413, {"error": f"body larger than {cfg.max_body_bytes} bytes"})
+        status, payload = await run_in_threadpool(collector.ingest, body)
+        return answer(status, payload)
+
+    async def runs(request: Request) -> Response:
+        return answer(200, {"runs": await run_in_threadpool(collector.list_runs)})
+
+    async def commands(request: Request) -> Response:
+        run = request.path_params["run"]
+        if request.method == "POST":
+            if not authorized(request):
+                return answer(401, {"error": "missing or wrong bearer token"})
+            body = await read_body(request)
+            if body is None:
+                return answer(413, {"error": "body too large"})
+            return answer(*(await run_in_threadpool(collector.post_command, run, body)))
+        q = request.query_params
+        return answer(*(await run_in_threadpool(collector.get_commands, run, q.get("rank"), q.get("after"))))
+
+    async def metrics(request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(await run_in_threadpool(collector.metrics.render), media_type=CONTENT_TYPE_LATEST)
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"ok": True, "runs": len(collector.runs)})
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> Any:
+        yield
+        await run_in_threadpool(collector.close)
+
+    return Starlette(
+        routes=[
+            Route("/v1/ingest", ingest, methods=["POST"]),
+            Route("/v1/runs", runs, methods=["GET"]),
+            Route("/v1/runs/{run}/commands", commands, methods=["GET", "POST"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9090, help="0 picks a free port (see --port-file)")
+    parser.add_argument("--runs", default="runs", help="run store directory (runs/<run_id>/...)")
+    parser.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help=f"accept writes without a bearer token (otherwise ${schema.ENV_TOKEN} is required)",
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger ingest bodies get 413")
+    parser.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=1.0,
+        help="seconds between moves of logged rows into Parquet parts",
+    )
+    parser.add_argument(
+        "--guard", default=None, help="guard TOML for the server-side detectors (default config)"
+    )
+    parser.add_argument("--no-detectors", action="store_true", help="do not run detectors server-side")
+    parser.add_argument(
+        "--heartbeat-floor", type=float, default=30.0, help="minimum heartbeat timeout, seconds"
+    )
+    parser.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    token = os.environ.get(schema.ENV_TOKEN) or None
+    if token is None and not args.insecure_no_auth:
+        print(f"moeguard collector: set {schema.ENV_TOKEN} (writes need a bearer token), "
+              "or pass --insecure-no-auth to accept unauthenticated writes", flush=True)  # fmt: skip
+        return 2
+    guard_cfg = None if args.no_detectors else load_guard_config(args.guard) if args.guard else GuardConfig()
+    cfg = CollectorConfig(runs_dir=Path(args.runs), token=token, max_body_bytes=args.max_body_bytes,
+                          checkpoint_interval_s=args.checkpoint_interval, guard=guard_cfg,
+                          heartbeat=HeartbeatConfig(floor_s=args.heartbeat_floor))  # fmt: skip
+    collector = Collector(cfg)
+    collector.start()
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    port = sock.getsockname()[1]
+    if args.port_file:
+        atomic_write_bytes(Path(args.port_file), str(port).encode())
+    log.info("collector listening on http://%s:%d, runs in %s%s", args.host, port, cfg.runs_dir,
+             "" if token else " (NO AUTH)")  # fmt: skip
+    server = uvicorn.Server(uvicorn.Config(build_app(collector), log_level=args.log_level, access_log=False,
+                                           timeout_graceful_shutdown=10))  # fmt: skip
+    server.run(sockets=[sock])
+    return 0

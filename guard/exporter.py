@@ -1,0 +1,380 @@
+"""Trainer side of the collector link: ship StepReports and events without ever stalling a step.
+
+    exp = Exporter(url, token, run_id, rank, spool_dir)
+    exp.submit(report, events)          # every step: an in-memory put, never a network call
+    for cmd in exp.poll_commands(): ... # operator commands, fetched in the background
+    exp.close(timeout=30)               # drain; what cannot be sent stays spooled on disk
+
+One background thread owns the network. It takes what has queued up (at most `batch_max`
+steps), gives the batch the next sequence number and POSTs it to /v1/ingest. When the collector
+does not answer 200, the batch goes to the spool (one JSON file per batch, written to a temp
+name, fsynced, renamed) and every later batch queues behind it on disk; the thread retries the
+oldest spooled batch with exponential backoff and replays the spool in order once the collector
+answers. A full queue spills the step straight to the spool from `submit` (disk, not network;
+never dropped). Spooled files outlive the process: a restarted trainer replays them first.
+
+Sequence numbers. The collector dedupes by (run, rank, seq) with a high-water mark, so a batch
+must never be sent after a batch with a larger seq was accepted, and a retried batch keeps its
+seq. seq = generation << 32 | counter: `generation` is this exporter's start time in whole
+seconds, raised above the last one recorded in the spool dir, so a restarted trainer counts up
+from where the previous process stopped even if its spool dir was lost. Why not derive seq from
+the step: after a crash and resume the trainer re-runs steps with NEW data (different batches,
+different weights); step-derived seqs would be dropped as duplicates. A new generation whose
+first step is not past the stored ones tells the collector to drop the stale rows instead.
+Ordering is kept by assigning seqs under one lock and sending in seq order: once anything is
+spooled, everything newer is spooled behind it.
+
+Operator commands come back in ingest answers and from a GET every `poll_s`; each command is
+returned by `poll_commands()` once, and the highest id taken is acknowledged in the next batch
+(`commands_ack`). A multi-rank trainer should act on rank 0's commands and broadcast them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from guard.events import Event
+from guard.heartbeat import PHASE_TRAIN, PHASES
+from guard.report import StepReport
+
+try:
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson = None
+
+log = logging.getLogger("moeguard.exporter")
+
+GEN_SHIFT = 32  # same as guard.collector.GEN_SHIFT (not imported: the trainer needs no starlette)
+_STOP = object()
+
+
+def _dumps(obj: Any) -> bytes:
+    if _orjson is not None:  # writes NaN as null, which the collector reads back as NaN
+        return _orjson.dumps(obj, option=_orjson.OPT_SERIALIZE_NUMPY)
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+class Exporter:
+    def __init__(self, url: str, token: str | None, run_id: str, rank: int, spool_dir: str | Path, *,
+                 max_queue: int = 1024, batch_max: int = 32, max_body_bytes: int = 8 << 20,
+                 timeout_s: float = 10.0, poll_s: float = 5.0, heartbeat_s: float = 10.0,
+                 backoff_max_s: float = 30.0) -> None:  # fmt: skip
+        self.url = url.rstrip("/")
+        self.run_id, self.rank = run_id, rank
+        self.spool_dir = Path(spool_dir)
+        self.spool_dir.mkdir(parents=True, exist_ok=True)
+        self.batch_max, self.max_body_bytes = batch_max, max_body_bytes
+        self.poll_s, self.heartbeat_s, self.backoff_max_s = poll_s, heartbeat_s, backoff_max_s
+        headers = {"content-type": "application/json"}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        self._client = httpx.Client(
+            headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
+        )
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self._prefix = f"{run_id}-r{rank}-"
+        # seq and spool order: `_lock` covers seq assignment and the spool index together
+        self._lock = threading.Lock()
+        self.generation = self._next_generation()
+        self._counter = 0
+        self._spool: list[Path] = sorted(self.spool_dir.glob(f"{self._prefix}*.json"))
+        self._meta: dict[str, Any] | None = None
+        self._phase = PHASE_TRAIN
+        self._phase_changed = False
+        self._last_step = -1
+        self._commands: list[dict[str, Any]] = []
+        self._seen_cmd = -1  # highest command id handed to poll_commands' caller
+        self._queued_cmd = -1  # highest command id fetched
+        self._acked_cmd = -1  # highest id acknowledged to the collector
+        self._submitted = 0  # steps handed to submit()
+        self._processed = 0  # ... of which acknowledged or spooled
+        self.stats = {"sent": 0, "spooled": 0, "replayed": 0, "rejected": 0, "spilled": 0}
+        self._thread = threading.Thread(target=self._loop, name=f"moeguard-exporter-r{rank}", daemon=True)
+        self._closing = False
+        self._thread.start()
+
+    # ---- step path: never blocks on the network --------------------------------------
+    def submit(self, report: StepReport, events: Iterable[Event | dict[str, Any]] = ()) -> None:
+        """Queue one step (the report must not be mutated afterwards). Never blocks."""
+        item = (report, [e.row() if isinstance(e, Event) else dict(e) for e in events])
+        with self._lock:
+            self._submitted += 1
+        try:
+            self._q.put_nowait(item)
+        except queue.Full:
+            # The sender is behind (collector slow or down): spill to disk rather than drop.
+            with self._lock:
+                self._spool_write(self._payload([item], self._next_seq()))
+                self.stats["spilled"] += 1
+                self._processed += 1
+
+    def set_meta(self, meta: dict[str, Any]) -> None:
+        """Send the run's meta with the next batch (status changes included)."""
+        with self._lock:
+            self._meta = dict(meta)
+        self._wake()
+
+    def set_phase(self, phase: str) -> None:
+        """train | checkpoint | eval: a heartbeat goes out now, so the collector knows why it
+        may not hear from this rank for a while (checkpoint intervals do not teach timeouts)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} not one of {PHASES}")
+        with self._lock:
+            self._phase, self._phase_changed = phase, True
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._q.put_nowait(None)
+        except queue.Full:
+            pass  # the sender is busy anyway
+
+    def poll_commands(self) -> list[dict[str, Any]]:
+        """Operator commands that arrived since the last call (no network call)."""
+        with self._lock:
+            out, self._commands = self._commands, []
+            if out:
+                self._seen_cmd = max(self._seen_cmd, max(c["id"] for c in out))
+            return out
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until everything submitted is acknowledged (True) or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._processed == self._submitted and not self._spool:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Drain and stop. True when everything reached the collector; otherwise the rest is
+        on disk in the spool and a later Exporter for the same run and rank sends it."""
+        ok = self.flush(timeout)
+        self._closing = True
+        self._q.put(_STOP)
+        self._thread.join(timeout=max(1.0, timeout / 4))
+        # anything still queued (collector down) is written to the spool, never lost
+        leftover = []
+        while True:
+            try:
+                it = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(it, tuple):
+                leftover.append(it)
+        with self._lock:
+            for i in range(0, len(leftover), self.batch_max):
+                self._spool_write(self._payload(leftover[i : i + self.batch_max], self._next_seq()))
+        self._client.close()
+        return ok and not leftover
+
+    @property
+    def spooled(self) -> int:
+        with self._lock:
+            return len(self._spool)
+
+    # ---- sequence numbers and spool (callers hold _lock) ------------------------------
+    def _next_generation(self) -> int:
+        p = self.spool_dir / f"{self._prefix}generation"
+        try:
+            last = int(p.read_text())
+        except (FileNotFoundError, ValueError):
+            last = 0
+        gen = max(int(time.time()), last + 1)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(str(gen))
+        os.replace(tmp, p)
+        return gen
+
+    def _next_seq(self) -> int:
+        self._counter += 1
+        return self.generation << GEN_SHIFT | self._counter
+
+    def _payload(self, items: list[tuple[StepReport, list[dict[str, Any]]]], seq: int) -> dict[str, Any]:
+        d: dict[str, Any] = {"run": self.run_id, "rank": self.rank, "seq": seq,
+                             "reports": [r.to_json() for r, _ in items],
+                             "events": [e for _, evs in items for e in evs]}  # fmt: skip
+        if items:
+            self._last_step = max(self._last_step, max(r.step for r, _ in items))
+        d["heartbeat"] = {"time": time.time(), "step": max(self._last_step, 0), "phase": self._phase}
+        if self._meta is not None:
+            d["meta"], self._meta = self._meta, None
+        if self._seen_cmd > self._acked_cmd:
+            d["commands_ack"] = self._acked_cmd = self._seen_cmd
+        return d
+
+    def _spool_write(self, payload: dict[str, Any]) -> None:
+        p = self.spool_dir / f"{self._prefix}{payload['seq']:020d}.json"
+        tmp = p.with_name(f".{p.name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(_dumps(payload))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+        bisect.insort(self._spool, p)  # seq order (zero-padded names), whoever wrote it
+        self.stats["spooled"] += 1
+
+    # ---- background thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        backoff, retry_at = 0.0, 0.0
+        next_poll = time.monotonic() + self.poll_s
+        last_sent = time.monotonic()
+        while True:
+            now = time.monotonic()
+            wait = min(next_poll, last_sent + self.heartbeat_s, retry_at if self._spool else now + 1.0) - now
+            items, stop = self._take(max(0.0, wait))
+            with self._lock:
+                send_meta = self._meta is not None or self._phase_changed
+                if items or send_meta:
+                    self._phase_changed = False
+                    batches = self._build(items)
+                    if self._spool:  # keep order: queue behind what is already spooled
+                        for b in batches:
+                            self._spool_write(b)
+                        batches = []
+                else:
+                    batches = []
+            for i, b in enumerate(batches):
+                if not self._post(b):
+                    with self._lock:
+                        for rest in batches[i:]:
+                            self._spool_write(rest)
+                    backoff, retry_at = self._backoff(backoff)
+                    break
+                last_sent = time.monotonic()
+            if items:
+                with self._lock:
+                    self._processed += len(items)
+            if self._spool and time.monotonic() >= retry_at:
+                if self._replay():
+                    backoff = 0.0
+                    last_sent = time.monotonic()
+                else:
+                    backoff, retry_at = self._backoff(backoff)
+            now = time.monotonic()
+            if now >= next_poll:
+                self._poll()
+                next_poll = now + self.poll_s
+            if now - last_sent >= self.heartbeat_s:
+                with self._lock:  # only when nothing is spooled, checked under the seq lock
+                    hb = None if self._spool else self._build([])[0]
+                if hb is not None and self._post(hb, heartbeat_only=True):
+                    last_sent = time.monotonic()
+                else:
+                    last_sent = now  # do not hammer a collector that is down
+            if stop or self._closing:
+                return
+
+    def _take(self, wait: float) -> tuple[list[tuple[StepReport, list[dict[str, Any]]]], bool]:
+        items: list[Any] = []
+        stop = False
+        try:
+            first = self._q.get(timeout=wait) if wait > 0 else self._q.get_nowait()
+        except queue.Empty:
+            return items, stop
+        for it in [first]:
+            if it is _STOP:
+                return items, True
+            if it is not None:
+                items.append(it)
+        while len(items) < self.batch_max:
+            try:
+                it = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if it is _STOP:
+                stop = True
+                break
+            if it is not None:
+                items.append(it)
+        return items, stop
+
+    def _build(self, items: list[Any]) -> list[dict[str, Any]]:
+        """Payloads for `items`, split so that none exceeds max_body_bytes. Holds _lock."""
+        if len(items) <= 1:
+            return [self._payload(items, self._next_seq())]
+        p = self._payload(items, -1)
+        if len(_dumps(p)) <= self.max_body_bytes:
+            p["seq"] = self._next_seq()
+            return [p]
+        half = len(items) // 2
+        return self._build(items[:half]) + self._build(items[half:])
+
+    def _backoff(self, backoff: float) -> tuple[float, float]:
+        backoff = min(self.backoff_max_s, max(0.25, backoff * 2))
+        return backoff, time.monotonic() + backoff * random.uniform(0.8, 1.2)
+
+    def _post(self, payload: dict[str, Any] | bytes, heartbeat_only: bool = False) -> bool:
+        """POST one batch; True when the collector has it (200) or rejected it for good (4xx)."""
+        body = payload if isinstance(payload, bytes) else _dumps(payload)
+        try:
+            r = self._client.post(f"{self.url}/v1/ingest", content=body)
+        except httpx.HTTPError as e:
+            log.debug("collector unreachable: %s", e)
+            return False
+        if r.status_code == 200:
+            self.stats["sent"] += 0 if heartbeat_only else 1
+            self._take_commands(r)
+            return True
+        if r.status_code in (400, 413) and not heartbeat_only:
+            # Permanently bad: retrying would block every later batch. Keep it for a human.
+            self.stats["rejected"] += 1
+            bad = self.spool_dir / "rejected"
+            bad.mkdir(exist_ok=True)
+            (bad / f"{self._prefix}{time.time_ns()}.json").write_bytes(body)
+            log.error("collector rejected a batch (%d): %s", r.status_code, r.text[:300])
+            return True
+        log.warning("collector answered %d: %s", r.status_code, r.text[:200])
+        return False
+
+    def _replay(self) -> bool:
+        """Send spooled batches oldest first; stop at the first failure."""
+        while True:
+            with self._lock:
+                if not self._spool:
+                    return True
+                p = self._spool[0]
+            try:
+                body = p.read_bytes()
+            except FileNotFoundError:
+                body = None
+            if body is not None and not self._post(body):
+                return False
+            with self._lock:
+                self._spool.remove(p)
+            p.unlink(missing_ok=True)
+            self.stats["replayed"] += 1
+
+    def _poll(self) -> None:
+        try:
+            r = self._client.get(f"{self.url}/v1/runs/{self.run_id}/commands",
+                                 params={"rank": self.rank, "after": self._queued_cmd})  # fmt: skip
+        except httpx.HTTPError:
+            return
+        if r.status_code == 200:
+            self._take_commands(r)
+
+    def _take_commands(self, r: httpx.Response) -> None:
+        try:
+            cmds = r.json().get("commands") or []
+        except (ValueError, AttributeError):
+            return
+        with self._lock:
+            for c in cmds:
+                if isinstance(c, dict) and isinstance(c.get("id"), int) and c["id"] > self._queued_cmd:
+                    self._commands.append(c)
+                    self._queued_cmd = c["id"]

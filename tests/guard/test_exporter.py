@@ -1,0 +1,143 @@
+"""Exporter against a real collector (spool, replay, spill, commands) and OtelExporter with the
+SDK's in-memory reader."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from guard import schema
+from guard.events import Event
+from guard.exporter import GEN_SHIFT, Exporter
+from guard.otel import OtelExporter
+from guard.runstore import read_table
+from tests.guard.test_collector import AUTH, TOKEN, CollectorProc, free_port, make_report
+
+
+def test_submit_never_blocks_and_spills_when_the_queue_is_full(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens
+    exp = Exporter(
+        url, TOKEN, "sp", 0, tmp_path / "spool", max_queue=4, batch_max=2, backoff_max_s=0.2, timeout_s=0.5
+    )
+    t0 = time.perf_counter()
+    for s in range(200):
+        exp.submit(make_report(s, n_layers=2, n_experts=2))
+    per_step = (time.perf_counter() - t0) / 200
+    assert per_step < 0.01  # spilling is a small local file write, never a network wait
+    assert exp.close(timeout=0.5) is False
+    assert exp.stats["spilled"] > 0
+    files = sorted((tmp_path / "spool").glob("sp-r0-*.json"))
+    assert files, "unsent batches must be on disk"
+    seqs = [int(p.stem.rsplit("-", 1)[1]) for p in files]
+    assert len(set(seqs)) == len(seqs)
+
+
+def test_generation_keeps_counting_up(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    a = Exporter(url, None, "g", 0, tmp_path)
+    b = Exporter(url, None, "g", 0, tmp_path)  # same second: still a larger generation
+    assert b.generation > a.generation
+    assert (b.generation << GEN_SHIFT) > (a.generation << GEN_SHIFT | (1 << GEN_SHIFT) - 1)
+    a.close(0.1), b.close(0.1)
+
+
+@pytest.mark.integration
+def test_spool_is_replayed_in_order_by_a_restarted_trainer(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    exp = Exporter(url, TOKEN, "rp", 0, tmp_path / "spool", max_queue=8, batch_max=4, timeout_s=0.5)
+    for s in range(40):
+        exp.submit(make_report(s), [Event(step=s, kind=schema.EV_CHECKPOINT)] if s % 10 == 0 else [])
+    assert exp.close(timeout=0.5) is False  # collector down: everything stays on disk
+    c = CollectorProc(tmp_path / "runs", port=port).start()
+    try:
+        exp2 = Exporter(url, TOKEN, "rp", 0, tmp_path / "spool", backoff_max_s=0.2)
+        for s in range(40, 50):
+            exp2.submit(make_report(s))
+        assert exp2.close(timeout=30), exp2.stats
+        assert not list((tmp_path / "spool").glob("rp-r0-*.json"))
+        c.stop()
+        steps = read_table(c.runs / "rp", schema.TABLE_STEPS)["step"].to_list()
+        assert sorted(steps) == list(range(50))
+        assert read_table(c.runs / "rp", schema.TABLE_EVENTS)["step"].to_list() == [0, 10, 20, 30]
+    finally:
+        c.stop()
+
+
+@pytest.mark.integration
+def test_rejected_batch_is_set_aside_and_does_not_block(tmp_path: Path) -> None:
+    c = CollectorProc(tmp_path / "runs").start()
+    try:
+        exp = Exporter(c.url, TOKEN, "rj", 0, tmp_path / "spool", batch_max=1)
+        bad = make_report(0)
+        bad.load_ME = np.zeros((5, 3), np.int64)  # wrong shape: the collector answers 400
+        exp.submit(bad)
+        assert exp.flush(10)
+        for s in range(1, 6):
+            exp.submit(make_report(s))
+        assert exp.close(10)
+        assert exp.stats["rejected"] == 1
+        assert len(list((tmp_path / "spool" / "rejected").iterdir())) == 1
+        c.stop()
+        assert sorted(read_table(c.runs / "rj", schema.TABLE_STEPS)["step"].to_list()) == [1, 2, 3, 4, 5]
+    finally:
+        c.stop()
+
+
+@pytest.mark.integration
+def test_commands_reach_poll_commands_once_and_are_acknowledged(tmp_path: Path) -> None:
+    c = CollectorProc(tmp_path / "runs").start()
+    try:
+        exp = Exporter(c.url, TOKEN, "cm", 0, tmp_path / "spool", poll_s=0.1)
+        exp.submit(make_report(0))
+        assert exp.flush(10)
+        r = httpx.post(
+            f"{c.url}/v1/runs/cm/commands", json={"action": "skip", "reason": "bad shard"}, headers=AUTH
+        )
+        cmd = r.json()["command"]
+        got: list[dict] = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got = exp.poll_commands()  # no network call: fetched in the background
+            time.sleep(0.05)
+        assert [g["id"] for g in got] == [cmd["id"]] and got[0]["action"] == "skip"
+        exp.submit(make_report(1))  # carries commands_ack
+        assert exp.flush(10)
+        time.sleep(0.3)
+        assert exp.poll_commands() == []
+        assert httpx.get(f"{c.url}/v1/runs/cm/commands", params={"rank": 0}).json()["commands"] == []
+        exp.close(10)
+    finally:
+        c.stop()
+
+
+def test_otel_exporter_records_core_metrics() -> None:
+    reader = InMemoryMetricReader()
+    otel = OtelExporter(None, "otel-run", reader=reader)
+    for s in range(3):
+        otel.submit(make_report(s, n_layers=4))
+    last = make_report(3, n_layers=4, loss=float("nan"))
+    otel.submit(last)
+    otel.submit(make_report(9, rank=1))  # other ranks are ignored
+    data = reader.get_metrics_data()
+    points: dict[str, list] = {}
+    for rm in data.resource_metrics:
+        assert rm.resource.attributes["moeguard.run"] == "otel-run"
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                points[m.name] = list(m.data.data_points)
+    assert points[schema.M_TOKENS][0].value == 4 * 4096
+    assert points[schema.M_NONFINITE][0].value == 1
+    assert points[schema.M_STEP][0].value == 3
+    assert schema.M_LOSS not in points or not points[schema.M_LOSS]  # NaN is not exported
+    assert points[schema.M_GRAD_NORM][0].value == pytest.approx(last.grad_norm)
+    assert points[schema.M_GRAD_NORM][0].attributes == {"run": "otel-run"}
+    by_layer = {p.attributes["layer"]: p.value for p in points[schema.M_LAYER_MAXVIO]}
+    assert by_layer == pytest.approx({"1": last.maxvio_M[0], "3": last.maxvio_M[1]})
+    assert len(points[schema.M_LAYER_GRAD_NORM]) == 4
+    otel.close()
