@@ -100,7 +100,10 @@ def _gpu_table(name: str, dtype: torch.dtype) -> tuple[float | None, str]:
         for tokens, peak, label in GPU_PEAK_BF16:
             if all(t in low for t in tokens):
                 if dtype not in (torch.bfloat16, torch.float16):
-                    return None, f"'{name}': table has bf16/fp16 dense peaks only, not {dtype}: MFU not computed"
+                    return (
+                        None,
+                        f"'{name}': table has bf16/fp16 dense peaks only, not {dtype}: MFU not computed",
+                    )
                 return peak, f"table: {label} bf16 dense ('{name}')"
     return None, f"unknown device '{name}': MFU not computed"
 

@@ -21,9 +21,20 @@ from trainer.model import (
 
 
 def small_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=32, n_experts=8, top_k=2, d_expert=32)
+    base = dict(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=32, n_experts=8, top_k=2, d_expert=32
+    )
     base.update(kw)
     return ModelConfig(**base)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matmuls: one thread is as fast, and immune to OpenMP oversubscription on a busy box.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def build(seed: int = 0, **kw) -> MoETransformer:
@@ -305,7 +316,6 @@ def test_aux_loss_switch_formula_and_runtime_coef() -> None:
     model.set_aux_loss_coef(None, 0.1)
     model.reset_stats()
     _, aux = model(tokens)
-    # Recompute the Switch loss from the accumulated counts and the router's probabilities.
     assert aux.item() > 0
     model.set_aux_loss_coef(1, 0.0)
     _, aux_one = model(tokens)
@@ -421,18 +431,9 @@ def train_maxvio(bias_mode: str, seed: int, batches: list[torch.Tensor]) -> floa
     return sum(vios[-20:]) / 20
 
 
-@pytest.fixture
-def one_thread():
-    # Tiny matmuls: one thread is faster and immune to a busy machine's oversubscription.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_bias_balancing_lowers_maxvio(seed: int, one_thread: None) -> None:
+def test_bias_balancing_lowers_maxvio(seed: int) -> None:
     batches = skewed_batches(seed, 150)
     off = train_maxvio("off", seed, batches)
     sign = train_maxvio("sign", seed, batches)
