@@ -16,7 +16,9 @@ from guard.tomlconf import check, check_choice, from_dict, load_toml
 class SpikeConfig:
     """Robust spike rule on the log scale: median/MAD over a window of accepted values.
 
-    Fires when x > median * rel_min AND robust z > z, or when x > abs_max (if set).
+    The median ("level") is over the last `level_window` accepted values; the MAD is over the
+    last `window` residuals against that level (so a fast early-training trend does not widen
+    it). Fires when x > median * rel_min AND robust z > z, or when x > abs_max (if set).
     Flagged values never enter the window, so one spike cannot widen the baseline.
     """
 
@@ -45,10 +47,14 @@ class CollapseConfig:
     """Per-MoE-layer routing health."""
 
     enabled: bool = True
-    warmup: int = 50  # routing is chaotic at init; no collapse verdict before this step
+    # Routing is chaotic at init: on the tiny config the last layer sends every token to one
+    # expert for its first ~100 steps until aux-free balancing catches up. No verdict before this.
+    warmup: int = 250
     dead_window: int = 50  # an expert with no token over this many steps is dead
     max_dead_frac: float = 0.25  # fire when more than this share of a layer's experts is dead
-    maxvio: float = 2.0  # fire when MaxVio stays above this ...
+    # Fire when MaxVio stays above this. The largest possible MaxVio is E/top_k - 1 (3 for 8
+    # experts top-2, 7 for 64 top-8): keep the threshold below it for small expert counts.
+    maxvio: float = 2.0
     maxvio_for: int = 10  # ... for this many consecutive steps
     load_entropy_floor: float = 0.5  # normalised load entropy (0..1)
     router_entropy_floor: float = 0.0  # nats; 0 disables (depends on score function)
@@ -112,7 +118,7 @@ class PolicyConfig:
     rollback_window: int = 500
     cooldown_factor: float = 0.5  # LR multiplier after a rollback ...
     cooldown_steps: int = 50  # ... ramping back to 1 over this many steps
-    bias_boost: float = 50.0  # expert-bias correction: rate multiplier for a collapsing layer
+    bias_boost: float = 10.0  # expert-bias correction: rate multiplier for a collapsing layer
     bias_boost_steps: int = 50  # how long the boost lasts before we check recovery
     bias_max: float = 1.0  # |bias| cap during correction (keeps the push bounded)
     aux_boost: float = 10.0  # for models without a bias: aux-loss coefficient multiplier

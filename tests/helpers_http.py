@@ -61,8 +61,14 @@ class RecordingSink:
                 except ValueError:
                     parsed = None
                 status, extra = sink._answer(self.path)
-                rec = Recorded(method=self.command, path=self.path, headers=dict(self.headers.items()),
-                               body=body, json=parsed, status=status)  # fmt: skip
+                rec = Recorded(
+                    method=self.command,
+                    path=self.path,
+                    headers=dict(self.headers.items()),
+                    body=body,
+                    json=parsed,
+                    status=status,
+                )
                 reply = json.dumps({"status": "success" if status < 300 else "error"}).encode()
                 self.send_response(status)
                 for k, v in extra.items():
@@ -90,11 +96,16 @@ class RecordingSink:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def fail_next(self, n: int, status: int = 429, path: str | None = None,
-                  headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    def fail_next(
+        self, n: int, status: int = 429, path: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         """Answer the next `n` requests (to `path`, or any path) with `status` and `headers`."""
         with self._cond:
             self._failures.append(_Failure(remaining=n, status=status, path=path, headers=headers or {}))
+
+    def clear_failures(self) -> None:
+        with self._cond:
+            self._failures.clear()
 
     def _answer(self, path: str) -> tuple[int, dict[str, str]]:
         with self._cond:
@@ -108,7 +119,9 @@ class RecordingSink:
         with self._cond:
             return [r for r in self.requests if path is None or r.path == path]
 
-    def wait_for(self, pred: Callable[[Recorded], bool], count: int = 1, timeout: float = 10.0) -> list[Recorded]:
+    def wait_for(
+        self, pred: Callable[[Recorded], bool], count: int = 1, timeout: float = 10.0
+    ) -> list[Recorded]:
         """Block until `count` recorded requests satisfy `pred`; returns them (AssertionError on timeout)."""
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -119,7 +132,9 @@ class RecordingSink:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     seen = [(r.method, r.path, r.status) for r in self.requests]
-                    raise AssertionError(f"timed out after {timeout}s waiting for {count} request(s); got {seen}")
+                    raise AssertionError(
+                        f"timed out after {timeout}s waiting for {count} request(s); got {seen}"
+                    )
                 self._cond.wait(left)
 
     def close(self) -> None:
@@ -152,8 +167,13 @@ def wait_until(pred: Callable[[], Any], timeout: float = 10.0, interval: float =
         time.sleep(interval)
 
 
-def http_json(url: str, body: Any = None, method: str | None = None, timeout: float = 5.0,
-              headers: dict[str, str] | None = None) -> tuple[int, Any]:  # fmt: skip
+def http_json(
+    url: str,
+    body: Any = None,
+    method: str | None = None,
+    timeout: float = 5.0,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
     """Tiny stdlib client: (status, parsed JSON or raw text). Never raises on HTTP errors."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method or ("POST" if data is not None else "GET"))

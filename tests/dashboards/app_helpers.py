@@ -2,15 +2,38 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
+
+import numpy as np
 
 from streamlit.testing.v1 import AppTest
 
 
 def charts(at: AppTest) -> list[dict[str, Any]]:
-    """The plotly figures on the page, as the JSON the browser receives."""
-    return [json.loads(el.proto.spec) for el in at.get("plotly_chart")]
+    """The plotly figures on the page, as the JSON the browser receives, with plotly's
+    base64 typed arrays ({"dtype", "bdata"}) decoded to lists (NaN -> None) for asserting."""
+    return [_decode(json.loads(el.proto.spec)) for el in at.get("plotly_chart")]
+
+
+def _decode(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if isinstance(v.get("bdata"), str) and isinstance(v.get("dtype"), str):
+        arr = np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"]).newbyteorder("<"))
+        if shape := v.get("shape"):
+            dims = shape if isinstance(shape, list) else str(shape).split(",")
+            arr = arr.reshape([int(d) for d in dims])
+        return [[_nan_none(x) for x in row] for row in arr.tolist()] if arr.ndim == 2 else [
+            _nan_none(x) for x in arr.tolist()]
+    return {k: _decode(x) for k, x in v.items()}
+
+
+def _nan_none(x: Any) -> Any:
+    return None if isinstance(x, float) and x != x else x
 
 
 def chart_titled(at: AppTest, prefix: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dashboards.testing import GUARDED
+from dashboards.testing import CRASHED, GUARDED, STALE, UNGUARDED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -106,8 +106,8 @@ def test_pages_render_in_chromium(store: Path, history: Path, tmp_path: Path) ->
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         for name, path, min_charts in (
             ("health", f"/health?run={GUARDED}", 10),
-            ("runs", "/runs", 0),
-            ("compare", "/compare", 2),
+            ("runs", "/", 0),  # the default page lives at /
+            ("compare", f"/compare?runs={GUARDED}&runs={UNGUARDED}&runs={STALE}&runs={CRASHED}", 2),
             ("canaries", "/canaries", 1),
         ):
             page.set_viewport_size({"width": 1600, "height": 1000})
@@ -117,6 +117,7 @@ def test_pages_render_in_chromium(store: Path, history: Path, tmp_path: Path) ->
         browser.close()
     for name, r in results.items():
         assert r["exceptions"] == 0, f"{name}: Streamlit shows an exception"
+        assert "Page not found" not in r["text"], name
         assert "Traceback" not in r["text"], name
     health = results["health"]
     assert health["charts"] >= 10

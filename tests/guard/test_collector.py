@@ -498,3 +498,29 @@ def test_kill_collector_mid_stream_loses_nothing(tmp_path: Path) -> None:
         assert read_table(c.runs / "k1", schema.TABLE_EXPERTS).height == n * 2 * 8
     finally:
         c.stop()
+
+
+@pytest.mark.integration
+def test_server_side_verdicts_and_the_duplicate_event_rule(collector: CollectorProc) -> None:
+    def reps() -> list[StepReport]:
+        out = [make_report(s, t=1000.0 + s) for s in range(50)]
+        out[45].grad_norm = 100.0  # a spike after a warm-up of steady ~1.0 norms
+        return out
+
+    trainer_ev = Event(step=45, kind=schema.EV_VERDICT, detector=schema.DET_GRAD_SPIKE, value=100.0,
+                       action=schema.ACT_SKIP).row()  # fmt: skip
+    # telemetry only: the collector's own verdict becomes an event
+    assert collector.post(batch("tel", 0, 1, reps())).status_code == 200
+    # the trainer sent its own verdict for step 45 in the same batch: no second event
+    assert collector.post(batch("own", 0, 1, reps(), [trainer_ev])).status_code == 200
+    # the trainer says it runs the detectors itself: the collector runs none
+    assert collector.post(batch("td", 0, 1, reps(), trainer_detectors=True)).status_code == 200
+    collector.stop()
+    tel = read_table(collector.runs / "tel", schema.TABLE_EVENTS).filter(
+        pl.col("detector") == schema.DET_GRAD_SPIKE
+    )
+    assert tel["step"].to_list() == [45]
+    assert json.loads(tel["detail"][0])["source"] == "collector" and tel["action"][0] == schema.ACT_NONE
+    own = read_table(collector.runs / "own", schema.TABLE_EVENTS).filter(pl.col("step") == 45)
+    assert own["action"].to_list() == [schema.ACT_SKIP]  # the trainer's event only
+    assert read_table(collector.runs / "td", schema.TABLE_EVENTS).height == 0

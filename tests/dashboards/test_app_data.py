@@ -1,0 +1,236 @@
+"""The app's data module and launcher, without Streamlit's runner: downsampling keeps spikes,
+marks merge a verdict with its action, schema drift reads as nulls, the canary reader takes
+the canary's JSONL, and `moeguard app` builds the right command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from dashboards import data, launch
+from dashboards import testing as synth
+from guard import schema
+from guard.cli import main as cli_main
+
+
+def test_downsample_keeps_spikes_nans_and_event_steps() -> None:
+    n = 100_000
+    y = np.sin(np.arange(n) / 500.0)
+    y[31_337] = 50.0  # one-step spike
+    y[77_001] = float("nan")
+    y[5] = -9.0
+    df = pl.DataFrame({"step": np.arange(n), "loss": y})
+    out = data.downsample(df, "loss", max_points=2000, keep_steps=[12_345, 99_999])
+    assert out.height <= 2000 + 3
+    steps = set(out["step"].to_list())
+    assert {31_337, 77_001, 5, 12_345, 99_999, 0} <= steps
+    assert out["step"].is_sorted()
+    small = df.head(500)
+    assert data.downsample(small, "loss", max_points=2000).height == 500
+
+
+def test_action_marks_merge_verdict_and_action_and_pin_nonfinite() -> None:
+    steps = pl.DataFrame({"step": [1, 2, 3], "loss": [3.0, float("nan"), 2.0], "grad_norm": [1.0, float("nan"), 9.0]})
+    ev = pl.DataFrame({
+        "step": [2, 2, 3, 3], "time": [0.0] * 4, "kind": ["verdict", "action", "verdict", "inject"],
+        "detector": ["nonfinite", "nonfinite", "maxvio", ""], "value": [math.nan, math.nan, 3.0, math.nan],
+        "threshold": [math.nan, math.nan, 1.5, math.nan], "action": ["skip", "skip", "bias_correct", "none"],
+        "detail": [json.dumps({"where": "loss"}), "{}", json.dumps({"layer": 4}), "{}"],
+    })  # fmt: skip
+    marks = data.action_marks(ev, steps)
+    assert marks.select("step", "action").rows() == [(2, "skip"), (3, "bias_correct")]
+    skip = marks.row(0, named=True)
+    assert skip["nonfinite"] and skip["y_loss"] == 3.0 and skip["y_grad_norm"] == 9.0  # pinned to finite max
+    assert "where: loss" in skip["hover"] and "value non-finite" in skip["hover"]
+    bias = marks.row(1, named=True)
+    assert "layer: 4" in bias["hover"] and "value 3 vs threshold 1.5" in bias["hover"]
+    lanes = data.timeline_rows(ev)["lane"].to_list()
+    assert lanes == ["nonfinite", "action", "maxvio", "inject"]
+    assert data.action_marks(ev.head(0), steps).height == 0
+
+
+def test_scan_fills_columns_an_older_writer_lacked(store: Path) -> None:
+    run = store / synth.OLD_SCHEMA
+    assert data.missing_columns(run, schema.TABLE_STEPS) == ["mfu", "mem_peak_bytes"]
+    df = data.scan(run, schema.TABLE_STEPS).collect()
+    assert df.columns == list(schema.STEPS_COLUMNS) and df["mfu"].null_count() == df.height
+    assert data.scan(store / synth.META_ONLY, schema.TABLE_STEPS).collect().height == 0
+
+
+def test_run_info_status_and_compat(store: Path) -> None:
+    infos = {i.run_id: i for i in data.discover(store)}
+    assert "not-a-run" not in infos and data.stray_folders(store) == ["not-a-run"]
+    assert infos[synth.STALE].status == schema.STATUS_STALE
+    assert data.run_info(store / synth.STALE, stale_after_s=10**6).status == schema.STATUS_RUNNING
+    assert infos[synth.LIVE].status == schema.STATUS_RUNNING
+    assert infos[synth.NEW_SCHEMA].compat == data.COMPAT_NEWER and not infos[synth.NEW_SCHEMA].readable
+    assert infos[synth.OLD_SCHEMA].compat == data.COMPAT_OLDER and infos[synth.OLD_SCHEMA].readable
+    assert not infos[synth.META_ONLY].has_steps and "meta.json only" in infos[synth.META_ONLY].note
+    assert infos[synth.NO_LAYERS].note == "no layers/experts table"
+    assert infos[synth.GUARDED].problem() is None
+
+
+def test_signature_moves_when_a_part_lands(tmp_path: Path) -> None:
+    run = synth.write_run(tmp_path, synth.SynthRun(run_id="r", steps=60, faults=[]))
+    before = data.run_signature(run)
+    time.sleep(0.01)
+    src = sorted((run / "steps").glob("part-*.parquet"))[-1]
+    (run / "steps" / "part-0000000060-000099.parquet").write_bytes(src.read_bytes())
+    assert data.run_signature(run) != before
+
+
+def test_summary_and_heatmaps_on_the_guarded_run(store: Path) -> None:
+    path = str(store / synth.GUARDED)
+    sig = data.run_signature(path)
+    s = data.load_summary(path, sig)
+    assert s["step"] == 599 and s["actions"] == 7 and s["verdicts"] == 7 and s["halts"] == 0
+    heats = data.load_layer_heatmaps(path, sig, 0, 599, 100)
+    mv = heats["maxvio"]
+    assert mv["z"].shape == (4, 100)
+    assert np.isnan(mv["z"][0]).all(), "dense layer 0 has no routing stats"
+    col = np.searchsorted(mv["x"], 300, side="right") - 1
+    assert mv["z"][mv["y"].index(2), col] > 3, "the collapse at step 300 on layer 2 survives bucketing"
+    share = data.load_expert_share_over_time(path, sig, 2, 0, 599, 60)
+    assert np.allclose(np.nansum(share["z"], axis=0), 1.0)
+    now = data.load_expert_share_now(path, sig, 100)
+    assert (now["from"], now["to"]) == (500, 599) and np.allclose(np.nansum(now["z"], axis=1), 1.0)
+
+
+def test_expert_heatmap_samples_past_the_row_budget(store: Path) -> None:
+    path = str(store / synth.GUARDED)
+    sig = data.run_signature(path)
+    full = data.load_expert_share_over_time(path, sig, 2, 0, 599, 60)
+    sampled = data.load_expert_share_over_time(path, sig, 2, 0, 599, 60, row_budget=5000)
+    assert full["note"] == "" and sampled["note"].startswith("sampled")
+
+
+def test_steady_state_and_env_differences() -> None:
+    steps = pl.DataFrame({"step": range(200), "action": ["apply"] * 150 + ["skip"] + ["apply"] * 49,
+                          "mfu": [0.4] * 200})  # fmt: skip
+    ss = data.steady_state(steps)
+    assert ss["step"].min() == 20 and 150 not in ss["step"].to_list() and ss.height == 179
+    diff = data.env_differences({"a": {"env": {"torch": "1", "dev": "h"}}, "b": {"env": {"torch": "2", "dev": "h"}},
+                                 "c": {"env": {"torch": "1"}}})  # fmt: skip
+    assert diff.to_dicts() == [{"key": "env.dev", "a": "h", "b": "h", "c": "—"},
+                               {"key": "env.torch", "a": "1", "b": "2", "c": "1"}]  # fmt: skip
+
+
+def test_canary_reader_accepts_the_canary_format() -> None:
+    lines = [
+        {"time": 1_760_000_000, "git_sha": "abc", "torch": "2.9", "fingerprint": "fp", "config": "c.toml",
+         "mfu_p50": 0.41, "tokens_per_s_p50": 1e6, "verdict": "pass", "baseline": True},
+        {"time": "2025-11-01T10:00:00Z", "git_sha": "def", "torch": "2.10", "fingerprint": "fp",
+         "config": {"model": "x"}, "mfu_p50": 0.36, "tokens_per_s_p50": 9e5, "verdict": "FAIL", "baseline": False,
+         "warn_pct": 4, "fail_pct": 8},
+    ]  # fmt: skip
+    text = "\n".join(json.dumps(x) for x in lines) + '\n[1,2]\n{"mfu_p50": "fast"}\nnope\n'
+    df, problems = data.parse_canary_history(text)
+    assert df.height == 2 and len(problems) == 3
+    assert df["verdict"].to_list() == ["pass", "fail"]
+    assert df["config"][1] == '{"model": "x"}' and df["fail_pct"][1] == 8
+    assert df["time"][0].year == 2025 and df["time"][1].tzinfo is not None
+    gate = data.canary_gate(df, warn_pct=5, fail_pct=10)
+    assert gate["baseline"] == 0.41 and gate["fail_lo"] == pytest.approx(0.369)
+    empty, probs = data.parse_canary_history("")
+    assert empty.height == 0 and probs == []
+
+
+def test_app_config_from_argv_then_env(monkeypatch) -> None:
+    monkeypatch.setenv(data.ENV_RUNS, "/env/runs")
+    monkeypatch.delenv(data.ENV_HISTORY, raising=False)
+    cfg = data.app_config(["--runs", "/cli/runs", "--history", "h.jsonl", "--collector", "http://am:9093"])
+    assert cfg == data.AppConfig(runs_dir=Path("/cli/runs"), history=Path("h.jsonl"), collector="http://am:9093")
+    assert data.app_config(["--runxfail"]).runs_dir == Path("/env/runs")
+
+
+# ---- open alerts ------------------------------------------------------------------------
+@pytest.fixture
+def alertmanager() -> Iterator[str]:
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802
+            if self.path.startswith("/api/v2/alerts"):
+                body = json.dumps([
+                    {"labels": {"alertname": "GradNormSpike", "run": synth.GUARDED}, "status": {"state": "active"}},
+                    {"labels": {"alertname": "MFUDrop", "run": synth.GUARDED}, "status": {"state": "active"}},
+                    {"labels": {"alertname": "Watchdog"}, "status": {"state": "active"}},
+                ]).encode()  # fmt: skip
+                self.send_response(200)
+            else:
+                body = b"{}"
+                self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_open_alerts_from_alertmanager(alertmanager: str, store: Path, open_page, monkeypatch) -> None:
+    alerts, err = data.fetch_open_alerts(alertmanager)
+    assert err is None and alerts == {synth.GUARDED: 2}
+    monkeypatch.setenv(data.ENV_COLLECTOR, alertmanager)
+    at = open_page("runs", store)
+    assert not at.exception
+    df = at.dataframe[0].value
+    assert df[df["run"] == synth.GUARDED]["open alerts"].iloc[0] == 2
+    monkeypatch.setenv(data.ENV_COLLECTOR, "http://127.0.0.1:9")
+    at = open_page("runs", store)
+    assert not at.exception and any("Open alerts unavailable" in w.value for w in at.warning)
+
+
+# ---- launcher ---------------------------------------------------------------------------
+def test_app_command_refuses_a_missing_folder(tmp_path: Path, capsys) -> None:
+    assert cli_main(["app", "--runs", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "--runs DIR" in err
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert cli_main(["app", "--runs", str(f)]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_app_command_runs_streamlit_headless(tmp_path: Path, monkeypatch) -> None:
+    seen = {}
+
+    def fake_call(cmd, env=None):
+        seen["cmd"] = cmd
+        return 0
+
+    monkeypatch.setattr(launch.subprocess, "call", fake_call)
+    hist = tmp_path / "h.jsonl"
+    assert cli_main(["app", "--runs", str(tmp_path), "--port", "8600", "--host", "0.0.0.0",
+                     "--history", str(hist), "--collector", "http://c:8080"]) == 0  # fmt: skip
+    cmd = seen["cmd"]
+    assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4].endswith("dashboards/app.py")
+    i = cmd.index("--")
+    opts = cmd[5:i]
+    assert opts[opts.index("--server.headless") + 1] == "true"
+    assert opts[opts.index("--server.port") + 1] == "8600"
+    assert opts[opts.index("--server.address") + 1] == "0.0.0.0"
+    assert cmd[i + 1 :] == ["--runs", str(tmp_path.resolve()), "--history", str(hist.resolve()),
+                            "--collector", "http://c:8080"]  # fmt: skip
+    # what the app parses out of that command line is what was asked for
+    cfg = data.app_config(cmd[i + 1 :])
+    assert cfg.runs_dir == tmp_path.resolve() and cfg.history == hist.resolve()
+
+
+def test_launch_rejects_bad_port(tmp_path: Path, capsys) -> None:
+    args = argparse.Namespace(runs=str(tmp_path), port=70000, host="127.0.0.1", history=None, collector=None)
+    assert launch.run(args) == 2

@@ -1,0 +1,272 @@
+"""Every page of the app under streamlit's AppTest, over the synthetic run store.
+
+What the user must see is asserted on what the browser would receive: the plotly figure JSON
+(marks per guard action, with the evidence in the hover text), the dataframes, the messages.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from app_helpers import chart_titled, charts, messages, traces
+
+from dashboards import testing as synth
+from guard import schema
+
+HEALTH_TITLE = "Loss and grad norm with guard verdicts and actions"
+
+
+def no_exception(at) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+
+
+# ---- runs -----------------------------------------------------------------------------
+def test_runs_page_lists_every_run_with_status(store: Path, open_page) -> None:
+    at = open_page("runs", store)
+    no_exception(at)
+    df = at.dataframe[0].value
+    assert set(df["run"]) == {synth.GUARDED, synth.UNGUARDED, synth.HALTED, synth.CRASHED, synth.LIVE, synth.STALE,
+                              synth.META_ONLY, synth.NO_LAYERS, synth.OLD_SCHEMA, synth.NEW_SCHEMA}  # fmt: skip
+    status = dict(zip(df["run"], df["status"], strict=True))
+    assert status[synth.GUARDED] == "finished"
+    assert status[synth.HALTED] == "halted"
+    assert status[synth.CRASHED] == "crashed"
+    assert status[synth.LIVE] == "running"
+    assert status[synth.STALE] == "stale"
+    row = df[df["run"] == synth.GUARDED].iloc[0]
+    assert row["step"] == 599 and row["guard actions"] == 7 and row["verdicts"] == 7
+    assert 35 < row["MFU %"] < 50 and row["tokens/s"] > 0
+    assert (row["torch"], row["attention"], row["expert kernel"]) == ("2.9.1+cu128", "flash", "grouped_mm")
+    unguarded = df[df["run"] == synth.UNGUARDED].iloc[0]
+    assert unguarded["guard actions"] == 0 and unguarded["verdicts"] == 7
+    msgs = " ".join(messages(at))
+    assert "newer moeguard" in msgs and "older run-store schema" in msgs and "no steps on disk yet" in msgs
+    assert "open alerts" not in df.columns  # no --collector given
+
+
+def test_runs_page_stale_threshold_is_a_sidebar_setting(store: Path, open_page) -> None:
+    at = open_page("runs", store)
+    at.sidebar.number_input(key="stale_after_s").set_value(100_000).run()
+    no_exception(at)
+    df = at.dataframe[0].value
+    assert dict(zip(df["run"], df["status"], strict=True))[synth.STALE] == "running"
+
+
+# ---- run health -----------------------------------------------------------------------
+def test_health_marks_every_guard_action_with_its_evidence(store: Path, open_page) -> None:
+    at = open_page("health", store, run=synth.GUARDED)
+    no_exception(at)
+    assert at.selectbox(key="run").value == synth.GUARDED
+    fig = chart_titled(at, HEALTH_TITLE)
+    expected = {schema.ACT_SKIP: {100, 240, 420}, schema.ACT_ROLLBACK: {180},
+                schema.ACT_BIAS_CORRECT: {300, 360}, schema.ACT_LR_COOLDOWN: {425}}  # fmt: skip
+    symbols = set()
+    for action, steps in expected.items():
+        tr = traces(fig, f"action: {action}")
+        assert len(tr) == 2, f"{action}: a mark on the loss and on the grad-norm panel"
+        for t in tr:
+            assert set(t["x"]) == steps, action
+            assert all(y is not None for y in t["y"]), f"{action}: every mark has a position"
+        symbols.add(tr[0]["marker"]["symbol"])
+        hover = " ".join(tr[0]["hovertext"])
+        assert action.upper() in hover
+    assert len(symbols) == len(expected), "each action has its own marker"
+    skip_hover = " ".join(traces(fig, "action: skip")[0]["hovertext"])
+    assert "grad_norm_spike" in skip_hover and "z: 61.2" in skip_hover and "value 84 vs threshold 9.1" in skip_hover
+    assert "nonfinite" in skip_hover and "non-finite at this step" in skip_hover
+    rollback_hover = traces(fig, "action: rollback")[0]["hovertext"][0]
+    assert "rollback_to: 150" in rollback_hover and "skip_window: [150, 180]" in rollback_hover
+    # every verdict is on the timeline, in its detector's lane
+    verdicts = traces(fig, "event: verdict")[0]
+    lanes = dict(zip(verdicts["x"], verdicts["y"], strict=True))
+    assert lanes[100] == schema.DET_GRAD_SPIKE and lanes[180] == schema.DET_LOSS_SPIKE
+    assert lanes[240] == schema.DET_NONFINITE and lanes[300] == schema.DET_MAXVIO
+    assert lanes[360] == schema.DET_DEAD_EXPERTS
+    assert any("layer: 2" in h for h in verdicts["hovertext"])
+    # the events table shows them too, evidence included
+    ev = at.dataframe[0].value
+    assert {schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_BIAS_CORRECT, schema.ACT_LR_COOLDOWN} <= set(ev["action"])
+    assert {schema.DET_GRAD_SPIKE, schema.DET_LOSS_SPIKE, schema.DET_NONFINITE, schema.DET_MAXVIO,
+            schema.DET_DEAD_EXPERTS} <= set(ev["detector"])  # fmt: skip
+    assert ev["evidence"].str.contains("rollback_to=150").any()
+    assert ev["evidence"].str.contains("dead=\\[0, 3, 6\\]").any()
+
+
+def test_health_shows_every_section(store: Path, open_page) -> None:
+    at = open_page("health", store, run=synth.GUARDED)
+    no_exception(at)
+    titles = [str(f["layout"]["title"]["text"]) for f in charts(at)]
+    for prefix in (HEALTH_TITLE, "Per-layer grad norm", "MaxVio per layer", "Dead experts per layer",
+                   "Router entropy per layer", "Layer 1: load share per expert over time", "Current load share",
+                   "Throughput, efficiency and memory"):  # fmt: skip
+        assert any(t.startswith(prefix) for t in titles), (prefix, titles)
+    dead = chart_titled(at, "Dead experts per layer")["data"][0]
+    layer_row = dead["y"].index(1)
+    assert max(v for v in dead["z"][layer_row] if v is not None) == 3, "the 3 dead experts of layer 1"
+    perf = chart_titled(at, "Throughput, efficiency and memory")
+    assert {t["name"] for t in perf["data"]} == {"MFU", "tokens/s", "step time", "data wait", "peak memory"}
+    for f in charts(at):  # every chart is labelled
+        lay = f["layout"]
+        axes = [k for k in lay if k.startswith(("xaxis", "yaxis"))]
+        assert any(lay[a].get("title", {}).get("text") for a in axes), lay["title"]["text"]
+    # other layer in the expert selector re-renders without error
+    at.selectbox(key="expert_layer").set_value(2).run()
+    no_exception(at)
+    assert chart_titled(at, "Layer 2: load share per expert over time")
+
+
+def test_health_unguarded_run_has_verdicts_but_no_actions(store: Path, open_page) -> None:
+    at = open_page("health", store, run=synth.UNGUARDED)
+    no_exception(at)
+    fig = chart_titled(at, HEALTH_TITLE)
+    assert not [t for t in fig["data"] if str(t.get("name", "")).startswith("action: ")]
+    assert len(traces(fig, "event: verdict")[0]["x"]) == 7
+
+
+def test_health_halted_run_says_so(store: Path, open_page) -> None:
+    at = open_page("health", store, run=synth.HALTED)
+    no_exception(at)
+    assert any("halted itself" in e.value for e in at.error)
+    fig = chart_titled(at, HEALTH_TITLE)
+    assert traces(fig, "action: halt")[0]["x"] == [250]
+    assert traces(fig, "event: halt")
+
+
+@pytest.mark.parametrize(
+    ("run", "level", "text"),
+    [
+        (synth.META_ONLY, "info", "no steps on disk yet"),
+        (synth.NEW_SCHEMA, "warning", "newer moeguard"),
+        (synth.OLD_SCHEMA, "info", "older run-store schema"),
+        (synth.NO_LAYERS, "info", "no `layers` table"),
+    ],
+)
+def test_health_partial_runs_explain_themselves(store: Path, open_page, run: str, level: str, text: str) -> None:
+    at = open_page("health", store, run=run)
+    no_exception(at)
+    assert any(text in e.value for e in getattr(at, level)), messages(at)
+    if run in (synth.META_ONLY, synth.NEW_SCHEMA):
+        assert not charts(at)
+    else:
+        assert chart_titled(at, HEALTH_TITLE)
+
+
+def test_health_old_schema_reads_what_exists(store: Path, open_page) -> None:
+    at = open_page("health", store, run=synth.OLD_SCHEMA)
+    no_exception(at)
+    assert any("mfu, mem_peak_bytes" in c.value for c in at.caption)
+    perf = chart_titled(at, "Throughput, efficiency and memory")
+    assert "MFU" not in {t["name"] for t in perf["data"]}
+    assert traces(chart_titled(at, HEALTH_TITLE), "action: skip")
+
+
+# ---- compare --------------------------------------------------------------------------
+@pytest.mark.parametrize("group", ["torch", "attention backend", "expert kernel", "compile mode", "run"])
+def test_compare_groups_by_environment(store: Path, open_page, group: str) -> None:
+    at = open_page("compare", store)
+    at.multiselect(key="runs").set_value([synth.GUARDED, synth.UNGUARDED, synth.STALE]).run()
+    at.segmented_control(key="group_by").set_value(group).run()
+    no_exception(at)
+    curves = chart_titled(at, "Loss and grad norm, runs overlaid")
+    assert {t["name"] for t in curves["data"]} == {synth.GUARDED, synth.UNGUARDED, synth.STALE}
+    dist = chart_titled(at, "Steady-state MFU and throughput by")
+    groups = {t["name"] for t in dist["data"]}
+    expected = {
+        "torch": {"2.9.1+cu128", "2.10.0+cu128"},
+        "attention backend": {"flash", "math"},
+        "expert kernel": {"grouped_mm", "for_loop"},
+        "compile mode": {"default", "none", "max-autotune"},
+        "run": {synth.GUARDED, synth.UNGUARDED, synth.STALE},
+    }[group]
+    assert groups == expected
+    assert all(t["type"] == "violin" for t in dist["data"])
+    diff = at.dataframe[-1].value
+    keys = set(diff["key"])
+    assert {"env.torch", "env.attention_backend", "env.expert_kernel", "env.compile", "config.guard.enabled"} <= keys
+    assert "env.device" not in keys and "env.dtype" not in keys, "only keys that differ"
+
+
+def test_compare_with_nothing_readable(tmp_path: Path, open_page) -> None:
+    root = tmp_path / "runs"
+    root.mkdir()
+    synth.write_run(root, synth.SynthRun(run_id="only", steps=30, faults=[]))
+    synth.set_meta(root / "only", schema_version=99)
+    at = open_page("compare", root)
+    no_exception(at)
+    assert any("No run has readable steps" in m for m in messages(at))
+
+
+# ---- canaries -------------------------------------------------------------------------
+def test_canaries_chart_has_gate_band_and_failures(store: Path, history: Path, open_page) -> None:
+    at = open_page("canaries", store, history=history)
+    no_exception(at)
+    fig = chart_titled(at, "Canary MFU history")
+    fails = traces(fig, "canary: fail")[0]
+    assert len(fails["x"]) == 4 and fails["marker"]["symbol"] == "x"
+    assert len(traces(fig, "canary: warn")[0]["x"]) == 1
+    base = traces(fig, "baseline median")[0]["y"][0]
+    warn = traces(fig, "warn threshold")[0]["y"][0]
+    fail = traces(fig, "fail threshold")[0]["y"][0]
+    assert warn == pytest.approx(base * 0.95) and fail == pytest.approx(base * 0.90)
+    assert any(s["type"] == "rect" for s in fig["layout"]["shapes"]), "the band"
+    assert any("torch 2.10.0+cu128" in a.get("text", "") for a in fig["layout"]["annotations"])
+    assert any("line 9: not JSON" in w.value for w in at.warning)
+    assert len(at.dataframe[0].value) == 30
+
+
+def test_canaries_without_history(store: Path, tmp_path: Path, open_page) -> None:
+    at = open_page("canaries", store)
+    no_exception(at)
+    assert any("No canary history given" in i.value for i in at.info)
+    at = open_page("canaries", store, history=tmp_path / "missing.jsonl")
+    no_exception(at)
+    assert any("does not exist yet" in w.value for w in at.warning)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    at = open_page("canaries", store, history=empty)
+    no_exception(at)
+    assert any("no canary entries" in i.value for i in at.info)
+
+
+# ---- empty / missing run folders ------------------------------------------------------
+@pytest.mark.parametrize("page", ["runs", "health", "compare"])
+def test_empty_runs_folder_is_explained(tmp_path: Path, open_page, page: str) -> None:
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "junk").mkdir()
+    at = open_page(page, tmp_path / "runs")
+    no_exception(at)
+    assert any("No runs in" in i.value and "junk" in i.value for i in at.info), messages(at)
+
+
+@pytest.mark.parametrize("page", ["runs", "health", "compare"])
+def test_missing_runs_folder_is_explained(tmp_path: Path, open_page, page: str) -> None:
+    at = open_page(page, tmp_path / "nope")
+    no_exception(at)
+    assert any("does not exist" in w.value for w in at.warning)
+
+
+def test_unreadable_meta_json(tmp_path: Path, open_page) -> None:
+    root = tmp_path / "runs"
+    synth.write_run(root, synth.SynthRun(run_id="torn", steps=30, faults=[]))
+    (root / "torn" / "meta.json").write_text("{ half a json")
+    at = open_page("health", root, run="torn")
+    no_exception(at)
+    assert any("could not be parsed" in w.value for w in at.warning)
+    at = open_page("runs", root)
+    no_exception(at)
+
+
+# ---- real trainer runs (the seam: point MOEGUARD_REAL_RUNS at a run store) ------------------
+@pytest.mark.skipif(not os.environ.get("MOEGUARD_REAL_RUNS"), reason="set MOEGUARD_REAL_RUNS to a trainer run store")
+@pytest.mark.parametrize("page", ["runs", "health", "compare"])
+def test_pages_on_real_trainer_runs(open_page, page: str) -> None:
+    root = Path(os.environ["MOEGUARD_REAL_RUNS"])
+    runs = sorted(p.name for p in root.iterdir() if (p / "meta.json").is_file())
+    assert runs, f"no runs under {root}"
+    for run in runs if page == "health" else [None]:
+        at = open_page(page, root, run=run)
+        no_exception(at)
+        if page == "health" and charts(at):
+            assert chart_titled(at, HEALTH_TITLE)

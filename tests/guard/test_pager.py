@@ -1,0 +1,710 @@
+"""`moeguard pager`: the real service (`python -m guard pager`, a subprocess) against a
+recording HTTP sink, plus an end-to-end run through real Prometheus and Alertmanager binaries.
+
+Negative checks ("no second page") use a marker: after the action under test, post a fresh
+critical alert and wait until every sink got it. Each sink has one FIFO worker, so anything the
+pager was going to send for the earlier request has been sent by then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import selectors
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # bare `pytest` without an install puts only tests/guard on sys.path
+    sys.path.insert(0, str(REPO))
+
+from guard import pager as pg  # noqa: E402
+from guard import schema  # noqa: E402
+from tests.helpers_http import Recorded, RecordingSink, free_port, http_json, wait_http, wait_until  # noqa: E402
+
+ROUTING_KEY = "R0UT1NGKEY-test-0123456789abcdef"
+RUNBOOKS = "https://runbooks.example/moeguard"
+PD, SLACK, HOOK = "/pd", "/slack", "/hook"
+
+
+# ---------------------------------------------------------------------------------------
+# Fixtures: a recording sink and the real pager process
+# ---------------------------------------------------------------------------------------
+class PagerProc:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def post(self, path: str, body: Any, **kw: Any) -> tuple[int, Any]:
+        return http_json(self.url + path, body, **kw)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def start_pager(
+    sink: RecordingSink, workdir: Path, *extra: str, env: dict[str, str] | None = None
+) -> PagerProc:
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / f"pager-{time.monotonic_ns()}.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "guard",
+        "pager",
+        "--port",
+        "0",
+        "--pagerduty-url",
+        sink.url + PD,
+        "--slack-url",
+        sink.url + SLACK,
+        "--webhook-url",
+        sink.url + HOOK,
+        "--state",
+        str(workdir / "pager-state.json"),
+        "--retry-base",
+        "0.05",
+        "--retry-max-delay",
+        "0.5",
+        "--timeout",
+        "5",
+        *extra,
+    ]
+    full_env = {
+        **os.environ,
+        pg.ENV_PAGERDUTY_ROUTING_KEY: ROUTING_KEY,
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    if pg.ENV_PAGER_TOKEN not in (env or {}):
+        full_env.pop(pg.ENV_PAGER_TOKEN, None)
+    with open(log, "wb") as errf:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=errf)
+    line = _readline(proc, timeout=30)
+    m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+    if not m:
+        proc.kill()
+        raise AssertionError(f"pager did not start: {line!r}\n{log.read_text()}")
+    p = PagerProc(proc, int(m.group(1)), log)
+    wait_http(p.url + "/healthz", timeout=15)
+    return p
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        return ""
+    return proc.stdout.readline().decode(errors="replace")
+
+
+@pytest.fixture
+def sink() -> Iterator[RecordingSink]:
+    with RecordingSink() as s:
+        yield s
+
+
+@pytest.fixture
+def pager(sink: RecordingSink, tmp_path: Path) -> Iterator[PagerProc]:
+    p = start_pager(sink, tmp_path)
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_pager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PagerProc]:
+    """One pager for tests that must not change its state (malformed requests)."""
+    with RecordingSink() as s:
+        p = start_pager(s, tmp_path_factory.mktemp("shared-pager"))
+        yield p
+        p.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# Realistic Alertmanager v4 payloads
+# ---------------------------------------------------------------------------------------
+def am_alert(
+    alertname: str,
+    status: str = "firing",
+    *,
+    run: str = "r1",
+    severity: str = "critical",
+    scope: str = "run",
+    **labels: str,
+) -> dict[str, Any]:
+    lab = {
+        "alertname": alertname,
+        "run": run,
+        "scope": scope,
+        "severity": severity,
+        "runbook_base": RUNBOOKS,
+        **labels,
+    }  # runbook_base: an external label, as Prometheus adds it
+    return {
+        "status": status,
+        "labels": lab,
+        "annotations": {
+            "summary": f"{alertname} in run {run}",
+            "description": f"Run {run}: {alertname} <details> & more.",
+            "runbook_url": f"{RUNBOOKS}/playbooks/{alertname}.md",
+        },
+        "startsAt": "2026-11-22T03:00:00.000Z",
+        "endsAt": "2026-11-22T03:10:00.000Z" if status == "resolved" else "0001-01-01T00:00:00Z",
+        "generatorURL": "http://prometheus.example:9090/graph?g0.expr=max+by+%28run%29+%28moeguard_run_halted%29+%3D%3D+1",
+        "fingerprint": hashlib.sha256(json.dumps(lab, sort_keys=True).encode()).hexdigest()[:16],
+    }
+
+
+def am_payload(*alerts: dict[str, Any]) -> dict[str, Any]:
+    first = alerts[0]["labels"]
+    group = {"alertname": first["alertname"], "run": first["run"]}
+    return {
+        "version": "4",
+        "groupKey": f'{{}}:{{alertname="{group["alertname"]}", run="{group["run"]}"}}',
+        "truncatedAlerts": 0,
+        "status": "firing" if any(a["status"] == "firing" for a in alerts) else "resolved",
+        "receiver": "moeguard-pager",
+        "groupLabels": group,
+        "commonLabels": first,
+        "commonAnnotations": {},
+        "externalURL": "http://alertmanager.example:9093",
+        "alerts": list(alerts),
+    }
+
+
+def pd_events(
+    sink: RecordingSink, action: str | None = None, cls: str | None = None, accepted: bool = True
+) -> list[Recorded]:
+    out = []
+    for r in sink.received(PD):
+        if accepted and r.status >= 300:
+            continue
+        if action and r.json.get("event_action") != action:
+            continue
+        if cls and r.json.get("payload", {}).get("class") != cls:
+            continue
+        out.append(r)
+    return out
+
+
+_markers = iter(range(10**6))
+
+
+def flush(pager: PagerProc, sink: RecordingSink) -> None:
+    """Post a fresh critical alert and wait until all three sinks have it (see module doc)."""
+    run = f"marker-{next(_markers)}"
+    assert pager.post("/v1/alertmanager", am_payload(am_alert("RunHalted", run=run)))[0] == 200
+    for path in (PD, SLACK, HOOK):
+        sink.wait_for(lambda r, p=path: r.path == p and r.status < 300 and run in r.body.decode())
+
+
+def triggers_for(sink: RecordingSink, run: str) -> list[Recorded]:
+    return [r for r in pd_events(sink, "trigger") if r.json["payload"]["group"] == run]
+
+
+def not_marker(r: Recorded) -> bool:
+    return b"marker-" not in r.body
+
+
+# ---------------------------------------------------------------------------------------
+# Pure pieces (in-process)
+# ---------------------------------------------------------------------------------------
+def test_dedup_key_is_stable_short_and_ignores_ranks_and_external_labels() -> None:
+    a = pg.incident_identity(
+        {
+            "alertname": "HeartbeatLost",
+            "run": "r1",
+            "rank": "3",
+            "severity": "critical",
+            "scope": "run",
+            "runbook_base": RUNBOOKS,
+            "cluster": "eu",
+        }
+    )
+    b = pg.incident_identity({"alertname": "HeartbeatLost", "run": "r1", "rank": "7", "severity": "critical"})
+    assert pg.dedup_key(a) == pg.dedup_key(b)
+    assert pg.dedup_key(a).startswith("moeguard-HeartbeatLost-")
+    huge = pg.dedup_key({"alertname": "X" * 1000, "run": "r" * 5000})
+    assert len(huge) <= 255
+    assert pg.dedup_key({"alertname": "HeartbeatLost", "run": "r2", "severity": "critical"}) != pg.dedup_key(
+        a
+    )
+    # per-layer alerts are separate incidents per layer
+    l3 = {"alertname": "ExpertCollapse", "run": "r1", "layer": "3", "severity": "critical"}
+    assert pg.dedup_key(l3) != pg.dedup_key(l3 | {"layer": "4"})
+
+
+def test_halt_event_and_runhalted_alert_share_an_incident() -> None:
+    ev = pg.parse_event(
+        {"run": "r1", "step": 9, "kind": schema.EV_HALT, "action": schema.ACT_HALT}, ttl_s=60, now=0
+    )
+    [al] = pg.parse_alertmanager(am_payload(am_alert("RunHalted", run="r1")))
+    assert ev.key == al.key
+
+
+def test_pagerduty_body_limits_and_nan_safety() -> None:
+    [u] = pg.parse_alertmanager(am_payload(am_alert("LossSpike", run="r1")))
+    u.annotations["summary"] = "s" * 5000
+    book = pg.IncidentBook()
+    book.apply([u], now=0)
+    inc = book.snapshot(u.key)
+    sink = pg.PagerDutySink("http://x", "", ROUTING_KEY, "critical")
+    body = sink.body(inc, pg.FIRING)
+    assert len(body["payload"]["summary"]) == 1024
+    assert body["payload"]["severity"] == "critical" and body["routing_key"] == ROUTING_KEY
+    assert pg._json_safe({"v": float("nan"), "l": [float("inf")]}) == {"v": "nan", "l": ["inf"]}
+
+
+def test_retry_policy_backs_off_and_honours_retry_after() -> None:
+    pol = pg.RetryPolicy(base_s=1.0, max_delay_s=8.0)
+    assert 0.5 <= pol.delay(0) <= 1.0
+    assert 4.0 <= pol.delay(3) <= 8.0
+    assert pol.delay(10) <= 8.0
+    assert pol.delay(0, retry_after=5.0) == 5.0
+    assert pol.delay(0, retry_after=100.0) == 8.0  # capped: a hostile Retry-After cannot stall us
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ([], "expected a JSON object"),
+        ({"version": "3", "alerts": []}, "unsupported payload version"),
+        ({"version": "4", "alerts": "nope"}, "'alerts' must be a list"),
+        ({"version": "4", "alerts": [{"status": "firing", "labels": {"run": "r1"}}]}, "no alertname"),
+        ({"version": "4", "alerts": [{"status": "weird", "labels": {"alertname": "A"}}]}, "status must be"),
+        ({"version": "4", "alerts": [{"status": "firing", "labels": {"alertname": 1}}]}, "string to string"),
+    ],
+)
+def test_parse_alertmanager_rejects_malformed(body: Any, message: str) -> None:
+    with pytest.raises(pg.PayloadError, match=re.escape(message)):
+        pg.parse_alertmanager(body)
+
+
+# ---------------------------------------------------------------------------------------
+# The real service
+# ---------------------------------------------------------------------------------------
+def test_firing_alert_becomes_one_pagerduty_trigger_with_runbook_link(
+    pager: PagerProc, sink: RecordingSink
+) -> None:
+    t0 = time.monotonic()
+    status, reply = pager.post("/v1/alertmanager", am_payload(am_alert("RunHalted")))
+    assert status == 200 and reply["status"] == "accepted" and len(reply["incidents"]) == 1
+    [req] = sink.wait_for(lambda r: r.path == PD)
+    assert req.status == 202 and time.monotonic() - t0 < 5
+    pd = req.json
+    assert pd["routing_key"] == ROUTING_KEY
+    assert pd["event_action"] == "trigger"
+    assert pd["dedup_key"] == reply["incidents"][0] and len(pd["dedup_key"]) <= 255
+    p = pd["payload"]
+    assert p["summary"] == "RunHalted in run r1"
+    assert p["severity"] == "critical" and p["class"] == "RunHalted" and p["group"] == "r1"
+    assert p["source"] == "moeguard/r1" and p["component"] == "run"
+    assert p["custom_details"]["description"].startswith("Run r1: RunHalted")
+    assert {"href": f"{RUNBOOKS}/playbooks/RunHalted.md", "text": "Playbook: RunHalted"} in pd["links"]
+    assert pd["client_url"] == "http://alertmanager.example:9093"
+
+
+def test_slack_and_webhook_receive_the_incident(pager: PagerProc, sink: RecordingSink) -> None:
+    pager.post("/v1/alertmanager", am_payload(am_alert("RunHalted")))
+    [slack] = sink.wait_for(lambda r: r.path == SLACK)
+    [hook] = sink.wait_for(lambda r: r.path == HOOK)
+    s = slack.json
+    assert s["text"].startswith("[FIRING CRITICAL] RunHalted in run r1")
+    assert f"<{RUNBOOKS}/playbooks/RunHalted.md|Playbook: RunHalted>" in s["text"]
+    blocks = json.dumps(s["blocks"])
+    assert f"<{RUNBOOKS}/playbooks/RunHalted.md|Playbook: RunHalted>" in blocks
+    assert "&lt;details&gt; &amp; more" in blocks  # Slack mrkdwn escaping
+    assert {b["type"] for b in s["blocks"]} >= {"header", "section", "context"}
+    h = hook.json
+    assert h["status"] == "firing" and h["alertname"] == "RunHalted" and h["run"] == "r1"
+    assert h["runbook_url"] == f"{RUNBOOKS}/playbooks/RunHalted.md"
+    assert h["dedup_key"].startswith("moeguard-RunHalted-")
+
+
+def test_repeated_firing_does_not_page_again_and_resolve_uses_same_key(
+    pager: PagerProc, sink: RecordingSink
+) -> None:
+    firing = am_payload(am_alert("GuardRollbackStorm"))
+    pager.post("/v1/alertmanager", firing)
+    [trig] = sink.wait_for(lambda r: r.path == PD)
+    key = trig.json["dedup_key"]
+    for _ in range(3):  # Alertmanager's repeat_interval re-sends
+        assert pager.post("/v1/alertmanager", firing)[0] == 200
+    flush(pager, sink)
+    assert len([r for r in sink.received(PD) if not_marker(r)]) == 1
+    assert len([r for r in sink.received(SLACK) if not_marker(r)]) == 1
+
+    resolved = am_payload(am_alert("GuardRollbackStorm", "resolved"))
+    pager.post("/v1/alertmanager", resolved)
+    [res] = sink.wait_for(lambda r: r.path == PD and r.json["event_action"] == "resolve")
+    assert res.json == {"routing_key": ROUTING_KEY, "dedup_key": key, "event_action": "resolve"}
+    sink.wait_for(lambda r: r.path == SLACK and r.json["text"].startswith("[RESOLVED]"))
+    pager.post("/v1/alertmanager", resolved)  # a duplicate resolve is a no-op
+    flush(pager, sink)
+    assert len([r for r in pd_events(sink, "resolve") if not_marker(r)]) == 1
+
+
+def test_429_then_202_is_retried_and_delivered_once(pager: PagerProc, sink: RecordingSink) -> None:
+    sink.fail_next(1, status=429, path=PD, headers={"Retry-After": "0"})
+    sink.fail_next(2, status=503, path=SLACK)
+    pager.post("/v1/alertmanager", am_payload(am_alert("NonFiniteLoss")))
+    sink.wait_for(lambda r: r.path == PD and r.status == 202)
+    sink.wait_for(lambda r: r.path == SLACK and r.status == 202)
+    flush(pager, sink)
+    pd = [r for r in sink.received(PD) if not_marker(r)]
+    assert [r.status for r in pd] == [429, 202]
+    assert pd[0].json == pd[1].json  # the same event, re-sent
+    assert [r.status for r in sink.received(SLACK) if not_marker(r)] == [503, 503, 202]
+
+
+def test_sends_are_off_the_request_path(pager: PagerProc, sink: RecordingSink) -> None:
+    sink.fail_next(1, status=503, path=PD, headers={"Retry-After": "1"})
+    t0 = time.monotonic()
+    assert pager.post("/v1/alertmanager", am_payload(am_alert("RunHalted")))[0] == 200
+    answered = time.monotonic() - t0
+    sink.wait_for(lambda r: r.path == PD and r.status == 202)
+    delivered = time.monotonic() - t0
+    assert answered < 0.4 < delivered, (answered, delivered)
+
+
+def test_non_retryable_error_is_redriven_by_the_next_alertmanager_repeat(
+    pager: PagerProc, sink: RecordingSink
+) -> None:
+    sink.fail_next(1, status=400, path=PD)
+    firing = am_payload(am_alert("HeartbeatLost", rank="4"))
+    pager.post("/v1/alertmanager", firing)
+    sink.wait_for(lambda r: r.path == PD and r.status == 400)
+    # the sink records the 400 before the pager has processed the answer: poll
+    health = wait_until(lambda: (h := http_json(pager.url + "/healthz")[1])["failing"] == 1 and h, timeout=5)
+    assert health["sinks"]["pagerduty"]["failed"] == 1
+    pager.post("/v1/alertmanager", firing)  # repeat_interval
+    sink.wait_for(lambda r: r.path == PD and r.status == 202)
+    assert [r.status for r in sink.received(PD)] == [400, 202]
+
+
+def test_ranks_fold_into_one_incident_resolved_by_the_last_rank(
+    pager: PagerProc, sink: RecordingSink
+) -> None:
+    ranks = [am_alert("HeartbeatLost", rank=str(r)) for r in (1, 2, 10)]
+    pager.post("/v1/alertmanager", am_payload(*ranks))
+    [trig] = sink.wait_for(lambda r: r.path == PD)
+    assert trig.json["payload"]["component"] == "rank 1, 2, 10"
+    assert trig.json["payload"]["custom_details"]["ranks"] == ["1", "2", "10"]
+    # ranks 1 and 2 come back: still firing, nothing sent
+    pager.post(
+        "/v1/alertmanager",
+        am_payload(
+            *[am_alert("HeartbeatLost", "resolved", rank=r) for r in ("1", "2")],
+            am_alert("HeartbeatLost", rank="10"),
+        ),
+    )
+    flush(pager, sink)
+    assert [r.json["event_action"] for r in sink.received(PD) if not_marker(r)] == ["trigger"]
+    pager.post("/v1/alertmanager", am_payload(am_alert("HeartbeatLost", "resolved", rank="10")))
+    [res] = sink.wait_for(lambda r: r.path == PD and r.json["event_action"] == "resolve")
+    assert res.json["dedup_key"] == trig.json["dedup_key"]
+
+
+def test_warnings_go_to_slack_and_webhooks_but_do_not_page(pager: PagerProc, sink: RecordingSink) -> None:
+    pager.post("/v1/alertmanager", am_payload(am_alert("MFUDrop", severity="warning")))
+    sink.wait_for(lambda r: r.path == SLACK and "MFUDrop" in r.json["text"])
+    sink.wait_for(lambda r: r.path == HOOK and r.json["alertname"] == "MFUDrop")
+    flush(pager, sink)
+    assert pd_events(sink, cls="MFUDrop") == []
+
+
+def test_guard_halt_event_pages_and_dedupes_with_the_prometheus_alert(
+    pager: PagerProc, sink: RecordingSink
+) -> None:
+    event = {
+        "run": "r7",
+        "step": 1234,
+        "kind": schema.EV_HALT,
+        "detector": schema.DET_NONFINITE,
+        "value": float("nan"),
+        "threshold": 0.0,
+        "action": schema.ACT_HALT,
+        "detail": json.dumps({"rollbacks": 3, "severity": "critical"}),
+    }
+    status, reply = pager.post("/v1/events", event)
+    assert status == 200, reply
+    [trig] = sink.wait_for(lambda r: r.path == PD)
+    assert trig.json["dedup_key"] == reply["dedup_key"]
+    p = trig.json["payload"]
+    assert p["summary"] == "Run r7 halted itself at step 1234" and p["class"] == "RunHalted"
+    assert p["custom_details"]["event"]["value"] == "nan"  # NaN made JSON-safe
+    assert p["custom_details"]["runbook_url"] == "playbooks/RunHalted.md"  # no --runbook-base: relative
+    # a minute later Prometheus' RunHalted arrives for the same run: same incident, no new page
+    pager.post("/v1/alertmanager", am_payload(am_alert("RunHalted", run="r7")))
+    pager.post("/v1/events", event)  # the collector retrying its post: no new page either
+    flush(pager, sink)
+    assert len(triggers_for(sink, "r7")) == 1
+    pager.post("/v1/alertmanager", am_payload(am_alert("RunHalted", "resolved", run="r7")))
+    [res] = sink.wait_for(lambda r: r.path == PD and r.json["event_action"] == "resolve")
+    assert res.json["dedup_key"] == reply["dedup_key"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/alertmanager", b"{not json", "not valid JSON"),
+        ("/v1/alertmanager", {"version": "4", "alerts": "nope"}, "'alerts' must be a list"),
+        (
+            "/v1/alertmanager",
+            {"version": "4", "alerts": [{"status": "firing", "labels": {}}]},
+            "no alertname",
+        ),
+        ("/v1/events", {"kind": "halt"}, "run must be a non-empty string"),
+        ("/v1/events", {"run": "r1", "kind": "meltdown"}, "kind must be one of"),
+        ("/v1/events", {"run": "r1", "kind": "halt", "step": "12"}, "step must be an integer"),
+    ],
+)
+def test_malformed_requests_get_400_with_a_reason(
+    shared_pager: PagerProc, path: str, body: Any, message: str
+) -> None:
+    status, reply = shared_pager.post(path, body)
+    assert status == 400
+    assert message in reply["error"]
+    assert http_json(shared_pager.url + "/healthz")[1]["incidents"] == 0
+
+
+def test_restart_with_state_does_not_repage(sink: RecordingSink, tmp_path: Path) -> None:
+    first = start_pager(sink, tmp_path)
+    try:
+        firing = am_payload(am_alert("RunHalted", run="r3"))
+        first.post("/v1/alertmanager", firing)
+        [trig] = sink.wait_for(lambda r: r.path == PD)
+    finally:
+        first.stop()
+    second = start_pager(sink, tmp_path)
+    try:
+        second.post("/v1/alertmanager", firing)
+        flush(second, sink)
+        assert len(triggers_for(sink, "r3")) == 1
+        second.post("/v1/alertmanager", am_payload(am_alert("RunHalted", "resolved", run="r3")))
+        [res] = sink.wait_for(lambda r: r.path == PD and r.json["event_action"] == "resolve")
+        assert res.json["dedup_key"] == trig.json["dedup_key"]
+    finally:
+        second.stop()
+
+
+def test_undelivered_page_is_sent_after_a_restart(sink: RecordingSink, tmp_path: Path) -> None:
+    sink.fail_next(1000, status=500, path=PD)
+    first = start_pager(sink, tmp_path, "--max-attempts", "2")
+    try:
+        first.post("/v1/alertmanager", am_payload(am_alert("RunHalted", run="r4")))
+        sink.wait_for(lambda r: r.path == PD, count=2)
+    finally:
+        first.stop()
+    sink.clear_failures()  # PagerDuty is back
+    second = start_pager(sink, tmp_path)  # no new alert: the state file says r4 is owed a page
+    try:
+        [ok] = sink.wait_for(lambda r: r.path == PD and r.status == 202)
+        assert ok.json["event_action"] == "trigger" and ok.json["payload"]["group"] == "r4"
+    finally:
+        second.stop()
+
+
+def test_bearer_token_is_enforced_when_configured(sink: RecordingSink, tmp_path: Path) -> None:
+    p = start_pager(sink, tmp_path, env={pg.ENV_PAGER_TOKEN: "s3cret"})
+    try:
+        body = am_payload(am_alert("RunHalted"))
+        assert p.post("/v1/alertmanager", body)[0] == 401
+        assert p.post("/v1/alertmanager", body, headers={"Authorization": "Bearer wrong"})[0] == 401
+        assert p.post("/v1/alertmanager", body, headers={"Authorization": "Bearer s3cret"})[0] == 200
+        assert http_json(p.url + "/healthz")[0] == 200  # health stays open
+    finally:
+        p.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# End to end: metrics -> Prometheus (real rules) -> Alertmanager (real config) -> pager
+# ---------------------------------------------------------------------------------------
+PROMETHEUS = shutil.which("prometheus")
+ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen]]:
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+def fast_rules(text: str) -> str:
+    """The production rules with every `for:` set to 0s, so the test does not wait 30 minutes.
+    Exprs, labels and annotations are the real ones; promtool tests cover the `for` values."""
+    out, n = re.subn(r"(?m)^(\s+for:\s*)\S+\s*$", r"\g<1>0s", text)
+    assert n == text.count("- alert:"), "every rule should have a `for:` line"
+    return out
+
+
+def fast_alertmanager(text: str, pager_port: int) -> str:
+    """The production Alertmanager config, pointed at the test pager, with 1 s group timers."""
+    for old, new in [
+        ("127.0.0.1:9095", f"127.0.0.1:{pager_port}"),
+        ("group_wait: 30s", "group_wait: 1s"),
+        ("group_interval: 5m", "group_interval: 1s"),
+    ]:
+        assert old in text, f"alerts/alertmanager.yml no longer contains {old!r}; update this test"
+        text = text.replace(old, new)
+    return text
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(
+    PROMETHEUS is None or ALERTMANAGER is None,
+    reason="needs the prometheus and prometheus-alertmanager binaries (Debian packages)",
+)
+def test_end_to_end_runhalted_pages_and_resolves(
+    sink: RecordingSink, tmp_path: Path, processes: list[subprocess.Popen]
+) -> None:
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    reg = CollectorRegistry()
+    halted = Gauge(schema.M_HALTED, "1 when the run halted itself", ["run"], registry=reg)
+    step = Gauge(schema.M_STEP, "last step", ["run"], registry=reg)
+    load_entropy = Gauge(
+        schema.M_LAYER_LOAD_ENTROPY, "normalised load entropy", ["run", "layer"], registry=reg
+    )
+    halted.labels(run="r1").set(1)
+    step.labels(run="r1").set(420)
+    metrics_server, _ = start_http_server(0, addr="127.0.0.1", registry=reg)
+    try:
+        pager = start_pager(sink, tmp_path / "pager")
+        try:
+            _run_stack(sink, tmp_path, processes, pager, metrics_server.server_port, halted, load_entropy)
+        finally:
+            pager.stop()
+    finally:
+        metrics_server.shutdown()
+        metrics_server.server_close()
+
+
+def _run_stack(
+    sink: RecordingSink,
+    tmp: Path,
+    processes: list[subprocess.Popen],
+    pager: PagerProc,
+    metrics_port: int,
+    halted: Any,
+    load_entropy: Any,
+) -> None:
+    am_port, prom_port = free_port(), free_port()
+    (tmp / "am.yml").write_text(fast_alertmanager((REPO / "alerts/alertmanager.yml").read_text(), pager.port))
+    (tmp / "rules.yml").write_text(fast_rules((REPO / "alerts/moeguard.rules.yml").read_text()))
+    (tmp / "prometheus.yml").write_text(
+        json.dumps(
+            {  # JSON is YAML
+                "global": {
+                    "scrape_interval": "1s",
+                    "evaluation_interval": "1s",
+                    "external_labels": {"runbook_base": RUNBOOKS},
+                },
+                "rule_files": [str(tmp / "rules.yml")],
+                "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
+                "scrape_configs": [
+                    {"job_name": "moeguard", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}
+                ],
+            }
+        )
+    )
+    with open(tmp / "alertmanager.log", "wb") as log:
+        processes.append(
+            subprocess.Popen(
+                [
+                    ALERTMANAGER,
+                    f"--config.file={tmp / 'am.yml'}",
+                    f"--storage.path={tmp / 'am-data'}",
+                    f"--web.listen-address=127.0.0.1:{am_port}",
+                    "--cluster.listen-address=",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    with open(tmp / "prometheus.log", "wb") as log:
+        processes.append(
+            subprocess.Popen(
+                [
+                    PROMETHEUS,
+                    f"--config.file={tmp / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={tmp / 'prom-data'}",
+                    f"--web.listen-address=127.0.0.1:{prom_port}",
+                    "--rules.alert.resend-delay=1s",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    wait_http(f"http://127.0.0.1:{am_port}/-/ready", timeout=20)
+    wait_http(f"http://127.0.0.1:{prom_port}/-/ready", timeout=20)
+
+    def is_pd(action: str, cls: str, run: str) -> Any:
+        return lambda r: (
+            r.path == PD
+            and r.status == 202
+            and r.json["event_action"] == action
+            and (
+                action == "resolve"
+                or (r.json["payload"]["class"] == cls and r.json["payload"]["group"] == run)
+            )
+        )
+
+    # 1) RunHalted fires: a PagerDuty trigger with the absolute playbook link from the external label
+    [trig] = sink.wait_for(is_pd("trigger", "RunHalted", "r1"), timeout=30)
+    pd = trig.json
+    assert pd["routing_key"] == ROUTING_KEY
+    assert pd["payload"]["summary"] == "Run r1 halted itself"
+    assert "halted run r1 at step 420 after" in pd["payload"]["custom_details"]["description"]
+    assert {"href": f"{RUNBOOKS}/playbooks/RunHalted.md", "text": "Playbook: RunHalted"} in pd["links"]
+
+    # 2) Inhibition: with RunHalted(r1) firing, r1's per-layer collapse is muted; r2's is not.
+    #    Both ExpertCollapse tiers fire at once here (for: 0s); the critical one mutes the warning.
+    load_entropy.labels(run="r1", layer="3").set(0.2)
+    load_entropy.labels(run="r2", layer="5").set(0.2)
+    sink.wait_for(
+        lambda r: r.path == HOOK and r.json["alertname"] == "ExpertCollapse" and r.json["run"] == "r2",
+        timeout=30,
+    )
+    time.sleep(3)  # r1's group had the same timers; give it ample time to (wrongly) show up
+    collapse = [r.json for r in sink.received(HOOK) if r.json["alertname"] == "ExpertCollapse"]
+    assert [(c["run"], c["layer"], c["severity"]) for c in collapse] == [("r2", "5", "critical")], collapse
+
+    # 3) The run is resumed: RunHalted resolves with the same dedup_key
+    halted.labels(run="r1").set(0)
+    [res] = sink.wait_for(
+        lambda r: (
+            r.path == PD and r.json["event_action"] == "resolve" and r.json["dedup_key"] == pd["dedup_key"]
+        ),
+        timeout=30,
+    )
+    assert res.json == {"routing_key": ROUTING_KEY, "dedup_key": pd["dedup_key"], "event_action": "resolve"}
+    # 4) The Watchdog went to the blackhole, never to a human
+    assert not any(b"Watchdog" in r.body for r in sink.received())
