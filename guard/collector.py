@@ -25,6 +25,8 @@ Batch payload (JSON object; NaN may be written as NaN or null)
     heartbeat  {"time": float (trainer clock), "step": int, "phase": "train|checkpoint|eval"},
                optional (a batch with reports and no heartbeat beats at its last report)
     commands_ack  int, optional: the highest operator-command id this rank has taken up
+    trainer_detectors  bool, optional: true when the trainer runs the DetectorSuite in-process
+               (guard on, or --no-guard observing); the collector then runs none for the run
 Unknown top-level keys are ignored (newer exporters may send more).
 
 Answers: 200 {"ok": true, "duplicate": bool, "commands": [...]} once the batch is durably on
@@ -48,8 +50,9 @@ Resumed trainers: when rank 0 starts a new generation (seq >> 32 grows) whose fi
 after the last stored step, the steps it re-runs carry new data, so everything stored after
 `first step - 1` is dropped first (runstore.truncate_after), as the trainer does locally.
 
-Server-side detectors: one DetectorSuite per run sees every rank-0 report (runs that only
-stream telemetry get verdicts too). Rule against duplicate events: a collector verdict for
+Server-side detectors: one DetectorSuite per run sees every rank-0 report, for runs that only
+stream telemetry (a run whose batches say trainer_detectors=true has its own verdicts, and the
+collector skips the duplicate work from then on). Rule against duplicate events: a collector verdict for
 step S is written as an event (detail.source = "collector", action "none") only when the batch
 that carried step S had no verdict, action or halt event for S from the trainer (the exporter
 ships a step's events with its report). Detector state is not persisted: after a collector
@@ -139,6 +142,7 @@ class Batch:
     events: list[dict[str, Any]]
     heartbeat: dict[str, Any] | None
     commands_ack: int | None
+    trainer_detectors: bool = False
 
     @property
     def generation(self) -> int:
@@ -261,8 +265,11 @@ def parse_batch(body: bytes) -> Batch:
     ack = d.get("commands_ack")
     if ack is not None:
         ack = _int(ack, "commands_ack")
+    td = d.get("trainer_detectors", False)
+    if not isinstance(td, bool):
+        raise BadRequest("field 'trainer_detectors': expected true or false")
     return Batch(run=d["run"], rank=rank, seq=seq, meta=meta, reports=reports, events=events, heartbeat=hb,
-                 commands_ack=ack)  # fmt: skip
+                 commands_ack=ack, trainer_detectors=td)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -422,6 +429,7 @@ class RunState:
         self.dirty = False
         self.failed: BaseException | None = None
         self.detectors = _make_detectors(cfg.guard)
+        self.trainer_detectors = False
         self.commands: list[dict[str, Any]] = _read_json(self.state_dir / "commands.json", [])
         self.wal = Wal(self.state_dir)
         self._recover()
@@ -439,6 +447,9 @@ class RunState:
         self.hwm = {int(k): int(v) for k, v in st["hwm"].items()}
         self.acks = {int(k): int(v) for k, v in st["acks"].items()}
         self.last_step = int(st["last_step"])
+        self.trainer_detectors = bool(st.get("trainer_detectors", False))
+        if self.trainer_detectors:
+            self.detectors = None
         for rank, (seen, sent, step, phase) in st.get("ranks", {}).items():
             self.metrics.beat(self.run, int(rank), seen, step, phase, sent)
         # parts written by a checkpoint that never committed
@@ -500,10 +511,13 @@ class RunState:
                 first,
                 dropped,
             )
-        durable = bool(b.events or b.meta or (b.rank == 0 and b.reports)
+        flip = b.trainer_detectors and not self.trainer_detectors
+        durable = bool(b.events or b.meta or (b.rank == 0 and b.reports) or flip
                        or (b.commands_ack is not None and b.commands_ack > self.acks.get(b.rank, -1)))  # fmt: skip
         if durable and body is not None:
             self.wal.append(body)  # the batch is durable from here on
+        if flip:
+            self.trainer_detectors, self.detectors = True, None
         m = self.metrics
         if b.meta:
             meta = {**(read_meta(self.dir) or {}), **b.meta, "schema_version": schema.SCHEMA_VERSION,
@@ -593,6 +607,7 @@ class RunState:
                 snap = _Snapshot(
                     segment=self.wal.rotate(), reports=self.pending_reports, events=self.pending_events,
                     state={"hwm": dict(self.hwm), "acks": dict(self.acks), "last_step": self.last_step,
+                           "trainer_detectors": self.trainer_detectors,
                            "ranks": self._rank_beats()},
                 )  # fmt: skip
                 self.pending_reports, self.pending_events, self.dirty = [], [], False

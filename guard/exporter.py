@@ -70,12 +70,15 @@ class Exporter:
     def __init__(self, url: str, token: str | None, run_id: str, rank: int, spool_dir: str | Path, *,
                  max_queue: int = 1024, batch_max: int = 32, max_body_bytes: int = 8 << 20,
                  timeout_s: float = 10.0, poll_s: float = 5.0, heartbeat_s: float = 10.0,
-                 backoff_max_s: float = 30.0) -> None:  # fmt: skip
+                 backoff_max_s: float = 30.0, trainer_detectors: bool = False) -> None:  # fmt: skip
+        """`trainer_detectors`: this trainer runs the DetectorSuite itself (guard on, or observing),
+        so the collector skips its own detectors for the run."""
         self.url = url.rstrip("/")
         self.run_id, self.rank = run_id, rank
         self.spool_dir = Path(spool_dir)
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.batch_max, self.max_body_bytes = batch_max, max_body_bytes
+        self.trainer_detectors = trainer_detectors
         self.poll_s, self.heartbeat_s, self.backoff_max_s = poll_s, heartbeat_s, backoff_max_s
         headers = {"content-type": "application/json"}
         if token:
@@ -213,6 +216,8 @@ class Exporter:
         d["heartbeat"] = {"time": time.time(), "step": max(self._last_step, 0), "phase": self._phase}
         if self._meta is not None:
             d["meta"], self._meta = self._meta, None
+        if self.trainer_detectors:
+            d["trainer_detectors"] = True
         if self._seen_cmd > self._acked_cmd:
             d["commands_ack"] = self._acked_cmd = self._seen_cmd
         return d
