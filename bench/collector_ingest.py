@@ -106,7 +106,11 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="moeguard-bench-"))
     runs = Path(args.runs) if args.runs else tmp / "runs"
     port = free_port()
-    env = dict(os.environ, MOEGUARD_TOKEN=TOKEN, PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ,
+        MOEGUARD_TOKEN=TOKEN,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
     cmd = ["taskset", "-c", str(args.collector_core), sys.executable, "-m", "guard", "collector", "--port", str(port),
            "--runs", str(runs), "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, cwd=REPO)
@@ -157,7 +161,20 @@ def main() -> int:
                     lat[i].append(t1 - t0)
                     done[i] += args.batch
 
+    noop: list[float] = []
+
+    def prober() -> None:
+        """GET /healthz every 50 ms: the latency floor the machine itself imposes (scheduling)."""
+        with httpx.Client(timeout=30) as c:
+            while time.monotonic() < stop_at:
+                t0 = time.monotonic()
+                c.get(f"{url}/healthz")
+                if t0 >= measure_from:
+                    noop.append(time.monotonic() - t0)
+                time.sleep(0.05)
+
     threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
+    threads.append(threading.Thread(target=prober))
     for t in threads:
         t.start()
     time.sleep(max(0.0, measure_from - time.monotonic()))
@@ -184,6 +201,13 @@ def main() -> int:
     dets = "trainer's own (collector runs none)" if args.trainer_detectors else "server-side DetectorSuite on"
     print(f"collector pinned to core {args.collector_core}; {args.clients} clients on core {args.client_core}; "
           f"{load}; detectors: {dets}")  # fmt: skip
+    try:
+        import orjson  # noqa: F401
+
+        parser = "orjson"
+    except ImportError:
+        parser = "stdlib json"
+    print(f"JSON parser in the collector: {parser}")
     print(f"report: {args.layers} layers x {args.experts} experts = {values_per_report} values; "
           f"{args.batch} reports/request ({len(tpl[0]) * args.batch / 1e6:.2f} MB)")  # fmt: skip
     print(f"requests: {lats.size} in {elapsed:.0f} s; reports/s {reports / elapsed:.0f}")
@@ -193,6 +217,10 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
     print(f"latency ms: p50 {np.percentile(lats, 50):.1f}  p90 {np.percentile(lats, 90):.1f}  "
           f"p99 {np.percentile(lats, 99):.1f}  max {lats.max():.1f}")  # fmt: skip
+    nl = np.asarray(noop) * 1e3
+    print(
+        f"no-op GET /healthz meanwhile, ms: p50 {np.percentile(nl, 50):.1f}  p99 {np.percentile(nl, 99):.1f}"
+    )
     print(f"run store holds every acknowledged step exactly once: {stored_ok}")
     if not args.runs:
         shutil.rmtree(tmp, ignore_errors=True)

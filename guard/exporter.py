@@ -58,6 +58,7 @@ log = logging.getLogger("moeguard.exporter")
 
 GEN_SHIFT = 32  # same as guard.collector.GEN_SHIFT (not imported: the trainer needs no starlette)
 _STOP = object()
+_Encoded = tuple[bytes, list[dict[str, Any]], int]  # report JSON, its events, its step
 
 
 def _dumps(obj: Any) -> bytes:
@@ -100,7 +101,7 @@ class Exporter:
         self._commands: list[dict[str, Any]] = []
         self._seen_cmd = -1  # highest command id handed to poll_commands' caller
         self._queued_cmd = -1  # highest command id fetched
-        self._acked_cmd = -1  # highest id acknowledged to the collector
+        self._count_lock = threading.Lock()  # only ever held for an increment
         self._submitted = 0  # steps handed to submit()
         self._processed = 0  # ... of which acknowledged or spooled
         self.stats = {"sent": 0, "spooled": 0, "replayed": 0, "rejected": 0, "spilled": 0}
@@ -112,15 +113,18 @@ class Exporter:
     def submit(self, report: StepReport, events: Iterable[Event | dict[str, Any]] = ()) -> None:
         """Queue one step (the report must not be mutated afterwards). Never blocks."""
         item = (report, [e.row() if isinstance(e, Event) else dict(e) for e in events])
-        with self._lock:
+        with self._count_lock:
             self._submitted += 1
         try:
             self._q.put_nowait(item)
         except queue.Full:
             # The sender is behind (collector slow or down): spill to disk rather than drop.
+            enc = self._encode_items([item])
             with self._lock:
-                self._spool_write(self._payload([item], self._next_seq()))
+                seq = self._next_seq()
+                self._spool_write(seq, self._body(enc, seq))
                 self.stats["spilled"] += 1
+            with self._count_lock:
                 self._processed += 1
 
     def set_meta(self, meta: dict[str, Any]) -> None:
@@ -156,9 +160,10 @@ class Exporter:
         """Wait until everything submitted is acknowledged (True) or `timeout` passes."""
         deadline = time.monotonic() + timeout
         while True:
-            with self._lock:
-                if self._processed == self._submitted and not self._spool:
-                    return True
+            with self._count_lock:
+                done = self._processed == self._submitted
+            if done and not self._spool:
+                return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
@@ -179,9 +184,10 @@ class Exporter:
                 break
             if isinstance(it, tuple):
                 leftover.append(it)
-        with self._lock:
-            for i in range(0, len(leftover), self.batch_max):
-                self._spool_write(self._payload(leftover[i : i + self.batch_max], self._next_seq()))
+        for chunk in self._chunks(self._encode_items(leftover)):
+            with self._lock:
+                seq = self._next_seq()
+                self._spool_write(seq, self._body(chunk, seq))
         self._client.close()
         return ok and not leftover
 
@@ -207,26 +213,48 @@ class Exporter:
         self._counter += 1
         return self.generation << GEN_SHIFT | self._counter
 
-    def _payload(self, items: list[tuple[StepReport, list[dict[str, Any]]]], seq: int) -> dict[str, Any]:
+    @staticmethod
+    def _encode_items(items: list[tuple[StepReport, list[dict[str, Any]]]]) -> list[_Encoded]:
+        """Serialise reports outside any lock (the costly part of building a batch)."""
+        return [(_dumps(r.to_json()), evs, r.step) for r, evs in items]
+
+    def _chunks(self, enc: list[_Encoded]) -> list[list[_Encoded]]:
+        """Split so that no body exceeds max_body_bytes (64 KiB left for the envelope)."""
+        out: list[list[_Encoded]] = []
+        cur: list[_Encoded] = []
+        size, cap = 0, max(1, self.max_body_bytes - (64 << 10))
+        for e in enc:
+            n = len(e[0]) + 200 * len(e[1])
+            if cur and size + n > cap:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(e)
+            size += n
+        if cur:
+            out.append(cur)
+        return out
+
+    def _body(self, chunk: list[_Encoded], seq: int) -> bytes:
+        """The batch body for `chunk` with sequence number `seq`. Holds _lock."""
         d: dict[str, Any] = {"run": self.run_id, "rank": self.rank, "seq": seq,
-                             "reports": [r.to_json() for r, _ in items],
-                             "events": [e for _, evs in items for e in evs]}  # fmt: skip
-        if items:
-            self._last_step = max(self._last_step, max(r.step for r, _ in items))
+                             "events": [e for _, evs, _ in chunk for e in evs]}  # fmt: skip
+        if chunk:
+            self._last_step = max(self._last_step, max(step for _, _, step in chunk))
         d["heartbeat"] = {"time": time.time(), "step": max(self._last_step, 0), "phase": self._phase}
         if self._meta is not None:
             d["meta"], self._meta = self._meta, None
         if self.trainer_detectors:
             d["trainer_detectors"] = True
-        if self._seen_cmd > self._acked_cmd:
-            d["commands_ack"] = self._acked_cmd = self._seen_cmd
-        return d
+        if self._seen_cmd >= 0:  # every batch: a lost heartbeat must not lose the acknowledgement
+            d["commands_ack"] = self._seen_cmd
+        head = _dumps(d)
+        return head[:-1] + b',"reports":[' + b",".join(rb for rb, _, _ in chunk) + b"]}"
 
-    def _spool_write(self, payload: dict[str, Any]) -> None:
-        p = self.spool_dir / f"{self._prefix}{payload['seq']:020d}.json"
+    def _spool_write(self, seq: int, body: bytes) -> None:
+        p = self.spool_dir / f"{self._prefix}{seq:020d}.json"
         tmp = p.with_name(f".{p.name}.tmp")
         with open(tmp, "wb") as f:
-            f.write(_dumps(payload))
+            f.write(body)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
@@ -242,27 +270,28 @@ class Exporter:
             now = time.monotonic()
             wait = min(next_poll, last_sent + self.heartbeat_s, retry_at if self._spool else now + 1.0) - now
             items, stop = self._take(max(0.0, wait))
+            chunks = self._chunks(self._encode_items(items)) if items else []
+            batches: list[tuple[int, bytes]] = []
             with self._lock:
-                send_meta = self._meta is not None or self._phase_changed
-                if items or send_meta:
+                if not chunks and (self._meta is not None or self._phase_changed):
+                    chunks = [[]]
+                if chunks:
                     self._phase_changed = False
-                    batches = self._build(items)
+                    batches = [(seq, self._body(c, seq)) for c in chunks for seq in (self._next_seq(),)]
                     if self._spool:  # keep order: queue behind what is already spooled
-                        for b in batches:
-                            self._spool_write(b)
+                        for seq, body in batches:
+                            self._spool_write(seq, body)
                         batches = []
-                else:
-                    batches = []
-            for i, b in enumerate(batches):
-                if not self._post(b):
+            for i, (_, body) in enumerate(batches):
+                if not self._post(body):
                     with self._lock:
-                        for rest in batches[i:]:
-                            self._spool_write(rest)
+                        for seq, rest in batches[i:]:
+                            self._spool_write(seq, rest)
                     backoff, retry_at = self._backoff(backoff)
                     break
                 last_sent = time.monotonic()
             if items:
-                with self._lock:
+                with self._count_lock:
                     self._processed += len(items)
             if self._spool and time.monotonic() >= retry_at:
                 if self._replay():
@@ -276,7 +305,7 @@ class Exporter:
                 next_poll = now + self.poll_s
             if now - last_sent >= self.heartbeat_s:
                 with self._lock:  # only when nothing is spooled, checked under the seq lock
-                    hb = None if self._spool else self._build([])[0]
+                    hb = None if self._spool else self._body([], self._next_seq())
                 if hb is not None and self._post(hb, heartbeat_only=True):
                     last_sent = time.monotonic()
                 else:
@@ -308,24 +337,12 @@ class Exporter:
                 items.append(it)
         return items, stop
 
-    def _build(self, items: list[Any]) -> list[dict[str, Any]]:
-        """Payloads for `items`, split so that none exceeds max_body_bytes. Holds _lock."""
-        if len(items) <= 1:
-            return [self._payload(items, self._next_seq())]
-        p = self._payload(items, -1)
-        if len(_dumps(p)) <= self.max_body_bytes:
-            p["seq"] = self._next_seq()
-            return [p]
-        half = len(items) // 2
-        return self._build(items[:half]) + self._build(items[half:])
-
     def _backoff(self, backoff: float) -> tuple[float, float]:
         backoff = min(self.backoff_max_s, max(0.25, backoff * 2))
         return backoff, time.monotonic() + backoff * random.uniform(0.8, 1.2)
 
-    def _post(self, payload: dict[str, Any] | bytes, heartbeat_only: bool = False) -> bool:
+    def _post(self, body: bytes, heartbeat_only: bool = False) -> bool:
         """POST one batch; True when the collector has it (200) or rejected it for good (4xx)."""
-        body = payload if isinstance(payload, bytes) else _dumps(payload)
         try:
             r = self._client.post(f"{self.url}/v1/ingest", content=body)
         except httpx.HTTPError as e:
