@@ -148,8 +148,14 @@ def test_kernels_handle_an_expert_with_no_tokens() -> None:
         model = build(experts_kernel=k)
         for _, layer in model.moe_layers():
             layer.router.expert_bias_E[3] = -10.0  # expert 3 is never selected
-        outs.append(model(tokens)[0])
-        assert all(layer.router.tokens_per_expert_E[3] == 0 for _, layer in model.moe_layers())
+        logits, _ = model(tokens)
+        logits.square().mean().backward()
+        outs.append(logits.detach())
+        for _, layer in model.moe_layers():
+            assert layer.router.tokens_per_expert_E[3] == 0
+            assert layer.experts.w1_EDF.grad[3].abs().sum() == 0  # exactly zero, not garbage
+            assert layer.experts.w2_EFD.grad[3].abs().sum() == 0
+            assert layer.experts.w2_EFD.grad[2].abs().sum() > 0
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
 
