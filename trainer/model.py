@@ -147,7 +147,8 @@ def resolve_attention_backend(
     """
     check_choice("attention", cfg_value, ATTENTION_CHOICES)
     device = torch.device(device)
-    q = _probe_qkv(device, dtype, n_heads, head_dim, min(seq_len, 64))
+    # requires_grad: training inputs; on CUDA the choice can depend on backward support.
+    q = _probe_qkv(device, dtype, n_heads, head_dim, min(seq_len, 64)).requires_grad_(True)
     if cfg_value == "auto":
         try:
             choice = int(torch._fused_sdp_choice(q, q, q, None, 0.0, True))
@@ -583,12 +584,12 @@ class MoETransformer(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
-            self.head.weight = self.tok_emb.weight
+            self.head.weight = self.tok_embeddings.weight
         self._init_weights()
         self._compute_dtype_override = compute_dtype
         self._resolved_for: tuple[torch.device, torch.dtype] | None = None
@@ -603,7 +604,7 @@ class MoETransformer(nn.Module):
         # Deterministic given the global torch seed: modules are initialised in definition order.
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)  # residual-branch outputs (GPT-2)
-        nn.init.normal_(self.tok_emb.weight, std=std)
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
         for block in self.blocks:
             for name, p in block.named_parameters():
                 if name.endswith("norm.weight"):
@@ -622,7 +623,7 @@ class MoETransformer(nn.Module):
         return out
 
     def _resolve_backends(self) -> None:
-        p = self.tok_emb.weight
+        p = self.tok_embeddings.weight
         key = (p.device, p.dtype)
         if key == self._resolved_for or p.device.type == "meta":
             return
@@ -652,7 +653,7 @@ class MoETransformer(nn.Module):
     # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x_BTD = self.tok_emb(tokens_BT)
+        x_BTD = self.tok_embeddings(tokens_BT)
         aux_loss = torch.zeros((), device=tokens_BT.device, dtype=torch.float32)
         for block in self.blocks:
             x_BTD, aux_loss = block(x_BTD, aux_loss)
@@ -684,7 +685,7 @@ class MoETransformer(nn.Module):
         The input embedding is excluded unless `include_embeddings`; the output head counts
         (a tied head counts once, as the head).
         """
-        emb_id = id(self.tok_emb.weight)
+        emb_id = id(self.tok_embeddings.weight)
         tied = self.cfg.tie_embeddings
         total = 0.0
         seen: set[int] = set()

@@ -98,7 +98,7 @@ def test_checkpoint_keeps_bias_state_not_accumulators() -> None:
 
 def test_tied_embeddings_share_one_matrix() -> None:
     model = build(tie_embeddings=True)
-    assert model.head.weight is model.tok_emb.weight
+    assert model.head.weight is model.tok_embeddings.weight
     untied = build(tie_embeddings=False)
     V, D = 64, 32
     assert untied.n_params(include_embeddings=True) - model.n_params(include_embeddings=True) == V * D
