@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"moeguard {args.command}: config error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `moeguard replay ... | head`
+        return 0
     except KeyboardInterrupt:
         print(f"moeguard {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -463,7 +463,11 @@ class RunState:
         n = 0
         for s in (s for s in segs if s > self.segment_done):
             for rec in self.wal.read(s):
-                batch = parse_batch(rec)
+                try:
+                    batch = parse_batch(rec)
+                except BadRequest as e:  # validated when logged; only a stricter new version gets here
+                    log.error("run %s: logged batch no longer parses, skipped: %s", self.run, e)
+                    continue
                 sent = batch.heartbeat["time"] if batch.heartbeat else None
                 self._ingest(batch, None, now=sent if sent is not None else time.time(), replay=True)
                 n += 1

@@ -36,7 +36,7 @@ from trainer.envinfo import fingerprint
 from trainer.flops import flops_per_token, peak_flops
 from trainer.inject import Injection, Injector
 from trainer.model import MoETransformer
-from trainer.probe import Probe
+from guard.probe import Probe
 
 EXIT_HALTED = 3  # the guard halted the run (a checkpoint and a critical event were written)
 
@@ -277,9 +277,9 @@ class Trainer:
         self.opt_step += 1
         if self.probe.loads_ME is not None:
             bias_max = self.cfg.guard.policy.bias_max
-            for m, (layer_idx, layer) in enumerate(self.probe.moe):
+            for m, (layer_idx, router) in enumerate(self.probe.routers):
                 boost = bias_boost.get(layer_idx)
-                layer.router.update_bias(self.probe.loads_ME[m], rate_scale=boost or 1.0,
+                router.update_bias(self.probe.loads_ME[m], rate_scale=boost or 1.0,
                                          bias_max=bias_max if boost else None)  # fmt: skip
 
     def _set_aux_boost(self, aux_boost: dict[int, float]) -> None:
@@ -303,10 +303,10 @@ class Trainer:
             g["lr"] = lr
         self.opt.step()
         self.opt_step += 1
-        if self.probe.moe and self.cfg.model.bias_mode != "off":
+        if self.probe.routers and self.cfg.model.bias_mode != "off":
             loads, _, _ = self.probe.reduced_router_stats()
-            for m, (_, layer) in enumerate(self.probe.moe):
-                layer.router.update_bias(loads[m])
+            for m, (_, router) in enumerate(self.probe.routers):
+                router.update_bias(loads[m])
         self.opt.zero_grad(set_to_none=True)
         self.probe.reset_router_stats()
         loss = loss_sum.item() / len(batches)

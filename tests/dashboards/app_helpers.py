@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 import numpy as np
-
 from streamlit.testing.v1 import AppTest
 
 
@@ -27,8 +26,11 @@ def _decode(v: Any) -> Any:
         if shape := v.get("shape"):
             dims = shape if isinstance(shape, list) else str(shape).split(",")
             arr = arr.reshape([int(d) for d in dims])
-        return [[_nan_none(x) for x in row] for row in arr.tolist()] if arr.ndim == 2 else [
-            _nan_none(x) for x in arr.tolist()]
+        return (
+            [[_nan_none(x) for x in row] for row in arr.tolist()]
+            if arr.ndim == 2
+            else [_nan_none(x) for x in arr.tolist()]
+        )
     return {k: _decode(x) for k, x in v.items()}
 
 

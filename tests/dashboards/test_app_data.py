@@ -40,7 +40,9 @@ def test_downsample_keeps_spikes_nans_and_event_steps() -> None:
 
 
 def test_action_marks_merge_verdict_and_action_and_pin_nonfinite() -> None:
-    steps = pl.DataFrame({"step": [1, 2, 3], "loss": [3.0, float("nan"), 2.0], "grad_norm": [1.0, float("nan"), 9.0]})
+    steps = pl.DataFrame(
+        {"step": [1, 2, 3], "loss": [3.0, float("nan"), 2.0], "grad_norm": [1.0, float("nan"), 9.0]}
+    )
     ev = pl.DataFrame({
         "step": [2, 2, 3, 3], "time": [0.0] * 4, "kind": ["verdict", "action", "verdict", "inject"],
         "detector": ["nonfinite", "nonfinite", "maxvio", ""], "value": [math.nan, math.nan, 3.0, math.nan],
@@ -149,7 +151,9 @@ def test_app_config_from_argv_then_env(monkeypatch) -> None:
     monkeypatch.setenv(data.ENV_RUNS, "/env/runs")
     monkeypatch.delenv(data.ENV_HISTORY, raising=False)
     cfg = data.app_config(["--runs", "/cli/runs", "--history", "h.jsonl", "--collector", "http://am:9093"])
-    assert cfg == data.AppConfig(runs_dir=Path("/cli/runs"), history=Path("h.jsonl"), collector="http://am:9093")
+    assert cfg == data.AppConfig(
+        runs_dir=Path("/cli/runs"), history=Path("h.jsonl"), collector="http://am:9093"
+    )
     assert data.app_config(["--runxfail"]).runs_dir == Path("/env/runs")
 
 

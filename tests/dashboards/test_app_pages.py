@@ -74,7 +74,11 @@ def test_health_marks_every_guard_action_with_its_evidence(store: Path, open_pag
         assert action.upper() in hover
     assert len(symbols) == len(expected), "each action has its own marker"
     skip_hover = " ".join(traces(fig, "action: skip")[0]["hovertext"])
-    assert "grad_norm_spike" in skip_hover and "z: 61.2" in skip_hover and "value 84 vs threshold 9.1" in skip_hover
+    assert (
+        "grad_norm_spike" in skip_hover
+        and "z: 61.2" in skip_hover
+        and "value 84 vs threshold 9.1" in skip_hover
+    )
     assert "nonfinite" in skip_hover and "non-finite at this step" in skip_hover
     rollback_hover = traces(fig, "action: rollback")[0]["hovertext"][0]
     assert "rollback_to: 150" in rollback_hover and "skip_window: [150, 180]" in rollback_hover
@@ -87,7 +91,9 @@ def test_health_marks_every_guard_action_with_its_evidence(store: Path, open_pag
     assert any("layer: 2" in h for h in verdicts["hovertext"])
     # the events table shows them too, evidence included
     ev = at.dataframe[0].value
-    assert {schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_BIAS_CORRECT, schema.ACT_LR_COOLDOWN} <= set(ev["action"])
+    assert {schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_BIAS_CORRECT, schema.ACT_LR_COOLDOWN} <= set(
+        ev["action"]
+    )
     assert {schema.DET_GRAD_SPIKE, schema.DET_LOSS_SPIKE, schema.DET_NONFINITE, schema.DET_MAXVIO,
             schema.DET_DEAD_EXPERTS} <= set(ev["detector"])  # fmt: skip
     assert ev["evidence"].str.contains("rollback_to=150").any()
@@ -143,7 +149,9 @@ def test_health_halted_run_says_so(store: Path, open_page) -> None:
         (synth.NO_LAYERS, "info", "no `layers` table"),
     ],
 )
-def test_health_partial_runs_explain_themselves(store: Path, open_page, run: str, level: str, text: str) -> None:
+def test_health_partial_runs_explain_themselves(
+    store: Path, open_page, run: str, level: str, text: str
+) -> None:
     at = open_page("health", store, run=run)
     no_exception(at)
     assert any(text in e.value for e in getattr(at, level)), messages(at)
@@ -184,7 +192,13 @@ def test_compare_groups_by_environment(store: Path, open_page, group: str) -> No
     assert all(t["type"] == "violin" for t in dist["data"])
     diff = at.dataframe[-1].value
     keys = set(diff["key"])
-    assert {"env.torch", "env.attention_backend", "env.expert_kernel", "env.compile", "config.guard.enabled"} <= keys
+    assert {
+        "env.torch",
+        "env.attention_backend",
+        "env.expert_kernel",
+        "env.compile",
+        "config.guard.enabled",
+    } <= keys
     assert "env.device" not in keys and "env.dtype" not in keys, "only keys that differ"
 
 
@@ -259,7 +273,9 @@ def test_unreadable_meta_json(tmp_path: Path, open_page) -> None:
 
 
 # ---- real trainer runs (the seam: point MOEGUARD_REAL_RUNS at a run store) ------------------
-@pytest.mark.skipif(not os.environ.get("MOEGUARD_REAL_RUNS"), reason="set MOEGUARD_REAL_RUNS to a trainer run store")
+@pytest.mark.skipif(
+    not os.environ.get("MOEGUARD_REAL_RUNS"), reason="set MOEGUARD_REAL_RUNS to a trainer run store"
+)
 @pytest.mark.parametrize("page", ["runs", "health", "compare"])
 def test_pages_on_real_trainer_runs(open_page, page: str) -> None:
     root = Path(os.environ["MOEGUARD_REAL_RUNS"])

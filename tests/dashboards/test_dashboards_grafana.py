@@ -68,13 +68,13 @@ def all_exprs(d: dict[str, Any]) -> Iterator[tuple[str, str]]:
 
 
 def test_metric_name_parser_itself() -> None:
-    assert metric_names('sum by (detector) (increase(moeguard_guard_verdicts_total{run="$run"}[$__rate_interval]))') == {
-        "moeguard_guard_verdicts_total"
-    }
+    assert metric_names(
+        'sum by (detector) (increase(moeguard_guard_verdicts_total{run="$run"}[$__rate_interval]))'
+    ) == {"moeguard_guard_verdicts_total"}
     assert metric_names("moeguard_mfu_ratio{run=~\"$run\"} / on (run) moeguard_mfu_baseline_ratio") == {
         "moeguard_mfu_ratio", "moeguard_mfu_baseline_ratio"}  # fmt: skip
     assert metric_names("count(moeguard_run_halted == 1) or vector(0)") == {"moeguard_run_halted"}
-    assert metric_names("time() - max by (rank) (moeguard_x{a=\"b\"})") == {"moeguard_x"}
+    assert metric_names('time() - max by (rank) (moeguard_x{a="b"})') == {"moeguard_x"}
 
 
 @pytest.mark.parametrize("dash", grafana.build_all(), ids=lambda d: d["uid"])
@@ -124,7 +124,9 @@ def test_promql_parses_with_promtool(tmp_path: Path) -> None:
     for d in grafana.build_all():
         for i, (_, expr) in enumerate(all_exprs(d)):
             e = expr.replace("$__rate_interval", "5m").replace("$run", "r").replace("$layer", ".*")
-            rules.append(f"      - record: moeguard:check:{d['uid'].replace('-', '_')}_{i}\n        expr: {json.dumps(e)}")
+            rules.append(
+                f"      - record: moeguard:check:{d['uid'].replace('-', '_')}_{i}\n        expr: {json.dumps(e)}"
+            )
     f = tmp_path / "rules.yml"
     f.write_text("groups:\n  - name: dashboards\n    rules:\n" + "\n".join(rules) + "\n")
     r = subprocess.run(["promtool", "check", "rules", str(f)], capture_output=True, text=True)
@@ -205,7 +207,11 @@ def test_push_posts_every_dashboard_with_overwrite(fake_grafana, monkeypatch, ca
     monkeypatch.setenv(grafana.TOKEN_ENV, "s3cret")
     assert cli_main(["grafana", "push", "--url", url, "--folder", "ML training"]) == 0
     posts = [r for r in rec.requests if r["method"] == "POST" and r["path"] == "/api/dashboards/db"]
-    assert [p["json"]["dashboard"]["uid"] for p in posts] == ["moeguard-run", "moeguard-layers", "moeguard-fleet"]
+    assert [p["json"]["dashboard"]["uid"] for p in posts] == [
+        "moeguard-run",
+        "moeguard-layers",
+        "moeguard-fleet",
+    ]
     for p in posts:
         assert p["json"]["overwrite"] is True
         assert p["json"]["folderUid"] == "fold-1"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,10 +40,15 @@ class ProbeResult:
 class Probe:
     """Reads gradients and router accumulators after backward, before the optimizer step."""
 
-    def __init__(self, model: nn.Module, *, dead_window: int, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, *, dead_window: int, device: torch.device,
+                 layers: list[nn.Module] | None = None, routers: list[tuple[int, Any]] | None = None) -> None:
+        """`layers`: the modules whose gradient norms are reported per layer (default model.blocks).
+        `routers`: (layer index, router) pairs; a router exposes tokens_per_expert_E, entropy_sum,
+        token_count, expert_bias_E and reset_stats() (moeguard's Router, or a guard.probes.RouterProbe
+        attached to any third-party gate). Default: model.moe_layers()."""
         self.model = model
         self.dead_window = dead_window
-        blocks = list(model.blocks)
+        blocks = list(layers if layers is not None else model.blocks)
         self.n_layers = len(blocks)
         # Parameters grouped by block; the rest (embeddings, final norm, head) count only in the
         # total norm. Fixed order so one _foreach_norm call covers every gradient.
@@ -52,10 +58,12 @@ class Probe:
         self.params = [p for ps in block_params for p in ps] + other
         seg = [i for i, ps in enumerate(block_params) for _ in ps] + [self.n_layers] * len(other)
         self.segment_ids = torch.tensor(seg, device=device)
-        self.moe = list(model.moe_layers())
-        self.moe_ids_M = np.array([i for i, _ in self.moe], dtype=np.int32)
-        self.n_experts = self.moe[0][1].router.expert_bias_E.numel() if self.moe else 0
-        m, e = len(self.moe), self.n_experts
+        if routers is None:
+            routers = [(i, layer.router) for i, layer in model.moe_layers()] if hasattr(model, "moe_layers") else []
+        self.routers = list(routers)
+        self.moe_ids_M = np.array([i for i, _ in self.routers], dtype=np.int32)
+        self.n_experts = self.routers[0][1].expert_bias_E.numel() if self.routers else 0
+        m, e = len(self.routers), self.n_experts
         self.steps_since_token_ME = torch.zeros(m, e, device=device)
         self.device = device
         self.loads_ME: torch.Tensor | None = None  # reduced loads of the last collect (for bias updates)
@@ -70,10 +78,10 @@ class Probe:
 
     def reduced_router_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loads [M,E], entropy sums [M], token counts [M]), summed over micro-batches and ranks."""
-        if not self.moe:
+        if not self.routers:
             z = torch.zeros(0, device=self.device)
             return z.reshape(0, 0), z, z
-        routers = [layer.router for _, layer in self.moe]
+        routers = [r for _, r in self.routers]
         loads = torch.stack([r.tokens_per_expert_E for r in routers]).float()
         ent = torch.stack([r.entropy_sum.reshape(()) for r in routers]).float()
         cnt = torch.stack([r.token_count.reshape(()) for r in routers]).float()
@@ -85,8 +93,8 @@ class Probe:
         return loads, ent, cnt
 
     def reset_router_stats(self) -> None:
-        for _, layer in self.moe:
-            layer.router.reset_stats()
+        for _, r in self.routers:
+            r.reset_stats()
 
     # ---- the one transfer --------------------------------------------------------------
     def collect(self, loss_sum: torch.Tensor, n_micro: int) -> ProbeResult:
@@ -108,7 +116,7 @@ class Probe:
             router_ent = ent / cnt.clamp_min(1.0)
             self.steps_since_token_ME = torch.where(loads > 0, 0.0, self.steps_since_token_ME + 1)
             dead = (self.steps_since_token_ME >= self.dead_window).sum(dim=1).float()
-            bias = torch.stack([layer.router.expert_bias_E for _, layer in self.moe]).float()
+            bias = torch.stack([r.expert_bias_E for _, r in self.routers]).float()
             bias_norm = bias.norm(dim=1)
         else:
             maxvio = load_ent = router_ent = dead = bias_norm = torch.zeros(0, device=self.device)

@@ -1,0 +1,135 @@
+"""`moeguard replay RUN_DIR [--guard FILE.toml]`: run the detectors and policy over a recorded run.
+
+It rebuilds each step's StepReport from the run store and feeds the same DetectorSuite and
+Policy the trainer uses, then prints what they would have done next to what the run did. Use
+it to tune thresholds: a verdict on a step you know was healthy is a false alarm to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from guard import schema
+from guard.config import GuardConfig, load_guard_config
+from guard.detectors import DetectorSuite
+from guard.lrbound import LRBoundDetector
+from guard.policy import Policy
+from guard.report import StepReport
+from guard.runstore import read_meta, scan_table
+from guard.tomlconf import ConfigError, from_dict
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", type=Path, help="a run folder (runs/<run_id>)")
+    p.add_argument("--guard", type=Path, metavar="FILE.toml",
+                   help="guard settings to try (default: the ones the run was recorded with)")
+    p.add_argument("--all", action="store_true", help="list every step with a verdict (default: first 50)")
+    p.add_argument("--json", action="store_true", help="print the replayed events as JSON lines")
+
+
+def reports_from_run(run_dir: Path) -> Iterator[StepReport]:
+    """StepReports rebuilt from the steps, layers and experts tables, in step order."""
+    steps = scan_table(run_dir, schema.TABLE_STEPS).sort("step").collect()
+    layers = scan_table(run_dir, schema.TABLE_LAYERS).sort("step", "layer").collect()
+    experts = scan_table(run_dir, schema.TABLE_EXPERTS).sort("step", "layer", "expert").collect()
+    by_step_l = {k[0]: g for k, g in layers.group_by("step", maintain_order=True)} if layers.height else {}
+    by_step_e = {k[0]: g for k, g in experts.group_by("step", maintain_order=True)} if experts.height else {}
+    for row in steps.iter_rows(named=True):
+        s = row["step"]
+        rep = StepReport(**{k: (v if v is not None else float("nan")) for k, v in row.items()})
+        lg = by_step_l.get(s)
+        if lg is not None:
+            rep.layer_ids_L = lg["layer"].to_numpy().astype(np.int32)
+            rep.layer_grad_norm_L = lg["grad_norm"].to_numpy().astype(float)
+            moe = lg.filter(pl.col("router_entropy").is_not_nan())
+            rep.moe_layer_ids_M = moe["layer"].to_numpy().astype(np.int32)
+            rep.router_entropy_M = moe["router_entropy"].to_numpy()
+            rep.load_entropy_M = moe["load_entropy"].to_numpy()
+            rep.maxvio_M = moe["maxvio"].to_numpy()
+            rep.dead_experts_M = moe["dead_experts"].to_numpy().astype(np.int32)
+            rep.bias_norm_M = moe["bias_norm"].to_numpy()
+        eg = by_step_e.get(s)
+        if eg is not None and len(rep.moe_layer_ids_M):
+            m = len(rep.moe_layer_ids_M)
+            rep.load_ME = eg["load"].to_numpy().reshape(m, -1)
+            rep.bias_ME = eg["bias"].to_numpy().reshape(m, -1)
+        yield rep
+
+
+@dataclass(slots=True)
+class ReplayRow:
+    step: int
+    detector: str
+    value: float
+    threshold: float
+    layer: int | None
+    would: str
+    did: str
+
+
+def replay(run_dir: Path, cfg: GuardConfig, max_lr: float | None = None) -> list[ReplayRow]:
+    suite = DetectorSuite(cfg)
+    policy = Policy(cfg)
+    lr_bound = LRBoundDetector(max_lr) if max_lr else None
+    rows: list[ReplayRow] = []
+    for rep in reports_from_run(run_dir):
+        verdicts = suite.update(rep)
+        if lr_bound is not None and (v := lr_bound.update(rep.lr)).fired:
+            verdicts.append(v)
+        d = policy.decide(rep.step, verdicts, healthy=suite.healthy)
+        for ev in d.events:
+            if ev.kind != schema.EV_VERDICT:
+                continue
+            rows.append(ReplayRow(rep.step, ev.detector, ev.value, ev.threshold, ev.detail.get("layer"),
+                                  ev.action, rep.action))  # fmt: skip
+    return rows
+
+
+def guard_config_of(run_dir: Path, override: Path | None) -> tuple[GuardConfig, float | None]:
+    meta = read_meta(run_dir)
+    if meta is None:
+        raise ConfigError(f"{run_dir} is not a run folder (no meta.json)")
+    recorded = meta.get("config", {})
+    max_lr = recorded.get("optim", {}).get("lr")
+    if override is not None:
+        return load_guard_config(override), max_lr
+    cfg = from_dict(GuardConfig, recorded.get("guard", {}), prefix="guard.")
+    cfg.mode = "act"  # replay asks what an acting guard would do, even for an observe-mode run
+    return cfg, max_lr
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.run_dir.is_dir():
+        raise ConfigError(f"run folder {str(args.run_dir)!r} does not exist")
+    cfg, max_lr = guard_config_of(args.run_dir, args.guard)
+    rows = replay(args.run_dir, cfg, max_lr)
+    if args.json:
+        for r in rows:
+            print(json.dumps({"step": r.step, "detector": r.detector, "value": r.value, "threshold": r.threshold,
+                              "layer": r.layer, "would": r.would, "did": r.did}))  # fmt: skip
+        return 0
+    n_steps = scan_table(args.run_dir, schema.TABLE_STEPS).select(pl.len()).collect().item()
+    print(f"replayed {n_steps} steps of {args.run_dir.name} with "
+          f"{'guard settings from ' + str(args.guard) if args.guard else 'the recorded guard settings'}")  # fmt: skip
+    if not rows:
+        print("no verdicts: the detectors would have stayed quiet on every step")
+        return 0
+    shown = rows if args.all else rows[:50]
+    print(f"{'step':>7}  {'detector':<22} {'layer':>5} {'value':>12} {'threshold':>12}  {'would':<13} did")
+    for r in shown:
+        layer = "" if r.layer is None else str(r.layer)
+        print(f"{r.step:>7}  {r.detector:<22} {layer:>5} {r.value:>12.4g} {r.threshold:>12.4g}  {r.would:<13} {r.did}")
+    if len(rows) > len(shown):
+        print(f"... {len(rows) - len(shown)} more (use --all)")
+    by_det: dict[str, int] = {}
+    for r in rows:
+        by_det[r.detector] = by_det.get(r.detector, 0) + 1
+    print("verdicts by detector: " + ", ".join(f"{k} {v}" for k, v in sorted(by_det.items())))
+    return 0

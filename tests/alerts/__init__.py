@@ -1,0 +1,1 @@
+"""Tests for alerts/ (Prometheus rules, promtool unit tests, Alertmanager config) and playbooks/."""

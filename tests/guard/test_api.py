@@ -1,0 +1,91 @@
+"""The library API on a plain PyTorch loop and a MoE that is not moeguard's (Mixtral-style gate)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import torch
+from torch import nn
+
+from guard import schema
+from guard.api import GuardedStep
+from guard.probes import RouterProbe
+from guard.runstore import read_table
+
+
+class ThirdPartyMoE(nn.Module):
+    """A Mixtral-like sparse block: gate = nn.Linear -> logits; top-2 of 4 experts."""
+
+    def __init__(self, d: int = 16, e: int = 4) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, e, bias=False)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(d, 32), nn.GELU(), nn.Linear(32, d)) for _ in range(e)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.gate(x).softmax(-1)
+        top_w, top_i = w.topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for k in range(2):
+            for e, expert in enumerate(self.experts):
+                mask = top_i[..., k] == e
+                if mask.any():
+                    out[mask] += top_w[..., k][mask, None] * expert(x[mask])
+        return x + out
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([ThirdPartyMoE(), ThirdPartyMoE()])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).squeeze(-1)
+
+
+def test_plain_loop_is_guarded_in_a_few_lines(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    routers = [(i, RouterProbe(layer.gate, n_experts=4, top_k=2)) for i, layer in enumerate(model.layers)]
+    guarded = GuardedStep(model, opt, run_dir=tmp_path / "run", routers=routers, max_lr=1e-3)
+    x, y = torch.randn(64, 16), torch.randn(64)
+    decisions = []
+    for step in range(60):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        if step == 50:  # a gradient spike, as a bad batch would cause
+            for p in model.parameters():
+                p.grad.mul_(1000.0)
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            exp_avg = [s["exp_avg"].clone() for s in opt.state.values()]
+        decisions.append(guarded.step(loss, tokens=64))
+        if step == 50:
+            assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+            assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(exp_avg, opt.state.values(), strict=True))
+    guarded.close()
+    assert decisions[50].action == schema.ACT_SKIP
+    assert [d.action for i, d in enumerate(decisions) if i != 50] == [schema.ACT_APPLY] * 59
+    steps = read_table(tmp_path / "run", "steps")
+    assert steps.height == 60
+    experts = read_table(tmp_path / "run", "experts")
+    # the probe saw the third-party routing: 64 tokens x top-2 per layer per step
+    per = experts.group_by("step", "layer").agg(pl.col("load").sum())
+    assert (per["load"] == 128).all()
+    layers = read_table(tmp_path / "run", "layers")
+    assert layers["router_entropy"].is_finite().all() and (layers["router_entropy"] > 0).all()
+
+
+def test_router_probe_rejects_a_wrong_expert_count() -> None:
+    gate = nn.Linear(8, 6)
+    probe = RouterProbe(gate, n_experts=4, top_k=2)
+    try:
+        gate(torch.randn(3, 8))
+    except ValueError as e:
+        assert "n_experts = 4" in str(e)
+    else:
+        raise AssertionError("expected a ValueError")
+    probe.remove()
