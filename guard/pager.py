@@ -33,6 +33,7 @@ import os
 import queue
 import random
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -977,7 +978,11 @@ def run(args: argparse.Namespace) -> int:
     family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((cfg.host, cfg.port))
+    try:
+        sock.bind((cfg.host, cfg.port))
+    except OSError as e:
+        print(f"moeguard pager: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
+        return 2
     port = sock.getsockname()[1]
     receivers = ", ".join(w.sink.name for w in pager.workers) or "none"
     print(f"moeguard pager: listening on http://{cfg.host}:{port} (receivers: {receivers})", flush=True)

@@ -279,6 +279,64 @@ def test_retry_policy_backs_off_and_honours_retry_after() -> None:
     assert pol.delay(0, retry_after=100.0) == 8.0  # capped: a hostile Retry-After cannot stall us
 
 
+def test_event_only_incident_is_forgotten_after_its_ttl_without_a_resolve() -> None:
+    book = pg.IncidentBook()
+    ev = pg.parse_event({"run": "r1", "kind": schema.EV_HALT}, ttl_s=60, now=0)
+    book.apply([ev], now=0)
+    assert pg.delivery_needed(book.snapshot(ev.key), None) == pg.FIRING
+    book.record(ev.key, "pagerduty", pg.FIRING, None)
+    assert book.expire_events(now=30) == 0
+    assert book.expire_events(now=61) == 1
+    assert book.snapshot(ev.key) is None  # forgotten, not resolved: a human closes the page
+    # an incident Alertmanager knows about never expires that way
+    [al] = pg.parse_alertmanager(am_payload(am_alert("RunHalted", run="r2")))
+    book.apply([al], now=0)
+    assert book.expire_events(now=10**9) == 0 and book.snapshot(al.key)["status"] == pg.FIRING
+
+
+def test_alertmanager_takes_over_an_incident_opened_by_an_event() -> None:
+    book = pg.IncidentBook()
+    ev = pg.parse_event({"run": "r1", "kind": schema.EV_HALT}, ttl_s=3600, now=0)
+    book.apply([ev], now=0)
+    book.record(ev.key, "pagerduty", pg.FIRING, None)
+    [firing] = pg.parse_alertmanager(am_payload(am_alert("RunHalted")))
+    book.apply([firing], now=1)
+    inc = book.snapshot(ev.key)
+    assert pg.delivery_needed(inc, inc["sent"]["pagerduty"]) is None  # same incident: no second page
+    [resolved] = pg.parse_alertmanager(am_payload(am_alert("RunHalted", "resolved")))
+    book.apply([resolved], now=2)
+    inc = book.snapshot(ev.key)
+    assert inc["members"] == {} and pg.delivery_needed(inc, pg.FIRING) == pg.RESOLVED
+
+
+def test_state_file_round_trip(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    book = pg.IncidentBook(state)
+    [u] = pg.parse_alertmanager(am_payload(am_alert("RunHalted")))
+    book.apply([u], now=time.time())
+    book.record(u.key, "pagerduty", pg.FIRING, None)
+    again = pg.IncidentBook(state)
+    assert again.snapshot(u.key)["sent"] == {"pagerduty": pg.FIRING}
+    state.write_text('{"version": 99, "incidents": {}}')
+    with pytest.raises(SystemExit, match="version 99"):
+        pg.IncidentBook(state)
+
+
+def test_port_in_use_is_a_clean_error(sink: RecordingSink, tmp_path: Path) -> None:
+    first = start_pager(sink, tmp_path)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "guard", "pager", "--port", str(first.port)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        first.stop()
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -395,6 +453,18 @@ def test_non_retryable_error_is_redriven_by_the_next_alertmanager_repeat(
     pager.post("/v1/alertmanager", firing)  # repeat_interval
     sink.wait_for(lambda r: r.path == PD and r.status == 202)
     assert [r.status for r in sink.received(PD)] == [400, 202]
+
+
+def test_connection_errors_are_retried_then_reported(sink: RecordingSink, tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/nobody-listens"
+    p = start_pager(sink, tmp_path, "--webhook-url", dead, "--max-attempts", "3")
+    try:
+        p.post("/v1/alertmanager", am_payload(am_alert("RunHalted")))
+        sink.wait_for(lambda r: r.path == PD)  # the healthy receivers are not held up
+        wait_until(lambda: http_json(p.url + "/healthz")[1]["sinks"]["webhook-1"]["failed"] == 1, timeout=10)
+        assert "ConnectError" in p.log.read_text() and "gave up after 3 attempts" in p.log.read_text()
+    finally:
+        p.stop()
 
 
 def test_ranks_fold_into_one_incident_resolved_by_the_last_rank(
