@@ -29,11 +29,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", type=Path, default=None, help="where to keep the runs (default: a temp dir)")
     ap.add_argument("--inject", action="append", default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run (1 is fastest on a busy box)")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     faults = args.inject or DEFAULT_FAULTS
     parent = args.runs or Path(tempfile.mkdtemp(prefix="drill-"))
-    results = drill(args.config, args.steps, args.seed, parent, faults, progress=False)
+    results = drill(args.config, args.steps, args.seed, parent, faults, progress=False, threads=args.threads)
     table = format_table(results)
     clean, unguarded, guarded = results
     gap = (guarded.final_loss - clean.final_loss) / clean.final_loss

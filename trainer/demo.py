@@ -32,6 +32,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=Path, default=Path("runs"), help="parent folder for the three runs")
     p.add_argument("--inject", action="append", default=None, metavar="KIND@STEP[:ARG]",
                    help=f"faults to inject (repeatable; default: {' '.join(DEFAULT_FAULTS)})")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads per run (0: torch's default)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -49,13 +50,16 @@ class DrillResult:
 
 
 def run_one(name: str, config: Path | None, steps: int, seed: int, run_dir: Path, faults: list[str],
-            guard_mode: str, progress: bool) -> DrillResult:  # fmt: skip
+            guard_mode: str, progress: bool, threads: int = 0) -> DrillResult:  # fmt: skip
     from trainer.cli import DEFAULT_CONFIG
     from trainer.config import load_config
     from trainer.inject import parse_injection
     from trainer.loop import Trainer
 
-    cfg = load_config(config or DEFAULT_CONFIG, {"train.steps": steps, "train.seed": seed, "guard.mode": guard_mode})
+    overrides = {"train.steps": steps, "train.seed": seed, "guard.mode": guard_mode}
+    if threads:
+        overrides["train.threads"] = threads
+    cfg = load_config(config or DEFAULT_CONFIG, overrides)
     t = Trainer(cfg, run_dir, injections=[parse_injection(f) for f in faults], progress=progress)
     t.run()
     return summarize_run(name, run_dir, t.goodput()["goodput"])
@@ -107,7 +111,7 @@ def format_table(results: list[DrillResult]) -> str:
 
 
 def drill(config: Path | None, steps: int, seed: int, parent: Path, faults: list[str],
-          progress: bool = True) -> list[DrillResult]:  # fmt: skip
+          progress: bool = True, threads: int = 0) -> list[DrillResult]:  # fmt: skip
     stamp = time.strftime("%Y%m%d-%H%M%S")
     plan = [("clean", [], "act"), ("faulty, unguarded", faults, "observe"), ("faulty, guarded", faults, "act")]
     out = []
@@ -115,14 +119,15 @@ def drill(config: Path | None, steps: int, seed: int, parent: Path, faults: list
         run_dir = parent / f"demo-{stamp}-{name.replace(', ', '-')}"
         if progress:
             print(f"\n== {name}: {run_dir}", flush=True)
-        out.append(run_one(name, config, steps, seed, run_dir, f, mode, progress))
+        out.append(run_one(name, config, steps, seed, run_dir, f, mode, progress, threads))
     return out
 
 
 def run(args: argparse.Namespace) -> int:
     faults = args.inject if args.inject is not None else DEFAULT_FAULTS
     print(f"moeguard demo: {args.steps} steps x 3 runs, seed {args.seed}, faults: {' '.join(faults)}")
-    results = drill(args.config, args.steps, args.seed, args.runs, faults, progress=not args.no_progress)
+    results = drill(args.config, args.steps, args.seed, args.runs, faults, progress=not args.no_progress,
+                    threads=args.threads)
     print()
     print(format_table(results))
     print(f"\nruns are in {args.runs}/; explore them with: moeguard app --runs {args.runs}")
