@@ -525,3 +525,32 @@ def test_bench_quick_ours_beats_every_published_rule() -> None:
             continue
         assert ours.f1 >= s.f1, f"{name}: F1 {s.f1:.3f} > ours {ours.f1:.3f}"
         assert ours.fa_per_1k <= s.fa_per_1k, name
+
+
+def test_bench_reads_recorded_runs(tmp_path) -> None:
+    import polars as pl
+
+    from bench.detector_quality import evaluate
+    from bench.traces import load_run_traces
+
+    n = 400
+    g, lo = noisy(n, 0), noisy(n, 1, sigma=0.02, level=3.0)
+    g[10] = float("nan")
+    actions = ["apply"] * n
+    actions[20] = "skip"  # the guard already flagged it: not part of the clean baseline
+    (tmp_path / "steps").mkdir()
+    pl.DataFrame(
+        {
+            "step": list(range(n)),
+            "time": [float(s) for s in range(n)],
+            "loss": lo,
+            "grad_norm": g,
+            "action": actions,
+        }
+    ).write_parquet(tmp_path / "steps" / "part-0000000000-000000.parquet")
+    traces, notes = load_run_traces([tmp_path])
+    assert [(t.series, len(t.values)) for t in traces] == [("grad_norm", n - 2), ("loss", n - 1)]
+    assert any("flagged" in x for x in notes) and any("non-finite" in x for x in notes)
+    res = evaluate(traces)
+    assert res.scores["clean"]["ours"].false_alarms == 0
+    assert res.scores["x10"]["ours"].recall == 1.0
