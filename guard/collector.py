@@ -27,6 +27,10 @@ Batch payload (JSON object; NaN may be written as NaN or null)
     commands_ack  int, optional: the highest operator-command id this rank has taken up
     trainer_detectors  bool, optional: true when the trainer runs the DetectorSuite in-process
                (guard on, or --no-guard observing); the collector then runs none for the run
+    final      bool, optional: true on the last batch of a rank that stopped on purpose (the
+               exporter's close() after a finished, halted or --until run; not after a crash).
+               The rank's heartbeat is dropped (no HeartbeatLost for a run that ended), and
+               rank 0's final sets the run's status to finished (halted if it halted)
 Unknown top-level keys are ignored (newer exporters may send more).
 
 Answers: 200 {"ok": true, "duplicate": bool, "commands": [...]} once the batch is durably on
@@ -49,6 +53,17 @@ are deleted and the log is replayed, so a SIGKILL at any point loses nothing tha
 Resumed trainers: when rank 0 starts a new generation (seq >> 32 grows) whose first step is not
 after the last stored step, the steps it re-runs carry new data, so everything stored after
 `first step - 1` is dropped first (runstore.truncate_after), as the trainer does locally.
+"New generation" compares with the generation of rank 0's last batch WITH reports, so a
+heartbeat the restarted exporter sends before its first step does not hide the restart.
+
+Halted runs: a halt event (kind "halt", or an action event with action "halt") latches
+moeguard_run_halted{run} = 1 and the run's status "halted" in meta.json. The run un-halts on a
+"resume" event, or when rank 0 sends reports of a new generation (the trainer was restarted with
+--resume; the collector then records a resume event itself, detail.source = "collector"), so
+RunHalted resolves and a later halt pages again. After a collector restart the latch is rebuilt
+from meta.json and the events (a halt at or after the last resume). With --pager-url, each halt
+event is also posted to `moeguard pager` /v1/events in the background (guard/notify.py) once it
+is durable, so the page goes out in seconds; the pager files it under the RunHalted incident.
 
 Server-side detectors: one DetectorSuite per run sees every rank-0 report, for runs that only
 stream telemetry (a run whose batches say trainer_detectors=true has its own verdicts, and the
@@ -86,6 +101,7 @@ from guard.config import GuardConfig, load_guard_config
 from guard.events import Event
 from guard.heartbeat import PHASE_TRAIN, PHASES, HeartbeatConfig
 from guard.metrics import CollectorMetrics
+from guard.notify import PagerNotifier
 from guard.report import StepReport
 from guard.runstore import atomic_write_bytes, part_files, polars_schema, read_meta, truncate_after
 
@@ -117,12 +133,16 @@ class CollectorConfig:
     checkpoint_interval_s: float = 1.0
     guard: GuardConfig | None = field(default_factory=GuardConfig)  # None: no server-side detectors
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    pager_url: str | None = None  # `moeguard pager` base URL: halt events are posted to its /v1/events
+    pager_token: str | None = None  # its bearer token (MOEGUARD_PAGER_TOKEN), if it wants one
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes = {self.max_body_bytes}: must be >= 1024")
         if not self.checkpoint_interval_s > 0:
             raise ValueError(f"checkpoint_interval_s = {self.checkpoint_interval_s}: must be > 0")
+        if self.pager_url is not None and not self.pager_url.startswith(("http://", "https://")):
+            raise ValueError(f"pager_url = {self.pager_url!r}: must be an http(s) URL")
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,6 +163,7 @@ class Batch:
     heartbeat: dict[str, Any] | None
     commands_ack: int | None
     trainer_detectors: bool = False
+    final: bool = False
 
     @property
     def generation(self) -> int:
@@ -268,8 +289,11 @@ def parse_batch(body: bytes) -> Batch:
     td = d.get("trainer_detectors", False)
     if not isinstance(td, bool):
         raise BadRequest("field 'trainer_detectors': expected true or false")
+    final = d.get("final", False)
+    if not isinstance(final, bool):
+        raise BadRequest("field 'final': expected true or false")
     return Batch(run=d["run"], rank=rank, seq=seq, meta=meta, reports=reports, events=events, heartbeat=hb,
-                 commands_ack=ack, trainer_detectors=td)  # fmt: skip
+                 commands_ack=ack, trainer_detectors=td, final=final)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -413,8 +437,9 @@ class RunState:
     """A run's dedupe marks, pending rows, log and detectors. `lock` guards memory;
     `ckpt_lock` serialises checkpoints and truncations (taken before `lock`)."""
 
-    def __init__(self, run: str, run_dir: Path, cfg: CollectorConfig, metrics: CollectorMetrics) -> None:
-        self.run, self.dir, self.cfg, self.metrics = run, run_dir, cfg, metrics
+    def __init__(self, run: str, run_dir: Path, cfg: CollectorConfig, metrics: CollectorMetrics,
+                 notifier: PagerNotifier | None = None) -> None:  # fmt: skip
+        self.run, self.dir, self.cfg, self.metrics, self.notifier = run, run_dir, cfg, metrics, notifier
         self.lock = threading.Lock()
         self.ckpt_lock = threading.Lock()
         self.state_dir = run_dir / STATE_DIR
@@ -424,6 +449,8 @@ class RunState:
         self.hwm: dict[int, int] = {}
         self.acks: dict[int, int] = {}
         self.last_step = -1  # last rank-0 step stored or pending
+        self.report_gen = -1  # generation of rank 0's last batch with reports (restart detection)
+        self.status: str | None = None  # the run's status in meta.json, as this collector last set it
         self.pending_reports: list[StepReport] = []
         self.pending_events: list[dict[str, Any]] = []
         self.dirty = False
@@ -447,6 +474,8 @@ class RunState:
         self.hwm = {int(k): int(v) for k, v in st["hwm"].items()}
         self.acks = {int(k): int(v) for k, v in st["acks"].items()}
         self.last_step = int(st["last_step"])
+        self.report_gen = int(st.get("report_gen", (self.hwm[0] >> GEN_SHIFT) if 0 in self.hwm else -1))
+        self.status = (read_meta(self.dir) or {}).get("status")
         self.trainer_detectors = bool(st.get("trainer_detectors", False))
         if self.trainer_detectors:
             self.detectors = None
@@ -493,10 +522,12 @@ class RunState:
             self._ingest(batch, body, now)
             return self._answer(batch, duplicate=False)
 
+    def _is_restart(self, b: Batch) -> bool:
+        """Rank 0 reports from a new trainer process (a resume or a restart) of a known run."""
+        return b.rank == 0 and bool(b.reports) and 0 <= self.report_gen < b.generation
+
     def _needs_truncate(self, b: Batch) -> bool:
-        if b.rank != 0 or not b.reports or 0 not in self.hwm:
-            return False
-        return b.generation > (self.hwm[0] >> GEN_SHIFT) and min(r.step for r in b.reports) <= self.last_step
+        return self._is_restart(b) and min(r.step for r in b.reports) <= self.last_step
 
     def _ingest(self, b: Batch, body: bytes | None, now: float, replay: bool = False) -> None:
         """Apply a validated, non-duplicate batch. Caller holds `lock` (and `ckpt_lock` when the
@@ -515,14 +546,18 @@ class RunState:
                 first,
                 dropped,
             )
+        restart = self._is_restart(b)
+        if b.rank == 0 and b.reports:
+            self.report_gen = max(self.report_gen, b.generation)
         flip = b.trainer_detectors and not self.trainer_detectors
-        durable = bool(b.events or b.meta or (b.rank == 0 and b.reports) or flip
+        durable = bool(b.events or b.meta or (b.rank == 0 and b.reports) or flip or b.final
                        or (b.commands_ack is not None and b.commands_ack > self.acks.get(b.rank, -1)))  # fmt: skip
         if durable and body is not None:
             self.wal.append(body)  # the batch is durable from here on
         if flip:
             self.trainer_detectors, self.detectors = True, None
         m = self.metrics
+        was_halted, was_status = m.is_halted(self.run), self.status
         if b.meta:
             meta = {**(read_meta(self.dir) or {}), **b.meta, "schema_version": schema.SCHEMA_VERSION,
                     "updated_at": time.time()}  # fmt: skip
@@ -531,6 +566,7 @@ class RunState:
                 self.dir / schema.META_FILE, json.dumps(meta, indent=2, sort_keys=True, default=str).encode()
             )
             m.set_meta(self.run, meta)
+            self.status = meta.get("status", self.status)
         elif b.reports and not (self.dir / schema.META_FILE).is_file():
             self._write_minimal_meta()
         trainer_steps = {
@@ -550,16 +586,28 @@ class RunState:
                 ev.detail["source"] = "collector"
                 ev.time = rep.time
                 server_events.append(ev.row())
-        events = b.events + server_events
+        # Not a meta "running": a halted trainer still sends meta snapshots from its own store
+        # (checkpoint time) that say running; only a new process that trains again resumes.
+        resumed = restart
+        events = self._resume_event(b) if was_halted and resumed else []
+        events += b.events + server_events
         if events:
             self.pending_events.extend(events)
             m.observe_events(self.run, events)
-        hb = b.heartbeat
-        if hb is not None:
-            m.beat(self.run, b.rank, now, hb["step"], hb["phase"], hb["time"])
-        elif b.reports:
-            last = max(b.reports, key=lambda r: r.step)
-            m.beat(self.run, b.rank, now, last.step, PHASE_TRAIN, last.time)
+        self._update_status(b, was_halted, was_status, resumed)
+        if self.status not in ENDED:  # an ended run has no liveness to watch
+            hb = b.heartbeat
+            if hb is not None:
+                m.beat(self.run, b.rank, now, hb["step"], hb["phase"], hb["time"])
+            elif b.reports:
+                last = max(b.reports, key=lambda r: r.step)
+                m.beat(self.run, b.rank, now, last.step, PHASE_TRAIN, last.time)
+        if b.final:
+            m.end_heartbeats(self.run, b.rank)
+        if self.notifier is not None and body is not None:  # durable now; a replay never re-pages
+            for ev in b.events:
+                if is_halt(ev):
+                    self.notifier.submit(self.run, ev)
         if b.commands_ack is not None:
             self.acks[b.rank] = max(self.acks.get(b.rank, -1), b.commands_ack)
         self.hwm[b.rank] = b.seq
@@ -575,10 +623,46 @@ class RunState:
             self.detectors = None
             return []
 
-    def _write_minimal_meta(self) -> None:
-        meta = {"run_id": self.run, "status": schema.STATUS_RUNNING, "source": "collector",
+    def _resume_event(self, b: Batch) -> list[dict[str, Any]]:
+        """The resume event the collector records for a halted run that trains again, unless the
+        batch carries the trainer's own."""
+        if any(e["kind"] == schema.EV_RESUME for e in b.events):
+            return []
+        first = min(b.reports, key=lambda r: r.step)
+        ev = Event(step=first.step, kind=schema.EV_RESUME,
+                   detail={"source": "collector", "after": schema.STATUS_HALTED, "generation": b.generation})  # fmt: skip
+        ev.time = first.time
+        return [ev.row()]
+
+    def _update_status(self, b: Batch, was_halted: bool, was_status: str | None, resumed: bool) -> None:
+        """Keep meta.json's status in step with what the batch says: halted (a halt event),
+        running again (a resume), finished (rank 0's final batch, or the trainer's own meta).
+        Written only on a change; an ended run stops being watched for heartbeats."""
+        halted = self.metrics.is_halted(self.run)
+        status = self.status
+        if halted:
+            status = schema.STATUS_HALTED
+        elif was_halted or (resumed and status in ENDED):
+            status = schema.STATUS_RUNNING
+        if b.final and b.rank == 0 and not halted:
+            status = schema.STATUS_FINISHED
+        if status in ENDED and was_status not in ENDED:
+            self.metrics.end_heartbeats(self.run)  # every rank: the run is over
+        if status != self.status and status is not None:
+            meta = read_meta(self.dir) or self._minimal_meta()
+            meta.update(status=status, updated_at=time.time())
+            atomic_write_bytes(self.dir / schema.META_FILE,
+                               json.dumps(meta, indent=2, sort_keys=True, default=str).encode())  # fmt: skip
+            self.status = status
+
+    def _minimal_meta(self) -> dict[str, Any]:
+        return {"run_id": self.run, "status": schema.STATUS_RUNNING, "source": "collector",
                 "schema_version": schema.SCHEMA_VERSION, "updated_at": time.time()}  # fmt: skip
+
+    def _write_minimal_meta(self) -> None:
+        meta = self._minimal_meta()
         atomic_write_bytes(self.dir / schema.META_FILE, json.dumps(meta, indent=2, sort_keys=True).encode())
+        self.status = meta["status"]
 
     def _answer(self, b: Batch, duplicate: bool) -> dict[str, Any]:
         return {"ok": True, "duplicate": duplicate, "commands": self._pending_commands(b.rank, None)}
@@ -611,7 +695,7 @@ class RunState:
                 snap = _Snapshot(
                     segment=self.wal.rotate(), reports=self.pending_reports, events=self.pending_events,
                     state={"hwm": dict(self.hwm), "acks": dict(self.acks), "last_step": self.last_step,
-                           "trainer_detectors": self.trainer_detectors,
+                           "trainer_detectors": self.trainer_detectors, "report_gen": self.report_gen,
                            "ranks": self._rank_beats()},
                 )  # fmt: skip
                 self.pending_reports, self.pending_events, self.dirty = [], [], False
@@ -665,6 +749,16 @@ class StorageFailed(RuntimeError):
     pass
 
 
+ENDED = (schema.STATUS_FINISHED, schema.STATUS_HALTED)
+
+
+def is_halt(ev: dict[str, Any]) -> bool:
+    """A halt event, or an action event whose action is halt (both latch moeguard_run_halted)."""
+    return ev["kind"] == schema.EV_HALT or (
+        ev["kind"] == schema.EV_ACTION and ev.get("action") == schema.ACT_HALT
+    )
+
+
 def _read_json(p: Path, default: Any) -> Any:
     try:
         return json.loads(p.read_text())
@@ -705,10 +799,13 @@ class Collector:
         self._runs_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.notifier = PagerNotifier(cfg.pager_url, cfg.pager_token) if cfg.pager_url else None
         cfg.runs_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self) -> None:
         """Recover every run this collector wrote before, then start checkpointing."""
+        if self.notifier is not None:
+            self.notifier.start()
         for d in sorted(self.cfg.runs_dir.iterdir()):
             if d.is_dir() and (d / STATE_DIR / "state.json").is_file() and valid_run_id(d.name):
                 self.run_state(d.name)
@@ -724,6 +821,8 @@ class Collector:
                 rs.close()
             except Exception:
                 log.exception("run %s: final checkpoint failed", rs.run)
+        if self.notifier is not None:
+            self.notifier.close(timeout=5)
 
     def _checkpointer(self) -> None:
         while not self._stop.wait(self.cfg.checkpoint_interval_s):
@@ -741,7 +840,7 @@ class Collector:
             rs = self.runs.get(run)
             if rs is None:
                 self.metrics.ensure_run(run)
-                rs = RunState(run, self.cfg.runs_dir / run, self.cfg, self.metrics)
+                rs = RunState(run, self.cfg.runs_dir / run, self.cfg, self.metrics, self.notifier)
                 meta = read_meta(rs.dir)
                 if meta:
                     self.metrics.set_meta(run, meta)
@@ -825,21 +924,27 @@ class Collector:
 
 
 def _restore_run_metrics(metrics: CollectorMetrics, run: str, run_dir: Path) -> None:
-    """Baselines and halted flag survive a collector restart (read back from the run store)."""
+    """Baselines and halted flag survive a collector restart (read back from the run store).
+    Halted: meta.json says so, or a halt event at or after the last resume event (run stores
+    written before the collector kept meta's status)."""
     from guard.runstore import scan_table
 
     meta = read_meta(run_dir) or {}
-    if meta.get("status") == schema.STATUS_HALTED:
-        metrics.set_halted(run)
+    metrics.set_halted(run, meta.get("status") == schema.STATUS_HALTED)
     try:
-        ev = (
+        halt = pl.col("kind") == schema.EV_HALT
+        halt = halt | ((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_HALT))
+        last_halt, last_resume = (
             scan_table(run_dir, schema.TABLE_EVENTS)
-            .filter(pl.col("kind") == schema.EV_HALT)
-            .select(pl.len())
+            .select(
+                pl.col("step").filter(halt).max().alias("halt"),
+                pl.col("step").filter(pl.col("kind") == schema.EV_RESUME).max().alias("resume"),
+            )
             .collect()
+            .row(0)
         )
-        if ev.item():
-            metrics.set_halted(run)
+        metrics.set_halted(run, meta.get("status") == schema.STATUS_HALTED
+                           or (last_halt is not None and (last_resume is None or last_halt >= last_resume)))  # fmt: skip
         b = metrics.baseline
         steps = scan_table(run_dir, schema.TABLE_STEPS)
         last = steps.select(pl.col("step").max()).collect().item()
@@ -986,6 +1091,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--heartbeat-floor", type=float, default=30.0, help="minimum heartbeat timeout, seconds"
     )
     parser.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    parser.add_argument(
+        "--pager-url",
+        default=None,
+        metavar="URL",
+        help="`moeguard pager` base URL (e.g. http://127.0.0.1:9095): halt events are posted to its "
+        "/v1/events in the background, so a halt pages in seconds (bearer token from $MOEGUARD_PAGER_TOKEN)",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -999,9 +1111,12 @@ def run(args: argparse.Namespace) -> int:
               "or pass --insecure-no-auth to accept unauthenticated writes", flush=True)  # fmt: skip
         return 2
     guard_cfg = None if args.no_detectors else load_guard_config(args.guard) if args.guard else GuardConfig()
+    from guard.pager import ENV_PAGER_TOKEN
+
     cfg = CollectorConfig(runs_dir=Path(args.runs), token=token, max_body_bytes=args.max_body_bytes,
                           checkpoint_interval_s=args.checkpoint_interval, guard=guard_cfg,
-                          heartbeat=HeartbeatConfig(floor_s=args.heartbeat_floor))  # fmt: skip
+                          heartbeat=HeartbeatConfig(floor_s=args.heartbeat_floor), pager_url=args.pager_url,
+                          pager_token=os.environ.get(ENV_PAGER_TOKEN) or None)  # fmt: skip
     collector = Collector(cfg)
     collector.start()
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -3,7 +3,7 @@
     exp = Exporter(url, token, run_id, rank, spool_dir)
     exp.submit(report, events)          # every step: an in-memory put, never a network call
     for cmd in exp.poll_commands(): ... # operator commands, fetched in the background
-    exp.close(timeout=30)               # drain; what cannot be sent stays spooled on disk
+    exp.close(timeout=30)               # drain, then a "final" batch; the rest stays spooled
 
 One background thread owns the network. It takes what has queued up (at most `batch_max`
 steps), gives the batch the next sequence number and POSTs it to /v1/ingest. When the collector
@@ -24,6 +24,12 @@ first step is not past the stored ones tells the collector to drop the stale row
 Ordering is kept by assigning seqs under one lock and sending in seq order: once anything is
 spooled, everything newer is spooled behind it.
 
+The end of a run. close() sends one last, empty batch with `"final": true` (after everything
+else, so it has the highest seq): the collector stops expecting heartbeats from this rank, so a
+run that ended on purpose (finished, halted, stopped at --until) never pages HeartbeatLost. A
+close() that runs while an exception propagates (the trainer's `finally` after a crash) sends no
+final, so the silence of a crashed run still pages; `close(final=...)` overrides the guess.
+
 Operator commands come back in ingest answers and from a GET every `poll_s`; each command is
 returned by `poll_commands()` once, and the highest id taken is acknowledged in the next batch
 (`commands_ack`). A multi-rank trainer should act on rank 0's commands and broadcast them.
@@ -37,6 +43,7 @@ import logging
 import os
 import queue
 import random
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -168,9 +175,13 @@ class Exporter:
                 return False
             time.sleep(0.01)
 
-    def close(self, timeout: float = 30.0) -> bool:
+    def close(self, timeout: float = 30.0, final: bool | None = None) -> bool:
         """Drain and stop. True when everything reached the collector; otherwise the rest is
-        on disk in the spool and a later Exporter for the same run and rank sends it."""
+        on disk in the spool and a later Exporter for the same run and rank sends it.
+        `final`: end with a final batch (this rank stopped on purpose); None = unless an
+        exception is propagating (close() called from a `finally` during a crash)."""
+        if final is None:
+            final = sys.exc_info()[0] is None
         ok = self.flush(timeout)
         self._closing = True
         self._q.put(_STOP)
@@ -188,8 +199,25 @@ class Exporter:
             with self._lock:
                 seq = self._next_seq()
                 self._spool_write(seq, self._body(chunk, seq))
+        if final:
+            ok = self._send_final() and ok
         self._client.close()
         return ok and not leftover
+
+    def _send_final(self) -> bool:
+        """The final batch, last in seq order: POSTed when nothing is spooled and the sender has
+        stopped (a batch still in flight must not land after it), else spooled behind the rest."""
+        with self._lock:
+            seq = self._next_seq()
+            body = self._body([], seq, final=True)
+            if self._spool or self._thread.is_alive():
+                self._spool_write(seq, body)
+                return False
+        if self._post(body, heartbeat_only=True):
+            return True
+        with self._lock:
+            self._spool_write(seq, body)
+        return False
 
     @property
     def spooled(self) -> int:
@@ -234,10 +262,12 @@ class Exporter:
             out.append(cur)
         return out
 
-    def _body(self, chunk: list[_Encoded], seq: int) -> bytes:
+    def _body(self, chunk: list[_Encoded], seq: int, final: bool = False) -> bytes:
         """The batch body for `chunk` with sequence number `seq`. Holds _lock."""
         d: dict[str, Any] = {"run": self.run_id, "rank": self.rank, "seq": seq,
                              "events": [e for _, evs, _ in chunk for e in evs]}  # fmt: skip
+        if final:
+            d["final"] = True
         if chunk:
             self._last_step = max(self._last_step, max(step for _, _, step in chunk))
         d["heartbeat"] = {"time": time.time(), "step": max(self._last_step, 0), "phase": self._phase}

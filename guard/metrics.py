@@ -200,7 +200,8 @@ class CollectorMetrics(Collector):
         np.add.at(r.hist_sum, rows, shares.sum(axis=1))
 
     def observe_events(self, run: str, rows: Iterable[Mapping[str, Any]]) -> None:
-        """Verdict events count by detector, action/halt events by action; a halt sets halted."""
+        """Verdict events count by detector, action/halt events by action; a halt sets halted,
+        a resume clears it (in event order, so a batch may resume and halt again)."""
         with self._lock:
             r = self._run(run)
             for ev in rows:
@@ -216,6 +217,8 @@ class CollectorMetrics(Collector):
                     kind == schema.EV_ACTION and ev.get("action") == schema.ACT_HALT
                 ):
                     r.halted = True
+                elif kind == schema.EV_RESUME:
+                    r.halted = False
 
     def set_halted(self, run: str, halted: bool = True) -> None:
         with self._lock:
@@ -230,6 +233,18 @@ class CollectorMetrics(Collector):
     def beat(self, run: str, rank: int, now: float, step: int, phase: str, sent: float | None = None) -> None:
         with self._lock:
             self._run(run).heartbeats.beat(rank, now, step, phase, sent)
+
+    def end_heartbeats(self, run: str, rank: int | None = None) -> None:
+        """Stop watching `rank` (every rank if None): it stopped on purpose, so its heartbeat
+        series go away instead of turning into HeartbeatLost. A later beat watches it again."""
+        with self._lock:
+            r = self._runs.get(run)
+            if r is None:
+                return
+            if rank is None:
+                r.heartbeats.ranks.clear()
+            else:
+                r.heartbeats.ranks.pop(rank, None)
 
     def rank_status(self, run: str, now: float | None = None) -> dict[int, dict[str, Any]]:
         """rank -> last report time, step, phase, age, timeout, lost (for GET /v1/runs)."""
@@ -365,7 +380,7 @@ class CollectorMetrics(Collector):
             ),
             (schema.M_ACTIONS, c, ["run", "action"], "guard actions taken (action and halt events)"),
             (schema.M_NONFINITE, c, R, "rank-0 steps with a non-finite loss or gradient norm"),
-            (schema.M_HALTED, g, R, "1 when the run halted itself (a halt event arrived)"),
+            (schema.M_HALTED, g, R, "1 when the run halted itself (a halt event arrived), until it resumes"),
             (schema.M_LAST_SEEN, g, RK, "unix time the collector last heard from this rank"),
             (schema.M_HEARTBEAT_AGE, g, RK, "seconds since the collector last heard from this rank"),
             (schema.M_HEARTBEAT_TIMEOUT, g, RK, "learned heartbeat timeout (5 x max interval, floored)"),

@@ -377,6 +377,7 @@ def test_metrics_expose_every_schema_name(collector: CollectorProc) -> None:
             == 200
         )
     collector.post(batch("m1", 1, 1, [make_report(5, rank=1)]))
+    collector.post(batch("m2", 0, 1, [make_report(0)]))  # a live run: m1 halted, its heartbeats unwatched
     text = httpx.get(f"{collector.url}/metrics").text
     names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     missing = [m for m in schema.METRICS if m not in names and f"{m}_bucket" not in names]
@@ -392,6 +393,8 @@ def test_metrics_expose_every_schema_name(collector: CollectorProc) -> None:
         reps[-1].maxvio_M[1]
     )
     assert ("moeguard_straggler_score", (("rank", "1"), ("run", "m1"))) in m
+    assert m[("moeguard_heartbeat_lost", (("rank", "0"), ("run", "m2")))] == 0
+    assert not [k for k in m if k[0] == "moeguard_heartbeat_lost" and ("run", "m1") in k[1]]
     assert (
         m[("moeguard_ingest_values_total", (("run", "m1"),))]
         == sum(r.n_values() for r in reps) + reps[0].n_values()
@@ -524,3 +527,204 @@ def test_server_side_verdicts_and_the_duplicate_event_rule(collector: CollectorP
     own = read_table(collector.runs / "own", schema.TABLE_EVENTS).filter(pl.col("step") == 45)
     assert own["action"].to_list() == [schema.ACT_SKIP]  # the trainer's event only
     assert read_table(collector.runs / "td", schema.TABLE_EVENTS).height == 0
+
+
+# ---------------------------------------------------------------------------------------
+# halts, resumes and the end of a run (in-process: Collector without HTTP)
+# ---------------------------------------------------------------------------------------
+G1, G2, G3 = 1_700_000_000 << 32, 1_700_000_100 << 32, 1_700_000_200 << 32  # exporter generations
+
+
+def ingest(c: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    status, ans = c.ingest(json.dumps(payload).encode())
+    assert status == 200, ans
+    return ans
+
+
+def scrape(c: Any) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(c.metrics.render().decode()) for s in f.samples}  # fmt: skip
+
+
+def halted(c: Any, run: str) -> float:
+    return scrape(c)[("moeguard_run_halted", (("run", run),))]
+
+
+def lost_series(c: Any, run: str) -> dict[str, float]:
+    return {dict(k[1])["rank"]: v for k, v in scrape(c).items()
+            if k[0] == "moeguard_heartbeat_lost" and dict(k[1])["run"] == run}  # fmt: skip
+
+
+def halt_row(step: int) -> dict[str, Any]:
+    return Event(step=step, kind=schema.EV_HALT, action=schema.ACT_HALT, value=2.0, threshold=1.0,
+                 detail={"severity": "critical", "reason": "2 rollbacks within 500 steps"}).row()  # fmt: skip
+
+
+def beat(run: str, rank: int, seq: int, step: int = 0, **extra: Any) -> dict[str, Any]:
+    return {"run": run, "rank": rank, "seq": seq, "heartbeat": {"time": time.time(), "step": step}, **extra}
+
+
+@pytest.fixture
+def inproc(tmp_path: Path) -> Iterator[Any]:
+    from guard.collector import Collector, CollectorConfig
+
+    made = []
+
+    def make(**kw: Any) -> Any:
+        c = Collector(CollectorConfig(runs_dir=tmp_path / "runs", token=None, **kw))
+        c.start()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_halt_latches_until_the_run_resumes_and_a_later_halt_latches_again(inproc: Any) -> None:
+    c = inproc()
+    ingest(c, batch("h", 0, G1 | 1, [make_report(s) for s in range(10)], [halt_row(9)]))
+    assert halted(c, "h") == 1 and c.list_runs()[0]["status"] == schema.STATUS_HALTED
+    # the restarted exporter beats before its first step: not yet a resume (no reports)
+    ingest(c, beat("h", 0, G2 | 1, step=9))
+    assert halted(c, "h") == 1
+    # `moeguard train --resume`: rank 0 reports of a new generation clear the latch
+    ingest(c, batch("h", 0, G2 | 2, [make_report(s) for s in range(10, 15)]))
+    assert halted(c, "h") == 0 and c.list_runs()[0]["status"] == schema.STATUS_RUNNING
+    ingest(c, batch("h", 0, G2 | 3, [make_report(15)], [halt_row(15)]))
+    assert halted(c, "h") == 1
+    c.close()
+    c = inproc()  # a restarted collector rebuilds the latch from meta.json and the events
+    assert halted(c, "h") == 1
+    # a trainer that sends its own resume event: that clears it, and no second one is recorded
+    own = Event(step=16, kind=schema.EV_RESUME, detail={"checkpoint": "step-16"}).row()
+    ingest(c, batch("h", 0, G3 | 1, [make_report(16)], [own]))
+    assert halted(c, "h") == 0
+    c.close()
+    ev = read_table(c.cfg.runs_dir / "h", schema.TABLE_EVENTS).sort("step")
+    assert ev.select("step", "kind").rows() == [(9, "halt"), (10, "resume"), (15, "halt"), (16, "resume")]
+    assert json.loads(ev["detail"][1])["source"] == "collector"
+    assert "source" not in json.loads(ev["detail"][3])
+    c = inproc()
+    assert halted(c, "h") == 0 and c.list_runs()[0]["status"] == schema.STATUS_RUNNING
+
+
+def test_a_resume_and_a_new_halt_in_one_batch_end_halted(inproc: Any) -> None:
+    c = inproc()
+    ingest(c, batch("hh", 0, G1 | 1, [make_report(s) for s in range(5)], [halt_row(4)]))
+    ingest(c, batch("hh", 0, G2 | 1, [make_report(s) for s in range(5, 8)], [halt_row(7)]))
+    assert halted(c, "hh") == 1
+    c.close()
+    assert read_table(c.cfg.runs_dir / "hh", schema.TABLE_EVENTS).sort("step")["kind"].to_list() == [
+        "halt", "resume", "halt"]  # fmt: skip
+    assert halted(inproc(), "hh") == 1
+
+
+def test_final_batch_ends_heartbeats_and_finishes_the_run(inproc: Any) -> None:
+    c = inproc()
+    ingest(c, batch("f", 0, G1 | 1, [make_report(s) for s in range(5)]))
+    ingest(c, beat("f", 1, G1 | 1))
+    assert set(lost_series(c, "f")) == {"0", "1"}
+    ingest(c, beat("f", 1, G1 | 2, final=True))  # rank 1 stopped on purpose
+    assert set(lost_series(c, "f")) == {"0"}
+    ingest(c, beat("f", 0, G1 | 2, step=4, final=True))
+    assert lost_series(c, "f") == {}
+    [r] = c.list_runs()
+    assert r["status"] == schema.STATUS_FINISHED and r["ranks"] == {}
+    assert read_meta(c.cfg.runs_dir / "f")["status"] == schema.STATUS_FINISHED
+    c.close()
+    c = inproc()  # nothing comes back after a restart
+    assert lost_series(c, "f") == {} and c.list_runs()[0]["status"] == schema.STATUS_FINISHED
+    # resumed later (e.g. it had stopped at --until): watched again, running again
+    ingest(c, batch("f", 0, G2 | 1, [make_report(5)]))
+    assert lost_series(c, "f") == {"0": 0.0} and c.list_runs()[0]["status"] == schema.STATUS_RUNNING
+
+
+def test_trainer_meta_status_ends_the_run_but_only_a_new_process_resumes_it(inproc: Any) -> None:
+    c = inproc()
+    ingest(c, batch("ms", 0, G1 | 1, [make_report(s) for s in range(5)], [halt_row(4)]))
+    ingest(c, beat("ms", 1, G1 | 1))
+    # the halted trainer saves a checkpoint and sends its store's meta, which still says running
+    ingest(c, beat("ms", 0, G1 | 2, step=4, meta={"status": schema.STATUS_RUNNING, "goodput": {}}))
+    ingest(c, beat("ms", 0, G1 | 3, step=4, meta={"status": schema.STATUS_HALTED}))
+    assert halted(c, "ms") == 1 and lost_series(c, "ms") == {}
+    assert read_meta(c.cfg.runs_dir / "ms")["status"] == schema.STATUS_HALTED
+    # the resumed trainer: its meta says running before the first step; its reports resume the run
+    ingest(c, beat("ms", 0, G2 | 1, step=4, meta={"status": schema.STATUS_RUNNING}))
+    assert halted(c, "ms") == 1
+    ingest(c, batch("ms", 0, G2 | 2, [make_report(s) for s in range(5, 9)]))
+    ingest(c, beat("ms", 1, G2 | 1))
+    assert halted(c, "ms") == 0 and set(lost_series(c, "ms")) == {"0", "1"}
+    # the end of the run, told by meta alone (no final flag): every rank stops being watched
+    ingest(c, beat("ms", 0, G2 | 3, step=8, meta={"status": schema.STATUS_FINISHED}))
+    assert lost_series(c, "ms") == {} and c.list_runs()[0]["status"] == schema.STATUS_FINISHED
+    c.close()
+    ev = read_table(c.cfg.runs_dir / "ms", schema.TABLE_EVENTS).sort("step")
+    assert ev.select("step", "kind").rows() == [(4, "halt"), (5, "resume")]
+    assert halted(inproc(), "ms") == 0
+
+
+def test_halted_run_is_not_watched_for_heartbeats(inproc: Any) -> None:
+    c = inproc()
+    ingest(c, batch("hb2", 0, G1 | 1, [make_report(0)]))
+    ingest(c, beat("hb2", 1, G1 | 1))
+    ingest(c, batch("hb2", 0, G1 | 2, [make_report(1)], [halt_row(1)]))
+    assert lost_series(c, "hb2") == {}  # RunHalted is the page; silence is expected now
+    ingest(c, beat("hb2", 1, G1 | 2))  # a rank that has not stopped yet
+    assert lost_series(c, "hb2") == {}
+
+
+def test_heartbeat_before_the_first_step_does_not_hide_a_resume(inproc: Any) -> None:
+    c = inproc()
+    ingest(c, batch("rr", 0, G1 | 1, [make_report(s, loss=1.0) for s in range(20)]))
+    ingest(c, beat("rr", 0, G2 | 1, step=9))  # the resumed trainer is still loading its checkpoint
+    ingest(c, batch("rr", 0, G2 | 2, [make_report(s, loss=2.0) for s in range(10, 15)]))
+    c.close()
+    df = read_table(c.cfg.runs_dir / "rr", schema.TABLE_STEPS).sort("step")
+    assert df["step"].to_list() == list(range(15))
+    assert df["loss"].to_list() == [1.0] * 10 + [2.0] * 5
+
+
+def test_parse_batch_final_flag() -> None:
+    assert parse_batch(json.dumps(beat("r", 0, 1, final=True)).encode()).final is True
+    assert parse_batch(json.dumps(beat("r", 0, 1)).encode()).final is False
+    with pytest.raises(BadRequest, match="'final'"):
+        parse_batch(json.dumps(beat("r", 0, 1, final="yes")).encode())
+
+
+def test_halt_events_are_posted_to_the_pager_in_the_background(inproc: Any) -> None:
+    from tests.helpers_http import RecordingSink
+
+    with RecordingSink() as pager:
+        pager.fail_next(1, status=503)  # the pager is restarting: retried
+        c = inproc(pager_url=pager.url)
+        c.notifier.base_delay_s = 0.05
+        t0 = time.monotonic()
+        payload = batch("ph", 0, G1 | 1, [make_report(s) for s in range(4)], [halt_row(3)])
+        ingest(c, payload)
+        assert time.monotonic() - t0 < 1.0  # never on the request path
+        [got] = pager.wait_for(lambda r: r.status == 202, timeout=20)
+        assert got.path == "/v1/events" and [r.status for r in pager.received()] == [503, 202]
+        body = got.json
+        assert body["run"] == "ph" and body["step"] == 3 and body["kind"] == schema.EV_HALT
+        assert body["action"] == schema.ACT_HALT and body["value"] == 2.0
+        assert json.loads(body["detail"])["severity"] == "critical"
+        # the exporter retrying the same batch, and non-halt events: no second post
+        assert ingest(c, payload)["duplicate"] is True
+        ingest(c, batch("ph", 0, G1 | 2, [make_report(4)], [Event(step=4, kind=schema.EV_VERDICT,
+               detector=schema.DET_GRAD_SPIKE, action=schema.ACT_SKIP).row()]))  # fmt: skip
+        c.close()
+        assert len(pager.received()) == 2 and c.notifier.stats == {"sent": 1, "failed": 0, "dropped": 0}
+
+
+def test_pager_post_gives_up_after_bounded_retries(inproc: Any) -> None:
+    from tests.helpers_http import RecordingSink
+
+    with RecordingSink() as pager:
+        pager.fail_next(100, status=500)
+        c = inproc(pager_url=pager.url + "/v1/events")
+        c.notifier.base_delay_s, c.notifier.max_attempts = 0.01, 3
+        ingest(c, batch("pg", 0, G1 | 1, [make_report(0)], [halt_row(0)]))
+        pager.wait_for(lambda r: r.path == "/v1/events", count=3, timeout=20)
+        c.close()
+        assert len(pager.received()) == 3 and c.notifier.stats["failed"] == 1

@@ -3,6 +3,7 @@ SDK's in-memory reader."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -114,6 +115,43 @@ def test_commands_reach_poll_commands_once_and_are_acknowledged(tmp_path: Path) 
         exp.close(10)
     finally:
         c.stop()
+
+
+def test_close_ends_with_one_final_batch_unless_the_trainer_crashed(tmp_path: Path) -> None:
+    from tests.helpers_http import RecordingSink
+
+    with RecordingSink(default_status=200) as collector:  # records what a collector would get
+        exp = Exporter(collector.url, TOKEN, "fin", 0, tmp_path / "a")
+        for s in range(5):
+            exp.submit(make_report(s))
+        assert exp.close(10)
+        bodies = [r.json for r in collector.received("/v1/ingest")]
+        assert [b.get("final", False) for b in bodies][-1] is True
+        assert sum(b.get("final", False) for b in bodies) == 1
+        assert bodies[-1]["reports"] == [] and bodies[-1]["seq"] == max(b["seq"] for b in bodies)
+        assert bodies[-1]["heartbeat"]["step"] == 4
+
+        collector.requests.clear()
+        crashing = Exporter(collector.url, TOKEN, "crash", 0, tmp_path / "b")
+        crashing.submit(make_report(0))
+        with pytest.raises(RuntimeError):
+            try:
+                raise RuntimeError("boom")  # the trainer's loop dies ...
+            finally:
+                crashing.close(10)  # ... and its `finally` closes the exporter: no final
+        assert not any(r.json.get("final") for r in collector.received())
+        assert [s for r in collector.received() for s in (x["step"] for x in r.json["reports"])] == [0]
+
+
+def test_final_batch_is_spooled_behind_unsent_batches(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # collector down
+    exp = Exporter(url, TOKEN, "fs", 0, tmp_path, timeout_s=0.5, backoff_max_s=0.2)
+    for s in range(3):
+        exp.submit(make_report(s))
+    assert exp.close(timeout=0.5) is False
+    files = sorted(tmp_path.glob("fs-r0-*.json"))
+    assert len(files) >= 2 and json.loads(files[-1].read_bytes()).get("final") is True
+    assert not any(json.loads(f.read_bytes()).get("final") for f in files[:-1])
 
 
 def test_otel_exporter_records_core_metrics() -> None:
