@@ -80,6 +80,7 @@ _DETECTOR_ALERTS = {
     schema.DET_GRAD_SPIKE: "GradNormSpike",
     schema.DET_LAYER_GRAD_SPIKE: "GradNormSpike",
     schema.DET_LOSS_SPIKE: "LossSpike",
+    schema.DET_LR: "LRSpike",
     schema.DET_DEAD_EXPERTS: "DeadExperts",
     schema.DET_MAXVIO: "ExpertCollapse",
     schema.DET_LOAD_ENTROPY: "ExpertCollapse",

@@ -206,6 +206,7 @@ METRICS = (
 ALERTS = (
     "GradNormSpike",
     "LossSpike",
+    "LRSpike",
     "NonFiniteLoss",
     "ExpertCollapse",
     "DeadExperts",

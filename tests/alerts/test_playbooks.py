@@ -78,7 +78,8 @@ def write_table(run: Path, table: str, rows: dict[str, list]) -> None:
 @pytest.fixture(scope="module")
 def run_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """300 steps, 4 MoE layers x 8 experts, 8 ranks, with every incident the playbooks look for:
-    grad/loss spikes, two NaN steps, stalls, layer 3 collapsing, rollbacks, a halt, a straggler."""
+    grad/loss spikes, an LR-spike drill, two NaN steps, stalls, layer 3 collapsing, rollbacks,
+    a halt, a straggler."""
     run = tmp_path_factory.mktemp("runs") / "r1"
     rng = np.random.default_rng(0)
     n, n_layers, n_exp = 300, 4, 8
@@ -91,7 +92,7 @@ def run_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     wait[[200, 210, 220]] = 8.0
     mfu = np.where(steps < 250, 0.40, 0.33)
     action = ["apply"] * n
-    for s in (100, 120, 150, 151):
+    for s in (100, 120, 130, 150, 151):
         action[s] = "skip"
     write_table(run, schema.TABLE_STEPS, {
         "step": steps, "time": 1.7e9 + steps * 0.5, "loss": loss, "grad_norm": grad, "lr": np.full(n, 3e-4),
@@ -117,6 +118,8 @@ def run_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (100, "verdict", "grad_norm_spike", 25.0, 2.0, "skip", {"z": 40.0}),
         (110, "verdict", "layer_grad_norm_spike", 9.0, 3.0, "skip", {"layer": 2}),
         (120, "verdict", "loss_spike", 9.0, 3.8, "skip", {}),
+        (130, "inject", "", math.nan, math.nan, "none", {"injection": "lrspike@130:100"}),
+        (130, "verdict", "lr_spike", 0.03, 3.003e-4, "skip", {"max_lr": 3e-4, "ratio": 100.0, "severity": "critical"}),
         (150, "verdict", "nonfinite", math.nan, math.nan, "skip", {}),
         (151, "verdict", "nonfinite", math.inf, math.nan, "rollback", {}),
         (151, "action", "", 1.0, 3.0, "rollback", {"reason": "3 skips within 50 steps", "snapshot_before": 100,
