@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import selectors
-import shutil
 import subprocess
 import sys
 import time
@@ -29,90 +26,27 @@ if str(REPO) not in sys.path:  # bare `pytest` without an install puts only test
 
 from guard import pager as pg  # noqa: E402
 from guard import schema  # noqa: E402
+from tests.helpers_alerting import (  # noqa: E402
+    ALERTMANAGER,
+    HOOK,
+    PD,
+    PROMETHEUS,
+    ROUTING_KEY,
+    RULES,
+    RUNBOOKS,
+    SLACK,
+    PagerProc,
+    fast_rules,
+    start_alertmanager,
+    start_pager,
+    start_prometheus,
+)
 from tests.helpers_http import Recorded, RecordingSink, free_port, http_json, wait_http, wait_until  # noqa: E402
 
-ROUTING_KEY = "R0UT1NGKEY-test-0123456789abcdef"
-RUNBOOKS = "https://runbooks.example/moeguard"
-PD, SLACK, HOOK = "/pd", "/slack", "/hook"
-
 
 # ---------------------------------------------------------------------------------------
-# Fixtures: a recording sink and the real pager process
+# Fixtures: a recording sink and the real pager process (tests/helpers_alerting.py)
 # ---------------------------------------------------------------------------------------
-class PagerProc:
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
-        self.proc, self.port, self.log = proc, port, log
-        self.url = f"http://127.0.0.1:{port}"
-
-    def post(self, path: str, body: Any, **kw: Any) -> tuple[int, Any]:
-        return http_json(self.url + path, body, **kw)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
-def start_pager(
-    sink: RecordingSink, workdir: Path, *extra: str, env: dict[str, str] | None = None
-) -> PagerProc:
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / f"pager-{time.monotonic_ns()}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "guard",
-        "pager",
-        "--port",
-        "0",
-        "--pagerduty-url",
-        sink.url + PD,
-        "--slack-url",
-        sink.url + SLACK,
-        "--webhook-url",
-        sink.url + HOOK,
-        "--state",
-        str(workdir / "pager-state.json"),
-        "--retry-base",
-        "0.05",
-        "--retry-max-delay",
-        "0.5",
-        "--timeout",
-        "5",
-        *extra,
-    ]
-    full_env = {
-        **os.environ,
-        pg.ENV_PAGERDUTY_ROUTING_KEY: ROUTING_KEY,
-        "PYTHONUNBUFFERED": "1",
-        **(env or {}),
-    }
-    if pg.ENV_PAGER_TOKEN not in (env or {}):
-        full_env.pop(pg.ENV_PAGER_TOKEN, None)
-    with open(log, "wb") as errf:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=errf)
-    line = _readline(proc, timeout=30)
-    m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-    if not m:
-        proc.kill()
-        raise AssertionError(f"pager did not start: {line!r}\n{log.read_text()}")
-    p = PagerProc(proc, int(m.group(1)), log)
-    wait_http(p.url + "/healthz", timeout=15)
-    return p
-
-
-def _readline(proc: subprocess.Popen, timeout: float) -> str:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    if not sel.select(timeout):
-        return ""
-    return proc.stdout.readline().decode(errors="replace")
-
-
 @pytest.fixture
 def sink() -> Iterator[RecordingSink]:
     with RecordingSink() as s:
@@ -605,10 +539,6 @@ def test_bearer_token_is_enforced_when_configured(sink: RecordingSink, tmp_path:
 # ---------------------------------------------------------------------------------------
 # End to end: metrics -> Prometheus (real rules) -> Alertmanager (real config) -> pager
 # ---------------------------------------------------------------------------------------
-PROMETHEUS = shutil.which("prometheus")
-ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
-
-
 @pytest.fixture
 def processes() -> Iterator[list[subprocess.Popen]]:
     procs: list[subprocess.Popen] = []
@@ -622,26 +552,6 @@ def processes() -> Iterator[list[subprocess.Popen]]:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(5)
-
-
-def fast_rules(text: str) -> str:
-    """The production rules with every `for:` set to 0s, so the test does not wait 30 minutes.
-    Exprs, labels and annotations are the real ones; promtool tests cover the `for` values."""
-    out, n = re.subn(r"(?m)^(\s+for:\s*)\S+\s*$", r"\g<1>0s", text)
-    assert n == text.count("- alert:"), "every rule should have a `for:` line"
-    return out
-
-
-def fast_alertmanager(text: str, pager_port: int) -> str:
-    """The production Alertmanager config, pointed at the test pager, with 1 s group timers."""
-    for old, new in [
-        ("127.0.0.1:9095", f"127.0.0.1:{pager_port}"),
-        ("group_wait: 30s", "group_wait: 1s"),
-        ("group_interval: 5m", "group_interval: 1s"),
-    ]:
-        assert old in text, f"alerts/alertmanager.yml no longer contains {old!r}; update this test"
-        text = text.replace(old, new)
-    return text
 
 
 @pytest.mark.integration
@@ -684,57 +594,12 @@ def _run_stack(
     halted: Any,
     load_entropy: Any,
 ) -> None:
-    am_port, prom_port = free_port(), free_port()
-    (tmp / "am.yml").write_text(fast_alertmanager((REPO / "alerts/alertmanager.yml").read_text(), pager.port))
-    (tmp / "rules.yml").write_text(fast_rules((REPO / "alerts/moeguard.rules.yml").read_text()))
-    (tmp / "prometheus.yml").write_text(
-        json.dumps(
-            {  # JSON is YAML
-                "global": {
-                    "scrape_interval": "1s",
-                    "evaluation_interval": "1s",
-                    "external_labels": {"runbook_base": RUNBOOKS},
-                },
-                "rule_files": [str(tmp / "rules.yml")],
-                "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
-                "scrape_configs": [
-                    {"job_name": "moeguard", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}
-                ],
-            }
-        )
-    )
-    with open(tmp / "alertmanager.log", "wb") as log:
-        processes.append(
-            subprocess.Popen(
-                [
-                    ALERTMANAGER,
-                    f"--config.file={tmp / 'am.yml'}",
-                    f"--storage.path={tmp / 'am-data'}",
-                    f"--web.listen-address=127.0.0.1:{am_port}",
-                    "--cluster.listen-address=",
-                    "--log.level=warn",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    with open(tmp / "prometheus.log", "wb") as log:
-        processes.append(
-            subprocess.Popen(
-                [
-                    PROMETHEUS,
-                    f"--config.file={tmp / 'prometheus.yml'}",
-                    f"--storage.tsdb.path={tmp / 'prom-data'}",
-                    f"--web.listen-address=127.0.0.1:{prom_port}",
-                    "--rules.alert.resend-delay=1s",
-                    "--log.level=warn",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    wait_http(f"http://127.0.0.1:{am_port}/-/ready", timeout=20)
-    wait_http(f"http://127.0.0.1:{prom_port}/-/ready", timeout=20)
+    am = start_alertmanager(tmp, pager.port)
+    processes.append(am.proc)
+    prom = start_prometheus(tmp, [f"127.0.0.1:{metrics_port}"], am.port, fast_rules(RULES.read_text()))
+    processes.append(prom.proc)
+    wait_http(f"{am.url}/-/ready", timeout=30)
+    wait_http(f"{prom.url}/-/ready", timeout=30)
 
     def is_pd(action: str, cls: str, run: str) -> Any:
         return lambda r: (

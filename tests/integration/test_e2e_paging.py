@@ -1,0 +1,333 @@
+"""End to end: real training runs page a human through the production alerting path.
+
+    moeguard train --collector ...  ->  moeguard collector (/metrics, --pager-url)
+        -> Prometheus (alerts/moeguard.rules.yml, scraping every 1 s)
+        -> Alertmanager (alerts/alertmanager.yml, 1 s group timers)
+        -> moeguard pager  ->  a recording HTTP sink standing in for PagerDuty
+
+Every piece is the real binary or CLI on loopback, with free ports and temp dirs. The rules are
+the production ones; only the `for:` of the two alerts under test is shortened (60x: 1m -> 1s).
+Every other rule keeps its production `for`, so it cannot fire within this test: the micro
+model's routing sits at the ExpertCollapse threshold, and a page for that would be noise here.
+
+1. A guard escalation halts a run (gradient spikes -> skips -> rollback -> halt). The collector
+   posts the halt event to the pager at once (seconds, before Prometheus has even scraped it);
+   RunHalted follows through Alertmanager onto the same incident: ONE PagerDuty trigger. The
+   run ends cleanly (a final batch), so no HeartbeatLost. `--resume` trains again: the collector
+   clears moeguard_run_halted, RunHalted resolves: ONE resolve with the same dedup_key.
+2. A trainer SIGKILLed mid-stream sends no final batch: HeartbeatLost pages for its run, rank 0.
+
+Waits are polls with bounded timeouts (generous: CI boxes are loaded), never fixed sleeps.
+What the sink received is saved to test-output/e2e_paging/ (with the logs) for inspection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from guard import schema
+from tests.helpers_alerting import (
+    ALERTMANAGER,
+    PD,
+    PROMETHEUS,
+    REPO,
+    ROUTING_KEY,
+    RULES,
+    RUNBOOKS,
+    PagerProc,
+    Proc,
+    fast_rules,
+    start_alertmanager,
+    start_pager,
+    start_prometheus,
+)
+from tests.helpers_http import Recorded, RecordingSink, http_json, wait_http, wait_until
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        PROMETHEUS is None or ALERTMANAGER is None,
+        reason="needs the prometheus and prometheus-alertmanager binaries (Debian packages)",
+    ),
+]
+
+ARTIFACTS = REPO / "test-output" / "e2e_paging"
+TOKEN = "e2e-collector-token"
+UNDER_TEST = {"RunHalted", "HeartbeatLost"}
+HEARTBEAT_FLOOR_S = 4.0  # small, so HeartbeatLost is fast; well above a loaded box's step hiccups
+# The micro config on one thread; the guard's collapse detector is off (the micro model's
+# routing trips it, and its bias-correction rollback would halt the resumed run a second time).
+TRAIN = ["--config", "tests/data/micro.toml", "--no-progress", "--set", "train.threads=1",
+         "--set", "telemetry.profile=false", "--set", "guard.collapse.enabled=false",
+         "--set", "guard.policy.snapshot_every=5", "--set", "guard.policy.halt_after_rollbacks=1"]  # fmt: skip
+# 3 spikes in 50 steps -> rollback (to the snapshot at 40), 3 more -> 2nd rollback -> halt at 59
+SPIKES = [arg for s in (45, 47, 49, 55, 57, 59) for arg in ("--inject", f"gradspike@{s}:50")]
+EXIT_HALTED = 3
+
+
+# ---------------------------------------------------------------------------------------
+# The stack
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Stack:
+    tmp: Path
+    sink: RecordingSink
+    pager: PagerProc
+    collector: Proc
+    am: Proc
+    prom: Proc
+    trainers: list[subprocess.Popen] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    t0: float = field(default_factory=time.monotonic)
+
+    def train(self, run: str, *args: str) -> subprocess.Popen:
+        """`python -m guard train` streaming to the collector, in the background."""
+        run_dir = self.tmp / "train" / run
+        env = {**os.environ, schema.ENV_TOKEN: TOKEN, "PYTHONUNBUFFERED": "1"}
+        with open(self.tmp / f"train-{run}-{len(self.trainers)}.log", "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "guard", "train", *TRAIN, "--run-dir", str(run_dir),
+                 "--collector", self.collector.url, *args],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        self.trainers.append(proc)
+        return proc
+
+    def runs(self) -> dict[str, dict[str, Any]]:
+        status, body = http_json(f"{self.collector.url}/v1/runs", timeout=10)
+        assert status == 200, body
+        return {r["run"]: r for r in body["runs"]}
+
+    def metrics_text(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.collector.url}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def pager_incident(self, key: str) -> dict[str, Any] | None:
+        try:
+            state = json.loads((self.tmp / "pager" / "pager-state.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):  # not written yet / replaced mid-read
+            return None
+        return state["incidents"].get(key)
+
+    def mark(self, name: str) -> None:
+        self.timings[name] = round(time.monotonic() - self.t0, 2)
+
+    def pd(self, pred: Callable[[dict[str, Any]], bool] = lambda b: True) -> list[Recorded]:
+        """PagerDuty requests the sink accepted, in arrival order."""
+        return [r for r in self.sink.received(PD) if r.status < 300 and pred(r.json)]
+
+
+def start_collector(tmp: Path, pager_url: str) -> Proc:
+    port_file = tmp / "collector.port"
+    log = tmp / "collector.log"
+    env = {**os.environ, schema.ENV_TOKEN: TOKEN}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "guard", "collector", "--port", "0", "--port-file", str(port_file),
+             "--runs", str(tmp / "collector-runs"), "--heartbeat-floor", str(HEARTBEAT_FLOOR_S),
+             "--checkpoint-interval", "0.5", "--pager-url", pager_url, "--log-level", "info"],
+            cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def port() -> int | None:
+        assert proc.poll() is None, f"collector exited early:\n{log.read_text()[-3000:]}"
+        return int(port_file.read_text()) if port_file.is_file() else None
+
+    c = Proc(proc, wait_until(port, timeout=60, interval=0.1, what="the collector's port file"), log)
+    wait_http(f"{c.url}/healthz", timeout=30)
+    return c
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    t0 = time.monotonic()
+    procs: list[Proc] = []
+    trainers: list[subprocess.Popen] = []
+    timings: dict[str, float] = {}
+    with RecordingSink() as sink:
+        try:
+            pager = start_pager(sink, tmp / "pager", "--runbook-base", RUNBOOKS)
+            procs.append(pager)
+            collector = start_collector(tmp, pager.url)
+            procs.append(collector)
+            am = start_alertmanager(tmp, pager.port)
+            procs.append(am)
+            rules = fast_rules(RULES.read_text(), speedup=60, alerts=UNDER_TEST)
+            prom = start_prometheus(tmp, [f"127.0.0.1:{collector.port}"], am.port, rules)
+            procs.append(prom)
+            wait_http(f"{am.url}/-/ready", timeout=60)
+            wait_http(f"{prom.url}/-/ready", timeout=60)
+            s = Stack(tmp, sink, pager, collector, am, prom, trainers=trainers, timings=timings, t0=t0)
+            s.mark("stack_up")
+            yield s
+        finally:
+            for t in trainers:
+                if t.poll() is None:
+                    t.kill()
+                    t.wait(10)
+            for p in reversed(procs):
+                p.stop()
+            save_artifacts(tmp, sink, t0, timings)
+
+
+def save_artifacts(tmp: Path, sink: RecordingSink, t0: float, timings: dict[str, float]) -> None:
+    """test-output/e2e_paging/: every request the sink got, the timings, every process's log."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    received = [{"t_s": round(r.time - t0, 3), "method": r.method, "path": r.path, "status": r.status,
+                 "body": r.json if r.json is not None else r.body.decode(errors="replace")}
+                for r in sink.received()]  # fmt: skip
+    (ARTIFACTS / "received.json").write_text(json.dumps(received, indent=2, sort_keys=True))
+    (ARTIFACTS / "timings.json").write_text(json.dumps(timings, indent=2))
+    for log in [*tmp.glob("*.log"), *(tmp / "pager").glob("*.log"), tmp / "pager" / "pager-state.json"]:
+        if log.is_file():
+            shutil.copy(log, ARTIFACTS / log.name)
+
+
+def flush_pager(s: Stack) -> None:
+    """Everything the pager had to send before now has been sent: a fresh marker incident goes
+    through the same FIFO worker, so once it arrives nothing older is still queued."""
+    run = f"marker-{time.monotonic_ns()}"
+    alert = {"status": "firing", "labels": {"alertname": "RunHalted", "run": run, "severity": "critical"},
+             "annotations": {"summary": "flush marker"}}  # fmt: skip
+    status, _ = s.pager.post("/v1/alertmanager", {"version": "4", "alerts": [alert]})
+    assert status == 200
+    s.sink.wait_for(lambda r: r.path == PD and run.encode() in r.body, timeout=30)
+
+
+def for_run(run: str, action: str | None = None, cls: str | None = None) -> Callable[[dict], bool]:
+    def pred(b: dict[str, Any]) -> bool:
+        if action and b.get("event_action") != action:
+            return False
+        if b.get("event_action") == "trigger" and b["payload"]["group"] != run:
+            return False
+        return cls is None or b.get("payload", {}).get("class") == cls
+
+    return pred
+
+
+def assert_pagerduty_trigger(body: dict[str, Any], alert: str, run: str) -> None:
+    assert body["routing_key"] == ROUTING_KEY
+    assert body["event_action"] == "trigger"
+    assert body["dedup_key"].startswith(f"moeguard-{alert}-") and len(body["dedup_key"]) <= 255
+    p = body["payload"]
+    assert p["severity"] == "critical" and p["class"] == alert and p["group"] == run
+    assert p["source"] == f"moeguard/{run}"
+    assert {"href": f"{RUNBOOKS}/playbooks/{alert}.md", "text": f"Playbook: {alert}"} in body["links"]
+    assert (REPO / "playbooks" / f"{alert}.md").is_file()
+
+
+def wait_exit(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"trainer still running after {timeout}s") from None
+
+
+# ---------------------------------------------------------------------------------------
+# 1. halt -> one page (fast path + Alertmanager, one incident) -> resume -> one resolve
+# ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_guard_halt_pages_once_and_resume_resolves_it(stack: Stack) -> None:
+    s, run = stack, "e2e-halt"
+    trainer = s.train(run, "--steps", "80", *SPIKES)
+
+    # The page: from the collector's halt event (fast path), seconds after the halt
+    [trig] = s.sink.wait_for(lambda r: r.path == PD and r.status < 300 and for_run(run, "trigger")(r.json),
+                             timeout=180)  # fmt: skip
+    s.mark("halt_trigger")
+    pd = trig.json
+    assert_pagerduty_trigger(pd, "RunHalted", run)
+    assert pd["payload"]["summary"] == f"Run {run} halted itself at step 59"
+    details = pd["payload"]["custom_details"]
+    assert details["origin"] == "guard_event", "the collector's halt event should page before Prometheus"
+    assert details["event"]["kind"] == schema.EV_HALT and details["event"]["step"] == 59
+    assert wait_exit(trainer, 120) == EXIT_HALTED
+    halt_time = _halt_event_time(s.tmp / "train" / run)
+    latency = time.time() - (time.monotonic() - trig.time) - halt_time
+    s.timings["halt_to_page_s"] = round(latency, 2)
+    assert latency < 30, f"halt paged {latency:.1f}s after it happened"
+
+    # Prometheus' RunHalted reaches the pager through Alertmanager: same incident, no new page
+    wait_until(lambda: (inc := s.pager_incident(pd["dedup_key"])) and any(
+        m["origin"] == "alertmanager" for m in inc["members"].values()), timeout=90, interval=0.2,
+        what="Alertmanager's RunHalted to reach the pager")  # fmt: skip
+    s.mark("runhalted_via_alertmanager")
+    runs = s.runs()
+    assert runs[run]["status"] == schema.STATUS_HALTED and runs[run]["ranks"] == {}  # final: not watched
+    assert f'moeguard_run_halted{{run="{run}"}} 1.0' in s.metrics_text()
+
+    # The operator resumes the run: the gauge clears, RunHalted resolves, the incident closes
+    resumed = s.train(run, "--steps", "80", "--resume")
+    [res] = s.sink.wait_for(lambda r: r.path == PD and r.status < 300 and r.json["event_action"] == "resolve"
+                            and r.json["dedup_key"] == pd["dedup_key"], timeout=180)  # fmt: skip
+    s.mark("resolve")
+    assert res.json == {"routing_key": ROUTING_KEY, "dedup_key": pd["dedup_key"], "event_action": "resolve"}
+    assert wait_exit(resumed, 120) == 0
+    wait_until(lambda: s.runs()[run]["status"] == schema.STATUS_FINISHED, timeout=30, what="finished")
+    assert s.runs()[run]["ranks"] == {}
+    text = s.metrics_text()
+    assert f'moeguard_run_halted{{run="{run}"}} 0.0' in text
+    assert f'moeguard_heartbeat_lost{{run="{run}"' not in text  # a finished run is not watched
+
+    # Exactly one trigger and one resolve for this run, nothing else paged for it
+    flush_pager(s)
+    mine = s.pd(lambda b: b["dedup_key"] == pd["dedup_key"] or for_run(run, "trigger")(b))
+    assert [(r.json["event_action"], r.json["dedup_key"]) for r in mine] == [
+        ("trigger", pd["dedup_key"]), ("resolve", pd["dedup_key"])]  # fmt: skip
+
+
+def _halt_event_time(run_dir: Path) -> float:
+    from guard.runstore import read_table
+
+    ev = read_table(run_dir, schema.TABLE_EVENTS)
+    return float(ev.filter(ev["kind"] == schema.EV_HALT)["time"].min())
+
+
+# ---------------------------------------------------------------------------------------
+# 2. a trainer killed mid-stream -> HeartbeatLost for its run and rank 0
+# ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_killed_trainer_pages_heartbeat_lost(stack: Stack) -> None:
+    s, run = stack, "e2e-kill"
+    trainer = s.train(run, "--steps", "100000")
+
+    def streaming() -> bool:
+        assert trainer.poll() is None, f"the trainer exited with {trainer.returncode}"
+        return ((s.runs().get(run) or {}).get("last_step") or -1) >= 20
+
+    wait_until(streaming, timeout=120, interval=0.2, what="the trainer to stream 20 steps")
+    trainer.send_signal(signal.SIGKILL)  # no final batch, no clean shutdown: a node loss
+    trainer.wait(30)
+    s.mark("killed")
+    killed_at = time.monotonic()
+
+    [trig] = s.sink.wait_for(lambda r: r.path == PD and r.status < 300 and r.json["event_action"] == "trigger"
+                             and r.json["payload"]["group"] == run, timeout=120)  # fmt: skip
+    s.mark("heartbeat_lost_trigger")
+    s.timings["kill_to_page_s"] = round(trig.time - killed_at, 2)
+    pd = trig.json
+    assert_pagerduty_trigger(pd, "HeartbeatLost", run)
+    p = pd["payload"]
+    assert p["summary"] == f"Run {run} rank 0 stopped reporting"
+    assert p["component"] == "rank 0" and p["custom_details"]["ranks"] == ["0"]
+    lost = s.runs()[run]["ranks"]["0"]
+    assert lost["lost"] is True and lost["timeout_s"] >= HEARTBEAT_FLOOR_S
+
+    flush_pager(s)
+    assert [r.json["payload"]["class"] for r in s.pd(for_run(run, "trigger"))] == ["HeartbeatLost"]
