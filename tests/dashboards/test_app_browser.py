@@ -21,7 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dashboards.testing import CRASHED, GUARDED, STALE, UNGUARDED
+from dashboards.testing import CRASHED, GUARDED, STALE, UNGUARDED, SynthRun, write_run
+from guard import schema
+from guard.report import StepReport
+from guard.runstore import RunStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -94,6 +97,10 @@ def _screenshot(page, url: str, out: Path, *, min_charts: int) -> dict:
     }
 
 
+def _chromium(p):
+    return p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
 def test_pages_render_in_chromium(store: Path, history: Path, tmp_path: Path) -> None:
     playwright = pytest.importorskip("playwright.sync_api")
     if not Path(CHROMIUM).exists():
@@ -102,7 +109,7 @@ def test_pages_render_in_chromium(store: Path, history: Path, tmp_path: Path) ->
     keep.mkdir(parents=True, exist_ok=True)
     results = {}
     with serve(store, history, tmp_path / "app.log") as base, playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = _chromium(p)
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         for name, path, min_charts in (
             ("health", f"/health?run={GUARDED}", 10),
@@ -126,3 +133,31 @@ def test_pages_render_in_chromium(store: Path, history: Path, tmp_path: Path) ->
         assert text in health["text"], text
     assert "finished" in results["runs"]["text"] and "stale" in results["runs"]["text"]
     assert "Canary MFU history" in results["canaries"]["text"]
+
+
+def test_live_mode_follows_a_running_run(tmp_path: Path, monkeypatch) -> None:
+    """With Live on, a part the trainer flushes shows up without touching the page."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed")
+    runs = tmp_path / "runs"
+    run = write_run(runs, SynthRun(run_id="live", steps=100, faults=[], status=schema.STATUS_RUNNING))
+    monkeypatch.setenv("MOEGUARD_APP_LIVE_S", "2")
+    with (
+        serve(runs, tmp_path / "none.jsonl", tmp_path / "app.log") as base,
+        playwright.sync_playwright() as p,
+    ):
+        browser = _chromium(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(base + "/health?run=live", wait_until="networkidle")
+        first_metric = "document.querySelector('[data-testid=stMetricValue]')"
+        page.wait_for_function(f"{first_metric} && {first_metric}.innerText.trim() === '99'", timeout=60_000)
+        page.get_by_text("Live (rerun every").click()
+        # the trainer flushes 50 more steps, through the real writer
+        store = RunStore(run, flush_every=50)
+        for s in range(100, 150):
+            store.add_step(StepReport(step=s, time=1e9 + s, loss=2.5, grad_norm=1.0, lr=1e-4, tokens=65536))
+        store.close()
+        page.wait_for_function(f"{first_metric}.innerText.trim() === '149'", timeout=30_000)
+        assert page.locator("[data-testid=stException]").count() == 0
+        browser.close()

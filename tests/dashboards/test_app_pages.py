@@ -111,6 +111,9 @@ def test_health_shows_every_section(store: Path, open_page) -> None:
     dead = chart_titled(at, "Dead experts per layer")["data"][0]
     layer_row = dead["y"].index(1)
     assert max(v for v in dead["z"][layer_row] if v is not None) == 3, "the 3 dead experts of layer 1"
+    gn = chart_titled(at, "Per-layer grad norm")
+    bad = traces(gn, "non-finite grad norm")[0]
+    assert list(zip(bad["x"], bad["y"], strict=True)) == [(240, 2)], "where the NaN at step 240 came from"
     perf = chart_titled(at, "Throughput, efficiency and memory")
     assert {t["name"] for t in perf["data"]} == {"MFU", "tokens/s", "step time", "data wait", "peak memory"}
     for f in charts(at):  # every chart is labelled
@@ -286,3 +289,34 @@ def test_pages_on_real_trainer_runs(open_page, page: str) -> None:
         no_exception(at)
         if page == "health" and charts(at):
             assert chart_titled(at, HEALTH_TITLE)
+
+
+# ---- a real trainer run, end to end ---------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.integration
+def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) -> None:
+    """`moeguard train` with an injected grad spike -> run store -> the skip is marked, with its
+    evidence, on the health page. The trainer's own files, no synthetic writer involved."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("trainer.cli")
+    root = Path(__file__).resolve().parents[2]
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "guard", "train", "--config", str(root / "configs" / "tiny.toml"),
+           "--steps", "45", "--run-dir", str(runs / "drill"), "--no-progress", "--inject", "gradspike@40:50",
+           "--set", "data.batch_size=2", "--set", "data.seq_len=32"]  # fmt: skip
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    at = open_page("health", runs, run="drill")
+    no_exception(at)
+    fig = chart_titled(at, HEALTH_TITLE)
+    skip = traces(fig, "action: skip")
+    assert skip and 40 in skip[0]["x"], "the injected spike was skipped and is marked"
+    assert "grad_norm_spike" in " ".join(skip[0]["hovertext"])
+    ev = at.dataframe[0].value
+    assert ((ev["step"] == 40) & (ev["action"] == schema.ACT_SKIP)).any()
+    runs_page = open_page("runs", runs)
+    no_exception(runs_page)
+    row = runs_page.dataframe[0].value.iloc[0]
+    assert row["status"] == "finished" and row["step"] == 44 and row["guard actions"] == 1

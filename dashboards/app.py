@@ -1,0 +1,69 @@
+"""moeguard run-health app.
+
+    moeguard app --runs DIR [--history FILE] [--collector URL]
+    streamlit run dashboards/app.py -- --runs DIR          (the same thing, by hand)
+
+The entry script only sets up navigation and the shared sidebar; each page is a thin
+script (page_*.py) over the cached loaders in dashboards/data.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+# `streamlit run dashboards/app.py` puts dashboards/ on sys.path, not the repository root
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import streamlit as st  # noqa: E402
+
+from dashboards import data  # noqa: E402
+
+LIVE_EVERY_S = float(os.environ.get("MOEGUARD_APP_LIVE_S", "30"))
+
+st.set_page_config(page_title="moeguard", page_icon=":material/shield:", layout="wide")
+cfg = data.app_config()
+
+nav = st.navigation(
+    [
+        st.Page("page_runs.py", title="Runs", icon=":material/list:", url_path="runs", default=True),
+        st.Page("page_health.py", title="Run health", icon=":material/monitor_heart:", url_path="health"),
+        st.Page("page_compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare"),
+        st.Page("page_canaries.py", title="Canaries", icon=":material/trending_down:", url_path="canaries"),
+    ]
+)
+with st.sidebar:
+    st.caption(f"Run store: `{cfg.runs_dir}`")
+    st.number_input(
+        "Stale after (s)",
+        min_value=10,
+        value=int(data.DEFAULT_STALE_S),
+        step=60,
+        key="stale_after_s",
+        help="A run still marked running whose last write is older than this shows as stale.",
+    )
+    live = st.toggle(
+        "Live (rerun every 30 s)", key="live", help="Follow running runs: new parts are read as they land"
+    )
+    if st.button(
+        "Reload data", help="Drop cached tables (they also refresh by themselves when a run writes)"
+    ):
+        data.clear_caches()
+
+if live:
+    # A timer fragment that reruns the whole app. Cached loaders are keyed by each run's
+    # signature, so a rerun re-reads only runs that gained part files.
+    st.session_state["_full_run_at"] = time.time()
+
+    @st.fragment(run_every=LIVE_EVERY_S)
+    def _live_tick() -> None:
+        if time.time() - st.session_state.get("_full_run_at", 0.0) >= LIVE_EVERY_S - 1:
+            st.rerun(scope="app")
+
+    with st.sidebar:
+        _live_tick()
+nav.run()

@@ -1,0 +1,828 @@
+"""The app's one data module: run discovery, cached loaders, downsampling, aggregation.
+
+Pages stay thin: they call the `load_*` functions here and hand the results to
+`dashboards.figures`. Every loader is `st.cache_data`, keyed by the run folder plus
+`run_signature()` (the newest modification time of meta.json and of each table folder; a
+new part file is an atomic rename into its table folder, which moves that folder's mtime),
+so a live run refreshes on the next rerun and a finished one is read once.
+
+Reads are lazy polars scans with projection. Big runs stay fast because nothing per-step
+reaches the browser: line charts are downsampled keeping each bucket's first, last, min and
+max point plus every non-finite step and every step with an event (spikes survive), and
+heatmaps are bucketed (integer step buckets, a max or min per bucket as the signal needs).
+
+Nothing here imports torch; nothing here draws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import streamlit as st
+
+from guard import schema
+from guard.runstore import list_runs, polars_schema, read_meta
+
+# Actions that changed what training did (counted and marked); apply/none are not actions.
+ACTIVE_ACTIONS = (
+    schema.ACT_SKIP,
+    schema.ACT_ROLLBACK,
+    schema.ACT_BIAS_CORRECT,
+    schema.ACT_LR_COOLDOWN,
+    schema.ACT_HALT,
+)
+ENV_KEYS = ("torch", "attention_backend", "expert_kernel", "compile")
+DEFAULT_STALE_S = 300.0
+MAX_LINE_POINTS = 2000  # per series sent to the browser
+HEAT_BUCKETS = 300  # columns of a step heatmap
+# Expert rows scanned for one over-time heatmap before reading evenly spaced parts only. 50M
+# rows is ~0.3-0.6 s of scanning; a 100k-step x 32 x 64 run has 205M. Load shares drift over
+# hundreds of steps, so a quarter of the steps in every bucket estimates the bucket's mean
+# share to well under a percent; one-step events are in the layers table, read in full.
+EXPERT_ROW_BUDGET = 50_000_000
+ENV_RUNS = "MOEGUARD_APP_RUNS"
+ENV_HISTORY = "MOEGUARD_APP_HISTORY"
+ENV_COLLECTOR = "MOEGUARD_APP_COLLECTOR"
+
+
+# ---------------------------------------------------------------------------------------
+# Configuration: `streamlit run app.py -- --runs DIR ...`, else environment variables
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AppConfig:
+    runs_dir: Path
+    history: Path | None = None
+    collector: str | None = None
+
+
+def app_config(argv: list[str] | None = None) -> AppConfig:
+    """The app's settings from its command line (after `--`), falling back to env vars."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--runs")
+    p.add_argument("--history")
+    p.add_argument("--collector")
+    args, _ = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    runs = args.runs or os.environ.get(ENV_RUNS) or "runs"
+    history = args.history or os.environ.get(ENV_HISTORY) or None
+    collector = args.collector or os.environ.get(ENV_COLLECTOR) or None
+    return AppConfig(runs_dir=Path(runs), history=Path(history) if history else None, collector=collector)
+
+
+# ---------------------------------------------------------------------------------------
+# Run discovery and compatibility
+# ---------------------------------------------------------------------------------------
+COMPAT_OK = "ok"
+COMPAT_OLDER = "older"
+COMPAT_NEWER = "newer"
+COMPAT_UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """What the app knows about a run before reading any table."""
+
+    run_id: str  # the run folder's name (unique under the run store; meta.json may repeat it)
+    path: str
+    meta: dict[str, Any]
+    status: str  # RUN_STATUSES, "stale" derived here
+    compat: str  # COMPAT_*
+    schema_version: int | None
+    updated_at: float | None
+    tables: dict[str, bool] = field(default_factory=dict)  # table -> has at least one part
+
+    @property
+    def env(self) -> dict[str, Any]:
+        env = self.meta.get("env")
+        return env if isinstance(env, dict) else {}
+
+    @property
+    def readable(self) -> bool:
+        return self.compat in (COMPAT_OK, COMPAT_OLDER)
+
+    @property
+    def has_steps(self) -> bool:
+        return self.tables.get(schema.TABLE_STEPS, False)
+
+    @property
+    def note(self) -> str:
+        """A few words for the runs table ("" when all is well)."""
+        if self.compat == COMPAT_UNREADABLE:
+            return "meta.json unreadable"
+        if self.compat == COMPAT_NEWER:
+            return f"newer schema {self.schema_version}: upgrade moeguard"
+        if not self.has_steps:
+            return "no steps yet (meta.json only)"
+        missing = [t for t in (schema.TABLE_LAYERS, schema.TABLE_EXPERTS) if not self.tables.get(t)]
+        if self.compat == COMPAT_OLDER:
+            return f"older schema {self.schema_version}"
+        if missing:
+            return "no " + "/".join(missing) + " table"
+        return ""
+
+    def problem(self) -> tuple[str, str] | None:
+        """(level, message) for a run the app can only partly show; None when all is well."""
+        if self.compat == COMPAT_UNREADABLE:
+            return "warning", f"Run `{self.run_id}`: meta.json could not be parsed; its tables are not shown."
+        if self.compat == COMPAT_NEWER:
+            return "warning", (
+                f"Run `{self.run_id}` was written by a newer moeguard (run-store schema "
+                f"{self.schema_version}; this app reads up to {schema.SCHEMA_VERSION}). "
+                "Upgrade moeguard to view it."
+            )
+        if not self.has_steps:
+            return "info", (
+                f"Run `{self.run_id}` has no steps on disk yet (meta.json only): the trainer writes "
+                "its first chunk after `flush_every` steps, or it stopped before that."
+            )
+        if self.compat == COMPAT_OLDER:
+            return "info", (
+                f"Run `{self.run_id}` uses an older run-store schema ({self.schema_version}; current "
+                f"{schema.SCHEMA_VERSION}). Columns added since are shown as empty."
+            )
+        return None
+
+
+def run_signature(run_dir: str | Path) -> tuple[int, ...]:
+    """Changes whenever the run gains a part file or rewrites meta.json (cache key)."""
+    d = Path(run_dir)
+    sig = []
+    for name in (schema.META_FILE, *schema.TABLES):
+        try:
+            sig.append(os.stat(d / name).st_mtime_ns)
+        except OSError:
+            sig.append(0)
+    return tuple(sig)
+
+
+def _has_part(run_dir: Path, table: str) -> bool:
+    d = run_dir / table
+    try:
+        with os.scandir(d) as it:
+            return any(e.name.startswith("part-") and e.name.endswith(".parquet") for e in it)
+    except OSError:
+        return False
+
+
+def run_info(
+    run_dir: str | Path, *, stale_after_s: float = DEFAULT_STALE_S, now: float | None = None
+) -> RunInfo:
+    d = Path(run_dir)
+    meta = read_meta(d)
+    tables = {t: _has_part(d, t) for t in schema.TABLES}
+    if meta is None or not isinstance(meta, dict):
+        return RunInfo(run_id=d.name, path=str(d), meta={}, status=schema.STATUS_CRASHED,
+                       compat=COMPAT_UNREADABLE, schema_version=None, updated_at=None, tables=tables)  # fmt: skip
+    try:
+        version = int(meta.get("schema_version", 0))
+    except (TypeError, ValueError):
+        version = 0
+    if version > schema.SCHEMA_VERSION:
+        compat = COMPAT_NEWER
+    elif version < schema.SCHEMA_VERSION:
+        compat = COMPAT_OLDER
+    else:
+        compat = COMPAT_OK
+    updated = meta.get("updated_at")
+    updated = float(updated) if isinstance(updated, int | float) else None
+    # the trainer may flush parts without touching meta.json: newest activity counts
+    sig_s = max(run_signature(d)) / 1e9
+    last_activity = max(updated or 0.0, sig_s) or None
+    status = str(meta.get("status", schema.STATUS_RUNNING))
+    now = time.time() if now is None else now
+    if status == schema.STATUS_RUNNING and last_activity is not None and now - last_activity > stale_after_s:
+        status = schema.STATUS_STALE
+    return RunInfo(run_id=d.name, path=str(d), meta=meta, status=status,
+                   compat=compat, schema_version=version, updated_at=last_activity, tables=tables)  # fmt: skip
+
+
+def discover(runs_dir: str | Path, *, stale_after_s: float = DEFAULT_STALE_S) -> list[RunInfo]:
+    """Every run folder (one with meta.json) under `runs_dir`, newest activity first."""
+    infos = [run_info(p, stale_after_s=stale_after_s) for p in list_runs(runs_dir)]
+    return sorted(infos, key=lambda r: -(r.updated_at or 0.0))
+
+
+def stray_folders(runs_dir: str | Path) -> list[str]:
+    """Folders under runs_dir that are not runs (no meta.json)."""
+    d = Path(runs_dir)
+    if not d.is_dir():
+        return []
+    runs = {p.name for p in list_runs(d)}
+    return sorted(
+        p.name for p in d.iterdir() if p.is_dir() and p.name not in runs and not p.name.startswith(".")
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Scans
+# ---------------------------------------------------------------------------------------
+_PART = re.compile(r"part-\d{10}-\d{6}\.parquet$")
+
+
+def part_files(run_dir: str | Path, table: str) -> list[Path]:
+    """Same answer as guard.runstore.part_files (same filter, same order), for long runs:
+    a scandir plus a sort on name strings, remembered until the table folder changes.
+    (Sorting thousands of Path objects costs more than reading their footers.)"""
+    d = os.path.join(run_dir, table)
+    try:
+        mtime = os.stat(d).st_mtime_ns
+    except OSError:
+        return []
+    return [Path(d, n) for n in _part_names(d, mtime)]
+
+
+@functools.lru_cache(maxsize=256)
+def _part_names(table_dir: str, mtime_ns: int) -> tuple[str, ...]:
+    del mtime_ns  # cache key only
+    with os.scandir(table_dir) as it:
+        return tuple(sorted(e.name for e in it if _PART.search(e.name)))
+
+
+def scan(run_dir: str | Path, table: str, parts: list[Path] | None = None) -> pl.LazyFrame:
+    """Lazy scan that tolerates older writers: missing columns come back as nulls."""
+    parts = part_files(run_dir, table) if parts is None else parts
+    sch = polars_schema(table)
+    if not parts:
+        return pl.LazyFrame(schema=sch)
+    return pl.scan_parquet(
+        [str(p) for p in parts], schema=sch, missing_columns="insert", extra_columns="ignore"
+    )
+
+
+def missing_columns(run_dir: str | Path, table: str) -> list[str]:
+    """Columns of the current schema that the run's first part lacks (older writers)."""
+    parts = part_files(run_dir, table)
+    if not parts:
+        return []
+    have = set(pl.read_parquet_schema(parts[0]))
+    return [c for c in schema.TABLE_COLUMNS[table] if c not in have]
+
+
+def _finite_or_null(col: str) -> pl.Expr:
+    return pl.when(pl.col(col).is_finite()).then(pl.col(col))
+
+
+# ---------------------------------------------------------------------------------------
+# Pure helpers (tested directly; no caching)
+# ---------------------------------------------------------------------------------------
+def downsample(df: pl.DataFrame, y: str, *, max_points: int = MAX_LINE_POINTS,
+               keep_steps: tuple[int, ...] | list[int] = ()) -> pl.DataFrame:  # fmt: skip
+    """Rows (step, y) to draw, at most ~max_points plus the kept ones.
+
+    Per step bucket keeps the first, last, min and max row (so a one-step spike survives any
+    zoom level), every non-finite row (drawn as a gap; the marks show where), and every step
+    in `keep_steps` (steps with events, so a mark sits on a drawn point).
+    """
+    df = df.select("step", y).sort("step")
+    if df.height <= max_points:
+        return df
+    lo, hi = df["step"][0], df["step"][-1]
+    buckets = max(1, max_points // 4)
+    width = max(1, math.ceil((hi - lo + 1) / buckets))
+    yy = _finite_or_null(y)
+    idx = df.with_row_index("i").with_columns(b=(pl.col("step") - lo) // width)
+    picks = idx.group_by("b").agg(
+        pl.col("i").first().alias("first"),
+        pl.col("i").last().alias("last"),
+        pl.col("i").sort_by(yy, nulls_last=True).first().alias("min"),
+        pl.col("i").sort_by(yy, descending=True, nulls_last=True).first().alias("max"),
+    )
+    keep = pl.concat([picks[c] for c in ("first", "last", "min", "max")]).cast(pl.UInt32)
+    special = idx.filter(~pl.col(y).is_finite() | pl.col("step").is_in(list(keep_steps)))["i"].cast(pl.UInt32)
+    rows = pl.concat([keep, special]).unique()
+    return idx.filter(pl.col("i").is_in(rows.implode())).select("step", y)
+
+
+def bucket_grid(lo: int, hi: int, n_buckets: int = HEAT_BUCKETS) -> int:
+    """Width in steps of one heatmap column so that [lo, hi] fits in n_buckets columns."""
+    return max(1, math.ceil((hi - lo + 1) / max(1, n_buckets)))
+
+
+def long_to_heat(df: pl.DataFrame, *, x: str, y: str, z: str, x_values: np.ndarray | None = None,
+                 y_values: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Long (x, y, z) rows -> {"x", "y", "z"[len(y)][len(x)]} with NaN where nothing was seen."""
+    xs = np.asarray(sorted(df[x].unique().to_list()) if x_values is None else x_values)
+    ys = sorted(df[y].unique().to_list()) if y_values is None else list(y_values)
+    zz = np.full((len(ys), len(xs)), np.nan)
+    if df.height:
+        xi = np.searchsorted(xs, df[x].to_numpy())
+        ypos = {v: i for i, v in enumerate(ys)}
+        yi = np.array([ypos.get(v, -1) for v in df[y].to_list()])
+        ok = (yi >= 0) & (xi < len(xs))
+        zz[yi[ok], xi[ok]] = df[z].cast(pl.Float64).fill_null(float("nan")).to_numpy()[ok]
+    return {"x": xs, "y": ys, "z": zz}
+
+
+def parse_detail(detail: str | None) -> dict[str, Any]:
+    if not detail:
+        return {}
+    try:
+        out = json.loads(detail)
+    except (json.JSONDecodeError, TypeError):
+        return {"detail": str(detail)[:200]}
+    return out if isinstance(out, dict) else {"detail": out}
+
+
+def fmt_value(v: Any) -> str:
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.4g}"
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(fmt_value(x) for x in v[:12]) + (", ..." if len(v) > 12 else "") + "]"
+    return str(v)
+
+
+def evidence_text(row: dict[str, Any]) -> str:
+    """One event as hover HTML: what fired, value vs threshold, then the JSON evidence."""
+    head = row.get("kind", "")
+    if row.get("detector"):
+        head += f" {row['detector']}"
+    parts = [f"<b>{head}</b>"]
+    v, t = row.get("value"), row.get("threshold")
+    if v is not None and isinstance(v, float) and (math.isfinite(v) or (t is not None and math.isfinite(t))):
+        parts.append(f"value {fmt_value(v)} vs threshold {fmt_value(t)}")
+    elif isinstance(v, float) and math.isnan(v) and row.get("detector") == schema.DET_NONFINITE:
+        parts.append("value non-finite")
+    for k, val in parse_detail(row.get("detail")).items():
+        parts.append(f"{k}: {fmt_value(val)}")
+    return "<br>".join(parts)
+
+
+def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
+    """One row per (step, action) the guard took, with y positions and the evidence as hover.
+
+    A verdict and the action event it caused are merged into one mark (same step, same
+    action). `y_loss` / `y_grad_norm` are the series values at that step; where the value is
+    non-finite (the NaN that was skipped) the mark is pinned to the series' finite maximum and
+    `nf_loss` / `nf_grad_norm` say so (`nonfinite`: either), so the chart can label it.
+    """
+    sch = {"step": pl.Int64, "action": pl.String, "hover": pl.String, "y_loss": pl.Float64,
+           "y_grad_norm": pl.Float64, "nf_loss": pl.Boolean, "nf_grad_norm": pl.Boolean, "nonfinite": pl.Boolean}  # fmt: skip
+    cols = list(sch)
+    if events.height == 0:
+        return pl.DataFrame(schema=sch)
+    ev = events.filter(pl.col("action").is_in(ACTIVE_ACTIONS))
+    rows: dict[tuple[int, str], list[str]] = {}
+    for r in ev.iter_rows(named=True):
+        rows.setdefault((int(r["step"]), r["action"]), []).append(evidence_text(r))
+    if not rows:
+        return pl.DataFrame(schema=sch)
+    marks = pl.DataFrame(
+        {
+            "step": [k[0] for k in rows],
+            "action": [k[1] for k in rows],
+            "hover": [f"<b>{k[1].upper()}</b> at step {k[0]}<br>" + "<br>—<br>".join(dict.fromkeys(v))
+                      for k, v in rows.items()],
+        },
+        schema={"step": pl.Int64, "action": pl.String, "hover": pl.String},
+    )  # fmt: skip
+    s = steps.select("step", "loss", "grad_norm").unique("step", keep="last")
+    out = marks.join(s, on="step", how="left")
+    lmax = steps["loss"].filter(steps["loss"].is_finite()).max() if steps.height else None
+    gmax = steps["grad_norm"].filter(steps["grad_norm"].is_finite()).max() if steps.height else None
+    return (
+        out.with_columns(
+            nf_loss=~pl.col("loss").is_finite().fill_null(False),
+            nf_grad_norm=~pl.col("grad_norm").is_finite().fill_null(False),
+            nonfinite=~(pl.col("loss").is_finite() & pl.col("grad_norm").is_finite()).fill_null(False),
+            y_loss=pl.when(pl.col("loss").is_finite())
+            .then(pl.col("loss"))
+            .otherwise(pl.lit(lmax, pl.Float64)),
+            y_grad_norm=pl.when(pl.col("grad_norm").is_finite())
+            .then(pl.col("grad_norm"))
+            .otherwise(pl.lit(gmax, pl.Float64)),
+        )
+        .select(cols)
+        .sort("step")
+    )
+
+
+def timeline_rows(events: pl.DataFrame) -> pl.DataFrame:
+    """Events for the timeline strip: one row each, lane = detector for verdicts else kind."""
+    if events.height == 0:
+        return pl.DataFrame(
+            schema={"step": pl.Int64, "lane": pl.String, "kind": pl.String, "hover": pl.String}
+        )
+    hover = [f"step {r['step']}<br>" + evidence_text(r) + (f"<br>action: {r['action']}"
+             if r["action"] not in (schema.ACT_NONE, "") else "") for r in events.iter_rows(named=True)]  # fmt: skip
+    return events.select(
+        "step",
+        pl.when(pl.col("kind") == schema.EV_VERDICT)
+        .then(pl.col("detector"))
+        .otherwise(pl.col("kind"))
+        .alias("lane"),
+        "kind",
+    ).with_columns(hover=pl.Series(hover, dtype=pl.String))
+
+
+def steady_state(steps: pl.DataFrame, *, warmup_frac: float = 0.1, min_warmup: int = 20) -> pl.DataFrame:
+    """Steps after warm-up (compile, ramp) where the guard did not intervene."""
+    if steps.height == 0:
+        return steps
+    lo = steps["step"].min()
+    hi = steps["step"].max()
+    cut = lo + max(min_warmup, int((hi - lo) * warmup_frac))  # type: ignore[operator]
+    return steps.filter(
+        (pl.col("step") >= cut)
+        & pl.col("action").fill_null(schema.ACT_APPLY).is_in([schema.ACT_APPLY, schema.ACT_NONE])
+    )
+
+
+def env_differences(envs: dict[str, dict[str, Any]]) -> pl.DataFrame:
+    """Rows = keys whose value differs between runs; columns = key + one per run."""
+    flat = {run: _flatten(e) for run, e in envs.items()}
+    keys = sorted({k for f in flat.values() for k in f})
+    diff = [
+        k for k in keys if len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flat.values()}) > 1
+    ]
+    data: dict[str, list[str]] = {"key": diff}
+    for run, f in flat.items():
+        data[run] = ["—" if f.get(k) is None else str(f.get(k)) for k in diff]
+    return pl.DataFrame(data, schema=dict.fromkeys(data, pl.String))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Cached loaders. Arguments are (run path as str, signature, knobs): all hashable and cheap.
+# ---------------------------------------------------------------------------------------
+@st.cache_data(max_entries=512, show_spinner=False)
+def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
+    """Latest step, loss, recent MFU and tokens/s, guard action and verdict counts."""
+    del sig
+    out: dict[str, Any] = {"step": None, "loss": None, "mfu": None, "tokens_per_s": None,
+                           "actions": 0, "verdicts": 0, "halts": 0}  # fmt: skip
+    parts = part_files(path, schema.TABLE_STEPS)
+    if parts:
+        tail = (scan(path, schema.TABLE_STEPS, parts[-3:])
+                .select("step", "loss", "mfu", "tokens_per_s").sort("step").tail(100).collect())  # fmt: skip
+        if tail.height:
+            out["step"] = int(tail["step"][-1])
+            loss = tail["loss"][-1]
+            out["loss"] = float(loss) if loss is not None else None
+            for c in ("mfu", "tokens_per_s"):
+                vals = tail[c].filter(tail[c].is_finite())
+                out[c] = float(vals.median()) if len(vals) else None  # type: ignore[arg-type]
+    ev = scan(path, schema.TABLE_EVENTS).select("step", "kind", "action").collect()
+    if ev.height:
+        out["actions"] = ev.filter(pl.col("action").is_in(ACTIVE_ACTIONS)).unique(["step", "action"]).height
+        out["verdicts"] = ev.filter(pl.col("kind") == schema.EV_VERDICT).height
+        out["halts"] = ev.filter(pl.col("kind") == schema.EV_HALT).height
+    return out
+
+
+_STEP_COLS = ["step", "time", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s",
+              "data_wait_s", "mem_peak_bytes", "action"]  # fmt: skip
+
+
+# The two raw frames are shared, not copied: cache_resource hands out the same (immutable)
+# polars frame instead of pickling 100k rows on every store and hit. Callers never mutate.
+@st.cache_resource(max_entries=16, show_spinner=False)
+def load_steps(path: str, sig: tuple[int, ...]) -> pl.DataFrame:
+    """The steps table (projected), sorted by step."""
+    del sig
+    df = scan(path, schema.TABLE_STEPS).select(_STEP_COLS).collect()
+    # parts arrive in step order; only a resumed or rolled-back run needs the sort
+    return df if df["step"].is_sorted() else df.sort("step", "time")
+
+
+@st.cache_resource(max_entries=64, show_spinner=False)
+def load_events(path: str, sig: tuple[int, ...]) -> pl.DataFrame:
+    del sig
+    return scan(path, schema.TABLE_EVENTS).sort("step", "time").collect()
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def load_step_series(path: str, sig: tuple[int, ...], columns: tuple[str, ...],
+                     max_points: int = MAX_LINE_POINTS) -> dict[str, pl.DataFrame]:  # fmt: skip
+    """Downsampled (step, value) series for each column, event steps always included."""
+    steps = load_steps(path, sig)
+    ev = load_events(path, sig)
+    keep = tuple(sorted(set(ev["step"].to_list()))) if ev.height else ()
+    return {c: downsample(steps, c, max_points=max_points, keep_steps=keep) for c in columns}
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def load_marks(path: str, sig: tuple[int, ...]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(action marks, timeline rows) for the health chart."""
+    steps = load_steps(path, sig)
+    ev = load_events(path, sig)
+    return action_marks(ev, steps), timeline_rows(ev)
+
+
+# Per-layer signals: (column, bucket aggregate, label). max keeps spikes and collapse, min
+# keeps entropy drops: a mean would smear a one-step event over the whole bucket.
+LAYER_SIGNALS: dict[str, tuple[str, str]] = {
+    "grad_norm": ("max", "Per-layer grad norm (bucket max)"),
+    "maxvio": ("max", "MaxVio per layer (bucket max, ratio)"),
+    "dead_experts": ("max", "Dead experts per layer (bucket max, count)"),
+    "router_entropy": ("min", "Router entropy per layer (bucket min, nats)"),
+    "load_entropy": ("min", "Load entropy per layer (bucket min, 0..1)"),
+    "bias_norm": ("max", "Expert-bias L2 norm per layer (bucket max)"),
+}
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def load_layer_heatmaps(path: str, sig: tuple[int, ...], lo: int, hi: int,
+                        n_buckets: int = HEAT_BUCKETS) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """layer x step-bucket matrices for every LAYER_SIGNALS column, in one scan."""
+    del sig
+    width = bucket_grid(lo, hi, n_buckets)
+    aggs = []
+    for c, (how, _) in LAYER_SIGNALS.items():
+        e = _finite_or_null(c) if c != "dead_experts" else pl.col(c).cast(pl.Float64)
+        aggs.append((e.max() if how == "max" else e.min()).alias(c))
+    # a NaN/Inf layer grad norm is dropped from the bucket max above but is the best clue to
+    # where a non-finite step came from: keep where it happened
+    aggs.append((~pl.col("grad_norm").is_finite()).any().alias("gn_nonfinite"))
+    long = (
+        scan(path, schema.TABLE_LAYERS)
+        .select("step", "layer", *LAYER_SIGNALS)
+        .with_columns(b=((pl.col("step") - lo) // width) * width + lo)
+        .group_by("b", "layer")
+        .agg(aggs)
+        .collect()
+    )
+    if long.height == 0:
+        return {}
+    xs = np.arange(lo, hi + 1, width)
+    layers = sorted(long["layer"].unique().to_list())
+    out = {}
+    for c in LAYER_SIGNALS:
+        h = long_to_heat(long, x="b", y="layer", z=c, x_values=xs, y_values=layers)
+        if np.isfinite(h["z"]).any():
+            h["width"] = width
+            out[c] = h
+    if "grad_norm" in out:
+        bad = long.filter(pl.col("gn_nonfinite").fill_null(False)).sort("b", "layer")
+        out["grad_norm"]["marks"] = (bad["b"].to_list(), bad["layer"].to_list(), "non-finite grad norm")
+    return out
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def load_layer_ids(path: str, sig: tuple[int, ...]) -> list[int]:
+    """MoE layers (those with expert rows), read from the newest part only."""
+    del sig
+    parts = part_files(path, schema.TABLE_EXPERTS)
+    if not parts:
+        return []
+    return sorted(
+        scan(path, schema.TABLE_EXPERTS, parts[-1:])
+        .select(pl.col("layer").unique())
+        .collect()["layer"]
+        .to_list()
+    )
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def load_expert_share_over_time(path: str, sig: tuple[int, ...], layer: int, lo: int, hi: int,
+                                n_buckets: int = 200,
+                                row_budget: int = EXPERT_ROW_BUDGET) -> dict[str, Any]:  # fmt: skip
+    """expert x step-bucket matrix of one layer's load share (bucket sum of load / layer total).
+
+    Reads every part while the table is under `row_budget` rows; past that it reads evenly
+    spaced parts only and says so in "note" (load shares move slowly; spikes are in `layers`).
+    """
+    del sig
+    parts = part_files(path, schema.TABLE_EXPERTS)
+    if not parts:
+        return {}
+    note = ""
+    per_part = scan(path, schema.TABLE_EXPERTS, parts[-1:]).select(pl.len()).collect().item()
+    est = per_part * len(parts)
+    if est > row_budget:
+        stride = math.ceil(est / row_budget)
+        parts = parts[::stride]
+        note = f"sampled: every {stride}th chunk of the experts table ({len(parts)} chunks, ~{100 / stride:.0f}% of steps)"
+    width = bucket_grid(lo, hi, n_buckets)
+    long = (
+        scan(path, schema.TABLE_EXPERTS, parts)
+        .select("step", "layer", "expert", "load")
+        .filter(pl.col("layer") == layer)
+        .with_columns(b=((pl.col("step") - lo) // width) * width + lo)
+        .group_by("b", "expert")
+        .agg(pl.col("load").sum())
+        .with_columns(share=pl.col("load") / pl.col("load").sum().over("b"))
+        .collect()
+    )
+    if long.height == 0:
+        return {}
+    h = long_to_heat(long, x="b", y="expert", z="share", x_values=np.arange(lo, hi + 1, width))
+    h["note"] = note
+    h["width"] = width
+    return h
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def load_expert_share_now(path: str, sig: tuple[int, ...], window: int = 100) -> dict[str, Any]:
+    """layer x expert load share over the last `window` steps (newest parts only)."""
+    del sig
+    parts = part_files(path, schema.TABLE_EXPERTS)
+    if not parts:
+        return {}
+    # parts are named by first step: walk back until the window is covered
+    tail: list[Path] = []
+    last_step = None
+    for p in reversed(parts):
+        tail.append(p)
+        first = int(p.name.split("-")[1])
+        if last_step is None:
+            last_step = scan(path, schema.TABLE_EXPERTS, [p]).select(pl.col("step").max()).collect().item()
+        if last_step is not None and first <= last_step - window:
+            break
+    long = (
+        scan(path, schema.TABLE_EXPERTS, tail)
+        .select("step", "layer", "expert", "load")
+        .filter(pl.col("step") > pl.col("step").max() - window)
+        .group_by("layer", "expert")
+        .agg(pl.col("load").sum(), pl.col("step").min().alias("from"), pl.col("step").max().alias("to"))
+        .with_columns(share=pl.col("load") / pl.col("load").sum().over("layer"))
+        .collect()
+    )
+    if long.height == 0:
+        return {}
+    h = long_to_heat(long, x="expert", y="layer", z="share")
+    h["from"], h["to"] = int(long["from"].min()), int(long["to"].max())  # type: ignore[arg-type]
+    return h
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def load_steady_perf(path: str, sig: tuple[int, ...], max_points: int = 3000) -> pl.DataFrame:
+    """Steady-state (step, mfu, tokens_per_s), evenly thinned to max_points for violins."""
+    steps = steady_state(load_steps(path, sig)).select("step", "mfu", "tokens_per_s")
+    if steps.height > max_points:
+        steps = steps.gather_every(math.ceil(steps.height / max_points))
+    return steps
+
+
+# ---------------------------------------------------------------------------------------
+# Canary history (JSONL, one object per canary run; written by `moeguard canary`)
+# ---------------------------------------------------------------------------------------
+CANARY_COLUMNS = {
+    "time": pl.Datetime("us", "UTC"),
+    "git_sha": pl.String,
+    "torch": pl.String,
+    "fingerprint": pl.String,
+    "config": pl.String,
+    "mfu_p50": pl.Float64,
+    "tokens_per_s_p50": pl.Float64,
+    "verdict": pl.String,
+    "baseline": pl.Boolean,
+}
+CANARY_VERDICTS = ("pass", "warn", "fail")
+
+
+def _parse_time(v: Any) -> datetime | None:
+    """Unix seconds or ISO 8601 (naive means UTC) -> aware UTC datetime."""
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return datetime.fromtimestamp(float(v), tz=UTC)
+    if isinstance(v, str):
+        try:
+            t = datetime.fromisoformat(v.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+        return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+    return None
+
+
+def parse_canary_history(text: str) -> tuple[pl.DataFrame, list[str]]:
+    """Rows in file order plus a list of problems ("line 3: not JSON"), never raising.
+
+    Accepted per line: {"time": unix s or ISO 8601, "git_sha", "torch", "fingerprint",
+    "config" (str or object), "mfu_p50" (ratio 0..1), "tokens_per_s_p50",
+    "verdict": "pass"|"warn"|"fail", "baseline": bool}; optional "warn_pct"/"fail_pct"
+    (gate thresholds in percent) are kept when present. Unknown keys are ignored.
+    """
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            problems.append(f"line {n}: not JSON")
+            continue
+        if not isinstance(obj, dict):
+            problems.append(f"line {n}: not an object")
+            continue
+        mfu = obj.get("mfu_p50")
+        if not isinstance(mfu, int | float) or isinstance(mfu, bool):
+            problems.append(f"line {n}: no numeric mfu_p50")
+            continue
+        cfg = obj.get("config")
+        tps = obj.get("tokens_per_s_p50")
+        verdict = str(obj.get("verdict", "")).lower()
+        rows.append({
+            "time": _parse_time(obj.get("time")),
+            "git_sha": str(obj.get("git_sha") or "?"),
+            "torch": str(obj.get("torch") or "?"),
+            "fingerprint": str(obj.get("fingerprint") or "default"),
+            "config": cfg if isinstance(cfg, str) else json.dumps(cfg, sort_keys=True) if cfg is not None else "",
+            "mfu_p50": float(mfu),
+            "tokens_per_s_p50": float(tps) if isinstance(tps, int | float) and not isinstance(tps, bool) else None,
+            "verdict": verdict if verdict in CANARY_VERDICTS else "unknown",
+            "baseline": bool(obj.get("baseline", False)),
+            "warn_pct": _num(obj.get("warn_pct")),
+            "fail_pct": _num(obj.get("fail_pct")),
+        })  # fmt: skip
+    sch = {**CANARY_COLUMNS, "warn_pct": pl.Float64, "fail_pct": pl.Float64}
+    df = pl.DataFrame(rows, schema=sch, strict=False) if rows else pl.DataFrame(schema=sch)
+    return df.with_row_index("n"), problems
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+@st.cache_data(max_entries=8, show_spinner=False)
+def load_canary_history(path: str, mtime_ns: int) -> tuple[pl.DataFrame, list[str]]:
+    del mtime_ns
+    return parse_canary_history(Path(path).read_text(errors="replace"))
+
+
+def canary_gate(df: pl.DataFrame, *, warn_pct: float, fail_pct: float) -> dict[str, float | None]:
+    """Baseline = median MFU of the baseline entries (all entries if none is marked)."""
+    base = df.filter(pl.col("baseline"))
+    src = base if base.height else df
+    med = statistics.median(src["mfu_p50"].to_list()) if src.height else None
+    if med is None:
+        return {"baseline": None}
+    return {
+        "baseline": med,
+        "warn_lo": med * (1 - warn_pct / 100),
+        "warn_hi": med * (1 + warn_pct / 100),
+        "fail_lo": med * (1 - fail_pct / 100),
+        "n_baseline": float(base.height),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Open alerts (optional): Alertmanager API v2, or the collector's /v1/runs
+# ---------------------------------------------------------------------------------------
+@st.cache_data(ttl=15, show_spinner=False)
+def fetch_open_alerts(url: str) -> tuple[dict[str, int], str | None]:
+    """run_id -> firing alerts. Tries Alertmanager `/api/v2/alerts`, then the collector's
+    `/v1/runs` (entries with run_id and open_alerts). Returns ({}, error) when both fail."""
+    import httpx
+
+    base = url.rstrip("/")
+    errors = []
+    try:
+        r = httpx.get(base + "/api/v2/alerts", params={"active": "true", "silenced": "false",
+                                                       "inhibited": "false"}, timeout=3.0)  # fmt: skip
+        if r.status_code == 200 and isinstance(r.json(), list):
+            out: dict[str, int] = {}
+            for a in r.json():
+                run = (a.get("labels") or {}).get("run")
+                if run and (a.get("status") or {}).get("state", "active") == "active":
+                    out[run] = out.get(run, 0) + 1
+            return out, None
+        errors.append(f"/api/v2/alerts: HTTP {r.status_code}")
+    except (httpx.HTTPError, ValueError) as e:
+        errors.append(f"/api/v2/alerts: {e}")
+    try:
+        r = httpx.get(base + "/v1/runs", timeout=3.0)
+        body = r.json() if r.status_code == 200 else None
+        runs = body.get("runs", []) if isinstance(body, dict) else body
+        if isinstance(runs, list):
+            out = {}
+            for e in runs:
+                if isinstance(e, dict) and e.get("run_id"):
+                    a = e.get("open_alerts", e.get("alerts", 0))
+                    out[str(e["run_id"])] = len(a) if isinstance(a, list) else int(a or 0)
+            return out, None
+        errors.append(f"/v1/runs: HTTP {r.status_code}")
+    except (httpx.HTTPError, ValueError, TypeError) as e:
+        errors.append(f"/v1/runs: {e}")
+    return {}, "; ".join(errors)
+
+
+def clear_caches() -> None:
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    _part_names.cache_clear()

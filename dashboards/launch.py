@@ -1,0 +1,66 @@
+"""`moeguard app`: start the Streamlit run-health app over a run store.
+
+    moeguard app --runs DIR [--port 8501] [--host 127.0.0.1] [--history FILE] [--collector URL]
+
+Runs `streamlit run dashboards/app.py --server.headless true ... -- --runs DIR ...` as a child
+process (the app reads everything after `--`) and returns its exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+APP = Path(__file__).resolve().parent / "app.py"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--runs", required=True, metavar="DIR", help="run store: one folder per run (runs/<run_id>/)"
+    )
+    parser.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)"
+    )
+    parser.add_argument("--history", metavar="FILE", help="canary history (JSONL) for the Canaries page")
+    parser.add_argument("--collector", metavar="URL", help="collector or Alertmanager URL for open alerts")
+
+
+def streamlit_command(args: argparse.Namespace) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "streamlit", "run", str(APP),
+        "--server.headless", "true",
+        "--server.port", str(args.port),
+        "--server.address", args.host,
+        "--browser.gatherUsageStats", "false",
+        "--", "--runs", str(Path(args.runs).resolve()),
+    ]  # fmt: skip
+    if args.history:
+        cmd += ["--history", str(Path(args.history).resolve())]
+    if args.collector:
+        cmd += ["--collector", args.collector]
+    return cmd
+
+
+def run(args: argparse.Namespace) -> int:
+    runs = Path(args.runs)
+    if not runs.is_dir():
+        what = "is not a folder" if runs.exists() else "does not exist"
+        print(f"moeguard app: run folder {str(runs)!r} {what}; pass --runs DIR where DIR holds "
+              "one folder per run (the trainer's --run-dir parent)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.history and not Path(args.history).is_file():
+        print(f"moeguard app: note: canary history {args.history!r} does not exist yet; the Canaries page "
+              "will say so until `moeguard canary --record` writes it", file=sys.stderr)  # fmt: skip
+    if not 0 < args.port < 65536:
+        print(f"moeguard app: --port {args.port} is not a valid port", file=sys.stderr)
+        return 2
+    cmd = streamlit_command(args)
+    print(f"moeguard app: serving {runs} on http://{args.host}:{args.port}", file=sys.stderr)
+    try:
+        return subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except KeyboardInterrupt:
+        return 130

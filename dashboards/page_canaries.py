@@ -1,0 +1,64 @@
+"""Canaries: MFU history over commits from `moeguard canary`'s JSONL history, with the gate."""
+
+from __future__ import annotations
+
+import polars as pl
+import streamlit as st
+
+from dashboards import data, figures
+
+cfg = data.app_config()
+st.title("Canaries")
+if cfg.history is None:
+    st.info("No canary history given. Start the app with `moeguard app --runs DIR --history FILE`, where FILE is "
+            "the JSONL history that `moeguard canary --history FILE` appends to.")  # fmt: skip
+    st.stop()
+if not cfg.history.is_file():
+    st.warning(f"Canary history `{cfg.history}` does not exist yet; `moeguard canary --history {cfg.history} "
+               "--record` creates it with a first baseline.")  # fmt: skip
+    st.stop()
+
+hist, problems = data.load_canary_history(str(cfg.history), cfg.history.stat().st_mtime_ns)
+if problems:
+    st.warning(f"{len(problems)} line(s) of `{cfg.history}` skipped: " + "; ".join(problems[:5])
+               + (" ..." if len(problems) > 5 else ""))  # fmt: skip
+if hist.height == 0:
+    st.info(f"`{cfg.history}` has no canary entries yet.")
+    st.stop()
+
+fps = sorted(set(hist["fingerprint"].to_list()))
+fp = st.selectbox("Hardware / config fingerprint", fps, key="fingerprint") if len(fps) > 1 else fps[0]
+sub = hist.filter(pl.col("fingerprint") == fp).drop("n").with_row_index("n")
+last_warn = sub["warn_pct"].drop_nulls()
+last_fail = sub["fail_pct"].drop_nulls()
+c1, c2 = st.columns(2)
+warn = c1.number_input(
+    "Warn below baseline by (%)", 0.5, 50.0, float(last_warn[-1]) if len(last_warn) else 5.0, 0.5
+)
+fail = c2.number_input(
+    "Fail below baseline by (%)", 0.5, 50.0, float(last_fail[-1]) if len(last_fail) else 10.0, 0.5
+)
+gate = data.canary_gate(sub, warn_pct=warn, fail_pct=fail)
+
+latest = sub.row(-1, named=True)
+m = st.columns(4)
+base = gate["baseline"]
+m[0].metric("baseline MFU (median)", f"{100 * base:.2f}%" if base else "—",
+            help=f"median of {int(gate.get('n_baseline') or 0)} baseline entries (all entries if none)")  # fmt: skip
+m[1].metric("latest MFU p50", f"{100 * latest['mfu_p50']:.2f}%",
+            delta=f"{100 * (latest['mfu_p50'] / base - 1):+.1f}% vs baseline" if base else None)  # fmt: skip
+m[2].metric("latest verdict", latest["verdict"])
+m[3].metric("failures", int((sub["verdict"] == "fail").sum()))
+
+st.plotly_chart(figures.canary_figure(sub, gate, fingerprint=fp), key="canary")
+st.caption("Band: baseline ± warn %. Dashed red: fail threshold. Verdicts are the canary's own (recorded at the "
+           "time with its thresholds); the band uses the thresholds above.")  # fmt: skip
+st.dataframe(
+    sub.sort("n", descending=True).select(
+        "time", "git_sha", "torch", "verdict", "baseline", (pl.col("mfu_p50") * 100).alias("MFU p50 %"),
+        "tokens_per_s_p50", "config",
+    ),
+    hide_index=True,
+    column_config={"MFU p50 %": st.column_config.NumberColumn(format="%.2f"),
+                   "tokens_per_s_p50": st.column_config.NumberColumn("tokens/s p50", format="localized")},
+)  # fmt: skip

@@ -1,0 +1,192 @@
+"""Run health: one run's loss and grad norm with every guard verdict and action, per-layer
+signals, expert load, throughput, and the events table."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import polars as pl
+import streamlit as st
+
+from dashboards import data, figures, ui
+from guard import schema
+
+cfg = data.app_config()
+st.title("Run health")
+infos = ui.runs_or_stop(cfg)
+# runs that can be shown first, so the default pick is useful
+by_id = {i.run_id: i for i in sorted(infos, key=lambda i: not (i.readable and i.has_steps))}
+run_id = st.selectbox("Run", list(by_id), key="run", bind="query-params")
+info = by_id[run_id]
+ui.show_problem(info)
+if not info.readable or not info.has_steps:
+    st.stop()
+
+path, sig = info.path, data.run_signature(info.path)
+steps = data.load_steps(path, sig)
+if steps.height == 0:
+    st.info(f"Run `{run_id}` has step files but no rows yet.")
+    st.stop()
+summ = data.load_summary(path, sig)
+env = info.env
+
+# ---- headline -------------------------------------------------------------------------
+ui.status_badge(info.status, help=f"last write {ui.age(info.updated_at)}")
+c = st.columns(6)
+c[0].metric("step", f"{summ['step']:,}" if summ["step"] is not None else "—")
+c[1].metric(
+    "loss",
+    "—" if summ["loss"] is None else f"{summ['loss']:.4f}" if math.isfinite(summ["loss"]) else "non-finite",
+)
+c[2].metric(
+    "MFU", f"{100 * summ['mfu']:.1f}%" if summ["mfu"] is not None else "—", help="median, last 100 steps"
+)
+c[3].metric("tokens/s", f"{summ['tokens_per_s']:,.0f}" if summ["tokens_per_s"] is not None else "—")
+c[4].metric("guard actions", summ["actions"])
+c[5].metric("verdicts", summ["verdicts"])
+st.caption(
+    " · ".join(
+        f"{k}: **{env[k]}**"
+        for k in (
+            "torch",
+            "device",
+            "attention_backend",
+            "expert_kernel",
+            "compile",
+            "dtype",
+            "world_size",
+            "git_sha",
+        )
+        if k in env
+    )  # fmt: skip
+)
+if summ["halts"]:
+    st.error(f"Run `{run_id}` halted itself ({summ['halts']} halt event(s)); see the events table for why.")
+if info.compat == data.COMPAT_OLDER:
+    miss = data.missing_columns(path, schema.TABLE_STEPS)
+    if miss:
+        st.caption(f"Not in this run's steps table (older writer): {', '.join(miss)}")
+
+# ---- loss / grad norm with guard marks ------------------------------------------------
+series = data.load_step_series(path, sig, ("loss", "grad_norm"))
+marks, timeline = data.load_marks(path, sig)
+st.plotly_chart(figures.health_timeline(series, marks, timeline), key="timeline")
+if steps.height > data.MAX_LINE_POINTS:
+    st.caption(
+        f"{steps.height:,} steps drawn as ≤{data.MAX_LINE_POINTS:,} points per line: each bucket keeps its first, "
+        "last, min and max step, plus every non-finite step and every step with an event."
+    )
+
+# ---- events ---------------------------------------------------------------------------
+st.subheader("Guard events")
+events = data.load_events(path, sig)
+if events.height == 0:
+    st.info("No events recorded for this run (no verdicts, actions, checkpoints or injections).")
+else:
+    kinds = sorted(set(events["kind"].to_list()))
+    default = [k for k in kinds if k != schema.EV_CHECKPOINT] or kinds
+    shown = st.multiselect("Event kinds", kinds, default=default, key="event_kinds")
+    ev = events.filter(pl.col("kind").is_in(shown))
+    evidence = [
+        "; ".join(f"{k}={data.fmt_value(v)}" for k, v in data.parse_detail(d).items())
+        for d in ev["detail"].to_list()
+    ]
+    st.dataframe(
+        ev.select(
+            "step",
+            pl.from_epoch(pl.col("time"), time_unit="s").alias("time (UTC)"),
+            "kind", "detector", "action", "value", "threshold",
+        ).with_columns(evidence=pl.Series(evidence, dtype=pl.String)),
+        hide_index=True,
+        height=min(420, 38 + 35 * max(1, ev.height)),
+        column_config={"value": st.column_config.NumberColumn(format="%.4g"),
+                       "threshold": st.column_config.NumberColumn(format="%.4g")},
+    )  # fmt: skip
+
+# ---- per-layer signals ----------------------------------------------------------------
+st.subheader("Per layer")
+lo, hi = int(steps["step"].min()), int(steps["step"].max())  # type: ignore[arg-type]
+if not info.tables.get(schema.TABLE_LAYERS):
+    st.info(
+        "This run has no `layers` table (yet): per-layer grad norms and routing statistics are not available."
+    )
+else:
+    heats = data.load_layer_heatmaps(path, sig, lo, hi)
+    # (signal, colour-bar title, colour scale, log10, fixed range)
+    dead_max = float(np.nanmax(heats["dead_experts"]["z"])) if "dead_experts" in heats else 0.0
+    specs = [
+        ("grad_norm", "grad norm", "Viridis", True, (None, None)),
+        ("maxvio", "MaxVio", "YlOrRd", False, (0.0, None)),
+        ("dead_experts", "dead experts", "Reds", False, (0.0, max(1.0, dead_max))),  # all-zero reads white
+        ("router_entropy", "nats", "Viridis_r", False, (None, None)),
+        ("load_entropy", "load entropy", "Viridis_r", False, (None, None)),
+        ("bias_norm", "bias L2", "Cividis", False, (None, None)),
+    ]
+    specs = [s for s in specs if s[0] in heats]
+    for i in range(0, len(specs), 2):
+        cols = st.columns(2)
+        for col, (name, ztitle, scale, log, (zmin, zmax)) in zip(cols, specs[i : i + 2], strict=False):
+            fig = figures.heatmap(heats[name], title=data.LAYER_SIGNALS[name][1], x_title="step", y_title="layer",
+                                  z_title=ztitle, colorscale=scale, log=log, zmin=zmin, zmax=zmax)  # fmt: skip
+            col.plotly_chart(fig, key=f"layer-{name}")
+    if heats:
+        st.caption(
+            f"Each column covers {next(iter(heats.values()))['width']} step(s). Dense layers have no routing "
+            "statistics (blank rows in the routing maps)."
+        )
+
+
+# ---- expert load (a fragment: picking another layer reruns only this section) ---------
+@st.fragment
+def expert_load() -> None:
+    st.subheader("Expert load")
+    layer_ids = data.load_layer_ids(path, sig) if info.tables.get(schema.TABLE_EXPERTS) else []
+    if not layer_ids:
+        st.info("This run has no `experts` table (yet): expert load shares are not available.")
+    else:
+        left, right = st.columns(2)
+        with left:
+            a, b = st.columns([2, 1], vertical_alignment="bottom")
+            layer = a.selectbox("MoE layer", layer_ids, key="expert_layer")
+            exact = b.toggle("every step", key="expert_exact",
+                             help="Read every step of the experts table (slower on long runs); off: a sample of "
+                                  f"chunks once the table passes {data.EXPERT_ROW_BUDGET / 1e6:.0f}M rows.")  # fmt: skip
+            h = data.load_expert_share_over_time(path, sig, int(layer), lo, hi,
+                                                 row_budget=10**15 if exact else data.EXPERT_ROW_BUDGET)  # fmt: skip
+            if h:
+                n_exp = len(h["y"])
+                st.plotly_chart(figures.heatmap(h, title=f"Layer {layer}: load share per expert over time",
+                                                x_title="step", y_title="expert", z_title="share %", colorscale="RdBu_r",
+                                                zmid=100 / n_exp, z_scale=100, hover_z="%{z:.2f}%"),
+                                key="expert-time")  # fmt: skip
+                st.caption(f"Red: above the uniform share ({100 / n_exp:.2f}%), blue: below; dark blue is an expert "
+                           f"that got no tokens. {h['note']}")  # fmt: skip
+        with right:
+            window = st.select_slider(
+                "Window (steps)", [10, 50, 100, 500, 1000], value=100, key="expert_window"
+            )
+            now = data.load_expert_share_now(path, sig, int(window))
+            if now:
+                n_exp = len(now["x"])
+                st.plotly_chart(figures.heatmap(now, title=f"Current load share, steps {now['from']:,}..{now['to']:,}",
+                                                x_title="expert", y_title="layer", z_title="share %", colorscale="RdBu_r",
+                                                zmid=100 / n_exp, z_scale=100, hover_z="%{z:.2f}%"),
+                                key="expert-now")  # fmt: skip
+
+
+expert_load()
+
+# ---- throughput -----------------------------------------------------------------------
+st.subheader("Throughput and memory")
+perf = data.load_step_series(
+    path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes")
+)
+st.plotly_chart(figures.perf_figure(perf), key="perf")
+if "peak_flops_source" in env:
+    st.caption(
+        f"MFU uses peak {env.get('peak_flops', float('nan')):.3g} FLOP/s ({env['peak_flops_source']})."
+    )
+
+with st.expander("Run metadata (meta.json)"):
+    st.json(info.meta, expanded=False)
