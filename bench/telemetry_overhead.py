@@ -50,10 +50,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="measured steps per variant")
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a busy box)")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    ov = {"train.steps": args.steps + args.warmup + 10}
+    ov = {"train.steps": args.steps + args.warmup + 10, "train.threads": args.threads}
     on, off = make(True, args.config, tmp / "on", ov), make(False, args.config, tmp / "off", ov)
     block(on, args.warmup)
     block(off, args.warmup)
@@ -76,7 +77,7 @@ def main() -> None:
 
     body = f"""## Telemetry overhead (issue 2)
 
-`python bench/telemetry_overhead.py --steps {args.steps} --block {args.block} --write-docs` ({machine_line()})
+`python bench/telemetry_overhead.py --steps {args.steps} --block {args.block} --threads {args.threads} --write-docs` ({machine_line()})
 
 Tiny config (`configs/tiny.toml`), CPU. "on" = probe (per-layer grad norms, router stats, one host copy),
 detectors, policy, snapshot ring and run-store writes; "off" = the plain loop (`telemetry.enabled = false`:
