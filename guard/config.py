@@ -18,7 +18,8 @@ class SpikeConfig:
 
     The median ("level") is over the last `level_window` accepted values; the MAD is over the
     last `window` residuals against that level (so a fast early-training trend does not widen
-    it). Fires when x > median * rel_min AND robust z > z, or when x > abs_max (if set).
+    it). Fires when x > median * rel_min AND robust z > z; or, after warm-up, when
+    x > median * rel_max; or when x > abs_max (if set, even during warm-up).
     Flagged values never enter the window, so one spike cannot widen the baseline.
     """
 
@@ -28,6 +29,7 @@ class SpikeConfig:
     z: float = 6.0
     rel_min: float = 1.5  # never flag a value within 1.5x of the median, however small the MAD
     abs_max: float | None = None  # always flag above this (no warm-up), e.g. 1e4 for grad norms
+    rel_max: float | None = 20.0  # after warm-up, always flag above this multiple of the median (None: off)
     mad_floor: float = 0.02  # MAD floor on the log scale (2%): very steady series stay quiet
     level_window: int = 16  # the median ("level") is over this many latest accepted values;
     # the MAD is over `window` residuals against that level, so a fast trend does not widen it
@@ -38,6 +40,7 @@ class SpikeConfig:
         check(self.z > 0, "z", self.z, "must be > 0")
         check(self.rel_min >= 1.0, "rel_min", self.rel_min, "must be >= 1.0")
         check(self.abs_max is None or self.abs_max > 0, "abs_max", self.abs_max, "must be > 0")
+        check(self.rel_max is None or self.rel_max > self.rel_min, "rel_max", self.rel_max, "must be > rel_min")
         check(self.mad_floor >= 0, "mad_floor", self.mad_floor, "must be >= 0")
         check(1 <= self.level_window <= self.window, "level_window", self.level_window, "must be in 1..window")
 

@@ -219,6 +219,11 @@ class SpikeDetector:
         d = math.log(x) - centre
         z = d / scale if scale > 0 else (math.inf if d > 0 else 0.0)
         median = math.exp(level)
+        # A value far above the median is a spike however noisy the series: on heavy-tailed grad
+        # norms (small batches) the MAD is large, and a 60x spike can sit at z ~14, level with noise.
+        if cfg.rel_max is not None and x > median * cfg.rel_max:
+            return Verdict(detector=self.name, fired=True, value=x, threshold=median * cfg.rel_max,
+                           evidence={**evidence, "z": z, "rule": "rel_max"})  # fmt: skip
         fired = x > median * cfg.rel_min and z > cfg.z
         # The one number x had to exceed, in the series' units (both conditions at once).
         threshold = max(median * cfg.rel_min, math.exp(centre + cfg.z * scale))
