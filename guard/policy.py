@@ -88,8 +88,11 @@ class Policy:
         observed = schema.ACT_NONE if not acting else None
         for v in step_v:
             d.events.insert(0, Event.from_verdict(step, v, observed or d.action))
-        now_open = {(v.layer, v.detector) for v in collapse_v if v.layer is not None}
+        # Level-triggered conditions (collapse per layer, stalls, throughput) are recorded when they
+        # open, not on every step they persist: one event per episode.
+        now_open = {(-1 if v.layer is None else v.layer, v.detector) for v in collapse_v + other_v}
         new_collapse = [v for v in collapse_v if (v.layer, v.detector) not in self.open_conditions]
+        other_v = [v for v in other_v if (-1, v.detector) not in self.open_conditions]
         self.open_conditions = now_open
         for v in new_collapse:
             act = observed or (schema.ACT_BIAS_CORRECT if v.layer in d.bias_boost or v.layer in d.aux_boost
