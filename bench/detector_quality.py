@@ -62,7 +62,7 @@ from bench.traces import (
     load_run_traces,
     synthetic_traces,
 )
-from guard.config import GuardConfig, SpikeConfig
+from guard.config import GuardConfig, SpikeConfig, load_guard_config
 from guard.detectors import SpikeDetector
 
 NAN = float("nan")
@@ -436,9 +436,9 @@ def report(res: Results, source: str, command: str, cfg: GuardConfig, notes: Seq
         f"Command: `{command}`",
         "",
         f"Traces: {source}; {res.n_traces} traces, {res.n_steps} steps per scenario. "
-        "Ours with the GuardConfig defaults: "
+        "Ours with these guard settings: "
         f"grad_spike window={g.window} level_window={g.level_window} warmup={g.warmup} z={g.z} "
-        f"rel_min={g.rel_min} mad_floor={g.mad_floor}; "
+        f"rel_min={g.rel_min} rel_max={g.rel_max} mad_floor={g.mad_floor}; "
         f"loss_spike z={lo.z} rel_min={lo.rel_min} mad_floor={lo.mad_floor}.",
         "",
         "F1 by scenario:",
@@ -463,11 +463,12 @@ def report(res: Results, source: str, command: str, cfg: GuardConfig, notes: Seq
     return "\n".join(parts)
 
 
-def write_docs(path: Path, body: str) -> None:
+def write_docs(path: Path, body: str, name: str = "detector_quality", title: str = "Detector quality") -> None:
     """Replace our section between the markers (or append it); other sections stay as they are."""
-    section = f"{DOCS_START}\n## Detector quality\n\n{body}\n{DOCS_END}"
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    section = f"{start}\n## {title}\n\n{body}\n{end}"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(re.escape(DOCS_START) + r".*?" + re.escape(DOCS_END), re.S)
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _: section, text)
     else:
@@ -511,15 +512,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--write-docs", action="store_true", help="update the section in docs/BENCHMARKS.md")
     ap.add_argument("--docs", type=Path, default=Path("docs/BENCHMARKS.md"))
+    ap.add_argument("--config", type=Path, default=None,
+                    help="take our thresholds from this TOML's [guard] table (default: GuardConfig defaults)")
+    ap.add_argument("--section", default="detector_quality",
+                    help="docs section name (markers <!-- NAME:start/end -->)")
     args = ap.parse_args(argv)
-    cfg = GuardConfig()
+    cfg = load_guard_config(args.config) if args.config else GuardConfig()
     res, source, notes = run(args.quick, args.runs, args.seed, args.n_runs, args.steps, cfg)
     command = "python -m bench.detector_quality " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     body = report(res, source, command.strip(), cfg, notes)
     print(body)
     if args.write_docs:
-        write_docs(args.docs, body)
-        print(f"\nwrote the '## Detector quality' section of {args.docs}", file=sys.stderr)
+        title = "Detector quality" + (" on recorded traces" if args.runs else "")
+        write_docs(args.docs, body, args.section, title)
+        print(f"\nwrote the '## {title}' section of {args.docs}", file=sys.stderr)
     return 0
 
 
