@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from guard import schema
 from guard.events import Event
 from guard.guard import Guard
+from guard.probe import Probe
 from guard.report import StepReport
 from guard.runstore import RunStore, read_meta, truncate_after
 from guard.tomlconf import ConfigError, to_dict
@@ -36,7 +37,6 @@ from trainer.envinfo import fingerprint
 from trainer.flops import flops_per_token, peak_flops
 from trainer.inject import Injection, Injector
 from trainer.model import MoETransformer
-from guard.probe import Probe
 
 EXIT_HALTED = 3  # the guard halted the run (a checkpoint and a critical event were written)
 
