@@ -84,6 +84,8 @@ class _Run:
     hist_sum: np.ndarray = field(default_factory=lambda: np.zeros(0))
     row_cache: dict[bytes, np.ndarray] = field(default_factory=dict)
     rank_step_times: dict[int, deque] = field(default_factory=dict)
+    rank_scores: dict[int, float] = field(default_factory=dict)  # straggler scores the trainer reported
+    goodput: float | None = None  # the trainer's own figure (meta["goodput"]), when it sent one
 
 
 class CollectorMetrics(Collector):
@@ -125,6 +127,8 @@ class CollectorMetrics(Collector):
         with self._lock:
             r = self._run(run)
             r.values_total += rep.n_values()
+            if math.isfinite(rep.straggler_score):
+                r.rank_scores[rep.rank] = rep.straggler_score
             if math.isfinite(rep.step_time_s):
                 dq = r.rank_step_times.get(rep.rank)
                 if dq is None:
@@ -227,6 +231,9 @@ class CollectorMetrics(Collector):
     def set_meta(self, run: str, meta: Mapping[str, Any]) -> None:
         with self._lock:
             self._run(run).info = {k: _find_key(meta, keys) for k, keys in _INFO_KEYS.items()}
+            g = meta.get("goodput")
+            if isinstance(g, Mapping) and isinstance(g.get("goodput"), int | float) and math.isfinite(g["goodput"]):
+                self._runs[run].goodput = float(g["goodput"])  # the trainer's: counts startup and restarts
             if meta.get("status") == schema.STATUS_HALTED:
                 self._runs[run].halted = True
 
@@ -313,7 +320,9 @@ class CollectorMetrics(Collector):
             fam[schema.M_MFU_BASELINE].add_metric([run], r.mfu_baseline)
         if r.tps_baseline is not None:
             fam[schema.M_TPS_BASELINE].add_metric([run], r.tps_baseline)
-        if r.first_time is not None and r.last_time is not None and r.last_time > r.first_time:
+        if r.goodput is not None:
+            fam[schema.M_GOODPUT].add_metric([run], r.goodput)
+        elif r.first_time is not None and r.last_time is not None and r.last_time > r.first_time:
             fam[schema.M_GOODPUT].add_metric([run], min(1.0, r.productive_s / (r.last_time - r.first_time)))
         rep = r.last
         if rep is not None:
@@ -347,9 +356,13 @@ class CollectorMetrics(Collector):
             fam[schema.M_HEARTBEAT_AGE].add_metric(labels, age)
             fam[schema.M_HEARTBEAT_TIMEOUT].add_metric(labels, timeout)
             fam[schema.M_HEARTBEAT_LOST].add_metric(labels, 1.0 if age > timeout else 0.0)
-        for rank, med in sorted(medians.items()):
-            # nvidia-resiliency-ext's relative score: fastest rank's median / this rank's (1 = fastest)
-            fam[schema.M_STRAGGLER].add_metric([run, str(rank)], fastest / med if med > 0 else math.nan)
+        for rank in sorted(set(medians) | set(r.rank_scores)):
+            # nvidia-resiliency-ext's relative score: fastest rank's median / this rank's (1 = fastest).
+            # A trainer that reports scores measured them on time outside collectives (in synchronous
+            # training every rank's wall step time is the same); otherwise: from reported step times.
+            med = medians.get(rank, math.nan)
+            score = r.rank_scores.get(rank, fastest / med if med > 0 else math.nan)
+            fam[schema.M_STRAGGLER].add_metric([run, str(rank)], score)
 
     @staticmethod
     def _families() -> dict[str, Metric]:

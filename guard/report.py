@@ -31,6 +31,9 @@ class StepReport:
     mem_peak_bytes: int = 0
     action: str = schema.ACT_APPLY
     rank: int = 0
+    # this rank's straggler score (fastest rank's median busy step time / this rank's) from the
+    # trainer's last straggler window; NaN when unknown (single rank, or before the first window)
+    straggler_score: float = float("nan")
     # per layer (L): index into the model's blocks
     layer_ids_L: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     layer_grad_norm_L: np.ndarray = field(default_factory=lambda: np.zeros(0))

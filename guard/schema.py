@@ -222,7 +222,7 @@ ALERTS = (
 )
 
 # Fault-injection kinds (moeguard train --inject KIND@STEP[:ARG]); canary adds slow:PCT.
-INJECT_KINDS = ("gradspike", "lrspike", "nan", "badbatch", "collapse", "stall", "crash")
+INJECT_KINDS = ("gradspike", "lrspike", "nan", "badbatch", "collapse", "stall", "crash", "slowrank", "hang")
 
 # Environment variables
 ENV_TOKEN = "MOEGUARD_TOKEN"

@@ -1,7 +1,20 @@
-"""On-disk checkpoints: model, optimizer, schedule position, RNG, data position, guard state.
+"""On-disk checkpoints: model and optimizer as torch.distributed.checkpoint (DCP), plus host state.
 
-Written to a temporary file and renamed, so a crash mid-save leaves the previous checkpoint
-intact; the newest N are kept.
+Layout (one directory per checkpoint, the newest `keep` kept):
+
+    checkpoints/step-000000040/
+        .metadata, __<rank>_0.distcp   DCP: model + optimizer state, keyed by parameter name
+                                       (get_state_dict), so a checkpoint written by W ranks, with
+                                       ddp or fsdp, loads on W' ranks with either, or on one process
+        host.pt                        rank 0: step, optimizer step, data position (global, so it
+                                       does not depend on W), guard, probe, straggler and goodput
+                                       state, counters, config, world size, save time
+        rng-r<rank>.pt                 each rank's RNG state (a rank missing on resume takes rank 0's)
+
+One format for every world size: DCP runs without a process group (no_dist) in one process, so
+single-process runs write the same layout. Written into `.step-XXXXXXXXX.tmp/`; after every rank
+has finished, rank 0 fsyncs and renames it, so a crash mid-save leaves the previous checkpoint
+as the newest. Single-file `step-XXXXXXXXX.pt` checkpoints written before DCP still load.
 """
 
 from __future__ import annotations
@@ -9,13 +22,18 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
-_CKPT_RE = re.compile(r"step-(\d{9})\.pt$")
+_CKPT_RE = re.compile(r"step-(\d{9})(\.pt)?$")
+HOST_FILE = "host.pt"
 
 
 def rng_state() -> dict[str, Any]:
@@ -34,29 +52,82 @@ def set_rng_state(s: dict[str, Any]) -> None:
 
 
 def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
-    return ckpt_dir / f"step-{step:09d}.pt"
+    return ckpt_dir / f"step-{step:09d}"
 
 
-def save_checkpoint(ckpt_dir: str | Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
-    d = Path(ckpt_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    path = checkpoint_path(d, step)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
+def _fsync_write(path: Path, obj: Any) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    for old in list_checkpoints(d)[:-keep]:
-        old.unlink(missing_ok=True)
-    return path
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def save_checkpoint(ckpt_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    host: dict[str, Any] | None, *, rank: int = 0, world: int = 1, keep: int = 2,
+                    barrier: Callable[[], None] = lambda: None) -> Path:  # fmt: skip
+    """Collective when world > 1: every rank calls it; `host` is only used on rank 0."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    d = Path(ckpt_dir)
+    final = checkpoint_path(d, step)
+    tmp = d / f".{final.name}.tmp"
+    if rank == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        for stale in d.glob(".step-*.tmp"):  # a save that a crash interrupted
+            _remove(stale)
+        tmp.mkdir()
+    barrier()
+    msd, osd = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp, no_dist=world == 1)
+    _fsync_write(tmp / f"rng-r{rank}.pt", rng_state())
+    if rank == 0:
+        assert host is not None
+        _fsync_write(tmp / HOST_FILE, host)
+    barrier()
+    if rank == 0:
+        for f in tmp.iterdir():  # DCP's own files: make them durable before the rename commits
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (a resumed run re-reaching it)
+            _remove(final)
+        os.replace(tmp, final)
+        _fsync_dir(d)
+        for old in list_checkpoints(d)[:-keep]:
+            _remove(old)
+    barrier()
+    return final
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (DCP directories with host state, and legacy .pt files)."""
     d = Path(ckpt_dir)
     if not d.is_dir():
         return []
-    return sorted(p for p in d.iterdir() if _CKPT_RE.search(p.name))
+    out = []
+    for p in d.iterdir():
+        m = _CKPT_RE.search(p.name)
+        if m and not p.name.startswith(".") and (m.group(2) or (p / HOST_FILE).is_file()):
+            out.append((int(m.group(1)), p))
+    return [p for _, p in sorted(out)]
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
@@ -64,6 +135,35 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def load_host_state(path: str | Path, rank: int = 0) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(host state, this rank's RNG state or rank 0's) of a DCP checkpoint directory."""
+    p = Path(path)
+    # weights_only=False: these files hold RNG states and plain dicts we wrote ourselves.
+    host = torch.load(p / HOST_FILE, map_location="cpu", weights_only=False)
+    rng_file = p / f"rng-r{rank}.pt"
+    if not rng_file.is_file():
+        rng_file = p / "rng-r0.pt"
+    rng = torch.load(rng_file, map_location="cpu", weights_only=False) if rng_file.is_file() else None
+    return host, rng
+
+
+def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, world: int = 1) -> None:
+    """Load model + optimizer from a DCP checkpoint into this rank's (possibly sharded) layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optimizer": osd}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=Path(path), no_dist=world == 1)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def is_legacy(path: str | Path) -> bool:
+    return Path(path).suffix == ".pt"
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    # weights_only=False: the checkpoint holds RNG states and plain dicts we wrote ourselves.
+    """A legacy single-file checkpoint (model, optimizer, host state in one dict)."""
     return torch.load(path, map_location="cpu", weights_only=False)

@@ -2,13 +2,21 @@
 
     moeguard train --config configs/tiny.toml --steps 600 --run-dir runs/tiny
     moeguard train --config configs/tiny.toml --inject gradspike@200:50 --inject nan@300
-    torchrun --nproc_per_node 2 -m guard train --config configs/tiny.toml
+    torchrun --nproc_per_node 2 -m guard train --config configs/tiny.toml --inject nan@300/r1
+    torchrun --nproc_per_node 2 --max-restarts 3 -m guard train --config configs/tiny.toml \
+        --run-dir runs/tiny --set train.parallel=fsdp
+
+Under torchrun, a restarted job (TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest
+checkpoint in --run-dir on its own. A checkpoint written on W ranks resumes on any number of ranks.
+Without --run-dir, multi-rank runs are named after torchrun's run id when it has one (stable
+across restarts), else after rank 0's start time.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,8 +42,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-guard", action="store_true",
                    help="keep telemetry and verdicts, turn every guard action off")
     p.add_argument("--guard", type=Path, metavar="FILE.toml", help="guard settings ([guard] table) to use instead")
-    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:ARG]",
-                   help=f"inject a fault for a drill (repeatable); kinds: {', '.join(schema.INJECT_KINDS)}")
+    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:ARG][/rRANK]",
+                   help=f"inject a fault for a drill (repeatable; /rRANK: on that rank only); kinds: "
+                        f"{', '.join(schema.INJECT_KINDS)}")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set model.experts_kernel=bmm (TOML value syntax)")
     p.add_argument("--collector", help=f"collector URL to stream telemetry to (default: ${schema.ENV_COLLECTOR})")
@@ -74,32 +83,77 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def make_exporter(cfg: Any, run_id: str, run_dir: Path, rank: int) -> Any:
+    """One exporter per rank. No idle heartbeats: a beat goes out with each step's report (and
+    from trainer.distributed.HeartbeatPump while the rank waits in a collective), so a rank that
+    stops making progress goes silent even though its process is alive. Only rank 0 polls for
+    operator commands (they act on the whole job)."""
     url = cfg.telemetry.collector or os.environ.get(schema.ENV_COLLECTOR, "")
     if not url:
         return None
     from guard.exporter import Exporter
 
-    return Exporter(url, os.environ.get(schema.ENV_TOKEN, ""), run_id, rank, spool_dir=run_dir / "spool")
+    never = 1e9
+    return Exporter(url, os.environ.get(schema.ENV_TOKEN, ""), run_id, rank, spool_dir=run_dir / "spool",
+                    heartbeat_s=never, poll_s=2.0 if rank == 0 else never,
+                    trainer_detectors=cfg.telemetry.enabled)  # fmt: skip
+
+
+def default_run_dir(cfg: Any) -> Path:
+    """runs/<name>-<torchrun run id> (stable across torchrun restarts) or runs/<name>-<rank 0's time>."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return Path("runs") / f"{cfg.name}-{run_id}"
+    name = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank must write to the same place
+        import torch.distributed as dist
+
+        from trainer.distributed import setup_distributed
+
+        setup_distributed(cfg.train.device)
+        box = [name]
+        dist.broadcast_object_list(box, src=0)
+        name = box[0]
+    return Path("runs") / name
 
 
 def run(args: argparse.Namespace) -> int:
+    from guard.runstore import read_meta
+    from trainer.checkpoint import latest_checkpoint
+    from trainer.distributed import restart_count
     from trainer.inject import parse_injection
-    from trainer.loop import Trainer
+    from trainer.loop import EXIT_HALTED, Trainer
 
     cfg = build_config(args)
     if args.collector:
         cfg.telemetry.collector = args.collector
     injections = [parse_injection(s) for s in args.inject]
-    run_dir = args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = args.run_dir or default_run_dir(cfg)
     if args.resume and not run_dir.is_dir():
         raise ConfigError(f"--resume: run folder {str(run_dir)!r} does not exist")
     rank = int(os.environ.get("RANK", "0"))
+    resume = args.resume
+    if not resume and restart_count() > 0 and (read_meta(run_dir) or {}).get("status") == schema.STATUS_HALTED:
+        # The guard (or an operator) halted the run and paged a human: a torchrun restart must
+        # not carry on past that. Each remaining restart ends here at once; --resume overrides.
+        if rank == 0:
+            print(f"moeguard train: {run_dir} is halted; not resuming it automatically "
+                  "(look at its halt event, then rerun with --resume)", file=sys.stderr)  # fmt: skip
+        return EXIT_HALTED
+    if not resume and restart_count() > 0 and latest_checkpoint(run_dir / schema.CHECKPOINT_DIR) is not None:
+        resume = True  # torchrun restarted the job after a failure: continue from the last good checkpoint
+        if rank == 0:
+            print(f"moeguard train: torchrun restart {restart_count()}: resuming from "
+                  f"{latest_checkpoint(run_dir / schema.CHECKPOINT_DIR)}", file=sys.stderr)  # fmt: skip
     exporter = make_exporter(cfg, run_dir.name, run_dir, rank)
-    trainer = Trainer(cfg, run_dir, resume=args.resume, injections=injections,
+    trainer = Trainer(cfg, run_dir, resume=resume, injections=injections,
                       progress=not args.no_progress, exporter=exporter)  # fmt: skip
     code = trainer.run(until=args.until)
     if trainer.dist.main:
         summarize(trainer, run_dir)
+    if trainer.dist.world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return code
 
 

@@ -52,12 +52,17 @@ class TrainLoopConfig:
     keep_checkpoints: int = 2
     threads: int = 0  # CPU threads for torch (0: torch's default)
     deterministic: bool = True  # torch.use_deterministic_algorithms on CPU
+    # Multi-rank (torchrun): "ddp" replicates the model and averages gradients with one coalesced
+    # all-reduce per step; "fsdp" shards parameters, gradients and optimizer state with FSDP2
+    # (fully_shard per block, then the root). "none" refuses WORLD_SIZE > 1. See trainer/distributed.py.
+    parallel: str = "ddp"
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
         check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "must be >= 1")
         check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
         check_choice("train.dtype", self.dtype, ("auto", "fp32", "bf16"))
+        check_choice("train.parallel", self.parallel, ("ddp", "fsdp", "none"))
         check(self.checkpoint_every >= 0, "train.checkpoint_every", self.checkpoint_every, "must be >= 0")
         check(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
 

@@ -3,9 +3,11 @@ and pre-tokenized shards (.bin / .npy, uint16 / uint32) for real runs.
 
 Order is deterministic and resumable: the token stream is cut into non-overlapping windows of
 seq_len+1 tokens, windows are visited in a seeded permutation per epoch, and rank r of W takes
-every W-th window. `state_dict()` is just (epoch, cursor), so a resumed run reads exactly the
-batches an uninterrupted run would have read, and a rollback can skip a data window by moving
-the cursor forward (PaLM-style).
+every W-th window of each global batch. `state_dict()` is just (epoch, sample): `sample` counts
+the windows consumed by ALL ranks in this epoch, so it does not depend on the world size and a
+run checkpointed on W ranks resumes on W' ranks at the same place in the stream (no window read
+twice, none skipped). A resumed run reads exactly the batches an uninterrupted run would have
+read, and a rollback can skip a data window by moving the position forward (PaLM-style).
 """
 
 from __future__ import annotations
@@ -155,17 +157,36 @@ class DataLoader:
                     raise ConfigError(f"token shard {f} holds token id {hi} >= vocab size {limit}")
             self.windows = TokenWindows(arrays, cfg.seq_len, [str(f) for f in files])
         self.epoch = 0
-        self.cursor = 0  # batches consumed by this rank in this epoch
+        self.sample = 0  # windows consumed by all ranks in this epoch (world-size independent)
         self._perm = self._permutation(0)
         self.stall_next_s = 0.0  # fault injection: sleep before the next batch
 
-    # Each rank takes every world_size-th window; a "batch index" is per rank.
+    @property
+    def global_batch(self) -> int:
+        """Windows one step consumes across all ranks."""
+        return self.cfg.batch_size * self.world_size
+
     @property
     def batches_per_epoch(self) -> int:
-        return len(self.windows) // (self.cfg.batch_size * self.world_size)
+        return len(self.windows) // self.global_batch
+
+    @property
+    def cursor(self) -> int:
+        """Batches consumed by this rank in this epoch."""
+        return self.sample // self.global_batch
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+
+    def _advance(self) -> int:
+        """Start of the next global batch in this epoch's permutation (rolls the epoch over)."""
+        if self.sample + self.global_batch > len(self.windows):
+            self.epoch += 1
+            self.sample = 0
+            self._perm = self._permutation(self.epoch)
+        start = self.sample
+        self.sample += self.global_batch
+        return start
 
     def next_batch(self) -> torch.Tensor:
         if self.stall_next_s > 0:
@@ -176,29 +197,21 @@ class DataLoader:
                 f"corpus has {len(self.windows)} windows; too few for batch_size {self.cfg.batch_size} "
                 f"x world size {self.world_size}"
             )
-        if self.cursor >= self.batches_per_epoch:
-            self.epoch += 1
-            self.cursor = 0
-            self._perm = self._permutation(self.epoch)
-        b, w = self.cfg.batch_size, self.world_size
-        start = self.cursor * b * w
-        idx = self._perm[start + self.rank : start + b * w : w]
-        self.cursor += 1
+        start = self._advance()
+        # rank r of W takes windows start+r, start+r+W, ... of the global batch
+        idx = self._perm[start + self.rank : start + self.global_batch : self.world_size]
         return torch.from_numpy(np.stack([self.windows.get(int(i)) for i in idx]))
 
     def skip(self, n_batches: int) -> None:
         """Skip a data window (after a rollback) without reading it."""
         for _ in range(n_batches):
-            if self.cursor >= self.batches_per_epoch:
-                self.epoch += 1
-                self.cursor = 0
-                self._perm = self._permutation(self.epoch)
-            self.cursor += 1
+            self._advance()
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "cursor": self.cursor}
+        return {"epoch": self.epoch, "sample": self.sample}
 
     def load_state_dict(self, d: dict[str, int]) -> None:
         self.epoch = int(d["epoch"])
-        self.cursor = int(d["cursor"])
+        # "cursor" (batches of this world size): checkpoints written before positions were global
+        self.sample = int(d["sample"]) if "sample" in d else int(d["cursor"]) * self.global_batch
         self._perm = self._permutation(self.epoch)

@@ -1,31 +1,38 @@
 """The guarded training loop.
 
 One step:
-    data (timed) -> forward/backward over micro-batches -> [gradient all-reduce]
-    -> Probe.collect: every statistic, one device->host copy
-    -> Guard.observe: detectors + policy -> Decision
+    data (timed) -> forward/backward over micro-batches -> [gradient all-reduce (ddp)]
+    -> Probe.collect: every statistic reduced across ranks in one all-reduce, one device->host copy
+    -> Guard.observe: detectors + policy -> Decision (+ a pending operator command)
+    -> [ranks agree: one tiny MAX all-reduce of the decision's fingerprint and the next command]
     -> apply (clip, LR, optimizer.step, expert-bias update) | skip | roll back | halt
-    -> run store / exporter (buffers and background threads; never block the step)
+    -> run store (rank 0) / exporter (every rank; background threads; never block the step)
+    -> every telemetry.straggler_every steps: ONE all_gather of each rank's timing summary
+
+Multi-rank details (parallel modes, why every rank decides the same, heartbeats) are in
+trainer/distributed.py; checkpoint layout in trainer/checkpoint.py; goodput in guard/goodput.py.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from guard import schema
 from guard.events import Event
+from guard.goodput import Goodput
 from guard.guard import Guard
+from guard.heartbeat import PHASE_CHECKPOINT, PHASE_TRAIN
+from guard.policy import Decision
 from guard.probe import Probe
 from guard.report import StepReport
 from guard.runstore import RunStore, read_meta, truncate_after
@@ -33,39 +40,26 @@ from guard.tomlconf import ConfigError, to_dict
 from trainer import checkpoint as ckpt
 from trainer.config import TrainConfig
 from trainer.data import DataLoader
+from trainer.distributed import (
+    Comm,
+    Dist,
+    HeartbeatPump,
+    StepSync,
+    allreduce_grads,
+    local,
+    resolve_parallel,
+    restart_count,
+    setup_distributed,
+    shard_fsdp,
+)
 from trainer.envinfo import fingerprint
 from trainer.flops import flops_per_token, peak_flops
 from trainer.inject import Injection, Injector
 from trainer.model import MoETransformer
 
+__all__ = ["EXIT_HALTED", "Dist", "Trainer", "allreduce_grads", "build_optimizer", "lr_at", "setup_distributed"]
+
 EXIT_HALTED = 3  # the guard halted the run (a checkpoint and a critical event were written)
-
-
-@dataclass(slots=True)
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device_pref: str) -> tuple[Dist, torch.device]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
-    if device_pref == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda': no CUDA device is available (use 'auto' or 'cpu')")
-    d = Dist()
-    if world > 1:
-        if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-        d = Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
-    if use_cuda:
-        torch.cuda.set_device(d.local_rank)
-        return d, torch.device("cuda", d.local_rank)
-    return d, torch.device("cpu")
 
 
 def lr_at(opt_step: int, cfg: TrainConfig) -> float:
@@ -95,44 +89,44 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
 
 
-def allreduce_grads(params: list[torch.nn.Parameter], world: int) -> None:
-    """Average gradients across ranks in one coalesced call (unused experts get zeros)."""
-    grads = []
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat)
-    flat /= world
-    for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-        g.copy_(r)
+def set_deterministic(compile: bool) -> None:
+    if compile:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        # The same switch without importing torch._inductor (4 s per process) to set its flag.
+        torch._C._set_deterministic_algorithms(True, warn_only=True)
 
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False,
                  injections: list[Injection] | None = None, progress: bool = True,
                  exporter: Any = None) -> None:  # fmt: skip
+        self._t_start = time.time()
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.dist, self.device = setup_distributed(cfg.train.device)
+        self.parallel = resolve_parallel(cfg.train.parallel, self.dist.world)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         if cfg.train.deterministic and self.device.type == "cpu":
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            set_deterministic(cfg.train.compile)
         self.dtype = self._dtype()
         torch.manual_seed(cfg.train.seed)
         self.model = MoETransformer(cfg.model, device=self.device, compute_dtype=self.dtype)
+        if self.parallel == "fsdp":
+            shard_fsdp(self.model)  # before anything holds parameter references
         self.fwd = torch.compile(self.model) if cfg.train.compile else self.model
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.model, cfg)
         self.data = DataLoader(cfg.data, vocab_size=cfg.model.vocab_size, seed=cfg.train.seed,
                                rank=self.dist.rank, world_size=self.dist.world)  # fmt: skip
         self.telemetry = cfg.telemetry.enabled
+        self.comm = Comm(self.dist.world)
         self.probe = Probe(self.model, dead_window=cfg.telemetry.dead_window, device=self.device)
+        self.probe.all_reduce = self.comm.all_reduce
         self.guard = Guard(cfg.guard, self.model, self.opt, max_lr=cfg.optim.lr,
                            has_bias=cfg.model.bias_mode != "off")  # fmt: skip
-        self.injector = Injector(injections or [])
+        self.injector = Injector(injections or [], rank=self.dist.rank, attempt=restart_count())
         self.opt_step = 0  # updates actually applied (drives the LR schedule; restored on rollback)
         self.step = 0  # iterations run (monotonic; the run store's key)
         self.progress = progress and self.dist.main
@@ -141,22 +135,28 @@ class Trainer:
         self.peak, self.peak_source = peak_flops(self.device, self.dtype)
         self.aux_boosted: set[int] = set()
         self.counts = {a: 0 for a in schema.ACTIONS}
-        self.time_split = {"productive_s": 0.0, "skipped_s": 0.0, "rolled_back_s": 0.0, "data_wait_s": 0.0,
-                           "checkpoint_s": 0.0, "startup_s": 0.0}  # fmt: skip
-        self._t_start = time.time()
-        self.probe_layer_ids = torch.arange(len(self.model.blocks)).numpy().astype("int32")
-        # productive compute done since each held snapshot: lost (badput) if we roll back to it
-        self.productive_since: dict[int, float] = {}
-        self.last_decision: Any = None
+        self.gp = Goodput(started_at=self._t_start)
+        self.probe_layer_ids = np.arange(len(self.model.blocks), dtype=np.int32)
+        self.last_decision: Decision | None = None
+        # multi-rank: decision agreement, operator commands, straggler windows, heartbeats
+        self.sync = StepSync(self.dist, self.comm, self.device, straggler_every=cfg.telemetry.straggler_every,
+                             straggler_threshold=cfg.telemetry.straggler_threshold, exporter=exporter)  # fmt: skip
+        multi = self.dist.world > 1
+        self.pump = HeartbeatPump(self.comm, exporter) if exporter is not None and multi else None
         self.store = RunStore(self.run_dir, flush_every=cfg.telemetry.flush_every) if self.dist.main else None
         self.env = fingerprint(device=self.device, dtype=self._dtype_name(), peak_flops=self.peak,
                                peak_source=self.peak_source, attention_backend=self.model.attention_backend,
                                expert_kernel=self.model.experts_kernel, compile=cfg.train.compile,
                                world_size=self.dist.world)  # fmt: skip
+        self.env["parallel"] = self.parallel
         if resume:
             self._resume()
         elif self.store is not None:
+            if restart_count() > 0:  # torchrun restarted us before the first checkpoint: start clean
+                truncate_after(self.run_dir, -1)
             self.store.write_meta(self._meta(schema.STATUS_RUNNING))
+        if self.exporter is not None and self.dist.main:
+            self.exporter.set_meta(read_meta(self.run_dir) or self._meta(schema.STATUS_RUNNING))
 
     # ---- setup helpers ------------------------------------------------------------------
     def _dtype(self) -> torch.dtype:
@@ -173,7 +173,7 @@ class Trainer:
             "run_id": self.run_dir.name,
             "name": self.cfg.name,
             "status": status,
-            "started_at": self._t_start,
+            "started_at": self.gp.started_at,
             "config": to_dict(self.cfg),
             "env": self.env,
             "flops_per_token": self.flops_per_token,
@@ -184,56 +184,75 @@ class Trainer:
         }
 
     # ---- checkpoints --------------------------------------------------------------------
-    def _state(self) -> dict[str, Any]:
+    def _host_state(self) -> dict[str, Any]:
+        """Everything but the model and optimizer (those go to DCP); identical on every rank."""
         return {
             "step": self.step,
             "opt_step": self.opt_step,
-            "model": self.model.state_dict(),
-            "optimizer": self.opt.state_dict(),
             "data": self.data.state_dict(),
-            "rng": ckpt.rng_state(),
             "guard": self.guard.state_dict(),
             "probe": self.probe.state_dict(),
+            "sync": self.sync.state_dict(),
             "counts": dict(self.counts),
-            "time_split": dict(self.time_split),
+            "goodput": self.gp.state_dict(),
             "config": to_dict(self.cfg),
+            "world_size": self.dist.world,
+            "parallel": self.parallel,
+            "saved_at": time.time(),
         }
 
-    def save_checkpoint(self) -> Path | None:
+    def save_checkpoint(self) -> Path:
         t0 = time.perf_counter()
-        path = None
-        if self.dist.main:
-            path = ckpt.save_checkpoint(self.run_dir / schema.CHECKPOINT_DIR, self.step, self._state(),
-                                        keep=self.cfg.train.keep_checkpoints)  # fmt: skip
-        if self.dist.world > 1:
-            dist.barrier()
-        self.time_split["checkpoint_s"] += time.perf_counter() - t0
-        if self.store is not None and path is not None:
+        if self.exporter is not None:
+            self.exporter.set_phase(PHASE_CHECKPOINT)  # a long save must not look like a hang
+        if self.store is not None:  # every row before the checkpoint is on disk before it exists
+            self.store.flush(wait=True)
+        multi = self.dist.world > 1
+        path = ckpt.save_checkpoint(self.run_dir / schema.CHECKPOINT_DIR, self.step, self.model, self.opt,
+                                    self._host_state() if self.dist.main else None, rank=self.dist.rank,
+                                    world=self.dist.world, keep=self.cfg.train.keep_checkpoints,
+                                    barrier=self.comm.barrier if multi else lambda: None)  # fmt: skip
+        self.gp.add("checkpoint_s", time.perf_counter() - t0)
+        if self.exporter is not None:
+            self.exporter.set_phase(PHASE_TRAIN)
+        if self.store is not None:
             self.store.add_event(Event(step=self.step, kind=schema.EV_CHECKPOINT, detail={"path": path.name}))
+            if self.exporter is not None:
+                self.exporter.set_meta({**(read_meta(self.run_dir) or {}), "goodput": self.goodput()})
         return path
 
     def _resume(self) -> None:
         path = ckpt.latest_checkpoint(self.run_dir / schema.CHECKPOINT_DIR)
         if path is None:
             raise ConfigError(f"--resume: no checkpoint in {self.run_dir / schema.CHECKPOINT_DIR}")
-        s = ckpt.load_checkpoint(path)
-        self.model.load_state_dict(s["model"])
-        self.opt.load_state_dict(s["optimizer"])
-        self.data.load_state_dict(s["data"])
-        self.guard.load_state_dict(s["guard"])
-        self.probe.load_state_dict(s["probe"])
-        self.step, self.opt_step = s["step"], s["opt_step"]
-        self.counts.update(s.get("counts", {}))
-        self.time_split.update(s.get("time_split", {}))
-        ckpt.set_rng_state(s["rng"])
+        if ckpt.is_legacy(path):  # one torch.save file from before DCP
+            s = ckpt.load_checkpoint(path)
+            self.model.load_state_dict(s["model"])
+            self.opt.load_state_dict(s["optimizer"])
+            host, rng = s, s["rng"]
+            self.gp.split.update(s.get("time_split", {}))
+        else:
+            ckpt.load_sharded(path, self.model, self.opt, world=self.dist.world)
+            host, rng = ckpt.load_host_state(path, self.dist.rank)
+            self.gp.load_state_dict(host.get("goodput", {}))
+            self.gp.resumed(float(host.get("saved_at", self._t_start)), self._t_start)
+            self.sync.load_state_dict(host.get("sync", {}))
+        self.data.load_state_dict(host["data"])
+        self.guard.load_state_dict(host["guard"])
+        self.probe.load_state_dict(host["probe"])
+        self.step, self.opt_step = host["step"], host["opt_step"]
+        self.counts.update(host.get("counts", {}))
+        if rng is not None:
+            ckpt.set_rng_state(rng)
         if self.store is not None:
             dropped = truncate_after(self.run_dir, self.step - 1)
             meta = read_meta(self.run_dir) or self._meta(schema.STATUS_RUNNING)
             restarts = int(meta.get("restarts", 0)) + 1
-            self.store.write_meta({**meta, "status": schema.STATUS_RUNNING, "restarts": restarts})
+            self.store.write_meta({**meta, "status": schema.STATUS_RUNNING, "restarts": restarts, "env": self.env})
             self.store.add_event(Event(step=self.step, kind=schema.EV_RESUME,
                                        detail={"checkpoint": path.name, "rows_dropped": dropped,
-                                               "restarts": restarts}))  # fmt: skip
+                                               "restarts": restarts, "world_size": self.dist.world,
+                                               "saved_world_size": host.get("world_size", 1)}))  # fmt: skip
 
     # ---- one step -----------------------------------------------------------------------
     def _batches(self) -> tuple[list[torch.Tensor], float]:
@@ -270,7 +289,7 @@ class Trainer:
     def _apply_update(self, grad_norm: float, lr: float, bias_boost: dict[int, float]) -> None:
         clip = self.cfg.optim.grad_clip
         if clip > 0 and math.isfinite(grad_norm) and grad_norm > clip:
-            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], clip / (grad_norm + 1e-6))
+            torch._foreach_mul_([local(p.grad) for p in self.params if p.grad is not None], clip / (grad_norm + 1e-6))
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.step()
@@ -289,13 +308,17 @@ class Trainer:
             self.model.set_aux_loss_coef(layer, coef)
         self.aux_boosted = set(aux_boost)
 
+    def _reduce_grads(self) -> None:
+        if self.parallel == "ddp":
+            allreduce_grads(self.params, self.dist.world, self.comm)
+        # fsdp: reduce-scattered inside backward; none: nothing to do
+
     def plain_step(self) -> StepReport:
         """Telemetry off: the loop any PyTorch user writes (the overhead benchmark's baseline)."""
         t0 = time.perf_counter()
         batches, data_wait = self._batches()
         loss_sum = self._forward_backward(batches)
-        if self.dist.world > 1:
-            allreduce_grads(self.params, self.dist.world)
+        self._reduce_grads()
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip, foreach=True)
         lr = lr_at(self.opt_step, self.cfg)
@@ -319,31 +342,46 @@ class Trainer:
         if not self.telemetry:
             return self.plain_step()
         t0 = time.perf_counter()
+        self.comm.take_wait()
         for inj in self.injector.at(self.step):
             if inj.kind == "crash":
                 Injector.crash()
+            if inj.kind == "hang":
+                Injector.hang()
         batches, data_wait = self._batches()
         loss_sum = self._forward_backward(batches)
-        if self.dist.world > 1:
-            allreduce_grads(self.params, self.dist.world)
-        self._inject_into_grads()
+        if (slow := self.injector.slow_s(self.step)) > 0:
+            time.sleep(slow)  # a slow device: more compute time on this rank only
+        self._inject_into_grads()  # this rank's gradients, before the reduction spreads them
+        self._reduce_grads()
         planned_lr = lr_at(self.opt_step, self.cfg)
         if (inj := self.injector.due(self.step, "lrspike")) is not None:
             planned_lr *= inj.arg
-        pr = self.probe.collect(loss_sum, len(batches))
+        world, rank = self.dist.world, self.dist.rank
+        # each rank's data wait rides in the probe's all-reduce as a one-hot; the guard sees the
+        # slowest rank's (the step waited for it), so its stall verdict is the same on every rank
+        onehot = torch.zeros(world, device=self.device) if world > 1 else None
+        if onehot is not None:
+            onehot[rank] = data_wait
+        pr = self.probe.collect(loss_sum, len(batches), extra=onehot)
+        job_wait = float(pr.extra.max()) if world > 1 else data_wait
+        own_tokens = sum(b.numel() - b.size(0) for b in batches)
         rep = StepReport(
             step=self.step, time=time.time(), loss=pr.loss, grad_norm=pr.grad_norm, lr=planned_lr,
-            tokens=sum(b.numel() - b.size(0) for b in batches) * self.dist.world, data_wait_s=data_wait,
-            rank=self.dist.rank, layer_ids_L=self.probe_layer_ids, layer_grad_norm_L=pr.layer_grad_norm_L,
+            tokens=own_tokens * world, data_wait_s=job_wait, rank=rank,
+            layer_ids_L=self.probe_layer_ids, layer_grad_norm_L=pr.layer_grad_norm_L,
             moe_layer_ids_M=self.probe.moe_ids_M, router_entropy_M=pr.router_entropy_M,
             load_entropy_M=pr.load_entropy_M, maxvio_M=pr.maxvio_M, dead_experts_M=pr.dead_experts_M,
             bias_norm_M=pr.bias_norm_M, load_ME=pr.load_ME, bias_ME=pr.bias_ME,
         )  # fmt: skip
         decision = self.guard.observe(rep, lr=planned_lr)
+        events = list(decision.events)
+        self.sync.apply_command(self.step, decision, events, can_roll_back=self._can_roll_back(),
+                                skip_batches=self.cfg.guard.policy.rollback_skip_batches)  # fmt: skip
+        decision = self.sync.agree(self.step, decision, events)
         lr = planned_lr * decision.lr_scale
         rep.lr = lr
         self._set_aux_boost(decision.aux_boost)
-        events = list(decision.events)
         for inj in self.injector.at(self.step):
             events.insert(0, Event(step=self.step, kind=schema.EV_INJECT, detail={"injection": str(inj)}))
         if decision.applies_update:
@@ -352,47 +390,51 @@ class Trainer:
             restored, extra = self.guard.rollback(decision)
             self.opt_step = extra["opt_step"]
             self.data.skip(decision.skip_batches)
-            lost = self.productive_since.get(restored, 0.0)
-            self.time_split["rolled_back_s"] += lost
-            self.time_split["productive_s"] -= lost
-            self.productive_since = {k: v for k, v in self.productive_since.items() if k <= restored}
-            self.productive_since[restored] = 0.0
+            self.gp.rolled_back(restored)
         self.opt.zero_grad(set_to_none=True)
         self.probe.reset_router_stats()
         rep.action = decision.action
         rep.step_time_s = time.perf_counter() - t0
         rep.tokens_per_s = rep.tokens / rep.step_time_s
-        rep.mfu = (self.flops_per_token * rep.tokens_per_s / (self.peak * self.dist.world)
-                   if self.peak else float("nan"))  # fmt: skip
+        rep.mfu = self.flops_per_token * rep.tokens_per_s / (self.peak * world) if self.peak else float("nan")
         rep.mem_peak_bytes = peak_memory_bytes(self.device)
-        self._account(rep, decision.action)
+        self.counts[decision.action] = self.counts.get(decision.action, 0) + 1
+        self.gp.step(decision.applies_update, rep.step_time_s, rep.data_wait_s)
+        # busy = the step minus the time spent inside collectives (waiting for peers included)
+        busy = rep.step_time_s - self.comm.take_wait()
+        events.extend(self.sync.end_step(self.step, busy, data_wait, own_tokens, self.store))
+        rep.straggler_score = self.sync.straggler_score
+        self._emit(rep, events, data_wait, own_tokens)
+        self.last_decision = decision
+        return rep
+
+    # ---- multi-rank pieces of the step ----------------------------------------------------
+    def _can_roll_back(self) -> bool:
+        ring = self.guard.ring
+        return ring is not None and any(s < self.step for s in ring.steps())
+
+    def _emit(self, rep: StepReport, events: list[Event], own_wait: float, own_tokens: int) -> None:
         if self.store is not None:
             self.store.add_step(rep)
             for ev in events:
                 self.store.add_event(ev)
-        if self.exporter is not None and self.dist.main:
+        if self.exporter is None:
+            return
+        if self.dist.main:
             self.exporter.submit(rep, events)
-        self.last_decision = decision
-        return rep
-
-    def _account(self, rep: StepReport, action: str) -> None:
-        self.counts[action] = self.counts.get(action, 0) + 1
-        compute = rep.step_time_s - rep.data_wait_s
-        self.time_split["data_wait_s"] += rep.data_wait_s
-        if action == schema.ACT_APPLY:
-            self.time_split["productive_s"] += compute
-            # Productive time since the newest snapshot is lost if we later roll back to it.
-            for s in self.productive_since:
-                self.productive_since[s] += compute
-        else:
-            self.time_split["skipped_s"] += compute
+        else:  # this rank's own timing: its heartbeat and its straggler score at the collector
+            self.exporter.submit(StepReport(step=rep.step, time=rep.time, loss=rep.loss, grad_norm=rep.grad_norm,
+                                            lr=rep.lr, tokens=own_tokens, step_time_s=rep.step_time_s,
+                                            data_wait_s=own_wait, tokens_per_s=own_tokens / rep.step_time_s,
+                                            action=rep.action, rank=self.dist.rank,
+                                            straggler_score=rep.straggler_score))  # fmt: skip
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self, until: int | None = None) -> int:
         """Train to cfg.train.steps (or stop early at `until`, checkpointed, e.g. for a job's time
-        slice). Returns 0, or EXIT_HALTED if the guard halted the run."""
+        slice). Returns 0, or EXIT_HALTED if the guard (or an operator) halted the run."""
         stop = min(until, self.cfg.train.steps) if until is not None else self.cfg.train.steps
-        self.time_split["startup_s"] += time.time() - self._t_start
+        self.gp.add("startup_s", time.time() - self._t_start)
         bar = self._progress_bar()
         prof = self._profiler()
         status, code = schema.STATUS_FINISHED, 0
@@ -407,9 +449,8 @@ class Trainer:
                     self.save_checkpoint()
                     break
                 if self.guard.after_step(self.step, {"opt_step": self.opt_step}):
-                    held = set(self.guard.ring.steps()) if self.guard.ring else set()
-                    self.productive_since = {k: v for k, v in self.productive_since.items() if k in held}
-                    self.productive_since[self.step] = 0.0
+                    self.sync.log.write(f"{self.step} snapshot")
+                    self.gp.snapshot_taken(self.step, set(self.guard.ring.steps()) if self.guard.ring else set())
                 every = self.cfg.train.checkpoint_every
                 if every and self.step % every == 0 and self.step < self.cfg.train.steps:
                     self.save_checkpoint()
@@ -458,16 +499,25 @@ class Trainer:
         prof.start()
         return prof
 
+    @property
+    def time_split(self) -> dict[str, float]:
+        return self.gp.split
+
     def goodput(self) -> dict[str, float]:
-        wall = max(1e-9, time.time() - self._t_start)
-        return {"wall_s": wall, "goodput": self.time_split["productive_s"] / wall, **self.time_split}
+        """meta.json["goodput"]: goodput, wall_s and the badput split (guard/goodput.py)."""
+        return self.gp.report(time.time())
 
     def _finish(self, status: str) -> None:
-        if self.exporter is not None:
-            self.exporter.close(timeout=30)
+        if self.pump is not None:
+            self.pump.close()
+        self.sync.log.close()
         if self.store is not None:
             last = read_meta(self.run_dir) or {}
             self.store.close(status=status, final_step=self.step, counts=self.counts, goodput=self.goodput(),
                              restarts=last.get("restarts", 0))  # fmt: skip
-        if self.dist.world > 1 and dist.is_initialized():
-            dist.barrier()
+            if self.exporter is not None:
+                self.exporter.set_meta(read_meta(self.run_dir) or {})
+        if self.exporter is not None:
+            self.exporter.close(timeout=30)
+        if self.dist.world > 1 and dist.is_initialized() and status != schema.STATUS_CRASHED:
+            self.comm.barrier()  # after a crash a peer may be gone: do not wait for it
