@@ -3,8 +3,8 @@
     moeguard train --config configs/tiny.toml --steps 600 --run-dir runs/tiny
     moeguard train --config configs/tiny.toml --inject gradspike@200:50 --inject nan@300
     torchrun --nproc_per_node 2 -m guard train --config configs/tiny.toml --inject nan@300/r1
-    torchrun --nproc_per_node 2 --max-restarts 3 -m guard train --config configs/tiny.toml \
-        --run-dir runs/tiny --set train.parallel=fsdp
+    torchrun --standalone --nproc_per_node 2 --max-restarts 3 -m guard train --run-dir runs/tiny
+    torchrun --standalone --nproc_per_node 2 -m guard train --set train.parallel=fsdp
 
 Under torchrun, a restarted job (TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest
 checkpoint in --run-dir on its own. A checkpoint written on W ranks resumes on any number of ranks.
