@@ -76,7 +76,7 @@ class Policy:
         step_v = [v for v in verdicts if v.detector in schema.STEP_DETECTORS]
         collapse_v = [v for v in verdicts if v.detector in schema.COLLAPSE_DETECTORS]
         other_v = [v for v in verdicts if v not in step_v and v not in collapse_v]
-        if verdicts:
+        if step_v or collapse_v:  # informational verdicts (stalls, throughput) never change state
             self.last_verdict_step = step
 
         if step_v and acting:

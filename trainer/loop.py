@@ -374,6 +374,11 @@ class Trainer:
             load_entropy_M=pr.load_entropy_M, maxvio_M=pr.maxvio_M, dead_experts_M=pr.dead_experts_M,
             bias_norm_M=pr.bias_norm_M, load_ME=pr.load_ME, bias_ME=pr.bias_ME,
         )  # fmt: skip
+        if world == 1:
+            # Provisional throughput (time so far) so the throughput detector sees this step; with
+            # several ranks each would see its own clock, so there the collector watches throughput.
+            elapsed = time.perf_counter() - t0
+            rep.step_time_s, rep.tokens_per_s = elapsed, rep.tokens / elapsed
         decision = self.guard.observe(rep, lr=planned_lr)
         events = list(decision.events)
         self.sync.apply_command(self.step, decision, events, can_roll_back=self._can_roll_back(),
