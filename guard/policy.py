@@ -67,6 +67,7 @@ class Policy:
         # Collapse verdicts are level-triggered (every step while the condition holds); record an
         # event only when a (layer, detector) condition opens, not on every step it persists.
         self.open_conditions: set[tuple[int, str]] = set()
+        self.halted_at: int | None = None  # the step this policy halted the run at, if it did
 
     # ---- the decision --------------------------------------------------------------
     def decide(self, step: int, verdicts: list[Verdict], healthy: Callable[[int], bool] | None = None) -> Decision:
@@ -125,6 +126,7 @@ class Policy:
                                   detail={"severity": "critical", "reason":
                                           f"{len(self.rollbacks) + 1} rollbacks within {p.rollback_window} steps "
                                           f"({reason})", "rollbacks": self.rollbacks[:]}))  # fmt: skip
+            self.halted_at = step
             return schema.ACT_HALT
         self.rollbacks.append(step)
         before = self.incident_start if self.incident_start is not None else step
@@ -196,6 +198,14 @@ class Policy:
         return (self.incident_start is None and not self.corrections
                 and step - self.last_verdict_step > 2)  # fmt: skip
 
+    def _operator_resumed(self) -> None:
+        """A human resumed a halted run: they have looked at it, so the escalation ladder starts
+        again from skip. Kept: open collapse corrections and the detectors' windows. Without this
+        the first marginal verdict after the resume would halt the run again at once. Decided
+        from the policy's own saved state, so every rank of a multi-rank run does the same."""
+        self.skips, self.rollbacks = [], []
+        self.incident_start, self.cooldown_from, self.halted_at = None, None, None
+
     # ---- state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -206,6 +216,7 @@ class Policy:
             "cooldown_from": self.cooldown_from,
             "last_verdict_step": self.last_verdict_step,
             "open_conditions": sorted([list(c) for c in self.open_conditions]),
+            "halted_at": self.halted_at,
         }
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
@@ -216,3 +227,6 @@ class Policy:
         self.cooldown_from = s["cooldown_from"]
         self.last_verdict_step = s["last_verdict_step"]
         self.open_conditions = {(int(a), str(b)) for a, b in s.get("open_conditions", [])}
+        self.halted_at = s.get("halted_at")
+        if self.halted_at is not None:  # loading the state a halt left behind = resuming it
+            self._operator_resumed()

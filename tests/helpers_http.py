@@ -69,6 +69,9 @@ class RecordingSink:
                     json=parsed,
                     status=status,
                 )
+                with sink._cond:  # record before answering: once the client has its reply,
+                    sink.requests.append(rec)  # a test that then looks must find the request
+                    sink._cond.notify_all()
                 reply = json.dumps({"status": "success" if status < 300 else "error"}).encode()
                 self.send_response(status)
                 for k, v in extra.items():
@@ -77,9 +80,6 @@ class RecordingSink:
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
                 self.wfile.write(reply)
-                with sink._cond:  # record after answering: a waiter sees the final status
-                    sink.requests.append(rec)
-                    sink._cond.notify_all()
 
             do_POST = do_PUT = do_GET = _handle  # noqa: N815
 

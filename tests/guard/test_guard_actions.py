@@ -113,6 +113,17 @@ def test_repeated_spikes_escalate_to_rollback_then_halt(tmp_path: Path) -> None:
     assert meta["status"] == schema.STATUS_HALTED
     assert (tmp_path / "r" / "checkpoints").is_dir() and any((tmp_path / "r" / "checkpoints").iterdir())
 
+    # The operator resumes: the ladder starts again from skip, so the next spike is skipped, not
+    # a second halt on the first step it shows up
+    r = train_micro(tmp_path / "r", overrides={"train.steps": 80, "guard.policy.snapshot_every": 5,
+                                              "guard.policy.halt_after_rollbacks": 1},
+                    injections=["gradspike@65:50"], resume=True)  # fmt: skip
+    assert r.exit_code == 0
+    steps = read_table(tmp_path / "r", "steps").sort("step")
+    actions = dict(zip(steps["step"].to_list(), steps["action"].to_list(), strict=True))
+    assert actions[65] == schema.ACT_SKIP and steps["step"].max() == 79
+    assert read_table(tmp_path / "r", "events").filter(pl.col("kind") == schema.EV_HALT).height == 1
+
 
 def test_rollback_restores_the_snapshot_state_exactly(tmp_path: Path) -> None:
     from guard.snapshot import SnapshotRing
