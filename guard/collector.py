@@ -83,7 +83,6 @@ import logging
 import math
 import os
 import re
-import socket
 import struct
 import threading
 import time
@@ -100,6 +99,7 @@ from guard import schema
 from guard.config import GuardConfig, load_guard_config
 from guard.events import Event
 from guard.heartbeat import PHASE_TRAIN, PHASES, HeartbeatConfig
+from guard.listen import bind_tcp
 from guard.metrics import CollectorMetrics
 from guard.notify import PagerNotifier
 from guard.report import StepReport
@@ -1119,9 +1119,7 @@ def run(args: argparse.Namespace) -> int:
                           pager_token=os.environ.get(ENV_PAGER_TOKEN) or None)  # fmt: skip
     collector = Collector(cfg)
     collector.start()
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock = bind_tcp(args.host, args.port)
     port = sock.getsockname()[1]
     if args.port_file:
         atomic_write_bytes(Path(args.port_file), str(port).encode())

@@ -32,7 +32,6 @@ import math
 import os
 import queue
 import random
-import socket
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from guard import schema
+from guard.listen import bind_tcp
 from guard.tomlconf import check, check_choice
 
 log = logging.getLogger("moeguard.pager")
@@ -976,11 +976,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.state is None:
         log.warning("no --state file: a restart forgets what was paged and may page again")
     # Bind first so --port 0 works and the real port is printed before anything is accepted.
-    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((cfg.host, cfg.port))
+        sock = bind_tcp(cfg.host, cfg.port)
     except OSError as e:
         print(f"moeguard pager: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
         return 2
