@@ -1,0 +1,221 @@
+"""Canary power: false alarms on clean runs and detection of injected slowdowns, on this machine.
+
+    python -m bench.canary_power                                  # the full bench (about an hour)
+    python -m bench.canary_power --baselines 3 --clean 3 --trials 1 --slowdowns 5   # a quick look
+    python -m bench.canary_power --write-docs                     # also update docs/BENCHMARKS.md
+                                                                  # (its canary-power part)
+
+1. Record a baseline from `--baselines` clean canary runs (`moeguard canary --record`) into a
+   fresh history.
+2. Then, interleaved so that machine-load drift hits every arm alike (clean, 2%, 3%, 5%, 10%,
+   clean, 2%, ...): `--clean` clean canary runs and `--trials` runs per injected slowdown
+   (`--inject slow:PCT`), each the full gate (a failing run is re-run once and fails only if the
+   re-run fails too).
+A clean run that fails is a false alarm (a warn is counted but is exit 0); an injected run
+that fails is a detection. The smallest slowdown detected in every trial is the canary's power.
+Each canary run is a real training run in a worker process, so this bench is slow and, on a
+shared machine, noisy: the load average at every run is recorded and reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from guard import canary
+
+
+def _run_canary(argv: list[str]) -> dict[str, Any]:
+    """One `moeguard canary` (in-process parent, worker subprocesses); returns its JSON report."""
+    from guard.cli import main
+
+    out = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(out):
+        code = main(["canary", *argv])
+    rep_dir = Path(argv[argv.index("--report-dir") + 1])
+    rep = json.loads((rep_dir / "canary.json").read_text())
+    rep["_exit"] = code
+    rep["_elapsed_s"] = time.perf_counter() - t0
+    return rep
+
+
+def _first_delta(rep: dict[str, Any], run: int = 0) -> float | None:
+    runs = rep.get("runs", [])
+    if run >= len(runs):
+        return None
+    row = next((r for r in runs[run]["comparison"] if r["metric"] == canary.MFU), None)
+    return row["delta"] if row else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, default=canary.DEFAULT_CONFIG)
+    p.add_argument("--baselines", type=int, default=5, help="clean runs recorded as the baseline (M)")
+    p.add_argument("--clean", type=int, default=10, help="clean runs judged against it (N)")
+    p.add_argument("--slowdowns", default="2,3,5,10", help="injected slowdowns in percent")
+    p.add_argument("--trials", type=int, default=5, help="runs per injected slowdown")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--out", type=Path, default=None, help="keep histories, runs and reports here")
+    p.add_argument("--write-docs", action="store_true", help="update the canary section of docs/BENCHMARKS.md")
+    args = p.parse_args(argv)
+    slowdowns = [float(s) for s in args.slowdowns.split(",") if s.strip()]
+    out = args.out or Path(tempfile.mkdtemp(prefix="canary-power-"))
+    out.mkdir(parents=True, exist_ok=True)
+    history = out / "history.jsonl"
+    history.unlink(missing_ok=True)
+    common = ["--config", str(args.config), "--history", str(history), "--runs", str(out / "runs")]
+    for s in args.set:
+        common += ["--set", s]
+    t_start = time.time()
+    loads: list[float] = []
+
+    def one(tag: str, extra: list[str]) -> dict[str, Any]:
+        loads.append(os.getloadavg()[0])
+        rep = _run_canary([*common, "--report-dir", str(out / "reports" / tag), *extra])
+        loads.append(os.getloadavg()[0])
+        d1, d2 = _first_delta(rep, 0), _first_delta(rep, 1)
+        print(f"{tag:>14}: {rep['verdict']:4}  MFU delta {'—' if d1 is None else f'{d1:+.2f}%'}"
+              f"{'' if d2 is None else f' / re-run {d2:+.2f}%'}  load {loads[-2]:.1f}  "
+              f"{rep['_elapsed_s']:.0f} s", flush=True)  # fmt: skip
+        return rep
+
+    baseline_reps = [one(f"baseline-{i + 1}", ["--record"]) for i in range(args.baselines)]
+    arms: dict[str, list[dict[str, Any]]] = {"clean": [], **{f"{s:g}%": [] for s in slowdowns}}
+    rounds = max(args.clean, args.trials)
+    for r in range(rounds):
+        if r < args.clean:
+            arms["clean"].append(one(f"clean-{r + 1}", []))
+        if r < args.trials:
+            for s in slowdowns:
+                arms[f"{s:g}%"].append(one(f"slow{s:g}-{r + 1}", ["--inject", f"slow:{s:g}"]))
+    elapsed = time.time() - t_start
+
+    result = summarize(arms, slowdowns, baseline_reps, loads, elapsed, args)
+    (out / "canary_power.json").write_text(json.dumps(result, indent=2) + "\n")
+    body = render(result)
+    print("\n" + body)
+    print(f"\nkept under {out}")
+    if args.write_docs:
+        from bench._docs import machine_line, write_section
+
+        # Its own markers, nested inside the hand-written canary section (which explains the design).
+        write_section("canary-power", body + f"\n\nMachine: {machine_line()}.\n")
+    return 0
+
+
+def summarize(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], baseline_reps: list[dict[str, Any]],
+              loads: list[float], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    rows = []
+    for arm, reps in arms.items():
+        deltas = [d for rep in reps if (d := _first_delta(rep)) is not None]
+        rows.append({
+            "arm": arm,
+            "runs": len(reps),
+            "fail": sum(r["verdict"] == canary.FAIL for r in reps),
+            "warn": sum(r["verdict"] == canary.WARN for r in reps),
+            "pass": sum(r["verdict"] == canary.PASS for r in reps),
+            "reruns": sum(len(r["runs"]) > 1 for r in reps),
+            "delta_median": statistics.median(deltas) if deltas else None,
+            "delta_min": min(deltas, default=None),
+            "delta_max": max(deltas, default=None),
+        })  # fmt: skip
+    caught = [s for s in slowdowns if (row := next(r for r in rows if r["arm"] == f"{s:g}%"))["runs"]
+              and row["fail"] == row["runs"]]  # fmt: skip
+    every = min((s for s in caught if all(c in caught for c in slowdowns if c >= s)), default=None)
+    base_mfu = [r["runs"][0]["summary"][canary.MFU] for r in baseline_reps]
+    gates = baseline_reps[0]["gates"] if baseline_reps else {}
+    cmd = "python -m bench.canary_power " + " ".join(
+        shlex.quote(a) for a in sys.argv[1:] if a != "--write-docs"
+    )  # fmt: skip
+    per_run = [{"arm": arm, "verdict": r["verdict"], "delta_run1": _first_delta(r, 0), "delta_run2": _first_delta(r, 1),
+                "delta_pooled": next((p["delta"] for p in r.get("pooled", []) if p["metric"] == canary.MFU), None),
+                "load": r["runs"][0].get("loadavg")} for arm, reps in arms.items() for r in reps]  # fmt: skip
+    return {
+        "command": cmd.strip(),
+        "rows": rows,
+        "per_run": per_run,
+        "smallest_caught_every_time_pct": every,
+        "false_alarms": next(r["fail"] for r in rows if r["arm"] == "clean"),
+        "clean_runs": next(r["runs"] for r in rows if r["arm"] == "clean"),
+        "baseline_mfu": base_mfu,
+        "baseline_spread_pct": 100 * (max(base_mfu) - min(base_mfu)) / statistics.median(base_mfu)
+        if base_mfu else None,
+        "gates": {k: gates.get(k) for k in ("mfu_warn_pct", "mfu_fail_pct", "confirm", "warmup_steps")},
+        "load": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)} if loads else {},
+        "elapsed_s": elapsed,
+        "timing": baseline_reps[0].get("timing") if baseline_reps else None,
+        "sweep": sweep(per_run, float(gates.get("mfu_warn_pct") or 0)),
+    }
+
+
+def sweep(per_run: list[dict[str, Any]], as_run_warn: float) -> list[dict[str, Any]]:
+    """Re-judge the recorded MFU deltas under other (warn, fail) lines, warn >= the as-run warn line
+    (runs above the as-run line were never re-run). Only MFU: the other gates never fired here."""
+    out = []
+    for warn in sorted({as_run_warn, *(w for w in (2.5, 3.0, 4.0, 5.0, 6.0) if w >= as_run_warn)}):
+        for fail in (3.5, 4.0, 5.0, 6.0, 7.0, 8.0):
+            if fail < warn or fail > warn + 3:
+                continue
+            counts: dict[str, list[int]] = {}
+            for r in per_run:
+                d1, d2, dp = r["delta_run1"], r["delta_run2"], r["delta_pooled"]
+                failed = (d1 is not None and d2 is not None and dp is not None and d1 <= -warn and dp <= -fail
+                          and d2 <= -warn)  # fmt: skip
+                c = counts.setdefault(r["arm"], [0, 0])
+                c[0] += failed
+                c[1] += 1
+            out.append({"warn": warn, "fail": fail, **{arm: f"{c[0]}/{c[1]}" for arm, c in counts.items()}})
+    return out
+
+
+def render(res: dict[str, Any]) -> str:
+    g, load = res["gates"], res["load"]
+    lines = [
+        "## Canary power (`moeguard canary`)",
+        "",
+        f"Command: `{res['command']}`",
+        "",
+        f"Baseline: {len(res['baseline_mfu'])} clean runs recorded (`--record`), MFU p50 spread "
+        f"{res['baseline_spread_pct']:.2f}% (max - min over median). Gate: MFU warn at -{g['mfu_warn_pct']:g}%, "
+        f"fail at -{g['mfu_fail_pct']:g}% of the baseline median; a run past a line is re-run once and fails only "
+        f"if the mean of both runs is past the fail line and the re-run past the warn line (confirm = {g['confirm']}). "
+        f"Timing: {res['timing']}. Arms interleaved (clean, 2%, 3%, 5%, 10%, clean, ...).",
+        "",
+        "| arm | runs | fail | warn | pass | re-runs | first-run MFU delta: median [min, max] |",
+        "|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in res["rows"]:
+        rng = ("—" if r["delta_median"] is None else
+               f"{r['delta_median']:+.2f}% [{r['delta_min']:+.2f}, {r['delta_max']:+.2f}]")  # fmt: skip
+        label = "clean (false alarms = fail)" if r["arm"] == "clean" else f"slow {r['arm']} (detected = fail)"
+        lines.append(f"| {label} | {r['runs']} | {r['fail']} | {r['warn']} | {r['pass']} | {r['reruns']} | {rng} |")
+    if res.get("sweep"):
+        arms = [k for k in res["sweep"][0] if k not in ("warn", "fail")]
+        lines += ["", "The same recorded runs re-judged under other MFU lines (fails / runs; clean = false alarms):", "",
+                  "| warn | fail | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]  # fmt: skip
+        for row in res["sweep"]:
+            lines.append(f"| -{row['warn']:g}% | -{row['fail']:g}% | " + " | ".join(row[a] for a in arms) + " |")
+    every = res["smallest_caught_every_time_pct"]
+    lines += [
+        "",
+        f"False alarms: {res['false_alarms']} of {res['clean_runs']} clean runs. Smallest slowdown caught every "
+        f"time: {'none' if every is None else f'{every:g}%'}.",
+        f"Load average (1 min) over the bench: min {load.get('min', 0):.1f}, median {load.get('median', 0):.1f}, "
+        f"max {load.get('max', 0):.1f} on {os.cpu_count()} cores; {res['elapsed_s'] / 60:.0f} min in all.",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

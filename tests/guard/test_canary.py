@@ -1,0 +1,253 @@
+"""`moeguard canary`: the gate (record, pass, injected slowdown fails), reports, matrix, history.
+
+The end-to-end tests run real canary measurements (worker processes) on a shrunken canary
+config; the gate is loosened and the injected slowdown made large (40%) so the verdicts are
+unambiguous on a loaded 2-core machine. The bench (bench/canary_power.py) measures the real
+gate's power.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from guard import canary
+from guard.cli import main
+
+# A canary small enough for tests: ~60 steps of a few ms each, profiler window at steps 3-5.
+TINY = [
+    "train.steps=80", "model.d_model=32", "model.n_layers=1", "model.d_expert=64", "model.n_experts=4",
+    "model.max_seq_len=32", "data.seq_len=32", "data.batch_size=4", "data.max_bytes=200000",
+    "telemetry.profile_wait=3", "telemetry.profile_warmup=1", "telemetry.profile_active=1",
+    "canary.warmup_steps=20", "canary.processes=2",  # two worker processes: the pooled path, still quick
+    # Loose gates: a clean tiny run must pass on a loaded machine, a 40% slowdown (-29% MFU) must fail.
+    "canary.mfu_warn_pct=12", "canary.mfu_fail_pct=15", "canary.tokens_cpu_warn_pct=60",
+    "canary.tokens_cpu_fail_pct=70", "canary.tokens_warn_pct=60", "canary.tokens_fail_pct=70",
+    "canary.mem_warn_pct=50", "canary.mem_fail_pct=80", "canary.data_wait_warn_pp=20",
+    "canary.data_wait_fail_pp=40",
+]  # fmt: skip
+
+
+def _sets(items: list[str]) -> list[str]:
+    return [a for s in items for a in ("--set", s)]
+
+
+def _canary(tmp: Path, *extra: str, report: str = "rep") -> int:
+    return main(["canary", "--history", str(tmp / "h.jsonl"), "--runs", str(tmp / "runs"),
+                 "--report-dir", str(tmp / report), *_sets(TINY), *extra])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A history with one baseline entry recorded by `--record` (shared by the gate tests)."""
+    tmp = tmp_path_factory.mktemp("canary")
+    assert _canary(tmp, "--record", report="rep-record") == 0
+    return tmp
+
+
+@pytest.mark.slow
+def test_record_appends_a_baseline_entry(recorded: Path) -> None:
+    e = json.loads((recorded / "h.jsonl").read_text().splitlines()[0])  # later tests may --append more
+    for key in ("time", "git_sha", "torch", "fingerprint", "hardware", "config_hash", "config", "mfu_p50",
+                "tokens_per_s_p50", "mem_peak_bytes", "data_wait_share", "final_loss", "verdict", "baseline"):  # fmt: skip
+        assert key in e, key
+    assert e["baseline"] is True and e["verdict"] == "pass"
+    assert 0 < e["mfu_p50"] < 5 and e["tokens_per_s_p50"] > 0 and e["mem_peak_bytes"] > 0
+    assert e["config_hash"] in e["fingerprint"]
+    # The first run had no baseline: it passed with a notice that says how to record one.
+    rep = json.loads((recorded / "rep-record" / "canary.json").read_text())
+    assert rep["notice"].startswith("no baseline for ") and "--record" in rep["notice"]
+    # ... and it is a run in the run store, marked as a canary run.
+    run_dir = Path(rep["runs"][0]["run_dir"])
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["status"] == "finished" and meta["canary"]["timing"] in ("cpu", "wall")
+
+
+@pytest.mark.slow
+def test_clean_run_passes_and_injected_slowdown_fails(recorded: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _canary(recorded, "--append", report="rep-clean") == 0
+    clean = json.loads((recorded / "rep-clean" / "canary.json").read_text())
+    assert clean["verdict"] in ("pass", "warn") and clean["baseline"]["n"] == 1
+    lines = (recorded / "h.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["baseline"] is False  # --append: a trend entry, not a baseline
+
+    capsys.readouterr()
+    assert _canary(recorded, "--inject", "slow:40", report="rep-slow") == 1
+    slow = json.loads((recorded / "rep-slow" / "canary.json").read_text())
+    assert slow["verdict"] == "fail" and slow["exit_code"] == 1
+    assert slow["baseline"]["n"] == 1  # the --append'ed entry is not part of the baseline
+    assert "mfu_p50" in slow["regressed_metrics"]
+    assert len(slow["runs"]) == 2  # the regression was re-run once and repeated
+    mfu_decision = next(d for d in slow["decision"] if d["metric"] == "mfu_p50")
+    assert mfu_decision["final"] == "fail" and mfu_decision["pooled_delta"] < -15
+    for run in slow["runs"]:
+        mfu = next(r for r in run["comparison"] if r["metric"] == "mfu_p50")
+        assert mfu["level"] in ("warn", "fail") and mfu["delta"] < -12
+    out = capsys.readouterr().out
+    assert "canary FAIL: mfu_p50" in out
+    md = (recorded / "rep-slow" / "canary.md").read_text()
+    assert md.startswith("# Canary: FAIL") and "## Run 2" in md and "## Decision: both runs" in md
+    assert "regressed (fail): mfu_p50" in md
+
+
+@pytest.mark.slow
+def test_reports_carry_the_profile_summary(recorded: Path) -> None:
+    rep = json.loads((recorded / "rep-record" / "canary.json").read_text())
+    prof = rep["profile"]
+    assert prof["file"] and prof["profiled_steps"] >= 1
+    ops = [r["op"] for r in prof["top_total"]]
+    assert ops and all(r["total_ms"] >= r["self_ms"] >= 0 for r in prof["top_total"])
+    assert any(op.startswith("aten::") for op in [r["op"] for r in prof["top_self"]])
+    md = (recorded / "rep-record" / "canary.md").read_text()
+    assert "Top ops by total time" in md and "Top ops by self time" in md and "`aten::" in md
+    assert "## Environment vs baseline" in md
+
+
+@pytest.mark.slow
+def test_matrix_reports_unavailable_variants(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # cudnn attention cannot run on CPU (and efficient neither); on a GPU box math still runs.
+    code = main(["canary", "--matrix", "attention=math,cudnn", "--repeats", "1", "--runs", str(tmp_path / "runs"),
+                 "--report-dir", str(tmp_path / "rep"), *_sets(TINY)])  # fmt: skip
+    assert code == 0
+    rep = json.loads((tmp_path / "rep" / "matrix.json").read_text())
+    by = {v["variant"]: v for v in rep["variants"]}
+    assert by["attention=math"]["status"] == "ok" and by["attention=math"]["mfu_p50"] > 0
+    assert by["attention=math"]["runs"][0].startswith("canary_attention_math")  # run name carries the variant
+    import torch
+
+    if not torch.cuda.is_available():
+        assert by["attention=cudnn"]["status"] == "unavailable"
+        assert "cudnn" in by["attention=cudnn"]["reason"]
+        assert "unavailable" in capsys.readouterr().out
+    assert (tmp_path / "rep" / "matrix.md").read_text().startswith("# Canary kernel matrix")
+
+
+# ---- usage errors (exit 2) ---------------------------------------------------------------------
+def test_usage_errors(tmp_path: Path) -> None:
+    h = ["--history", str(tmp_path / "h.jsonl"), "--runs", str(tmp_path / "runs")]
+    assert main(["canary", "--runs", str(tmp_path / "runs")]) == 2  # no --history
+    assert main(["canary", *h, "--record", "--inject", "slow:10"]) == 2
+    assert main(["canary", *h, "--inject", "fast:10"]) == 2
+    assert main(["canary", *h, "--set", "canary.mfu_fail_pct=1", "--set", "canary.mfu_warn_pct=2"]) == 2
+    assert main(["canary", *h, "--set", "canary.nope=1"]) == 2
+    assert main(["canary", *h, "--matrix", "colour=red"]) == 2
+    assert main(["canary", *h, "--accept"]) == 2
+    assert not (tmp_path / "runs").exists()
+
+
+# ---- the pieces, without training ---------------------------------------------------------------
+def _entry(mfu: float, *, fp: str = "hw | cfg abc", h: str = "abc", baseline: bool = True, **kw: object) -> dict:
+    return {"fingerprint": fp, "config_hash": h, "baseline": baseline, "mfu_p50": mfu, "tokens_per_s_p50": 1000.0,
+            "mem_peak_bytes": 1e9, "data_wait_share": 0.01, "final_loss": 2.0, **kw}  # fmt: skip
+
+
+def test_compare_levels_against_the_median() -> None:
+    c = canary.CanaryConfig(mfu_warn_pct=3, mfu_fail_pct=5)
+    base = [_entry(0.20), _entry(0.21), _entry(0.19), _entry(0.50)]  # median 0.205; one outlier
+    rows = {r["metric"]: r for r in canary.compare(_entry(0.200), base, c, "cpu")}
+    assert rows["mfu_p50"]["baseline"] == pytest.approx(0.205) and rows["mfu_p50"]["level"] == "pass"
+    assert {r["metric"]: r for r in canary.compare(_entry(0.197), base, c, "cpu")}["mfu_p50"]["level"] == "warn"
+    assert {r["metric"]: r for r in canary.compare(_entry(0.190), base, c, "cpu")}["mfu_p50"]["level"] == "fail"
+    assert {r["metric"]: r for r in canary.compare(_entry(0.300), base, c, "cpu")}["mfu_p50"]["level"] == "pass"
+    worse = _entry(0.205, final_loss=2.2, mem_peak_bytes=1.3e9, data_wait_share=0.2)
+    rows = {r["metric"]: r for r in canary.compare(worse, base, c, "cpu")}
+    assert rows["final_loss"]["level"] == "fail" and rows["mem_peak_bytes"]["level"] == "fail"
+    assert rows["data_wait_share"]["level"] == "fail" and rows["data_wait_share"]["delta"] == pytest.approx(19)
+    assert canary.worst(["pass", "warn", "pass"]) == "warn" and canary.worst([]) == "pass"
+
+
+def test_baseline_selection_and_history_parsing(tmp_path: Path) -> None:
+    p = tmp_path / "h.jsonl"
+    entries = [_entry(0.1 + i / 100) for i in range(12)]
+    entries += [_entry(0.9, fp="other | cfg abc"), _entry(0.9, h="zzz"), _entry(0.9, baseline=False)]
+    p.write_text("\n".join(json.dumps(e) for e in entries) + "\nnot json\n{\"x\": 1}\n\n")
+    got, problems = canary.read_history(p)
+    assert len(got) == 15 and problems == ["line 16: not JSON", "line 17: not a canary entry"]
+    sel = canary.select_baseline(got, "hw | cfg abc", "abc", 10)
+    assert [e["mfu_p50"] for e in sel] == pytest.approx([0.1 + i / 100 for i in range(2, 12)])
+    assert canary.select_baseline(got, "new hw | cfg abc", "abc", 10) == []
+    assert canary.read_history(tmp_path / "missing.jsonl") == ([], [])
+
+
+def test_parse_slow_and_matrix() -> None:
+    assert canary.parse_slow([]) == 0 and canary.parse_slow(["slow:7.5"]) == 7.5 and canary.parse_slow(["slow:5%"]) == 5
+    for bad in ("slow", "slow:x", "slow:0", "gradspike@3:2"):
+        with pytest.raises(canary.ConfigError):
+            canary.parse_slow([bad])
+    v = canary.parse_matrix(["attention=math,flash", "experts=loop,bmm,grouped_mm", "compile=off,on"])
+    assert len(v) == 12
+    assert v[0] == ("attention=math experts=loop compile=off",
+                    {"model.attention": "math", "model.experts_kernel": "loop", "train.compile": False})  # fmt: skip
+    assert v[-1][1]["train.compile"] is True
+    assert canary.parse_matrix(["model.top_k=1,2"])[1] == ("model.top_k=2", {"model.top_k": 2})
+    for bad in ("attention", "colour=red", "compile=maybe"):
+        with pytest.raises(canary.ConfigError):
+            canary.parse_matrix([bad])
+
+
+def test_profile_summary_self_time_from_a_chrome_trace(tmp_path: Path) -> None:
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "pid": 1, "tid": 1, "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "pid": 1, "tid": 1, "ts": 0, "dur": 50},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "pid": 1, "tid": 1, "ts": 5, "dur": 40},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": 1, "tid": 1, "ts": 10, "dur": 10},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 1, "ts": 60, "dur": 35},
+        {"ph": "X", "cat": "kernel", "name": "gemm_kernel", "pid": 0, "tid": 7, "ts": 6, "dur": 20},
+        {"ph": "i", "cat": "cpu_op", "name": "ignored", "pid": 1, "tid": 1, "ts": 1},
+    ]  # fmt: skip
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "host.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    s = canary.profile_summary(tmp_path)
+    assert s["profiled_steps"] == 1
+    total = {r["op"]: r for r in s["top_total"]}
+    assert total["aten::linear"]["total_ms"] == pytest.approx(0.050)
+    assert total["aten::linear"]["self_ms"] == pytest.approx(0.010)  # 50 - addmm 40
+    assert total["aten::addmm"]["self_ms"] == pytest.approx(0.030)  # 40 - copy_ 10
+    assert [r["op"] for r in s["top_self"][:2]] == ["aten::add", "aten::addmm"]  # 35 us, 30 us self
+    assert s["device_top"][0]["op"] == "gemm_kernel"
+    assert canary.profile_summary(tmp_path / "nowhere")["file"] is None
+
+
+def test_env_differences_name_what_changed() -> None:
+    base = [_entry(0.2, env={"torch": "2.12.0", "expert_kernel": "bmm"}),
+            _entry(0.2, env={"torch": "2.12.0", "expert_kernel": "bmm"})]  # fmt: skip
+    diff = canary.env_differences({"torch": "2.13.0", "expert_kernel": "bmm"}, base)
+    assert [d["key"] for d in diff if d["key"] in ("torch", "expert_kernel")] == ["torch"]
+    assert diff[0]["baseline"] == {"2.12.0": 2}
+
+
+def _rows(**levels: tuple[str, float]) -> list[dict]:
+    return [{"metric": m, "label": m, "level": lv, "delta": d} for m, (lv, d) in levels.items()]
+
+
+def test_a_regression_must_repeat() -> None:
+    first = _rows(mfu_p50=("fail", -6.0), final_loss=("pass", 0.0))
+    assert canary.needs_confirmation(first)
+    assert canary.needs_confirmation(_rows(mfu_p50=("warn", -3.0)))  # MFU past its warn line: re-run
+    assert not canary.needs_confirmation(_rows(mfu_p50=("pass", -1.0), final_loss=("warn", 3.0)))
+    # Repeated: the mean of both runs fails and the re-run alone is at least a warn -> fail.
+    d = canary.decide([first, _rows(mfu_p50=("warn", -3.5), final_loss=("pass", 0.0))],
+                      _rows(mfu_p50=("fail", -4.8), final_loss=("pass", 0.0)))  # fmt: skip
+    assert [x["final"] for x in d] == ["fail", "pass"] and d[0]["pooled_delta"] == -4.8
+    # Not repeated: the re-run passes -> warn, even though the mean is still past the fail line.
+    d = canary.decide([first, _rows(mfu_p50=("pass", -1.0), final_loss=("pass", 0.0))],
+                      _rows(mfu_p50=("fail", -3.5), final_loss=("pass", 0.0)))  # fmt: skip
+    assert d[0]["final"] == "warn"
+    # One run only: its own levels.
+    assert [x["final"] for x in canary.decide([first], [])] == ["fail", "pass"]
+    pooled = canary.pool_summaries([{"mfu_p50": 0.2, "final_loss": 2.0}, {"mfu_p50": 0.3, "final_loss": 2.0}])
+    assert pooled["mfu_p50"] == pytest.approx(0.25)
+
+
+def test_processes_pool_by_median_and_keep_each_processs_mfu() -> None:
+    def one(mfu: float, mem: int) -> dict:
+        return {canary.MFU: mfu, canary.TPS: 1000 * mfu, canary.MEM: mem, canary.DATA_WAIT: 0.01,
+                canary.LOSS: 2.0, canary.REF: 7.0, "window_steps": 160, "steps": 200}  # fmt: skip
+
+    pooled = canary.pool_processes([one(0.20, 5), one(0.10, 9), one(0.21, 7)])  # one odd, slow process
+    assert pooled[canary.MFU] == pytest.approx(0.20) and pooled[canary.TPS] == pytest.approx(200)
+    assert pooled[canary.MEM] == 9 and pooled["window_steps"] == 480 and pooled["steps"] == 600
+    assert pooled["process_mfu"] == [0.20, 0.10, 0.21]
+    assert canary.pool_processes([one(0.3, 1)])["process_mfu"] == [0.3]
