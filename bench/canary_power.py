@@ -54,7 +54,7 @@ def _first_delta(rep: dict[str, Any], run: int = 0) -> float | None:
     runs = rep.get("runs", [])
     if run >= len(runs):
         return None
-    row = next((r for r in runs[run]["comparison"] if r["metric"] == canary.MFU), None)
+    row = next((r for r in runs[run]["comparison"] if r["metric"] in canary.MFU_METRICS), None)  # the gated MFU
     return row["delta"] if row else None
 
 
@@ -139,7 +139,7 @@ def summarize(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], bas
         shlex.quote(a) for a in sys.argv[1:] if a != "--write-docs"
     )  # fmt: skip
     per_run = [{"arm": arm, "verdict": r["verdict"], "delta_run1": _first_delta(r, 0), "delta_run2": _first_delta(r, 1),
-                "delta_pooled": next((p["delta"] for p in r.get("pooled", []) if p["metric"] == canary.MFU), None),
+                "delta_pooled": next((p["delta"] for p in r.get("pooled", []) if p["metric"] in canary.MFU_METRICS), None),
                 "load": r["runs"][0].get("loadavg")} for arm, reps in arms.items() for r in reps]  # fmt: skip
     return {
         "command": cmd.strip(),
@@ -163,8 +163,8 @@ def sweep(per_run: list[dict[str, Any]], as_run_warn: float) -> list[dict[str, A
     """Re-judge the recorded MFU deltas under other (warn, fail) lines, warn >= the as-run warn line
     (runs above the as-run line were never re-run). Only MFU: the other gates never fired here."""
     out = []
-    for warn in sorted({as_run_warn, *(w for w in (2.5, 3.0, 4.0, 5.0, 6.0) if w >= as_run_warn)}):
-        for fail in (3.5, 4.0, 5.0, 6.0, 7.0, 8.0):
+    for warn in sorted({as_run_warn, *(w for w in (1.5, 2.0, 2.5, 3.0, 4.0) if w >= as_run_warn)}):
+        for fail in (2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0):
             if fail < warn or fail > warn + 3:
                 continue
             counts: dict[str, list[int]] = {}
@@ -186,11 +186,12 @@ def render(res: dict[str, Any]) -> str:
         "",
         f"Command: `{res['command']}`",
         "",
-        f"Baseline: {len(res['baseline_mfu'])} clean runs recorded (`--record`), MFU p50 spread "
+        f"Baseline: {len(res['baseline_mfu'])} clean runs recorded (`--record`), plain MFU p50 spread "
         f"{res['baseline_spread_pct']:.2f}% (max - min over median). Gate: MFU warn at -{g['mfu_warn_pct']:g}%, "
         f"fail at -{g['mfu_fail_pct']:g}% of the baseline median; a run past a line is re-run once and fails only "
         f"if the mean of both runs is past the fail line and the re-run past the warn line (confirm = {g['confirm']}). "
-        f"Timing: {res['timing']}. Arms interleaved (clean, 2%, 3%, 5%, 10%, clean, ...).",
+        f"Timing: {res['timing']} (CPU: the gated MFU is host-adjusted, `guard.canary.HostFit`). "
+        "Arms interleaved (clean, 2%, 3%, 5%, 10%, clean, ...); deltas below are the gated MFU's.",
         "",
         "| arm | runs | fail | warn | pass | re-runs | first-run MFU delta: median [min, max] |",
         "|---|---|---|---|---|---|---|",

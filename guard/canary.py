@@ -20,18 +20,17 @@ the code (measured on 2 cores at load 5-10: the wall-clock p50 of identical runs
   3. pins glibc's malloc thresholds in the worker, so freed tensors are not handed back to the
      OS and faulted in again every step (that cost 0.5-10 ms of system time per 40 ms step,
      swinging with the neighbours);
-  4. times a fixed reference matmul (same thread, CPU time) right after every step, and reports
-     MFU = (FLOPs/token * tokens / p50 step CPU time) / (reference FLOPs / p50 reference CPU
-     time): the MFU's peak is measured in the same process, interleaved with the very steps it
-     normalises, not once at start-up. Contention from neighbours slows both, to first order.
-CPU time alone still moves 4-27% between identical runs; the normalised MFU about 3% (sd), with
-excursions to -9% when something outside this VM competes for the core (load 1, wall = CPU time,
-yet step CPU time +27%): the model then slows 1.4-2x as much as the reference, and none of the
-references tried tracked it better.
-That noise floor sets the gate's lines (docs/BENCHMARKS.md, canary section). Caveat: a regression
-confined to torch's CPU GEMM also slows the reference and cancels out of MFU; the unnormalised
-`tokens_per_s_p50` (tokens per CPU-second) still shows it, behind a looser gate, and the report
-names the torch version change.
+  4. times a fixed reference matmul in numpy (same thread, CPU time) right after every step, and
+     reports MFU = (FLOPs/token * tokens / p50 step CPU time) / (reference FLOPs / p50 reference
+     CPU time): the MFU's peak is measured in the same process, interleaved with the very steps
+     it normalises, not once at start-up. Contention from neighbours slows both, to first order.
+     The reference is numpy's BLAS, not torch's, so a torch regression cannot slow the yardstick
+     and cancel itself out of MFU.
+CPU time alone still moves 4-27% between identical runs; the normalised MFU about 3% (sd) per
+process, with excursions to -9% when something outside this VM competes for the core (load 1,
+wall = CPU time, yet step CPU time +27%): the model then slows 1.4-2x as much as the reference,
+and none of the references tried tracked it better. Hence several processes per measurement
+(see `measure`) and the gate's lines (docs/BENCHMARKS.md, canary section).
 
 Decision. Baseline = median of the last `history_window` baseline entries of the history with
 the same fingerprint (hardware class + config hash). A regression must repeat: when the first
@@ -78,10 +77,13 @@ H_TIME, H_SHA, H_TORCH, H_FP, H_HW = "time", "git_sha", "torch", "fingerprint", 
 H_CFG_HASH, H_CFG, H_VERDICT, H_BASELINE = "config_hash", "config", "verdict", "baseline"
 MFU, TPS, MEM, DATA_WAIT, LOSS = "mfu_p50", "tokens_per_s_p50", "mem_peak_bytes", "data_wait_share", "final_loss"
 REF = "ref_cpu_ms_p50"  # the paired reference's p50 CPU time (CPU timing): how contended the core was
+MFU_ADJ = "mfu_host_adj_p50"  # CPU timing: MFU corrected for the host's speed (HostFit); the gated MFU
+PROC_MFU, PROC_REF = "process_mfu", "process_ref_ms"  # per worker process: MFU p50 and reference p50
+MFU_METRICS = (MFU, MFU_ADJ)
 
 # Bumped when what a measurement means changes (window, reference, formulas, page policy): old
 # baselines then stop matching (the config hash includes it) instead of being compared like with unlike.
-MEASURE_VERSION = 2
+MEASURE_VERSION = 3  # 3: the reference is numpy's matmul (was torch's)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,32 +218,40 @@ def parse_slow(specs: list[str]) -> float:
 
 
 class _Reference:
-    """A fixed matmul workload (x_ND @ w_DF -> silu -> @ w_DF^T), timed in thread CPU time.
+    """A fixed matmul workload (x_ND @ w_DF -> silu -> @ w_DF^T) in numpy, timed in thread CPU time.
 
-    ~8 ms, working set ~1.5 MB (beyond L2, like the canary model's). Chosen over 0.5, 4 and 8 MB
-    matmuls, a small MLP training step and a memory stream: all tracked the model's slowdowns
-    under neighbours' load about equally (the stream worse); none fully (the model slows ~1.3x
-    as much as the reference).
+    numpy, not torch, on purpose: the reference is the machine's yardstick, so it must not share
+    code with what the canary tests. With a torch matmul as the reference, a torch upgrade that
+    slows its CPU GEMM slows the yardstick too and cancels out of MFU. numpy's own BLAS
+    (OpenBLAS, one thread in the worker) does not change with torch.
+
+    ~10 ms, working set ~1.5 MB (beyond L2, like the canary model's). Chosen over torch's matmul,
+    a memory stream, many small numpy matmuls and a pure-Python workload: under the other core's
+    load (31 processes, docs/NOTES.md) the numpy matmul and torch's tracked the model about equally
+    (run-to-run sd of the ratio 3.0-3.2% at raw 8.6%), the stream worse (5.2%), the small-op and
+    Python workloads far worse unless fitted.
     """
 
     N, D, F, REPS = 512, 128, 512, 4
 
     def __init__(self) -> None:
-        import torch
+        import numpy as np
 
-        g = torch.Generator().manual_seed(0)
-        self.x_ND = torch.randn(self.N, self.D, generator=g)
-        self.w_DF = torch.randn(self.D, self.F, generator=g) * 0.1
+        rng = np.random.default_rng(0)
+        self.x_ND = rng.standard_normal((self.N, self.D)).astype(np.float32)
+        self.w_DF = (rng.standard_normal((self.D, self.F)) * 0.1).astype(np.float32)
+        self.w_FD = np.ascontiguousarray(self.w_DF.T)
         self.flops = float(self.REPS * 2 * (2 * self.N * self.D * self.F))
         self()  # warm-up
 
     def __call__(self) -> float:
-        import torch.nn.functional as F
+        import numpy as np
 
         c0 = time.thread_time()
         for _ in range(self.REPS):
-            h_NF = F.silu(self.x_ND @ self.w_DF)
-            (h_NF @ self.w_DF.T).sum()
+            h_NF = self.x_ND @ self.w_DF
+            h_NF = h_NF / (1.0 + np.exp(-h_NF))  # silu
+            float((h_NF @ self.w_FD).sum())
         return time.thread_time() - c0
 
 
@@ -580,9 +590,12 @@ class MetricSpec:
 
 def metric_specs(timing: str) -> tuple[MetricSpec, ...]:
     tps_label = "tokens/s p50 (per CPU-second)" if timing == TIMING_CPU else "tokens/s p50"
-    mfu_label = "MFU p50 (vs paired reference)" if timing == TIMING_CPU else "MFU p50"
+    if timing == TIMING_CPU:
+        mfu = MetricSpec(MFU_ADJ, "MFU p50 (vs reference, host-adjusted)", True, "mfu")
+    else:
+        mfu = MetricSpec(MFU, "MFU p50", True, "mfu")
     return (
-        MetricSpec(MFU, mfu_label, True, "mfu"),
+        mfu,
         MetricSpec(TPS, tps_label, True, "tokens_cpu" if timing == TIMING_CPU else "tokens"),
         MetricSpec(MEM, "peak memory", False, "mem"),
         MetricSpec(DATA_WAIT, "data-wait share", False, "data_wait", absolute=True),
@@ -616,6 +629,76 @@ def compare(current: dict[str, Any], baseline: list[dict[str, Any]], c: CanaryCo
             row["level"] = FAIL if bad >= fail else WARN if bad >= warn else PASS
         rows.append(row)
     return rows
+
+
+@dataclass(frozen=True, slots=True)
+class HostFit:
+    """How MFU moves with the host's speed, fitted on the baseline's worker processes (CPU timing).
+
+    Plain normalisation (MFU against the paired reference) assumes the model and the reference slow
+    down alike. They do not: when something outside the VM competes for the core, the model slows
+    2.4-4.4x as much as the reference in log terms (docs/NOTES.md, canary), so a slow phase of the
+    host reads as an MFU drop of up to 5.5% on an unchanged build. Across the baseline's processes
+    this is a line, log MFU = slope * log ref + c (slope = 1 - b; 0 means plain normalisation), and
+    `adjust` moves a process's MFU to the baseline's median reference time along it.
+
+    Guard rails, because a fitted correction must never hide a regression:
+      - the slope is shrunk towards 0 (plain normalisation) when the baseline saw little host
+        variation (ridge with `prior_sd` of log ref), and clamped to [-4, 0.5];
+      - a reference time outside the range the baseline saw is clipped to that range: no
+        extrapolation (a far slower host is not corrected beyond what was observed);
+      - the reference is numpy's BLAS, so no torch change moves it.
+    """
+
+    slope: float = 0.0
+    log_ref0: float = float("nan")  # the baseline's median log reference time (ms)
+    lo: float = float("nan")  # the range of log reference times the baseline saw
+    hi: float = float("nan")
+    n: int = 0  # baseline processes the fit used (0: no adjustment)
+    r: float = float("nan")  # correlation of log MFU with log ref over them
+
+    def adjust(self, mfu: float, ref_ms: float) -> float:
+        if self.n == 0 or not (math.isfinite(mfu) and math.isfinite(ref_ms) and ref_ms > 0):
+            return mfu
+        x = min(max(math.log(ref_ms), self.lo), self.hi)
+        return mfu * math.exp(-self.slope * (x - self.log_ref0))
+
+
+HOST_FIT_MIN_POINTS = 10
+HOST_FIT_PRIOR_SD = 0.005
+HOST_FIT_SLOPE_RANGE = (-4.0, 0.5)
+
+
+def process_pairs(d: dict[str, Any]) -> list[tuple[float, float]]:
+    """(MFU, reference ms) of each worker process of a summary or history entry (finite, > 0)."""
+    mfus, refs = d.get(PROC_MFU) or [], d.get(PROC_REF) or []
+    return [(m, r) for m, r in zip(mfus, refs, strict=False)
+            if isinstance(m, int | float) and isinstance(r, int | float) and m > 0 and r > 0
+            and math.isfinite(m) and math.isfinite(r)]  # fmt: skip
+
+
+def fit_host(pairs: list[tuple[float, float]], prior_sd: float = HOST_FIT_PRIOR_SD) -> HostFit:
+    """Least squares of log MFU on log ref, shrunk towards slope 0 (see HostFit)."""
+    if len(pairs) < HOST_FIT_MIN_POINTS:
+        return HostFit()
+    xs = [math.log(r) for _, r in pairs]
+    ys = [math.log(m) for m, _ in pairs]
+    n, xm, ym = len(xs), statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - xm) ** 2 for x in xs)
+    syy = sum((y - ym) ** 2 for y in ys)
+    sxy = sum((x - xm) * (y - ym) for x, y in zip(xs, ys, strict=True))
+    lo_s, hi_s = HOST_FIT_SLOPE_RANGE
+    slope = min(max(sxy / (sxx + n * prior_sd**2), lo_s), hi_s)
+    r = sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
+    return HostFit(slope=slope, log_ref0=statistics.median(xs), lo=min(xs), hi=max(xs), n=n, r=r)
+
+
+def with_host_adjusted(d: dict[str, Any], fit: HostFit) -> dict[str, Any]:
+    """A copy of a summary / history entry with MFU_ADJ: the median over its processes of the
+    host-adjusted MFU (the plain MFU where it has no per-process pairs)."""
+    pairs = process_pairs(d)
+    adj = statistics.median(fit.adjust(m, r) for m, r in pairs) if pairs else d.get(MFU)
+    return {**d, MFU_ADJ: adj}
 
 
 def worst(levels: list[str]) -> str:
@@ -854,7 +937,7 @@ def pool_processes(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """One measurement from its processes: the median of each rate (robust to one odd process),
     the highest peak memory, step counts summed; per-process MFU kept for the report."""
     if len(summaries) == 1:
-        return {**summaries[0], "process_mfu": [summaries[0][MFU]]}
+        return {**summaries[0], PROC_MFU: [summaries[0][MFU]], PROC_REF: [summaries[0][REF]]}
     out = dict(summaries[0])
     for key in (MFU, TPS, DATA_WAIT, LOSS, REF, "mfu_wall_p50", "tokens_per_s_wall_p50", "step_iqr_pct",
                 "step_cpu_ms_p50", "step_wall_ms_p50", "first_step_s", "compile_s"):  # fmt: skip
@@ -862,7 +945,8 @@ def pool_processes(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     out[MEM] = max(s[MEM] for s in summaries)
     out["window_steps"] = sum(s["window_steps"] for s in summaries)
     out["steps"] = sum(s["steps"] for s in summaries)
-    out["process_mfu"] = [s[MFU] for s in summaries]
+    out[PROC_MFU] = [s[MFU] for s in summaries]
+    out[PROC_REF] = [s[REF] for s in summaries]
     return out
 
 
@@ -909,6 +993,9 @@ def run_canary(args: argparse.Namespace, setup: Setup) -> int:
     hardware = first.result["hardware"]
     fingerprint = f"{hardware} | cfg {config_hash}"
     baseline = select_baseline(entries, fingerprint, config_hash, setup.canary.history_window)
+    fit = fit_host([p for e in baseline for p in process_pairs(e)]) if timing == TIMING_CPU else HostFit()
+    baseline = [with_host_adjusted(e, fit) for e in baseline]
+    first.summary = with_host_adjusted(first.summary, fit)
 
     comparisons = [compare(first.summary, baseline, setup.canary, timing)] if baseline else [[]]
     pooled: list[dict[str, Any]] = []
@@ -923,6 +1010,7 @@ def run_canary(args: argparse.Namespace, setup: Setup) -> int:
         runs.append(second)
         if not second.ok:
             return _report_error(args, second)
+        second.summary = with_host_adjusted(second.summary, fit)
         _progress(_describe(second))
         comparisons.append(compare(second.summary, baseline, setup.canary, timing))
         summary = pool_summaries([first.summary, second.summary])
@@ -934,6 +1022,7 @@ def run_canary(args: argparse.Namespace, setup: Setup) -> int:
     report = build_report(setup=setup, args=args, runs=runs, comparisons=comparisons, pooled=pooled,
                           decision=decision, baseline=baseline, verdict=verdict, notice=notice,
                           fingerprint=fingerprint, config_hash=config_hash, slow=slow, problems=problems)  # fmt: skip
+    report["host_fit"] = _finite(host_fit_report(fit, runs))
     record_as_baseline = args.record and (verdict != FAIL or args.accept)
     if args.record or args.append:
         entry = history_entry(runs[-1], summary, setup, fingerprint, config_hash, verdict, record_as_baseline)
@@ -947,17 +1036,28 @@ def run_canary(args: argparse.Namespace, setup: Setup) -> int:
     return EXIT_FAIL if verdict == FAIL else EXIT_PASS
 
 
+def host_fit_report(fit: HostFit, runs: list[Measurement]) -> dict[str, Any]:
+    """The fit and how far each run's host was from the baseline's (reference ms, median)."""
+    ref0 = math.exp(fit.log_ref0) if fit.n else None
+    return {**dataclasses.asdict(fit), "ref0_ms": ref0,
+            "run_ref_ms": [(m.summary or {}).get(REF) for m in runs],
+            "ref_range_ms": [math.exp(fit.lo), math.exp(fit.hi)] if fit.n else None}  # fmt: skip
+
+
 def needs_confirmation(rows: list[dict[str, Any]]) -> bool:
     """Re-run when any gate fails, or when MFU (the gate with the most noise) is past its warn line."""
-    return any(r["level"] == FAIL or (r["metric"] == MFU and r["level"] == WARN) for r in rows)
+    return any(r["level"] == FAIL or (r["metric"] in MFU_METRICS and r["level"] == WARN) for r in rows)
 
 
 def pool_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """The runs' gate metrics averaged (the baseline entry of a confirmed canary)."""
     out = dict(summaries[-1])
-    for k in (MFU, TPS, MEM, DATA_WAIT, LOSS, REF, "mfu_wall_p50", "tokens_per_s_wall_p50"):
+    for k in (PROC_MFU, PROC_REF):
+        out[k] = [v for s in summaries for v in s.get(k) or []]
+    for k in (MFU, MFU_ADJ, TPS, MEM, DATA_WAIT, LOSS, REF, "mfu_wall_p50", "tokens_per_s_wall_p50"):
         vals = [s[k] for s in summaries if isinstance(s.get(k), int | float) and math.isfinite(s[k])]
-        out[k] = statistics.fmean(vals) if vals else float("nan")
+        if vals or k in out:
+            out[k] = statistics.fmean(vals) if vals else float("nan")
     return out
 
 
@@ -1011,6 +1111,8 @@ def history_entry(m: Measurement, s: dict[str, Any], setup: Setup, fingerprint: 
         "mfu_wall_p50": s.get("mfu_wall_p50"),
         "tokens_per_s_wall_p50": s.get("tokens_per_s_wall_p50"),
         REF: s.get(REF),
+        PROC_MFU: s.get(PROC_MFU),
+        PROC_REF: s.get(PROC_REF),
         "step_cpu_ms_p50": s.get("step_cpu_ms_p50"),
         "step_iqr_pct": s.get("step_iqr_pct"),
         "warn_pct": setup.canary.mfu_warn_pct,
@@ -1056,7 +1158,7 @@ def build_report(*, setup: Setup, args: argparse.Namespace, runs: list[Measureme
         "gates": {f.name: getattr(setup.canary, f.name) for f in dataclasses.fields(CanaryConfig)},
         "baseline": {
             "n": len(baseline),
-            "entries": [{k: e.get(k) for k in (H_TIME, H_SHA, H_TORCH, MFU, TPS, "run_id")} for e in baseline],
+            "entries": [{k: e.get(k) for k in (H_TIME, H_SHA, H_TORCH, MFU, MFU_ADJ, TPS, "run_id")} for e in baseline],
         },
         "runs": [
             {"attempt": m.attempt, "run_id": m.result.get("run_id"), "run_dir": m.result.get("run_dir"),
@@ -1101,9 +1203,10 @@ def render_markdown(rep: dict[str, Any]) -> str:
     out += [f"- config: `{rep['config_label']}` (hash `{rep['config_hash']}`)",
             f"- fingerprint: `{rep['fingerprint']}`",
             f"- timing: {rep['timing']} ("
-            + ("thread CPU time, MFU against a reference matmul timed right after every step"
+            + ("thread CPU time, MFU against a numpy reference matmul timed right after every step"
                if rep["timing"] == TIMING_CPU else "wall clock") + ")",
             f"- baseline: median of {rep['baseline']['n']} baseline entries of `{rep['history']}`"]  # fmt: skip
+    out += _host_fit_markdown(rep.get("host_fit"))
     if rep["inject_slow_pct"]:
         out.append(f"- injected slowdown: {rep['inject_slow_pct']:g}% of each step's compute")
     if rep["regressed_metrics"]:
@@ -1163,6 +1266,20 @@ def render_markdown(rep: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _host_fit_markdown(fit: dict[str, Any] | None) -> list[str]:
+    if not fit:
+        return []
+    if not fit.get("n"):
+        return ["- host adjustment: none (fewer than "
+                f"{HOST_FIT_MIN_POINTS} baseline processes with reference times): MFU is plain-normalised"]
+    runs = ", ".join(f"{v:.2f}" for v in fit.get("run_ref_ms") or [] if isinstance(v, int | float))
+    lo, hi = fit["ref_range_ms"]
+    return [f"- host adjustment: over {fit['n']} baseline processes log MFU = {fit['slope']:+.2f} x log(reference ms) "
+            f"+ c (r = {fit['r'] if fit['r'] is not None else float('nan'):.2f}); each process's MFU is moved along "
+            f"it to the baseline's median reference {fit['ref0_ms']:.2f} ms (seen {lo:.2f}-{hi:.2f} ms, clipped to "
+            f"that range). This run: reference {runs} ms"]  # fmt: skip
+
+
 def _profile_markdown(rep: dict[str, Any]) -> list[str]:
     prof = rep.get("profile") or {}
     out = ["", "## Profile (torch.profiler window of the decisive run)", ""]
@@ -1208,7 +1325,7 @@ def print_summary(rep: dict[str, Any]) -> None:
     if rep["notice"]:
         print(f"canary notice: {rep['notice']}")
     tail = ""
-    mfu = next((r for r in rows if r["metric"] == MFU), None)
+    mfu = next((r for r in rows if r["metric"] in MFU_METRICS), None)
     if mfu is not None and mfu["delta"] is not None:
         tail = f" ({_fmt_delta(mfu)} vs the median of {mfu['n_baseline']} baseline entries)"
     now = mfu["current"] if mfu else rep["runs"][-1]["summary"].get(MFU)

@@ -78,18 +78,21 @@ def test_clean_run_passes_and_injected_slowdown_fails(recorded: Path, capsys: py
     slow = json.loads((recorded / "rep-slow" / "canary.json").read_text())
     assert slow["verdict"] == "fail" and slow["exit_code"] == 1
     assert slow["baseline"]["n"] == 1  # the --append'ed entry is not part of the baseline
-    assert "mfu_p50" in slow["regressed_metrics"]
+    gated = canary.MFU_ADJ if slow["timing"] == "cpu" else canary.MFU  # CPU: the host-adjusted MFU
+    assert gated in slow["regressed_metrics"]
     assert len(slow["runs"]) == 2  # the regression was re-run once and repeated
-    mfu_decision = next(d for d in slow["decision"] if d["metric"] == "mfu_p50")
+    mfu_decision = next(d for d in slow["decision"] if d["metric"] == gated)
     assert mfu_decision["final"] == "fail" and mfu_decision["pooled_delta"] < -15
     for run in slow["runs"]:
-        mfu = next(r for r in run["comparison"] if r["metric"] == "mfu_p50")
+        mfu = next(r for r in run["comparison"] if r["metric"] == gated)
         assert mfu["level"] in ("warn", "fail") and mfu["delta"] < -12
+    # One baseline entry of two processes is too few to fit the host: the adjustment is off, said so.
+    assert slow["host_fit"]["n"] == 0
     out = capsys.readouterr().out
-    assert "canary FAIL: mfu_p50" in out
+    assert f"canary FAIL: {gated}" in out
     md = (recorded / "rep-slow" / "canary.md").read_text()
     assert md.startswith("# Canary: FAIL") and "## Run 2" in md and "## Decision: both runs" in md
-    assert "regressed (fail): mfu_p50" in md
+    assert f"regressed (fail): {gated}" in md and "host adjustment: none" in md
 
 
 @pytest.mark.slow
@@ -139,18 +142,20 @@ def test_usage_errors(tmp_path: Path) -> None:
 
 # ---- the pieces, without training ---------------------------------------------------------------
 def _entry(mfu: float, *, fp: str = "hw | cfg abc", h: str = "abc", baseline: bool = True, **kw: object) -> dict:
-    return {"fingerprint": fp, "config_hash": h, "baseline": baseline, "mfu_p50": mfu, "tokens_per_s_p50": 1000.0,
+    return {"fingerprint": fp, "config_hash": h, "baseline": baseline, "mfu_p50": mfu, "mfu_host_adj_p50": mfu,
+            "tokens_per_s_p50": 1000.0,
             "mem_peak_bytes": 1e9, "data_wait_share": 0.01, "final_loss": 2.0, **kw}  # fmt: skip
 
 
 def test_compare_levels_against_the_median() -> None:
     c = canary.CanaryConfig(mfu_warn_pct=3, mfu_fail_pct=5)
     base = [_entry(0.20), _entry(0.21), _entry(0.19), _entry(0.50)]  # median 0.205; one outlier
-    rows = {r["metric"]: r for r in canary.compare(_entry(0.200), base, c, "cpu")}
-    assert rows["mfu_p50"]["baseline"] == pytest.approx(0.205) and rows["mfu_p50"]["level"] == "pass"
-    assert {r["metric"]: r for r in canary.compare(_entry(0.197), base, c, "cpu")}["mfu_p50"]["level"] == "warn"
-    assert {r["metric"]: r for r in canary.compare(_entry(0.190), base, c, "cpu")}["mfu_p50"]["level"] == "fail"
-    assert {r["metric"]: r for r in canary.compare(_entry(0.300), base, c, "cpu")}["mfu_p50"]["level"] == "pass"
+    for timing, key in (("cpu", canary.MFU_ADJ), ("wall", canary.MFU)):  # CPU gates the host-adjusted MFU
+        rows = {r["metric"]: r for r in canary.compare(_entry(0.200), base, c, timing)}
+        assert rows[key]["baseline"] == pytest.approx(0.205) and rows[key]["level"] == "pass"
+        assert {r["metric"]: r for r in canary.compare(_entry(0.197), base, c, timing)}[key]["level"] == "warn"
+        assert {r["metric"]: r for r in canary.compare(_entry(0.190), base, c, timing)}[key]["level"] == "fail"
+        assert {r["metric"]: r for r in canary.compare(_entry(0.300), base, c, timing)}[key]["level"] == "pass"
     worse = _entry(0.205, final_loss=2.2, mem_peak_bytes=1.3e9, data_wait_share=0.2)
     rows = {r["metric"]: r for r in canary.compare(worse, base, c, "cpu")}
     assert rows["final_loss"]["level"] == "fail" and rows["mem_peak_bytes"]["level"] == "fail"
@@ -226,6 +231,7 @@ def test_a_regression_must_repeat() -> None:
     first = _rows(mfu_p50=("fail", -6.0), final_loss=("pass", 0.0))
     assert canary.needs_confirmation(first)
     assert canary.needs_confirmation(_rows(mfu_p50=("warn", -3.0)))  # MFU past its warn line: re-run
+    assert canary.needs_confirmation(_rows(mfu_host_adj_p50=("warn", -3.0)))
     assert not canary.needs_confirmation(_rows(mfu_p50=("pass", -1.0), final_loss=("warn", 3.0)))
     # Repeated: the mean of both runs fails and the re-run alone is at least a warn -> fail.
     d = canary.decide([first, _rows(mfu_p50=("warn", -3.5), final_loss=("pass", 0.0))],
@@ -249,5 +255,51 @@ def test_processes_pool_by_median_and_keep_each_processs_mfu() -> None:
     pooled = canary.pool_processes([one(0.20, 5), one(0.10, 9), one(0.21, 7)])  # one odd, slow process
     assert pooled[canary.MFU] == pytest.approx(0.20) and pooled[canary.TPS] == pytest.approx(200)
     assert pooled[canary.MEM] == 9 and pooled["window_steps"] == 480 and pooled["steps"] == 600
-    assert pooled["process_mfu"] == [0.20, 0.10, 0.21]
+    assert pooled["process_mfu"] == [0.20, 0.10, 0.21] and pooled["process_ref_ms"] == [7.0, 7.0, 7.0]
     assert canary.pool_processes([one(0.3, 1)])["process_mfu"] == [0.3]
+    # Two confirmed runs: the gate metrics are averaged, the processes of both kept for the history.
+    a, b = canary.pool_processes([one(0.2, 1)] * 2), canary.pool_processes([one(0.1, 1)] * 3)
+    both = canary.pool_summaries([a, b])
+    assert both[canary.MFU] == pytest.approx(0.15) and both["process_mfu"] == [0.2, 0.2, 0.1, 0.1, 0.1]
+
+
+# ---- the host adjustment ------------------------------------------------------------------------
+def _host(refs: list[float], b: float, level: float = 0.2) -> list[tuple[float, float]]:
+    """(MFU, ref ms) of processes whose step time goes as ref**b: MFU = level * (ref / 10) ** (1 - b)."""
+    return [(level * (r / 10.0) ** (1 - b), r) for r in refs]
+
+
+SLOW_PHASES = [9.5, 9.8, 10.0, 10.1, 10.3, 10.6, 10.9, 11.2, 9.7, 10.0, 10.4, 10.8]  # ref ms, +-9%
+
+
+def test_host_fit_removes_the_hosts_slow_phases_but_not_a_regression() -> None:
+    fit = canary.fit_host(_host(SLOW_PHASES, b=3.0))
+    assert fit.n == 12 and fit.slope == pytest.approx(-2.0, abs=0.05) and fit.r == pytest.approx(-1.0)
+    # Plain normalisation reads the host's slow phase (ref 11 ms) as -17%; adjusted it is level.
+    (plain, ref), = _host([11.0], b=3.0)
+    assert plain / 0.2 - 1 < -0.15
+    assert fit.adjust(plain, ref) == pytest.approx(fit.adjust(*_host([10.0], b=3.0)[0]), rel=0.01)
+    # A 5% regression at the same host speed stays a 5% drop after the adjustment.
+    assert fit.adjust(0.95 * plain, ref) / fit.adjust(plain, ref) == pytest.approx(0.95)
+    # Baseline and current go through the same fit: with_host_adjusted takes each entry's processes.
+    base = [canary.with_host_adjusted({canary.MFU: 0.2, canary.PROC_MFU: [m], canary.PROC_REF: [r]}, fit)
+            for m, r in _host(SLOW_PHASES, b=3.0)]  # fmt: skip
+    assert max(e[canary.MFU_ADJ] for e in base) / min(e[canary.MFU_ADJ] for e in base) < 1.01
+
+
+def test_host_fit_does_not_extrapolate_or_overfit() -> None:
+    fit = canary.fit_host(_host(SLOW_PHASES, b=3.0))
+    # A host far slower than any baseline process is corrected only up to the slowest one seen.
+    (far, ref), = _host([14.0], b=3.0)
+    edge = fit.adjust(*_host([max(SLOW_PHASES)], b=3.0)[0])
+    assert fit.adjust(far, ref) == pytest.approx(edge * far / _host([max(SLOW_PHASES)], b=3.0)[0][0])
+    # A baseline that saw (almost) no host variation: the slope shrinks towards plain normalisation.
+    quiet = canary.fit_host(_host([10.0 + 0.01 * (i % 3) for i in range(12)], b=3.0))
+    assert abs(quiet.slope) < 0.1
+    # Too few processes: no fit, MFU unchanged; entries without per-process pairs keep their MFU.
+    few = canary.fit_host(_host(SLOW_PHASES[:5], b=3.0))
+    assert few.n == 0 and few.adjust(0.2, 12.0) == 0.2
+    assert canary.with_host_adjusted({canary.MFU: 0.3}, fit)[canary.MFU_ADJ] == 0.3
+    # The slope is clamped: a wild fit cannot blow the correction up.
+    wild = canary.fit_host(_host(SLOW_PHASES, b=40.0))
+    assert wild.slope == canary.HOST_FIT_SLOPE_RANGE[0]
