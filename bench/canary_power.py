@@ -68,13 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--out", type=Path, default=None, help="keep histories, runs and reports here")
     p.add_argument("--write-docs", action="store_true", help="update the canary section of docs/BENCHMARKS.md")
+    p.add_argument("--rejudge", type=Path, default=None, metavar="OUT",
+                   help="run nothing: re-analyse the reports a previous bench kept under OUT (its --out)")
     args = p.parse_args(argv)
+    if args.rejudge:
+        return rejudge(args)
     slowdowns = [float(s) for s in args.slowdowns.split(",") if s.strip()]
     out = args.out or Path(tempfile.mkdtemp(prefix="canary-power-"))
     out.mkdir(parents=True, exist_ok=True)
     history = out / "history.jsonl"
     history.unlink(missing_ok=True)
-    common = ["--config", str(args.config), "--history", str(history), "--runs", str(out / "runs")]
+    # The live gate judges against the baselines just recorded, whatever their span (the bench
+    # measures the gate itself; `spanning` then judges the same runs against a spanning history).
+    common = ["--config", str(args.config), "--history", str(history), "--runs", str(out / "runs"),
+              "--set", "canary.baseline_min_span_h=0"]  # fmt: skip
     for s in args.set:
         common += ["--set", s]
     t_start = time.time()
@@ -100,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
             for s in slowdowns:
                 arms[f"{s:g}%"].append(one(f"slow{s:g}-{r + 1}", ["--inject", f"slow:{s:g}"]))
     elapsed = time.time() - t_start
+    finish(arms, slowdowns, baseline_reps, loads, elapsed, args, out)
+    return 0
 
+
+def finish(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], baseline_reps: list[dict[str, Any]],
+           loads: list[float], elapsed: float, args: argparse.Namespace, out: Path) -> None:  # fmt: skip
     result = summarize(arms, slowdowns, baseline_reps, loads, elapsed, args)
     (out / "canary_power.json").write_text(json.dumps(result, indent=2) + "\n")
     body = render(result)
@@ -111,7 +123,84 @@ def main(argv: list[str] | None = None) -> int:
 
         # Its own markers, nested inside the hand-written canary section (which explains the design).
         write_section("canary-power", body + f"\n\nMachine: {machine_line()}.\n")
+
+
+def rejudge(args: argparse.Namespace) -> int:
+    """Re-analyse a kept bench (OUT/reports/<tag>/canary.json, tags as `one` names them)."""
+    out = args.rejudge
+    reports = sorted((out / "reports").glob("*/canary.json"), key=lambda f: f.stat().st_mtime)
+    if not reports:
+        raise SystemExit(f"--rejudge {out}: no reports/*/canary.json there (not a bench's --out?)")
+    baseline_reps: list[dict[str, Any]] = []
+    arms: dict[str, list[dict[str, Any]]] = {"clean": []}
+    slowdowns: list[float] = []
+    for f in reports:
+        tag, rep = f.parent.name, json.loads(f.read_text())
+        kind = tag.rsplit("-", 1)[0]
+        if kind == "baseline":
+            baseline_reps.append(rep)
+        elif kind == "clean":
+            arms["clean"].append(rep)
+        elif kind.startswith("slow"):
+            pct = float(kind[4:])
+            if pct not in slowdowns:
+                slowdowns.append(pct)
+            arms.setdefault(f"{pct:g}%", []).append(rep)
+    old = json.loads((out / "canary_power.json").read_text()) if (out / "canary_power.json").is_file() else {}
+    loads = [float(r["runs"][0]["loadavg"][0]) for r in [*baseline_reps, *(x for v in arms.values() for x in v)]
+             if r["runs"][0].get("loadavg")]  # fmt: skip
+    if old.get("command"):
+        sys.argv = [sys.argv[0], *shlex.split(old["command"])[3:]]  # the bench's own command line
+    finish(arms, sorted(slowdowns), baseline_reps, loads, float(old.get("elapsed_s") or 0), args, out)
     return 0
+
+
+def _entry_pairs(rep: dict[str, Any]) -> list[tuple[float, float]]:
+    """(MFU, ref ms) of every worker process of a report's runs: what its history entry would hold."""
+    return [p for run in rep["runs"] for p in canary.process_pairs(run["summary"])]
+
+
+def spanning(arms: dict[str, list[dict[str, Any]]], baseline_reps: list[dict[str, Any]],
+             lines: list[tuple[float, float]]) -> dict[str, Any]:  # fmt: skip
+    """Judge every measurement against a history that spans the whole bench, not one quiet window.
+
+    The live gate's baseline is the `--baselines` runs recorded back to back at the start: one host
+    state. A history kept over days holds the host's other states too. Leave-one-out over the
+    bench's clean measurements stands in for that: each measurement is judged against a baseline
+    and a host fit (`guard.canary.fit_host`) made of every OTHER clean measurement (baseline runs
+    and clean arm, re-runs included; a clean measurement never sees itself), with the gate's
+    own rule (a re-run only where the live gate re-ran; a run past warn with no re-run is counted
+    as unjudged). Injected runs never enter a baseline.
+    """
+    pool = [*baseline_reps, *arms.get("clean", [])]
+    results: dict[str, list[dict[str, Any]]] = {}
+    for arm, reps in arms.items():
+        for rep in reps:
+            others = [p for p in pool if p is not rep]
+            fit = canary.fit_host([pr for o in others for pr in _entry_pairs(o)])
+            base = statistics.median(statistics.median(fit.adjust(m, r) for m, r in _entry_pairs(o)) for o in others)
+            deltas = [100 * (statistics.median(fit.adjust(m, r) for m, r in canary.process_pairs(run["summary"]))
+                             / base - 1) for run in rep["runs"]]  # fmt: skip
+            results.setdefault(arm, []).append({"deltas": deltas, "slope": fit.slope, "r": fit.r})
+    table = []
+    for warn, fail in lines:
+        row: dict[str, Any] = {"warn": warn, "fail": fail}
+        for arm, res in results.items():
+            fails = unjudged = 0
+            for x in res:
+                d = x["deltas"]
+                if d[0] > -warn:
+                    continue
+                if len(d) < 2:
+                    unjudged += 1
+                    continue
+                fails += d[1] <= -warn and (d[0] + d[1]) / 2 <= -fail
+            row[arm] = f"{fails}/{len(res)}" + (f" ({unjudged} unjudged)" if unjudged else "")
+        table.append(row)
+    slopes = [x["slope"] for res in results.values() for x in res]
+    first = {arm: [x["deltas"][0] for x in res] for arm, res in results.items()}
+    return {"table": table, "slope_range": [min(slopes), max(slopes)] if slopes else None,
+            "first_deltas": first}  # fmt: skip
 
 
 def summarize(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], baseline_reps: list[dict[str, Any]],
@@ -156,6 +245,8 @@ def summarize(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], bas
         "elapsed_s": elapsed,
         "timing": baseline_reps[0].get("timing") if baseline_reps else None,
         "sweep": sweep(per_run, float(gates.get("mfu_warn_pct") or 0)),
+        "spanning": spanning(arms, baseline_reps, [(w, f) for w in (2.0, 2.5, 3.0, 4.0) for f in (3.0, 4.0, 5.0, 6.0)
+                                                   if f >= w and (w, f) != (4.0, 3.0)]),  # fmt: skip
     }
 
 
@@ -186,7 +277,8 @@ def render(res: dict[str, Any]) -> str:
         "",
         f"Command: `{res['command']}`",
         "",
-        f"Baseline: {len(res['baseline_mfu'])} clean runs recorded (`--record`), plain MFU p50 spread "
+        f"Baseline: {len(res['baseline_mfu'])} clean runs recorded (`--record`) back to back at the start (one "
+        "sitting; the live gate runs with `canary.baseline_min_span_h = 0` so it judges against them), plain MFU p50 spread "
         f"{res['baseline_spread_pct']:.2f}% (max - min over median). Gate: MFU warn at -{g['mfu_warn_pct']:g}%, "
         f"fail at -{g['mfu_fail_pct']:g}% of the baseline median; a run past a line is re-run once and fails only "
         f"if the mean of both runs is past the fail line and the re-run past the warn line (confirm = {g['confirm']}). "
@@ -207,11 +299,28 @@ def render(res: dict[str, Any]) -> str:
                   "| warn | fail | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]  # fmt: skip
         for row in res["sweep"]:
             lines.append(f"| -{row['warn']:g}% | -{row['fail']:g}% | " + " | ".join(row[a] for a in arms) + " |")
+    span = res.get("spanning")
+    if span and span["table"]:
+        arms = [k for k in span["table"][0] if k not in ("warn", "fail")]
+        lo, hi = span["slope_range"]
+        lines += ["", "The same runs judged against a history that spans the bench (leave-one-out: each run's baseline "
+                  "and host fit are every other clean measurement; `spanning` in bench/canary_power.py; fitted "
+                  f"slopes {lo:+.2f} to {hi:+.2f}; fails / runs):", "",
+                  "| warn | fail | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]  # fmt: skip
+        for row in span["table"]:
+            lines.append(f"| -{row['warn']:g}% | -{row['fail']:g}% | " + " | ".join(row[a] for a in arms) + " |")
+        own = next((r for r in span["table"] if r["warn"] == g["mfu_warn_pct"] and r["fail"] == g["mfu_fail_pct"]), None)
+        if own:
+            lines += ["", f"**Against the spanning history, with the config's lines (-{g['mfu_warn_pct']:g}% / "
+                      f"-{g['mfu_fail_pct']:g}%): " + ", ".join(f"{a} {own[a]}" for a in arms) + "** (clean = false alarms)."]
+        lines += ["", "First-run MFU deltas there: " + "; ".join(
+            f"{arm} {statistics.median(d):+.2f}% [{min(d):+.2f}, {max(d):+.2f}]" for arm, d in span["first_deltas"].items()
+            if d) + "."]  # fmt: skip
     every = res["smallest_caught_every_time_pct"]
     lines += [
         "",
-        f"False alarms: {res['false_alarms']} of {res['clean_runs']} clean runs. Smallest slowdown caught every "
-        f"time: {'none' if every is None else f'{every:g}%'}.",
+        f"Live gate (baseline from one sitting): false alarms {res['false_alarms']} of {res['clean_runs']} clean runs; "
+        f"smallest slowdown caught every time: {'none' if every is None else f'{every:g}%'}.",
         f"Load average (1 min) over the bench: min {load.get('min', 0):.1f}, median {load.get('median', 0):.1f}, "
         f"max {load.get('max', 0):.1f} on {os.cpu_count()} cores; {res['elapsed_s'] / 60:.0f} min in all.",
     ]  # fmt: skip

@@ -27,6 +27,7 @@ TINY = [
     "canary.tokens_cpu_fail_pct=70", "canary.tokens_warn_pct=60", "canary.tokens_fail_pct=70",
     "canary.mem_warn_pct=50", "canary.mem_fail_pct=80", "canary.data_wait_warn_pp=20",
     "canary.data_wait_fail_pp=40",
+    "canary.baseline_min_span_h=0",  # the shipped config's 24 h would keep MFU warn-only here
 ]  # fmt: skip
 
 
@@ -93,6 +94,23 @@ def test_clean_run_passes_and_injected_slowdown_fails(recorded: Path, capsys: py
     md = (recorded / "rep-slow" / "canary.md").read_text()
     assert md.startswith("# Canary: FAIL") and "## Run 2" in md and "## Decision: both runs" in md
     assert f"regressed (fail): {gated}" in md and "host adjustment: none" in md
+
+
+@pytest.mark.slow
+def test_a_baseline_from_one_sitting_only_warns_on_mfu(recorded: Path) -> None:
+    """The shipped config's rule: a CPU baseline that spans less than baseline_min_span_h cannot
+    fail MFU (one state of a shared host); the slowdown still shows, as a warn that says why."""
+    code = _canary(recorded, "--inject", "slow:40", "--set", "canary.baseline_min_span_h=24",
+                   "--set", "canary.confirm=false", report="rep-young")  # fmt: skip
+    rep = json.loads((recorded / "rep-young" / "canary.json").read_text())
+    if rep["timing"] != "cpu":
+        pytest.skip("the rule is for CPU timing")
+    assert code == 0 and rep["verdict"] == "warn" and rep["regressed_metrics"] == []
+    mfu = next(d for d in rep["decision"] if d["metric"] == canary.MFU_ADJ)
+    assert mfu["final"] == "warn" and "baseline_min_span_h = 24 h" in mfu["capped"]
+    assert rep["mfu_gate"]["armed"] is False and rep["mfu_gate"]["baseline_span_h"] < 1
+    assert canary.MFU_ADJ in rep["warned_metrics"] and "warn-only" in rep["notice"]
+    assert "- MFU gate: MFU is warn-only here" in (recorded / "rep-young" / "canary.md").read_text()
 
 
 @pytest.mark.slow
@@ -285,6 +303,27 @@ def test_host_fit_removes_the_hosts_slow_phases_but_not_a_regression() -> None:
     base = [canary.with_host_adjusted({canary.MFU: 0.2, canary.PROC_MFU: [m], canary.PROC_REF: [r]}, fit)
             for m, r in _host(SLOW_PHASES, b=3.0)]  # fmt: skip
     assert max(e[canary.MFU_ADJ] for e in base) / min(e[canary.MFU_ADJ] for e in base) < 1.01
+
+
+def test_mfu_gate_arms_only_on_a_baseline_spanning_the_hosts_states() -> None:
+    def entries(*times: str) -> list[dict[str, object]]:
+        return [{"time": t} for t in times]
+
+    day = entries("2026-11-22T10:00:00Z", "2026-11-22T22:00:00Z", "2026-11-23T10:30:00Z")
+    assert canary.baseline_span_h(day) == pytest.approx(24.5)
+    assert canary.baseline_span_h(entries("2026-11-22T10:00:00Z")) == 0
+    assert canary.baseline_span_h(entries("garbage", "2026-11-22T10:00:00Z")) == 0  # unreadable times are skipped
+    assert canary.mfu_gate_cap(day, canary.TIMING_CPU, 24) == ""
+    sitting = entries("2026-11-23T10:00:00Z", "2026-11-23T10:03:00Z")
+    why = canary.mfu_gate_cap(sitting, canary.TIMING_CPU, 24)
+    assert "span 0.1 h" in why and "baseline_min_span_h = 24 h" in why
+    assert canary.mfu_gate_cap(sitting, canary.TIMING_WALL, 24) == ""  # GPU: wall clock, the rule is for CPU
+    assert canary.mfu_gate_cap(sitting, canary.TIMING_CPU, 0) == ""  # switched off
+    decision = [{"metric": canary.MFU_ADJ, "final": "fail"}, {"metric": canary.MEM, "final": "fail"}]
+    capped = canary.cap_mfu(decision, why)
+    assert capped[0]["final"] == "warn" and capped[0]["capped"] == why
+    assert capped[1] == decision[1]  # memory still fails
+    assert canary.cap_mfu(decision, "") == decision
 
 
 def test_host_fit_does_not_extrapolate_or_overfit() -> None:
