@@ -643,8 +643,8 @@ class HostFit:
 
     Plain normalisation (MFU against the paired reference) assumes the model and the reference slow
     down alike. They do not: when something outside the VM competes for the core, the model slows
-    2.4-4.4x as much as the reference in log terms (docs/NOTES.md, canary), so a slow phase of the
-    host reads as an MFU drop of up to 5.5% on an unchanged build. Across the baseline's processes
+    1.4-4.4x as much as the reference in log terms (docs/NOTES.md, canary), so a slow phase of the
+    host reads as an MFU drop of up to 8% on an unchanged build. Across the baseline's processes
     this is a line, log MFU = slope * log ref + c (slope = 1 - b; 0 means plain normalisation), and
     `adjust` moves a process's MFU to the baseline's median reference time along it.
 
