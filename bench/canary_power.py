@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--out", type=Path, default=None, help="keep histories, runs and reports here")
     p.add_argument("--write-docs", action="store_true", help="update the canary section of docs/BENCHMARKS.md")
+    p.add_argument("--history-from", type=Path, default=None, metavar="FILE",
+                   help="start from a copy of this history (e.g. one recorded over hours) instead of an empty one; "
+                        "use with --baselines 0 to judge live against it alone")  # fmt: skip
     p.add_argument("--rejudge", type=Path, default=None, metavar="OUT",
                    help="run nothing: re-analyse the reports a previous bench kept under OUT (its --out)")
     args = p.parse_args(argv)
@@ -78,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     history = out / "history.jsonl"
     history.unlink(missing_ok=True)
+    if args.history_from:
+        if not args.history_from.is_file():
+            raise SystemExit(f"--history-from {args.history_from}: no such file")
+        history.write_text(args.history_from.read_text())  # a copy: the bench never writes to the original
     # The live gate judges against the baselines just recorded, whatever their span (the bench
     # measures the gate itself; `spanning` then judges the same runs against a spanning history).
     common = ["--config", str(args.config), "--history", str(history), "--runs", str(out / "runs"),
@@ -223,7 +230,9 @@ def summarize(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], bas
               and row["fail"] == row["runs"]]  # fmt: skip
     every = min((s for s in caught if all(c in caught for c in slowdowns if c >= s)), default=None)
     base_mfu = [r["runs"][0]["summary"][canary.MFU] for r in baseline_reps]
-    gates = baseline_reps[0]["gates"] if baseline_reps else {}
+    any_rep = next(iter([*baseline_reps, *(r for reps in arms.values() for r in reps)]), {})
+    gates = any_rep.get("gates", {})
+    judged = next((r for r in arms.get("clean", []) if r.get("baseline", {}).get("n")), {})
     cmd = "python -m bench.canary_power " + " ".join(
         shlex.quote(a) for a in sys.argv[1:] if a != "--write-docs"
     )  # fmt: skip
@@ -243,7 +252,10 @@ def summarize(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], bas
         "gates": {k: gates.get(k) for k in ("mfu_warn_pct", "mfu_fail_pct", "confirm", "warmup_steps")},
         "load": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)} if loads else {},
         "elapsed_s": elapsed,
-        "timing": baseline_reps[0].get("timing") if baseline_reps else None,
+        "timing": any_rep.get("timing"),
+        "history_from": str(getattr(args, "history_from", None) or "") or None,
+        "baseline_n": judged.get("baseline", {}).get("n"),
+        "baseline_span_h": (judged.get("mfu_gate") or {}).get("baseline_span_h"),
         "sweep": sweep(per_run, float(gates.get("mfu_warn_pct") or 0)),
         "spanning": spanning(arms, baseline_reps, [(w, f) for w in (2.0, 2.5, 3.0, 4.0) for f in (3.0, 4.0, 5.0, 6.0)
                                                    if f >= w and (w, f) != (4.0, 3.0)]),  # fmt: skip
@@ -272,14 +284,20 @@ def sweep(per_run: list[dict[str, Any]], as_run_warn: float) -> list[dict[str, A
 
 def render(res: dict[str, Any]) -> str:
     g, load = res["gates"], res["load"]
+    if res["baseline_mfu"]:
+        base = (f"Baseline: {len(res['baseline_mfu'])} clean runs recorded (`--record`) back to back at the start (one "
+                "sitting; the live gate runs with `canary.baseline_min_span_h = 0` so it judges against them), plain MFU "
+                f"p50 spread {res['baseline_spread_pct']:.2f}% (max - min over median).")  # fmt: skip
+    else:
+        span = res.get("baseline_span_h")
+        base = (f"Baseline: the history `{res.get('history_from')}`, recorded earlier ({res.get('baseline_n')} "
+                f"baseline entries spanning {0 if span is None else span:.1f} h); no baseline recorded in the bench.")
     lines = [
         "## Canary power (`moeguard canary`)",
         "",
         f"Command: `{res['command']}`",
         "",
-        f"Baseline: {len(res['baseline_mfu'])} clean runs recorded (`--record`) back to back at the start (one "
-        "sitting; the live gate runs with `canary.baseline_min_span_h = 0` so it judges against them), plain MFU p50 spread "
-        f"{res['baseline_spread_pct']:.2f}% (max - min over median). Gate: MFU warn at -{g['mfu_warn_pct']:g}%, "
+        base + f" Gate: MFU warn at -{g['mfu_warn_pct']:g}%, "
         f"fail at -{g['mfu_fail_pct']:g}% of the baseline median; a run past a line is re-run once and fails only "
         f"if the mean of both runs is past the fail line and the re-run past the warn line (confirm = {g['confirm']}). "
         f"Timing: {res['timing']} (CPU: the gated MFU is host-adjusted, `guard.canary.HostFit`). "
@@ -319,7 +337,7 @@ def render(res: dict[str, Any]) -> str:
     every = res["smallest_caught_every_time_pct"]
     lines += [
         "",
-        f"Live gate (baseline from one sitting): false alarms {res['false_alarms']} of {res['clean_runs']} clean runs; "
+        f"Live gate ({'baseline from one sitting' if res['baseline_mfu'] else 'against the earlier history'}): false alarms {res['false_alarms']} of {res['clean_runs']} clean runs; "
         f"smallest slowdown caught every time: {'none' if every is None else f'{every:g}%'}.",
         f"Load average (1 min) over the bench: min {load.get('min', 0):.1f}, median {load.get('median', 0):.1f}, "
         f"max {load.get('max', 0):.1f} on {os.cpu_count()} cores; {res['elapsed_s'] / 60:.0f} min in all.",

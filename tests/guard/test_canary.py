@@ -342,3 +342,29 @@ def test_host_fit_does_not_extrapolate_or_overfit() -> None:
     # The slope is clamped: a wild fit cannot blow the correction up.
     wild = canary.fit_host(_host(SLOW_PHASES, b=40.0))
     assert wild.slope == canary.HOST_FIT_SLOPE_RANGE[0]
+
+
+def test_power_bench_judges_against_every_other_clean_measurement() -> None:
+    """bench/canary_power.py's leave-one-out judgement: a clean run never sits in its own baseline,
+    injected runs never enter one, and the gate's rule (warn line, then mean of both runs) applies."""
+    from bench.canary_power import spanning
+
+    def rep(*runs: tuple[float, float]) -> dict[str, object]:
+        # each run: 5 processes at (MFU, reference ms); MFU/ref spread a little so the fit has data
+        return {"runs": [{"summary": {canary.PROC_MFU: [m * (1 + 0.002 * i) for i in range(5)],
+                                      canary.PROC_REF: [r * (1 + 0.01 * i) for i in range(5)]}} for m, r in runs]}  # fmt: skip
+
+    clean = [rep((0.25 * (1 + 0.003 * (i % 3 - 1)), 4.6)) for i in range(6)]
+    outlier = rep((0.235, 4.6), (0.236, 4.6))  # a clean measurement 6% low, re-run low too
+    slow5 = [rep((0.2375, 4.6), (0.2375, 4.6)) for _ in range(3)]
+    slow1 = [rep((0.2475, 4.6)) for _ in range(2)]  # -1%: never past a 2% warn line, never re-run
+    res = spanning({"clean": [*clean, outlier], "5%": slow5, "1%": slow1}, [], [(2.0, 3.0), (2.0, 7.0)])
+    row = {r["fail"]: r for r in res["table"]}
+    # The outlier is judged against the six normal runs (not itself): it fails at -2/-3, not at -2/-7.
+    assert row[3.0]["clean"] == "1/7" and row[7.0]["clean"] == "0/7"
+    # The injected runs are judged against all seven clean ones and never join the pool.
+    assert row[3.0]["5%"] == "3/3" and row[7.0]["5%"] == "0/3" and row[3.0]["1%"] == "0/2"
+    assert -5.5 < sum(res["first_deltas"]["5%"]) / 3 < -4.5
+    # A run past the warn line that was never re-run cannot be judged: counted, not guessed.
+    res = spanning({"clean": clean, "5%": [rep((0.2375, 4.6))]}, [], [(2.0, 3.0)])
+    assert res["table"][0]["5%"] == "0/1 (1 unjudged)"
