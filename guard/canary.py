@@ -40,6 +40,12 @@ its warn line; both runs are reported. No baseline for the fingerprint: pass wit
 another machine class must not fail for that). `--inject slow:PCT` burns PCT% of each step's own
 compute (CPU time on CPU; a sleep after a device sync on GPU) inside the step, so the run store's
 step times show it too.
+
+A shared host drifts (on 2026-11-23 a 2-vCPU VM's step CPU time rose 22% in 30 minutes on an
+unchanged build), so on CPU the gated MFU is host-adjusted (`HostFit`, fitted on the baseline's
+processes) and MFU can fail only against baseline entries recorded over at least
+`canary.baseline_min_span_h` hours (24 in configs/canary.toml); until then it warns and the
+report says why. Record baselines at different times (`--record` on main after each merge).
 """
 
 from __future__ import annotations
