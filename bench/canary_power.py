@@ -156,6 +156,9 @@ def rejudge(args: argparse.Namespace) -> int:
     old = json.loads((out / "canary_power.json").read_text()) if (out / "canary_power.json").is_file() else {}
     loads = [float(r["runs"][0]["loadavg"][0]) for r in [*baseline_reps, *(x for v in arms.values() for x in v)]
              if r["runs"][0].get("loadavg")]  # fmt: skip
+    cmd = shlex.split(old.get("command") or "")
+    if not args.history_from and "--history-from" in cmd[:-1]:
+        args.history_from = Path(cmd[cmd.index("--history-from") + 1])
     if old.get("command"):
         sys.argv = [sys.argv[0], *shlex.split(old["command"])[3:]]  # the bench's own command line
     finish(arms, sorted(slowdowns), baseline_reps, loads, float(old.get("elapsed_s") or 0), args, out)
