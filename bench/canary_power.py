@@ -156,11 +156,11 @@ def rejudge(args: argparse.Namespace) -> int:
     old = json.loads((out / "canary_power.json").read_text()) if (out / "canary_power.json").is_file() else {}
     loads = [float(r["runs"][0]["loadavg"][0]) for r in [*baseline_reps, *(x for v in arms.values() for x in v)]
              if r["runs"][0].get("loadavg")]  # fmt: skip
-    cmd = shlex.split(old.get("command") or "")
+    cmd = shlex.split(old.get("command") or "")  # "python -m bench.canary_power ARGS..."
     if not args.history_from and "--history-from" in cmd[:-1]:
         args.history_from = Path(cmd[cmd.index("--history-from") + 1])
-    if old.get("command"):
-        sys.argv = [sys.argv[0], *shlex.split(old["command"])[3:]]  # the bench's own command line
+    if cmd:
+        sys.argv = [sys.argv[0], *cmd[3:]]  # so the report shows the bench's own command line
     finish(arms, sorted(slowdowns), baseline_reps, loads, float(old.get("elapsed_s") or 0), args, out)
     return 0
 
@@ -188,9 +188,9 @@ def spanning(arms: dict[str, list[dict[str, Any]]], baseline_reps: list[dict[str
         for rep in reps:
             others = [p for p in pool if p is not rep]
             fit = canary.fit_host([pr for o in others for pr in _entry_pairs(o)])
-            base = statistics.median(statistics.median(fit.adjust(m, r) for m, r in _entry_pairs(o)) for o in others)
-            deltas = [100 * (statistics.median(fit.adjust(m, r) for m, r in canary.process_pairs(run["summary"]))
-                             / base - 1) for run in rep["runs"]]  # fmt: skip
+            base = statistics.median(canary.adjusted_median(_entry_pairs(o), fit) for o in others)
+            deltas = [100 * (canary.adjusted_median(canary.process_pairs(run["summary"]), fit) / base - 1)
+                      for run in rep["runs"]]  # fmt: skip
             results.setdefault(arm, []).append({"deltas": deltas, "slope": fit.slope, "r": fit.r})
     table = []
     for warn, fail in lines:
@@ -204,7 +204,7 @@ def spanning(arms: dict[str, list[dict[str, Any]]], baseline_reps: list[dict[str
                 if len(d) < 2:
                     unjudged += 1
                     continue
-                fails += d[1] <= -warn and (d[0] + d[1]) / 2 <= -fail
+                fails += _confirmed_fail(d[0], d[1], (d[0] + d[1]) / 2, warn, fail)
             row[arm] = f"{fails}/{len(res)}" + (f" ({unjudged} unjudged)" if unjudged else "")
         table.append(row)
     slopes = [x["slope"] for res in results.values() for x in res]
@@ -265,6 +265,12 @@ def summarize(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], bas
     }
 
 
+def _confirmed_fail(d1: float, d2: float, pooled: float, warn: float, fail: float) -> bool:
+    """The gate's rule (`guard.canary.decide`) on MFU deltas in percent: the first run past the
+    warn line (so it was re-run), the mean of both past the fail line, the re-run alone past warn."""
+    return d1 <= -warn and pooled <= -fail and d2 <= -warn
+
+
 def sweep(per_run: list[dict[str, Any]], as_run_warn: float) -> list[dict[str, Any]]:
     """Re-judge the recorded MFU deltas under other (warn, fail) lines, warn >= the as-run warn line
     (runs above the as-run line were never re-run). Only MFU: the other gates never fired here."""
@@ -276,8 +282,7 @@ def sweep(per_run: list[dict[str, Any]], as_run_warn: float) -> list[dict[str, A
             counts: dict[str, list[int]] = {}
             for r in per_run:
                 d1, d2, dp = r["delta_run1"], r["delta_run2"], r["delta_pooled"]
-                failed = (d1 is not None and d2 is not None and dp is not None and d1 <= -warn and dp <= -fail
-                          and d2 <= -warn)  # fmt: skip
+                failed = d1 is not None and d2 is not None and dp is not None and _confirmed_fail(d1, d2, dp, warn, fail)
                 c = counts.setdefault(r["arm"], [0, 0])
                 c[0] += failed
                 c[1] += 1

@@ -121,7 +121,7 @@ class CanaryConfig:
     loss_fail_pct: float = 5.0
     # CPU timing: MFU may fail only against baseline entries recorded over at least this many hours.
     # A baseline from one sitting holds one state of a shared host; judged against one,
-    # bench/canary_power.py saw 5 false alarms in 10 clean runs, against one spanning the bench none.
+    # bench/canary_power.py saw 5 false alarms in 10 clean runs (docs/BENCHMARKS.md, canary).
     baseline_min_span_h: float = 0.0
 
     def __post_init__(self) -> None:
@@ -705,12 +705,16 @@ def fit_host(pairs: list[tuple[float, float]], prior_sd: float = HOST_FIT_PRIOR_
     return HostFit(slope=slope, log_ref0=statistics.median(xs), lo=min(xs), hi=max(xs), n=n, r=r)
 
 
+def adjusted_median(pairs: list[tuple[float, float]], fit: HostFit) -> float:
+    """The median over processes of the host-adjusted MFU (one measurement's gated value)."""
+    return statistics.median(fit.adjust(m, r) for m, r in pairs)
+
+
 def with_host_adjusted(d: dict[str, Any], fit: HostFit) -> dict[str, Any]:
-    """A copy of a summary / history entry with MFU_ADJ: the median over its processes of the
-    host-adjusted MFU (the plain MFU where it has no per-process pairs)."""
+    """A copy of a summary / history entry with MFU_ADJ (the plain MFU where it has no
+    per-process pairs)."""
     pairs = process_pairs(d)
-    adj = statistics.median(fit.adjust(m, r) for m, r in pairs) if pairs else d.get(MFU)
-    return {**d, MFU_ADJ: adj}
+    return {**d, MFU_ADJ: adjusted_median(pairs, fit) if pairs else d.get(MFU)}
 
 
 def worst(levels: list[str]) -> str:
@@ -1060,11 +1064,9 @@ def run_canary(args: argparse.Namespace, setup: Setup) -> int:
         summary = pool_summaries([first.summary, second.summary])
         pooled = compare(summary, baseline, setup.canary, timing)
     cap = mfu_gate_cap(baseline, timing, setup.canary.baseline_min_span_h)
-    decision = decide(comparisons, pooled)
-    capped = cap_mfu(decision, cap) != decision
-    decision = cap_mfu(decision, cap)
+    decision = cap_mfu(decide(comparisons, pooled), cap)
     verdict = worst([d["final"] for d in decision])
-    if capped:
+    if any("capped" in d for d in decision):
         notice = f"MFU is past its fail line, but {cap}"
     elif pooled and verdict != FAIL and any(r["level"] == FAIL for r in comparisons[0]):
         notice = "the first run failed but the regression did not repeat in the re-run: not failing"

@@ -104,7 +104,10 @@ def test_a_baseline_from_one_sitting_only_warns_on_mfu(recorded: Path) -> None:
                    "--set", "canary.confirm=false", report="rep-young")  # fmt: skip
     rep = json.loads((recorded / "rep-young" / "canary.json").read_text())
     if rep["timing"] != "cpu":
-        pytest.skip("the rule is for CPU timing")
+        # Only on a GPU host (auto timing = wall clock there), where the rule is off by design
+        # (mfu_gate_cap is unit-tested for that). Forcing timing=cpu would change the config hash
+        # and leave this module's recorded baseline unmatched. CI (CPU) always runs this test.
+        pytest.skip("auto timing is wall clock on this host; the span rule is for CPU timing")
     assert code == 0 and rep["verdict"] == "warn" and rep["regressed_metrics"] == []
     mfu = next(d for d in rep["decision"] if d["metric"] == canary.MFU_ADJ)
     assert mfu["final"] == "warn" and "baseline_min_span_h = 24 h" in mfu["capped"]
