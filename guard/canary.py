@@ -765,7 +765,7 @@ def mfu_gate_cap(baseline: list[dict[str, Any]], timing: str, min_span_h: float)
     if span >= min_span_h:
         return ""
     return (f"MFU is warn-only here: the {len(baseline)} baseline entries span {span:.1f} h, less than "
-            f"canary.baseline_min_span_h = {min_span_h:g} h, so they have seen one state of a shared host; "
+            f"canary.baseline_min_span_h = {min_span_h:g} h, too short to have seen a shared host's slow and fast spells; "
             "record baselines (--record) at other times to arm the MFU fail line")  # fmt: skip
 
 
