@@ -1,105 +1,139 @@
 """The library API: guard any PyTorch training loop in a few lines.
 
     from guard.api import GuardedStep
-    from guard.probes import RouterProbe
+    from guard.integrations.transformers import attach
 
-    routers = [(i, RouterProbe(blk.moe.gate, n_experts=8, top_k=2)) for i, blk in enumerate(model.layers)]
-    guarded = GuardedStep(model, optimizer, run_dir="runs/my-run", layers=model.layers, routers=routers,
-                          max_lr=3e-4, grad_clip=1.0)
-    for batch in loader:
-        loss = model(batch).loss
+    guarded = GuardedStep(model, optimizer, attach=attach(model), run_dir="runs/my-run", max_lr=3e-4)
+    for batch in guarded.batches(loader):            # drops the data window after a rollback
+        loss = model(**batch).loss
         loss.backward()
-        decision = guarded.step(loss, tokens=batch.numel())  # steps the optimizer, or not
+        decision = guarded.step(loss, tokens=batch["input_ids"].numel())  # steps the optimizer, or not
         if decision.halt:
             break
     guarded.close()
 
 `step()` reads gradients and router statistics (one host copy), runs the detectors and the
 policy, then calls `optimizer.step()` only when the update is safe; on a skip neither weights nor
-optimizer state change (NaN included); on a rollback it restores the last good snapshot.
+optimizer state change (NaN included); on a rollback it restores the last snapshot before the
+incident and skips the next `skip_batches` batches (through `batches()`, or, when the loop does
+not use it, by skipping those updates); a collapse correction goes through the attachment's
+corrector (a selection-bias push or a per-layer balancing gradient) and is reported only when
+the model offers one.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
 from guard import schema
 from guard.config import GuardConfig, load_guard_config
+from guard.events import Event
 from guard.guard import Guard
+from guard.integrations.base import MODE_NONE, Attachment
 from guard.policy import Decision
 from guard.probe import Probe
 from guard.report import StepReport
 from guard.runstore import RunStore
 
+T = TypeVar("T")
+
 
 def _default_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks (transformer.h, model.layers, blocks...): the nn.ModuleList holding
     the most parameters, i.e. the outermost stack, not an experts list nested inside one block."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList | nn.ModuleDict) and len(m) > 0]
     if not lists:
         return [model]
-    return list(max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters())))
+    best = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
+    return list(best.values()) if isinstance(best, nn.ModuleDict) else list(best)
 
 
 class GuardedStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  run_dir: str | Path | None = None, config: GuardConfig | str | Path | None = None,
-                 layers: list[nn.Module] | None = None, routers: list[tuple[int, Any]] | None = None,
-                 max_lr: float | None = None, grad_clip: float = 0.0, dead_window: int = 50) -> None:  # fmt: skip
+                 attach: Attachment | None = None, layers: list[nn.Module] | None = None,
+                 routers: list[tuple[int, Any]] | None = None, max_lr: float | None = None,
+                 grad_clip: float = 0.0, dead_window: int = 50) -> None:  # fmt: skip
+        """`attach`: what guard.integrations.<framework>.attach(model) found (layers, routers and
+        the collapse corrector); `layers`/`routers` are the manual form of the same for a custom
+        model (routers observed, no correction applied)."""
         if isinstance(config, str | Path):
             config = load_guard_config(config)
         self.cfg = config or GuardConfig()
         self.model = model
         self.optimizer = optimizer
         self.grad_clip = grad_clip
+        self.attachment = attach
+        if attach is not None:
+            layers, routers = attach.layers, attach.routers
         device = next(model.parameters()).device
         self.probe = Probe(model, dead_window=dead_window, device=device,
                            layers=layers if layers is not None else _default_layers(model),
                            routers=routers or [])  # fmt: skip
-        self.layer_ids = list(range(self.probe.n_layers))
-        self.guard = Guard(self.cfg, model, optimizer, max_lr=max_lr, has_bias=False)
+        self.layer_ids = np.arange(self.probe.n_layers, dtype=np.int32)
+        self.corrector = attach.corrector if attach is not None else None
+        mode = attach.correction_mode if attach is not None else MODE_NONE
+        self.guard = Guard(self.cfg, model, optimizer, max_lr=max_lr, correction=mode)
         self.store = RunStore(run_dir) if run_dir is not None else None
         if self.store is not None:
             self.store.write_meta({"run_id": Path(run_dir).name, "status": schema.STATUS_RUNNING,  # type: ignore[arg-type]
                                    "started_at": time.time(), "env": {"torch": torch.__version__},
+                                   "integration": {"family": attach.family if attach else type(model).__name__,
+                                                   "correction": mode},
                                    "config": {"guard": _asdict(self.cfg)}})  # fmt: skip
         self.step_idx = 0
         self._t_last = time.perf_counter()
         self.counts: dict[str, int] = {}
+        self.pending_skip = 0  # batches still to drop after a rollback (the PaLM data window)
 
+    # ---- data window ------------------------------------------------------------------
+    def batches(self, loader: Iterable[T]) -> Iterator[T]:
+        """Yield the loader's batches, dropping the data window a rollback asks to skip."""
+        for batch in loader:
+            if self.pending_skip > 0:
+                self.pending_skip -= 1
+                continue
+            yield batch
+
+    # ---- the step -----------------------------------------------------------------------
     def step(self, loss: torch.Tensor, *, tokens: int = 0, n_micro: int = 1) -> Decision:
         """Call after backward. Steps the optimizer only if the guard allows it; zeroes gradients."""
         pr = self.probe.collect(loss.detach() * n_micro, n_micro)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        import numpy as np
-
-        rep = StepReport(step=self.step_idx, time=time.time(), loss=pr.loss, grad_norm=pr.grad_norm, lr=lr,
-                         tokens=tokens, layer_ids_L=np.asarray(self.layer_ids, dtype=np.int32),
+        planned = [float(g["lr"]) for g in self.optimizer.param_groups]
+        rep = StepReport(step=self.step_idx, time=time.time(), loss=pr.loss, grad_norm=pr.grad_norm,
+                         lr=planned[0], tokens=tokens, layer_ids_L=self.layer_ids,
                          layer_grad_norm_L=pr.layer_grad_norm_L, moe_layer_ids_M=self.probe.moe_ids_M,
                          router_entropy_M=pr.router_entropy_M, load_entropy_M=pr.load_entropy_M,
                          maxvio_M=pr.maxvio_M, dead_experts_M=pr.dead_experts_M, bias_norm_M=pr.bias_norm_M,
                          load_ME=pr.load_ME, bias_ME=pr.bias_ME)  # fmt: skip
-        d = self.guard.observe(rep, lr=lr)
-        if d.applies_update:
-            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if self.grad_clip and math.isfinite(pr.grad_norm) and pr.grad_norm > self.grad_clip:
-                torch._foreach_mul_([p.grad for p in params], self.grad_clip / (pr.grad_norm + 1e-6))
-            scale = d.lr_scale
-            if scale != 1.0:
-                for g in self.optimizer.param_groups:
-                    g["lr"] = g["lr"] * scale
-            self.optimizer.step()
-            if scale != 1.0:
-                for g in self.optimizer.param_groups:
-                    g["lr"] = g["lr"] / scale
+        d = self.guard.observe(rep, lr=planned[0])
+        if d.applies_update and self.pending_skip > 0:
+            # A rollback asked to skip a data window and this loop does not drop batches through
+            # batches(): skip the update of each batch of the window instead.
+            self.pending_skip -= 1
+            d.action = schema.ACT_SKIP
+            d.events.append(Event(step=self.step_idx, kind=schema.EV_ACTION, action=schema.ACT_SKIP,
+                                  detail={"reason": "data window after a rollback",
+                                          "left": self.pending_skip}))  # fmt: skip
+        applied = d.applies_update
+        rep.lr = planned[0] * d.lr_scale if applied else planned[0]
+        if applied:
+            self._apply(pr.grad_norm, planned, d.lr_scale)
         elif d.action == schema.ACT_ROLLBACK:
             self.guard.rollback(d)
+            self.pending_skip = d.skip_batches
+        if self.corrector is not None:
+            self.corrector.correct({**d.bias_boost, **d.aux_boost}, self.probe.loads_ME, applied)
+        if self.attachment is not None and self.attachment.after_step is not None:
+            self.attachment.after_step(applied)
         self.optimizer.zero_grad(set_to_none=True)
         self.probe.reset_router_stats()
         now = time.perf_counter()
@@ -114,6 +148,32 @@ class GuardedStep:
         self.step_idx += 1
         self.guard.after_step(self.step_idx)
         return d
+
+    def _apply(self, grad_norm: float, planned: list[float], lr_scale: float) -> None:
+        """Clip, step with the cooled LR, then put back the exact planned LR (no drift)."""
+        if self.grad_clip and math.isfinite(grad_norm) and grad_norm > self.grad_clip:
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            torch._foreach_mul_(grads, self.grad_clip / (grad_norm + 1e-6))
+        if lr_scale != 1.0:
+            for g, lr in zip(self.optimizer.param_groups, planned, strict=True):
+                g["lr"] = lr * lr_scale
+        try:
+            self.optimizer.step()
+        finally:
+            if lr_scale != 1.0:
+                for g, lr in zip(self.optimizer.param_groups, planned, strict=True):
+                    g["lr"] = lr
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step_idx, "guard": self.guard.state_dict(), "probe": self.probe.state_dict(),
+                "pending_skip": self.pending_skip, "counts": dict(self.counts)}  # fmt: skip
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        self.step_idx = int(s["step"])
+        self.guard.load_state_dict(s["guard"])
+        self.probe.load_state_dict(s["probe"])
+        self.pending_skip = int(s.get("pending_skip", 0))
+        self.counts = dict(s.get("counts", {}))
 
     def close(self) -> None:
         if self.store is not None:

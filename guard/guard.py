@@ -31,11 +31,12 @@ from guard.snapshot import SnapshotRing
 class Guard:
     def __init__(self, cfg: GuardConfig, model: nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, *, max_lr: float | None = None,
-                 has_bias: bool = True, snapshot_device: torch.device | str | None = None) -> None:  # fmt: skip
+                 has_bias: bool = True, correction: str | None = None,
+                 snapshot_device: torch.device | str | None = None) -> None:  # fmt: skip
         self.cfg = cfg
         self.detectors = DetectorSuite(cfg)
         self.lr_bound = LRBoundDetector(max_lr) if max_lr else None
-        self.policy = Policy(cfg, has_bias=has_bias)
+        self.policy = Policy(cfg, has_bias=has_bias, correction=correction)
         self.ring: SnapshotRing | None = None
         if model is not None and optimizer is not None and cfg.acting and cfg.policy.rollback:
             self.ring = SnapshotRing(model, optimizer, cfg.policy.ring_size, device=snapshot_device)
@@ -80,9 +81,20 @@ class Guard:
         return step, extra
 
     def after_step(self, step: int, extra: dict[str, Any] | None = None) -> bool:
-        """Take a snapshot when due and calm. Returns True if one was taken."""
-        if self.ring is None or step % self.cfg.policy.snapshot_every != 0 or not self.policy.calm(step):
+        """Take a snapshot every `snapshot_every` steps. Returns True if one was taken.
+
+        Snapshots are taken during incidents too (a flagged step changes no state, so a snapshot
+        after it is as good as one before), which bounds what a rollback loses: it restores the
+        newest snapshot before the incident's first flagged step, at most `snapshot_every` steps
+        before it. The one thing a snapshot must not do is evict that target while the incident
+        is open: then it waits until the incident closes."""
+        if self.ring is None or step % self.cfg.policy.snapshot_every != 0:
             return False
+        anchor = self.policy.incident_anchor()
+        if anchor is not None and self.ring.evicts_next() is not None:
+            held_before = [s for s in self.ring.steps() if s < anchor]
+            if held_before and self.ring.evicts_next() == held_before[-1]:
+                return False
         self.ring.take(step, extra)
         return True
 

@@ -24,6 +24,10 @@ from guard.config import GuardConfig
 from guard.events import Event, Verdict
 
 
+CORRECT_BIAS, CORRECT_AUX, CORRECT_NONE = "bias", "aux_loss", "none"
+CORRECTIONS = (CORRECT_BIAS, CORRECT_AUX, CORRECT_NONE)
+
+
 @dataclass(kw_only=True, slots=True)
 class Decision:
     step: int
@@ -54,10 +58,17 @@ class _Correction:
 
 
 class Policy:
-    def __init__(self, cfg: GuardConfig, *, has_bias: bool = True) -> None:
+    def __init__(self, cfg: GuardConfig, *, has_bias: bool = True, correction: str | None = None) -> None:
+        """`correction`: how this model's collapses can be corrected: "bias" (a selection bias is
+        pushed), "aux_loss" (a per-layer balancing loss is boosted) or "none" (nothing can be
+        applied: collapse verdicts are recorded and paged, never claimed as corrected). Default
+        from `has_bias`, for moeguard's own model."""
         self.cfg = cfg
         self.p = cfg.policy
-        self.has_bias = has_bias  # models without expert bias get an aux-loss boost instead
+        self.correction = correction or (CORRECT_BIAS if has_bias else CORRECT_AUX)
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"correction = {self.correction!r}: must be one of {CORRECTIONS}")
+        self.has_bias = self.correction == CORRECT_BIAS
         self.skips: list[int] = []
         self.rollbacks: list[int] = []
         self.corrections: dict[int, _Correction] = {}
@@ -159,8 +170,9 @@ class Policy:
             elif p.rollback and d.action == schema.ACT_APPLY:
                 self.incident_start = c.started
                 d.action = self._rollback(step, d, reason=f"layer {layer} did not recover from {c.detector}")
-        # 2) new collapse verdicts start a bounded correction on that layer
-        if not p.bias_correct:
+        # 2) new collapse verdicts start a bounded correction on that layer (only where the model
+        # offers a way to apply one: a claimed correction that changes nothing is worse than none)
+        if not p.bias_correct or self.correction == CORRECT_NONE:
             return
         for v in verdicts:
             if v.layer is None or v.layer in self.corrections:
@@ -172,7 +184,7 @@ class Policy:
             d.events.append(Event(step=step, kind=schema.EV_ACTION, action=schema.ACT_BIAS_CORRECT,
                                   detector=v.detector, value=v.value, threshold=v.threshold,
                                   detail={"layer": v.layer, "until": step + p.bias_boost_steps,
-                                          "mode": "bias" if self.has_bias else "aux_loss",
+                                          "mode": self.correction,
                                           "boost": p.bias_boost if self.has_bias else p.aux_boost}))  # fmt: skip
         for layer in self.corrections:
             self._boost(d, layer)
@@ -192,6 +204,14 @@ class Policy:
             return 1.0
         f = self.p.cooldown_factor
         return f + (1.0 - f) * k / self.p.cooldown_steps
+
+    def incident_anchor(self) -> int | None:
+        """The earliest step a pending rollback would have to restore to before (the open
+        incident's first flagged step, or the start of an open collapse correction), or None."""
+        starts = [c.started for c in self.corrections.values()]
+        if self.incident_start is not None:
+            starts.append(self.incident_start)
+        return min(starts) if starts else None
 
     def calm(self, step: int) -> bool:
         """No incident under way: a good moment for a snapshot."""

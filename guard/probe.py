@@ -53,7 +53,9 @@ class Probe:
         attached to any third-party gate). Default: model.moe_layers()."""
         self.model = model
         self.dead_window = dead_window
-        blocks = list(layers if layers is not None else model.blocks)
+        blocks = layers if layers is not None else model.blocks
+        # torchtitan keeps its blocks in an nn.ModuleDict: iterate the modules, not the keys
+        blocks = list(blocks.values()) if isinstance(blocks, nn.ModuleDict | dict) else list(blocks)
         self.n_layers = len(blocks)
         # Parameters grouped by block; the rest (embeddings, final norm, head) count only in the
         # total norm. Fixed order so one _foreach_norm call covers every gradient.

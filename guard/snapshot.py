@@ -98,6 +98,11 @@ class SnapshotRing:
                     held[k] = copy.deepcopy(v)
         _foreach_copy(dst, src)
 
+    def evicts_next(self) -> int | None:
+        """The step of the snapshot the next `take` overwrites (None while a slot is free)."""
+        slot = self._slots[self._next]
+        return slot.step if slot.step >= 0 else None
+
     def latest_step(self) -> int | None:
         if not self._count:
             return None

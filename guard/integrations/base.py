@@ -1,0 +1,230 @@
+"""The contract between the guard and a model moeguard did not write.
+
+An adapter (one module per framework: `transformers.py`, `torchtitan.py`) finds the MoE layers
+of a model and returns an `Attachment`:
+
+    layers      the repeated blocks, for per-layer gradient norms
+    routers     (layer id, RoutingSource) per MoE layer: what the model's router CHOSE, counted
+                on the device (never re-derived from logits: grouped routing, selection biases
+                and renormalisation differ per family and a re-derivation gets them wrong)
+    corrector   how a collapse is corrected on this model, or None when it cannot be
+
+Shapes: N tokens, E experts, K top-k, M MoE layers.
+
+A RoutingSource exposes device tensors the Probe reads once per step (no host sync here):
+tokens_per_expert_E (float), entropy_sum (sum over tokens of the router's score entropy, nats),
+token_count, expert_bias_E (the selection bias, zeros when the model has none) and reset_stats().
+
+Correctors (the decision's boost per layer is applied by whoever owns the step, here the
+adapter; an action that cannot be applied is never reported as done):
+  BiasCorrector     models with a selection-only bias (DeepSeek-V3's e_score_correction_bias,
+                    torchtitan's expert_bias_E): a bounded, mean-centred SMEBU push on the
+                    collapsing layer's bias while the correction is open; the model's own bias
+                    update (if any) keeps running untouched.
+  AuxGradCorrector  models balanced by an aux loss only (Mixtral, Qwen-MoE, OLMoE, GPT-OSS): the
+                    gradient of a switch-style balancing loss for the collapsing layer alone is
+                    added to that layer's router logits during backward, i.e. a per-layer aux-loss
+                    boost that needs no change to the user's loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+MODE_BIAS = "bias"
+MODE_AUX = "aux_loss"
+MODE_NONE = "none"
+
+
+class RoutingSource(Protocol):
+    tokens_per_expert_E: torch.Tensor
+    entropy_sum: torch.Tensor
+    token_count: torch.Tensor
+    expert_bias_E: torch.Tensor
+
+    def reset_stats(self) -> None: ...
+
+
+class Corrector(Protocol):
+    mode: str
+
+    def correct(self, boosts: dict[int, float], loads_ME: torch.Tensor | None, applied: bool) -> None:
+        """Called once per step after the update decision. `boosts`: layer id -> multiplier of every
+        correction open now (empty when none); `loads_ME`: this step's reduced loads in router
+        order; `applied`: whether the optimizer step ran (a skipped step must not move a bias)."""
+        ...
+
+
+def score_entropy_sum(logits_NE: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Sum over tokens of the entropy (nats) of the router's score distribution."""
+    x = logits_NE.detach().float()
+    if score_func == "sigmoid":
+        s = x.sigmoid()
+        p = s / s.sum(-1, keepdim=True).clamp_min(1e-12)
+    else:
+        p = x.softmax(-1)
+    return -(p * p.clamp_min(1e-12).log()).sum()
+
+
+def switch_loss_grad(logits_NE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """d/dlogits of the switch balancing loss E * sum_e f_e * mean_t softmax(logits)_te, with
+    f = this forward's assignment shares (constants, as in the Switch Transformer)."""
+    x = logits_NE.detach().float()
+    n, e = x.shape
+    p = x.softmax(-1)
+    f_E = counts_E.float() / counts_E.sum().clamp_min(1.0)
+    return (e / max(n, 1)) * p * (f_E - p @ f_E).unsqueeze(-1)
+
+
+def smebu_push(bias_E: torch.Tensor, load_E: torch.Tensor, *, lam: float, kappa: float = 2.0,
+               bias_max: float | None = None) -> None:  # fmt: skip
+    """One bounded balancing step on a selection bias, in place: d = lam * tanh(kappa * v),
+    v = (mean - n) / mean, mean-centred (Trinity's SMEBU without momentum, which would carry the
+    push past the end of the correction), then clamped to |b| <= bias_max."""
+    n_E = load_E.detach().to(bias_E.device, torch.float32)
+    mean = n_E.mean().clamp_min(1e-12)
+    d_E = lam * torch.tanh(kappa * (mean - n_E) / mean)
+    bias_E.add_((d_E - d_E.mean()).to(bias_E.dtype))
+    if bias_max is not None:
+        bias_E.clamp_(-bias_max, bias_max)
+
+
+class TopKRoutingHook:
+    """A RoutingSource fed by a forward hook on a router module whose output holds the logits
+    and the top-k indices the model chose, e.g. transformers 5's `(logits, weights, indices)`.
+
+    Counts come from the indices (bincount, on the device); the entropy from the logits. When an
+    AuxGradCorrector arms it (`aux_coef > 0`), each forward registers a gradient hook on the
+    logits that adds aux_coef x the switch loss gradient of this layer.
+    """
+
+    def __init__(self, router: nn.Module, *, n_experts: int, logits_index: int = 0, indices_index: int = 2,
+                 score_func: str = "softmax", bias: torch.Tensor | None = None) -> None:  # fmt: skip
+        self.router = router
+        self.n_experts = n_experts
+        self.logits_index = logits_index
+        self.indices_index = indices_index
+        self.score_func = score_func
+        device = next((p.device for p in router.parameters()), torch.device("cpu"))
+        self.tokens_per_expert_E = torch.zeros(n_experts, device=device)
+        self.entropy_sum = torch.zeros((), device=device)
+        self.token_count = torch.zeros((), device=device)
+        self._bias = bias
+        self.aux_coef = 0.0
+        self._handle = router.register_forward_hook(self._hook)
+
+    @property
+    def expert_bias_E(self) -> torch.Tensor:
+        # A property: some models replace their bias buffer (to(), load_state_dict(assign=True)).
+        return self._bias if self._bias is not None else torch.zeros_like(self.tokens_per_expert_E)
+
+    def _hook(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        if not isinstance(output, tuple | list) or len(output) <= max(self.logits_index, self.indices_index):
+            raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; expected a tuple with "
+                            f"logits at {self.logits_index} and top-k indices at {self.indices_index}")  # fmt: skip
+        logits, idx = output[self.logits_index], output[self.indices_index]
+        if idx.dtype.is_floating_point or logits.shape[-1] != self.n_experts:
+            raise TypeError(f"{type(module).__name__}: output[{self.indices_index}] is not integer indices or "
+                            f"output[{self.logits_index}] has {logits.shape[-1]} != {self.n_experts} experts")  # fmt: skip
+        with torch.no_grad():
+            logits_NE = logits.reshape(-1, self.n_experts)
+            counts_E = torch.bincount(idx.reshape(-1), minlength=self.n_experts)[: self.n_experts]
+            self.tokens_per_expert_E.add_(counts_E.to(self.tokens_per_expert_E.dtype))
+            self.entropy_sum.add_(score_entropy_sum(logits_NE, self.score_func))
+            self.token_count.add_(logits_NE.shape[0])
+        if self.aux_coef > 0 and logits.requires_grad:
+            coef = self.aux_coef
+            shape = logits.shape
+
+            def add_balance_grad(g: torch.Tensor) -> torch.Tensor:
+                extra = switch_loss_grad(logits_NE, counts_E).reshape(shape)
+                return g + coef * extra.to(g.dtype)
+
+            logits.register_hook(add_balance_grad)
+
+    def reset_stats(self) -> None:
+        self.tokens_per_expert_E.zero_()
+        self.entropy_sum.zero_()
+        self.token_count.zero_()
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+@dataclass(kw_only=True)
+class BiasCorrector:
+    """Pushes the selection bias of collapsing layers (see the module docstring)."""
+
+    biases: dict[int, Callable[[], torch.Tensor]]  # layer id -> the live bias tensor
+    lam: float = 1e-3  # base step; the policy's boost multiplies it (x10 by default)
+    kappa: float = 2.0
+    bias_max: float = 1.0
+    order: list[int] = field(default_factory=list)  # layer ids in router (loads_ME row) order
+    mode: str = MODE_BIAS
+
+    def correct(self, boosts: dict[int, float], loads_ME: torch.Tensor | None, applied: bool) -> None:
+        if not boosts or loads_ME is None or not applied:
+            return
+        for m, layer in enumerate(self.order):
+            if layer in boosts and layer in self.biases:
+                smebu_push(self.biases[layer](), loads_ME[m], lam=self.lam * boosts[layer], kappa=self.kappa,
+                           bias_max=self.bias_max)  # fmt: skip
+
+
+@dataclass(kw_only=True)
+class AuxGradCorrector:
+    """Arms the routing hooks of collapsing layers with a balancing gradient (see the docstring)."""
+
+    hooks: dict[int, TopKRoutingHook]
+    base_coef: float = 1e-2  # switch-loss weight before the policy's boost
+    mode: str = MODE_AUX
+
+    def correct(self, boosts: dict[int, float], loads_ME: torch.Tensor | None, applied: bool) -> None:
+        for layer, hook in self.hooks.items():
+            hook.aux_coef = self.base_coef * boosts[layer] if layer in boosts else 0.0
+
+
+@dataclass(kw_only=True)
+class Attachment:
+    """What an adapter found in a model: hand it to GuardedStep(attach=...)."""
+
+    family: str
+    layers: list[nn.Module]
+    routers: list[tuple[int, RoutingSource]]
+    corrector: Corrector | None = None
+    n_experts: int = 0
+    top_k: int = 0
+    # Called after the guard's step whatever the decision (e.g. torchtitan zeroes its counters in
+    # an optimizer pre-hook that a skipped step never runs).
+    after_step: Callable[[bool], None] | None = None
+    _handles: list[Any] = field(default_factory=list)
+
+    @property
+    def correction_mode(self) -> str:
+        return self.corrector.mode if self.corrector is not None else MODE_NONE
+
+    def remove(self) -> None:
+        """Take every hook off the model."""
+        for _, src in self.routers:
+            if hasattr(src, "remove"):
+                src.remove()
+        for h in self._handles:
+            h.remove()
+
+
+def moe_layers_of(blocks: list[nn.Module], find: Callable[[nn.Module], Any]) -> Iterator[tuple[int, Any]]:
+    """(block index, find(block)) for the blocks where `find` returns something."""
+    for i, blk in enumerate(blocks):
+        hit = find(blk)
+        if hit is not None:
+            yield i, hit
+
+
+def finite_or(x: float, default: float) -> float:
+    return x if math.isfinite(x) else default
