@@ -170,7 +170,7 @@ class SpikeDetector:
         self.n_accepted = 0
         self._recent = RingBuffer(cfg.level_window)  # log of the latest accepted values
         self._resid = RingBuffer(cfg.window)  # their residuals against the level before them
-        self._stats: tuple[float, float, float] | None = None  # (level, resid median, resid MAD)
+        self._stats: tuple[float, float, float, float] | None = None  # (level, resid median, MAD, max excursion)
 
     # ---- baseline ------------------------------------------------------------------
     @property
@@ -188,13 +188,14 @@ class SpikeDetector:
         """Scaled MAD of the log residuals (a robust sigma), before the floor."""
         return self._baseline()[2] if len(self._recent) else _NAN
 
-    def _baseline(self) -> tuple[float, float, float]:
+    def _baseline(self) -> tuple[float, float, float, float]:
         if self._stats is None:
             level = median_of(self._recent.values())
             r = self._resid.values()
             med_r = median_of(r) if r.size else 0.0
             mad = median_of(np.abs(r - med_r)) * MAD_TO_SIGMA if r.size else 0.0
-            self._stats = (level, med_r, mad)
+            top = float(r.max() - med_r) if r.size else 0.0
+            self._stats = (level, med_r, mad, top)
         return self._stats
 
     # ---- judging -------------------------------------------------------------------
@@ -206,14 +207,14 @@ class SpikeDetector:
         x = float(x)
         evidence: dict[str, Any] = {"n": self.n_accepted}
         if len(self._recent):
-            level, _, mad = self._baseline()
+            level, _, mad, _ = self._baseline()
             evidence.update(median=math.exp(level), mad=mad)
         if cfg.abs_max is not None and x > cfg.abs_max:
             return Verdict(detector=self.name, fired=True, value=x, threshold=cfg.abs_max,
                            evidence={**evidence, "rule": "abs_max"})  # fmt: skip
         if x <= 0 or self.n_accepted < cfg.warmup or not len(self._recent):
             return Verdict(detector=self.name, fired=False, value=x, evidence=evidence)
-        level, med_r, mad = self._baseline()
+        level, med_r, mad, top = self._baseline()
         scale = max(mad, cfg.mad_floor)
         centre = level + med_r  # the level corrected by its usual lag behind a trend
         d = math.log(x) - centre
@@ -224,9 +225,15 @@ class SpikeDetector:
         if cfg.rel_max is not None and x > median * cfg.rel_max:
             return Verdict(detector=self.name, fired=True, value=x, threshold=median * cfg.rel_max,
                            evidence={**evidence, "z": z, "rule": "rel_max"})  # fmt: skip
-        fired = x > median * cfg.rel_min and z > cfg.z
-        # The one number x had to exceed, in the series' units (both conditions at once).
-        threshold = max(median * cfg.rel_min, math.exp(centre + cfg.z * scale))
+        if self.n_accepted < cfg.tail_warmup:
+            return Verdict(detector=self.name, fired=False, value=x, evidence={**evidence, "z": z, "rule": "tail_warmup"})
+        # The one number x had to exceed, in the series' units (every condition at once).
+        log_thr = max(math.log(median * cfg.rel_min), centre + cfg.z * scale)
+        if cfg.tail_margin is not None:
+            log_thr = max(log_thr, centre + cfg.tail_margin * top)
+            evidence["tail"] = math.exp(top)
+        threshold = math.exp(log_thr)
+        fired = x > threshold
         return Verdict(detector=self.name, fired=fired, value=x, threshold=threshold,
                        evidence={**evidence, "z": z, "rule": "robust_z"})  # fmt: skip
 

@@ -79,7 +79,7 @@ def switch_loss_grad(logits_NE: torch.Tensor, counts_E: torch.Tensor) -> torch.T
     n, e = x.shape
     p = x.softmax(-1)
     f_E = counts_E.float() / counts_E.sum().clamp_min(1.0)
-    return (e / max(n, 1)) * p * (f_E - p @ f_E).unsqueeze(-1)
+    return (e / max(n, 1)) * p * (f_E - (p @ f_E).unsqueeze(-1))
 
 
 def smebu_push(bias_E: torch.Tensor, load_E: torch.Tensor, *, lam: float, kappa: float = 2.0,
@@ -166,11 +166,22 @@ class BiasCorrector:
     kappa: float = 2.0
     bias_max: float = 1.0
     order: list[int] = field(default_factory=list)  # layer ids in router (loads_ME row) order
+    # > 0: also run DeepSeek-V3's own balancing update b += u * sign(mean - n), mean-centred as in
+    # torchtitan, on every applied step (for implementations that never update their bias, such
+    # as transformers' DeepSeek-V3). 0: the model owns its balancing (torchtitan) or has none.
+    update_rate: float = 0.0
     mode: str = MODE_BIAS
 
     def correct(self, boosts: dict[int, float], loads_ME: torch.Tensor | None, applied: bool) -> None:
-        if not boosts or loads_ME is None or not applied:
+        if loads_ME is None or not applied:
             return
+        if self.update_rate > 0:
+            with torch.no_grad():
+                for m, layer in enumerate(self.order):
+                    b = self.biases[layer]()
+                    n_E = loads_ME[m].to(b.device, torch.float32)
+                    d_E = self.update_rate * torch.sign(n_E.mean() - n_E)
+                    b.add_((d_E - d_E.mean()).to(b.dtype))
         for m, layer in enumerate(self.order):
             if layer in boosts and layer in self.biases:
                 smebu_push(self.biases[layer](), loads_ME[m], lam=self.lam * boosts[layer], kappa=self.kappa,
@@ -183,11 +194,19 @@ class AuxGradCorrector:
 
     hooks: dict[int, TopKRoutingHook]
     base_coef: float = 1e-2  # switch-loss weight before the policy's boost
+    # A standing per-layer balancing weight on every router (0: none). transformers' own aux loss
+    # balances the load summed over all layers, so a single layer can collapse under it.
+    balance_coef: float = 0.0
     mode: str = MODE_AUX
+
+    def __post_init__(self) -> None:
+        for hook in self.hooks.values():
+            hook.aux_coef = self.balance_coef
 
     def correct(self, boosts: dict[int, float], loads_ME: torch.Tensor | None, applied: bool) -> None:
         for layer, hook in self.hooks.items():
-            hook.aux_coef = self.base_coef * boosts[layer] if layer in boosts else 0.0
+            boost = self.base_coef * boosts[layer] if layer in boosts else 0.0
+            hook.aux_coef = self.balance_coef + boost
 
 
 @dataclass(kw_only=True)

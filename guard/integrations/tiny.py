@@ -39,17 +39,25 @@ def _config(family: str, *, layers: int, hidden: int, experts: int, top_k: int, 
                                    n_group=4, topk_group=2, kv_lora_rank=16, q_lora_rank=None,
                                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)  # fmt: skip
     if family == "gpt_oss":
+        common["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
         return tf.GptOssConfig(**common, intermediate_size=2 * hidden, num_local_experts=experts, head_dim=16,
                                sliding_window=64, layer_types=["sliding_attention", "full_attention"] * (layers // 2))  # fmt: skip
     raise ValueError(f"family = {family!r}: must be one of {FAMILIES}")
 
 
 def build(family: str, *, seed: int = 0, layers: int = 4, hidden: int = 64, experts: int = 8, top_k: int = 2,
-          vocab: int = 256) -> nn.Module:  # fmt: skip
-    """A random-init causal LM of `family` (fp32, CPU, eager attention)."""
+          vocab: int = 256, aux_loss_coef: float = 0.01) -> nn.Module:  # fmt: skip
+    """A random-init causal LM of `family` (fp32, CPU, eager attention), trained as people train
+    them from scratch: with the family's load-balancing aux loss on (`output_router_logits`,
+    weight `aux_loss_coef`; 0 turns it off). DeepSeek-V3 balances through its selection bias
+    instead (see attach(bias_update_rate=...))."""
     import transformers as tf
 
     cfg = _config(family, layers=layers, hidden=hidden, experts=experts, top_k=top_k, vocab=vocab)
     cfg._attn_implementation = "eager"
+    cfg.eos_token_id = cfg.bos_token_id = cfg.pad_token_id = None  # defaults point past a 256-byte vocab
+    if family != "deepseek_v3":
+        cfg.output_router_logits = aux_loss_coef > 0
+        cfg.router_aux_loss_coef = aux_loss_coef
     torch.manual_seed(seed)
     return tf.AutoModelForCausalLM.from_config(cfg)

@@ -64,12 +64,19 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def attach(model: nn.Module, *, aux_coef: float | None = None, bias_rate: float = 1e-3,
-           bias_max: float = 1.0) -> Attachment:  # fmt: skip
+           bias_max: float = 1.0, bias_update_rate: float = 0.0, balance_coef: float = 0.0) -> Attachment:  # fmt: skip
     """Hook every MoE router of a transformers model. Raises ValueError naming the class when the
     model has no router this adapter knows.
 
     aux_coef: switch-loss weight of the per-layer correction before the policy's boost (default:
       the model's `router_aux_loss_coef`, at least 1e-2). bias_rate / bias_max: the bias push.
+    balance_coef: > 0 adds a standing per-layer switch balancing gradient of this weight to every
+      router without a selection bias. transformers' `router_aux_loss_coef` loss balances the
+      load pooled over ALL layers, so one layer can collapse while the pool looks balanced
+      (measured on the tiny families: docs/NOTES.md); 1e-2 keeps each layer balanced.
+    bias_update_rate: transformers' DeepSeek-V3 never updates `e_score_correction_bias` during
+      training (its aux-loss-free balancing is left to the trainer); > 0 runs DeepSeek-V3's own
+      sign update with this u (1e-3 in the paper) after every applied step. 0 leaves it alone.
     """
     blocks = decoder_layers(model)
     found: list[tuple[int, nn.Module]] = []
@@ -94,13 +101,15 @@ def attach(model: nn.Module, *, aux_coef: float | None = None, bias_rate: float 
         hooks[i] = TopKRoutingHook(r, n_experts=_n_experts(r), score_func=score,
                                    bias=bias if isinstance(bias, torch.Tensor) else None)  # fmt: skip
         if isinstance(bias, torch.Tensor):
-            biases[i] = (lambda r=r: r.e_score_correction_bias)
+            biases[i] = lambda r=r: r.e_score_correction_bias
     corrector: Corrector
     if len(biases) == len(found):
-        corrector = BiasCorrector(biases=biases, lam=bias_rate, bias_max=bias_max, order=[i for i, _ in found])
+        corrector = BiasCorrector(biases=biases, lam=bias_rate, bias_max=bias_max, order=[i for i, _ in found],
+                                  update_rate=bias_update_rate)  # fmt: skip
     else:
         base = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0) or 0.0
-        corrector = AuxGradCorrector(hooks=hooks, base_coef=aux_coef if aux_coef is not None else max(base, 1e-2))
+        corrector = AuxGradCorrector(hooks=hooks, base_coef=aux_coef if aux_coef is not None else max(base, 1e-2),
+                                     balance_coef=balance_coef)  # fmt: skip
     cfg = getattr(model, "config", None)
     return Attachment(
         family=type(model).__name__,

@@ -1,0 +1,170 @@
+"""The guard on transformers 5 MoE families it did not write (tiny, random init, CPU).
+
+For every family: the stored loads are the router's real top-k counts (read independently, from
+what the experts module was handed), a grad spike and a NaN are skipped with every weight,
+buffer and AdamW state bitwise unchanged, a forced collapse is detected and corrected through
+the model (selection bias or per-layer balancing gradient), and a clean run takes no action.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from bench.real_models import byte_batches, drill  # noqa: E402
+from guard import schema  # noqa: E402
+from guard.api import GuardedStep  # noqa: E402
+from guard.config import CollapseConfig, GuardConfig  # noqa: E402
+from guard.integrations.tiny import FAMILIES, build  # noqa: E402
+from guard.integrations.transformers import _router_of, attach, decoder_layers  # noqa: E402
+from guard.runstore import read_table  # noqa: E402
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def corpus() -> np.ndarray:
+    from trainer.data import stdlib_corpus
+
+    torch.set_num_threads(1)
+    return stdlib_corpus(2_000_000)
+
+
+def _experts_input_counts(model: torch.nn.Module) -> tuple[dict[int, list[torch.Tensor]], list]:
+    """Per layer, the top-k index tensor each experts module RECEIVED (its forward input): the
+    routing the model applied, observed independently of the guard's router hook."""
+    seen: dict[int, list[torch.Tensor]] = {}
+    handles = []
+    for i, blk in enumerate(decoder_layers(model)):
+        moe = next((m for m in blk.modules() if _router_of(m) is not None), None)
+        if moe is None:
+            continue
+        n_exp = moe.experts.num_experts if hasattr(moe.experts, "num_experts") else 8
+
+        def pre(mod, args, kwargs, i=i, n_exp=n_exp):
+            idx = (
+                args[1]
+                if len(args) > 1
+                else next(v for v in kwargs.values() if not v.dtype.is_floating_point)
+            )
+            seen.setdefault(i, []).append(torch.bincount(idx.reshape(-1), minlength=n_exp))
+
+        handles.append(moe.experts.register_forward_pre_hook(pre, with_kwargs=True))
+    return seen, handles
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stored_loads_are_the_routers_real_top_k(family: str, corpus: np.ndarray, tmp_path: Path) -> None:
+    model = build(family, seed=1)
+    if family == "deepseek_v3":  # a non-zero selection bias and group-limited routing (4 groups, top-2)
+        for blk in decoder_layers(model):
+            r = _router_of(blk.mlp) if hasattr(blk, "mlp") else None
+            if r is not None:
+                r.e_score_correction_bias.normal_(0, 0.05)
+        assert model.config.n_group == 4 and model.config.topk_group == 2
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    seen, handles = _experts_input_counts(model)
+    guarded = GuardedStep(model, opt, attach=attach(model), run_dir=tmp_path / "run", grad_clip=1.0)
+    data = byte_batches(corpus, batch=4, seq=64, seed=1)
+    steps = 12
+    for _ in range(steps):
+        x = next(data)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        guarded.step(loss, tokens=x.numel())
+    guarded.close()
+    for h in handles:
+        h.remove()
+    stored = read_table(tmp_path / "run", "experts").sort("step", "layer", "expert")
+    layers = sorted(seen)
+    assert sorted(stored["layer"].unique().to_list()) == layers
+    for layer in layers:
+        assert len(seen[layer]) == steps  # one forward per step
+        want = torch.stack(seen[layer]).numpy()
+        got = stored.filter(pl.col("layer") == layer).pivot(on="expert", index="step", values="load")
+        got = got.sort("step").drop("step").to_numpy()
+        np.testing.assert_array_equal(got, want, err_msg=f"{family} layer {layer}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_spike_and_nan_are_skipped_with_all_state_bitwise_unchanged(family: str, corpus: np.ndarray,
+                                                                    tmp_path: Path) -> None:  # fmt: skip
+    model = build(family, seed=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    guarded = GuardedStep(model, opt, attach=attach(model), run_dir=tmp_path / "run", grad_clip=1.0)
+    data = byte_batches(corpus, batch=4, seq=64, seed=2)
+    faults = {40: "spike", 43: "nan"}
+    for step in range(46):
+        x = next(data)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        if step in faults:
+            if faults[step] == "spike":
+                for p in model.parameters():
+                    p.grad.mul_(1000.0)
+            else:
+                next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            opt_state = [
+                {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in opt.state.values()
+            ]
+        d = guarded.step(loss, tokens=x.numel())
+        if step in faults:
+            assert d.action == schema.ACT_SKIP, (family, step, [v.detector for v in d.verdicts])
+            assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+            for before, after in zip(opt_state, opt.state.values(), strict=True):
+                assert all(
+                    torch.equal(v, after[k]) if torch.is_tensor(v) else v == after[k]
+                    for k, v in before.items()
+                )
+        else:
+            assert d.action == schema.ACT_APPLY, (family, step, [(v.detector, v.value) for v in d.verdicts])
+    guarded.close()
+    steps = read_table(tmp_path / "run", "steps").sort("step")
+    assert steps.filter(pl.col("action") == "skip")["step"].to_list() == [40, 43]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forced_collapse_is_detected_and_corrected(family: str, corpus: np.ndarray, tmp_path: Path) -> None:
+    layer, at = 2, 80
+    # The collapse detector waits out init's routing chaos (collapse.warmup, 250 steps by default);
+    # 60 is enough for these tiny models and keeps the test short.
+    cfg = GuardConfig(collapse=CollapseConfig(warmup=60))
+    drill(family, seed=0, steps=200, corpus=corpus, run_dir=tmp_path / "run", cfg=cfg,
+          injections=[("collapse", at, layer)])  # fmt: skip
+    events = read_table(tmp_path / "run", "events")
+    maxvio = read_table(tmp_path / "run", "layers").filter(pl.col("layer") == layer).sort("step")["maxvio"]
+    assert maxvio[at] == pytest.approx(3.0)  # every token to expert 0: the largest MaxVio of top-2 of 8
+    acts = events.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_BIAS_CORRECT))
+    assert acts.height >= 1 and acts["step"].min() > at, acts
+    detail = acts["detail"][0]
+    assert f'"layer": {layer}' in detail and ('"mode": "bias"' in detail) == (family == "deepseek_v3"), detail
+    rec = events.filter(pl.col("kind") == schema.EV_RECOVERED)
+    assert rec.height >= 1
+    threshold = cfg.collapse.maxvio
+    assert float(maxvio.slice(rec["step"].min(), 20).median()) < threshold
+    steps = read_table(tmp_path / "run", "steps")
+    assert (steps["action"] == schema.ACT_APPLY).all()  # corrected without throwing training away
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_clean_run_takes_no_action(family: str, corpus: np.ndarray, tmp_path: Path) -> None:
+    r = drill(family, seed=5, steps=310, corpus=corpus, run_dir=tmp_path / "run")
+    assert r["actions"] == [], r["events"]
+    assert [e for e in r["events"] if e[1] != schema.EV_CHECKPOINT] == []
+    assert r["final_loss"] < 3.0  # it trained (bytes start at ln 256 = 5.5)
+
+
+def test_a_model_without_a_router_is_refused_by_name() -> None:
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64)  # fmt: skip
+    with pytest.raises(ValueError, match="LlamaForCausalLM: no MoE router"):
+        attach(tf.AutoModelForCausalLM.from_config(cfg))
