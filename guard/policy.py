@@ -23,7 +23,6 @@ from guard import schema
 from guard.config import GuardConfig
 from guard.events import Event, Verdict
 
-
 CORRECT_BIAS, CORRECT_AUX, CORRECT_NONE = "bias", "aux_loss", "none"
 CORRECTIONS = (CORRECT_BIAS, CORRECT_AUX, CORRECT_NONE)
 
