@@ -25,7 +25,9 @@ def test_readme_has_python_snippets() -> None:
 def test_readme_snippet_runs_as_written(i: int, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     code = python_blocks()[i]
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     if "run_dir=" in code:  # the snippet wrote a run store a user can read
         assert any((tmp_path / "runs").glob("*/steps/*.parquet"))
