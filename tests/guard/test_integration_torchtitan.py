@@ -1,0 +1,438 @@
+"""The torchtitan adapter on a real torchtitan DeepSeek-V3 (random init, CPU, fp32): stored loads are
+torchtitan's own counters, bad steps are skipped bit-exactly, a forced collapse is corrected through
+torchtitan's `expert_bias_E`, and a clean run draws no action.
+
+The model is torchtitan's DeepSeek-V3 built from its own config builders, smaller than `debugmodel`
+(dim 64, 4 blocks: 1 dense + 3 MoE, 8 experts top-2, softmax scores, expert_bias_E), with
+torchtitan's own ScaledDotProductAttention as inner attention: torchtitan refuses "sdpa" for
+language models, FlexAttention has no CPU backward and varlen needs CUDA. torchtitan's own
+aux-loss-free balancing hook (`register_moe_load_balancing_hook`) runs on the AdamW, as in its
+Trainer; its ParallelDims needs a process group, so a one-process gloo group is started.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+pytest.importorskip(
+    "torchtitan", reason="torchtitan (and triton) not installed: pip install torchtitan==0.3.0 triton"
+)
+
+from guard import schema  # noqa: E402
+from guard.api import GuardedStep  # noqa: E402
+from guard.config import CollapseConfig, GuardConfig  # noqa: E402
+from guard.integrations.torchtitan import attach, force_collapse  # noqa: E402
+from guard.runstore import read_table  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+VOCAB, DIM, BATCH, SEQ = 256, 64, 8, 64
+
+
+def model_config() -> object:
+    """A DeepSeekV3Model.Config from torchtitan's own builders, with its own SDPA inner attention."""
+    import torchtitan.models.deepseek_v3 as ds
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    rope = 16
+    layers = ds.build_mla_moe_layers(
+        n_layers=4, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=rope, v_head_dim=16, mscale=1.0, dense_hidden_dim=128, moe_hidden_dim=64, num_experts=8,
+        num_shared_experts=1, router_top_k=2, router_score_func="softmax", attn_backend="flex",
+        moe_comm_backend="standard", non_blocking_capacity_factor=None, linear_init=ds._LINEAR_INIT,
+        norm_init=ds._NORM_INIT, depth_init=ds._depth_init, depth_experts_init=ds._depth_experts_init,
+        rope=ComplexRoPE.Config(dim=rope, max_seq_len=SEQ, theta=10000.0),
+    )  # fmt: skip
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return ds.DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=DIM, layers=layers, mtp_layers=[],
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=ds._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=ds._NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=ds._output_linear_init(DIM)),
+    )  # fmt: skip
+
+
+def build_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = model_config().build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model.train()
+
+
+@pytest.fixture(scope="module")
+def corpus() -> np.ndarray:
+    from trainer.data import stdlib_corpus
+
+    torch.set_num_threads(1)
+    return stdlib_corpus(1 << 20)
+
+
+@pytest.fixture(scope="module")
+def parallel_dims() -> Iterator[object]:
+    from torchtitan.distributed import ParallelDims
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    if started:
+        dist.destroy_process_group()
+
+
+class Run:
+    """A plain loop on the torchtitan model: AdamW + torchtitan's bias hook + GuardedStep."""
+
+    def __init__(self, run_dir: Path, corpus: np.ndarray, parallel_dims: object | None,
+                 config: GuardConfig | None = None) -> None:  # fmt: skip
+        from torchtitan.components.optimizer import register_moe_load_balancing_hook
+
+        self.model = build_model()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        if parallel_dims is not None:
+            register_moe_load_balancing_hook(self.opt, [self.model], parallel_dims)
+        self.att = attach(self.model)
+        self.guarded = GuardedStep(self.model, self.opt, attach=self.att, run_dir=run_dir, config=config)
+        self.moes = {i: src.moe for i, src in self.att.routers}
+        self.corpus = torch.from_numpy(corpus.astype(np.int64))
+        self.rng = np.random.default_rng(0)
+
+    def backward(self) -> torch.Tensor:
+        starts = self.rng.integers(0, len(self.corpus) - SEQ - 1, BATCH)
+        x = torch.stack([self.corpus[s : s + SEQ + 1] for s in starts])
+        logits = self.model(x[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+        loss.backward()
+        return loss
+
+    def counts(self) -> dict[int, torch.Tensor]:
+        """torchtitan's own counters, read from its buffers."""
+        return {i: m.tokens_per_expert_E.clone() for i, m in self.moes.items()}
+
+    def step(self, loss: torch.Tensor):  # noqa: ANN201
+        return self.guarded.step(loss, tokens=BATCH * SEQ)
+
+
+def _state(run: Run) -> dict[str, torch.Tensor]:
+    """Every weight, buffer and AdamW state tensor, copied (the per-step counters aside)."""
+    s = {f"p.{k}": v.detach().clone() for k, v in run.model.named_parameters()}
+    s |= {f"b.{k}": v.clone() for k, v in run.model.named_buffers() if not k.endswith("tokens_per_expert_E")}
+    for i, p in enumerate(run.model.parameters()):
+        for k, v in run.opt.state.get(p, {}).items():
+            s[f"o.{i}.{k}"] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
+    return s
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                      b.reshape(-1).view(torch.uint8))  # fmt: skip
+
+
+def _loads(run_dir: Path) -> dict[tuple[int, int], list[int]]:
+    df = read_table(run_dir, "experts").sort(["step", "layer", "expert"])
+    out: dict[tuple[int, int], list[int]] = {}
+    for (step, layer), g in df.group_by(["step", "layer"], maintain_order=True):
+        out[(int(step), int(layer))] = g["load"].to_list()
+    return out
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory, corpus: np.ndarray, parallel_dims: object):
+    run_dir = tmp_path_factory.mktemp("tt") / "clean"
+    run = Run(run_dir, corpus, parallel_dims)
+    seen: dict[tuple[int, int], list[int]] = {}
+    for step in range(300):
+        loss = run.backward()
+        seen |= {(step, i): c.round().long().tolist() for i, c in run.counts().items()}
+        run.step(loss)
+    run.guarded.close()
+    return run, run_dir, seen
+
+
+def test_stored_loads_are_torchtitans_own_counters(clean_run) -> None:
+    run, run_dir, seen = clean_run
+    stored = _loads(run_dir)
+    assert set(stored) == set(seen) and len(seen) == 300 * 3
+    assert stored == seen
+    # one step's tokens each (torchtitan's hook zeroes them on every applied step): top-2 of B*SEQ
+    assert {sum(v) for v in seen.values()} == {2 * BATCH * SEQ}
+    assert sorted(run.moes) == [1, 2, 3] and run.att.n_experts == 8 and run.att.top_k == 2
+
+
+def test_clean_run_draws_no_action(clean_run) -> None:
+    _, run_dir, _ = clean_run
+    steps = read_table(run_dir, "steps")
+    events = read_table(run_dir, "events")
+    fired = events.select("step", "kind", "detector", "action", "value", "threshold", "detail").rows()
+    assert steps.height == 300
+    assert steps["action"].unique().to_list() == [schema.ACT_APPLY], fired
+    # a collapse correction leaves the step's action at "apply": no guard event either (the host's
+    # data-stall and throughput notes are informational and depend on this shared VM's load)
+    host = (schema.DET_STALL, schema.DET_THROUGHPUT)
+    assert events.filter(~pl.col("detector").is_in(host)).height == 0, fired
+
+
+def test_spike_and_nan_are_skipped_bit_exactly(
+    tmp_path: Path, corpus: np.ndarray, parallel_dims: object
+) -> None:
+    run = Run(tmp_path / "faults", corpus, parallel_dims)
+    bad = {60: "spike", 70: "nan"}
+    for step in range(80):
+        loss = run.backward()
+        if step in bad:
+            with torch.no_grad():
+                if bad[step] == "spike":
+                    torch._foreach_mul_(
+                        [p.grad for p in run.model.parameters() if p.grad is not None], 1000.0
+                    )
+                else:
+                    next(p for p in run.model.parameters() if p.grad is not None).grad[0].fill_(float("nan"))
+            before = _state(run)
+            assert any(k.endswith("expert_bias_E") for k in before) and any(
+                k.startswith("o.") for k in before
+            )
+            d = run.step(loss)
+            after = _state(run)
+            assert d.action == schema.ACT_SKIP, (step, bad[step], d.action)
+            assert before.keys() == after.keys()
+            changed = [k for k in before if not _bitwise_equal(before[k], after[k])]
+            assert not changed, (bad[step], changed[:5])
+            # the skipped step's counts must not leak into the next step (torchtitan's hook never ran)
+            assert all(float(m.tokens_per_expert_E.abs().sum()) == 0 for m in run.moes.values())
+        else:
+            d = run.step(loss)
+            assert d.action == schema.ACT_APPLY, (
+                step,
+                [(e.detector, e.value, e.threshold, e.detail) for e in d.events],
+            )
+    run.guarded.close()
+    loads = _loads(tmp_path / "faults")
+    assert {sum(loads[(s, i)]) for s in (61, 71) for i in run.moes} == {2 * BATCH * SEQ}
+    actions = read_table(tmp_path / "faults", "steps").filter(pl.col("action") != schema.ACT_APPLY)
+    assert actions["step"].to_list() == [60, 70]
+
+
+def test_forced_collapse_is_detected_and_corrected(
+    tmp_path: Path, corpus: np.ndarray, parallel_dims: object
+) -> None:
+    # This model's routing is chaotic until torchtitan's balancing catches up (MaxVio near its top,
+    # 3, on layers 1-3 around steps 30-90, under 1.6 from step 100 on): a warm-up of 150 instead of
+    # the default 250, which is meant for runs of thousands of steps.
+    cfg = GuardConfig(collapse=CollapseConfig(warmup=150))
+    run = Run(tmp_path / "collapse", corpus, parallel_dims, config=cfg)
+    layer, at = 2, 160
+    for step in range(260):
+        if step == at:
+            force_collapse(run.model, layer, margin=0.5)
+        run.step(run.backward())
+    run.guarded.close()
+    events = read_table(tmp_path / "collapse", "events")
+    detail = [json.loads(d) if d else {} for d in events["detail"].to_list()]
+    events = events.with_columns(pl.Series("layer_", [d.get("layer", -1) for d in detail]))
+    verdicts = events.filter(
+        (pl.col("kind") == schema.EV_VERDICT) & pl.col("detector").is_in(schema.COLLAPSE_DETECTORS)
+    )
+    assert verdicts.height >= 1 and verdicts["step"].min() >= at, verdicts.rows()
+    acts = events.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_BIAS_CORRECT))
+    assert acts.height >= 1 and set(acts["layer_"].to_list()) == {layer}, acts.rows()
+    started = int(acts["step"].min())
+    maxvio = read_table(tmp_path / "collapse", "layers").filter(pl.col("layer") == layer).sort("step")
+    before = maxvio.filter(pl.col("step").is_between(started - 5, started))["maxvio"]
+    assert before.min() > cfg.collapse.maxvio, before.to_list()
+    after = maxvio.filter(pl.col("step") > started)
+    back = after.filter(pl.col("maxvio") < cfg.collapse.maxvio)
+    assert (
+        back.height
+        and after.filter(pl.col("step") >= back["step"].min() + 10)["maxvio"].max() < cfg.collapse.maxvio
+    )
+    recovered = events.filter(pl.col("kind") == schema.EV_RECOVERED)
+    assert recovered["layer_"].to_list() == [layer], events.rows()
+    steps = read_table(tmp_path / "collapse", "steps")
+    assert steps["action"].unique().to_list() == [schema.ACT_APPLY]
+
+
+def test_loop_without_torchtitans_hook_still_reads_one_step_each(tmp_path: Path, corpus: np.ndarray) -> None:
+    run = Run(tmp_path / "nohook", corpus, None)  # nobody but the adapter zeroes the counters here
+    for _ in range(5):
+        run.step(run.backward())
+    run.guarded.close()
+    assert {sum(v) for v in _loads(tmp_path / "nohook").values()} == {2 * BATCH * SEQ}
+
+
+def test_without_load_balance_coeff_a_collapse_is_observed_not_claimed_corrected(corpus: np.ndarray) -> None:
+    cfg = model_config()
+    for layer in cfg.layers:
+        if layer.moe is not None:
+            layer.moe.load_balance_coeff = None  # no expert_bias_E: nothing to correct through
+    torch.manual_seed(0)
+    model = cfg.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    att = attach(model.train())
+    assert att.corrector is None and att.correction_mode == "none"
+    force_collapse(model, 2, margin=50.0)  # logits along the next input's mean direction
+    x = torch.from_numpy(corpus[: BATCH * SEQ].astype(np.int64)).reshape(BATCH, SEQ)
+    model(x)
+    src = dict(att.routers)[2]
+    load = src.tokens_per_expert_E
+    assert float(load[0]) > 0.8 * BATCH * SEQ and float(load.max() / load.mean()) - 1 > 2.0  # MaxVio past 2
+    assert float(src.expert_bias_E.abs().sum()) == 0
+    att.after_step(False)
+    assert all(float(s.tokens_per_expert_E.sum()) == 0 for _, s in att.routers)
+    att.remove()
+
+
+def test_a_model_without_moe_is_refused_by_name() -> None:
+    class Dense(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleDict({"0": nn.Linear(4, 4)})
+
+    with pytest.raises(ValueError, match="Dense: no MoE layer"):
+        attach(Dense())
+
+
+def _cpu_shim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan 0.3.0 sets device_type = "cuda" on a host without an accelerator and its Trainer
+    calls torch.cuda.set_device: point the device globals of the modules that imported them at
+    torch.cpu (plus the memory-stat calls its metrics make, which torch.cpu lacks), and no-op
+    set_pg_timeouts (it calls torch.distributed.set_timeout, which torch 2.13 lacks). Training
+    itself (train_step, the optimizers container, its hooks, FSDP of one rank) is torchtitan's."""
+    import importlib
+    import types
+
+    cpu = types.SimpleNamespace(
+        **{k: getattr(torch.cpu, k) for k in dir(torch.cpu) if not k.startswith("__")}
+    )
+    cpu.__dict__.update(get_device_name=lambda *a: "cpu", current_device=lambda: 0, device_count=lambda: 1,
+                        get_device_properties=lambda *a: types.SimpleNamespace(total_memory=1 << 30),
+                        reset_peak_memory_stats=lambda *a: None, empty_cache=lambda: None, memory_stats=lambda *a: {})  # fmt: skip
+    for name in ("tools.utils", "distributed.utils", "distributed.parallel_dims", "components.metrics",
+                 "models.common.token_dispatcher", "tools.profiler"):  # fmt: skip
+        mod = importlib.import_module(f"torchtitan.{name}")
+        for attr, value in (("device_type", "cpu"), ("device_module", cpu)):
+            if hasattr(mod, attr):
+                monkeypatch.setattr(mod, attr, value)
+    monkeypatch.setattr(
+        importlib.import_module("torchtitan.distributed.utils"), "set_pg_timeouts", lambda **k: None
+    )
+    monkeypatch.setenv("LOCAL_RANK", "0")
+
+
+def test_torchtitans_own_trainer_is_guarded(tmp_path: Path, corpus: np.ndarray, parallel_dims: object,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    import gc
+    from dataclasses import dataclass
+
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import (
+        LRSchedulersContainer,
+        default_adamw,
+        register_moe_load_balancing_hook,
+    )
+    from torchtitan.components.tokenizer import BaseTokenizer
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
+    from torchtitan.protocols.model_spec import ModelSpec
+    from torchtitan.trainer import Trainer
+
+    from guard.integrations.torchtitan import GuardedTrainer
+
+    _cpu_shim(monkeypatch)
+    data = torch.from_numpy(corpus.astype(np.int64))
+
+    class Bytes(BaseTokenizer):  # no hub download: bytes are the vocabulary
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseTokenizer.Config):
+            pass
+
+        def __init__(self, config: object, tokenizer_path: str | None = None) -> None:
+            super().__init__()
+
+        def encode(self, s: str, *a: object, **k: object) -> list[int]:
+            return list(s.encode())
+
+        def decode(self, ids: list[int], *a: object, **k: object) -> str:
+            return bytes(ids).decode(errors="replace")
+
+        def get_vocab_size(self) -> int:
+            return VOCAB
+
+    class Windows(BaseDataLoader):  # random windows of the stdlib source
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            pass
+
+        def __init__(self, config: object, *, seq_len: int, local_batch_size: int, **_: object) -> None:
+            self.seq, self.batch, self.rng = seq_len, local_batch_size, np.random.default_rng(0)
+
+        def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+            while True:
+                x = torch.stack(
+                    [
+                        data[s : s + self.seq + 1]
+                        for s in self.rng.integers(0, len(data) - self.seq - 1, self.batch)
+                    ]
+                )
+                yield {"input": x[:, :-1]}, x[:, 1:]
+
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, sd: dict) -> None:
+            pass
+
+    class Spiky(GuardedTrainer):  # type: ignore[misc, valid-type]
+        def forward_backward_step(self, **kwargs: object) -> torch.Tensor:
+            loss = super().forward_backward_step(**kwargs)
+            if self.step == 46:  # torchtitan counts steps from 1: the guard's step 45
+                torch._foreach_mul_(
+                    [p.grad for p in self.model_parts[0].parameters() if p.grad is not None], 1000.0
+                )
+            return loss
+
+    optimizer = default_adamw(lr=1e-3)
+    optimizer.implementation = "foreach"
+    spec = ModelSpec(name="deepseek_v3", flavor="test", model=model_config(), parallelize_fn=parallelize_deepseekv3,
+                     pipelining_fn=None, post_optimizer_build_fn=register_moe_load_balancing_hook,
+                     state_dict_adapter=None)  # fmt: skip
+    config = Trainer.Config(
+        model_spec=spec, hf_assets_path=str(tmp_path), dump_folder=str(tmp_path / "out"), tokenizer=Bytes.Config(),
+        dataloader=Windows.Config(), loss=CrossEntropyLoss.Config(global_vocab_size=VOCAB), optimizer=optimizer,
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=10), metrics=MetricsProcessor.Config(log_freq=10),
+        training=TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, steps=60, disable_cuda_graphs=True,
+                                mixed_precision_param="float32", max_norm=1.0),
+        parallelism=ParallelismConfig(), checkpoint=CheckpointManager.Config(enable=False), activation_checkpoint=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer = Spiky(config, run_dir=tmp_path / "run")
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        gc.enable()  # torchtitan's Trainer takes the garbage collector over
+    steps = read_table(tmp_path / "run", "steps").sort("step")
+    assert steps.height == 60
+    assert steps.filter(pl.col("action") != schema.ACT_APPLY)["step"].to_list() == [45]
+    assert steps["grad_norm"][45] > 100 and config.training.max_norm == float(
+        "inf"
+    )  # the guard saw it unclipped
+    loads, experts = _loads(tmp_path / "run"), read_table(tmp_path / "run", "experts")
+    assert {sum(v) for v in loads.values()} == {2 * BATCH * SEQ} and len(loads) == 60 * 3
+    bias = {s: g.sort(["layer", "expert"])["bias"].to_list() for (s,), g in experts.group_by(["step"])}
+    moved = [s for s in range(59) if bias[s] != bias[s + 1]]  # torchtitan's own update, applied steps only
+    assert moved == [s for s in range(59) if s != 45]
