@@ -11,6 +11,11 @@ the same way and still makes one host copy per step:
 
 If the implementation selects experts with a bias (aux-loss-free balancing), pass that bias
 tensor as `bias` so the probe's top-k agrees with the model's.
+
+This probe RE-DERIVES top-k from the logits, so it is right only for plain softmax/sigmoid top-k
+routers: grouped routing or renormalised selection makes it count wrongly. For transformers and
+torchtitan models use guard.integrations (they read what the router chose); keep this for a
+custom gate that outputs logits alone.
 """
 
 from __future__ import annotations
@@ -20,25 +25,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from guard.integrations.base import RoutingCounters
 
-class RouterProbe:
+
+class RouterProbe(RoutingCounters):
     def __init__(self, gate: nn.Module, *, n_experts: int, top_k: int, score_func: str = "softmax",
                  output_index: int | None = None, bias: torch.Tensor | None = None) -> None:  # fmt: skip
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func = {score_func!r}: must be 'softmax' or 'sigmoid'")
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k = {top_k}: must be in 1..n_experts ({n_experts})")
-        self.n_experts = n_experts
+        super().__init__(gate, n_experts)
         self.top_k = top_k
         self.score_func = score_func
         self.output_index = output_index
         self.bias = bias
-        device = next((p.device for p in gate.parameters()), torch.device("cpu"))
-        self.tokens_per_expert_E = torch.zeros(n_experts, device=device)
-        self.entropy_sum = torch.zeros((), device=device)
-        self.token_count = torch.zeros((), device=device)
-        self.expert_bias_E = bias if bias is not None else torch.zeros(n_experts, device=device)
-        self._handle = gate.register_forward_hook(self._hook)
+        self.expert_bias_E = bias if bias is not None else torch.zeros_like(self.tokens_per_expert_E)
 
     @torch.no_grad()
     def _hook(self, module: nn.Module, inputs: Any, output: Any) -> None:
@@ -58,13 +60,6 @@ class RouterProbe:
         self.entropy_sum.add_(-(p_NE * p_NE.clamp_min(1e-12).log()).sum())
         self.token_count.add_(x_NE.shape[0])
 
-    def reset_stats(self) -> None:
-        self.tokens_per_expert_E.zero_()
-        self.entropy_sum.zero_()
-        self.token_count.zero_()
-
     def update_bias(self, load_E: torch.Tensor, rate_scale: float = 1.0, bias_max: float | None = None) -> None:
         """Third-party routers own their balancing; the probe only observes."""
 
-    def remove(self) -> None:
-        self._handle.remove()
