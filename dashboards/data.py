@@ -21,7 +21,6 @@ import functools
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ import polars as pl
 import streamlit as st
 
 from guard import schema
-from guard.runstore import list_runs, polars_schema, read_meta
+from guard.runstore import list_runs, parse_part_name, polars_schema, read_meta
 
 # Actions that changed what training did (counted and marked); apply/none are not actions.
 ACTIVE_ACTIONS = (
@@ -172,7 +171,7 @@ def _has_part(run_dir: Path, table: str) -> bool:
     d = run_dir / table
     try:
         with os.scandir(d) as it:
-            return any(e.name.startswith("part-") and e.name.endswith(".parquet") for e in it)
+            return any(parse_part_name(e.name) is not None and e.is_file() for e in it)
     except OSError:
         return False
 
@@ -229,12 +228,9 @@ def stray_folders(runs_dir: str | Path) -> list[str]:
 # ---------------------------------------------------------------------------------------
 # Scans
 # ---------------------------------------------------------------------------------------
-_PART = re.compile(r"part-\d{10}-\d{6}\.parquet$")
-
-
 def part_files(run_dir: str | Path, table: str) -> list[Path]:
     """Same answer as guard.runstore.part_files (same filter, same order), for long runs:
-    a scandir plus a sort on name strings, remembered until the table folder changes.
+    a scandir plus a sort on parsed names, remembered until the table folder changes.
     (Sorting thousands of Path objects costs more than reading their footers.)"""
     d = os.path.join(run_dir, table)
     try:
@@ -248,7 +244,8 @@ def part_files(run_dir: str | Path, table: str) -> list[Path]:
 def _part_names(table_dir: str, mtime_ns: int) -> tuple[str, ...]:
     del mtime_ns  # cache key only
     with os.scandir(table_dir) as it:
-        return tuple(sorted(e.name for e in it if _PART.search(e.name)))
+        named = [(pn, e.name) for e in it if (pn := parse_part_name(e.name)) is not None and e.is_file()]
+    return tuple(name for _, name in sorted(named))
 
 
 def scan(run_dir: str | Path, table: str, parts: list[Path] | None = None) -> pl.LazyFrame:

@@ -103,7 +103,17 @@ from guard.listen import bind_tcp
 from guard.metrics import CollectorMetrics
 from guard.notify import PagerNotifier
 from guard.report import StepReport
-from guard.runstore import atomic_write_bytes, part_files, polars_schema, read_meta, truncate_after
+from guard.runstore import (
+    atomic_write_bytes,
+    next_part_seq,
+    parse_part_name,
+    part_files,
+    part_name,
+    polars_schema,
+    read_meta,
+    truncate_after,
+    write_part_file,
+)
 
 try:  # optional: 3-5x faster parsing of the numeric arrays; plain json otherwise
     import orjson as _orjson
@@ -118,7 +128,6 @@ MAX_RANK = 1 << 20
 MAX_SEQ = (1 << 63) - 1
 COMMAND_ACTIONS = (schema.ACT_ROLLBACK, schema.ACT_HALT, schema.ACT_SKIP)
 STATE_DIR = ".collector"
-_PART_RE = re.compile(r"part-(\d{10})-(\d{6})\.parquet$")
 _REC_HDR = struct.Struct("<II")  # length, crc32
 
 
@@ -354,12 +363,8 @@ class Wal:
 # Parquet parts in the run store's format, columns built with numpy
 # ---------------------------------------------------------------------------------------
 def _part_seq(p: Path) -> int:
-    m = _PART_RE.search(p.name)
-    return int(m.group(2)) if m else -1
-
-
-def next_part_seq(run_dir: Path) -> int:
-    return max((_part_seq(p) for t in schema.TABLES for p in part_files(run_dir, t)), default=-1) + 1
+    pn = parse_part_name(p.name)
+    return pn.seq if pn is not None else -1
 
 
 def report_frames(reports: list[StepReport]) -> dict[str, pl.DataFrame]:
@@ -719,12 +724,8 @@ class RunState:
         touched = []
         for table, df in frames.items():
             first = int(df["step"].min())  # type: ignore[arg-type]
-            path = self.dir / table / f"part-{first:010d}-{seq:06d}.parquet"
-            tmp = path.with_name(f".{path.name}.tmp")
-            df.write_parquet(tmp, compression="zstd", statistics=True)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            path = self.dir / table / part_name(first, seq)
+            write_part_file(path, df)
             touched.append(path.parent)
             seq += 1
         for d in touched:

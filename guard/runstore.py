@@ -4,6 +4,11 @@ Layout (readable with `polars.scan_parquet("runs/<id>/<table>/*.parquet")`):
     runs/<run_id>/meta.json
     runs/<run_id>/<table>/part-<first_step:010d>-<seq:06d>.parquet
 
+Part names are defined here once (`part_name` / `parse_part_name`) and every reader and writer
+(this module, the collector, the app) goes through them. Both numbers are zero-padded to a
+minimum width and grow past it (seq 1000000 is `part-...-1000000.parquet`), so no count can
+overflow the name; order is by the parsed integers (first step, then seq), never by the string.
+
 Why chunks written by a background thread: a step must never wait on disk, and a crash may
 lose at most the rows not yet flushed, never corrupt what is there. Each part is written to a
 temporary name, fsynced and renamed, so a reader sees a whole part or none.
@@ -19,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import polars as pl
 
@@ -27,7 +32,31 @@ from guard import schema
 from guard.events import Event
 from guard.report import StepReport
 
-_PART_RE = re.compile(r"part-(\d{10})-(\d{6})\.parquet$")
+# Minimum widths of the two numbers (older stores have exactly these; larger numbers widen).
+PART_STEP_WIDTH = 10
+PART_SEQ_WIDTH = 6
+_PART_RE = re.compile(rf"^part-(\d{{{PART_STEP_WIDTH},}})-(\d{{{PART_SEQ_WIDTH},}})\.parquet$")
+
+
+class PartName(NamedTuple):
+    """A part file's numbers: the first step it holds and its writer sequence number.
+    Tuples order as readers must: by first step, then seq."""
+
+    first_step: int
+    seq: int
+
+
+def part_name(first_step: int, seq: int) -> str:
+    """The file name of a table part (the one definition every writer uses)."""
+    if first_step < 0 or seq < 0:
+        raise ValueError(f"part numbers must be >= 0, got first_step={first_step}, seq={seq}")
+    return f"part-{first_step:0{PART_STEP_WIDTH}d}-{seq:0{PART_SEQ_WIDTH}d}.parquet"
+
+
+def parse_part_name(name: str) -> PartName | None:
+    """(first step, seq) of a part file name, or None for anything else (temp files, strays)."""
+    m = _PART_RE.match(name)
+    return PartName(int(m.group(1)), int(m.group(2))) if m else None
 
 
 def polars_schema(table: str) -> dict[str, pl.DataType]:
@@ -165,9 +194,7 @@ class RunStore:
             self.update_meta(**fields)
 
     def _next_seq(self) -> int:
-        seqs = [int(m.group(2)) for t in schema.TABLES for p in (self.dir / t).glob("part-*.parquet")
-                if (m := _PART_RE.search(p.name))]  # fmt: skip
-        return max(seqs, default=-1) + 1
+        return next_part_seq(self.dir)
 
     def _writer(self) -> None:
         while True:
@@ -178,13 +205,9 @@ class RunStore:
                 table, first, df = item
                 # seq is only touched by this thread after __init__; it keeps growing across
                 # restarts (initialised from the parts on disk) so names never collide.
-                path = self.dir / table / f"part-{first:010d}-{self._seq:06d}.parquet"
+                path = self.dir / table / part_name(first, self._seq)
                 self._seq += 1
-                tmp = path.with_name(f".{path.name}.tmp")
-                df.write_parquet(tmp, compression="zstd", statistics=True)
-                with open(tmp, "rb") as f:
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
+                write_part_file(path, df)
             except BaseException as e:  # surfaced on the next flush, never lost silently
                 self._error = e
             finally:
@@ -200,20 +223,35 @@ class RunStore:
 # Readers and maintenance
 # ---------------------------------------------------------------------------------------
 def read_meta(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's meta.json, or None when it is missing or is not a JSON object."""
     p = Path(run_dir) / schema.META_FILE
     if not p.is_file():
         return None
     try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError:
+        meta = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def part_files(run_dir: str | Path, table: str) -> list[Path]:
+    """A table's part files (regular files with a part name), in (first step, seq) order."""
     d = Path(run_dir) / table
     if not d.is_dir():
         return []
-    return sorted(p for p in d.glob("part-*.parquet") if _PART_RE.search(p.name))
+    named = []
+    with os.scandir(d) as it:
+        for e in it:
+            pn = parse_part_name(e.name)
+            if pn is not None and e.is_file():
+                named.append((pn, Path(d, e.name)))
+    return [p for _, p in sorted(named)]
+
+
+def next_part_seq(run_dir: str | Path) -> int:
+    """One more than the largest seq of any part of any table (0 for an empty store)."""
+    seqs = [pn.seq for t in schema.TABLES for p in part_files(run_dir, t) if (pn := parse_part_name(p.name))]
+    return max(seqs, default=-1) + 1
 
 
 def scan_table(run_dir: str | Path, table: str) -> pl.LazyFrame:
@@ -228,9 +266,14 @@ def read_table(run_dir: str | Path, table: str) -> pl.DataFrame:
     return scan_table(run_dir, table).collect()
 
 
-def truncate_after(run_dir: str | Path, step: int) -> int:
+def truncate_after(run_dir: str | Path, step: int, *, archive_dir: str | Path | None = None) -> int:
     """Drop rows with step > `step` from every table (used when resuming from a checkpoint,
-    so steps re-run after a crash are not stored twice). Returns the rows dropped."""
+    so steps re-run after a crash are not stored twice). Returns the rows dropped.
+
+    With `archive_dir`, nothing is lost: the dropped rows of each part are first written,
+    fsynced, to `archive_dir/<table>/<the part's name>` (a store of the same layout), and only
+    then removed from the live part. Idempotent: a retry after a failure part-way rewrites the
+    same archive files and drops nothing twice."""
     dropped = 0
     for t in schema.TABLES:
         for p in part_files(run_dir, t):
@@ -239,13 +282,24 @@ def truncate_after(run_dir: str | Path, step: int) -> int:
                 continue
             keep = df.filter(pl.col("step") <= step)
             dropped += df.height - keep.height
+            if archive_dir is not None:
+                dest = Path(archive_dir) / t
+                dest.mkdir(parents=True, exist_ok=True)
+                write_part_file(dest / p.name, df.filter(pl.col("step") > step))
             if keep.height == 0:
                 p.unlink()
             else:
-                tmp = p.with_name(f".{p.name}.tmp")
-                keep.write_parquet(tmp, compression="zstd")
-                os.replace(tmp, p)
+                write_part_file(p, keep)
     return dropped
+
+
+def write_part_file(path: Path, df: pl.DataFrame) -> None:
+    """Write a part atomically: temp name, fsync, rename (a reader sees all of it or none)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    df.write_parquet(tmp, compression="zstd", statistics=True)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def list_runs(runs_dir: str | Path) -> list[Path]:
