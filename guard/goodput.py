@@ -8,6 +8,8 @@ training). Badput buckets:
     data_wait_s    steps waiting for the input pipeline
     checkpoint_s   writing checkpoints
     skipped_s      compute of steps whose update the guard skipped (or halted on)
+    nonfinite_s    compute of steps whose update was applied with a non-finite loss or gradient
+                   (guard off or observing): NaN weights learn nothing, so this is never goodput
     rolled_back_s  compute of applied steps later undone by a rollback
     restarts_s     checkpoint -> resumed process start: progress lost after the last checkpoint,
                    plus the time the job was down
@@ -20,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-KEYS = ("productive_s", "data_wait_s", "checkpoint_s", "skipped_s", "rolled_back_s", "startup_s", "restarts_s")
+KEYS = ("productive_s", "data_wait_s", "checkpoint_s", "skipped_s", "nonfinite_s", "rolled_back_s", "startup_s",
+        "restarts_s")
 
 
 class Goodput:
@@ -36,10 +39,13 @@ class Goodput:
     def add(self, key: str, seconds: float) -> None:
         self.split[key] += seconds
 
-    def step(self, applied: bool, step_time_s: float, data_wait_s: float) -> None:
+    def step(self, applied: bool, step_time_s: float, data_wait_s: float, finite: bool = True) -> None:
+        """`finite`: the step's loss and gradient were finite (an applied non-finite step is badput)."""
         compute = max(0.0, step_time_s - data_wait_s)
         self.split["data_wait_s"] += data_wait_s
-        if applied:
+        if applied and not finite:
+            self.split["nonfinite_s"] += compute
+        elif applied:
             self.split["productive_s"] += compute
             for s in self.since_snapshot:
                 self.since_snapshot[s] += compute

@@ -10,6 +10,17 @@ Under torchrun, a restarted job (TORCHELASTIC_RESTART_COUNT > 0) resumes from th
 checkpoint in --run-dir on its own. A checkpoint written on W ranks resumes on any number of ranks.
 Without --run-dir, multi-rank runs are named after torchrun's run id when it has one (stable
 across restarts), else after rank 0's start time.
+
+Exit status (meta.json "status" in brackets; "status_note" says what happened in words):
+  0    finished [finished, or finished_nonfinite when the loss/gradient ended non-finite],
+       or stopped at --until [running]
+  1    crashed [crashed]
+  2    bad command line or config, nothing trained
+  3    the guard or an operator halted the run, with a checkpoint [halted]
+  130  Ctrl-C / SIGINT: stopped at once, no new checkpoint [interrupted]
+  143  SIGTERM (preemption): the step in flight finishes, a checkpoint is written, then exit
+       [preempted]; --resume continues. 143 = 128 + SIGTERM, as if killed by it, so schedulers
+       (Kubernetes Jobs, Slurm --requeue, torchrun --max-restarts) retry the unfinished run.
 """
 
 from __future__ import annotations
@@ -158,9 +169,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(trainer: Any, run_dir: Path) -> None:
+    from guard.runstore import read_meta
+
     c = trainer.counts
     acts = ", ".join(f"{k} {v}" for k, v in c.items() if v and k not in (schema.ACT_APPLY, schema.ACT_NONE))
     gp = trainer.goodput()
     print(f"run {run_dir.name}: {trainer.step} steps, {c.get(schema.ACT_APPLY, 0)} updates applied; "
           f"guard actions: {acts or 'none'}; goodput {gp['goodput']:.1%}")  # fmt: skip
+    meta = read_meta(run_dir) or {}
+    if meta.get("status") != schema.STATUS_FINISHED:
+        print(f"status {meta.get('status')}" + (f": {meta['status_note']}" if meta.get("status_note") else ""))
     print(f"run store: {run_dir}  (open it with: moeguard app --runs {run_dir.parent})")

@@ -16,8 +16,11 @@ trainer/distributed.py; checkpoint layout in trainer/checkpoint.py; goodput in g
 from __future__ import annotations
 
 import math
+import os
 import resource
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -57,9 +60,21 @@ from trainer.flops import flops_per_token, peak_flops
 from trainer.inject import Injection, Injector
 from trainer.model import MoETransformer
 
-__all__ = ["EXIT_HALTED", "Dist", "Trainer", "allreduce_grads", "build_optimizer", "lr_at", "setup_distributed"]
+__all__ = ["EXIT_HALTED", "EXIT_PREEMPTED", "Dist", "Trainer", "allreduce_grads", "build_optimizer", "lr_at",
+           "setup_distributed"]  # fmt: skip
 
 EXIT_HALTED = 3  # the guard halted the run (a checkpoint and a critical event were written)
+# SIGTERM (preemption): checkpoint, then exit 128 + SIGTERM, what a process killed by SIGTERM reports.
+# Not 0: Kubernetes Jobs, Slurm --requeue and torchrun restarts treat 0 as "done" and would not
+# requeue a run that still has steps to go; 143 reads as "terminated", and --resume continues it.
+EXIT_PREEMPTED = 128 + signal.SIGTERM
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C (the shell's convention)
+
+# meta.json["status"] values the trainer writes beside schema.RUN_STATUSES (readers show any
+# status string as it is; meta.json["status_note"] says what happened in words).
+STATUS_PREEMPTED = "preempted"  # SIGTERM: checkpointed at a step boundary, resumable
+STATUS_INTERRUPTED = "interrupted"  # Ctrl-C / SIGINT: stopped where it was, no new checkpoint
+STATUS_FINISHED_NONFINITE = "finished_nonfinite"  # ran to the end, but its loss/gradient ended non-finite
 
 
 def lr_at(opt_step: int, cfg: TrainConfig) -> float:
@@ -95,6 +110,46 @@ def set_deterministic(compile: bool) -> None:
     else:
         # The same switch without importing torch._inductor (4 s per process) to set its flag.
         torch._C._set_deterministic_algorithms(True, warn_only=True)
+
+
+def _evidence(ev: Event) -> str:
+    """'grad_norm_spike 45.3 (threshold 3.1)', 'nonfinite grad_norm layers [1]': a verdict in a few words."""
+    d = ev.detail
+    where = f" layer {d['layer']}" if "layer" in d else (f" layers {d['layers']}" if d.get("layers") else "")
+    if ev.detector == schema.DET_NONFINITE:
+        return f"{ev.detector} {'/'.join(d.get('signals') or [])}{where}".replace("  ", " ")
+    value = f" {ev.value:.4g}" if math.isfinite(ev.value) else ""
+    limit = f" (threshold {ev.threshold:.4g})" if math.isfinite(ev.threshold) else ""
+    return f"{ev.detector}{where}{value}{limit}"
+
+
+def action_lines(step: int, action: str, events: list[Event]) -> list[str]:
+    """One concise line per thing the guard did at `step`: the action, the detector and its evidence."""
+    out = []
+    if action in (schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_HALT):
+        why = [_evidence(e) for e in events if e.kind == schema.EV_VERDICT and e.action == action]
+        what = action
+        for e in events:
+            if e.kind == schema.EV_ACTION and e.action == schema.ACT_ROLLBACK:
+                what = (f"rollback to the snapshot of step {e.detail.get('restored_step', '?')}, "
+                        f"{e.detail.get('skip_batches', 0)} batches skipped")  # fmt: skip
+                why = why or [str(e.detail.get("reason", ""))]
+            elif e.kind == schema.EV_ACTION and e.action == schema.ACT_LR_COOLDOWN:
+                what += f", LR x{e.value:g} for {e.detail.get('steps')} steps"
+            elif e.kind == schema.EV_HALT:
+                what, why = "halt", [str(e.detail.get("reason", ""))]
+            elif e.kind == schema.EV_OPERATOR:
+                why = why or [f"operator command ({e.detail.get('reason') or 'no reason given'})"]
+        out.append(f"guard step {step}: {what} <- {'; '.join(w for w in why if w) or 'policy'}")
+    for e in events:
+        if e.kind == schema.EV_ACTION and e.action == schema.ACT_BIAS_CORRECT:
+            d = e.detail
+            out.append(f"guard step {step}: {e.action} layer {d.get('layer')} ({d.get('mode')} x{d.get('boost', 0):g} "
+                       f"until step {d.get('until')}) <- {_evidence(e)}")  # fmt: skip
+        elif e.kind == schema.EV_RECOVERED:
+            out.append(f"guard step {step}: layer {e.detail.get('layer')} recovered from {e.detector} "
+                       f"after {e.detail.get('corrected_for')} steps")  # fmt: skip
+    return out
 
 
 class Trainer:
@@ -138,6 +193,12 @@ class Trainer:
         self.gp = Goodput(started_at=self._t_start)
         self.probe_layer_ids = np.arange(len(self.model.blocks), dtype=np.int32)
         self.last_decision: Decision | None = None
+        self.nonfinite_steps = 0  # updates applied with a non-finite loss or gradient
+        self.nonfinite_since: int | None = None  # first such update since the weights were last finite
+        self.stop_requested = False  # SIGTERM arrived (set by the handler, acted on at a step boundary)
+        self.stop_agreed = False  # every rank saw it (it rides in the probe's all-reduce)
+        self.last_checkpoint: Path | None = None
+        self._bar: Any = None
         # multi-rank: decision agreement, operator commands, straggler windows, heartbeats
         self.sync = StepSync(self.dist, self.comm, self.device, straggler_every=cfg.telemetry.straggler_every,
                              straggler_threshold=cfg.telemetry.straggler_threshold, exporter=exporter)  # fmt: skip
@@ -194,6 +255,7 @@ class Trainer:
             "probe": self.probe.state_dict(),
             "sync": self.sync.state_dict(),
             "counts": dict(self.counts),
+            "nonfinite": {"steps": self.nonfinite_steps, "since": self.nonfinite_since},
             "goodput": self.gp.state_dict(),
             "config": to_dict(self.cfg),
             "world_size": self.dist.world,
@@ -213,6 +275,7 @@ class Trainer:
                                     world=self.dist.world, keep=self.cfg.train.keep_checkpoints,
                                     barrier=self.comm.barrier if multi else lambda: None)  # fmt: skip
         self.gp.add("checkpoint_s", time.perf_counter() - t0)
+        self.last_checkpoint = path
         if self.exporter is not None:
             self.exporter.set_phase(PHASE_TRAIN)
         if self.store is not None:
@@ -225,6 +288,7 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.run_dir / schema.CHECKPOINT_DIR)
         if path is None:
             raise ConfigError(f"--resume: no checkpoint in {self.run_dir / schema.CHECKPOINT_DIR}")
+        self.last_checkpoint = path
         if ckpt.is_legacy(path):  # one torch.save file from before DCP
             s = ckpt.load_checkpoint(path)
             self.model.load_state_dict(s["model"])
@@ -242,6 +306,8 @@ class Trainer:
         self.probe.load_state_dict(host["probe"])
         self.step, self.opt_step = host["step"], host["opt_step"]
         self.counts.update(host.get("counts", {}))
+        nf = host.get("nonfinite", {})
+        self.nonfinite_steps, self.nonfinite_since = int(nf.get("steps", 0)), nf.get("since")
         if rng is not None:
             ckpt.set_rng_state(rng)
         if self.store is not None:
@@ -335,6 +401,8 @@ class Trainer:
         loss = loss_sum.item() / len(batches)
         dt = time.perf_counter() - t0
         tokens = sum(b.numel() - b.size(0) for b in batches) * self.dist.world
+        self._track_finite(loss, 0.0, applied=True)  # no grad norm measured here: the loss says it
+        self.stop_agreed = self.stop_requested and self.dist.world == 1
         return StepReport(step=self.step, time=time.time(), loss=loss, grad_norm=float("nan"), lr=lr,
                           tokens=tokens, step_time_s=dt, data_wait_s=data_wait, tokens_per_s=tokens / dt)
 
@@ -360,11 +428,14 @@ class Trainer:
         world, rank = self.dist.world, self.dist.rank
         # each rank's data wait rides in the probe's all-reduce as a one-hot; the guard sees the
         # slowest rank's (the step waited for it), so its stall verdict is the same on every rank
-        onehot = torch.zeros(world, device=self.device) if world > 1 else None
+        # (the last element: 1 on a rank that got SIGTERM, so all ranks stop at the same step)
+        onehot = torch.zeros(world + 1, device=self.device) if world > 1 else None
         if onehot is not None:
             onehot[rank] = data_wait
+            onehot[world] = float(self.stop_requested)
         pr = self.probe.collect(loss_sum, len(batches), extra=onehot)
-        job_wait = float(pr.extra.max()) if world > 1 else data_wait
+        job_wait = float(pr.extra[:world].max()) if world > 1 else data_wait
+        self.stop_agreed = bool(pr.extra[world] > 0) if world > 1 else self.stop_requested
         own_tokens = sum(b.numel() - b.size(0) for b in batches)
         rep = StepReport(
             step=self.step, time=time.time(), loss=pr.loss, grad_norm=pr.grad_norm, lr=planned_lr,
@@ -404,7 +475,11 @@ class Trainer:
         rep.mfu = self.flops_per_token * rep.tokens_per_s / (self.peak * world) if self.peak else float("nan")
         rep.mem_peak_bytes = peak_memory_bytes(self.device)
         self.counts[decision.action] = self.counts.get(decision.action, 0) + 1
-        self.gp.step(decision.applies_update, rep.step_time_s, rep.data_wait_s)
+        finite = self._track_finite(rep.loss, rep.grad_norm, applied=decision.applies_update)
+        self.gp.step(decision.applies_update, rep.step_time_s, rep.data_wait_s, finite=finite)
+        if self.dist.main:
+            for line in action_lines(self.step, decision.action, events):
+                self.say(line)
         # busy = the step minus the time spent inside collectives (waiting for peers included)
         busy = rep.step_time_s - self.comm.take_wait()
         events.extend(self.sync.end_step(self.step, busy, data_wait, own_tokens, self.store))
@@ -412,6 +487,29 @@ class Trainer:
         self._emit(rep, events, data_wait, own_tokens)
         self.last_decision = decision
         return rep
+
+    def _track_finite(self, loss: float, grad_norm: float, *, applied: bool) -> bool:
+        """Count updates applied with a non-finite loss or gradient (the guard was off or observing);
+        True when this step's loss and gradient were finite."""
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            self.nonfinite_since = None  # finite again (e.g. a rollback restored finite weights)
+        elif applied:
+            self.nonfinite_steps += 1
+            if self.nonfinite_since is None:
+                self.nonfinite_since = self.step
+                if self.dist.main:
+                    self.say(f"step {self.step}: loss {loss:.4g}, grad norm {grad_norm:.4g}: a non-finite update "
+                             f"was applied ({'guard in observe mode' if self.telemetry else 'telemetry off'}); "
+                             "the weights are likely non-finite from here")  # fmt: skip
+        return finite
+
+    def say(self, line: str) -> None:
+        """A line for the user on stderr, above the progress bar (tqdm.write keeps the bar whole)."""
+        if self._bar is not None:
+            type(self._bar).write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     # ---- multi-rank pieces of the step ----------------------------------------------------
     def _can_roll_back(self) -> bool:
@@ -437,12 +535,18 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------
     def run(self, until: int | None = None) -> int:
         """Train to cfg.train.steps (or stop early at `until`, checkpointed, e.g. for a job's time
-        slice). Returns 0, or EXIT_HALTED if the guard (or an operator) halted the run."""
+        slice). Returns 0, EXIT_HALTED if the guard (or an operator) halted the run, EXIT_PREEMPTED
+        after a SIGTERM (checkpointed at the step boundary; --resume continues), or raises.
+
+        meta.json["status"] says how it ended: finished, finished_nonfinite (the last updates were
+        non-finite: the weights are not usable), halted, preempted, interrupted (Ctrl-C), crashed,
+        or running (stopped at `until`); meta.json["status_note"] says it in words."""
         stop = min(until, self.cfg.train.steps) if until is not None else self.cfg.train.steps
         self.gp.add("startup_s", time.time() - self._t_start)
-        bar = self._progress_bar()
+        self._bar = bar = self._progress_bar()
         prof = self._profiler()
-        status, code = schema.STATUS_FINISHED, 0
+        previous = self._catch_sigterm()
+        status, code, note = schema.STATUS_FINISHED, 0, ""
         try:
             while self.step < stop:
                 rep = self.train_step()
@@ -452,6 +556,15 @@ class Trainer:
                 if self.last_decision is not None and self.last_decision.halt:
                     status, code = schema.STATUS_HALTED, EXIT_HALTED
                     self.save_checkpoint()
+                    break
+                if self.stop_agreed if self.dist.world > 1 else self.stop_requested:
+                    status, code = STATUS_PREEMPTED, EXIT_PREEMPTED
+                    if self.last_checkpoint != ckpt.checkpoint_path(self.run_dir / schema.CHECKPOINT_DIR, self.step):
+                        self.save_checkpoint()
+                    note = (f"preempted: SIGTERM, stopped after step {self.step - 1} with checkpoint "
+                            f"{self.last_checkpoint.name if self.last_checkpoint else '-'}; continue with --resume")
+                    if self.dist.main:
+                        self.say(f"moeguard train: {note}")
                     break
                 if self.guard.after_step(self.step, {"opt_step": self.opt_step}):
                     self.sync.log.write(f"{self.step} snapshot")
@@ -467,16 +580,46 @@ class Trainer:
                 self.save_checkpoint()
                 if self.step < self.cfg.train.steps:
                     status = schema.STATUS_RUNNING  # stopped at --until; resumable
-        except BaseException:
+                elif self.nonfinite_since is not None:
+                    status = STATUS_FINISHED_NONFINITE
+                    note = (f"loss/grad norm non-finite from step {self.nonfinite_since} to the end "
+                            f"({self.nonfinite_steps} non-finite updates applied): the weights are not usable; "
+                            "rerun from a checkpoint before that step with the guard on")  # fmt: skip
+        except KeyboardInterrupt:
+            status, code = STATUS_INTERRUPTED, EXIT_INTERRUPTED
+            last = self.last_checkpoint.name if self.last_checkpoint else "none yet"
+            note = (f"interrupted (Ctrl-C / SIGINT) during step {self.step}; newest checkpoint: {last}"
+                    + ("; continue with --resume" if self.last_checkpoint else ""))  # fmt: skip
+            raise
+        except BaseException as e:
             status, code = schema.STATUS_CRASHED, 1
+            note = f"crashed during step {self.step}: {type(e).__name__}: {e}"[:500]
             raise
         finally:
             if prof is not None:
                 prof.stop()
             if bar is not None:
                 bar.close()
-            self._finish(status)
+            self._bar = None
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            self._finish(status, note)
         return code
+
+    def _catch_sigterm(self) -> Any:
+        """SIGTERM (a scheduler preempting the job; torchrun forwards it to every rank and waits
+        30 s before SIGKILL) only sets a flag: the loop finishes the step, checkpoints and exits.
+        Returns the previous handler (None when not installed: off the main thread, or multi-rank
+        with telemetry off, where no per-step all-reduce could carry the flag to every rank)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        if self.dist.world > 1 and not self.telemetry:
+            return None
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self.stop_requested = True
+
+        return signal.signal(signal.SIGTERM, on_sigterm)
 
     def _postfix(self, rep: StepReport) -> str:
         mfu = f"{rep.mfu * 100:.2f}%" if math.isfinite(rep.mfu) else "n/a"
@@ -495,6 +638,10 @@ class Trainer:
         t = self.cfg.telemetry
         if not (t.profile and self.dist.main and self.telemetry):
             return None
+        # kineto prints "USDT: ... profiler_start/profiler_stop" (its level 5) to stderr, through the
+        # progress bar; 6 silences it (and kineto's own errors: set KINETO_LOG_LEVEL=4 to see those).
+        # Read when the profiler first starts, so setting it here is in time.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
@@ -512,17 +659,19 @@ class Trainer:
         """meta.json["goodput"]: goodput, wall_s and the badput split (guard/goodput.py)."""
         return self.gp.report(time.time())
 
-    def _finish(self, status: str) -> None:
+    def _finish(self, status: str, note: str = "") -> None:
         if self.pump is not None:
             self.pump.close()
         self.sync.log.close()
         if self.store is not None:
             last = read_meta(self.run_dir) or {}
-            self.store.close(status=status, final_step=self.step, counts=self.counts, goodput=self.goodput(),
+            self.store.close(status=status, status_note=note, final_step=self.step, counts=self.counts,
+                             goodput=self.goodput(), nonfinite_steps=self.nonfinite_steps,
                              restarts=last.get("restarts", 0))  # fmt: skip
             if self.exporter is not None:
                 self.exporter.set_meta(read_meta(self.run_dir) or {})
         if self.exporter is not None:
-            self.exporter.close(timeout=30)
-        if self.dist.world > 1 and dist.is_initialized() and status != schema.STATUS_CRASHED:
-            self.comm.barrier()  # after a crash a peer may be gone: do not wait for it
+            # a crash sends no final batch, so its silence pages; a Ctrl-C or SIGTERM was on purpose
+            self.exporter.close(timeout=30, final=status != schema.STATUS_CRASHED)
+        if self.dist.world > 1 and dist.is_initialized() and status not in (schema.STATUS_CRASHED, STATUS_INTERRUPTED):
+            self.comm.barrier()  # after a crash or Ctrl-C a peer may be gone: do not wait for it

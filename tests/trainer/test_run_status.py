@@ -1,0 +1,117 @@
+"""Run status matches what happened: SIGTERM (preemption), Ctrl-C, a run that ended non-finite.
+
+Each test runs the real CLI (`python -m guard train`) on the micro config in a subprocess and
+signals it the way a scheduler or a user would.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+
+from guard import schema
+from guard.runstore import read_meta, read_table
+from tests.conftest import MICRO, REPO
+from trainer.checkpoint import list_checkpoints
+from trainer.loop import (
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    STATUS_FINISHED_NONFINITE,
+    STATUS_INTERRUPTED,
+    STATUS_PREEMPTED,
+)
+
+
+def train_cmd(run: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(run), "--no-progress",
+            "--set", "train.threads=1", *args]  # fmt: skip
+
+
+def start_long_run(run: Path) -> subprocess.Popen:
+    """A run far longer than the test (checkpoints only every 1000 steps), once it has flushed
+    its first chunk of steps (flush_every = 7): it is mid-run, past start-up."""
+    p = subprocess.Popen(train_cmd(run, "--steps", "5000", "--set", "train.checkpoint_every=1000"), cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not list((run / schema.TABLE_STEPS).glob("part-*.parquet")):
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run never flushed a chunk of steps"
+        time.sleep(0.1)
+    return p
+
+
+def test_sigterm_checkpoints_marks_preempted_and_resume_continues(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    p = start_long_run(run)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == EXIT_PREEMPTED == 143, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    meta = read_meta(run)
+    assert meta["status"] == STATUS_PREEMPTED
+    stopped = meta["final_step"]  # steps run: 0 .. stopped - 1
+    assert 7 <= stopped < 5000
+    [ckpt] = list_checkpoints(run / schema.CHECKPOINT_DIR)  # none was due before step 1000
+    assert ckpt.name == f"step-{stopped:09d}"
+    assert "SIGTERM" in meta["status_note"] and ckpt.name in meta["status_note"] and "--resume" in meta["status_note"]
+    assert f"status {STATUS_PREEMPTED}" in out and "SIGTERM" in err
+    assert read_table(run, schema.TABLE_STEPS)["step"].sort().to_list() == list(range(stopped))
+
+    r = subprocess.run(train_cmd(run, "--steps", "5000", "--resume", "--until", str(stopped + 3)), cwd=REPO,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = read_table(run, schema.TABLE_STEPS).sort("step")
+    assert steps["step"].to_list() == list(range(stopped + 3)), "the resumed run continues where it stopped"
+    events = read_table(run, schema.TABLE_EVENTS)
+    resume = events.filter(pl.col("kind") == schema.EV_RESUME)
+    assert resume["step"].to_list() == [stopped]
+    meta = read_meta(run)
+    assert meta["status"] == schema.STATUS_RUNNING and meta["restarts"] == 1 and meta["final_step"] == stopped + 3
+
+
+def test_ctrl_c_marks_interrupted_with_a_note(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    p = start_long_run(run)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == EXIT_INTERRUPTED == 130, err[-3000:]
+    assert "Traceback" not in err and "interrupted" in err, err[-3000:]
+    meta = read_meta(run)
+    assert meta["status"] == STATUS_INTERRUPTED
+    assert "Ctrl-C" in meta["status_note"] and f"step {meta['final_step']}" in meta["status_note"]
+
+
+def test_a_run_that_ended_nonfinite_is_marked_and_its_nan_steps_are_badput(tmp_path: Path) -> None:
+    run = tmp_path / "nan"
+    p = subprocess.run(train_cmd(run, "--steps", "12", "--no-guard", "--inject", "nan@5"), cwd=REPO,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    meta = read_meta(run)
+    assert meta["status"] == STATUS_FINISHED_NONFINITE
+    assert meta["nonfinite_steps"] == 7  # steps 5..11: the NaN update, then NaN weights
+    assert "step 5" in meta["status_note"]
+    assert f"status {STATUS_FINISHED_NONFINITE}" in p.stdout
+    assert "step 5:" in p.stderr and "non-finite" in p.stderr
+    gp = meta["goodput"]
+    steps = read_table(run, schema.TABLE_STEPS).sort("step")
+    assert steps["loss"][:6].is_finite().all() and not steps["grad_norm"][5:].is_finite().any()
+    assert not steps["loss"][6:].is_finite().any()  # the NaN update went into the weights
+    assert gp["nonfinite_s"] > 0
+    # only steps 0..4 count as productive: their compute, not the NaN steps'
+    compute = (steps["step_time_s"] - steps["data_wait_s"]).to_list()
+    assert abs(gp["productive_s"] - sum(compute[:5])) < 1e-6
+    assert abs(gp["nonfinite_s"] - sum(compute[5:])) < 1e-6
+
+    # the same fault with the guard on: skipped, so the run ends finite and "finished"
+    guarded = tmp_path / "guarded"
+    p = subprocess.run(train_cmd(guarded, "--steps", "12", "--inject", "nan@5"), cwd=REPO,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    meta = read_meta(guarded)
+    assert meta["status"] == schema.STATUS_FINISHED and meta["nonfinite_steps"] == 0
+    assert meta["goodput"]["nonfinite_s"] == 0 and meta["goodput"]["skipped_s"] > 0
