@@ -390,6 +390,12 @@ class Exporter:
             (bad / f"{self._prefix}{time.time_ns()}.json").write_bytes(body)
             log.error("collector rejected a batch (%d): %s", r.status_code, r.text[:300])
             return True
+        if r.status_code in (401, 403):  # a missing or wrong token: every retry gets the same answer
+            self.stats["unauthorized"] = self.stats.get("unauthorized", 0) + 1
+            if self.stats["unauthorized"] == 1:
+                log.warning("collector answered %d: %s; set MOEGUARD_TOKEN to the collector's token (telemetry "
+                            "stays spooled and is retried; logged once)", r.status_code, r.text[:200])  # fmt: skip
+            return False
         log.warning("collector answered %d: %s", r.status_code, r.text[:200])
         return False
 
