@@ -94,6 +94,7 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from guard import schema
 from guard.config import GuardConfig, load_guard_config
@@ -129,6 +130,11 @@ MAX_SEQ = (1 << 63) - 1
 COMMAND_ACTIONS = (schema.ACT_ROLLBACK, schema.ACT_HALT, schema.ACT_SKIP)
 STATE_DIR = ".collector"
 _REC_HDR = struct.Struct("<II")  # length, crc32
+_WAL_RE = re.compile(r"^wal-(\d{10})\.log$")
+STATE_FILE, COMMANDS_FILE, QUARANTINE_FILE = "state.json", "commands.json", "quarantine.json"
+# Number of runs refused at start-up or load (their files are damaged). Belongs in schema.py
+# with the other names; kept here until that module is free to edit.
+M_QUARANTINED_RUNS = "moeguard_collector_quarantined_runs"
 
 
 # ---------------------------------------------------------------------------------------
@@ -311,6 +317,7 @@ def parse_batch(body: bytes) -> Batch:
 class Wal:
     def __init__(self, d: Path) -> None:
         self.dir = d
+        self._warned: set[str] = set()
         self.cur = max(self.segments(), default=0) + 1
         self._fd: int | None = None
 
@@ -318,7 +325,17 @@ class Wal:
         return self.dir / f"wal-{seg:010d}.log"
 
     def segments(self) -> list[int]:
-        return sorted(int(p.name[4:14]) for p in self.dir.glob("wal-*.log"))
+        """Segment numbers on disk; anything else in the folder (a stray `wal-abc.log`) is
+        not ours: left alone, named once in the log, never parsed."""
+        out = []
+        for p in self.dir.glob("wal-*.log"):
+            m = _WAL_RE.match(p.name)
+            if m is not None:
+                out.append(int(m.group(1)))
+            elif p.name not in self._warned:
+                self._warned.add(p.name)
+                log.warning("%s: %s is not a log segment of this collector; ignored", self.dir, p.name)
+        return sorted(out)
 
     def append(self, rec: bytes) -> None:
         if self._fd is None:
@@ -448,6 +465,7 @@ class RunState:
         self.lock = threading.Lock()
         self.ckpt_lock = threading.Lock()
         self.state_dir = run_dir / STATE_DIR
+        check_run_layout(run_dir)  # raises RunDamaged before anything is created or changed
         for t in schema.TABLES:
             (run_dir / t).mkdir(parents=True, exist_ok=True)
         self.state_dir.mkdir(exist_ok=True)
@@ -462,30 +480,39 @@ class RunState:
         self.failed: BaseException | None = None
         self.detectors = _make_detectors(cfg.guard)
         self.trainer_detectors = False
-        self.commands: list[dict[str, Any]] = _read_json(self.state_dir / "commands.json", [])
+        self.commands: list[dict[str, Any]] = _load_commands(self.state_dir / COMMANDS_FILE)
         self.wal = Wal(self.state_dir)
-        self._recover()
+        try:
+            self._recover()
+        except BaseException:
+            self.wal.close()
+            raise
 
     # ---- recovery ------------------------------------------------------------------
     def _recover(self) -> None:
-        st = _read_json(self.state_dir / "state.json", None)
+        st = _load_json(self.state_dir / STATE_FILE, None)
         if st is None:  # first time: commit an empty state over whatever is already there
             last = scan_last_step(self.dir)
             st = {"segment_done": 0, "next_part_seq": next_part_seq(self.dir), "hwm": {}, "acks": {},
                   "last_step": last, "ranks": {}}  # fmt: skip
             self._commit_state(st)
-        self.segment_done = int(st["segment_done"])
-        self.next_part = int(st["next_part_seq"])
-        self.hwm = {int(k): int(v) for k, v in st["hwm"].items()}
-        self.acks = {int(k): int(v) for k, v in st["acks"].items()}
-        self.last_step = int(st["last_step"])
-        self.report_gen = int(st.get("report_gen", (self.hwm[0] >> GEN_SHIFT) if 0 in self.hwm else -1))
+        try:
+            self.segment_done = _nonneg(st["segment_done"])
+            self.next_part = _nonneg(st["next_part_seq"])
+            self.hwm = {_nonneg(int(k)): _nonneg(v) for k, v in st["hwm"].items()}
+            self.acks = {_nonneg(int(k)): int(v) for k, v in st["acks"].items()}
+            self.last_step = int(st["last_step"])
+            self.report_gen = int(st.get("report_gen", (self.hwm[0] >> GEN_SHIFT) if 0 in self.hwm else -1))
+            self.trainer_detectors = bool(st.get("trainer_detectors", False))
+            ranks = [(int(r), float(seen), sent if sent is None else float(sent), int(step), PHASES[PHASES.index(phase)])
+                     for r, (seen, sent, step, phase) in st.get("ranks", {}).items()]  # fmt: skip
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise RunDamaged(f"{STATE_DIR}/{STATE_FILE}: not a state this collector wrote ({type(e).__name__}: {e})") from e
         self.status = (read_meta(self.dir) or {}).get("status")
-        self.trainer_detectors = bool(st.get("trainer_detectors", False))
         if self.trainer_detectors:
             self.detectors = None
-        for rank, (seen, sent, step, phase) in st.get("ranks", {}).items():
-            self.metrics.beat(self.run, int(rank), seen, step, phase, sent)
+        for rank, seen, sent, step, phase in ranks:
+            self.metrics.beat(self.run, rank, seen, step, phase, sent)
         # parts written by a checkpoint that never committed
         for t in schema.TABLES:
             for p in part_files(self.dir, t):
@@ -750,6 +777,28 @@ class StorageFailed(RuntimeError):
     pass
 
 
+class RunQuarantined(StorageFailed):
+    def __init__(self, run: str, reason: str) -> None:
+        super().__init__(f"run {run} is quarantined (its files are damaged; repair them and restart the "
+                         f"collector): {reason}")  # fmt: skip
+        self.run, self.reason = run, reason
+
+
+class _QuarantineMetrics:
+    """moeguard_collector_quarantined_runs: runs refused at load because their files are damaged."""
+
+    def __init__(self, quarantined: dict[str, str]) -> None:
+        self._q = quarantined
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(M_QUARANTINED_RUNS, "runs not served because their files are damaged")]
+
+    def collect(self) -> list[Metric]:
+        g = GaugeMetricFamily(M_QUARANTINED_RUNS, "runs not served because their files are damaged")
+        g.add_metric([], len(self._q))
+        return [g]
+
+
 ENDED = (schema.STATUS_FINISHED, schema.STATUS_HALTED)
 
 
@@ -760,11 +809,53 @@ def is_halt(ev: dict[str, Any]) -> bool:
     )
 
 
-def _read_json(p: Path, default: Any) -> Any:
+class RunDamaged(Exception):
+    """A run folder this collector cannot load safely; the message says what is wrong."""
+
+
+def _load_json(p: Path, default: Any) -> Any:
+    """A JSON file of the collector's own, `default` when absent; RunDamaged when unreadable."""
     try:
-        return json.loads(p.read_text())
+        return json.loads(p.read_bytes())
     except FileNotFoundError:
         return default
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RunDamaged(f"{p.parent.name}/{p.name}: unreadable ({type(e).__name__}: {str(e)[:120]})") from e
+
+
+def _nonneg(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"expected an integer >= 0, got {str(v)[:40]!r}")
+    return v
+
+
+def _load_commands(p: Path) -> list[dict[str, Any]]:
+    cmds = _load_json(p, [])
+    if not isinstance(cmds, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), int) for c in cmds):
+        raise RunDamaged(f"{STATE_DIR}/{COMMANDS_FILE}: expected a list of commands with integer ids")
+    return cmds
+
+
+def check_run_layout(run_dir: Path) -> None:
+    """Raise RunDamaged for what would make the collector fail or write over someone's data:
+    a table or state path that is not a folder, a non-file named like a part, a meta.json that
+    is not a JSON object. Missing pieces are fine (they are created)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDamaged(f"{run_dir.name} is not a folder")
+    for name in (*schema.TABLES, STATE_DIR):
+        p = run_dir / name
+        if p.exists() and not p.is_dir():
+            raise RunDamaged(f"{name} is not a folder")
+    for t in schema.TABLES:
+        d = run_dir / t
+        if d.is_dir():
+            with os.scandir(d) as it:
+                for e in it:
+                    if parse_part_name(e.name) is not None and not e.is_file():
+                        raise RunDamaged(f"{t}/{e.name} is named like a part file but is not a regular file")
+    meta = _load_json(run_dir / schema.META_FILE, None)
+    if meta is not None and not isinstance(meta, dict):
+        raise RunDamaged(f"{schema.META_FILE}: expected a JSON object, found {type(meta).__name__}")
 
 
 def _make_detectors(cfg: GuardConfig | None) -> Any:
@@ -797,19 +888,25 @@ class Collector:
         self.cfg = cfg
         self.metrics = metrics or CollectorMetrics(heartbeat=cfg.heartbeat)
         self.runs: dict[str, RunState] = {}
+        self.quarantined: dict[str, str] = {}  # run -> why it was not loaded
         self._runs_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.notifier = PagerNotifier(cfg.pager_url, cfg.pager_token) if cfg.pager_url else None
+        self.metrics.registry.register(_QuarantineMetrics(self.quarantined))
         cfg.runs_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self) -> None:
-        """Recover every run this collector wrote before, then start checkpointing."""
+        """Recover every run this collector wrote before, then start checkpointing. A run that
+        cannot be recovered is quarantined (see `_quarantine`); the others serve."""
         if self.notifier is not None:
             self.notifier.start()
         for d in sorted(self.cfg.runs_dir.iterdir()):
-            if d.is_dir() and (d / STATE_DIR / "state.json").is_file() and valid_run_id(d.name):
-                self.run_state(d.name)
+            if d.is_dir() and os.path.lexists(d / STATE_DIR) and valid_run_id(d.name):
+                try:
+                    self.run_state(d.name)
+                except StorageFailed:
+                    pass  # quarantined and logged by run_state
         self._thread = threading.Thread(target=self._checkpointer, name="moeguard-checkpoint", daemon=True)
         self._thread.start()
 
@@ -834,20 +931,54 @@ class Collector:
                     pass  # logged by checkpoint(); the run now answers 503
 
     def run_state(self, run: str) -> RunState:
+        """The run's state, loaded (recovered) on first use. Raises RunQuarantined for a run
+        whose files are damaged, StorageFailed when its folder cannot be set up right now."""
         rs = self.runs.get(run)
         if rs is not None:
             return rs
         with self._runs_lock:
             rs = self.runs.get(run)
-            if rs is None:
-                self.metrics.ensure_run(run)
+            if rs is not None:
+                return rs
+            why = self.quarantined.get(run)
+            if why is not None:
+                raise RunQuarantined(run, why)
+            existed = os.path.lexists(self.cfg.runs_dir / run / STATE_DIR)  # a run this collector wrote
+            try:
                 rs = RunState(run, self.cfg.runs_dir / run, self.cfg, self.metrics, self.notifier)
-                meta = read_meta(rs.dir)
-                if meta:
-                    self.metrics.set_meta(run, meta)
-                _restore_run_metrics(self.metrics, run, rs.dir)
-                self.runs[run] = rs
+            except RunDamaged as e:
+                raise self._quarantine(run, str(e)) from e
+            except OSError as e:
+                if existed:
+                    raise self._quarantine(run, f"recovery failed: {e!r}") from e
+                raise StorageFailed(f"run {run}: cannot set up its folder: {e!r}") from e
+            except Exception as e:  # a bug or a shape of damage nobody foresaw: one run, not all
+                log.exception("run %s: recovery failed", run)
+                raise self._quarantine(run, f"recovery failed: {e!r}") from e
+            self.metrics.ensure_run(run)
+            meta = read_meta(rs.dir)
+            if meta:
+                self.metrics.set_meta(run, meta)
+            _restore_run_metrics(self.metrics, run, rs.dir)
+            self.runs[run] = rs
             return rs
+
+    def _quarantine(self, run: str, reason: str) -> RunQuarantined:
+        """Keep a damaged run out of service, say so everywhere (log, metric, /v1/runs, a
+        record in the run's own folder when it can be written) and touch nothing else of it.
+        Its trainers get 503 and keep their batches spooled until someone repairs the folder
+        and restarts the collector. Caller holds `_runs_lock`."""
+        self.quarantined[run] = reason
+        self.metrics.end_heartbeats(run)  # a refused run is not "lost": the quarantine alerts
+        log.warning("run %s: quarantined, not served until repaired and the collector restarts: %s", run, reason)
+        state_dir = self.cfg.runs_dir / run / STATE_DIR
+        if state_dir.is_dir():
+            try:
+                atomic_write_bytes(state_dir / QUARANTINE_FILE, json.dumps(
+                    {"run": run, "reason": reason, "time": time.time(), "pid": os.getpid()}, indent=2).encode())  # fmt: skip
+            except OSError as e:
+                log.warning("run %s: could not record the quarantine in %s: %r", run, state_dir, e)
+        return RunQuarantined(run, reason)
 
     # ---- request handlers (synchronous; called from a worker thread) ------------------
     def ingest(self, body: bytes) -> tuple[int, dict[str, Any]]:
@@ -858,6 +989,9 @@ class Collector:
             return 400, {"error": str(e)}
         try:
             ans = self.run_state(batch.run).ingest(batch, body)
+        except RunQuarantined as e:
+            self.metrics.batch("quarantined")
+            return 503, {"error": str(e)}
         except StorageFailed as e:
             self.metrics.batch("unavailable")
             return 503, {"error": str(e)}
@@ -866,11 +1000,15 @@ class Collector:
 
     def list_runs(self) -> list[dict[str, Any]]:
         now = time.time()
-        names = set(self.runs) | {d.name for d in self.cfg.runs_dir.iterdir()
+        names = set(self.runs) | set(self.quarantined) | {d.name for d in self.cfg.runs_dir.iterdir()
                                   if d.is_dir() and (d / schema.META_FILE).is_file()}  # fmt: skip
         out = []
         for run in sorted(names):
             meta = read_meta(self.cfg.runs_dir / run) or {}
+            if run in self.quarantined:
+                out.append({"run": run, "status": meta.get("status", schema.STATUS_RUNNING), "last_step": None,
+                            "ranks": {}, "quarantined": self.quarantined[run]})  # fmt: skip
+                continue
             ranks = self.metrics.rank_status(run, now)
             status = meta.get("status", schema.STATUS_RUNNING)
             if self.metrics.is_halted(run):
@@ -904,7 +1042,10 @@ class Collector:
                 rank = _int(rank, "rank", 0, MAX_RANK)
             except BadRequest as e:
                 return 400, {"error": str(e)}
-        cmd = self.run_state(run).add_command(action, reason, rank)
+        try:
+            cmd = self.run_state(run).add_command(action, reason, rank)
+        except StorageFailed as e:
+            return 503, {"error": str(e)}
         log.warning("run %s: operator command %s", run, cmd)
         return 200, {"ok": True, "command": cmd}
 
@@ -918,9 +1059,12 @@ class Collector:
             return 400, {"error": "query 'rank' and 'after' must be integers"}
         rs = self.runs.get(run)
         if rs is None:
-            if not (self.cfg.runs_dir / run / STATE_DIR).is_dir():
+            if not os.path.lexists(self.cfg.runs_dir / run / STATE_DIR):
                 return 404, {"error": f"unknown run {run!r}"}
-            rs = self.run_state(run)
+            try:
+                rs = self.run_state(run)
+            except StorageFailed as e:
+                return 503, {"error": str(e)}
         return 200, {"commands": rs.pending_commands(r, a)}
 
 
@@ -1046,7 +1190,7 @@ def build_app(collector: Collector) -> Any:
         return Response(await run_in_threadpool(collector.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"ok": True, "runs": len(collector.runs)})
+        return JSONResponse({"ok": True, "runs": len(collector.runs), "quarantined": len(collector.quarantined)})
 
     @asynccontextmanager
     async def lifespan(app: Any) -> Any:

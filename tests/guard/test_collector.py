@@ -73,8 +73,9 @@ def free_port() -> int:
 class CollectorProc:
     """`python -m guard collector` in a subprocess on a fixed port (restartable on it)."""
 
-    def __init__(self, runs: Path, *args: str, port: int | None = None, token: str | None = TOKEN) -> None:
-        self.runs, self.args, self.token = runs, args, token
+    def __init__(self, runs: Path, *args: str, port: int | None = None, token: str | None = TOKEN,
+                 stderr: Path | None = None) -> None:  # fmt: skip
+        self.runs, self.args, self.token, self.stderr = runs, args, token, stderr
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -83,10 +84,15 @@ class CollectorProc:
         env = {k: v for k, v in os.environ.items() if k != schema.ENV_TOKEN}
         if self.token:
             env[schema.ENV_TOKEN] = self.token
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "guard", "collector", "--port", str(self.port), "--runs", str(self.runs),
-             "--log-level", "warning", *self.args], env=env,
-        )  # fmt: skip
+        err = None if self.stderr is None else open(self.stderr, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "guard", "collector", "--port", str(self.port), "--runs", str(self.runs),
+                 "--log-level", "warning", *self.args], env=env, stderr=err,
+            )  # fmt: skip
+        finally:
+            if err is not None:
+                err.close()  # the child has its own copy
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
