@@ -39,9 +39,21 @@ from guard.tomlconf import ConfigError
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
 
 
+def inject_help() -> str:
+    """The --help section on fault injection: what STEP and ARG mean for every kind."""
+    from trainer.inject import INJECT_HELP
+
+    width = max(map(len, schema.INJECT_KINDS)) + len("@STEP[:ARG]")
+    lines = [f"  {k + '@STEP' + ('' if INJECT_HELP[k].startswith('no ARG') else ':ARG'):<{width}}  {INJECT_HELP[k]}"
+             for k in schema.INJECT_KINDS]  # fmt: skip
+    return ("Fault injection, --inject KIND@STEP[:ARG][/rRANK] (repeatable). STEP is the 0-based step it\n"
+            "fires at (0 .. steps-1); /rRANK injects on that rank only (default: every rank):\n"
+            + "\n".join(lines))  # fmt: skip
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = __doc__.split("\n", 2)[2]
+    p.epilog = __doc__.split("\n", 2)[2] + "\n" + inject_help()
     p.add_argument("--config", type=Path, default=None,
                    help=f"training config TOML (default: {DEFAULT_CONFIG.name}, the CPU demo config)")
     p.add_argument("--steps", type=int, help="override train.steps")
@@ -55,7 +67,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guard", type=Path, metavar="FILE.toml", help="guard settings ([guard] table) to use instead")
     p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:ARG][/rRANK]",
                    help=f"inject a fault for a drill (repeatable; /rRANK: on that rank only); kinds: "
-                        f"{', '.join(schema.INJECT_KINDS)}")
+                        f"{', '.join(schema.INJECT_KINDS)}; what ARG means for each: below")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set model.experts_kernel=bmm (TOML value syntax)")
     p.add_argument("--collector", help=f"collector URL to stream telemetry to (default: ${schema.ENV_COLLECTOR})")
@@ -127,6 +139,59 @@ def default_run_dir(cfg: Any) -> Path:
     return Path("runs") / name
 
 
+def held_run(run_dir: Path) -> str | None:
+    """What says `run_dir` already holds a run ("meta.json: status finished, 300 steps"), or None.
+    Under a torchrun restart, a run that this torchrun job wrote itself does not count."""
+    from guard.runstore import read_meta
+    from trainer.checkpoint import list_checkpoints
+    from trainer.distributed import restart_count
+    from trainer.loop import JOB_KEY
+
+    meta = read_meta(run_dir) if (run_dir / schema.META_FILE).is_file() else None
+    if restart_count() > 0:  # this job's first attempt may have written here: resume or restart it
+        job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if meta is None or job in ("", "none") or meta.get(JOB_KEY) == job:
+            return None
+    if meta is not None or (run_dir / schema.META_FILE).is_file():
+        meta = meta or {}
+        steps = f", {meta['final_step']} steps" if isinstance(meta.get("final_step"), int) else ""
+        return f"{schema.META_FILE}: status {meta.get('status', '?')}{steps}"
+    if ckpts := list_checkpoints(run_dir / schema.CHECKPOINT_DIR):
+        return f"checkpoint {ckpts[-1].name}"
+    for table in schema.TABLES:
+        if any((run_dir / table).glob("*.parquet")):
+            return f"a {table} table"
+    return None
+
+
+def refuse_reused_run_dir(run_dir: Path, *, rank: int, device: str) -> None:
+    """A new run (no --resume) must not land in a folder that holds another run: its rows would
+    mix with the old ones (steps 0,1,2,0,1,2) and meta.json would be overwritten. Rank 0 looks
+    before anything is written and tells every rank, so all of them stop."""
+    held = held_run(run_dir) if rank == 0 else None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
+        from trainer.distributed import setup_distributed
+
+        setup_distributed(device)
+        box = [held]
+        dist.broadcast_object_list(box, src=0)
+        held = box[0]
+    if held is not None:
+        raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run ({held}); continue it with --resume, "
+                          "or pass a new --run-dir (nothing was written)")  # fmt: skip
+
+
+def check_injections(injections: list[Any], steps: int) -> None:
+    """An injection at or past the last step would never fire: a drill that silently does nothing."""
+    late = [str(i) for i in injections if i.step >= steps]
+    if late:
+        raise ConfigError(f"--inject {', '.join(late)}: past the run's last step ({steps - 1}; the run has "
+                          f"{steps} steps, 0..{steps - 1}): it would never fire; inject at an earlier step "
+                          "or raise --steps")  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     from guard.runstore import read_meta
     from trainer.checkpoint import latest_checkpoint
@@ -138,11 +203,14 @@ def run(args: argparse.Namespace) -> int:
     if args.collector:
         cfg.telemetry.collector = args.collector
     injections = [parse_injection(s) for s in args.inject]
+    check_injections(injections, cfg.train.steps)
     run_dir = args.run_dir or default_run_dir(cfg)
     if args.resume and not run_dir.is_dir():
         raise ConfigError(f"--resume: run folder {str(run_dir)!r} does not exist")
     rank = int(os.environ.get("RANK", "0"))
     resume = args.resume
+    if not resume:
+        refuse_reused_run_dir(run_dir, rank=rank, device=cfg.train.device)
     if not resume and restart_count() > 0 and (read_meta(run_dir) or {}).get("status") == schema.STATUS_HALTED:
         # The guard (or an operator) halted the run and paged a human: a torchrun restart must
         # not carry on past that. Each remaining restart ends here at once; --resume overrides.

@@ -36,6 +36,18 @@ from guard.tomlconf import ConfigError
 _DEFAULT_ARG = {"gradspike": 100.0, "lrspike": 100.0, "nan": 0.0, "badbatch": 0.0, "collapse": 0.0,
                 "stall": 6.0, "crash": 0.0, "slowrank": 0.05, "hang": 0.0}  # fmt: skip
 COLLAPSE_LOGIT_OFFSET = 8.0
+# What ARG means for each kind (`moeguard train --help` lists these; every kind has a line).
+INJECT_HELP = {
+    "gradspike": "ARG = factor every gradient is scaled by after backward (default 100)",
+    "lrspike": "ARG = factor the LR is multiplied by, for that one step (default 100)",
+    "nan": "no ARG: one gradient element of the last block becomes NaN",
+    "badbatch": "no ARG: the batch at STEP is uniformly random garbage tokens",
+    "collapse": "ARG = MoE layer whose router is pushed towards expert 0 from STEP on (default 0)",
+    "stall": "ARG = seconds the data loader sleeps before batch STEP (default 6)",
+    "crash": "no ARG: the process SIGKILLs itself at STEP, like a node loss (first torchrun attempt only)",
+    "slowrank": "ARG = extra seconds every step computes from STEP on (default 0.05): a straggler",
+    "hang": "no ARG: the process stops making progress at STEP (first torchrun attempt only)",
+}
 _RANK_RE = re.compile(r"(?:/r|@rank)(\d+)$")
 
 

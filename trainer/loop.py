@@ -75,6 +75,7 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C (the shell's convention)
 STATUS_PREEMPTED = "preempted"  # SIGTERM: checkpointed at a step boundary, resumable
 STATUS_INTERRUPTED = "interrupted"  # Ctrl-C / SIGINT: stopped where it was, no new checkpoint
 STATUS_FINISHED_NONFINITE = "finished_nonfinite"  # ran to the end, but its loss/gradient ended non-finite
+JOB_KEY = "torchelastic_run_id"  # meta.json: the torchrun job that started the run (kept across its restarts)
 
 
 def lr_at(opt_step: int, cfg: TrainConfig) -> float:
@@ -112,13 +113,31 @@ def set_deterministic(compile: bool) -> None:
         torch._C._set_deterministic_algorithms(True, warn_only=True)
 
 
+def unavailable_backend(e: ValueError, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """'model.attention = 'cudnn' is not available on cpu ...; available here: auto, math, flash'."""
+    from trainer.model import ATTENTION_CHOICES, resolve_attention_backend
+
+    msg = f"model.{e}"
+    if str(e).startswith("attention="):
+        ok = []
+        for name in ATTENTION_CHOICES:
+            try:
+                resolve_attention_backend(name, device, dtype, n_heads=cfg.model.n_heads,
+                                          head_dim=cfg.model.head_dim, seq_len=cfg.model.max_seq_len)  # fmt: skip
+                ok.append(name)
+            except ValueError:
+                pass
+        msg += f"; available here: {', '.join(ok) or 'none'} (set it with --set model.attention=...)"
+    return msg
+
+
 def _evidence(ev: Event) -> str:
-    """'grad_norm_spike 45.3 (threshold 3.1)', 'nonfinite grad_norm layers [1]': a verdict in a few words."""
+    """'grad_norm_spike = 45.3 (threshold 3.1)', 'nonfinite grad_norm layers [1]': a verdict in a few words."""
     d = ev.detail
     where = f" layer {d['layer']}" if "layer" in d else (f" layers {d['layers']}" if d.get("layers") else "")
     if ev.detector == schema.DET_NONFINITE:
         return f"{ev.detector} {'/'.join(d.get('signals') or [])}{where}".replace("  ", " ")
-    value = f" {ev.value:.4g}" if math.isfinite(ev.value) else ""
+    value = f" = {ev.value:.4g}" if math.isfinite(ev.value) else ""
     limit = f" (threshold {ev.threshold:.4g})" if math.isfinite(ev.threshold) else ""
     return f"{ev.detector}{where}{value}{limit}"
 
@@ -144,7 +163,7 @@ def action_lines(step: int, action: str, events: list[Event]) -> list[str]:
     for e in events:
         if e.kind == schema.EV_ACTION and e.action == schema.ACT_BIAS_CORRECT:
             d = e.detail
-            out.append(f"guard step {step}: {e.action} layer {d.get('layer')} ({d.get('mode')} x{d.get('boost', 0):g} "
+            out.append(f"guard step {step}: {e.action} layer {d.get('layer')} ({d.get('mode')} boost x{d.get('boost', 0):g} "
                        f"until step {d.get('until')}) <- {_evidence(e)}")  # fmt: skip
         elif e.kind == schema.EV_RECOVERED:
             out.append(f"guard step {step}: layer {e.detail.get('layer')} recovered from {e.detector} "
@@ -167,7 +186,12 @@ class Trainer:
             set_deterministic(cfg.train.compile)
         self.dtype = self._dtype()
         torch.manual_seed(cfg.train.seed)
-        self.model = MoETransformer(cfg.model, device=self.device, compute_dtype=self.dtype)
+        try:
+            self.model = MoETransformer(cfg.model, device=self.device, compute_dtype=self.dtype)
+        except ValueError as e:  # a kernel choice this device, dtype or torch build cannot run
+            if not str(e).startswith(("attention=", "experts_kernel=")):
+                raise
+            raise ConfigError(unavailable_backend(e, cfg, self.device, self.dtype)) from None
         if self.parallel == "fsdp":
             shard_fsdp(self.model)  # before anything holds parameter references
         self.fwd = torch.compile(self.model) if cfg.train.compile else self.model
@@ -241,6 +265,7 @@ class Trainer:
             "model_params": self.model.n_params(),
             "active_params": self.model.n_params(active=True),
             "injections": [str(i) for s in self.injector.by_step.values() for i in s],
+            JOB_KEY: os.environ.get("TORCHELASTIC_RUN_ID", ""),
             **extra,
         }
 
@@ -556,6 +581,10 @@ class Trainer:
                 if self.last_decision is not None and self.last_decision.halt:
                     status, code = schema.STATUS_HALTED, EXIT_HALTED
                     self.save_checkpoint()
+                    why = next((str(e.detail.get("reason", "")) for e in self.last_decision.events
+                                if e.kind == schema.EV_HALT), "an operator command")  # fmt: skip
+                    note = (f"halted at step {self.step - 1}: {why}; checkpoint {self.last_checkpoint.name}; "
+                            "look at the halt event, then continue with --resume")  # fmt: skip
                     break
                 if self.stop_agreed if self.dist.world > 1 else self.stop_requested:
                     status, code = STATUS_PREEMPTED, EXIT_PREEMPTED
