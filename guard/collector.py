@@ -35,8 +35,16 @@ Unknown top-level keys are ignored (newer exporters may send more).
 
 Answers: 200 {"ok": true, "duplicate": bool, "commands": [...]} once the batch is durably on
 disk; 400 {"error": "..."} naming the bad field; 401 without the token; 413 for a body over
---max-body-bytes (refused before it is read); 503 when the run's storage failed (retry later).
-The whole batch is validated before anything is stored, so a rejected batch changes nothing.
+--max-body-bytes (refused before it is read); 503 when the run's storage failed or the run is
+quarantined (retry later). The whole batch is validated before anything is stored, so a
+rejected batch changes nothing.
+
+All or nothing: a batch is stored when its log record is fdatasync'd (the commit point), and
+only then applied in memory; an I/O error before that answers 503 with nothing applied, so the
+retry stores it once. meta.json is derived state: written after the commit (and, if that
+fails, again before the next checkpoint lets the log go), never a reason to answer an error for
+a batch that is already in the log. A failed append is cut off the log, so a torn record never
+hides the records after it.
 
 Idempotence: a batch whose seq is <= the high-water mark of its (run, rank) answers
 200 {"duplicate": true} and stores nothing. The marks are in the write-ahead log and in
@@ -45,7 +53,8 @@ runs/<run>/.collector/state.json, so a restarted collector still dedupes.
 Durability: rank 0's reports, and every batch's events, meta and command acks, are appended to
 a per-run write-ahead log (runs/<run>/.collector/wal-*.log, fdatasync'd) before the 200. Every
 --checkpoint-interval seconds the pending rows go to Parquet parts in the run store's own format
-(runs/<run>/<table>/part-<first step>-<seq>.parquet) and state.json is replaced: that rename is
+(runs/<run>/<table>/part-<first step>-<seq>.parquet, named by guard.runstore.part_name) and
+state.json is replaced: that rename is
 the commit; the log segments it covers are then deleted. On start, parts newer than the commit
 are deleted and the log is replayed, so a SIGKILL at any point loses nothing that was answered
 200 and stores nothing twice. Other ranks' reports feed heartbeats and per-rank timing only.
@@ -77,6 +86,7 @@ restart the detectors warm up again.
 from __future__ import annotations
 
 import argparse
+import errno
 import hmac
 import json
 import logging
@@ -320,6 +330,8 @@ class Wal:
         self._warned: set[str] = set()
         self.cur = max(self.segments(), default=0) + 1
         self._fd: int | None = None
+        self._size = 0  # bytes of whole records in the open segment
+        self._dir_synced = False  # the open segment's directory entry is durable
 
     def _path(self, seg: int) -> Path:
         return self.dir / f"wal-{seg:010d}.log"
@@ -338,10 +350,35 @@ class Wal:
         return sorted(out)
 
     def append(self, rec: bytes) -> None:
+        """Append one record, durably (data and, for a new segment, its directory entry), or
+        raise with the segment as it was: a failed append never leaves a torn record that would
+        hide the records appended after it."""
+        data = _REC_HDR.pack(len(rec), zlib.crc32(rec)) + rec
         if self._fd is None:
             self._fd = os.open(self._path(self.cur), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.write(self._fd, _REC_HDR.pack(len(rec), zlib.crc32(rec)) + rec)
-        os.fdatasync(self._fd)
+            self._size, self._dir_synced = os.fstat(self._fd).st_size, False
+        try:
+            if os.write(self._fd, data) != len(data):
+                raise OSError(errno.EIO, "short write to the write-ahead log")
+            os.fdatasync(self._fd)
+            if not self._dir_synced:  # a new segment's name must survive a power loss too
+                _fsync_dir(self.dir)
+                self._dir_synced = True
+        except BaseException:
+            self._undo()
+            raise
+        self._size += len(data)
+
+    def _undo(self) -> None:
+        """Cut the segment back to its last whole record; failing that, end it there (a reader
+        stops at the torn tail of a segment and goes on with the next one)."""
+        assert self._fd is not None
+        try:
+            os.ftruncate(self._fd, self._size)
+            os.fdatasync(self._fd)
+        except OSError:
+            log.warning("wal %s: could not cut a failed append; starting a new segment", self._path(self.cur))
+            self.rotate()
 
     def rotate(self) -> int:
         """Close the segment being written; returns the last segment holding records."""
@@ -474,6 +511,8 @@ class RunState:
         self.last_step = -1  # last rank-0 step stored or pending
         self.report_gen = -1  # generation of rank 0's last batch with reports (restart detection)
         self.status: str | None = None  # the run's status in meta.json, as this collector last set it
+        self.meta: dict[str, Any] | None = None  # meta.json as it is (or is about to be) on disk
+        self.meta_dirty = False  # self.meta differs from the file: written after ingest, or at checkpoint
         self.pending_reports: list[StepReport] = []
         self.pending_events: list[dict[str, Any]] = []
         self.dirty = False
@@ -508,7 +547,8 @@ class RunState:
                      for r, (seen, sent, step, phase) in st.get("ranks", {}).items()]  # fmt: skip
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise RunDamaged(f"{STATE_DIR}/{STATE_FILE}: not a state this collector wrote ({type(e).__name__}: {e})") from e
-        self.status = (read_meta(self.dir) or {}).get("status")
+        self.meta = read_meta(self.dir)  # a JSON object or None: check_run_layout refused anything else
+        self.status = (self.meta or {}).get("status")
         if self.trainer_detectors:
             self.detectors = None
         for rank, seen, sent, step, phase in ranks:
@@ -539,6 +579,9 @@ class RunState:
 
     # ---- ingest --------------------------------------------------------------------
     def ingest(self, batch: Batch, body: bytes) -> dict[str, Any]:
+        """Store a batch all or nothing: once the answer says stored, the batch is in the
+        fdatasync'd log and applied exactly once; on any error nothing of it is applied (503,
+        and a retry stores it once). Raises StorageFailed."""
         now = time.time()
         with self.lock:
             if self.failed is not None:
@@ -546,13 +589,22 @@ class RunState:
             if batch.seq <= self.hwm.get(batch.rank, -1):
                 return self._answer(batch, duplicate=True)
             if not self._needs_truncate(batch):
-                self._ingest(batch, body, now)
+                self._ingest_or_fail(batch, body, now)
                 return self._answer(batch, duplicate=False)
         with self.ckpt_lock, self.lock:  # rare: a resumed trainer re-runs stored steps
+            if self.failed is not None:
+                raise StorageFailed(f"run {self.run}: storage failed: {self.failed!r}")
             if batch.seq <= self.hwm.get(batch.rank, -1):
                 return self._answer(batch, duplicate=True)
-            self._ingest(batch, body, now)
+            self._ingest_or_fail(batch, body, now)
             return self._answer(batch, duplicate=False)
+
+    def _ingest_or_fail(self, b: Batch, body: bytes, now: float) -> None:
+        try:
+            self._ingest(b, body, now)
+        except OSError as e:  # before the commit point: nothing was applied
+            log.warning("run %s: batch rank %d seq %d not stored (%r); the client retries", self.run, b.rank, b.seq, e)
+            raise StorageFailed(f"run {self.run}: storage error, nothing stored, retry: {e!r}") from e
 
     def _is_restart(self, b: Batch) -> bool:
         """Rank 0 reports from a new trainer process (a resume or a restart) of a known run."""
@@ -563,44 +615,63 @@ class RunState:
 
     def _ingest(self, b: Batch, body: bytes | None, now: float, replay: bool = False) -> None:
         """Apply a validated, non-duplicate batch. Caller holds `lock` (and `ckpt_lock` when the
-        batch truncates). `body` None means replay: the record is already in the log."""
+        batch truncates). `body` None means replay: the record is already in the log.
+
+        Order: storage work that can fail and is safe to redo (the truncation of re-run steps),
+        then the log append (the commit point), then memory only. An OSError before the commit
+        leaves memory untouched; an error after it (a bug) stops the run until a restart
+        replays the log, so a batch is never half-applied. meta.json is derived state: written
+        after the commit, and if that fails, again at the next checkpoint."""
         if replay and b.seq <= self.hwm.get(b.rank, -1):
             return
-        if self._needs_truncate(b):
-            first = min(r.step for r in b.reports)
+        first = min(r.step for r in b.reports) if self._needs_truncate(b) else None
+        if first is not None:
             dropped = truncate_after(self.dir, first - 1)
+            log.info("run %s: rank 0 restarted at step %d; dropped %d stored rows after it", self.run, first, dropped)
+        durable = bool(b.events or b.meta or (b.rank == 0 and b.reports) or b.final
+                       or (b.trainer_detectors and not self.trainer_detectors)
+                       or (b.commands_ack is not None and b.commands_ack > self.acks.get(b.rank, -1)))  # fmt: skip
+        if durable and body is not None:
+            self.wal.append(body)  # the commit point: the batch is durable from here on
+        try:
+            self._apply(b, now, first, live=body is not None)
+        except BaseException as e:
+            if body is None:
+                raise  # replay at start: the run is quarantined
+            self.failed = e
+            log.exception("run %s: applying a logged batch failed; run refuses ingest until restart", self.run)
+            raise StorageFailed(f"run {self.run}: internal error after the batch was logged: {e!r}") from e
+        if self.meta_dirty and not replay:
+            try:
+                self._write_meta()
+            except OSError as e:
+                log.warning("run %s: meta.json not written (%r); retried at the next checkpoint", self.run, e)
+
+    def _apply(self, b: Batch, now: float, truncated_from: int | None, live: bool) -> None:
+        """The in-memory part of `_ingest` (no I/O)."""
+        self.hwm[b.rank] = b.seq
+        self.dirty = True
+        if truncated_from is not None:
+            first = truncated_from
             self.pending_reports = [r for r in self.pending_reports if r.step < first]
             self.pending_events = [e for e in self.pending_events if e["step"] < first]
             self.last_step = first - 1
-            log.info(
-                "run %s: rank 0 restarted at step %d; dropped %d stored rows after it",
-                self.run,
-                first,
-                dropped,
-            )
         restart = self._is_restart(b)
         if b.rank == 0 and b.reports:
             self.report_gen = max(self.report_gen, b.generation)
-        flip = b.trainer_detectors and not self.trainer_detectors
-        durable = bool(b.events or b.meta or (b.rank == 0 and b.reports) or flip or b.final
-                       or (b.commands_ack is not None and b.commands_ack > self.acks.get(b.rank, -1)))  # fmt: skip
-        if durable and body is not None:
-            self.wal.append(body)  # the batch is durable from here on
-        if flip:
+        if b.trainer_detectors and not self.trainer_detectors:
             self.trainer_detectors, self.detectors = True, None
         m = self.metrics
         was_halted, was_status = m.is_halted(self.run), self.status
         if b.meta:
-            meta = {**(read_meta(self.dir) or {}), **b.meta, "schema_version": schema.SCHEMA_VERSION,
-                    "updated_at": time.time()}  # fmt: skip
+            meta = {**(self.meta or {}), **b.meta, "schema_version": schema.SCHEMA_VERSION, "updated_at": time.time()}
             meta.setdefault("run_id", self.run)
-            atomic_write_bytes(
-                self.dir / schema.META_FILE, json.dumps(meta, indent=2, sort_keys=True, default=str).encode()
-            )
+            self._set_meta(meta)
             m.set_meta(self.run, meta)
             self.status = meta.get("status", self.status)
-        elif b.reports and not (self.dir / schema.META_FILE).is_file():
-            self._write_minimal_meta()
+        elif b.reports and self.meta is None:
+            self._set_meta(self._minimal_meta())
+            self.status = schema.STATUS_RUNNING
         trainer_steps = {
             e["step"] for e in b.events if e["kind"] in (schema.EV_VERDICT, schema.EV_ACTION, schema.EV_HALT)
         }
@@ -636,14 +707,12 @@ class RunState:
                 m.beat(self.run, b.rank, now, last.step, PHASE_TRAIN, last.time)
         if b.final:
             m.end_heartbeats(self.run, b.rank)
-        if self.notifier is not None and body is not None:  # durable now; a replay never re-pages
+        if self.notifier is not None and live:  # durable now; a replay never re-pages
             for ev in b.events:
                 if is_halt(ev):
                     self.notifier.submit(self.run, ev)
         if b.commands_ack is not None:
             self.acks[b.rank] = max(self.acks.get(b.rank, -1), b.commands_ack)
-        self.hwm[b.rank] = b.seq
-        self.dirty = True
 
     def _detect(self, rep: StepReport) -> list[Any]:
         if self.detectors is None:
@@ -681,20 +750,22 @@ class RunState:
         if status in ENDED and was_status not in ENDED:
             self.metrics.end_heartbeats(self.run)  # every rank: the run is over
         if status != self.status and status is not None:
-            meta = read_meta(self.dir) or self._minimal_meta()
-            meta.update(status=status, updated_at=time.time())
-            atomic_write_bytes(self.dir / schema.META_FILE,
-                               json.dumps(meta, indent=2, sort_keys=True, default=str).encode())  # fmt: skip
+            self._set_meta({**(self.meta or self._minimal_meta()), "status": status, "updated_at": time.time()})
             self.status = status
 
     def _minimal_meta(self) -> dict[str, Any]:
         return {"run_id": self.run, "status": schema.STATUS_RUNNING, "source": "collector",
                 "schema_version": schema.SCHEMA_VERSION, "updated_at": time.time()}  # fmt: skip
 
-    def _write_minimal_meta(self) -> None:
-        meta = self._minimal_meta()
-        atomic_write_bytes(self.dir / schema.META_FILE, json.dumps(meta, indent=2, sort_keys=True).encode())
-        self.status = meta["status"]
+    def _set_meta(self, meta: dict[str, Any]) -> None:
+        self.meta, self.meta_dirty = meta, True
+
+    def _write_meta(self) -> None:
+        """Write meta.json from memory. Caller holds `lock`."""
+        if self.meta is not None:
+            atomic_write_bytes(self.dir / schema.META_FILE,
+                               json.dumps(self.meta, indent=2, sort_keys=True, default=str).encode())  # fmt: skip
+        self.meta_dirty = False
 
     def _answer(self, b: Batch, duplicate: bool) -> dict[str, Any]:
         return {"ok": True, "duplicate": duplicate, "commands": self._pending_commands(b.rank, None)}
@@ -724,6 +795,12 @@ class RunState:
             with self.lock:
                 if not self.dirty or self.failed is not None:
                     return
+                if self.meta_dirty:
+                    try:  # before the commit below deletes the log that holds the batches it came from
+                        self._write_meta()
+                    except OSError as e:
+                        log.warning("run %s: meta.json not written (%r); checkpoint postponed", self.run, e)
+                        return
                 snap = _Snapshot(
                     segment=self.wal.rotate(), reports=self.pending_reports, events=self.pending_events,
                     state={"hwm": dict(self.hwm), "acks": dict(self.acks), "last_step": self.last_step,
@@ -956,10 +1033,9 @@ class Collector:
                 log.exception("run %s: recovery failed", run)
                 raise self._quarantine(run, f"recovery failed: {e!r}") from e
             self.metrics.ensure_run(run)
-            meta = read_meta(rs.dir)
-            if meta:
-                self.metrics.set_meta(run, meta)
-            _restore_run_metrics(self.metrics, run, rs.dir)
+            if rs.meta:
+                self.metrics.set_meta(run, rs.meta)
+            _restore_run_metrics(self.metrics, run, rs.dir, rs.meta or {})
             self.runs[run] = rs
             return rs
 
@@ -1004,7 +1080,8 @@ class Collector:
                                   if d.is_dir() and (d / schema.META_FILE).is_file()}  # fmt: skip
         out = []
         for run in sorted(names):
-            meta = read_meta(self.cfg.runs_dir / run) or {}
+            rs = self.runs.get(run)
+            meta = (rs.meta if rs is not None else read_meta(self.cfg.runs_dir / run)) or {}
             if run in self.quarantined:
                 out.append({"run": run, "status": meta.get("status", schema.STATUS_RUNNING), "last_step": None,
                             "ranks": {}, "quarantined": self.quarantined[run]})  # fmt: skip
@@ -1015,7 +1092,6 @@ class Collector:
                 status = schema.STATUS_HALTED
             elif status == schema.STATUS_RUNNING and ranks and all(r["lost"] for r in ranks.values()):
                 status = schema.STATUS_STALE
-            rs = self.runs.get(run)
             last = self.metrics.last_step(run)
             if last is None and rs is not None and rs.last_step >= 0:
                 last = rs.last_step
@@ -1068,13 +1144,12 @@ class Collector:
         return 200, {"commands": rs.pending_commands(r, a)}
 
 
-def _restore_run_metrics(metrics: CollectorMetrics, run: str, run_dir: Path) -> None:
+def _restore_run_metrics(metrics: CollectorMetrics, run: str, run_dir: Path, meta: dict[str, Any]) -> None:
     """Baselines and halted flag survive a collector restart (read back from the run store).
     Halted: meta.json says so, or a halt event at or after the last resume event (run stores
     written before the collector kept meta's status)."""
     from guard.runstore import scan_table
 
-    meta = read_meta(run_dir) or {}
     metrics.set_halted(run, meta.get("status") == schema.STATUS_HALTED)
     try:
         halt = pl.col("kind") == schema.EV_HALT

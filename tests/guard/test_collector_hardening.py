@@ -6,18 +6,24 @@ in-process Collector (no HTTP) so an OS call can fail exactly once inside it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from guard import schema
+from guard.collector import Collector, CollectorConfig, Wal
 from guard.runstore import part_name, read_meta, read_table
 from tests.guard.test_collector import CollectorProc, batch, make_report
 
-G1 = 1_700_000_000 << 32  # exporter generations (seconds << 32)
+G1, G2 = 1_700_000_000 << 32, 1_700_000_100 << 32  # exporter generations (seconds << 32)
 
 # ---------------------------------------------------------------------------------------
 # 1. start-up isolates each run
@@ -141,3 +147,187 @@ def test_damaged_runs_are_quarantined_and_the_rest_serve(tmp_path: Path) -> None
         assert read_meta(runs / "meta-list")["run_id"] == "meta-list"
     finally:
         c.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# 3. ingest is all or nothing, durable before the 2xx
+# ---------------------------------------------------------------------------------------
+def _halt_row(step: int) -> dict:
+    return {"step": step, "kind": schema.EV_HALT, "action": schema.ACT_HALT, "detail": {"reason": "drill"}}
+
+
+def _eight_steps(seq: int = G1 | 1) -> bytes:
+    """8 steps, a halt event at the last one and a meta: every kind of thing a batch stores."""
+    return json.dumps(
+        batch("io", 0, seq, [make_report(s) for s in range(8)], [_halt_row(7)], meta={"owner": "team-a"})
+    ).encode()
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Iterator[Callable[[], Collector]]:
+    """make() -> an in-process collector (no HTTP) that checkpoints only when asked, or on close."""
+    made: list[Collector] = []
+
+    def make() -> Collector:
+        c = Collector(CollectorConfig(runs_dir=tmp_path / "runs", token=None, checkpoint_interval_s=3600))
+        c.start()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def _fail_once(monkeypatch: pytest.MonkeyPatch, name: str, when: Callable[..., bool]) -> list[int]:
+    """os.<name> raises EIO once, on the first call for which `when(*args)` holds."""
+    real, hits = getattr(os, name), []
+
+    def flaky(*args: object, **kw: object) -> object:
+        if not hits and when(*args):
+            hits.append(1)
+            raise OSError(errno.EIO, f"injected: {name} failed")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(os, name, flaky)
+    return hits
+
+
+@dataclass
+class Answer:
+    status_code: int
+    body: dict[str, Any]
+
+    def json(self) -> dict[str, Any]:
+        return self.body
+
+
+def _post(c: Collector, body: bytes) -> Answer:
+    """What POST /v1/ingest answers (build_app sends exactly this status and body)."""
+    return Answer(*c.ingest(body))
+
+
+def _stored(run_dir: Path) -> tuple[list[int], list[tuple[int, str]]]:
+    steps = sorted(read_table(run_dir, schema.TABLE_STEPS)["step"].to_list())
+    events = sorted(read_table(run_dir, schema.TABLE_EVENTS).select("step", "kind").rows())
+    return steps, events
+
+
+def test_log_write_failure_stores_nothing_and_the_retry_stores_once(
+    app: Callable[[], Collector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = app()
+    hits = _fail_once(monkeypatch, "fdatasync", lambda fd: True)  # the log append is not durable
+    r = _post(c, _eight_steps())
+    assert hits and r.status_code == 503 and "nothing stored" in r.json()["error"]
+    assert _post(c, _eight_steps()).json()["duplicate"] is False  # the exporter's retry
+    assert _post(c, _eight_steps()).json()["duplicate"] is True  # and a retry of that
+    rs = c.runs["io"]
+    assert [r.step for r in rs.pending_reports] == list(range(8)) and len(rs.pending_events) == 1
+    # a SIGKILL now (no checkpoint): the log alone must give one copy of everything
+    c._stop.set()
+    for state in c.runs.values():
+        state.wal.close()
+    c2 = app()
+    c2.close()
+    assert _stored(c.cfg.runs_dir / "io") == (list(range(8)), [(7, schema.EV_HALT)])
+    assert read_meta(c.cfg.runs_dir / "io")["status"] == schema.STATUS_HALTED
+
+
+def test_meta_write_failure_after_the_commit_answers_stored_and_retries_are_duplicates(
+    app: Callable[[], Collector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = app()
+    run_dir = c.cfg.runs_dir / "io"
+    hits = _fail_once(monkeypatch, "replace", lambda src, dst: Path(dst).name == schema.META_FILE)
+    r = _post(c, _eight_steps())
+    assert hits and r.status_code == 200 and r.json()["duplicate"] is False  # in the log: stored
+    for _ in range(2):  # the answer was lost: the exporter sends it again
+        assert _post(c, _eight_steps()).json()["duplicate"] is True
+    assert c.list_runs()[0]["status"] == schema.STATUS_HALTED
+    c.runs["io"].checkpoint()  # meta.json is written before the log is let go
+    assert read_meta(run_dir)["owner"] == "team-a" and read_meta(run_dir)["status"] == schema.STATUS_HALTED
+    assert _stored(run_dir) == (list(range(8)), [(7, schema.EV_HALT)])
+    c.close()
+    assert _stored(run_dir) == (list(range(8)), [(7, schema.EV_HALT)])
+
+
+def test_meta_failure_at_checkpoint_postpones_it_and_loses_nothing(
+    app: Callable[[], Collector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = app()
+    run_dir = c.cfg.runs_dir / "io"
+    rs = c.run_state("io")
+    # the meta write after the commit fails, and again at the first checkpoint
+    real, calls = os.replace, []
+
+    def flaky(src: object, dst: object) -> None:
+        if Path(str(dst)).name == schema.META_FILE and len(calls) < 2:
+            calls.append(dst)
+            raise OSError(errno.ENOSPC, "injected: disk full")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", flaky)
+    assert _post(c, _eight_steps()).status_code == 200
+    rs.checkpoint()  # postponed: nothing committed, the run still serves
+    assert rs.failed is None and rs.segment_done == 0 and len(rs.pending_reports) == 8
+    more = batch("io", 0, G1 | 2, [make_report(s) for s in range(8, 12)])
+    assert _post(c, json.dumps(more).encode()).json()["duplicate"] is False
+    rs.checkpoint()
+    assert len(calls) == 2 and rs.failed is None and not rs.pending_reports
+    assert read_meta(run_dir)["owner"] == "team-a"
+    c.close()
+    assert _stored(run_dir) == (list(range(12)), [(7, schema.EV_HALT)])
+
+
+def test_truncation_failure_for_a_resumed_trainer_is_redone_on_retry(
+    app: Callable[[], Collector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = app()
+    run_dir = c.cfg.runs_dir / "rt"
+    body = json.dumps(batch("rt", 0, G1 | 1, [make_report(s, loss=1.0) for s in range(20)])).encode()
+    assert _post(c, body).status_code == 200
+    c.runs["rt"].checkpoint()
+    more = batch("rt", 0, G1 | 2, [make_report(s, loss=1.0) for s in range(20, 30)])
+    assert _post(c, json.dumps(more).encode()).status_code == 200
+    # the trainer resumes from step 15: stored steps 15..19 and pending 20..29 are re-run
+    resumed = json.dumps(batch("rt", 0, G2 | 1, [make_report(s, loss=2.0) for s in range(15, 25)])).encode()
+    hits = _fail_once(monkeypatch, "replace", lambda src, dst: Path(dst).name.startswith("part-"))
+    assert _post(c, resumed).status_code == 503 and hits
+    assert len(c.runs["rt"].pending_reports) == 10  # nothing of the batch applied
+    assert _post(c, resumed).json()["duplicate"] is False
+    c.close()
+    df = read_table(run_dir, schema.TABLE_STEPS).sort("step")
+    assert df["step"].to_list() == list(range(25))
+    assert df["loss"].to_list() == [1.0] * 15 + [2.0] * 10
+
+
+def test_a_failed_log_append_never_hides_later_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_write, real_trunc = os.write, os.ftruncate
+
+    def half_write(fd: int, data: bytes) -> int:
+        real_write(fd, data[: len(data) // 2])  # torn: half a record reaches the file
+        raise OSError(errno.EIO, "injected: write failed")
+
+    def no_trunc(fd: int, n: int) -> None:
+        raise OSError(errno.EIO, "injected: ftruncate failed")
+
+    for cut_fails in (False, True):  # the torn half is cut off; or, when that fails too, left behind
+        d = tmp_path / f"wal-{cut_fails}"
+        d.mkdir()
+        wal = Wal(d)
+        wal.append(b"A" * 100)
+        monkeypatch.setattr(os, "write", half_write)
+        if cut_fails:
+            monkeypatch.setattr(os, "ftruncate", no_trunc)
+        with pytest.raises(OSError):
+            wal.append(b"B" * 100)
+        monkeypatch.setattr(os, "write", real_write)
+        monkeypatch.setattr(os, "ftruncate", real_trunc)
+        wal.append(b"C" * 100)
+        wal.close()
+        recs = [rec for seg in Wal(d).segments() for rec in Wal(d).read(seg)]
+        assert recs == [b"A" * 100, b"C" * 100], cut_fails
+        assert len(Wal(d).segments()) == (2 if cut_fails else 1)
