@@ -17,7 +17,8 @@ per sink, the status last delivered there. One worker thread per sink, off the r
 sends only the difference, with bounded retries (429, 5xx, connection errors). The book is
 written to --state before Alertmanager gets its 200, so a restart neither re-pages nor
 forgets a resolve; Alertmanager's repeat notifications and a periodic reconcile re-drive
-whatever failed. Secrets come only from the environment.
+whatever failed. Secrets come only from the environment (or --slack-url), and no URL is
+logged or stored past its scheme://host: webhook URLs carry their secret in the path.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from starlette.routing import Route
 
 from guard import schema
 from guard.listen import bind_tcp
+from guard.notify import quiet_http_logs, redact_url, redact_urls
 from guard.tomlconf import check, check_choice
 
 log = logging.getLogger("moeguard.pager")
@@ -124,15 +126,16 @@ class PagerConfig:
     host: str = "127.0.0.1"
     port: int = 9095
     pagerduty_url: str = PAGERDUTY_EVENTS_URL
-    routing_key: str | None = None  # env only
-    slack_url: str | None = None
-    webhook_urls: tuple[str, ...] = ()
+    # Secrets (the routing key, and webhook URLs, which carry theirs in the path) stay out of repr.
+    routing_key: str | None = field(default=None, repr=False)  # env only
+    slack_url: str | None = field(default=None, repr=False)
+    webhook_urls: tuple[str, ...] = field(default=(), repr=False)
     state: Path | None = None
     runbook_base: str = ""  # makes repo-relative runbook links (playbooks/X.md) absolute
     page_severity: str = "critical"  # PagerDuty gets this severity and above
     event_ttl_s: float = 3600.0  # an event-only incident is forgotten (not resolved) after this
     reconcile_s: float = 60.0
-    token: str | None = None  # env only
+    token: str | None = field(default=None, repr=False)  # env only
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
@@ -145,7 +148,12 @@ class PagerConfig:
             ("slack_url", self.slack_url),
             *(("webhook_url", u) for u in self.webhook_urls),
         ]:
-            check(url is None or url.startswith(("http://", "https://")), key, url, "must be an http(s) URL")
+            check(
+                url is None or url.startswith(("http://", "https://")),
+                key,
+                redact_url(url) if url else url,
+                "must be an http(s) URL",
+            )
 
 
 # ---------------------------------------------------------------------------------------
@@ -691,11 +699,11 @@ def post_with_retry(
                 url, content=content, headers={"Content-Type": "application/json"}, timeout=policy.timeout_s
             )
         except httpx.TransportError as e:  # refused, reset, DNS, timeout
-            why = f"{type(e).__name__}: {e}"
+            why = redact_urls(f"{type(e).__name__}: {e}")
         else:
             if 200 <= r.status_code < 300:
                 return True, f"HTTP {r.status_code}"
-            why = f"HTTP {r.status_code}: {r.text[:200]}"
+            why = redact_urls(f"HTTP {r.status_code}: {r.text[:200]}")
             if r.status_code != 429 and r.status_code < 500:
                 return False, why  # the request itself is wrong; retrying will not help
             retry_after = _retry_after(r.headers.get("retry-after"))
@@ -741,8 +749,14 @@ class SinkWorker:
                 key = self._queue.get()
                 with self._qlock:
                     self._queued.discard(key)
-                if key and not self._stop.is_set():
+                if not key or self._stop.is_set():
+                    continue
+                try:
                     self._deliver(client, key)
+                except Exception as e:  # a dead worker would be a silent paging outage
+                    self.failed += 1
+                    why = redact_urls(f"{type(e).__name__}: {e}")
+                    log.error("%s: delivery of %s failed unexpectedly: %s", self.sink.name, key, why)
 
     def _deliver(self, client: httpx.Client, key: str) -> None:
         inc = self.book.snapshot(key)
@@ -767,6 +781,7 @@ class Pager:
     """The book, the sinks and their workers, and a reconcile loop that re-drives failures."""
 
     def __init__(self, cfg: PagerConfig) -> None:
+        quiet_http_logs()  # httpx would log every webhook URL, secret path included, at INFO
         self.cfg = cfg
         self.book = IncidentBook(cfg.state)
         sinks: list[Sink] = []
@@ -964,6 +979,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_http_logs()  # before anything is sent: httpx logs each URL, secret path included
     cfg = config_from_args(args)
     if cfg.state is not None:
         cfg.state.parent.mkdir(parents=True, exist_ok=True)
