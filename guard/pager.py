@@ -14,16 +14,19 @@ Prometheus alert RunHalted{run="r1"} a minute later land on the same incident.
 
 Delivery. The book keeps, per incident, the desired status (firing while any member fires) and,
 per sink, the status last delivered there. One worker thread per sink, off the request path,
-sends only the difference, with bounded retries (429, 5xx, connection errors). The book is
-written to --state before Alertmanager gets its 200, so a restart neither re-pages nor
-forgets a resolve; Alertmanager's repeat notifications and a periodic reconcile re-drive
-whatever failed. Secrets come only from the environment (or --slack-url), and no URL is
-logged or stored past its scheme://host: webhook URLs carry their secret in the path.
+sends only the difference, with bounded retries (429, 5xx, connection errors). Every change
+to the book is durable in --state (a snapshot plus an append-only journal beside it, see
+IncidentBook) before Alertmanager gets its 200 and before the next delivery, so a restart, even
+after a kill -9, neither re-pages nor forgets a resolve; Alertmanager's repeat notifications
+and a periodic reconcile re-drive whatever failed. A delivery costs one journal append, however
+many incidents are open. Secrets come only from the environment (or --slack-url), and no URL
+is logged or stored past its scheme://host: webhook URLs carry their secret in the path.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import hmac
@@ -36,6 +39,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,8 +96,15 @@ _DETECTOR_ALERTS = {
 }
 GENERIC_EVENT_ALERT = "GuardEvent"  # an event no alert covers; pages without a playbook
 MAX_BODY_BYTES = 16 << 20  # one Alertmanager group of 1000 ranks is ~2 MB
-STATE_VERSION = 1
+STATE_VERSION = 2  # 1: one JSON file rewritten on every change (still read)
 PRUNE_AFTER_S = 86400.0  # resolved, delivered incidents are forgotten after a day
+# The state journal is folded into its snapshot when it outgrows COMPACT_FACTOR x the snapshot
+# (and COMPACT_MIN_BYTES), or after COMPACT_IDLE_S without a change, spending at most
+# 1/COMPACT_DUTY of the time compacting.
+COMPACT_FACTOR = 4
+COMPACT_MIN_BYTES = 1 << 20
+COMPACT_IDLE_S = 1.0
+COMPACT_DUTY = 20
 
 
 # ---------------------------------------------------------------------------------------
@@ -353,24 +364,132 @@ def _digest(obj: Any) -> str:
 # ---------------------------------------------------------------------------------------
 # The incident book: desired state in, delivered state per sink, persisted
 # ---------------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """`path` holds `data` or what it held before, even across a kill -9 or a power cut."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def journal_path(state: Path) -> Path:
+    return state.with_name(state.name + ".journal")
+
+
+def _apply_op(incidents: dict[str, dict[str, Any]], op: list[Any]) -> None:
+    """One journal operation; the live book makes its changes through here too, so a replay
+    rebuilds exactly what was acknowledged."""
+    kind, key = op[0], op[1]
+    if kind == "put":
+        incidents[key] = op[2]
+    elif kind == "del":
+        incidents.pop(key, None)
+    elif kind == "sent":
+        inc = incidents.get(key)
+        if inc is None:
+            return
+        sink, status, error = op[2], op[3], op[4]
+        if status is not None:
+            inc["sent"][sink] = status
+            inc["errors"].pop(sink, None)
+        else:
+            inc["errors"][sink] = error
+    else:
+        raise ValueError(f"unknown journal operation {kind!r}")
+
+
+def read_state(state: Path) -> tuple[int, dict[str, dict[str, Any]]]:
+    """(generation, incidents) as acknowledged: the snapshot, then its journal's batches.
+
+    A torn last line (a kill -9 inside the append) was never acknowledged and is skipped. A
+    journal of an older generation is left over from a compaction cut short: the snapshot
+    already holds it. Raises ValueError on anything else that does not add up."""
+    generation, incidents = 0, {}
+    if state.exists():
+        data = json.loads(state.read_bytes())
+        version = data.get("version") if isinstance(data, dict) else None
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"state file {state} has version {version!r}, expected {STATE_VERSION}")
+        generation, incidents = data.get("generation", 0), data.get("incidents")
+        if not isinstance(generation, int) or not isinstance(incidents, dict):
+            raise ValueError(f"state file {state} has no generation number or no incidents object")
+    journal = journal_path(state)
+    if not journal.exists():
+        return generation, incidents
+    lines = journal.read_bytes().split(b"\n")  # complete lines end with "\n": the last item is b""
+    header = json.loads(lines[0])  # written whole (atomically) by the compaction that made it
+    journal_generation = header.get("generation") if isinstance(header, dict) else None
+    if not isinstance(journal_generation, int):
+        raise ValueError(f"journal {journal} has no generation in its first line")
+    if journal_generation < generation:
+        return generation, incidents
+    if journal_generation != generation:
+        raise ValueError(
+            f"journal {journal} is generation {journal_generation} but {state} is generation "
+            f"{generation}: was the state file replaced by hand?"
+        )
+    for n, line in enumerate(lines[1:-1], start=2):
+        try:
+            for op in json.loads(line)["ops"]:
+                _apply_op(incidents, op)
+        except (ValueError, LookupError, TypeError, AttributeError) as e:
+            raise ValueError(f"journal {journal} line {n} is damaged: {e!r}") from None
+    if lines[-1]:
+        log.warning(
+            "state journal %s: ignored a torn last line (%d bytes, never acknowledged)",
+            journal,
+            len(lines[-1]),
+        )
+    return generation, incidents
+
+
 class IncidentBook:
-    """Incidents by dedup_key. Thread-safe; every mutation is saved to `path` (if any)."""
+    """Incidents by dedup_key. Thread-safe. With a `path`, every change is durable before the
+    call that made it returns, at a cost that does not grow with the book:
+
+        path          {"version": 2, "generation": g, "incidents": {...}}, replaced atomically
+        path.journal  {"generation": g}, then one line per batch of changes since snapshot g:
+                      {"ops": [["put", key, incident] | ["del", key]
+                               | ["sent", key, sink, status or null, error or null], ...]}
+
+    A batch is one append and one fdatasync. The journal is folded into a new snapshot
+    (generation g+1, then a fresh journal) at start, when the book has been idle a moment, and
+    when it outgrows COMPACT_FACTOR x the snapshot, so compaction costs O(1) per change
+    amortised and a restart replays little."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self._lock = threading.Lock()
         self._incidents: dict[str, dict[str, Any]] = {}
-        if path is not None and path.exists():
+        self._generation = 0
+        self._journal: Any = None  # binary append handle
+        self._journal_bytes = self._snapshot_bytes = 0
+        self._dirty = False  # the journal has batches the snapshot lacks
+        self._changed_at = self._compacted_at = time.monotonic()
+        self._compact_s = 0.0
+        if path is not None:
             try:
-                data = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
+                self._generation, self._incidents = read_state(path)
+            except (OSError, ValueError) as e:
                 raise SystemExit(f"moeguard pager: cannot read state file {path}: {e}") from None
-            if data.get("version") != STATE_VERSION:
-                raise SystemExit(
-                    f"moeguard pager: state file {path} has version {data.get('version')!r}, "
-                    f"expected {STATE_VERSION}"
-                )
-            self._incidents = data["incidents"]
+            with self._lock:
+                self._compact_locked()
 
     def apply(self, updates: list[Update], now: float) -> list[str]:
         """Record member news; returns the keys whose desired status may have changed."""
@@ -414,12 +533,13 @@ class IncidentBook:
                 inc["updated"] = now
                 if u.key not in touched:
                     touched.append(u.key)
-            self._save_locked(now)
+            self._log_locked([["put", k, self._incidents[k]] for k in touched])
         return touched
 
     def expire_events(self, now: float) -> int:
         """Forget event-only incidents past their TTL. No resolve is sent: an event says a run
-        needs a human, never that it is fine again, so the page stays open until one closes it."""
+        needs a human, never that it is fine again, so the page stays open until one closes it.
+        Resolved incidents delivered everywhere are forgotten PRUNE_AFTER_S after their change."""
         with self._lock:
             stale = [
                 k
@@ -430,10 +550,17 @@ class IncidentBook:
                     for m in inc["members"].values()
                 )
             ]
-            for k in stale:
-                del self._incidents[k]
-            if stale:
-                self._save_locked(now)
+            done = [
+                k
+                for k, inc in self._incidents.items()
+                if inc["status"] == RESOLVED
+                and FIRING not in inc["sent"].values()
+                and now - inc["updated"] > PRUNE_AFTER_S
+            ]
+            ops = [["del", k] for k in stale + done]
+            for op in ops:
+                _apply_op(self._incidents, op)
+            self._log_locked(ops)
         return len(stale)
 
     def snapshot(self, key: str) -> dict[str, Any] | None:
@@ -452,12 +579,9 @@ class IncidentBook:
             inc = self._incidents.get(key)
             if inc is None:
                 return False
-            if status is not None:
-                inc["sent"][sink] = status
-                inc["errors"].pop(sink, None)
-            else:
-                inc["errors"][sink] = error
-            self._save_locked(time.time())
+            op = ["sent", key, sink, status, None if status is not None else error]
+            _apply_op(self._incidents, op)
+            self._log_locked([op])
             return status is not None and inc["status"] != status
 
     def stats(self) -> dict[str, int]:
@@ -466,26 +590,75 @@ class IncidentBook:
             failing = sum(bool(inc["errors"]) for inc in self._incidents.values())
             return {"incidents": len(self._incidents), "firing": firing, "failing": failing}
 
-    def _save_locked(self, now: float) -> None:
-        for k in [
-            k
-            for k, inc in self._incidents.items()
-            if inc["status"] == RESOLVED
-            and FIRING not in inc["sent"].values()
-            and now - inc["updated"] > PRUNE_AFTER_S
-        ]:
-            del self._incidents[k]
-        if self.path is None:
+    def compact_if_idle(self, idle_s: float = COMPACT_IDLE_S) -> bool:
+        """Fold the journal into the snapshot once nothing changed for `idle_s`, at most
+        1/COMPACT_DUTY of the time, so `path` alone is the current book for whoever reads it."""
+        with self._lock:
+            now = time.monotonic()
+            if (
+                not self._dirty
+                or now - self._changed_at < idle_s
+                or now - self._compacted_at < COMPACT_DUTY * self._compact_s
+            ):
+                return False
+            self._compact_locked()
+            return True
+
+    def checkpoint(self) -> None:
+        """Fold the journal into the snapshot now (a clean stop leaves one current file)."""
+        with self._lock:
+            if self.path is not None and self._dirty:
+                self._compact_locked()
+
+    def _log_locked(self, ops: list[list[Any]]) -> None:
+        """Append one batch and fdatasync it; compact when the journal has grown too long."""
+        if self.path is None or not ops:
             return
+        if self._journal is None:  # a compaction failed half-way: a whole snapshot holds this batch too
+            self._compact_locked()
+            return
+        line = json.dumps({"ops": ops}, separators=(",", ":"), default=str).encode() + b"\n"
+        try:
+            self._journal.write(line)
+            self._journal.flush()
+            os.fdatasync(self._journal.fileno())
+        except OSError:
+            # Cut a partial line off: batches appended after it would read as damage.
+            with contextlib.suppress(OSError):
+                self._journal.truncate(self._journal_bytes)
+            raise
+        self._journal_bytes += len(line)
+        self._dirty, self._changed_at = True, time.monotonic()
+        if self._journal_bytes > max(COMPACT_MIN_BYTES, COMPACT_FACTOR * self._snapshot_bytes):
+            try:
+                self._compact_locked()
+            except OSError as e:  # this batch is durable in the journal already
+                log.error("state %s: compaction failed, will retry: %s", self.path, e)
+
+    def _compact_locked(self) -> None:
+        """Snapshot g+1, then a fresh journal for g+1. A crash between the two leaves journal g
+        beside snapshot g+1, which the next start ignores (the snapshot holds all of it)."""
+        assert self.path is not None
+        t0 = time.monotonic()
+        generation = self._generation + 1
         data = json.dumps(
-            {"version": STATE_VERSION, "incidents": self._incidents}, sort_keys=True, default=str
+            {"version": STATE_VERSION, "generation": generation, "incidents": self._incidents},
+            sort_keys=True,
+            default=str,
         ).encode()
-        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        _write_atomic(self.path, data)
+        # From here journal g no longer counts: nothing may be appended to it.
+        self._generation, self._snapshot_bytes = generation, len(data)
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+        header = json.dumps({"generation": generation}).encode() + b"\n"
+        _write_atomic(journal_path(self.path), header)
+        self._journal = open(journal_path(self.path), "ab")  # noqa: SIM115 (kept open for appends)
+        self._journal_bytes = len(header)
+        self._dirty = False
+        self._compacted_at = time.monotonic()
+        self._compact_s = self._compacted_at - t0
 
 
 def delivery_needed(inc: dict[str, Any], sent: str | None) -> str | None:
@@ -731,7 +904,8 @@ class SinkWorker:
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._queue.put("")  # wake the loop
-        self._thread.join(timeout)
+        if timeout > 0:
+            self._thread.join(timeout)
 
     def enqueue(self, key: str) -> None:
         with self._qlock:
@@ -802,10 +976,18 @@ class Pager:
         self.reconcile()  # a restart picks up whatever the last process had not delivered
         self._reconciler.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the workers (all at once; a send in flight gets `timeout`), then compact the state."""
         self._stop.set()
         for w in self.workers:
-            w.stop()
+            w.stop(timeout=0)
+        deadline = time.monotonic() + timeout
+        for w in self.workers:
+            w.stop(timeout=max(0.01, deadline - time.monotonic()))
+        try:
+            self.book.checkpoint()
+        except OSError as e:  # the journal still holds every change
+            log.error("could not compact the state file at exit: %s", e)
 
     def accept(self, updates: list[Update]) -> list[str]:
         keys = self.book.apply(updates, time.time())
@@ -832,8 +1014,15 @@ class Pager:
         }
 
     def _reconcile_loop(self) -> None:
-        while not self._stop.wait(self.cfg.reconcile_s):
-            self.reconcile()
+        due = time.monotonic() + self.cfg.reconcile_s
+        while not self._stop.wait(min(COMPACT_IDLE_S, self.cfg.reconcile_s)):
+            try:
+                if time.monotonic() >= due:
+                    due = time.monotonic() + self.cfg.reconcile_s
+                    self.reconcile()
+                self.book.compact_if_idle()
+            except OSError as e:  # a full disk: say so, keep re-driving
+                log.error("reconcile: %s", e)
 
 
 # ---------------------------------------------------------------------------------------
@@ -880,12 +1069,20 @@ def build_app(pager: Pager, token: str | None = None) -> Starlette:
     async def healthz(request: Request) -> JSONResponse:
         return JSONResponse(pager.health())
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        # uvicorn re-raises SIGTERM once it has shut down, so code after server.run() never
+        # runs on a signal: stop here, while the process is still ours.
+        await run_in_threadpool(pager.stop)
+
     return Starlette(
         routes=[
             Route("/v1/alertmanager", alertmanager, methods=["POST"]),
             Route("/v1/events", events, methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
-        ]
+        ],
+        lifespan=lifespan,
     )
 
 
@@ -917,7 +1114,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--state",
         type=Path,
         default=None,
-        help="JSON file that remembers what was paged, so a restart never re-pages",
+        help="JSON file (and FILE.journal beside it) that remembers what was paged, so a restart never re-pages",
     )
     parser.add_argument(
         "--runbook-base",
@@ -1002,9 +1199,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"moeguard pager: listening on http://{cfg.host}:{port} (receivers: {receivers})", flush=True)
     pager.start()
     server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(pager, cfg.token), log_level=args.log_level, access_log=False, lifespan="off"
-        )
+        uvicorn.Config(build_app(pager, cfg.token), log_level=args.log_level, access_log=False, lifespan="on")
     )
     try:
         server.run(sockets=[sock])

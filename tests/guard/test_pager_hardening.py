@@ -1,4 +1,6 @@
-"""`moeguard pager` under abuse (issue #13, item 5): no webhook secret in any log or file.
+"""`moeguard pager` under abuse and crashes (issue #13, items 5 and 6): no webhook secret in any
+log or file, a delivery that costs the same whatever the size of the incident book, and nothing
+acknowledged lost on kill -9.
 
 The real service (`python -m guard pager`) runs on loopback against recording HTTP servers
 standing in for PagerDuty, Slack and webhooks; the journal tests drive IncidentBook in-process.
@@ -7,7 +9,9 @@ standing in for PagerDuty, Slack and webhooks; the journal tests drive IncidentB
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -163,7 +167,7 @@ def test_no_webhook_secret_in_logs_or_state_at_debug(sink: RecordingSink, tmp_pa
             assert p.post("/v1/alertmanager", payload(alert("r1", "resolved")))[0] == 200
             sink.wait_for(lambda r: r.path == slack_path and r.json["text"].startswith("[RESOLVED]"))
         finally:
-            p.stop()
+            p.stop()  # SIGTERM: the state is compacted into its snapshot on the way out
     finally:
         echo.close()
 
@@ -176,7 +180,163 @@ def test_no_webhook_secret_in_logs_or_state_at_debug(sink: RecordingSink, tmp_pa
     for name, secret in secrets.items():
         for f, data in files.items():
             assert secret.encode() not in data, f"{name} secret in {f.name}"
-    assert {f.name for f in files} >= {STATE, p.log.name}
+    assert {f.name for f in files} >= {STATE, STATE + ".journal", p.log.name}
     state = json.loads((tmp_path / STATE).read_text())
     [inc] = state["incidents"].values()
     assert inc["errors"]["webhook-3"].startswith(f'HTTP 400: {{"error": "no such hook: {echo.url}')
+
+
+# ---------------------------------------------------------------------------------------
+# 2. Incremental persistence: journal, compaction, crashes
+# ---------------------------------------------------------------------------------------
+def fill(book: pg.IncidentBook, runs: range) -> list[str]:
+    return book.apply(pg.parse_alertmanager(payload(*(alert(f"r{i}", rank="0") for i in runs))), time.time())
+
+
+def live(book: pg.IncidentBook) -> dict[str, Any]:
+    return {k: book.snapshot(k) for k in book.keys()}
+
+
+def test_journal_round_trips_and_compacts_at_start(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    journal = pg.journal_path(state)
+    book = pg.IncidentBook(state)
+    assert (
+        json.loads(journal.read_text()) == {"generation": 1}
+        and json.loads(state.read_text())["incidents"] == {}
+    )
+    keys = fill(book, range(20))
+    snapshot = state.stat()
+    book.record(keys[0], "slack", pg.FIRING, None)
+    book.record(keys[1], "pagerduty", None, "HTTP 503")
+    book.record(keys[1], "pagerduty", pg.FIRING, None)
+    assert book.expire_events(time.time() + 2 * pg.PRUNE_AFTER_S) == 0
+    # Changes went to the journal, one line per batch; the snapshot was not rewritten.
+    assert (state.stat().st_ino, state.stat().st_mtime_ns) == (snapshot.st_ino, snapshot.st_mtime_ns)
+    assert len(journal.read_bytes().splitlines()) == 1 + 1 + 3  # header, the apply, three records
+    assert pg.read_state(state) == (1, live(book))
+    assert live(book)[keys[1]]["sent"] == {"pagerduty": pg.FIRING} and live(book)[keys[1]]["errors"] == {}
+
+    again = pg.IncidentBook(state)  # a restart replays, then compacts into generation 2
+    assert live(again) == live(book)
+    assert json.loads(journal.read_text()) == {"generation": 2}
+    assert json.loads(state.read_text())["generation"] == 2 and pg.read_state(state) == (2, live(book))
+
+
+def test_a_delivery_appends_the_same_bytes_whatever_the_book_size(tmp_path: Path) -> None:
+    """The quadratic cost of issue #13 was a rewrite of the whole book per delivery."""
+    grown = []
+    for n in (10, 1000):
+        state = tmp_path / f"{n}" / "state.json"
+        state.parent.mkdir()
+        book = pg.IncidentBook(state)
+        key = fill(book, range(n))[0]
+        before = pg.journal_path(state).stat().st_size
+        book.record(key, "slack", pg.FIRING, None)
+        grown.append(pg.journal_path(state).stat().st_size - before)
+    assert grown[0] == grown[1] < 200, grown
+
+
+def test_journal_compacts_when_it_outgrows_the_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pg, "COMPACT_MIN_BYTES", 0)
+    state = tmp_path / "state.json"
+    book = pg.IncidentBook(state)
+    keys = fill(book, range(10))
+    for i in range(500):
+        book.record(keys[i % 10], f"sink{i % 3}", pg.FIRING if i % 2 else None, f"HTTP 50{i % 4}")
+        assert pg.journal_path(state).stat().st_size <= pg.COMPACT_FACTOR * state.stat().st_size + 200
+    generation, incidents = pg.read_state(state)
+    assert generation >= 3 and incidents == live(book)  # two compactions by size
+
+
+def test_compact_if_idle_leaves_the_snapshot_current(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    book = pg.IncidentBook(state)
+    fill(book, range(3))
+    assert not book.compact_if_idle(idle_s=3600)  # not idle yet
+    wait_until(lambda: book.compact_if_idle(idle_s=0), timeout=5)  # after COMPACT_DUTY x the last one
+    assert json.loads(state.read_text())["incidents"] == live(book)
+    assert not book.compact_if_idle(idle_s=0)  # nothing new
+
+
+def test_torn_last_line_is_ignored_and_damage_elsewhere_is_refused(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    book = pg.IncidentBook(state)
+    keys = fill(book, range(5))
+    book.record(keys[0], "slack", pg.FIRING, None)
+    acknowledged = live(book)
+    journal = pg.journal_path(state)
+    intact = journal.read_bytes()
+    journal.write_bytes(intact + b'{"ops":[["sent","' + keys[1].encode())  # kill -9 inside an append
+    assert pg.read_state(state)[1] == acknowledged
+    assert live(pg.IncidentBook(state)) == acknowledged
+
+    book = pg.IncidentBook(state)
+    book.record(keys[2], "slack", pg.FIRING, None)
+    lines = pg.journal_path(state).read_bytes().splitlines(keepends=True)
+    pg.journal_path(state).write_bytes(lines[0] + b"garbage\n" + b"".join(lines[1:]))
+    with pytest.raises(SystemExit, match="line 2 is damaged"):
+        pg.IncidentBook(state)
+
+
+def test_compaction_cut_short_and_a_replaced_snapshot(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    journal = pg.journal_path(state)
+    book = pg.IncidentBook(state)
+    keys = fill(book, range(4))
+    book.record(keys[0], "slack", pg.FIRING, None)
+    old_snapshot, old_journal = state.read_bytes(), journal.read_bytes()  # generation 1
+    book.checkpoint()  # snapshot 2, then journal 2
+    acknowledged = live(book)
+    journal.write_bytes(old_journal)  # killed between the snapshot and the new journal
+    assert pg.read_state(state) == (2, acknowledged)  # journal 1 is inside snapshot 2: not replayed
+    assert live(pg.IncidentBook(state)) == acknowledged
+
+    state.write_bytes(old_snapshot)  # generation 1 under journal 3: someone restored a backup
+    with pytest.raises(SystemExit, match="replaced by hand"):
+        pg.IncidentBook(state)
+
+
+def test_version_1_state_file_is_read_and_rewritten(tmp_path: Path) -> None:
+    legacy = pg.IncidentBook()
+    fill(legacy, range(3))
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"version": 1, "incidents": live(legacy)}))
+    book = pg.IncidentBook(state)
+    assert live(book) == live(legacy)
+    assert json.loads(state.read_text())["version"] == pg.STATE_VERSION
+
+
+def test_kill_9_loses_nothing_acknowledged(sink: RecordingSink, tmp_path: Path) -> None:
+    sink.fail_next(10**6, status=500, path=PD)  # PagerDuty is down: every page stays owed
+    p = start_pager(sink, tmp_path, "--max-attempts", "1")
+    delivered = [f"d{i}" for i in range(10)]
+    for run in delivered:
+        assert p.post("/v1/alertmanager", payload(alert(run)))[0] == 200
+    sink.wait_for(lambda r: r.path == SLACK and r.status == 202, count=len(delivered))
+    wait_until(  # Slack's deliveries are on disk (recorded right after each answer)
+        lambda: (
+            sum(i["sent"].get("slack") == pg.FIRING for i in pg.read_state(tmp_path / STATE)[1].values())
+            == 10
+        ),
+        timeout=10,
+    )
+    in_flight = [f"f{i}" for i in range(10)]
+    for run in in_flight:
+        assert p.post("/v1/alertmanager", payload(alert(run)))[0] == 200
+    os.kill(p.proc.pid, signal.SIGKILL)  # right after the last 200: deliveries in flight
+    p.proc.wait(10)
+
+    sink.clear_failures()  # PagerDuty is back
+    q = start_pager(sink, tmp_path)
+    try:
+        sink.wait_for(lambda r: r.path == PD and r.status == 202, count=20, timeout=30)
+        flush(q, sink)
+        assert sorted(runs_sent(sink, PD)) == sorted(delivered + in_flight)  # each acknowledged alert, once
+        slack = runs_sent(sink, SLACK)
+        assert [r for r in slack if r in delivered] == delivered  # recorded before the kill: no re-page
+        assert set(in_flight) <= set(slack)  # at least once
+    finally:
+        q.stop()
