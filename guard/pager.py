@@ -19,8 +19,11 @@ to the book is durable in --state (a snapshot plus an append-only journal beside
 IncidentBook) before Alertmanager gets its 200 and before the next delivery, so a restart, even
 after a kill -9, neither re-pages nor forgets a resolve; Alertmanager's repeat notifications
 and a periodic reconcile re-drive whatever failed. A delivery costs one journal append, however
-many incidents are open. Secrets come only from the environment (or --slack-url), and no URL
-is logged or stored past its scheme://host: webhook URLs carry their secret in the path.
+many incidents are open.
+
+Abuse. Bodies are cut off at --max-body-bytes while they stream in (413), JSON deeper than
+MAX_JSON_DEPTH is refused (400). Secrets come only from the environment (or --slack-url), and
+no URL is logged or stored past its scheme://host: webhook URLs carry their secret in the path.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import Any
 import httpx
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -96,6 +100,7 @@ _DETECTOR_ALERTS = {
 }
 GENERIC_EVENT_ALERT = "GuardEvent"  # an event no alert covers; pages without a playbook
 MAX_BODY_BYTES = 16 << 20  # one Alertmanager group of 1000 ranks is ~2 MB
+MAX_JSON_DEPTH = 32  # an Alertmanager payload is 4 deep; deeper input is refused, not recursed into
 STATE_VERSION = 2  # 1: one JSON file rewritten on every change (still read)
 PRUNE_AFTER_S = 86400.0  # resolved, delivered incidents are forgotten after a day
 # The state journal is folded into its snapshot when it outgrows COMPACT_FACTOR x the snapshot
@@ -147,6 +152,7 @@ class PagerConfig:
     event_ttl_s: float = 3600.0  # an event-only incident is forgotten (not resolved) after this
     reconcile_s: float = 60.0
     token: str | None = field(default=None, repr=False)  # env only
+    max_body_bytes: int = MAX_BODY_BYTES
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
@@ -154,6 +160,7 @@ class PagerConfig:
         check_choice("page_severity", self.page_severity, PD_SEVERITIES)
         check(self.event_ttl_s > 0, "event_ttl", self.event_ttl_s, "must be > 0")
         check(self.reconcile_s > 0, "reconcile_interval", self.reconcile_s, "must be > 0")
+        check(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "must be > 0")
         for key, url in [
             ("pagerduty_url", self.pagerduty_url),
             ("slack_url", self.slack_url),
@@ -1028,6 +1035,66 @@ class Pager:
 # ---------------------------------------------------------------------------------------
 # HTTP
 # ---------------------------------------------------------------------------------------
+class BodyTooLarge(Exception):
+    """The request body passed the limit while it streamed in (answered with HTTP 413)."""
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body -> JSON no deeper than MAX_JSON_DEPTH. Raises PayloadError."""
+    too_deep = f"body is JSON nested deeper than {MAX_JSON_DEPTH} levels"
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PayloadError(f"body is not valid JSON: {e}") from None
+    except RecursionError:  # the C decoder stops near the interpreter's recursion limit
+        raise PayloadError(too_deep) from None
+    # Checked here, iteratively: deepcopy and json.dumps of the incident recurse.
+    stack = [(body, 1)] if isinstance(body, dict | list) else []
+    while stack:
+        obj, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise PayloadError(too_deep)
+        children = obj.values() if isinstance(obj, dict) else obj
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return body
+
+
+def _too_large(why: str) -> JSONResponse:
+    # Connection: close, so the client cannot go on streaming into a connection we keep reading.
+    return JSONResponse({"error": why}, status_code=413, headers={"Connection": "close"})
+
+
+class BodyLimit:
+    """ASGI middleware for every endpoint: a request whose Content-Length passes `limit` gets
+    413 before a byte of its body is read; one that streams past it (chunked, or lying about
+    its length) gets 413 at that byte. Nothing beyond the limit is ever held in memory."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.limit:
+            why = f"Content-Length {declared.decode(errors='replace')[:20]} is over the limit of {self.limit} bytes"
+            await _too_large(why)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # raised inside the endpoint; the app answers 413
+                    raise BodyTooLarge(f"body streamed past the limit of {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
 def build_app(pager: Pager, token: str | None = None) -> Starlette:
     def refused(request: Request) -> JSONResponse | None:
         if token is None:
@@ -1037,20 +1104,12 @@ def build_app(pager: Pager, token: str | None = None) -> Starlette:
             return None
         return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
 
-    async def read_json(request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise PayloadError(f"body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise PayloadError(f"body is not valid JSON: {e}") from None
-
     async def alertmanager(request: Request) -> JSONResponse:
         if (r := refused(request)) is not None:
             return r
+        raw = await request.body()  # bounded by BodyLimit
         try:
-            updates = parse_alertmanager(await read_json(request))
+            updates = await run_in_threadpool(lambda: parse_alertmanager(parse_json(raw)))
         except PayloadError as e:
             return JSONResponse({"error": str(e)}, status_code=400)
         keys = await run_in_threadpool(pager.accept, updates)
@@ -1059,8 +1118,10 @@ def build_app(pager: Pager, token: str | None = None) -> Starlette:
     async def events(request: Request) -> JSONResponse:
         if (r := refused(request)) is not None:
             return r
+        raw = await request.body()
         try:
-            update = parse_event(await read_json(request), ttl_s=pager.cfg.event_ttl_s, now=time.time())
+            body = await run_in_threadpool(parse_json, raw)
+            update = parse_event(body, ttl_s=pager.cfg.event_ttl_s, now=time.time())
         except PayloadError as e:
             return JSONResponse({"error": str(e)}, status_code=400)
         keys = await run_in_threadpool(pager.accept, [update])
@@ -1068,6 +1129,9 @@ def build_app(pager: Pager, token: str | None = None) -> Starlette:
 
     async def healthz(request: Request) -> JSONResponse:
         return JSONResponse(pager.health())
+
+    async def body_too_large(request: Request, exc: Exception) -> JSONResponse:
+        return _too_large(str(exc))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -1082,6 +1146,8 @@ def build_app(pager: Pager, token: str | None = None) -> Starlette:
             Route("/v1/events", events, methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
         ],
+        middleware=[Middleware(BodyLimit, limit=pager.cfg.max_body_bytes)],
+        exception_handlers={BodyTooLarge: body_too_large},
         lifespan=lifespan,
     )
 
@@ -1143,6 +1209,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         help="seconds between re-drives of undelivered notifications",
     )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        help=f"largest request body accepted; larger ones get 413 as they stream in (default {MAX_BODY_BYTES})",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -1161,6 +1233,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
         event_ttl_s=args.event_ttl,
         reconcile_s=args.reconcile_interval,
         token=env.get(ENV_PAGER_TOKEN) or None,
+        max_body_bytes=args.max_body_bytes,
         retry=RetryPolicy(
             max_attempts=args.max_attempts,
             base_s=args.retry_base,

@@ -1,6 +1,6 @@
 """`moeguard pager` under abuse and crashes (issue #13, items 5 and 6): no webhook secret in any
-log or file, a delivery that costs the same whatever the size of the incident book, and nothing
-acknowledged lost on kill -9.
+log or file, a delivery that costs the same whatever the size of the incident book, nothing
+acknowledged lost on kill -9, and request bodies bounded while they stream in.
 
 The real service (`python -m guard pager`) runs on loopback against recording HTTP servers
 standing in for PagerDuty, Slack and webhooks; the journal tests drive IncidentBook in-process.
@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -340,3 +342,85 @@ def test_kill_9_loses_nothing_acknowledged(sink: RecordingSink, tmp_path: Path) 
         assert set(in_flight) <= set(slack)  # at least once
     finally:
         q.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# 3. Request bodies: bounded while streaming, deep nesting refused
+# ---------------------------------------------------------------------------------------
+def raw_request(port: int, head: str, body: Iterator[bytes]) -> tuple[bytes, int]:
+    """Send `head`, then `body` piece by piece until the server answers. (answer, bytes sent)."""
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head.encode())
+        try:
+            readable = select.select([s], [], [], 0.5)[0]
+            for piece in body:
+                if readable:
+                    break
+                s.sendall(piece)
+                sent += len(piece)
+                readable = select.select([s], [], [], 0)[0]
+        except OSError:  # it hung up while we were sending: read what it said
+            pass
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except OSError:
+            pass
+    return answer, sent
+
+
+def answer_json(answer: bytes) -> tuple[int, Any]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+@pytest.fixture
+def limited(sink: RecordingSink, tmp_path: Path) -> Iterator[PagerProc]:
+    p = start_pager(sink, tmp_path, "--max-body-bytes", str(1 << 20))
+    yield p
+    p.stop()
+
+
+def test_content_length_over_the_limit_gets_413_before_the_body(limited: PagerProc) -> None:
+    peak = vm_kib(limited.proc.pid, "VmHWM")
+    head = (
+        "POST /v1/alertmanager HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {200 << 20}\r\n\r\n"
+    )
+    answer, sent = raw_request(limited.port, head, iter([b"[" * (1 << 20)] * 200))
+    status, reply = answer_json(answer)
+    assert status == 413 and f"over the limit of {1 << 20} bytes" in reply["error"]
+    assert b"connection: close" in answer.lower() and sent == 0
+    assert vm_kib(limited.proc.pid, "VmHWM") - peak < 8 << 10  # KiB
+    assert limited.post("/v1/alertmanager", payload(alert("r1")))[0] == 200  # still serving
+
+
+def test_chunked_body_past_the_limit_gets_413_while_streaming(limited: PagerProc) -> None:
+    peak = vm_kib(limited.proc.pid, "VmHWM")
+    head = "POST /v1/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    piece = b"[" + b"0," * (1 << 15)  # 64 KiB
+    chunks = (b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range((200 << 20) // len(piece)))
+    answer, sent = raw_request(limited.port, head, chunks)
+    status, reply = answer_json(answer)
+    assert status == 413 and "streamed past the limit" in reply["error"]
+    assert sent < 32 << 20, f"the client got {sent} bytes out before the answer"  # limit + socket buffers
+    assert vm_kib(limited.proc.pid, "VmHWM") - peak < 32 << 10  # KiB
+    assert http_json(limited.url + "/healthz")[1]["incidents"] == 0
+
+
+def test_deeply_nested_json_gets_400_not_500(limited: PagerProc) -> None:
+    status, reply = limited.post("/v1/alertmanager", b"[" * 100_000)
+    assert status == 400 and f"nested deeper than {pg.MAX_JSON_DEPTH} levels" in reply["error"]
+    # Deep enough to pass json.loads, too deep for what the pager does with it (copies, dumps)
+    detail: Any = {}
+    for _ in range(300):
+        detail = {"d": detail}
+    status, reply = limited.post("/v1/events", {"run": "r1", "kind": "halt", "detail": detail})
+    assert status == 400 and "nested deeper" in reply["error"]
+    assert http_json(limited.url + "/healthz")[1]["incidents"] == 0
+    status, _ = limited.post(
+        "/v1/events", {"run": "r1", "kind": "halt", "detail": {"a": {"b": [1, {"c": 2}]}}}
+    )
+    assert status == 200
