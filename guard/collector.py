@@ -14,10 +14,11 @@ Endpoints
 Batch payload (JSON object; NaN may be written as NaN or null)
     run        str, [A-Za-z0-9][A-Za-z0-9._-]{0,127} (it names a directory; nothing else passes)
     rank       int >= 0
-    seq        int >= 0, strictly increasing per (run, rank). The exporter uses
+    seq        int in [0, 2**63 - 1], strictly increasing per (run, rank). The exporter uses
                seq = generation << 32 | counter, generation = the exporter start time in seconds
                (kept increasing through a file in its spool dir), so a restarted trainer keeps
-               counting up.
+               counting up; a generation more than MAX_GENERATION_AHEAD_S ahead of the
+               collector's clock is refused (400).
     meta       object, optional: the run's meta.json (merged over what is stored)
     reports    list of StepReport.to_json() objects, optional; report.rank must equal rank
     events     list of event rows (guard.events.Event.row()), optional: step and kind required;
@@ -27,6 +28,8 @@ Batch payload (JSON object; NaN may be written as NaN or null)
     commands_ack  int, optional: the highest operator-command id this rank has taken up
     trainer_detectors  bool, optional: true when the trainer runs the DetectorSuite in-process
                (guard on, or --no-guard observing); the collector then runs none for the run
+    writer     str, optional ([A-Za-z0-9_-]{1,64}): a random id of the sending exporter instance;
+               two writers whose generations are equal (started in the same second) differ here
     final      bool, optional: true on the last batch of a rank that stopped on purpose (the
                exporter's close() after a finished, halted or --until run; not after a crash).
                The rank's heartbeat is dropped (no HeartbeatLost for a run that ended), and
@@ -34,7 +37,8 @@ Batch payload (JSON object; NaN may be written as NaN or null)
 Unknown top-level keys are ignored (newer exporters may send more).
 
 Answers: 200 {"ok": true, "duplicate": bool, "commands": [...]} once the batch is durably on
-disk; 400 {"error": "..."} naming the bad field; 401 without the token; 413 for a body over
+disk; 400 {"error": "..."} naming the bad field; 401 without the token; 409 for a batch of a
+writer generation that no longer owns its (run, rank) (below); 413 for a body over
 --max-body-bytes (refused before it is read); 503 when the run's storage failed or the run is
 quarantined (retry later). The whole batch is validated before anything is stored, so a
 rejected batch changes nothing.
@@ -59,9 +63,19 @@ the commit; the log segments it covers are then deleted. On start, parts newer t
 are deleted and the log is replayed, so a SIGKILL at any point loses nothing that was answered
 200 and stores nothing twice. Other ranks' reports feed heartbeats and per-rank timing only.
 
-Resumed trainers: when rank 0 starts a new generation (seq >> 32 grows) whose first step is not
-after the last stored step, the steps it re-runs carry new data, so everything stored after
-`first step - 1` is dropped first (runstore.truncate_after), as the trainer does locally.
+Writers and generations: each (run, rank) is written by one exporter generation at a time
+(seq >> 32). A batch of a newer generation takes over (a restarted trainer); from then on the
+older generation's batches answer 409 {"error": ..., "conflict": {...}} (a second trainer on the
+same run id, or one that was superseded), except retries of batches it had stored before, which
+stay duplicates (the last seq of each of the last 16 superseded generations is kept). A batch
+whose generation is more than an hour ahead of the collector's clock is a 400: it would own the
+run until the clock caught up (seq = 2**63 - 1 would block it for good).
+
+Resumed trainers: when rank 0 starts a new generation whose first step is not after the last
+stored step, the steps it re-runs carry new data, so everything stored after `first step - 1`
+is moved out of the live tables, as the trainer drops it locally: into
+runs/<run>/.collector/superseded/<seq>/<table>/ (same layout, readable with read_table), never
+deleted, since a newer generation may also be a writer that should not have been there.
 "New generation" compares with the generation of rank 0's last batch WITH reports, so a
 heartbeat the restarted exporter sends before its first step does not hide the restart.
 
@@ -116,6 +130,7 @@ from guard.notify import PagerNotifier
 from guard.report import StepReport
 from guard.runstore import (
     atomic_write_bytes,
+    fsync_dir,
     next_part_seq,
     parse_part_name,
     part_files,
@@ -134,6 +149,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 log = logging.getLogger("moeguard.collector")
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+WRITER_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 GEN_SHIFT = 32
 MAX_RANK = 1 << 20
 MAX_SEQ = (1 << 63) - 1
@@ -141,6 +157,12 @@ COMMAND_ACTIONS = (schema.ACT_ROLLBACK, schema.ACT_HALT, schema.ACT_SKIP)
 STATE_DIR = ".collector"
 _REC_HDR = struct.Struct("<II")  # length, crc32
 _WAL_RE = re.compile(r"^wal-(\d{10})\.log$")
+SUPERSEDED_DIR = "superseded"  # in STATE_DIR: rows a new generation re-ran, kept
+RETIRED_GENERATIONS = 16  # superseded generations per rank whose late retries still dedupe
+# A generation is the exporter's start time in seconds (bumped by one per restart within a
+# second); one further ahead of this collector's clock is refused, or it would own the run
+# (every real batch answered 409) until the clock caught up.
+MAX_GENERATION_AHEAD_S = 3600
 STATE_FILE, COMMANDS_FILE, QUARANTINE_FILE = "state.json", "commands.json", "quarantine.json"
 # Number of runs refused at start-up or load (their files are damaged). Belongs in schema.py
 # with the other names; kept here until that module is free to edit.
@@ -189,6 +211,7 @@ class Batch:
     commands_ack: int | None
     trainer_detectors: bool = False
     final: bool = False
+    writer: str | None = None  # the sending exporter instance (random), when it says
 
     @property
     def generation(self) -> int:
@@ -317,8 +340,11 @@ def parse_batch(body: bytes) -> Batch:
     final = d.get("final", False)
     if not isinstance(final, bool):
         raise BadRequest("field 'final': expected true or false")
+    writer = d.get("writer")
+    if writer is not None and not (isinstance(writer, str) and WRITER_RE.fullmatch(writer)):
+        raise BadRequest(f"field 'writer': expected {WRITER_RE.pattern}, got {str(writer)[:60]!r}")
     return Batch(run=d["run"], rank=rank, seq=seq, meta=meta, reports=reports, events=events, heartbeat=hb,
-                 commands_ack=ack, trainer_detectors=td, final=final)  # fmt: skip
+                 commands_ack=ack, trainer_detectors=td, final=final, writer=writer)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -362,7 +388,7 @@ class Wal:
                 raise OSError(errno.EIO, "short write to the write-ahead log")
             os.fdatasync(self._fd)
             if not self._dir_synced:  # a new segment's name must survive a power loss too
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
                 self._dir_synced = True
         except BaseException:
             self._undo()
@@ -473,14 +499,6 @@ def event_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
     return pl.DataFrame(cols, schema=polars_schema(schema.TABLE_EVENTS), strict=False)
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------------------
 # One run
 # ---------------------------------------------------------------------------------------
@@ -507,6 +525,9 @@ class RunState:
             (run_dir / t).mkdir(parents=True, exist_ok=True)
         self.state_dir.mkdir(exist_ok=True)
         self.hwm: dict[int, int] = {}
+        self.retired: dict[int, dict[int, int]] = {}  # rank -> superseded generation -> its last seq
+        self.writers: dict[int, str] = {}  # rank -> writer id of the generation that owns it
+        self._conflicts_logged: set[tuple[int, int]] = set()
         self.acks: dict[int, int] = {}
         self.last_step = -1  # last rank-0 step stored or pending
         self.report_gen = -1  # generation of rank 0's last batch with reports (restart detection)
@@ -540,6 +561,9 @@ class RunState:
             self.next_part = _nonneg(st["next_part_seq"])
             self.hwm = {_nonneg(int(k)): _nonneg(v) for k, v in st["hwm"].items()}
             self.acks = {_nonneg(int(k)): int(v) for k, v in st["acks"].items()}
+            self.retired = {_nonneg(int(r)): {_nonneg(int(g)): _nonneg(v) for g, v in gens.items()}
+                            for r, gens in st.get("retired", {}).items()}  # fmt: skip
+            self.writers = {_nonneg(int(r)): str(w) for r, w in st.get("writers", {}).items()}
             self.last_step = int(st["last_step"])
             self.report_gen = int(st.get("report_gen", (self.hwm[0] >> GEN_SHIFT) if 0 in self.hwm else -1))
             self.trainer_detectors = bool(st.get("trainer_detectors", False))
@@ -586,7 +610,10 @@ class RunState:
         with self.lock:
             if self.failed is not None:
                 raise StorageFailed(f"run {self.run}: storage failed: {self.failed!r}")
-            if batch.seq <= self.hwm.get(batch.rank, -1):
+            kind = self.classify(batch)
+            if kind == "conflict":
+                raise self._conflict(batch)
+            if kind == "duplicate":
                 return self._answer(batch, duplicate=True)
             if not self._needs_truncate(batch):
                 self._ingest_or_fail(batch, body, now)
@@ -594,7 +621,10 @@ class RunState:
         with self.ckpt_lock, self.lock:  # rare: a resumed trainer re-runs stored steps
             if self.failed is not None:
                 raise StorageFailed(f"run {self.run}: storage failed: {self.failed!r}")
-            if batch.seq <= self.hwm.get(batch.rank, -1):
+            kind = self.classify(batch)
+            if kind == "conflict":
+                raise self._conflict(batch)
+            if kind == "duplicate":
                 return self._answer(batch, duplicate=True)
             self._ingest_or_fail(batch, body, now)
             return self._answer(batch, duplicate=False)
@@ -622,12 +652,11 @@ class RunState:
         leaves memory untouched; an error after it (a bug) stops the run until a restart
         replays the log, so a batch is never half-applied. meta.json is derived state: written
         after the commit, and if that fails, again at the next checkpoint."""
-        if replay and b.seq <= self.hwm.get(b.rank, -1):
+        if replay and self.classify(b) != "new":
             return
         first = min(r.step for r in b.reports) if self._needs_truncate(b) else None
         if first is not None:
-            dropped = truncate_after(self.dir, first - 1)
-            log.info("run %s: rank 0 restarted at step %d; dropped %d stored rows after it", self.run, first, dropped)
+            self._supersede(b, first)
         durable = bool(b.events or b.meta or (b.rank == 0 and b.reports) or b.final
                        or (b.trainer_detectors and not self.trainer_detectors)
                        or (b.commands_ack is not None and b.commands_ack > self.acks.get(b.rank, -1)))  # fmt: skip
@@ -647,9 +676,62 @@ class RunState:
             except OSError as e:
                 log.warning("run %s: meta.json not written (%r); retried at the next checkpoint", self.run, e)
 
+    def _supersede(self, b: Batch, first: int) -> None:
+        """Before a new generation's re-run of steps >= `first` is stored: move every row after
+        `first - 1` (in parts, and still pending) out of the live tables into
+        .collector/superseded/<seq>/<table>/, a store of the same layout. Nothing is deleted:
+        whether this was a resumed trainer or a second writer that should not have been, the
+        rows it replaced can be read back. Idempotent (redone after a failure or in replay)."""
+        dest = self.state_dir / SUPERSEDED_DIR / f"{b.seq:020d}"
+        moved = truncate_after(self.dir, first - 1, archive_dir=dest)
+        frames = report_frames([r for r in self.pending_reports if r.step >= first])
+        stale_events = [e for e in self.pending_events if e["step"] >= first]
+        if stale_events:
+            frames[schema.TABLE_EVENTS] = event_frame(stale_events)
+        for table, df in frames.items():
+            (dest / table).mkdir(parents=True, exist_ok=True)
+            write_part_file(dest / table / part_name(int(df["step"].min()), self.next_part), df)  # type: ignore[arg-type]
+            fsync_dir(dest / table)
+            moved += df.height
+        log.warning("run %s: rank 0 generation %d re-runs steps from %d; %d rows after step %d moved to %s "
+                    "(kept, not deleted)", self.run, b.generation, first, moved, first - 1, dest)  # fmt: skip
+
+    def classify(self, b: Batch) -> str:
+        """new | duplicate | conflict, for a batch of (run, rank). A rank is written by one
+        exporter generation at a time: a newer generation takes over (a restarted trainer);
+        an older one's batches that were stored before are duplicates, any other is a second
+        writer on this run id (or a superseded trainer) and is refused. Caller holds `lock`."""
+        hwm = self.hwm.get(b.rank, -1)
+        owner = self.writers.get(b.rank)
+        if b.generation == hwm >> GEN_SHIFT and None not in (b.writer, owner) and b.writer != owner:
+            return "conflict"  # one generation, two processes (both started within the same second)
+        if b.seq > hwm:
+            return "new"
+        if b.generation == hwm >> GEN_SHIFT or b.seq <= self.retired.get(b.rank, {}).get(b.generation, -1):
+            return "duplicate"
+        return "conflict"
+
+    def _conflict(self, b: Batch) -> GenerationConflict:
+        current = self.hwm[b.rank] >> GEN_SHIFT
+        key = (b.rank, b.generation)
+        if key not in self._conflicts_logged and len(self._conflicts_logged) < 64:
+            self._conflicts_logged.add(key)
+            log.warning("run %s rank %d: refusing batches of writer generation %d; generation %d writes this "
+                        "run now (two trainers on one run id?)", self.run, b.rank, b.generation, current)  # fmt: skip
+        return GenerationConflict(self.run, b.rank, b.generation, current)
+
     def _apply(self, b: Batch, now: float, truncated_from: int | None, live: bool) -> None:
         """The in-memory part of `_ingest` (no I/O)."""
+        old = self.hwm.get(b.rank, -1)
+        if old >= 0 and b.generation > old >> GEN_SHIFT:  # a new writer generation takes over
+            gens = self.retired.setdefault(b.rank, {})
+            gens[old >> GEN_SHIFT] = old
+            for g in sorted(gens)[:-RETIRED_GENERATIONS]:
+                del gens[g]
+            self.writers.pop(b.rank, None)
         self.hwm[b.rank] = b.seq
+        if b.writer is not None:
+            self.writers[b.rank] = b.writer
         self.dirty = True
         if truncated_from is not None:
             first = truncated_from
@@ -805,6 +887,8 @@ class RunState:
                     segment=self.wal.rotate(), reports=self.pending_reports, events=self.pending_events,
                     state={"hwm": dict(self.hwm), "acks": dict(self.acks), "last_step": self.last_step,
                            "trainer_detectors": self.trainer_detectors, "report_gen": self.report_gen,
+                           "retired": {str(r): {str(g): v for g, v in gens.items()} for r, gens in self.retired.items()},
+                           "writers": {str(r): w for r, w in self.writers.items()},
                            "ranks": self._rank_beats()},
                 )  # fmt: skip
                 self.pending_reports, self.pending_events, self.dirty = [], [], False
@@ -833,7 +917,7 @@ class RunState:
             touched.append(path.parent)
             seq += 1
         for d in touched:
-            _fsync_dir(d)
+            fsync_dir(d)
         st = {**snap.state, "segment_done": snap.segment, "next_part_seq": seq}
         self._commit_state(st)  # the commit point
         self.next_part, self.segment_done = seq, snap.segment
@@ -841,7 +925,7 @@ class RunState:
 
     def _commit_state(self, st: dict[str, Any]) -> None:
         atomic_write_bytes(self.state_dir / "state.json", json.dumps(st, sort_keys=True).encode())
-        _fsync_dir(self.state_dir)
+        fsync_dir(self.state_dir)
 
     def close(self) -> None:
         try:
@@ -852,6 +936,20 @@ class RunState:
 
 class StorageFailed(RuntimeError):
     pass
+
+
+class GenerationConflict(Exception):
+    """A batch from an exporter generation older than the one that writes (run, rank) now."""
+
+    def __init__(self, run: str, rank: int, generation: int, current: int) -> None:
+        since = (f"but generation {current} has written this run since" if generation != current else
+                 "but another process of that generation (started in the same second) writes this run")  # fmt: skip
+        super().__init__(
+            f"run {run!r} rank {rank}: generation conflict: this batch is from writer generation {generation}, "
+            f"{since}. Two trainers are writing one run id, or this trainer was superseded by a restarted one. "
+            "Nothing was stored; use a different run id."
+        )
+        self.run, self.rank, self.generation, self.current = run, rank, generation, current
 
 
 class RunQuarantined(StorageFailed):
@@ -1063,8 +1161,18 @@ class Collector:
         except BadRequest as e:
             self.metrics.batch("bad_request")
             return 400, {"error": str(e)}
+        ahead = batch.generation - (time.time() + MAX_GENERATION_AHEAD_S)
+        if ahead > 0:  # e.g. seq = 2**63 - 1: it would own the run, and block it, for decades
+            self.metrics.batch("bad_request")
+            return 400, {"error": f"field 'seq': generation {batch.generation} (seq >> {GEN_SHIFT}, the writer's "
+                         f"start time in seconds) is {ahead + MAX_GENERATION_AHEAD_S:.0f} s ahead of this "
+                         f"collector's clock (at most {MAX_GENERATION_AHEAD_S} s allowed)"}  # fmt: skip
         try:
             ans = self.run_state(batch.run).ingest(batch, body)
+        except GenerationConflict as e:
+            self.metrics.batch("conflict")
+            return 409, {"error": str(e), "conflict": {"run": e.run, "rank": e.rank, "generation": e.generation,
+                                                       "current_generation": e.current}}  # fmt: skip
         except RunQuarantined as e:
             self.metrics.batch("quarantined")
             return 503, {"error": str(e)}

@@ -12,6 +12,10 @@ name, fsynced, renamed) and every later batch queues behind it on disk; the thre
 oldest spooled batch with exponential backoff and replays the spool in order once the collector
 answers. A full queue spills the step straight to the spool from `submit` (disk, not network;
 never dropped). Spooled files outlive the process: a restarted trainer replays them first.
+A 409 means another writer generation owns the run id on the collector (a second trainer with
+the same run id, or a newer process of this one): the batch is set aside in spool_dir/conflict/,
+counted in stats["conflict"] as not delivered (flush() and close() return False), and the
+refusal is logged at ERROR once per run.
 
 Sequence numbers. The collector dedupes by (run, rank, seq) with a high-water mark, so a batch
 must never be sent after a batch with a larger seq was accepted, and a retried batch keeps its
@@ -20,9 +24,10 @@ seconds, raised above the last one recorded in the spool dir, so a restarted tra
 from where the previous process stopped even if its spool dir was lost. Why not derive seq from
 the step: after a crash and resume the trainer re-runs steps with NEW data (different batches,
 different weights); step-derived seqs would be dropped as duplicates. A new generation whose
-first step is not past the stored ones tells the collector to drop the stale rows instead.
+first step is not past the stored ones tells the collector to move the stale rows aside.
 Ordering is kept by assigning seqs under one lock and sending in seq order: once anything is
-spooled, everything newer is spooled behind it.
+spooled, everything newer is spooled behind it. Each batch also carries `writer`, a random id of
+this Exporter, so two processes that start in the same second (one generation) are told apart.
 
 The end of a run. close() sends one last, empty batch with `"final": true` (after everything
 else, so it has the highest seq): the collector stops expecting heartbeats from this rank, so a
@@ -99,6 +104,7 @@ class Exporter:
         # seq and spool order: `_lock` covers seq assignment and the spool index together
         self._lock = threading.Lock()
         self.generation = self._next_generation()
+        self.writer = os.urandom(8).hex()  # tells this process from another started in the same second
         self._counter = 0
         self._spool: list[Path] = sorted(self.spool_dir.glob(f"{self._prefix}*.json"))
         self._meta: dict[str, Any] | None = None
@@ -111,7 +117,10 @@ class Exporter:
         self._count_lock = threading.Lock()  # only ever held for an increment
         self._submitted = 0  # steps handed to submit()
         self._processed = 0  # ... of which acknowledged or spooled
-        self.stats = {"sent": 0, "spooled": 0, "replayed": 0, "rejected": 0, "spilled": 0}
+        # conflict: batches the collector refused with 409 (another writer generation owns the run)
+        self.stats = {"sent": 0, "spooled": 0, "replayed": 0, "rejected": 0, "spilled": 0, "conflict": 0}
+        self._conflicted = False  # a 409 was answered: not everything was delivered
+        self._conflict_logged = False
         self._thread = threading.Thread(target=self._loop, name=f"moeguard-exporter-r{rank}", daemon=True)
         self._closing = False
         self._thread.start()
@@ -164,13 +173,14 @@ class Exporter:
             return out
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until everything submitted is acknowledged (True) or `timeout` passes."""
+        """Wait until everything submitted is handled: True when it was all acknowledged, False
+        when `timeout` passed or the collector refused batches with 409 (see `_conflict`)."""
         deadline = time.monotonic() + timeout
         while True:
             with self._count_lock:
                 done = self._processed == self._submitted
             if done and not self._spool:
-                return True
+                return not self._conflicted
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
@@ -202,7 +212,7 @@ class Exporter:
         if final:
             ok = self._send_final() and ok
         self._client.close()
-        return ok and not leftover
+        return ok and not leftover and not self._conflicted
 
     def _send_final(self) -> bool:
         """The final batch, last in seq order: POSTed when nothing is spooled and the sender has
@@ -264,7 +274,7 @@ class Exporter:
 
     def _body(self, chunk: list[_Encoded], seq: int, final: bool = False) -> bytes:
         """The batch body for `chunk` with sequence number `seq`. Holds _lock."""
-        d: dict[str, Any] = {"run": self.run_id, "rank": self.rank, "seq": seq,
+        d: dict[str, Any] = {"run": self.run_id, "rank": self.rank, "seq": seq, "writer": self.writer,
                              "events": [e for _, evs, _ in chunk for e in evs]}  # fmt: skip
         if final:
             d["final"] = True
@@ -382,6 +392,9 @@ class Exporter:
             self.stats["sent"] += 0 if heartbeat_only else 1
             self._take_commands(r)
             return True
+        if r.status_code == 409:
+            self._conflict(body, r, heartbeat_only)
+            return True
         if r.status_code in (400, 413) and not heartbeat_only:
             # Permanently bad: retrying would block every later batch. Keep it for a human.
             self.stats["rejected"] += 1
@@ -398,6 +411,29 @@ class Exporter:
             return False
         log.warning("collector answered %d: %s", r.status_code, r.text[:200])
         return False
+
+    def _conflict(self, body: bytes, r: httpx.Response, heartbeat_only: bool) -> None:
+        """409: a newer writer generation owns this run id on the collector (a second trainer
+        with the same run id, or this process was superseded by a restarted one). Retrying
+        cannot succeed and would block every later batch, so the batch is set aside on disk
+        (spool_dir/conflict/) and counted as not delivered; logged at ERROR once per run."""
+        self._conflicted = True
+        if not heartbeat_only:
+            self.stats["conflict"] += 1
+            bad = self.spool_dir / "conflict"
+            bad.mkdir(exist_ok=True)
+            (bad / f"{self._prefix}{time.time_ns()}.json").write_bytes(body)
+        if self._conflict_logged:
+            log.debug("collector refused another batch of run %s (409)", self.run_id)
+            return
+        self._conflict_logged = True
+        try:
+            why = str(r.json().get("error", ""))
+        except (ValueError, AttributeError):
+            why = r.text[:300]
+        log.error("run %s rank %d: the collector refuses this trainer's telemetry (409): %s Its batches are NOT "
+                  "delivered; they are kept in %s. (Logged once; later refusals are counted in stats['conflict'].)",
+                  self.run_id, self.rank, why, self.spool_dir / "conflict")  # fmt: skip
 
     def _replay(self) -> bool:
         """Send spooled batches oldest first; stop at the first failure."""

@@ -282,15 +282,25 @@ def truncate_after(run_dir: str | Path, step: int, *, archive_dir: str | Path | 
                 continue
             keep = df.filter(pl.col("step") <= step)
             dropped += df.height - keep.height
-            if archive_dir is not None:
+            if archive_dir is not None:  # durable (file and name) before the live rows go
                 dest = Path(archive_dir) / t
                 dest.mkdir(parents=True, exist_ok=True)
                 write_part_file(dest / p.name, df.filter(pl.col("step") > step))
+                fsync_dir(dest)
             if keep.height == 0:
                 p.unlink()
             else:
                 write_part_file(p, keep)
     return dropped
+
+
+def fsync_dir(d: str | Path) -> None:
+    """Make the names created in, or renamed into, folder `d` durable."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_part_file(path: Path, df: pl.DataFrame) -> None:

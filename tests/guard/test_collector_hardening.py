@@ -9,7 +9,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +22,9 @@ import pytest
 
 from guard import schema
 from guard.collector import Collector, CollectorConfig, Wal
+from guard.exporter import Exporter
 from guard.runstore import part_name, read_meta, read_table
-from tests.guard.test_collector import CollectorProc, batch, make_report
+from tests.guard.test_collector import TOKEN, CollectorProc, batch, make_report, wait_steps
 
 G1, G2 = 1_700_000_000 << 32, 1_700_000_100 << 32  # exporter generations (seconds << 32)
 
@@ -331,3 +334,133 @@ def test_a_failed_log_append_never_hides_later_records(
         recs = [rec for seg in Wal(d).segments() for rec in Wal(d).read(seg)]
         assert recs == [b"A" * 100, b"C" * 100], cut_fails
         assert len(Wal(d).segments()) == (2 if cut_fails else 1)
+
+
+# ---------------------------------------------------------------------------------------
+# 4. two writers on one run id
+# ---------------------------------------------------------------------------------------
+def _force_generation(spool: Path, run: str, gen: int) -> None:
+    """The next Exporter for `run` rank 0 in `spool` gets generation `gen` (it takes last + 1)."""
+    spool.mkdir(parents=True, exist_ok=True)
+    (spool / f"{run}-r0-generation").write_text(str(gen - 1))
+
+
+@pytest.mark.integration
+def test_a_second_writer_is_refused_loudly_and_no_stored_row_is_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = CollectorProc(tmp_path / "runs", "--checkpoint-interval", "0.2").start()
+    run_dir = c.runs / "two"
+    try:
+        a = Exporter(c.url, TOKEN, "two", 0, tmp_path / "spool-a", batch_max=5, poll_s=60)
+        for s in range(50):
+            a.submit(make_report(s, loss=1.0))
+        assert a.flush(20)
+        assert wait_steps(run_dir, 50).height == 50
+        # a second trainer, started later with the same run id, from step 0 (another experiment)
+        _force_generation(tmp_path / "spool-b", "two", a.generation + 10)
+        b = Exporter(c.url, TOKEN, "two", 0, tmp_path / "spool-b", batch_max=5, poll_s=60)
+        for s in range(10):
+            b.submit(make_report(s, loss=2.0))
+        assert b.flush(20)
+        # the first trainer goes on: every batch is refused with 409, set aside, not counted delivered
+        with caplog.at_level(logging.DEBUG, logger="moeguard.exporter"):
+            for s in range(50, 60):
+                a.submit(make_report(s, loss=1.0))
+            assert a.flush(20) is False
+            assert a.close(10) is False
+        errors = [r for r in caplog.records if r.name == "moeguard.exporter" and r.levelno >= logging.ERROR]
+        assert len(errors) == 1, [r.getMessage() for r in errors]  # once per run, not per batch
+        msg = errors[0].getMessage()
+        assert "409" in msg and "'two'" in msg and "generation conflict" in msg and str(a.generation) in msg
+        conflicted = sorted((tmp_path / "spool-a" / "conflict").glob("*.json"))
+        assert a.stats["conflict"] == len(conflicted) >= 1
+        refused = [rep["step"] for p in conflicted for rep in json.loads(p.read_bytes())["reports"]]
+        assert sorted(refused) == list(range(50, 60))
+        assert b.close(10)
+        c.stop()
+        live = read_table(run_dir, schema.TABLE_STEPS).sort("step")
+        assert live["step"].to_list() == list(range(10)) and set(live["loss"].to_list()) == {2.0}
+        # the first trainer's 50 rows were moved aside, not deleted
+        [kept] = list((run_dir / ".collector" / "superseded").iterdir())
+        old = read_table(kept, schema.TABLE_STEPS).sort("step")
+        assert old["step"].to_list() == list(range(50)) and set(old["loss"].to_list()) == {1.0}
+        assert read_table(kept, schema.TABLE_EXPERTS).height == 50 * 2 * 8
+    finally:
+        c.stop()
+
+
+def test_generations_retries_and_writers(app: Callable[[], Collector]) -> None:
+    c = app()
+
+    def post(seq: int, steps: range, writer: str | None = "w1", **kw: Any) -> Answer:
+        extra = {"writer": writer} if writer else {}
+        return _post(
+            c, json.dumps(batch("gw", 0, seq, [make_report(s) for s in steps], **extra, **kw)).encode()
+        )
+
+    assert post(G1 | 1, range(0, 5)).json()["duplicate"] is False
+    assert post(G1 | 2, range(5, 10)).json()["duplicate"] is False
+    # same generation, another process (both started within one second): refused, whatever its seq
+    for seq in (G1 | 3, G1 | 1, G1 | 99):
+        r = post(seq, range(10, 15), writer="w2")
+        assert (
+            r.status_code == 409
+            and "generation conflict" in r.json()["error"]
+            and "'gw'" in r.json()["error"]
+        )
+        assert r.json()["conflict"] == {
+            "run": "gw",
+            "rank": 0,
+            "generation": G1 >> 32,
+            "current_generation": G1 >> 32,
+        }
+    # a restarted trainer (new generation) takes over; the old one's stored batches stay duplicates
+    assert post(G2 | 1, range(10, 15), writer="w3").json()["duplicate"] is False
+    assert post(G1 | 2, range(5, 10)).json()["duplicate"] is True  # a late retry of a stored batch
+    r = post(G1 | 3, range(10, 15))  # the old writer is still running
+    assert r.status_code == 409 and r.json()["conflict"]["current_generation"] == G2 >> 32
+    assert post(G2 | 2, range(15, 20), writer="w3").json()["duplicate"] is False
+    assert post(G2 | 3, range(20, 25), writer=None).json()["duplicate"] is False  # an exporter without ids
+    c.close()
+    c = app()  # the marks survive a restart
+    assert post(G1 | 2, range(5, 10)).json()["duplicate"] is True
+    assert post(G1 | 4, range(10, 15)).status_code == 409
+    c.close()
+    steps = read_table(c.cfg.runs_dir / "gw", schema.TABLE_STEPS)["step"].to_list()
+    assert sorted(steps) == list(range(25))
+
+
+@pytest.mark.parametrize("seq", [-1, 2**63 - 1, 2**63, 2**64, (int(time.time()) + 7200) << 32])
+def test_out_of_range_seq_is_a_400_and_blocks_nothing(app: Callable[[], Collector], seq: int) -> None:
+    c = app()
+    status, ans = c.ingest(json.dumps(batch("sq", 0, seq, [make_report(0)])).encode())
+    assert status == 400 and "'seq'" in ans["error"], ans
+    real = (int(time.time()) << 32) | 1
+    assert _post(c, json.dumps(batch("sq", 0, real, [make_report(0)])).encode()).json()["duplicate"] is False
+    assert (
+        _post(c, json.dumps(batch("sq", 0, real + 1, [make_report(1)])).encode()).json()["duplicate"] is False
+    )
+
+
+def test_a_resume_keeps_the_rows_it_replaces(app: Callable[[], Collector]) -> None:
+    c = app()
+    run_dir = c.cfg.runs_dir / "rz"
+    halt = _halt_row(45)
+    assert _post(
+        c, json.dumps(batch("rz", 0, G1 | 1, [make_report(s, loss=1.0) for s in range(40)])).encode()
+    )
+    c.runs["rz"].checkpoint()
+    body = batch("rz", 0, G1 | 2, [make_report(s, loss=1.0) for s in range(40, 50)], [halt])
+    assert _post(c, json.dumps(body).encode()).status_code == 200  # pending, not yet in a part
+    resumed = batch("rz", 0, G2 | 1, [make_report(s, loss=2.0) for s in range(30, 35)])
+    assert _post(c, json.dumps(resumed).encode()).status_code == 200
+    c.close()
+    live = read_table(run_dir, schema.TABLE_STEPS).sort("step")
+    assert live["step"].to_list() == list(range(35))
+    assert live["loss"].to_list() == [1.0] * 30 + [2.0] * 5
+    [kept] = list((run_dir / ".collector" / "superseded").iterdir())
+    old = read_table(kept, schema.TABLE_STEPS).sort("step")
+    assert old["step"].to_list() == list(range(30, 50)) and set(old["loss"].to_list()) == {1.0}
+    assert read_table(kept, schema.TABLE_EVENTS).select("step", "kind").rows() == [(45, schema.EV_HALT)]
+    assert read_table(kept, schema.TABLE_LAYERS).height == 20 * 4
