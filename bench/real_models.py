@@ -46,8 +46,10 @@ def parse_inject(spec: str) -> tuple[str, int, float]:
 
 def drill(family: str, *, seed: int, steps: int, corpus: np.ndarray, run_dir: Path,
           injections: list[tuple[str, int, float]] = (), cfg: GuardConfig | None = None,
-          lr: float = 3e-3, batch: int = 4, seq: int = 64, balance_coef: float = 1e-2) -> dict[str, Any]:  # fmt: skip
-    """One guarded run; returns its actions, verdicts and final loss."""
+          lr: float = 3e-3, batch: int = 4, seq: int = 64, balance_coef: float = 1e-2,
+          correct: bool = True) -> dict[str, Any]:  # fmt: skip
+    """One guarded run; returns its actions, verdicts and final loss. `correct=False`: the guard
+    detects but the model offers it no corrector (the control of a collapse drill)."""
     torch.manual_seed(seed)
     model = build(family, seed=seed, aux_loss_coef=0.0 if balance_coef > 0 else 0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -56,6 +58,8 @@ def drill(family: str, *, seed: int, steps: int, corpus: np.ndarray, run_dir: Pa
     # hundreds of steps); the aux-loss families get a per-layer balancing weight (transformers' aux
     # loss pools the load over all layers and lets single layers collapse).
     att = attach(model, bias_update_rate=1e-2 if family == "deepseek_v3" else 0.0, balance_coef=balance_coef)
+    if not correct:
+        att.corrector = None
     guarded = GuardedStep(model, opt, attach=att, run_dir=run_dir, config=cfg, max_lr=lr, grad_clip=1.0)
     data = byte_batches(corpus, batch=batch, seq=seq, seed=seed)
     t0 = time.perf_counter()

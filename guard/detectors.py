@@ -201,19 +201,31 @@ class SpikeDetector:
     # ---- judging -------------------------------------------------------------------
     def peek(self, x: float) -> Verdict:
         """The verdict for x against the current baseline; changes no state (for replay and the suite)."""
-        cfg = self.cfg
         if not _finite(x):
             return Verdict(detector=self.name, fired=False, value=float(x), evidence={"skipped": "nonfinite"})
         x = float(x)
+        fired, rule, threshold, z = self.judge(x)
         evidence: dict[str, Any] = {"n": self.n_accepted}
         if len(self._recent):
-            level, _, mad, _ = self._baseline()
+            level, _, mad, top = self._baseline()
             evidence.update(median=math.exp(level), mad=mad)
+            if rule == "robust_z" and self.cfg.tail_margin is not None:
+                evidence["tail"] = math.exp(top)
+        if z is not None:
+            evidence["z"] = z
+        if rule is not None:
+            evidence["rule"] = rule
+        return Verdict(detector=self.name, fired=fired, value=x, threshold=_NAN if threshold is None else threshold,
+                       evidence=evidence)  # fmt: skip
+
+    def judge(self, x: float) -> tuple[bool, str | None, float | None, float | None]:
+        """(fired, rule, threshold, z) for a finite x: the decision alone, without building a
+        Verdict (the per-layer detector asks every layer every step and keeps only the fired)."""
+        cfg = self.cfg
         if cfg.abs_max is not None and x > cfg.abs_max:
-            return Verdict(detector=self.name, fired=True, value=x, threshold=cfg.abs_max,
-                           evidence={**evidence, "rule": "abs_max"})  # fmt: skip
+            return True, "abs_max", cfg.abs_max, None
         if x <= 0 or self.n_accepted < cfg.warmup or not len(self._recent):
-            return Verdict(detector=self.name, fired=False, value=x, evidence=evidence)
+            return False, None, None, None
         level, med_r, mad, top = self._baseline()
         scale = max(mad, cfg.mad_floor)
         centre = level + med_r  # the level corrected by its usual lag behind a trend
@@ -222,20 +234,18 @@ class SpikeDetector:
         median = math.exp(level)
         # A value far above the median is a spike however noisy the series: on heavy-tailed grad
         # norms (small batches) the MAD is large, and a 60x spike can sit at z ~14, level with noise.
-        if cfg.rel_max is not None and x > median * cfg.rel_max:
-            return Verdict(detector=self.name, fired=True, value=x, threshold=median * cfg.rel_max,
-                           evidence={**evidence, "z": z, "rule": "rel_max"})  # fmt: skip
-        if self.n_accepted < cfg.tail_warmup:
-            return Verdict(detector=self.name, fired=False, value=x, evidence={**evidence, "z": z, "rule": "tail_warmup"})
+        early = self.n_accepted < cfg.tail_warmup
+        cap = cfg.early_rel_max if early and cfg.early_rel_max is not None else cfg.rel_max
+        if cap is not None and x > median * cap:
+            return True, "rel_max", median * cap, z
+        if early:
+            return False, "tail_warmup", None, z
         # The one number x had to exceed, in the series' units (every condition at once).
         log_thr = max(math.log(median * cfg.rel_min), centre + cfg.z * scale)
         if cfg.tail_margin is not None:
             log_thr = max(log_thr, centre + cfg.tail_margin * top)
-            evidence["tail"] = math.exp(top)
         threshold = math.exp(log_thr)
-        fired = x > threshold
-        return Verdict(detector=self.name, fired=fired, value=x, threshold=threshold,
-                       evidence={**evidence, "z": z, "rule": "robust_z"})  # fmt: skip
+        return x > threshold, "robust_z", threshold, z
 
     def accept(self, x: float) -> None:
         """Add x to the baseline (ignored when not finite or <= 0)."""
@@ -279,22 +289,11 @@ class LayerSpikeDetector:
         self.layers: dict[int, SpikeDetector] = {}
         self._empty = SpikeDetector(cfg, name)  # judges unseen layers without creating state
 
-    def _pairs(self, layer_ids: Any, values: Any) -> list[tuple[int, float]]:
-        ids = [int(i) for i in np.asarray(layer_ids).reshape(-1)]
-        vals = [float(v) for v in np.asarray(values, dtype=np.float64).reshape(-1)]
-        if len(ids) != len(vals):
-            raise ValueError(f"{len(ids)} layer ids but {len(vals)} values")
-        return list(zip(ids, vals, strict=True))
-
     def peek(self, layer_ids: Any, values: Any) -> list[Verdict]:
         """Fired verdicts (layer set) without changing any window."""
-        out = []
-        for lid, x in self._pairs(layer_ids, values):
-            v = self.layers.get(lid, self._empty).peek(x)
-            if v.fired:
-                v.layer = lid
-                out.append(v)
-        return out
+        pairs = self._pairs(layer_ids, values)
+        dets = [self.layers.get(lid, self._empty) for lid, _ in pairs]
+        return [v for (lid, x), det in zip(pairs, dets, strict=True) if (v := self._fired(det, lid, x)) is not None]
 
     def accept(self, layer_ids: Any, values: Any) -> None:
         for lid, x in self._pairs(layer_ids, values):
@@ -302,13 +301,56 @@ class LayerSpikeDetector:
 
     def update(self, layer_ids: Any, values: Any) -> list[Verdict]:
         """Judge every layer; each layer's unflagged value joins that layer's baseline."""
+        pairs = self._pairs(layer_ids, values)
+        dets = [self._det(lid) for lid, _ in pairs]
         out = []
-        for lid, x in self._pairs(layer_ids, values):
-            v = self._det(lid).update(x)
-            if v.fired:
-                v.layer = lid
+        for (lid, x), det in zip(pairs, dets, strict=True):
+            v = self._fired(det, lid, x)
+            if v is None:
+                det.accept(x)
+            else:
                 out.append(v)
         return out
+
+    def _fired(self, det: SpikeDetector, lid: int, x: float) -> Verdict | None:
+        """The verdict of one layer if it fired, else None (no Verdict built for a quiet layer)."""
+        if not _finite(x) or not det.judge(x)[0]:
+            return None
+        v = det.peek(x)
+        v.layer = lid
+        return v
+
+    def _pairs(self, layer_ids: Any, values: Any) -> list[tuple[int, float]]:
+        ids = [int(i) for i in np.asarray(layer_ids).reshape(-1)]
+        vals = [float(v) for v in np.asarray(values, dtype=np.float64).reshape(-1)]
+        if len(ids) != len(vals):
+            raise ValueError(f"{len(ids)} layer ids but {len(vals)} values")
+        self._refresh([self.layers[i] for i in ids if i in self.layers])
+        return list(zip(ids, vals, strict=True))
+
+    @staticmethod
+    def _refresh(dets: list[SpikeDetector]) -> None:
+        """Recompute the stale baselines of many layers at once: layers accept together, so their
+        windows have equal lengths and their medians are one np.median over a stacked array
+        instead of three partitions per layer."""
+        groups: dict[tuple[int, int], list[SpikeDetector]] = {}
+        for d in dets:
+            if d._stats is None and len(d._recent):
+                groups.setdefault((len(d._recent), len(d._resid)), []).append(d)
+        for (_, n_resid), ds in groups.items():
+            if len(ds) < 2:
+                continue  # the scalar path is as cheap
+            level = np.median(np.stack([d._recent.values() for d in ds]), axis=1)
+            if n_resid:
+                r = np.stack([d._resid.values() for d in ds])
+                med_r = np.median(r, axis=1)
+                mad = np.median(np.abs(r - med_r[:, None]), axis=1) * MAD_TO_SIGMA
+                top = r.max(axis=1) - med_r
+            else:
+                med_r = mad = top = np.zeros(len(ds))
+            for d, stats in zip(ds, zip(level.tolist(), med_r.tolist(), mad.tolist(), top.tolist(), strict=True),
+                                strict=True):  # fmt: skip
+                d._stats = stats
 
     def _det(self, lid: int) -> SpikeDetector:
         det = self.layers.get(lid)

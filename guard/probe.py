@@ -1,8 +1,10 @@
 """Probe: per-step, per-layer statistics computed on the device, ONE device->host copy per step.
 
-Shapes: L transformer blocks, M MoE layers, E experts. Everything below stays a tensor on the
-training device until `collect()` concatenates it into one flat float64 vector and copies it
-once; no `.item()` per layer or per expert (each would be a host sync on a GPU).
+Shapes: L transformer blocks, M MoE layers, E experts, P parameters. The raw numbers (gradient
+norms per parameter, router accumulators, biases) stay tensors on the training device until
+`collect()` concatenates them into one flat vector and copies it once; no `.item()` per layer or
+per expert (each would be a host sync on a GPU). The statistics derived from them are a few
+numpy operations on the host.
 
 Across ranks, the additive quantities (loss sum, expert loads, router-entropy sums, token
 counts, and any `extra` values the caller adds) are packed into one tensor and all-reduced once,
@@ -23,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from guard.integrations.base import count_pending
 
 
 @dataclass(slots=True)
@@ -65,13 +69,14 @@ class Probe:
         self.params = [p for ps in block_params for p in ps] + other
         seg = [i for i, ps in enumerate(block_params) for _ in ps] + [self.n_layers] * len(other)
         self.segment_ids = torch.tensor(seg, device=device)
+        self._segments = np.asarray(seg, dtype=np.int64)
         if routers is None:
             routers = [(i, layer.router) for i, layer in model.moe_layers()] if hasattr(model, "moe_layers") else []
         self.routers = list(routers)
         self.moe_ids_M = np.array([i for i, _ in self.routers], dtype=np.int32)
         self.n_experts = self.routers[0][1].expert_bias_E.numel() if self.routers else 0
         m, e = len(self.routers), self.n_experts
-        self.steps_since_token_ME = torch.zeros(m, e, device=device)
+        self._since_token_ME = np.zeros((m, e), dtype=np.int64)
         self.device = device
         self.loads_ME: torch.Tensor | None = None  # reduced loads of the last collect (for bias updates)
         # FSDP2: gradients are DTensor shards; their squared norms must be summed across ranks.
@@ -79,11 +84,20 @@ class Probe:
         self.all_reduce: Callable[..., Any] = dist.all_reduce  # the trainer swaps in a timed one
 
     # ---- device-side pieces ----------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor]:
+        """Every parameter's gradient (this rank's shard when sharded), zeros where missing."""
+        if self.sharded:
+            return [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in self.params]
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
+    def param_norms(self) -> torch.Tensor:
+        """L2 norm of each parameter's gradient [P] (float32, on the device), NaN-propagating."""
+        return torch.stack(torch._foreach_norm(self._grads())).float()
+
     def grad_sq(self) -> torch.Tensor:
         """Sum of squared gradients per block [L+1] (last: everything outside the blocks), of
         this rank's gradient shards when sharded. NaN-propagating."""
-        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in self.params]
-        norms = torch.stack(torch._foreach_norm(grads)).float()
+        norms = self.param_norms()
         return torch.zeros(self.n_layers + 1, device=norms.device).index_add_(0, self.segment_ids, norms**2)
 
     def grad_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +113,7 @@ class Probe:
             z = torch.zeros(0, device=self.device)
             return z.reshape(0, 0), z, z
         routers = [r for _, r in self.routers]
+        count_pending(routers)
         loads = torch.stack([r.tokens_per_expert_E for r in routers]).float()
         ent = torch.stack([r.entropy_sum.reshape(()) for r in routers]).float()
         cnt = torch.stack([r.token_count.reshape(()) for r in routers]).float()
@@ -120,81 +135,97 @@ class Probe:
 
     # ---- the one transfer --------------------------------------------------------------
     def collect(self, loss_sum: torch.Tensor, n_micro: int, extra: torch.Tensor | None = None) -> ProbeResult:
-        """Compute every statistic on the device and copy them to the host in one transfer.
+        """Gather the step's raw numbers on the device and copy them to the host in one transfer;
+        derive the statistics there.
 
-        Across ranks: ONE all-reduce (sum) of [loss, FSDP grad sums of squares, router loads,
-        entropy sums, token counts, extra]. `extra` (1-D, optional) comes back summed over ranks
-        in ProbeResult.extra, e.g. a one-hot of each rank's data wait."""
-        sq = self.grad_sq()
-        loads, ent, cnt = self._router_stats()
-        m, e = loads.shape if loads.ndim == 2 else (0, 0)
+        On the device: one _foreach_norm over every gradient and one concatenation of [loss, the
+        per-parameter gradient norms, the routers' loads, entropy sums and token counts, extra,
+        the selection biases]: a handful of kernel launches whatever the layer count. The derived
+        statistics (per-block norms, MaxVio, entropies, dead experts) are a few numpy operations
+        on O(params + M*E) numbers on the host, far cheaper than ~25 tiny device kernels (on a
+        CPU each torch op costs ~5-10 us of dispatch; on a GPU each is a launch).
+
+        Across ranks: ONE all-reduce (sum) of [loss, FSDP per-parameter squared norms, router
+        loads, entropy sums, token counts, extra]. `extra` (1-D, optional) comes back summed
+        over ranks in ProbeResult.extra, e.g. a one-hot of each rank's data wait."""
+        norms = self.param_norms()
+        m, e = len(self.routers), self.n_experts
+        sources = [r for _, r in self.routers]
+        count_pending(sources)  # hooks that defer their arithmetic: all layers in one batch
         loss = loss_sum.detach().float().reshape(1)
         ex = extra.detach().float().reshape(-1).to(loss.device) if extra is not None else loss.new_zeros(0)
+        # Additive across ranks: loss, router accumulators, extra (and FSDP shards' squared norms).
+        summed = [loss, *(r.tokens_per_expert_E.reshape(-1) for r in sources),
+                  *(r.entropy_sum.reshape(1) for r in sources), *(r.token_count.reshape(1) for r in sources), ex]  # fmt: skip
+        biases = [r.expert_bias_E.reshape(-1) for r in sources]
+        n_ex = ex.numel()
         if _multi_rank():
-            parts = [loss, sq if self.sharded else sq.new_zeros(0), loads.reshape(-1), ent, cnt, ex]
-            flat = torch.cat(parts)
+            flat = torch.cat([(norms**2 if self.sharded else norms[:0]), *summed]).float()
             self.all_reduce(flat)
-            loss, sq_r, loads_f, ent, cnt, ex = torch.split(flat, [p.numel() for p in parts])
-            loss = loss / dist.get_world_size()
-            sq = sq_r if self.sharded else sq
-            loads = loads_f.reshape(m, e)
-        total, per_layer = sq.sum().sqrt(), sq[: self.n_layers].sqrt()
-        self.loads_ME = loads
-        loss = loss / n_micro
-        if m:
-            mean = loads.mean(dim=1, keepdim=True).clamp_min(1e-9)
-            maxvio = (loads.max(dim=1).values - mean.squeeze(1)) / mean.squeeze(1)
-            share = loads / loads.sum(dim=1, keepdim=True).clamp_min(1e-9)
-            load_ent = -(share * share.clamp_min(1e-12).log()).sum(dim=1) / math.log(e)
-            router_ent = ent / cnt.clamp_min(1.0)
-            self.steps_since_token_ME = torch.where(loads > 0, 0.0, self.steps_since_token_ME + 1)
-            dead = (self.steps_since_token_ME >= self.dead_window).sum(dim=1).float()
-            bias = torch.stack([r.expert_bias_E for _, r in self.routers]).float()
-            bias_norm = bias.norm(dim=1)
+            n_sq = len(self.params) if self.sharded else 0
+            flat = torch.cat([flat[:n_sq] if self.sharded else norms**2, flat[n_sq:], *biases])
+            world = dist.get_world_size()
         else:
-            maxvio = load_ent = router_ent = dead = bias_norm = torch.zeros(0, device=self.device)
-            bias = torch.zeros(0, 0, device=self.device)
-        flat = torch.cat(
-            [loss, total.reshape(1), per_layer, router_ent, load_ent, maxvio, dead, bias_norm,
-             loads.reshape(-1), bias.reshape(-1), ex]  # fmt: skip
-        ).to(torch.float64)
-        host = flat.cpu().numpy()  # the single device->host transfer of the step
-        return self._unpack(host, m, e, ex.numel())
+            flat = torch.cat([norms**2, *summed, *biases])
+            world = 1
+        n_p = len(self.params)
+        # This step's loads stay a device tensor for bias updates (a view of the gathered vector).
+        self.loads_ME = flat[n_p + 1 : n_p + 1 + m * e].view(m, e) if m else None
+        host = flat.cpu().numpy().astype(np.float64)  # the single device->host transfer of the step
+        return self._derive(host, m, e, n_ex, world, n_micro)
 
-    def _unpack(self, h: np.ndarray, m: int, e: int, n_extra: int = 0) -> ProbeResult:
-        n_l = self.n_layers
-        i = 2
-        per_layer = h[i : i + n_l]
-        i += n_l
-        parts = []
-        for _ in range(5):
-            parts.append(h[i : i + m])
-            i += m
+    def _derive(self, h: np.ndarray, m: int, e: int, n_extra: int, world: int, n_micro: int) -> ProbeResult:
+        """Host-side statistics from the gathered vector [sq norms P, loss, loads M*E, entropy sums M,
+        token counts M, extra, biases M*E]."""
+        n_p = len(self.params)
+        sq_L1 = np.bincount(self._segments, weights=h[:n_p], minlength=self.n_layers + 1)  # NaN-propagating
+        i = n_p
+        loss = h[i] / world / n_micro
+        i += 1
         loads = h[i : i + m * e].reshape(m, e)
         i += m * e
-        bias = h[i : i + m * e].reshape(m, e)
-        i += m * e
+        ent, cnt = h[i : i + m], h[i + m : i + 2 * m]
+        i += 2 * m
         extra = h[i : i + n_extra].copy()
-        router_ent, load_ent, maxvio, dead, bias_norm = parts
+        i += n_extra
+        bias = h[i : i + m * e].reshape(m, e)
+        if m:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                mean = np.maximum(loads.mean(axis=1), 1e-9)
+                maxvio = (loads.max(axis=1) - mean) / mean
+                share = loads / np.maximum(loads.sum(axis=1, keepdims=True), 1e-9)
+                load_ent = -(share * np.log(np.maximum(share, 1e-12))).sum(axis=1) / math.log(e)
+                router_ent = ent / np.maximum(cnt, 1.0)
+            self._since_token_ME = np.where(loads > 0, 0, self._since_token_ME + 1)
+            dead = (self._since_token_ME >= self.dead_window).sum(axis=1).astype(np.int32)
+            bias_norm = np.sqrt((bias * bias).sum(axis=1))
+        else:
+            maxvio = load_ent = router_ent = bias_norm = np.zeros(0)
+            dead = np.zeros(0, dtype=np.int32)
         return ProbeResult(
-            loss=float(h[0]),
-            grad_norm=float(h[1]),
-            layer_grad_norm_L=per_layer.copy(),
-            router_entropy_M=router_ent.copy(),
-            load_entropy_M=load_ent.copy(),
-            maxvio_M=maxvio.copy(),
-            dead_experts_M=dead.astype(np.int32),
-            bias_norm_M=bias_norm.copy(),
+            loss=float(loss),
+            grad_norm=float(np.sqrt(sq_L1.sum())),
+            layer_grad_norm_L=np.sqrt(sq_L1[: self.n_layers]),
+            router_entropy_M=router_ent,
+            load_entropy_M=load_ent,
+            maxvio_M=maxvio,
+            dead_experts_M=dead,
+            bias_norm_M=bias_norm,
             load_ME=np.rint(loads).astype(np.int64),
             bias_ME=bias.copy(),
             extra=extra,
         )
 
+    @property
+    def steps_since_token_ME(self) -> np.ndarray:
+        """Steps since each expert of each MoE layer last got a token (host counters)."""
+        return self._since_token_ME
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"steps_since_token_ME": self.steps_since_token_ME.cpu()}
+        return {"steps_since_token_ME": torch.from_numpy(self._since_token_ME.astype(np.float32))}
 
     def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
-        self.steps_since_token_ME = d["steps_since_token_ME"].to(self.device)
+        self._since_token_ME = np.asarray(d["steps_since_token_ME"].cpu(), dtype=np.int64)
 
 
 def _multi_rank() -> bool:

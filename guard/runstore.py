@@ -16,13 +16,14 @@ temporary name, fsynced and renamed, so a reader sees a whole part or none.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
 import re
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,7 +31,7 @@ import polars as pl
 
 from guard import schema
 from guard.events import Event
-from guard.report import StepReport
+from guard.report import StepReport, expert_columns, layer_columns
 
 # Minimum widths of the two numbers (older stores have exactly these; larger numbers widen).
 PART_STEP_WIDTH = 10
@@ -74,6 +75,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
+
+
+# Tables whose rows are built in bulk from the buffered reports at flush time.
+_BULK_TABLES = {schema.TABLE_LAYERS: layer_columns, schema.TABLE_EXPERTS: expert_columns}
+
+
+def _bulk_frame(table: str, reps: list[StepReport]) -> pl.DataFrame:
+    return pl.DataFrame(_BULK_TABLES[table](reps), schema=polars_schema(table), strict=False)
 
 
 class _TableBuffer:
@@ -123,9 +132,10 @@ class RunStore:
         self._seq = self._next_seq()
         self._since_flush = 0
         self._events_pending = False
+        self._reports: list[StepReport] = []  # their layer/expert rows are built at the flush
         # Bounded: if the disk is slower than training for a long time, the step blocks here
         # rather than growing memory without limit. 64 chunks of slack is minutes of steps.
-        self._q: queue.Queue[tuple[str, int, pl.DataFrame] | None] = queue.Queue(maxsize=max_pending)
+        self._q: queue.Queue[tuple[str, int, pl.DataFrame | Callable[[], pl.DataFrame]] | None] = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._writer, name="moeguard-runstore", daemon=True)
         self._thread.start()
@@ -142,14 +152,17 @@ class RunStore:
 
     # ---- rows ----------------------------------------------------------------------
     def add_step(self, rep: StepReport) -> None:
+        """Keep the report; its layer and expert rows are built in bulk at the flush (numpy over
+        all buffered reports, on the writer thread), not per step on the training thread. The
+        caller must not mutate `rep` afterwards."""
         self._note_first(schema.TABLE_STEPS, rep.step)
         self._buffers[schema.TABLE_STEPS].add_row(rep.steps_row())
         if len(rep.layer_ids_L):
             self._note_first(schema.TABLE_LAYERS, rep.step)
-            self._buffers[schema.TABLE_LAYERS].add_columns(rep.layer_rows())
         if rep.load_ME.size:
             self._note_first(schema.TABLE_EXPERTS, rep.step)
-            self._buffers[schema.TABLE_EXPERTS].add_columns(rep.expert_rows())
+        if len(rep.layer_ids_L) or rep.load_ME.size:
+            self._reports.append(rep)
         self._since_flush += 1
         if self._since_flush >= self.flush_every or self._events_pending:
             self.flush(wait=False)
@@ -171,8 +184,11 @@ class RunStore:
     # ---- flushing ------------------------------------------------------------------
     def flush(self, wait: bool = True) -> None:
         self._raise_if_failed()
+        reps, self._reports = self._reports, []
         for t, buf in self._buffers.items():
-            df = buf.take()
+            df: pl.DataFrame | Callable[[], pl.DataFrame] | None = buf.take()
+            if t in _BULK_TABLES and reps and self._first_step[t] is not None:
+                df = functools.partial(_bulk_frame, t, reps)  # built on the writer thread
             if df is not None:
                 first = self._first_step[t] or 0
                 self._q.put((t, first, df))
@@ -203,6 +219,8 @@ class RunStore:
                 if item is None:
                     return
                 table, first, df = item
+                if callable(df):
+                    df = df()
                 # seq is only touched by this thread after __init__; it keeps growing across
                 # restarts (initialised from the parts on disk) so names never collide.
                 path = self.dir / table / part_name(first, self._seq)

@@ -60,16 +60,19 @@ class Corrector(Protocol):
         ...
 
 
-def score_entropy_sum(logits_NE: torch.Tensor, score_func: str) -> torch.Tensor:
-    """Sum over tokens of the entropy (nats) of the router's score distribution."""
+def score_entropy_sum(logits_NE: torch.Tensor, score_func: str, dims: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Sum over tokens of the entropy (nats) of the router's score distribution (the experts are
+    the last dim); `dims`: the dims to sum over (default all: one scalar)."""
     x = logits_NE.detach().float()
     if score_func == "sigmoid":
         s = x.sigmoid()
         p = s / s.sum(-1, keepdim=True).clamp_min(1e-12)
-        return -(p * p.clamp_min(1e-12).log()).sum()
-    # log-softmax via logsumexp: torch 2.13's CPU softmax over a last dim of 8 is ~3x slower at 4k tokens
-    logp = x - torch.logsumexp(x, -1, keepdim=True)
-    return -(logp.exp() * logp).sum()
+        h = p * p.clamp_min(1e-12).log()
+    else:
+        # log-softmax via logsumexp: torch 2.13's CPU softmax over a last dim of 8 is ~3x slower at 4k tokens
+        logp = x - torch.logsumexp(x, -1, keepdim=True)
+        h = logp.exp() * logp
+    return -(h.sum() if dims is None else h.sum(dim=dims))
 
 
 def switch_loss_grad(logits_NE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -111,9 +114,8 @@ class RoutingCounters:
         raise NotImplementedError
 
     def reset_stats(self) -> None:
-        self.tokens_per_expert_E.zero_()
-        self.entropy_sum.zero_()
-        self.token_count.zero_()
+        for t in (self.tokens_per_expert_E, self.entropy_sum, self.token_count):
+            t.zero_()
 
     def remove(self) -> None:
         self._handle.remove()
@@ -123,9 +125,13 @@ class TopKRoutingHook(RoutingCounters):
     """A RoutingSource fed by a forward hook on a router module whose output holds the logits
     and the top-k indices the model chose, e.g. transformers 5's `(logits, weights, indices)`.
 
-    Counts come from the indices (bincount, on the device); the entropy from the logits. When an
-    AuxGradCorrector arms it (`aux_coef > 0`), each forward registers a gradient hook on the
-    logits that adds aux_coef x the switch loss gradient of this layer.
+    Counts come from the indices (bincount, on the device); the entropy from the logits. The hook
+    only keeps (detached) references to both: the arithmetic runs when the accumulators are read,
+    batched over every layer's hook by `count_pending` (the Probe calls it once per step), so the
+    forward pays a reference per layer instead of ~14 small kernels. The logits are small ([N, E])
+    and the model keeps them for its own aux loss anyway. When an AuxGradCorrector arms the hook
+    (`aux_coef > 0`), the forward counts that layer at once (its gradient hook needs the counts)
+    and registers a gradient hook on the logits that adds aux_coef x the switch loss gradient.
     """
 
     def __init__(self, router: nn.Module, *, n_experts: int, logits_index: int = 0, indices_index: int = 2,
@@ -136,13 +142,53 @@ class TopKRoutingHook(RoutingCounters):
         self.indices_index = indices_index
         self.score_func = score_func
         self._bias = bias
-        self._no_bias_E = torch.zeros_like(self.tokens_per_expert_E)
+        self._no_bias_E = torch.zeros_like(self._tokens_E)
         self.aux_coef = 0.0
+        self._zeroed = False  # the accumulators hold nothing since reset_stats (not yet zero-filled)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (logits [N,E], indices [N*K]) not yet counted
+
+    # The accumulators, brought up to date on read.
+    @property
+    def tokens_per_expert_E(self) -> torch.Tensor:
+        return self._read("_tokens_E")
+
+    @tokens_per_expert_E.setter
+    def tokens_per_expert_E(self, t: torch.Tensor) -> None:
+        self._tokens_E = t
+
+    @property
+    def entropy_sum(self) -> torch.Tensor:
+        return self._read("_entropy")
+
+    @entropy_sum.setter
+    def entropy_sum(self, t: torch.Tensor) -> None:
+        self._entropy = t
+
+    @property
+    def token_count(self) -> torch.Tensor:
+        return self._read("_count")
+
+    @token_count.setter
+    def token_count(self, t: torch.Tensor) -> None:
+        self._count = t
 
     @property
     def expert_bias_E(self) -> torch.Tensor:
         # A property: some models replace their bias buffer (to(), load_state_dict(assign=True)).
         return self._bias if self._bias is not None else self._no_bias_E
+
+    def reset_stats(self) -> None:
+        # No kernels: the next count_pending assigns its results instead of adding them.
+        self.pending.clear()
+        self._zeroed = True
+
+    def _read(self, attr: str) -> torch.Tensor:
+        count_pending([self])
+        if self._zeroed:  # read with nothing counted since the reset
+            for acc in (self._tokens_E, self._entropy, self._count):
+                acc.zero_()
+            self._zeroed = False
+        return getattr(self, attr)
 
     def _hook(self, module: nn.Module, inputs: Any, output: Any) -> None:
         if not isinstance(output, tuple | list) or len(output) <= max(self.logits_index, self.indices_index):
@@ -152,13 +198,11 @@ class TopKRoutingHook(RoutingCounters):
         if idx.dtype.is_floating_point or logits.shape[-1] != self.n_experts:
             raise TypeError(f"{type(module).__name__}: output[{self.indices_index}] is not integer indices or "
                             f"output[{self.logits_index}] has {logits.shape[-1]} != {self.n_experts} experts")  # fmt: skip
-        with torch.no_grad():
-            logits_NE = logits.reshape(-1, self.n_experts)
-            counts_E = torch.bincount(idx.reshape(-1), minlength=self.n_experts)[: self.n_experts]
-            self.tokens_per_expert_E.add_(counts_E.to(self.tokens_per_expert_E.dtype))
-            self.entropy_sum.add_(score_entropy_sum(logits_NE, self.score_func))
-            self.token_count.add_(logits_NE.shape[0])
+        logits_NE = logits.detach().reshape(-1, self.n_experts)
+        self.pending.append((logits_NE, idx.detach().reshape(-1)))
         if self.aux_coef > 0 and logits.requires_grad:
+            with torch.no_grad():
+                counts_E = torch.bincount(idx.reshape(-1), minlength=self.n_experts)[: self.n_experts]
             coef = self.aux_coef
             shape = logits.shape
 
@@ -167,6 +211,43 @@ class TopKRoutingHook(RoutingCounters):
                 return g + coef * extra.to(g.dtype)
 
             logits.register_hook(add_balance_grad)
+
+
+@torch.no_grad()
+def count_pending(hooks: list[Any]) -> None:
+    """Fold every pending forward of `hooks` into their accumulators. Layers whose pending
+    entries all have the same shape and score function (the usual case: one forward, every
+    layer routing the same N tokens) are counted in one batch: a stack, one bincount over
+    layer-offset indices and one entropy pass, instead of ~14 kernels per layer."""
+    todo = [h for h in hooks if getattr(h, "pending", None)]
+    if not todo:
+        return
+    groups: dict[tuple[Any, ...], list[tuple[Any, torch.Tensor, torch.Tensor]]] = {}
+    for h in todo:
+        for logits_NE, idx in h.pending:
+            key = (tuple(logits_NE.shape), idx.numel(), logits_NE.dtype, logits_NE.device, h.score_func, h.n_experts)
+            groups.setdefault(key, []).append((h, logits_NE, idx))
+        h.pending = []
+    for (_, _, _, device, score_func, e), entries in groups.items():
+        g = len(entries)
+        logits_GNE = torch.stack([lg for _, lg, _ in entries])
+        idx_GI = torch.stack([ix for _, _, ix in entries])
+        offsets = torch.arange(g, device=device).unsqueeze(1) * e
+        # An index outside 0..E-1 (a dropped token's sentinel) goes to one spare bin, never to
+        # the next layer's experts.
+        flat = torch.where((idx_GI >= 0) & (idx_GI < e), idx_GI + offsets, g * e).reshape(-1)
+        counts_GE = torch.bincount(flat, minlength=g * e + 1)[: g * e].reshape(g, e).float()
+        ent_G = score_entropy_sum(logits_GNE, score_func, dims=(1, 2))
+        n_tokens = logits_GNE.shape[1]
+        count_G = torch.full((g,), float(n_tokens), device=device)
+        for j, (h, _, _) in enumerate(entries):
+            if h._zeroed:  # first forward since the reset: take the results (views), no add
+                h._tokens_E, h._entropy, h._count = counts_GE[j], ent_G[j], count_G[j]
+                h._zeroed = False
+            else:
+                h._tokens_E.add_(counts_GE[j])
+                h._entropy.add_(ent_G[j])
+                h._count.add_(n_tokens)
 
 
 @dataclass(kw_only=True)

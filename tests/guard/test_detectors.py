@@ -124,7 +124,9 @@ def test_warmup_respected() -> None:
     xs[GRAD.warmup - 1] = 100.0  # too early for the relative rule: accepted, not flagged
     assert fired_at(det, xs) == []
     assert det.n == GRAD.warmup
-    assert det.update(det.median * 100).fired  # warm now
+    # warm now: before tail_warmup only the early cap acts (early_rel_max x the median)
+    assert not det.update(det.median * GRAD.early_rel_max * 0.9).fired
+    assert det.update(det.median * GRAD.early_rel_max * 1.5).fired
 
 
 def test_abs_max_fires_during_warmup() -> None:
