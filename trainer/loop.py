@@ -590,7 +590,7 @@ class Trainer:
                     status, code = STATUS_PREEMPTED, EXIT_PREEMPTED
                     if self.last_checkpoint != ckpt.checkpoint_path(self.run_dir / schema.CHECKPOINT_DIR, self.step):
                         self.save_checkpoint()
-                    note = (f"preempted: SIGTERM, stopped after step {self.step - 1} with checkpoint "
+                    note = (f"SIGTERM (preemption): stopped after step {self.step - 1} with checkpoint "
                             f"{self.last_checkpoint.name if self.last_checkpoint else '-'}; continue with --resume")
                     if self.dist.main:
                         self.say(f"moeguard train: {note}")
@@ -694,9 +694,18 @@ class Trainer:
         self.sync.log.close()
         if self.store is not None:
             last = read_meta(self.run_dir) or {}
-            self.store.close(status=status, status_note=note, final_step=self.step, counts=self.counts,
-                             goodput=self.goodput(), nonfinite_steps=self.nonfinite_steps,
-                             restarts=last.get("restarts", 0))  # fmt: skip
+            fields = dict(final_step=self.step, counts=self.counts, goodput=self.goodput(),
+                          nonfinite_steps=self.nonfinite_steps, restarts=last.get("restarts", 0))  # fmt: skip
+            try:
+                self.store.close(status=status, status_note=note, **fields)
+            except RuntimeError as e:
+                # polars answers Ctrl-C with a KeyboardInterrupt in whichever thread runs its query,
+                # so the run store's writer can lose the chunk it was writing. Say so, and still
+                # record how the run ended (the writer reported its error once and carries on).
+                if not isinstance(e.__cause__, KeyboardInterrupt):
+                    raise
+                note += "; Ctrl-C also interrupted the run store's writer: one chunk of rows may be missing"
+                self.store.close(status=status, status_note=note.lstrip("; "), **fields)
             if self.exporter is not None:
                 self.exporter.set_meta(read_meta(self.run_dir) or {})
         if self.exporter is not None:

@@ -6,6 +6,7 @@ signals it the way a scheduler or a user would.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import polars as pl
+import pytest
 
 from guard import schema
 from guard.runstore import read_meta, read_table
@@ -115,3 +117,44 @@ def test_a_run_that_ended_nonfinite_is_marked_and_its_nan_steps_are_badput(tmp_p
     meta = read_meta(guarded)
     assert meta["status"] == schema.STATUS_FINISHED and meta["nonfinite_steps"] == 0
     assert meta["goodput"]["nonfinite_s"] == 0 and meta["goodput"]["skipped_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_sigterm_to_torchrun_stops_every_rank_at_the_same_step_with_one_checkpoint(tmp_path: Path) -> None:
+    """torchrun forwards SIGTERM to its workers, which may be at different steps when it lands:
+    the flag rides in the step's all-reduce, so both ranks stop after the same step and write
+    the (collective) checkpoint together; the run resumes from it on one process."""
+    from tests.trainer.test_distributed import descendants
+
+    run = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "guard", "train",
+           "--config", str(MICRO), "--run-dir", str(run), "--no-progress", "--steps", "5000",
+           "--set", "train.checkpoint_every=1000", "--set", "train.threads=1"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != schema.ENV_COLLECTOR}
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list((run / schema.TABLE_STEPS).glob("part-*.parquet")):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler would
+        _, err = p.communicate(timeout=120)
+    finally:
+        for pid in [p.pid, *descendants(p.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait(timeout=30)
+    meta = read_meta(run)
+    assert meta["status"] == STATUS_PREEMPTED, err[-3000:]
+    stopped = meta["final_step"]
+    [ckpt] = list_checkpoints(run / schema.CHECKPOINT_DIR)
+    assert ckpt.name == f"step-{stopped:09d}" and ckpt.name in meta["status_note"]
+    assert (ckpt / "rng-r0.pt").is_file() and (ckpt / "rng-r1.pt").is_file(), "both ranks saved"
+    r = subprocess.run([sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(run),
+                        "--no-progress", "--steps", "5000", "--resume", "--until", str(stopped + 2)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert read_table(run, schema.TABLE_STEPS)["step"].sort().to_list() == list(range(stopped + 2))
