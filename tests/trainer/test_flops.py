@@ -125,17 +125,50 @@ def test_gpu_table_is_bf16_only(monkeypatch: pytest.MonkeyPatch, fresh_cache: No
     assert value is None and "MFU not computed" in source
 
 
-def test_cpu_peak_is_measured_once(monkeypatch: pytest.MonkeyPatch, fresh_cache: None) -> None:
-    calls = []
-    real = flops._cpu_probe
+def test_cpu_peak_is_pinned_per_machine_class(monkeypatch: pytest.MonkeyPatch, fresh_cache: None,
+                                              tmp_path) -> None:  # fmt: skip
+    """Issue #17: no run measures its own CPU peak; the peak comes from the pinned file, or there is none."""
 
-    def counting(dtype: torch.dtype) -> tuple[float, str]:
-        calls.append(dtype)
-        return real(dtype, n=256, repeats=2)
+    def no_measuring(*a, **k):
+        raise AssertionError("a run must not measure its own CPU peak")
 
-    monkeypatch.setattr(flops, "_cpu_probe", counting)
+    monkeypatch.setattr(flops, "measure_cpu_core_peak", no_measuring)
     value, source = peak_flops("cpu", torch.float32)
-    assert value is not None and value > 1e8
-    assert source == f"measured: cpu matmul probe fp32 {torch.get_num_threads()} threads"
-    assert peak_flops(torch.device("cpu"), torch.float32) == (value, source)
-    assert calls == [torch.float32]
+    assert (value, source) == flops.pinned_cpu_peak(torch.float32)
+    assert peak_flops(torch.device("cpu"), torch.float32) == (value, source)  # cached
+    assert flops.cpu_machine_class() in source
+    if value is None:
+        assert "MFU not computed" in source and "--pin" in source
+    else:
+        assert source.startswith("pinned: ") and "configs/cpu_peaks.toml" in source
+
+    f = tmp_path / "peaks.toml"
+    flops.write_cpu_peaks(
+        {"cpu-x-8c": {"cores": 8, "fp32": 1.5e11, "measured": "2026-01-02", "method": 'm \\ "q"'}}, f
+    )
+    assert flops.load_cpu_peaks(f)["cpu-x-8c"]["method"] == 'm \\ "q"'
+    assert flops.pinned_cpu_peak(torch.float32, "cpu-x-8c", f) == (
+        1.5e11,
+        f'pinned: cpu-x-8c fp32 in {f}, measured 2026-01-02 (m \\ "q")',
+    )
+    v, why = flops.pinned_cpu_peak(torch.bfloat16, "cpu-x-8c", f)  # no bf16 entry: no guess
+    assert v is None and "no pinned bf16 peak for CPU class cpu-x-8c" in why
+    assert flops.pinned_cpu_peak(torch.float32, "cpu-y-2c", f)[0] is None
+
+
+def test_machine_class_is_cpu_model_and_cores_never_the_host() -> None:
+    import socket
+
+    info = {"vendor_id": "AuthenticAMD", "cpu family": "26", "model": "2", "model name": "AMD EPYC"}
+    assert flops.cpu_machine_class(info, 2) == "cpu-authenticamd-amd-epyc-f26-m2-2c"
+    assert flops.cpu_machine_class(info, 4) != flops.cpu_machine_class(info, 2)
+    assert flops.cpu_machine_class({**info, "model": "17"}, 2) != flops.cpu_machine_class(info, 2)
+    assert socket.gethostname().lower() not in flops.cpu_machine_class()
+
+
+def test_committed_cpu_peaks_file_is_valid() -> None:
+    classes = flops.load_cpu_peaks()
+    assert classes, "configs/cpu_peaks.toml pins no machine class"
+    for cls, e in classes.items():
+        assert cls.startswith("cpu-") and cls.endswith(f"-{e['cores']}c"), cls
+        assert e["fp32"] > 1e9 and e["measured"] and e["method"], cls
