@@ -1049,7 +1049,7 @@ def run_canary(args: argparse.Namespace, setup: Setup) -> int:
     pooled: list[dict[str, Any]] = []
     summary = first.summary
     notice = ""
-    if not baseline:
+    if not baseline and not args.record:  # a --record with no baseline records the first one: no hint
         notice = (f"no baseline for {fingerprint}; record one with --record "
                   f"(moeguard canary --config {args.config} --history {args.history} --record)")  # fmt: skip
     elif setup.canary.confirm and needs_confirmation(comparisons[0]):
