@@ -28,9 +28,19 @@ LIVE_EVERY_S = float(os.environ.get("MOEGUARD_APP_LIVE_S", "30"))
 st.set_page_config(page_title="moeguard", page_icon=":material/shield:", layout="wide")
 cfg = data.app_config()
 
+RUNS = st.Page("page_runs.py", title="Runs", icon=":material/list:", url_path="runs")
+
+
+def _home() -> None:
+    """`/` opens the Runs page at its own URL. (A default page is served at `/` only, so with
+    Runs as the default, a bookmarked or typed `/runs` answered "Page not found".)"""
+    st.switch_page(RUNS)
+
+
 nav = st.navigation(
     [
-        st.Page("page_runs.py", title="Runs", icon=":material/list:", url_path="runs", default=True),
+        st.Page(_home, title="Runs", url_path="home", default=True, visibility="hidden"),
+        RUNS,
         st.Page("page_health.py", title="Run health", icon=":material/monitor_heart:", url_path="health"),
         st.Page("page_compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare"),
         st.Page("page_canaries.py", title="Canaries", icon=":material/trending_down:", url_path="canaries"),

@@ -464,13 +464,87 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------
+# MFU's peak: which one a run used, and whether a user can trust and compare it
+# ---------------------------------------------------------------------------------------
+MFU_LIMIT = 1.0  # MFU above this is not physical: a measurement artefact (a peak that was too low)
+PEAK_TABLE = "table"  # GPU datasheet peak matched on the device name (trainer/flops.py)
+PEAK_PINNED = "pinned"  # CPU peak pinned per machine class (configs/cpu_peaks.toml)
+PEAK_SELF = "self-measured"  # older runs: each run timed a few matmuls at start-up
+PEAK_NONE = "none"  # no peak: MFU not computed, tokens/s is the measure
+
+
+@dataclass(frozen=True, slots=True)
+class Peak:
+    """The peak FLOP/s a run's MFU was computed against, from meta.json env."""
+
+    flops: float | None
+    source: str
+    kind: str  # PEAK_*
+
+    @property
+    def trusted(self) -> bool:
+        """A fixed, documented peak: MFU is bounded by it and comparable between runs that share it."""
+        return self.kind in (PEAK_TABLE, PEAK_PINNED) and bool(self.flops)
+
+    def label(self) -> str:
+        """'214 GFLOP/s, pinned (cpu-...-2c fp32)' in a few words, for tables and captions."""
+        if not self.flops:
+            return "no peak: tokens/s only"
+        what = {
+            PEAK_TABLE: "datasheet",
+            PEAK_PINNED: "pinned",
+            PEAK_SELF: "self-measured by the run, not comparable",
+        }
+        detail = ""
+        if self.kind == PEAK_PINNED:  # "pinned: <class> <dtype> in <file>, measured ..."
+            detail = " (" + " ".join(self.source.removeprefix("pinned:").split(",")[0].split()[:2]) + ")"
+        elif self.kind == PEAK_TABLE:  # "table: H100 SXM bf16 dense ('NVIDIA ...')"
+            detail = " (" + self.source.split(":", 1)[1].split("(")[0].strip() + ")"
+        return f"{fmt_flops(self.flops)}, {what.get(self.kind, self.kind)}{detail}"
+
+
+def fmt_flops(v: float) -> str:
+    for unit, n in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if v >= n:
+            return f"{v / n:.3g} {unit}"
+    return f"{v:.3g} FLOP/s"
+
+
+def run_peak(env: dict[str, Any]) -> Peak:
+    flops = env.get("peak_flops")
+    flops = float(flops) if isinstance(flops, int | float) and math.isfinite(flops) and flops > 0 else None
+    source = str(env.get("peak_flops_source") or "")
+    low = source.lower()
+    if flops is None:
+        kind = PEAK_NONE
+    elif low.startswith("table"):
+        kind = PEAK_TABLE
+    elif low.startswith("pinned"):
+        kind = PEAK_PINNED
+    elif low.startswith("measured") or "probe" in low:
+        kind = PEAK_SELF
+    else:
+        kind = PEAK_SELF  # a peak we cannot place is not one to trust
+    return Peak(flops, source or "not recorded", kind)
+
+
+def mfu_note(mfu: float | None, peak: Peak) -> str:
+    """What a reader must know next to one MFU figure ("" when nothing)."""
+    if mfu is not None and mfu > MFU_LIMIT:
+        return "above 100%: a measurement artefact (the peak used is too low), not a real MFU"
+    if peak.kind == PEAK_SELF:
+        return "peak self-measured by the run: compare tokens/s instead"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------
 # Cached loaders. Arguments are (run path as str, signature, knobs): all hashable and cheap.
 # ---------------------------------------------------------------------------------------
 @st.cache_data(max_entries=512, show_spinner=False)
 def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
     """Latest step, loss, recent MFU and tokens/s, guard action and verdict counts."""
     del sig
-    out: dict[str, Any] = {"step": None, "loss": None, "mfu": None, "tokens_per_s": None,
+    out: dict[str, Any] = {"step": None, "loss": None, "mfu": None, "tokens_per_s": None, "mfu_over": 0,
                            "actions": 0, "verdicts": 0, "halts": 0}  # fmt: skip
     parts = part_files(path, schema.TABLE_STEPS)
     if parts:
@@ -483,6 +557,9 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
             for c in ("mfu", "tokens_per_s"):
                 vals = tail[c].filter(tail[c].is_finite())
                 out[c] = float(vals.median()) if len(vals) else None  # type: ignore[arg-type]
+        out["mfu_over"] = (
+            scan(path, schema.TABLE_STEPS).select((pl.col("mfu") > MFU_LIMIT).sum()).collect().item() or 0
+        )
     ev = scan(path, schema.TABLE_EVENTS).select("step", "kind", "action").collect()
     if ev.height:
         out["actions"] = ev.filter(pl.col("action").is_in(ACTIVE_ACTIONS)).unique(["step", "action"]).height
@@ -491,7 +568,7 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
     return out
 
 
-_STEP_COLS = ["step", "time", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s",
+_STEP_COLS = ["step", "time", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu", "step_time_s",
               "data_wait_s", "mem_peak_bytes", "action"]  # fmt: skip
 
 
@@ -676,6 +753,107 @@ def load_steady_perf(path: str, sig: tuple[int, ...], max_points: int = 3000) ->
 
 
 # ---------------------------------------------------------------------------------------
+# Compare: overlays on a chosen x-axis, "is B faster than A", profiler traces
+# ---------------------------------------------------------------------------------------
+# metric -> (label, unit scale for display, hover format)
+OVERLAY_METRICS: dict[str, tuple[str, float, str]] = {
+    "tokens_per_s": ("throughput (tokens/s)", 1.0, ",.0f"),
+    "mfu": ("MFU (%)", 100.0, ".1f"),
+    "loss": ("loss (nats/token)", 1.0, ".4f"),
+    "grad_norm": ("grad norm", 1.0, ".4g"),
+    "step_time_s": ("step time (s)", 1.0, ".3f"),
+    "data_wait_s": ("data-loader wait (s)", 1.0, ".3f"),
+    "lr": ("learning rate", 1.0, ".3g"),
+    "mem_peak_bytes": ("peak memory (GiB)", 1 / 2**30, ".2f"),
+}
+X_AXES = {"step": "step", "tokens": "tokens consumed", "wall": "wall time since the first step (min)"}
+
+
+def smooth(y: pl.Series, window: int) -> pl.Series:
+    """Centred rolling median over `window` steps (1 = raw): robust to the one-step spikes a
+    guard run has, and it keeps level shifts where they happen (a mean smears them)."""
+    if window <= 1:
+        return y
+    return y.rolling_median(window_size=window, min_samples=1, center=True)
+
+
+def overlay_series(steps: pl.DataFrame, metric: str, x_axis: str, window: int = 1,
+                   max_points: int = MAX_LINE_POINTS) -> pl.DataFrame:  # fmt: skip
+    """(step, x, y) for one run: y smoothed over finite values, downsampled, x in the chosen unit."""
+    if steps.height == 0:
+        return pl.DataFrame(schema={"step": pl.Int64, "x": pl.Float64, "y": pl.Float64})
+    df = steps.select("step", "time", "tokens", metric).sort("step")
+    y = df[metric].cast(pl.Float64)
+    y = y.set(~y.is_finite().fill_null(False), None)  # a NaN step is a gap, not part of a median
+    df = df.with_columns(smooth(y, window).alias(metric))
+    if x_axis == "tokens":
+        x = pl.col("tokens").fill_null(0).cum_sum().cast(pl.Float64)
+    elif x_axis == "wall":
+        x = (pl.col("time") - pl.col("time").min()) / 60.0
+    else:
+        x = pl.col("step").cast(pl.Float64)
+    df = df.with_columns(x=x)
+    keep = downsample(df, metric, max_points=max_points)
+    return keep.join(df.select("step", "x"), on="step", how="left").select(
+        "step", "x", pl.col(metric).alias("y")
+    )
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def load_overlay(path: str, sig: tuple[int, ...], metric: str, x_axis: str, window: int = 1) -> pl.DataFrame:
+    """One run's `metric` against `x_axis` (X_AXES), smoothed over `window` steps, downsampled."""
+    return overlay_series(load_steps(path, sig), metric, x_axis, window)
+
+
+def speedup(a: np.ndarray, b: np.ndarray, *, n_boot: int = 400, seed: int = 0) -> dict[str, float] | None:
+    """How much faster B is than A from steady-state tokens/s samples (one per step).
+
+    ratio = median(B) / median(A) - 1, with a 90% interval from a block bootstrap: steps are
+    resampled in blocks of consecutive steps (throughput drifts, so neighbouring steps are not
+    independent and a per-step bootstrap would be too narrow)."""
+    a = np.asarray(a, dtype=float)
+    b = np.asarray(b, dtype=float)
+    a, b = a[np.isfinite(a) & (a > 0)], b[np.isfinite(b) & (b > 0)]
+    if a.size < 10 or b.size < 10:
+        return None
+    rng = np.random.default_rng(seed)
+
+    def boot_medians(x: np.ndarray) -> np.ndarray:
+        block = max(5, x.size // 20)
+        n_blocks = math.ceil(x.size / block)
+        starts = rng.integers(0, x.size - block + 1, size=(n_boot, n_blocks))
+        idx = (starts[:, :, None] + np.arange(block)).reshape(n_boot, -1)[:, : x.size]
+        return np.median(x[idx], axis=1)
+
+    ratios = boot_medians(b) / boot_medians(a) - 1
+    med_a, med_b = float(np.median(a)), float(np.median(b))
+    return {"pct": 100 * (med_b / med_a - 1), "lo": 100 * float(np.quantile(ratios, 0.05)),
+            "hi": 100 * float(np.quantile(ratios, 0.95)), "a": med_a, "b": med_b,
+            "n_a": float(a.size), "n_b": float(b.size)}  # fmt: skip
+
+
+def speedup_sentence(name_a: str, name_b: str, r: dict[str, float]) -> str:
+    """'B is 5.5% faster than A (90% interval +3.1% .. +7.8%)', or that no difference is clear."""
+    span = f"90% interval {r['lo']:+.1f}% .. {r['hi']:+.1f}%"
+    tps = f"steady-state tokens/s p50 {r['b']:,.0f} vs {r['a']:,.0f}"
+    if r["lo"] > 0:
+        return f"**{name_b}** is **{r['pct']:.1f}% faster** than **{name_a}** ({span}; {tps})."
+    if r["hi"] < 0:
+        return f"**{name_b}** is **{-r['pct']:.1f}% slower** than **{name_a}** ({span}; {tps})."
+    return f"No clear difference: **{name_b}** vs **{name_a}** {r['pct']:+.1f}% ({span} includes 0; {tps})."
+
+
+def profiler_trace(path: str | Path) -> Path | None:
+    """The newest torch.profiler trace a run wrote (runs/<id>/profile/*.pt.trace.json[.gz])."""
+    d = Path(path) / schema.PROFILE_DIR
+    try:
+        found = [p for p in d.iterdir() if p.is_file() and ".pt.trace.json" in p.name]
+    except OSError:
+        return None
+    return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+
+
+# ---------------------------------------------------------------------------------------
 # Canary history (JSONL, one object per canary run; written by `moeguard canary`)
 # ---------------------------------------------------------------------------------------
 CANARY_COLUMNS = {
@@ -746,8 +924,9 @@ def parse_canary_history(text: str) -> tuple[pl.DataFrame, list[str]]:
             "baseline": bool(obj.get("baseline", False)),
             "warn_pct": _num(obj.get("warn_pct")),
             "fail_pct": _num(obj.get("fail_pct")),
+            "profile_top": json.dumps(obj["profile_top"]) if isinstance(obj.get("profile_top"), dict) else None,
         })  # fmt: skip
-    sch = {**CANARY_COLUMNS, "warn_pct": pl.Float64, "fail_pct": pl.Float64}
+    sch = {**CANARY_COLUMNS, "warn_pct": pl.Float64, "fail_pct": pl.Float64, "profile_top": pl.String}
     df = pl.DataFrame(rows, schema=sch, strict=False) if rows else pl.DataFrame(schema=sch)
     return df.with_row_index("n"), problems
 
@@ -762,20 +941,91 @@ def load_canary_history(path: str, mtime_ns: int) -> tuple[pl.DataFrame, list[st
     return parse_canary_history(Path(path).read_text(errors="replace"))
 
 
-def canary_gate(df: pl.DataFrame, *, warn_pct: float, fail_pct: float) -> dict[str, float | None]:
-    """Baseline = median MFU of the baseline entries (all entries if none is marked)."""
-    base = df.filter(pl.col("baseline"))
-    src = base if base.height else df
-    med = statistics.median(src["mfu_p50"].to_list()) if src.height else None
-    if med is None:
+CANARY_WINDOW = 10  # `moeguard canary`'s default canary.history_window
+
+
+def canary_baseline_rows(df: pl.DataFrame, judged: int, window: int = CANARY_WINDOW) -> pl.DataFrame:
+    """The entries entry `judged` (its "n") is compared with, as `moeguard canary` picks them:
+    the last `window` baseline entries recorded BEFORE it. An entry is never part of its own
+    baseline. A history with no baseline flags at all (older format): the earlier entries."""
+    earlier = df.filter(pl.col("n") < judged)
+    base = earlier.filter(pl.col("baseline"))
+    if base.height == 0 and not df["baseline"].any():
+        base = earlier
+    return base.tail(window)
+
+
+def canary_gate(df: pl.DataFrame, *, warn_pct: float, fail_pct: float, judged: int | None = None,
+                window: int = CANARY_WINDOW) -> dict[str, float | None]:  # fmt: skip
+    """Gate lines for the judged entry (default: the latest): baseline = median MFU of its
+    baseline rows (canary_baseline_rows)."""
+    if df.height == 0:
         return {"baseline": None}
+    judged = int(df["n"][-1]) if judged is None else judged
+    src = canary_baseline_rows(df, judged, window)
+    if src.height == 0:
+        return {"baseline": None, "n_baseline": 0.0}
+    med = statistics.median(src["mfu_p50"].to_list())
     return {
         "baseline": med,
         "warn_lo": med * (1 - warn_pct / 100),
         "warn_hi": med * (1 + warn_pct / 100),
         "fail_lo": med * (1 - fail_pct / 100),
-        "n_baseline": float(base.height),
+        "n_baseline": float(src.height),
     }
+
+
+def canary_deltas(df: pl.DataFrame, window: int = CANARY_WINDOW) -> pl.Series:
+    """Each entry's MFU p50 vs its own baseline (the baseline entries before it), in %."""
+    out: list[float | None] = []
+    for n, mfu in zip(df["n"].to_list(), df["mfu_p50"].to_list(), strict=True):
+        base = canary_baseline_rows(df, n, window)
+        med = statistics.median(base["mfu_p50"].to_list()) if base.height else None
+        out.append(100 * (mfu / med - 1) if med else None)
+    return pl.Series("vs baseline %", out, dtype=pl.Float64)
+
+
+def kernel_deltas(latest: dict[str, float], baseline: list[dict[str, float]]) -> pl.DataFrame:
+    """Per-op self time per step (the canary's `profile_top`), latest vs its baseline's median.
+
+    Raw per-op deltas blame whichever op is noisiest when the whole step slows down (a uniform
+    30% slowdown read as silu +654%). So each op is also judged against the overall change:
+    `vs overall %` = (op now / op before) / (all ops now / all ops before) - 1, over the ops
+    both sides profiled, and by its share of the profiled time. Under a uniform slowdown both
+    stay near 0 for every op; an op that really regressed stands out in both."""
+    base: dict[str, float] = {}
+    for op in {o for e in baseline for o in e}:
+        vals = [e[op] for e in baseline if op in e and e[op] is not None]
+        if vals:
+            base[op] = statistics.median(vals)
+    common = [o for o in latest if o in base and base[o] > 0 and latest[o] is not None]
+    sch = {"op": pl.String, "now ms": pl.Float64, "baseline ms": pl.Float64, "raw change %": pl.Float64,
+           "vs overall %": pl.Float64, "share now %": pl.Float64, "share before %": pl.Float64,
+           "share change (pts)": pl.Float64}  # fmt: skip
+    if not common:
+        return pl.DataFrame(schema=sch)
+    tot_now = sum(latest[o] for o in common)
+    tot_base = sum(base[o] for o in common)
+    overall = tot_now / tot_base if tot_base > 0 else float("nan")
+    rows = []
+    for o in common:
+        r = latest[o] / base[o]
+        rows.append({"op": o, "now ms": latest[o], "baseline ms": base[o], "raw change %": 100 * (r - 1),
+                     "vs overall %": 100 * (r / overall - 1), "share now %": 100 * latest[o] / tot_now,
+                     "share before %": 100 * base[o] / tot_base,
+                     "share change (pts)": 100 * (latest[o] / tot_now - base[o] / tot_base)})  # fmt: skip
+    df = pl.DataFrame(rows, schema=sch)
+    return df.sort(pl.col("share change (pts)").abs(), descending=True)
+
+
+def profile_top(entry_json: str | None) -> dict[str, float]:
+    try:
+        d = json.loads(entry_json) if entry_json else {}
+    except json.JSONDecodeError:
+        return {}
+    return (
+        {str(k): float(v) for k, v in d.items() if isinstance(v, int | float)} if isinstance(d, dict) else {}
+    )
 
 
 # ---------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 import polars as pl
 from plotly.subplots import make_subplots
 
+from dashboards import data
 from guard import schema
 
 # action -> (marker symbol, colour); distinct shapes so they read in grey-scale too
@@ -69,6 +70,39 @@ def _log_ticks(values: np.ndarray | list[Any]) -> dict[str, Any]:
     ticks = [m * 10.0**e for e in range(int(lo), int(hi) + 1) for m in (1, 2, 5)]
     ticks = [t for t in ticks if v.min() / 2.5 <= t <= v.max() * 2.5]
     return {"tickvals": ticks, "ticktext": [f"{t:g}" for t in ticks]}
+
+
+MFU_ARTEFACT = "MFU > 100%: measurement artefact"
+MFU_META = "mfu"  # trace.meta of every trace that draws MFU in percent (tests find them by it)
+_ARTEFACT_HOVER = ("<b>MFU %{y:.0f}% at %{x}: above 100% is not physical</b><br>a measurement artefact: the peak "
+                   "FLOP/s this run divided by was too low<br>(older runs timed their own peak at start-up)")  # fmt: skip
+
+
+def mark_mfu_artefacts(fig: go.Figure, x: np.ndarray | list[Any], y_pct: np.ndarray | list[Any],
+                       *, row: int | None = None, col: int | None = None, first: bool = True) -> int:  # fmt: skip
+    """Mark every MFU point above 100% as a measurement artefact, and draw the 100% line.
+
+    MFU above 100% is physically impossible; it only happens when the peak was wrong (a CPU run
+    that timed its own "peak" on a busy host). It is plotted as it was recorded, never hidden,
+    and never without this marker. Returns the number of points marked."""
+    yv = np.asarray(y_pct, dtype=float)
+    xv = np.asarray(x, dtype=object)
+    over = np.isfinite(yv) & (yv > 100.0 * data.MFU_LIMIT)
+    n = int(over.sum())
+    if n == 0:
+        return 0
+    where = {"row": row, "col": col} if row is not None else {}
+    fig.add_trace(go.Scatter(
+        x=xv[over].tolist(), y=yv[over], mode="markers", name=MFU_ARTEFACT, legendgroup=MFU_ARTEFACT,
+        showlegend=first, marker={"symbol": "x-thin-open", "size": 11, "color": "#d62728", "line": {"width": 2}},
+        hovertemplate=_ARTEFACT_HOVER + "<extra></extra>",
+    ), **where)  # fmt: skip
+    if first:
+        fig.add_hline(y=100.0 * data.MFU_LIMIT, line={"color": "#d62728", "dash": "dash", "width": 1},
+                      annotation_text="100%: physical limit; points above it are measurement artefacts",
+                      annotation_position="top left", annotation_font={"color": "#d62728", "size": 11},
+                      **where)  # fmt: skip
+    return n
 
 
 def health_timeline(series: dict[str, pl.DataFrame], marks: pl.DataFrame, timeline: pl.DataFrame,
@@ -175,10 +209,16 @@ def heatmap(h: dict[str, Any], *, title: str, x_title: str, y_title: str, z_titl
     return fig
 
 
-def perf_figure(series: dict[str, pl.DataFrame]) -> go.Figure:
-    """MFU, tokens/s, step time vs data wait, peak memory: 2 x 2, shared step axis."""
+def perf_figure(series: dict[str, pl.DataFrame], peak: data.Peak | None = None) -> go.Figure:
+    """MFU, tokens/s, step time vs data wait, peak memory: 2 x 2, shared step axis. The MFU
+    panel names the peak it divides by; points above 100% are marked as artefacts."""
+    mfu_title = "MFU (%)"
+    if peak is not None:
+        mfu_title = (
+            f"MFU (%) of peak {peak.label()}" if peak.flops else "MFU: no peak (tokens/s is the measure)"
+        )
     fig = make_subplots(rows=2, cols=2, shared_xaxes=True, vertical_spacing=0.14, horizontal_spacing=0.08,
-                        subplot_titles=("MFU (%)", "Throughput (tokens/s, all ranks)",
+                        subplot_titles=(mfu_title, "Throughput (tokens/s, all ranks)",
                                         "Step time and data-loader wait (s)", "Peak memory (GiB, rank 0)"))  # fmt: skip
     specs = [
         ("mfu", 1, 1, 100.0, "MFU", "%{y:.1f}%", "#1f77b4"),
@@ -191,8 +231,13 @@ def perf_figure(series: dict[str, pl.DataFrame]) -> go.Figure:
         if c not in series or series[c].height == 0 or series[c][c].null_count() == series[c].height:
             continue
         x, y = _series_xy(series[c], c, scale)
+        if c == "mfu" and not np.isfinite(y).any():
+            continue  # no peak: nothing to draw (a NaN line reads as a broken chart)
         fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=name, line={"color": color, "width": 1.2},
-                                   hovertemplate=f"step %{{x}}<br>{name} {fmt}<extra></extra>"), row=r, col=k)  # fmt: skip
+                                 meta=MFU_META if c == "mfu" else None,
+                                 hovertemplate=f"step %{{x}}<br>{name} {fmt}<extra></extra>"), row=r, col=k)  # fmt: skip
+        if c == "mfu":
+            mark_mfu_artefacts(fig, x, y, row=r, col=k)
     fig.update_yaxes(title_text="MFU (%)", row=1, col=1, rangemode="tozero")
     fig.update_yaxes(title_text="tokens/s", row=1, col=2, rangemode="tozero")
     fig.update_yaxes(title_text="seconds", row=2, col=1, rangemode="tozero")
@@ -201,6 +246,41 @@ def perf_figure(series: dict[str, pl.DataFrame]) -> go.Figure:
     fig.update_xaxes(title_text="step", row=2, col=2)
     fig.update_layout(title={"text": "Throughput, efficiency and memory", "x": 0, "xanchor": "left"},
                       height=560, legend=_LEGEND_RIGHT, margin={**_MARGIN, "t": 80})  # fmt: skip
+    return fig
+
+
+def compare_overlay(
+    per_run: dict[str, pl.DataFrame], *, metric: str, x_axis: str, window: int = 1
+) -> go.Figure:
+    """One metric of several runs overlaid (one colour per run) against step, tokens or wall
+    time; `per_run` maps run -> (step, x, y) from data.overlay_series."""
+    label, scale, fmt = data.OVERLAY_METRICS[metric]
+    x_title = data.X_AXES[x_axis]
+    fig = go.Figure()
+    first = True
+    ys: list[np.ndarray] = []
+    for i, (run, df) in enumerate(per_run.items()):
+        color = RUN_COLORS[i % len(RUN_COLORS)]
+        x = df["x"].to_numpy()
+        y = df["y"].cast(pl.Float64).fill_null(float("nan")).to_numpy() * scale
+        y = np.where(np.isfinite(y), y, np.nan)
+        ys.append(y)
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=run, line={"color": color, "width": 1.3},
+                                 customdata=df["step"].to_numpy(), meta=MFU_META if metric == "mfu" else None,
+                                 hovertemplate=f"{run}<br>{x_title} %{{x:,.4g}} (step %{{customdata}})<br>"
+                                               f"{label} %{{y:{fmt}}}<extra></extra>"))  # fmt: skip
+        if metric == "mfu":
+            first = not mark_mfu_artefacts(fig, x, y, first=first) and first
+    smooth = f", rolling median over {window} steps" if window > 1 else ""
+    fig.update_xaxes(title_text=x_title)
+    ytitle: dict[str, Any] = {"title_text": label}
+    if metric == "grad_norm":
+        ytitle.update(type="log", **_log_ticks(np.concatenate(ys) if ys else []))
+    fig.update_yaxes(**ytitle)
+    title = f"{label[:1].upper()}{label[1:]} by {x_title}, runs overlaid{smooth}"
+    fig.update_layout(title={"text": title, "x": 0, "xanchor": "left"},
+                      height=460, legend={**_LEGEND_RIGHT, "title": {"text": "run"}}, margin={**_MARGIN, "t": 60},
+                      hovermode="closest")  # fmt: skip
     return fig
 
 
@@ -242,6 +322,7 @@ def compare_distributions(df: pl.DataFrame, group_key: str) -> go.Figure:
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
                         subplot_titles=("MFU (%), steady state", "Throughput (tokens/s), steady state"))  # fmt: skip
     groups = sorted(set(df["group"].to_list())) if df.height else []
+    artefacts = False
     for i, g in enumerate(groups):
         sub = df.filter(pl.col("group") == g)
         color = RUN_COLORS[i % len(RUN_COLORS)]
@@ -251,8 +332,12 @@ def compare_distributions(df: pl.DataFrame, group_key: str) -> go.Figure:
             fig.add_trace(go.Violin(
                 y=y, name=str(g), legendgroup=str(g), showlegend=k == 1, box_visible=True,
                 meanline_visible=True, points=False, line_color=color, spanmode="hard",
+                meta=MFU_META if c == "mfu" else None,
                 hovertemplate=f"{group_key}={g}<br>runs: {runs}<br>%{{y:.4g}}<extra></extra>",
             ), row=1, col=k)  # fmt: skip
+            if c == "mfu":
+                marked = mark_mfu_artefacts(fig, [str(g)] * len(y), y, row=1, col=1, first=not artefacts)
+                artefacts = artefacts or marked > 0
     fig.update_yaxes(title_text="MFU (%)", row=1, col=1)
     fig.update_yaxes(title_text="tokens/s", row=1, col=2)
     fig.update_xaxes(title_text=group_key, row=1, col=1)
@@ -286,7 +371,8 @@ def canary_figure(df: pl.DataFrame, gate: dict[str, float | None], *, fingerprin
             fig.add_trace(go.Scatter(x=[x0, x1], y=[y * 100, y * 100], mode="lines", name=name,  # type: ignore[operator]
                                      line={"dash": dash, "color": color, "width": 1.5}, hoverinfo="skip"))  # fmt: skip
     fig.add_trace(go.Scatter(x=x, y=(df["mfu_p50"] * 100).to_list(), mode="lines", name="MFU p50",
-                             line={"color": "#1f77b4", "width": 1}, hoverinfo="skip"))  # fmt: skip
+                             line={"color": "#1f77b4", "width": 1}, hoverinfo="skip", meta=MFU_META))  # fmt: skip
+    mark_mfu_artefacts(fig, x, (df["mfu_p50"] * 100).to_numpy())
     styles = {"pass": ("circle", "#1f77b4", 8), "warn": ("triangle-down", "#ff7f0e", 12),
               "fail": ("x", "#d62728", 15), "unknown": ("circle-open", "#7f7f7f", 8)}  # fmt: skip
     for verdict, (symbol, color, size) in styles.items():

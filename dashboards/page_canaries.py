@@ -38,27 +38,69 @@ warn = c1.number_input(
 fail = c2.number_input(
     "Fail below baseline by (%)", 0.5, 50.0, float(last_fail[-1]) if len(last_fail) else 10.0, 0.5
 )
-gate = data.canary_gate(sub, warn_pct=warn, fail_pct=fail)
+gate = data.canary_gate(sub, warn_pct=warn, fail_pct=fail)  # for the latest entry: baseline before it
 
 latest = sub.row(-1, named=True)
+deltas = data.canary_deltas(sub)
 m = st.columns(4)
 base = gate["baseline"]
 m[0].metric("baseline MFU (median)", f"{100 * base:.2f}%" if base else "—",
-            help=f"median of {int(gate.get('n_baseline') or 0)} baseline entries (all entries if none)")  # fmt: skip
+            help=f"median MFU p50 of the {int(gate.get('n_baseline') or 0)} baseline entries recorded before the "
+                 f"latest one (the last {data.CANARY_WINDOW}, as `moeguard canary` picks them); the latest entry "
+                 "is never part of its own baseline")  # fmt: skip
 m[1].metric("latest MFU p50", f"{100 * latest['mfu_p50']:.2f}%",
-            delta=f"{100 * (latest['mfu_p50'] / base - 1):+.1f}% vs baseline" if base else None)  # fmt: skip
+            delta=f"{deltas[-1]:+.1f}% vs baseline" if deltas[-1] is not None else None)  # fmt: skip
 m[2].metric("latest verdict", latest["verdict"])
 m[3].metric("failures", int((sub["verdict"] == "fail").sum()))
+if base is None:
+    st.info(
+        "The latest entry has no baseline before it (the first `--record` makes one); nothing to judge it by."
+    )
 
 st.plotly_chart(figures.canary_figure(sub, gate, fingerprint=fp), key="canary")
-st.caption("Band: baseline ± warn %. Dashed red: fail threshold. Verdicts are the canary's own (recorded at the "
-           "time with its thresholds); the band uses the thresholds above.")  # fmt: skip
+st.caption("Band: the latest entry's baseline ± warn %. Dashed red: fail threshold. Verdicts are the canary's own "
+           "(recorded at the time with its thresholds; on CPU it gates host-adjusted MFU, so its delta can differ "
+           "from the raw one here); the band uses the thresholds above.")  # fmt: skip
 st.dataframe(
-    sub.sort("n", descending=True).select(
+    sub.with_columns(deltas).sort("n", descending=True).select(
         "time", "git_sha", "torch", "verdict", "baseline", (pl.col("mfu_p50") * 100).alias("MFU p50 %"),
-        "tokens_per_s_p50", "config",
+        "vs baseline %", "tokens_per_s_p50", "config",
     ),
     hide_index=True,
     column_config={"MFU p50 %": st.column_config.NumberColumn(format="%.2f"),
+                   "vs baseline %": st.column_config.NumberColumn(
+                       format="%+.1f", help="MFU p50 vs the median of the baseline entries recorded before this one"),
                    "tokens_per_s_p50": st.column_config.NumberColumn("tokens/s p50", format="localized")},
 )  # fmt: skip
+
+st.subheader("Top kernels: latest vs its baseline")
+base_rows = data.canary_baseline_rows(sub, int(latest["n"]))
+kern = data.kernel_deltas(
+    data.profile_top(latest.get("profile_top")),
+    [data.profile_top(j) for j in base_rows["profile_top"].to_list()] if base_rows.height else [],
+)
+if kern.height == 0:
+    st.info("No per-op profile to compare (the latest entry or its baseline has no `profile_top`).")
+else:
+    overall = kern["now ms"].sum() / kern["baseline ms"].sum() - 1
+    st.caption(
+        f"Self time per step of the ops both profiles list: **{100 * overall:+.1f}% overall**. An op is suspect "
+        "when it moved relative to the rest (`vs overall`, share change), not when it moved with everything: "
+        "a uniform slowdown raises every op's raw time and no op's share. Sorted by share change."
+    )
+    st.dataframe(
+        kern.head(15),
+        hide_index=True,
+        column_config={
+            "now ms": st.column_config.NumberColumn(format="%.3f"),
+            "baseline ms": st.column_config.NumberColumn(format="%.3f"),
+            "raw change %": st.column_config.NumberColumn(format="%+.0f", help="moves with the whole step"),
+            "vs overall %": st.column_config.NumberColumn(
+                format="%+.0f",
+                help="this op's change divided by the overall change: ~0 under a uniform slowdown",
+            ),
+            "share now %": st.column_config.NumberColumn(format="%.1f"),
+            "share before %": st.column_config.NumberColumn(format="%.1f"),
+            "share change (pts)": st.column_config.NumberColumn(format="%+.1f"),
+        },
+    )

@@ -1,4 +1,6 @@
-"""Compare: overlay runs, and MFU / tokens/s distributions grouped by environment."""
+"""Compare: is B faster than A? Runs side by side (config, peak, profiler trace), a plain
+speed verdict from steady-state tokens/s, any metric overlaid on steps / tokens / wall time,
+and MFU / tokens/s distributions grouped by environment."""
 
 from __future__ import annotations
 
@@ -19,13 +21,111 @@ if not chosen:
     st.info("Pick at least one run.")
     st.stop()
 sel = [by_id[r] for r in chosen]
+sigs = {i.run_id: data.run_signature(i.path) for i in sel}
+perf = {i.run_id: data.load_steady_perf(i.path, sigs[i.run_id]) for i in sel}
 
-curves = {
-    i.run_id: data.load_step_series(i.path, data.run_signature(i.path), ("loss", "grad_norm"), 1500)
-    for i in sel
-}
-st.plotly_chart(figures.compare_curves(curves), key="curves")
+# ---- the runs side by side --------------------------------------------------------------
+rows = []
+for i in sel:
+    p = perf[i.run_id]
+    env, peak = i.env, data.run_peak(i.env)
+    tps = p["tokens_per_s"].filter(p["tokens_per_s"].is_finite()) if p.height else p["tokens_per_s"]
+    mfu = p["mfu"].filter(p["mfu"].is_finite()) if p.height else p["mfu"]
+    mfu_p50 = float(mfu.median()) if len(mfu) else None  # type: ignore[arg-type]
+    trace = data.profiler_trace(i.path)
+    rows.append({
+        "run": i.run_id,
+        "status": i.status,
+        "tokens/s p50": float(tps.median()) if len(tps) else None,  # type: ignore[arg-type]
+        "MFU p50 %": None if mfu_p50 is None else 100 * mfu_p50,
+        "MFU peak": peak.label(),
+        "torch": env.get("torch"),
+        "attention": env.get("attention_backend"),
+        "expert kernel": env.get("expert_kernel"),
+        "compile": None if env.get("compile") is None else str(env.get("compile")),
+        "device": env.get("device"),
+        "steady steps": p.height,
+        "profiler trace": trace.name if trace else None,
+    })  # fmt: skip
+table = pl.DataFrame(rows, infer_schema_length=None)
+st.dataframe(
+    table,
+    hide_index=True,
+    column_config={
+        "run": st.column_config.TextColumn(pinned=True),
+        "tokens/s p50": st.column_config.NumberColumn(format="localized", help="steady state (below)"),
+        "MFU p50 %": st.column_config.NumberColumn(format="%.1f", help="steady state, of the peak beside it"),
+        "MFU peak": st.column_config.TextColumn(help="the peak FLOP/s MFU divides by, and its source"),
+    },
+)
+traces = [(i, t) for i in sel if (t := data.profiler_trace(i.path)) is not None]
+if traces:
+    st.caption("Profiler traces (torch.profiler, Chrome trace format): open them in https://ui.perfetto.dev "
+               "or chrome://tracing.")  # fmt: skip
+    cols = st.columns(min(4, len(traces)))
+    for k, (i, t) in enumerate(traces):
+        cols[k % len(cols)].download_button(
+            f"{i.run_id}: trace", data=t.read_bytes, file_name=f"{i.run_id}-{t.name}", mime="application/json",
+            key=f"trace-{i.run_id}", icon=":material/download:", on_click="ignore",
+            help=f"{t} ({t.stat().st_size / 2**20:.1f} MiB)",
+        )  # fmt: skip
+peaks = {(p.kind, p.flops) for p in (data.run_peak(i.env) for i in sel)}
+if len(sel) > 1 and (len(peaks) > 1 or not all(data.run_peak(i.env).trusted for i in sel)):
+    st.caption(
+        "MFU is not comparable across these runs: they divide by different peaks, or by a peak a run measured "
+        "for itself. tokens/s is the measure here."
+    )
 
+# ---- is B faster than A? ----------------------------------------------------------------
+st.subheader("Is B faster than A?")
+if len(sel) < 2:
+    st.info("Pick two or more runs.")
+else:
+    a_col, b_col = st.columns(2)
+    run_a = a_col.selectbox("A (reference)", chosen, index=0, key="run_a")
+    run_b = b_col.selectbox("B", [r for r in chosen if r != run_a], index=0, key="run_b")
+    r = data.speedup(perf[run_a]["tokens_per_s"].to_numpy(), perf[run_b]["tokens_per_s"].to_numpy())
+    if r is None:
+        st.info("Not enough steady-state steps (10 per run) to compare throughput.")
+    else:
+        st.markdown(data.speedup_sentence(f"A ({run_a})", f"B ({run_b})", r))
+        ea, eb = by_id[run_a].env, by_id[run_b].env
+        what = "; ".join(f"{k} {ea.get(k)} → {eb.get(k)}" for k in (*data.ENV_KEYS, "device", "dtype")
+                         if ea.get(k) != eb.get(k))  # fmt: skip
+        model_a = (by_id[run_a].meta.get("config") or {}).get("model")
+        model_b = (by_id[run_b].meta.get("config") or {}).get("model")
+        st.caption(
+            f"From steady-state tokens/s ({int(r['n_a'])} and {int(r['n_b'])} steps: after the first 10%, "
+            "steps the guard acted on left out); 90% interval by a block bootstrap over steps. "
+            + (f"What differs: {what}. " if what else "Torch, attention, expert kernel and compile are the same. ")
+            + ("" if model_a == model_b else "**The model configs differ: tokens/s compares throughput, not "
+               "the same work.**")
+        )  # fmt: skip
+
+# ---- any metric overlaid ------------------------------------------------------------------
+st.subheader("Overlay")
+c1, c2, c3 = st.columns([2, 2, 3])
+metric = c1.selectbox("Metric", list(data.OVERLAY_METRICS), key="metric", bind="query-params",
+                      format_func=lambda m: data.OVERLAY_METRICS[m][0])  # fmt: skip
+x_axis = (
+    c2.segmented_control(
+        "x-axis",
+        list(data.X_AXES),
+        default="step",
+        key="x_axis",
+        bind="query-params",
+        format_func={"step": "steps", "tokens": "tokens", "wall": "wall time"}.get,
+    )  # fmt: skip
+    or "step"
+)
+window = c3.select_slider("Smoothing (rolling median, steps)", [1, 5, 10, 25, 50, 100, 250], value=1,
+                          key="smooth")  # fmt: skip
+series = {i.run_id: data.load_overlay(i.path, sigs[i.run_id], metric, x_axis, int(window)) for i in sel}
+st.plotly_chart(
+    figures.compare_overlay(series, metric=metric, x_axis=x_axis, window=int(window)), key="overlay"
+)
+
+# ---- distributions by environment ---------------------------------------------------------
 st.subheader("Efficiency by environment")
 keys = {"torch": "torch", "attention backend": "attention_backend", "expert kernel": "expert_kernel",
         "compile mode": "compile", "run": "run"}  # fmt: skip
@@ -36,29 +136,28 @@ label = (
 key = keys[label]
 frames = []
 for i in sel:
-    perf = data.load_steady_perf(i.path, data.run_signature(i.path))
     group = i.run_id if key == "run" else str(i.env.get(key, "unknown"))
-    frames.append(perf.with_columns(group=pl.lit(group), run=pl.lit(i.run_id)))
+    frames.append(perf[i.run_id].with_columns(group=pl.lit(group), run=pl.lit(i.run_id)))
 dist = pl.concat(frames, how="vertical_relaxed") if frames else pl.DataFrame()
 if dist.height == 0:
     st.info("The chosen runs have no steady-state steps yet (the first 10% of steps and every step the guard "
             "acted on are left out).")  # fmt: skip
 else:
     st.plotly_chart(figures.compare_distributions(dist, label), key="dist")
-    table = (
+    grouped = (
         dist.group_by("group")
         .agg(
             pl.col("run").unique().sort().str.join(", ").alias("runs"),
             pl.len().alias("steps"),
+            pl.col("tokens_per_s").median().round(0).alias("tokens/s p50"),
             (pl.col("mfu").median() * 100).alias("MFU p50 %"),
             (pl.col("mfu").quantile(0.1) * 100).alias("MFU p10 %"),
             (pl.col("mfu").quantile(0.9) * 100).alias("MFU p90 %"),
-            pl.col("tokens_per_s").median().round(0).alias("tokens/s p50"),
         )
-        .sort("MFU p50 %", descending=True, nulls_last=True)
+        .sort("tokens/s p50", descending=True, nulls_last=True)
         .rename({"group": label})
     )
-    st.dataframe(table, hide_index=True, column_config={
+    st.dataframe(grouped, hide_index=True, column_config={
         c: st.column_config.NumberColumn(format="%.1f") for c in ("MFU p50 %", "MFU p10 %", "MFU p90 %")
     } | {"tokens/s p50": st.column_config.NumberColumn(format="localized")})  # fmt: skip
     st.caption(

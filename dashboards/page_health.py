@@ -33,18 +33,30 @@ env = info.env
 
 # ---- headline -------------------------------------------------------------------------
 ui.status_badge(info.status, help=f"last write {ui.age(info.updated_at)}")
+peak = data.run_peak(env)
+mfu = summ["mfu"]
 c = st.columns(6)
 c[0].metric("step", f"{summ['step']:,}" if summ["step"] is not None else "—")
 c[1].metric(
     "loss",
     "—" if summ["loss"] is None else f"{summ['loss']:.4f}" if math.isfinite(summ["loss"]) else "non-finite",
 )
-c[2].metric(
-    "MFU", f"{100 * summ['mfu']:.1f}%" if summ["mfu"] is not None else "—", help="median, last 100 steps"
+# tokens/s first: it needs no peak, so it is the number every run has and runs can be compared by
+c[2].metric("tokens/s", f"{summ['tokens_per_s']:,.0f}" if summ["tokens_per_s"] is not None else "—",
+            help="median, last 100 steps")  # fmt: skip
+c[3].metric(
+    "MFU" + (" (artefact)" if mfu is not None and mfu > data.MFU_LIMIT else ""),
+    f"{100 * mfu:.1f}%" if mfu is not None else "—",
+    help=f"median, last 100 steps, of peak {peak.label()}. Peak source: {peak.source}",
 )
-c[3].metric("tokens/s", f"{summ['tokens_per_s']:,.0f}" if summ["tokens_per_s"] is not None else "—")
 c[4].metric("guard actions", summ["actions"])
 c[5].metric("verdicts", summ["verdicts"])
+note = data.mfu_note(mfu, peak)
+st.caption(
+    f"MFU peak: **{peak.label()}** — {peak.source}"
+    + (f". **{note}**" if note else "")
+    + (f". {summ['mfu_over']:,} step(s) above 100% (marked in the MFU chart)" if summ.get("mfu_over") else "")
+)
 st.caption(
     " · ".join(
         f"{k}: **{env[k]}**"
@@ -182,11 +194,8 @@ st.subheader("Throughput and memory")
 perf = data.load_step_series(
     path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes")
 )
-st.plotly_chart(figures.perf_figure(perf), key="perf")
-if "peak_flops_source" in env:
-    st.caption(
-        f"MFU uses peak {env.get('peak_flops', float('nan')):.3g} FLOP/s ({env['peak_flops_source']})."
-    )
+st.plotly_chart(figures.perf_figure(perf, peak), key="perf")
+st.caption(f"MFU = analytic training FLOPs x tokens/s / (peak x ranks); peak {peak.label()} ({peak.source}).")
 
 with st.expander("Run metadata (meta.json)"):
     st.json(info.meta, expanded=False)

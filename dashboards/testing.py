@@ -125,6 +125,7 @@ class SynthRun:
     halt_at: int | None = None  # a critical verdict at this step halts the run
     crash_at: int | None = None
     mfu: float = 0.42
+    peak_known: bool = True  # False: MFU is NaN (no peak for this device), throughput as usual
     seed: int = 0
     flush_every: int = 50
 
@@ -244,7 +245,7 @@ def write_run(root: str | Path, spec: SynthRun) -> Path:
         step_time = nominal * (1 + 0.03 * rng.standard_normal())
         data_wait = abs(0.01 + 0.004 * rng.standard_normal())
         warm = min(1.0, (step + 5) / 25)
-        mfu = spec.mfu * nominal / step_time * warm
+        mfu = spec.mfu * nominal / step_time * warm if spec.peak_known else float("nan")
         rep = StepReport(
             step=step, time=t, loss=loss, grad_norm=gnorm, lr=cur_lr, tokens=tokens,
             step_time_s=step_time, data_wait_s=data_wait, tokens_per_s=tokens / step_time * warm,

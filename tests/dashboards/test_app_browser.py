@@ -161,3 +161,23 @@ def test_live_mode_follows_a_running_run(tmp_path: Path, monkeypatch) -> None:
         page.wait_for_function(f"{first_metric}.innerText.trim() === '149'", timeout=30_000)
         assert page.locator("[data-testid=stException]").count() == 0
         browser.close()
+
+
+def test_runs_page_opens_at_its_own_url(store: Path, history: Path, tmp_path: Path) -> None:
+    """Issue #17 item 7: a typed or bookmarked `/runs` opens the Runs page (it said "Page not
+    found" while Runs was the default page, served at `/` only); `/` lands on `/runs`."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed")
+    with serve(store, history, tmp_path / "app.log") as base, playwright.sync_playwright() as p:
+        browser = _chromium(p)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        for path in ("/runs", "/"):
+            page.goto(base + path, wait_until="networkidle")
+            page.wait_for_selector("[data-testid=stDataFrame]", timeout=60_000)
+            text = page.inner_text("body")
+            assert "Page not found" not in text and "Runs" in text, path
+            assert page.url.rstrip("/").endswith("/runs"), page.url
+        page.get_by_role("link", name="Compare").first.click()
+        page.wait_for_url("**/compare**", timeout=30_000)
+        browser.close()

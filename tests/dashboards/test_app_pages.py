@@ -180,7 +180,7 @@ def test_compare_groups_by_environment(store: Path, open_page, group: str) -> No
     at.multiselect(key="runs").set_value([synth.GUARDED, synth.UNGUARDED, synth.STALE]).run()
     at.segmented_control(key="group_by").set_value(group).run()
     no_exception(at)
-    curves = chart_titled(at, "Loss and grad norm, runs overlaid")
+    curves = chart_titled(at, "Throughput (tokens/s) by step, runs overlaid")
     assert {t["name"] for t in curves["data"]} == {synth.GUARDED, synth.UNGUARDED, synth.STALE}
     dist = chart_titled(at, "Steady-state MFU and throughput by")
     groups = {t["name"] for t in dist["data"]}
