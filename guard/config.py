@@ -41,9 +41,11 @@ class SpikeConfig:
     # Accepted values needed before the z and tail rules may fire (rel_max needs only `warmup`):
     # a run's first hundred steps are its least stationary, and a tail needs samples to be seen.
     tail_warmup: int = 0
-    # The rel_max cap while fewer than `tail_warmup` values were accepted (None: rel_max). A run's
-    # first hundred steps swing hardest: clean tiny transformers MoE runs jumped 22x (total) and
-    # 95x (one layer) before step 50, and a clipped update of that size is not a fault.
+    # While fewer than `tail_warmup` values were accepted, the rel_max cap becomes
+    # min(early_rel_max, max(rel_max, exp(tail_margin x the largest clean log excursion so far))):
+    # a steady start keeps rel_max, a wild one earns a wider cap, never above this (None: rel_max
+    # throughout). A run's first hundred steps swing hardest: clean tiny transformers MoE runs
+    # jumped 22x (total) and 95x (one layer) before step 50.
     early_rel_max: float | None = None
 
     def __post_init__(self) -> None:
@@ -158,8 +160,8 @@ class GuardConfig:
     enabled: bool = True  # False: telemetry and verdicts only, every action off (--no-guard)
     nonfinite: bool = True
     # Grad norms calibrate to their own tail (tail_margin: twice the largest clean log excursion of
-    # the window) after 100 accepted steps; before that only NaN and > early_rel_max x the median
-    # act (100x total, 200x per layer), then rel_max (20x, 50x).
+    # the window) after 100 accepted steps; before that only NaN and a cap act: rel_max (20x total,
+    # 50x per layer), widened by the run's own early excursions up to early_rel_max (100x, 200x).
     # Calibrated on clean runs of six transformers MoE families x 4 seeds (bench/real_models.py,
     # docs/BENCHMARKS.md): clean per-layer excursions reach 25x, total ones 9x after step 100.
     grad_spike: SpikeConfig = field(

@@ -235,7 +235,14 @@ class SpikeDetector:
         # A value far above the median is a spike however noisy the series: on heavy-tailed grad
         # norms (small batches) the MAD is large, and a 60x spike can sit at z ~14, level with noise.
         early = self.n_accepted < cfg.tail_warmup
-        cap = cfg.early_rel_max if early and cfg.early_rel_max is not None else cfg.rel_max
+        cap = cfg.rel_max
+        if early and cfg.early_rel_max is not None:
+            # Before the tail rule may act, the cap follows the run's own early swings: the
+            # tail_margin power of the largest clean excursion so far, between rel_max (a steady
+            # series keeps the tight cap) and early_rel_max (a wild start cannot disarm it).
+            cap = cfg.early_rel_max
+            if cfg.rel_max is not None and cfg.tail_margin is not None:
+                cap = min(cap, max(cfg.rel_max, math.exp(cfg.tail_margin * top)))
         if cap is not None and x > median * cap:
             return True, "rel_max", median * cap, z
         if early:
