@@ -4,6 +4,8 @@
     moeguard canary --config configs/canary.toml --history H.jsonl --record          # add a baseline
     moeguard canary --config configs/canary.toml --history H.jsonl --inject slow:10  # prove the gate
     moeguard canary --matrix attention=math,flash,efficient experts=loop,bmm,grouped_mm compile=off,on
+    moeguard canary --ab set:model.attention=math set:model.attention=auto            # A/B, paired
+    moeguard canary --ab py:/opt/venv-old/bin/python py:.venv/bin/python --inject slow:5
 
 One measurement is a fixed short training run of the canary config in a fresh worker process
 (clean peak-memory high-water mark, no compile caches or allocator state carried over), stored
@@ -43,9 +45,14 @@ step times show it too.
 
 A shared host drifts (on 2026-11-23 a 2-vCPU VM's step CPU time rose 22% in 30 minutes on an
 unchanged build), so on CPU the gated MFU is host-adjusted (`HostFit`, fitted on the baseline's
-processes) and MFU can fail only against baseline entries recorded over at least
-`canary.baseline_min_span_h` hours (24 in configs/canary.toml); until then it warns and the
-report says why. Record baselines at different times (`--record` on main after each merge).
+processes), and against baseline entries that span less than `canary.baseline_min_span_h` hours
+(24 in configs/canary.toml) its fail line is widened to max(configured, 3 x the baseline's own
+spread, 10%) (`young_fail_line`): a regression far beyond the host's drift fails from the first
+day, a drift-sized one warns. Record baselines at different times (`--record` on main after each
+merge) to narrow the line back to the configured one.
+
+`--ab A B` (guard/canary_ab.py) needs no history: it measures two environments side by side,
+interleaved, and judges the paired ratio; the host's drift hits both alike.
 """
 
 from __future__ import annotations
@@ -123,6 +130,25 @@ class CanaryConfig:
     # A baseline from one sitting holds one state of a shared host; judged against one,
     # bench/canary_power.py saw 5 false alarms in 10 clean runs (docs/BENCHMARKS.md, canary).
     baseline_min_span_h: float = 0.0
+    # ... but a baseline that spans less does not disarm the MFU gate: it widens the fail line to
+    # max(mfu_fail_pct, min(young_fail_cap_pct, max(young_spread_factor x the baseline's own spread,
+    # young_fail_floor_pct))) (see young_fail_line): a regression far beyond the host's drift fails
+    # from the first day.
+    young_spread_factor: float = 3.0
+    young_fail_floor_pct: float = 10.0
+    young_fail_cap_pct: float = 20.0
+    # `--ab A B` (guard/canary_ab.py): pairs of worker processes, one per environment, in ABBA (or
+    # seeded random) order; fail when the sign-test interval of the median B/A ratio lies wholly
+    # below 1 - ab_fail_pct/100. An undecided result (median past the line, interval not) adds
+    # pairs, two at a time, up to ab_max_pairs. 6 pairs: with 6 the interval is the pairs' range
+    # (96.9% coverage), so a fail needs all 6 below the line; 12 workers of configs/canary.toml take
+    # ~3 minutes on 2 idle cores. Power and false alarms: docs/BENCHMARKS.md (A/B canary).
+    ab_pairs: int = 6
+    ab_max_pairs: int = 12
+    ab_fail_pct: float = 1.0
+    ab_confidence: float = 0.95
+    ab_order: str = "abba"  # abba | random (seeded by ab_seed)
+    ab_seed: int = 0
 
     def __post_init__(self) -> None:
         check(self.warmup_steps >= 0, "canary.warmup_steps", self.warmup_steps, "must be >= 0")
@@ -131,6 +157,15 @@ class CanaryConfig:
         check(self.timeout_s > 0, "canary.timeout_s", self.timeout_s, "must be > 0")
         check(1 <= self.processes <= 50, "canary.processes", self.processes, "must be in [1, 50]")
         check(self.baseline_min_span_h >= 0, "canary.baseline_min_span_h", self.baseline_min_span_h, "must be >= 0")
+        check(self.young_spread_factor >= 0, "canary.young_spread_factor", self.young_spread_factor, "must be >= 0")
+        check(0 <= self.young_fail_floor_pct <= self.young_fail_cap_pct, "canary.young_fail_floor_pct",
+              self.young_fail_floor_pct, f"must be in [0, young_fail_cap_pct = {self.young_fail_cap_pct}]")  # fmt: skip
+        check(2 <= self.ab_pairs <= 200, "canary.ab_pairs", self.ab_pairs, "must be in [2, 200]")
+        check(self.ab_pairs <= self.ab_max_pairs <= 400, "canary.ab_max_pairs", self.ab_max_pairs,
+              f"must be in [ab_pairs = {self.ab_pairs}, 400]")  # fmt: skip
+        check(0 <= self.ab_fail_pct < 100, "canary.ab_fail_pct", self.ab_fail_pct, "must be in [0, 100)")
+        check(0.5 <= self.ab_confidence < 1, "canary.ab_confidence", self.ab_confidence, "must be in [0.5, 1)")
+        check_choice("canary.ab_order", self.ab_order, ("abba", "random"))
         for name in ("mfu", "tokens", "tokens_cpu", "mem", "loss"):
             w, f = getattr(self, f"{name}_warn_pct"), getattr(self, f"{name}_fail_pct")
             check(0 <= w <= f, f"canary.{name}_warn_pct", w, f"must be in [0, {name}_fail_pct = {f}]")
@@ -399,12 +434,20 @@ def measure_in_process(spec: dict[str, Any]) -> dict[str, Any]:
         "wall_s": wall,
         "loadavg": [load0[0], os.getloadavg()[0]],
         "slow_pct": trainer.slow_pct,
+        "python_executable": sys.executable,
+        "numpy": _numpy_version(),
         "aslr_off": _aslr_off(),
         "hash_seed": os.environ.get("PYTHONHASHSEED"),
         "samples": trainer.samples,
     }
     _annotate_run(run_dir, spec, out)
     return out
+
+
+def _numpy_version() -> str:
+    import numpy
+
+    return numpy.__version__
 
 
 def _aslr_off() -> bool | None:
@@ -462,9 +505,13 @@ def _no_aslr() -> None:
         pass
 
 
-def spawn_measurement(spec: dict[str, Any], timeout_s: float, threads: int,
-                      stable_layout: bool = True) -> dict[str, Any]:  # fmt: skip
+def spawn_measurement(spec: dict[str, Any], timeout_s: float, threads: int, stable_layout: bool = True, *,
+                      python: str | None = None, extra_env: dict[str, str] | None = None,
+                      cwd: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Run one measurement in a fresh worker process; never raises for a failed run.
+
+    python: the interpreter that runs the worker (default: this one); `--ab py:PATH` runs another
+    venv's. extra_env and cwd decide which moeguard that interpreter imports (guard/canary_ab.py).
 
     stable_layout: where the heap, tensors and the interpreter land in memory (ASLR) and Python's
     hash seed change from process to process, and with them cache-set conflicts and dict orders:
@@ -488,12 +535,13 @@ def spawn_measurement(spec: dict[str, Any], timeout_s: float, threads: int,
     env.setdefault("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184"
                    ":glibc.malloc.hugetlb=1")  # fmt: skip
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    env.update(extra_env or {})
     with tempfile.TemporaryDirectory(prefix="moeguard-canary-") as td:
         spec_path, out_path = Path(td) / "spec.json", Path(td) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        cmd = [sys.executable, "-m", "guard.canary", "--worker", str(spec_path), str(out_path)]
+        cmd = [python or sys.executable, "-m", "guard.canary", "--worker", str(spec_path), str(out_path)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=cwd,
                                   preexec_fn=_no_aslr if stable_layout and sys.platform == "linux" else None)  # fmt: skip
         except subprocess.TimeoutExpired:
             return {"status": "error", "reason": f"measurement timed out after {timeout_s:.0f} s"}
@@ -756,25 +804,50 @@ def baseline_span_h(baseline: list[dict[str, Any]]) -> float:
     return (max(times) - min(times)) / 3600 if len(times) > 1 else 0.0
 
 
-def mfu_gate_cap(baseline: list[dict[str, Any]], timing: str, min_span_h: float) -> str:
-    """Why the MFU gate may only warn on this baseline ("" when it may fail): on CPU a baseline
-    recorded in one sitting has seen one state of the host (see CanaryConfig.baseline_min_span_h)."""
-    if timing != TIMING_CPU or min_span_h <= 0 or not baseline:
-        return ""
+def baseline_spread_pct(baseline: list[dict[str, Any]], key: str) -> float | None:
+    """The baseline's own spread of the gated MFU, in percent: (max - min) / median over its
+    entries; with one entry, over that entry's worker processes. None when there is nothing to span."""
+    vals = [e[key] for e in baseline if isinstance(e.get(key), int | float) and math.isfinite(e[key]) and e[key] > 0]
+    if len(vals) < 2 and len(baseline) == 1:
+        vals = [m for m, _ in process_pairs(baseline[0])]
+    if len(vals) < 2:
+        return None
+    return 100 * (max(vals) - min(vals)) / statistics.median(vals)
+
+
+def young_fail_line(baseline: list[dict[str, Any]], timing: str, c: CanaryConfig) -> dict[str, Any]:
+    """The MFU fail line to apply, and why (CPU timing, see CanaryConfig.baseline_min_span_h).
+
+    A baseline whose entries span less than baseline_min_span_h has not seen a shared host's slow
+    and fast spells, so the configured line would false-alarm on drift. The line is widened, not
+    disarmed:
+
+        fail = max(mfu_fail_pct, min(young_fail_cap_pct, max(young_spread_factor x spread, young_fail_floor_pct)))
+
+    spread = the baseline's own (max - min) / median (baseline_spread_pct). The floor (10%) is about
+    twice the drift this class of host shows within an hour on an unchanged build (docs/BENCHMARKS.md,
+    canary: clean first-run MFU deltas down to -5.1% against a history of 0.9 h, the host's step time
+    +22% in 30 minutes, two thirds of it normalised away); 3x the spread covers a baseline that saw
+    more. The cap (20%) keeps the gate armed whatever a few noisy entries say: a 30% slowdown reads
+    -23% MFU and fails from the first day. The warn line and the re-run rule stay as configured.
+    """
     span = baseline_span_h(baseline)
-    if span >= min_span_h:
-        return ""
-    return (f"MFU is warn-only here: the {len(baseline)} baseline entries span {span:.1f} h, less than "
-            f"canary.baseline_min_span_h = {min_span_h:g} h, too short to have seen a shared host's slow and fast spells; "
-            "record baselines (--record) at other times to arm the MFU fail line")  # fmt: skip
-
-
-def cap_mfu(decision: list[dict[str, Any]], reason: str) -> list[dict[str, Any]]:
-    """MFU fails become warns, with the reason, when the baseline cannot arm the MFU gate."""
-    if not reason:
-        return decision
-    return [{**d, "final": WARN, "capped": reason} if d["metric"] in MFU_METRICS and d["final"] == FAIL else d
-            for d in decision]  # fmt: skip
+    key = MFU_ADJ if timing == TIMING_CPU else MFU
+    out = {"armed": True, "widened": False, "fail_pct": c.mfu_fail_pct, "configured_fail_pct": c.mfu_fail_pct,
+           "spread_pct": None, "baseline_span_h": span, "reason": ""}  # fmt: skip
+    if timing != TIMING_CPU or c.baseline_min_span_h <= 0 or not baseline or span >= c.baseline_min_span_h:
+        return out
+    spread = baseline_spread_pct(baseline, key)
+    wide = min(c.young_fail_cap_pct, max(c.young_spread_factor * (spread or 0.0), c.young_fail_floor_pct))
+    line = max(c.mfu_fail_pct, wide)
+    out.update(widened=line > c.mfu_fail_pct, fail_pct=line, spread_pct=spread)
+    spread_txt = "no spread (one process)" if spread is None else f"spread {spread:.1f}%"
+    out["reason"] = (f"the {len(baseline)} baseline entries span {span:.1f} h, less than canary.baseline_min_span_h = "
+                     f"{c.baseline_min_span_h:g} h, so the MFU fail line is -{line:.1f}% = max(configured "
+                     f"-{c.mfu_fail_pct:g}%, min(cap {c.young_fail_cap_pct:g}%, max({c.young_spread_factor:g} x the "
+                     f"baseline's {spread_txt}, floor {c.young_fail_floor_pct:g}%))); record baselines (--record) at "
+                     "other times to narrow it")  # fmt: skip
+    return out
 
 
 def select_baseline(entries: list[dict[str, Any]], fingerprint: str, config_hash: str,
@@ -960,9 +1033,8 @@ def measure(setup: Setup, runs: Path, *, name: str, variant: dict[str, Any] | No
     for p in range(k):
         suffix = f"p{p + 1}" if k > 1 else ""
         run_dir = _new_run_dir(runs, f"{_slug(name)}-{stamp}-r{attempt}{suffix}")
-        spec = {"config": str(setup.path.resolve()), "overrides": {**setup.overrides, **_canary_overrides(setup)},
-                "variant": variant or {}, "variant_label": variant_label, "name": name,
-                "run_dir": str(run_dir.resolve()), "slow_pct": slow_pct, "attempt": attempt}  # fmt: skip
+        spec = worker_spec(setup, run_dir, name=name, variant=variant, variant_label=variant_label,
+                           slow_pct=slow_pct, attempt=attempt)  # fmt: skip
         result = spawn_measurement(spec, setup.canary.timeout_s, cfg.train.threads, setup.canary.stable_layout)
         if result.get("status") != "ok":
             return Measurement(result=result, attempt=attempt)
@@ -979,6 +1051,14 @@ def measure(setup: Setup, runs: Path, *, name: str, variant: dict[str, Any] | No
     m.summary = pool_processes(summaries)
     m.summary["profile"] = profile_summary(Path(first["run_dir"]))
     return m
+
+
+def worker_spec(setup: Setup, run_dir: Path, *, name: str, variant: dict[str, Any] | None = None,
+                variant_label: str = "", slow_pct: float = 0.0, attempt: int = 1) -> dict[str, Any]:  # fmt: skip
+    """What one worker process measures (`python -m guard.canary --worker SPEC OUT`)."""
+    return {"config": str(setup.path.resolve()), "overrides": {**setup.overrides, **_canary_overrides(setup)},
+            "variant": variant or {}, "variant_label": variant_label, "name": name,
+            "run_dir": str(run_dir.resolve()), "slow_pct": slow_pct, "attempt": attempt}  # fmt: skip
 
 
 def pool_processes(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -998,9 +1078,15 @@ def pool_processes(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# [canary] keys only the parent reads: not passed to workers, so a worker of an older moeguard (`--ab
+# py:PATH` with that venv's own install) does not reject keys it does not know.
+PARENT_ONLY_KEYS = ("young_", "ab_")
+
+
 def _canary_overrides(setup: Setup) -> dict[str, Any]:
     """The worker re-reads the TOML; pass the already-applied [canary] values along."""
-    return {f"canary.{f.name}": getattr(setup.canary, f.name) for f in dataclasses.fields(CanaryConfig)}
+    return {f"canary.{f.name}": getattr(setup.canary, f.name) for f in dataclasses.fields(CanaryConfig)
+            if not f.name.startswith(PARENT_ONLY_KEYS)}  # fmt: skip
 
 
 def _progress(msg: str) -> None:
@@ -1045,14 +1131,16 @@ def run_canary(args: argparse.Namespace, setup: Setup) -> int:
     baseline = [with_host_adjusted(e, fit) for e in baseline]
     first.summary = with_host_adjusted(first.summary, fit)
 
-    comparisons = [compare(first.summary, baseline, setup.canary, timing)] if baseline else [[]]
+    line = young_fail_line(baseline, timing, setup.canary)
+    gates = dataclasses.replace(setup.canary, mfu_fail_pct=line["fail_pct"]) if line["widened"] else setup.canary
+    comparisons = [compare(first.summary, baseline, gates, timing)] if baseline else [[]]
     pooled: list[dict[str, Any]] = []
     summary = first.summary
     notice = ""
     if not baseline and not args.record:  # a --record with no baseline records the first one: no hint
         notice = (f"no baseline for {fingerprint}; record one with --record "
                   f"(moeguard canary --config {args.config} --history {args.history} --record)")  # fmt: skip
-    elif setup.canary.confirm and needs_confirmation(comparisons[0]):
+    elif gates.confirm and needs_confirmation(comparisons[0]):
         _progress("the first run regressed; re-running once to confirm ...")
         second = measure(setup, Path(args.runs), name=name, slow_pct=slow, attempt=2)
         runs.append(second)
@@ -1060,24 +1148,25 @@ def run_canary(args: argparse.Namespace, setup: Setup) -> int:
             return _report_error(args, second)
         second.summary = with_host_adjusted(second.summary, fit)
         _progress(_describe(second))
-        comparisons.append(compare(second.summary, baseline, setup.canary, timing))
+        comparisons.append(compare(second.summary, baseline, gates, timing))
         summary = pool_summaries([first.summary, second.summary])
-        pooled = compare(summary, baseline, setup.canary, timing)
-    cap = mfu_gate_cap(baseline, timing, setup.canary.baseline_min_span_h)
-    decision = cap_mfu(decide(comparisons, pooled), cap)
+        pooled = compare(summary, baseline, gates, timing)
+    decision = decide(comparisons, pooled)
     verdict = worst([d["final"] for d in decision])
-    if any("capped" in d for d in decision):
-        notice = f"MFU is past its fail line, but {cap}"
-    elif pooled and verdict != FAIL and any(r["level"] == FAIL for r in comparisons[0]):
-        notice = "the first run failed but the regression did not repeat in the re-run: not failing"
+    if line["widened"]:
+        notice = "young baseline: " + line["reason"]
+    if pooled and verdict != FAIL and any(r["level"] == FAIL for r in comparisons[0]):
+        notice = "; ".join(x for x in (notice, "the first run failed but the regression did not repeat in the "
+                                       "re-run: not failing") if x)  # fmt: skip
     report = build_report(setup=setup, args=args, runs=runs, comparisons=comparisons, pooled=pooled,
                           decision=decision, baseline=baseline, verdict=verdict, notice=notice,
                           fingerprint=fingerprint, config_hash=config_hash, slow=slow, problems=problems)  # fmt: skip
     report["host_fit"] = _finite(host_fit_report(fit, runs))
-    report["mfu_gate"] = {"armed": not cap, "reason": cap, "baseline_span_h": baseline_span_h(baseline)}
+    report["mfu_gate"] = _finite(line)
     record_as_baseline = args.record and (verdict != FAIL or args.accept)
     if args.record or args.append:
         entry = history_entry(runs[-1], summary, setup, fingerprint, config_hash, verdict, record_as_baseline)
+        entry["fail_pct_applied"] = gates.mfu_fail_pct  # the widened line on a young CPU baseline
         append_history(history_path, entry)
         report["recorded"] = {"path": str(history_path), "baseline": record_as_baseline}
     write_reports(report, Path(args.report_dir))
@@ -1553,6 +1642,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matrix", nargs="+", metavar="AXIS=V1,V2",
                    help="kernel matrix instead of the gate: attention=..., experts=..., compile=off,on")
     p.add_argument("--repeats", type=int, default=2, help="matrix: runs per variant, interleaved (default: 2)")
+    p.add_argument("--ab", nargs=2, metavar=("A", "B"),
+                   help="A/B canary instead of the gate (no history): two environments, each py:PATH (another "
+                        "Python interpreter, e.g. a venv's bin/python) or set:KEY=VALUE[,KEY=VALUE...] (this "
+                        "interpreter with config overrides; set: alone = the config unchanged); worker processes "
+                        "alternate in ABBA order (canary.ab_order); fails when the sign-test interval of the median "
+                        "per-pair B/A tokens/s ratio lies wholly below 1 - canary.ab_fail_pct/100 (exit 1). "
+                        "--inject slow:PCT slows B (a:slow:PCT slows A). Report: ab.md/ab.json in --report-dir")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1561,6 +1657,15 @@ def run(args: argparse.Namespace) -> int:
     setup = load_setup(args.config, parse_overrides(args.set))
     if args.report_dir is None:
         args.report_dir = Path(args.runs) / "canary-report"
+    if args.ab:
+        clash = [flag for flag, on in (("--matrix", args.matrix), ("--history", args.history), ("--record", args.record),
+                                       ("--append", args.append), ("--accept", args.accept)) if on]  # fmt: skip
+        if clash:
+            print(f"moeguard canary: --ab keeps no history and runs no matrix; drop {', '.join(clash)}", file=sys.stderr)
+            return EXIT_USAGE
+        from guard.canary_ab import run_ab
+
+        return run_ab(args, setup)
     if args.matrix:
         return run_matrix(args, setup)
     if args.history is None:

@@ -98,23 +98,46 @@ def test_clean_run_passes_and_injected_slowdown_fails(recorded: Path, capsys: py
 
 
 @pytest.mark.slow
-def test_a_baseline_from_one_sitting_only_warns_on_mfu(recorded: Path) -> None:
-    """The shipped config's rule: a CPU baseline that spans less than baseline_min_span_h cannot
-    fail MFU (one state of a shared host); the slowdown still shows, as a warn that says why."""
+def test_a_baseline_from_one_sitting_widens_the_mfu_line(recorded: Path) -> None:
+    """The shipped config's rule: a CPU baseline that spans less than baseline_min_span_h widens the
+    MFU fail line (canary.young_fail_line) instead of disarming it; a 40% slowdown still fails."""
     code = _canary(recorded, "--inject", "slow:40", "--set", "canary.baseline_min_span_h=24",
+                   "--set", "canary.mfu_warn_pct=2", "--set", "canary.mfu_fail_pct=3",
                    "--set", "canary.confirm=false", report="rep-young")  # fmt: skip
     rep = json.loads((recorded / "rep-young" / "canary.json").read_text())
     if rep["timing"] != "cpu":
         # Only on a GPU host (auto timing = wall clock there), where the rule is off by design
-        # (mfu_gate_cap is unit-tested for that). Forcing timing=cpu would change the config hash
+        # (young_fail_line is unit-tested for that). Forcing timing=cpu would change the config hash
         # and leave this module's recorded baseline unmatched. CI (CPU) always runs this test.
         pytest.skip("auto timing is wall clock on this host; the span rule is for CPU timing")
-    assert code == 0 and rep["verdict"] == "warn" and rep["regressed_metrics"] == []
-    mfu = next(d for d in rep["decision"] if d["metric"] == canary.MFU_ADJ)
-    assert mfu["final"] == "warn" and "baseline_min_span_h = 24 h" in mfu["capped"]
-    assert rep["mfu_gate"]["armed"] is False and rep["mfu_gate"]["baseline_span_h"] < 1
-    assert canary.MFU_ADJ in rep["warned_metrics"] and "warn-only" in rep["notice"]
-    assert "- MFU gate: MFU is warn-only here" in (recorded / "rep-young" / "canary.md").read_text()
+    gate = rep["mfu_gate"]
+    assert gate["widened"] and 10 <= gate["fail_pct"] <= 20 and gate["configured_fail_pct"] == 3
+    assert gate["baseline_span_h"] < 1 and "baseline_min_span_h = 24 h" in gate["reason"]
+    assert code == 1 and rep["verdict"] == "fail" and canary.MFU_ADJ in rep["regressed_metrics"]
+    mfu = next(r for r in rep["runs"][0]["comparison"] if r["metric"] == canary.MFU_ADJ)
+    assert mfu["fail"] == pytest.approx(gate["fail_pct"]) and mfu["delta"] < -gate["fail_pct"]
+    assert rep["notice"].startswith("young baseline: ")
+    assert "- MFU gate: the 1 baseline entries span" in (recorded / "rep-young" / "canary.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_fresh_three_entry_history_fails_a_30pct_slowdown_from_the_first_day(tmp_path: Path) -> None:
+    """Issue #15: three --record baselines back to back (span ~minutes, far below the shipped 24 h),
+    the shipped MFU lines (-2/-3%): --inject slow:30 exits non-zero, a clean run exits 0."""
+    young = ["--set", "canary.baseline_min_span_h=24", "--set", "canary.mfu_warn_pct=2",
+             "--set", "canary.mfu_fail_pct=3"]  # fmt: skip
+    for i in range(3):
+        assert _canary(tmp_path, "--record", "--set", "canary.confirm=false", *young, report=f"rec{i}") == 0
+    lines = [json.loads(x) for x in (tmp_path / "h.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and all(e["baseline"] for e in lines)
+    assert _canary(tmp_path, "--inject", "slow:30", *young, report="slow") != 0
+    slow = json.loads((tmp_path / "slow" / "canary.json").read_text())
+    if slow["timing"] == "cpu":
+        assert slow["baseline"]["n"] == 3 and slow["mfu_gate"]["widened"]
+        assert canary.MFU_ADJ in slow["regressed_metrics"]
+    assert _canary(tmp_path, *young, report="clean") == 0
+    clean = json.loads((tmp_path / "clean" / "canary.json").read_text())
+    assert clean["verdict"] in ("pass", "warn") and clean["baseline"]["n"] == 3
 
 
 @pytest.mark.slow
@@ -309,25 +332,39 @@ def test_host_fit_removes_the_hosts_slow_phases_but_not_a_regression() -> None:
     assert max(e[canary.MFU_ADJ] for e in base) / min(e[canary.MFU_ADJ] for e in base) < 1.01
 
 
-def test_mfu_gate_arms_only_on_a_baseline_spanning_the_hosts_states() -> None:
-    def entries(*times: str) -> list[dict[str, object]]:
-        return [{"time": t} for t in times]
+def test_a_young_baseline_widens_the_mfu_fail_line() -> None:
+    def entries(*times: str, mfu: tuple[float, ...] = (0.20, 0.21, 0.205)) -> list[dict[str, object]]:
+        return [{"time": t, canary.MFU: m, canary.MFU_ADJ: m} for t, m in zip(times, mfu, strict=False)]
 
+    c = canary.CanaryConfig(mfu_warn_pct=2, mfu_fail_pct=3, baseline_min_span_h=24)
     day = entries("2026-11-22T10:00:00Z", "2026-11-22T22:00:00Z", "2026-11-23T10:30:00Z")
     assert canary.baseline_span_h(day) == pytest.approx(24.5)
     assert canary.baseline_span_h(entries("2026-11-22T10:00:00Z")) == 0
     assert canary.baseline_span_h(entries("garbage", "2026-11-22T10:00:00Z")) == 0  # unreadable times are skipped
-    assert canary.mfu_gate_cap(day, canary.TIMING_CPU, 24) == ""
-    sitting = entries("2026-11-23T10:00:00Z", "2026-11-23T10:03:00Z")
-    why = canary.mfu_gate_cap(sitting, canary.TIMING_CPU, 24)
-    assert "span 0.1 h" in why and "baseline_min_span_h = 24 h" in why
-    assert canary.mfu_gate_cap(sitting, canary.TIMING_WALL, 24) == ""  # GPU: wall clock, the rule is for CPU
-    assert canary.mfu_gate_cap(sitting, canary.TIMING_CPU, 0) == ""  # switched off
-    decision = [{"metric": canary.MFU_ADJ, "final": "fail"}, {"metric": canary.MEM, "final": "fail"}]
-    capped = canary.cap_mfu(decision, why)
-    assert capped[0]["final"] == "warn" and capped[0]["capped"] == why
-    assert capped[1] == decision[1]  # memory still fails
-    assert canary.cap_mfu(decision, "") == decision
+    line = canary.young_fail_line(day, canary.TIMING_CPU, c)  # spans a day: the configured line
+    assert line["fail_pct"] == 3 and not line["widened"] and line["reason"] == ""
+    # One sitting, spread (0.21 - 0.20) / 0.205 = 4.9%: 3 x 4.9 = 14.6% (above the 10% floor).
+    sitting = entries("2026-11-23T10:00:00Z", "2026-11-23T10:03:00Z", "2026-11-23T10:06:00Z")
+    line = canary.young_fail_line(sitting, canary.TIMING_CPU, c)
+    assert line["widened"] and line["fail_pct"] == pytest.approx(3 * 100 * 0.01 / 0.205)
+    assert line["spread_pct"] == pytest.approx(100 * 0.01 / 0.205)
+    assert "span 0.1 h" in line["reason"] and "baseline_min_span_h = 24 h" in line["reason"]
+    # A tight baseline: the floor; a wild one: the cap (a 30% slowdown, -23% MFU, still fails).
+    tight = entries(*[f"2026-11-23T10:0{i}:00Z" for i in range(3)], mfu=(0.200, 0.201, 0.2005))
+    assert canary.young_fail_line(tight, canary.TIMING_CPU, c)["fail_pct"] == 10
+    wild = entries(*[f"2026-11-23T10:0{i}:00Z" for i in range(3)], mfu=(0.18, 0.22, 0.20))
+    assert canary.young_fail_line(wild, canary.TIMING_CPU, c)["fail_pct"] == 20
+    # One entry: its worker processes' spread.
+    one = [{"time": "2026-11-23T10:00:00Z", canary.MFU_ADJ: 0.2, canary.PROC_MFU: [0.19, 0.21, 0.2],
+            canary.PROC_REF: [5.0, 5.0, 5.0]}]  # fmt: skip
+    assert canary.young_fail_line(one, canary.TIMING_CPU, c)["spread_pct"] == pytest.approx(10)
+    # Configured lines wider than the widening stay; the rule is off on GPUs (wall clock) and at 0 h.
+    assert canary.young_fail_line(sitting, canary.TIMING_CPU, canary.CanaryConfig(
+        mfu_warn_pct=20, mfu_fail_pct=25, baseline_min_span_h=24))["fail_pct"] == 25  # fmt: skip
+    assert not canary.young_fail_line(sitting, canary.TIMING_WALL, c)["widened"]
+    assert not canary.young_fail_line(sitting, canary.TIMING_CPU, canary.CanaryConfig(baseline_min_span_h=0))["widened"]
+    with pytest.raises(canary.ConfigError):
+        canary.CanaryConfig(young_fail_floor_pct=30, young_fail_cap_pct=20)
 
 
 def test_host_fit_does_not_extrapolate_or_overfit() -> None:

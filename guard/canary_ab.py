@@ -1,0 +1,324 @@
+"""`moeguard canary --ab A B`: two environments measured side by side on one host, judged paired.
+
+    moeguard canary --ab set: set:model.experts_kernel=loop                  # the config vs one change
+    moeguard canary --ab py:/opt/torch-old/bin/python py:.venv/bin/python     # two venvs (a torch upgrade)
+    moeguard canary --ab set: set: --inject slow:5                           # prove it: B 5% slower
+
+An environment is `py:PATH` (another Python interpreter, e.g. a venv's bin/python: it runs its own
+moeguard if it has one installed, else this checkout's, with its own torch) or `set:KEY=VALUE[,...]`
+(this interpreter, the config with those overrides, as `--set` takes them; `set:` alone = the
+config unchanged).
+
+Why paired. The history gate compares today's run with runs recorded hours or days ago, and a
+shared host drifts in between (+-5% MFU on the 2-vCPU CI VM within an hour). Here A and B run as
+alternating worker processes on the same host in the same minutes, in ABBA order (A B, B A, A B,
+...; or a seeded random order per pair): a drift that is slow next to two worker processes hits both
+sides of every pair alike, and each ABBA block cancels a linear trend. Each worker is the history
+canary's (guard.canary: fresh process, steady window, on CPU thread CPU time and the paired numpy
+reference); a pair is one A worker and the B worker next to it.
+
+Statistic. Per pair r = speed_B / speed_A, where speed is the steady window's tokens/s: on CPU per
+CPU-second and normalised by the same process's reference matmul (MFU / FLOPs-per-token), on a GPU
+wall clock. The estimate is the median of the r; its interval is the distribution-free sign-test
+interval [r_(k), r_(n+1-k)], k the largest whose coverage 1 - 2 P(Bin(n, 1/2) < k) is at least
+canary.ab_confidence. Verdict (line = 1 - canary.ab_fail_pct / 100):
+  fail  the interval lies wholly below the line: B is slower than A by more than ab_fail_pct;
+  warn  the median is below the line but the interval reaches it (after ab_max_pairs pairs), or the
+        interval lies wholly below 1 (B slower, by less than the line);
+  pass  otherwise (the report says when B is faster).
+A median below the line whose interval still reaches it is undecided: one more ABBA block (two
+pairs) is measured, up to canary.ab_max_pairs, as the history gate re-runs a regression once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from guard import canary
+from guard.tomlconf import ConfigError
+
+SYNTAX = ("py:PATH (another Python interpreter, e.g. /opt/venv/bin/python) or set:KEY=VALUE[,KEY=VALUE...] "
+          "(this interpreter with config overrides; set: alone = the config unchanged)")  # fmt: skip
+SPEED, TPS_RAW, MFU_R, TPS_WALL = "speed", "tokens_per_s", "mfu", "tokens_per_s_wall"
+RATIO_LABELS = {
+    SPEED: "tokens/s (gated; CPU: per CPU-second, normalised by the reference matmul)",
+    TPS_RAW: "tokens/s (CPU: per CPU-second, not normalised)",
+    MFU_R: "MFU",
+    TPS_WALL: "tokens/s, wall clock",
+}
+ENV_DIFF_KEYS = ("torch", "cuda", "python", "python_executable", "numpy", "moeguard", "device", "attention_backend",
+                 "expert_kernel", "compile", "dtype", "peak_flops_source", "world_size", "git_sha", "overrides")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Environments.
+
+
+@dataclass(kw_only=True, slots=True)
+class Side:
+    """One environment of the A/B: which interpreter runs the worker and with what config."""
+
+    name: str  # "A" | "B"
+    spec: str  # as given on the command line
+    python: str | None = None  # None: this interpreter
+    overrides: dict[str, Any] = field(default_factory=dict)
+    slow_pct: float = 0.0
+    probe: dict[str, Any] = field(default_factory=dict)  # py: what the interpreter says about itself
+    extra_env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+
+
+def parse_side(spec: str, name: str) -> Side:
+    """`py:PATH` or `set:K=V[,K=V...]` -> Side; a ConfigError names the bad value and the syntax."""
+    kind, sep, rest = spec.partition(":")
+    where = f"--ab {name} = {spec!r}"
+    if not sep or kind not in ("py", "set"):
+        raise ConfigError(f"{where}: expected {SYNTAX}")
+    if kind == "py":
+        if not rest.strip():
+            raise ConfigError(f"{where}: py: needs the path of a Python interpreter, e.g. py:/opt/venv/bin/python")
+        path = Path(rest).expanduser()
+        if not path.is_file() or not os.access(path, os.X_OK):
+            raise ConfigError(f"{where}: {rest!r} is not an executable file (expected {SYNTAX})")
+        # abspath, not resolve(): a venv's bin/python is a symlink, and the resolved target is the
+        # base interpreter without the venv's packages.
+        return Side(name=name, spec=spec, python=os.path.abspath(path))
+    from trainer.cli import parse_overrides  # the parser --set uses (guard.canary.run imports it too)
+
+    items = [x.strip() for x in rest.split(",") if x.strip()]
+    for item in items:
+        if "=" not in item or not item.partition("=")[0].strip():
+            raise ConfigError(f"{where}: {item!r} is not KEY=VALUE (expected {SYNTAX})")
+    overrides = parse_overrides(items)
+    for key in overrides:
+        if key.startswith("canary."):
+            raise ConfigError(f"{where}: {key} is a measurement setting and must be the same on both sides; "
+                              "give it once with --set")  # fmt: skip
+    return Side(name=name, spec=spec, overrides=overrides, probe={"moeguard": f"this checkout ({canary.REPO})"})
+
+
+_PROBE = r"""
+import json, os, platform, sys
+d = {"python": platform.python_version(), "python_executable": sys.executable, "missing": []}
+for mod in ("torch", "numpy"):
+    try:
+        d[mod] = __import__(mod).__version__
+    except Exception as e:
+        d["missing"].append(f"{mod} ({type(e).__name__}: {e})")
+try:
+    import guard.canary as g
+    d["moeguard"] = os.path.dirname(os.path.dirname(os.path.abspath(g.__file__)))
+except Exception:
+    d["moeguard"] = None
+print(json.dumps(d))
+"""
+
+
+def probe_interpreter(side: Side, neutral_dir: Path) -> None:
+    """Ask a `py:` interpreter for its versions and whether it has moeguard; set how its workers
+    start. Run from a directory with no `guard/` in it, so the checkout does not shadow an install."""
+    where = f"--ab {side.name} = {side.spec!r}"
+    assert side.python is not None
+    try:
+        out = subprocess.run([side.python, "-c", _PROBE], capture_output=True, text=True, timeout=300,
+                             cwd=neutral_dir)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ConfigError(f"{where}: cannot run it: {e}") from None
+    try:
+        side.probe = json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        tail = " | ".join((out.stderr or out.stdout).strip().splitlines()[-3:])
+        raise ConfigError(f"{where}: not a working Python interpreter (exit {out.returncode}: {tail})") from None
+    if side.probe.get("missing"):
+        raise ConfigError(f"{where}: the interpreter cannot import " + ", ".join(side.probe["missing"]))
+    side.cwd = str(neutral_dir)
+    if side.probe.get("moeguard") == str(canary.REPO):  # e.g. this venv (an editable install)
+        side.probe["moeguard"] = f"this checkout ({canary.REPO})"
+    elif side.probe.get("moeguard"):
+        side.probe["moeguard"] = f"its own install ({side.probe['moeguard']})"
+    else:  # this checkout's moeguard with that interpreter's torch
+        side.extra_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(canary.REPO), os.environ.get("PYTHONPATH"))
+                                                       if p)  # fmt: skip
+        side.probe["moeguard"] = f"this checkout ({canary.REPO}), on PYTHONPATH"
+
+
+def parse_inject(specs: list[str]) -> tuple[float, float]:
+    """`--inject slow:PCT` slows B; `a:slow:PCT` / `b:slow:PCT` name the side. -> (slow A, slow B)."""
+    slow = {"a": 0.0, "b": 0.0}
+    for spec in specs:
+        side, sep, rest = spec.partition(":")
+        if sep and side.lower() in slow:
+            slow[side.lower()] = canary.parse_slow([rest])
+        else:
+            slow["b"] = canary.parse_slow([spec])
+    return slow["a"], slow["b"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Order and statistics.
+
+
+def pair_orders(n: int, order: str, rng: random.Random, start: int = 0) -> list[str]:
+    """'AB' or 'BA' for pairs start..start+n-1: ABBA alternates; random flips a seeded coin."""
+    if order == "abba":
+        return ["AB" if i % 2 == 0 else "BA" for i in range(start, start + n)]
+    return ["AB" if rng.random() < 0.5 else "BA" for _ in range(n)]
+
+
+def sign_test_interval(xs: list[float], confidence: float) -> tuple[float, float, float]:
+    """(lo, hi, coverage): the distribution-free interval [x_(k), x_(n+1-k)] for the median, k the
+    largest with coverage 1 - 2 P(Bin(n, 1/2) <= k - 1) >= confidence (k = 1 when none reaches it:
+    the full range, with the coverage it has)."""
+    xs = sorted(xs)
+    n = len(xs)
+    if n == 0:
+        return float("nan"), float("nan"), 0.0
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= confidence:
+        k += 1
+    return xs[k - 1], xs[n - k], coverage(k)
+
+
+def paired_statistic(ratios: list[float], c: canary.CanaryConfig) -> dict[str, Any]:
+    """Median B/A ratio, its sign-test interval and the verdict (see the module docstring)."""
+    lo, hi, cov = sign_test_interval(ratios, c.ab_confidence)
+    med = statistics.median(ratios) if ratios else float("nan")
+    line = 1 - c.ab_fail_pct / 100
+    if hi < line:
+        verdict, state = canary.FAIL, f"B is slower than A by more than {c.ab_fail_pct:g}%: the whole interval is below {line:.3f}"
+    elif med < line:
+        verdict, state = canary.WARN, (f"undecided: the median is below {line:.3f} but the interval reaches it "
+                                       f"(B may be slower by more than {c.ab_fail_pct:g}%)")  # fmt: skip
+    elif hi < 1:
+        verdict, state = canary.WARN, f"B is slower than A, by less than the {c.ab_fail_pct:g}% line"
+    elif lo > 1:
+        verdict, state = canary.PASS, "B is faster than A (the whole interval is above 1)"
+    else:
+        verdict, state = canary.PASS, f"no slowdown beyond {c.ab_fail_pct:g}% (the interval reaches 1)"
+    return {"median": med, "ci": [lo, hi], "coverage": cov, "n_pairs": len(ratios), "fail_below": line,
+            "delta_pct": 100 * (med - 1), "b_faster_pairs": sum(r > 1 for r in ratios), "verdict": verdict,
+            "state": state, "undecided": med < line <= hi}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring.
+
+
+def measure_side(setup: canary.Setup, side: Side, runs: Path, pair: int, stamp: str) -> dict[str, Any]:
+    """One worker process of one side: the history canary's worker and summary, per-worker metrics."""
+    cfg = setup.train_config(side.overrides)
+    run_dir = canary._new_run_dir(runs, f"canary-ab-{stamp}-p{pair + 1:02d}{side.name}")
+    spec = canary.worker_spec(setup, run_dir, name=f"canary-ab[{side.name}]", variant=side.overrides,
+                              variant_label=f"ab {side.name}: {side.spec}", slow_pct=side.slow_pct, attempt=pair + 1)  # fmt: skip
+    result = canary.spawn_measurement(spec, setup.canary.timeout_s, cfg.train.threads, setup.canary.stable_layout,
+                                      python=side.python, extra_env=side.extra_env, cwd=side.cwd)  # fmt: skip
+    if result.get("status") != "ok":
+        return result
+    s = canary.summarize(result, setup.canary.warmup_steps, canary.profiled_steps(cfg))
+    cpu = result["timing"] == canary.TIMING_CPU
+    tps = s[canary.TPS]
+    result["metrics"] = {
+        SPEED: tps * s[canary.REF] / 1e3 if cpu else tps,  # CPU: tokens per CPU-second x reference seconds
+        TPS_RAW: tps, MFU_R: s[canary.MFU], TPS_WALL: s["tokens_per_s_wall_p50"],
+        "ref_cpu_ms": s[canary.REF], "step_cpu_ms": s["step_cpu_ms_p50"], "step_wall_ms": s["step_wall_ms_p50"],
+        "mem_peak_bytes": s[canary.MEM], "final_loss": s[canary.LOSS], "window_steps": s["window_steps"],
+    }  # fmt: skip
+    return result
+
+
+def _worker_row(side: Side, pair: int, r: dict[str, Any]) -> dict[str, Any]:
+    return {"side": side.name, "pair": pair + 1, "run_id": r.get("run_id"), "run_dir": r.get("run_dir"),
+            "wall_s": r.get("wall_s"), "loadavg": r.get("loadavg"), "timing": r.get("timing"),
+            "flops_per_token": r.get("flops_per_token"), **r["metrics"]}  # fmt: skip
+
+
+def pair_ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
+    """B/A per metric (MFU only where both sides do the same FLOPs per token: else it is no speed)."""
+    out: dict[str, float | None] = {}
+    for k in (SPEED, TPS_RAW, MFU_R, TPS_WALL):
+        va, vb = a.get(k), b.get(k)
+        ok = isinstance(va, int | float) and isinstance(vb, int | float) and va > 0 and math.isfinite(vb)
+        out[k] = vb / va if ok else None
+    if a.get("flops_per_token") != b.get("flops_per_token"):
+        out[MFU_R] = None
+    return out
+
+
+def run_ab(args: argparse.Namespace, setup: canary.Setup) -> int:
+    from guard.canary_ab_report import build_report, print_summary, write_reports
+
+    c = setup.canary
+    sides = [parse_side(spec, name) for spec, name in zip(args.ab, "AB", strict=True)]
+    sides[0].slow_pct, sides[1].slow_pct = parse_inject(args.inject)
+    for side in sides:  # a bad key fails now, named, not after minutes of measuring
+        try:
+            setup.train_config(side.overrides)
+        except ConfigError as e:
+            raise ConfigError(f"--ab {side.name} = {side.spec!r}: {e}") from None
+    runs = Path(args.runs).resolve()
+    runs.mkdir(parents=True, exist_ok=True)
+    for side in sides:
+        if side.python is not None:
+            probe_interpreter(side, runs)
+    t0 = time.perf_counter()
+    rng = random.Random(c.ab_seed)
+    stamp = canary._stamp()
+    rows: list[dict[str, Any]] = []
+    pairs: list[dict[str, Any]] = []
+    orders = pair_orders(c.ab_pairs, c.ab_order, rng)
+    stat: dict[str, Any] = {}
+    canary._progress(f"A/B: A = {sides[0].spec}, B = {sides[1].spec}; {c.ab_pairs} pairs ({c.ab_order} order)"
+                     f"{'' if c.ab_max_pairs == c.ab_pairs else f', up to {c.ab_max_pairs} if undecided'} ...")  # fmt: skip
+    while True:
+        for i in range(len(pairs), len(orders)):
+            got: dict[str, dict[str, Any]] = {}
+            for name in orders[i]:
+                side = sides["AB".index(name)]
+                r = measure_side(setup, side, runs, i, stamp)
+                if r.get("status") == "unavailable":
+                    print(f"moeguard canary: --ab {name} = {side.spec!r} cannot run here: {r.get('reason')}",
+                          file=sys.stderr)  # fmt: skip
+                    return canary.EXIT_USAGE
+                if r.get("status") != "ok":
+                    print(f"moeguard canary: --ab {name} ({side.spec}) measurement failed: {r.get('reason')}",
+                          file=sys.stderr)  # fmt: skip
+                    for line in r.get("stderr_tail", []):
+                        print(f"  {line}", file=sys.stderr)
+                    return canary.EXIT_FAIL
+                got[name] = _worker_row(side, i, r)
+                got[name]["env"] = {**side.probe, **r.get("env", {}),
+                                    **{k: r[k] for k in ("python_executable", "numpy") if r.get(k)}}  # fmt: skip
+            rows += [got[name] for name in orders[i]]  # in the order they ran
+            ratios = pair_ratios(got["A"], got["B"])
+            pairs.append({"pair": i + 1, "order": orders[i], "a_run": got["A"]["run_id"], "b_run": got["B"]["run_id"],
+                          "ratio": ratios, "load": os.getloadavg()[0]})  # fmt: skip
+            canary._progress(f"  pair {i + 1}/{len(orders)} ({orders[i]}): B/A {ratios[SPEED]:.4f} "
+                             f"(A {got['A'][SPEED]:,.1f}, B {got['B'][SPEED]:,.1f}), load {pairs[-1]['load']:.1f}, "
+                             f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+        stat = paired_statistic([p["ratio"][SPEED] for p in pairs], c)
+        if not stat["undecided"] or len(orders) >= c.ab_max_pairs:
+            break
+        more = min(2, c.ab_max_pairs - len(orders))
+        canary._progress(f"  undecided (median {stat['median']:.4f}, interval up to {stat['ci'][1]:.4f}): "
+                         f"{more} more pair(s) ...")  # fmt: skip
+        orders += pair_orders(more, c.ab_order, rng, start=len(orders))
+    rep = build_report(setup=setup, sides=sides, rows=rows, pairs=pairs, stat=stat,
+                       elapsed_s=time.perf_counter() - t0)  # fmt: skip
+    write_reports(rep, Path(args.report_dir))
+    print_summary(rep)
+    return canary.EXIT_FAIL if rep["verdict"] == canary.FAIL else canary.EXIT_PASS

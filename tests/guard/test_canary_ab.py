@@ -1,0 +1,162 @@
+"""`moeguard canary --ab A B`: environments, ABBA order, the paired statistic, real A/B runs.
+
+The end-to-end tests run real worker processes (the history canary's worker) on the shrunken canary
+config of test_canary.py, with a loose line (10%) and a large injected slowdown (40%, B/A ~0.71) so
+the verdicts are unambiguous on a loaded 2-core machine. bench/canary_power.py --ab measures the
+real defaults' power.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from guard import canary, canary_ab
+from guard.cli import main
+from tests.guard.test_canary import TINY, _sets
+
+AB_TINY = [*TINY, "canary.ab_fail_pct=10"]
+
+
+def _ab(tmp: Path, a: str, b: str, *extra: str, pairs: int, report: str = "rep") -> tuple[int, dict]:
+    code = main(["canary", "--ab", a, b, "--runs", str(tmp / "runs"), "--report-dir", str(tmp / report),
+                 *_sets([*AB_TINY, f"canary.ab_pairs={pairs}", f"canary.ab_max_pairs={pairs}"]), *extra])  # fmt: skip
+    path = tmp / report / "ab.json"
+    return code, (json.loads(path.read_text()) if path.is_file() else {})
+
+
+# ---- real A/B runs ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ab_with_b_slowed_fails_on_the_paired_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, rep = _ab(tmp_path, "set:", "set:model.experts_kernel=bmm,train.seed=0", "--inject", "slow:40", pairs=4)
+    assert code == 1 and rep["verdict"] == "fail" and rep["exit_code"] == 1
+    # ABBA: pairs alternate AB, BA; the workers ran in exactly that order, one A and one B per pair.
+    assert rep["sequence"] == "ABBAABBA"
+    assert [w["side"] for w in rep["workers"]] == list("ABBAABBA")
+    assert [w["pair"] for w in rep["workers"]] == [1, 1, 2, 2, 3, 3, 4, 4]
+    # Every worker is a real run in the run store, marked with its side; only B was slowed.
+    for w in rep["workers"]:
+        run_dir = Path(w["run_dir"])
+        meta = json.loads((run_dir / "meta.json").read_text())
+        assert meta["status"] == "finished" and meta["canary"]["variant"].startswith(f"ab {w['side']}: ")
+        assert meta["canary"]["slow_pct"] == (40 if w["side"] == "B" else 0)
+    # The paired statistic: per-pair B/A of the workers' own speeds, their median, the interval.
+    by_run = {w["run_id"]: w for w in rep["workers"]}
+    ratios = [p["ratio"]["speed"] for p in rep["pairs"]]
+    for p, r in zip(rep["pairs"], ratios, strict=True):
+        assert r == pytest.approx(by_run[p["b_run"]]["speed"] / by_run[p["a_run"]]["speed"])
+        assert r < 0.9  # 40% more CPU per step: ~0.71
+    st = rep["statistic"]
+    assert st["median"] == pytest.approx(sorted(ratios)[1] / 2 + sorted(ratios)[2] / 2)
+    assert 0.55 < st["median"] < 0.85 and st["n_pairs"] == 4
+    assert st["ci"] == pytest.approx([min(ratios), max(ratios)])  # n = 4: the sign-test interval is the range
+    assert st["coverage"] == pytest.approx(1 - 2 / 16) and st["ci"][1] < st["fail_below"] == pytest.approx(0.9)
+    assert rep["sides"]["B"]["slow_pct"] == 40 and rep["sides"]["A"]["slow_pct"] == 0
+    # The environment diff names what differs (the override set) and what does not (torch, kernel).
+    diff = {d["key"]: d for d in rep["env_diff"]}
+    assert diff["overrides"]["differs"] and not diff["torch"]["differs"] and not diff["expert_kernel"]["differs"]
+    assert diff["attention_backend"]["a"] not in ("?", "None")  # the backend actually used, from the worker
+    assert rep["profile_diff"]["workers_profiled"] == {"A": 4, "B": 4} and rep["profile_diff"]["host"]
+    md = (tmp_path / "rep" / "ab.md").read_text()
+    assert md.startswith("# A/B canary: FAIL") and "## Pairs" in md and "## Environments" in md
+    assert "Host ops, self time per step" in md
+    assert "canary A/B FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_equals_a_passes_and_a_py_interpreter_runs_the_worker(tmp_path: Path) -> None:
+    """A = this interpreter, B = the same interpreter given as py:PATH: no change, so no fail; the
+    py: side runs its worker through that interpreter and reports it."""
+    code, rep = _ab(tmp_path, "set:", f"py:{sys.executable}", pairs=3)
+    assert code == 0 and rep["verdict"] in ("pass", "warn"), rep.get("state")
+    assert rep["sequence"] == "ABBAAB" and rep["statistic"]["n_pairs"] == 3
+    assert 0.85 < rep["statistic"]["median"] < 1.15
+    assert rep["sides"]["B"]["python"] == str(Path(sys.executable).absolute())
+    diff = {d["key"]: d for d in rep["env_diff"]}
+    assert not diff["torch"]["differs"] and not diff["python"]["differs"] and not diff["moeguard"]["differs"]
+    assert diff["python_executable"]["b"] == sys.executable
+    assert "mfu" in rep["other_ratios"]  # same FLOPs per token on both sides: the MFU ratio is shown
+
+
+# ---- usage errors name the bad value ------------------------------------------------------------
+@pytest.mark.parametrize(("a", "b", "says"), [
+    ("torch=2.13", "set:", "'torch=2.13': expected py:PATH"),
+    ("set:", "py:", "py: needs the path of a Python interpreter"),
+    ("set:", "py:/no/such/python", "'/no/such/python' is not an executable file"),
+    ("set:model.attention", "set:", "'model.attention' is not KEY=VALUE"),
+    ("set:", "set:model.nope=1", "--ab B = 'set:model.nope=1': "),
+    ("set:canary.warmup_steps=5", "set:", "canary.warmup_steps is a measurement setting"),
+])  # fmt: skip
+def test_bad_ab_specs_are_usage_errors_naming_the_value(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        a: str, b: str, says: str) -> None:  # fmt: skip
+    assert main(["canary", "--ab", a, b, "--runs", str(tmp_path / "runs")]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_ab_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = ["--runs", str(tmp_path / "runs")]
+    assert main(["canary", "--ab", "set:", "set:", "--history", str(tmp_path / "h.jsonl"), *runs]) == 2
+    assert "drop --history" in capsys.readouterr().err
+    assert main(["canary", "--ab", "set:", "set:", "--record", *runs]) == 2
+    assert main(["canary", "--ab", "set:", "set:", "--inject", "c:slow:5", *runs]) == 2
+    assert main(["canary", "--ab", "set:", "set:", "--set", "canary.ab_order=zigzag", *runs]) == 2
+    assert main(["canary", "--ab", "set:", "set:", "--set", "canary.ab_max_pairs=2", *runs]) == 2  # < ab_pairs
+    not_python = tmp_path / "not-python"
+    not_python.write_text("#!/bin/sh\nexit 3\n")
+    not_python.chmod(0o755)
+    capsys.readouterr()
+    assert main(["canary", "--ab", "set:", f"py:{not_python}", *runs]) == 2
+    assert "not a working Python interpreter" in capsys.readouterr().err
+
+
+# ---- the pieces ---------------------------------------------------------------------------------
+def test_parse_side_and_inject() -> None:
+    s = canary_ab.parse_side("set:model.attention=math,train.compile=true, model.top_k=1", "B")
+    assert s.python is None and s.overrides == {"model.attention": "math", "train.compile": True, "model.top_k": 1}
+    assert canary_ab.parse_side("set:", "A").overrides == {}
+    p = canary_ab.parse_side(f"py:{sys.executable}", "A")
+    assert p.python == str(Path(sys.executable).absolute()) and p.overrides == {}  # a venv symlink is kept
+    assert canary_ab.parse_inject([]) == (0.0, 0.0)
+    assert canary_ab.parse_inject(["slow:5"]) == (0.0, 5.0)  # plain slow: B
+    assert canary_ab.parse_inject(["a:slow:3", "B:slow:7"]) == (3.0, 7.0)
+    with pytest.raises(canary.ConfigError):
+        canary_ab.parse_inject(["b:fast:3"])
+
+
+def test_abba_and_seeded_random_orders() -> None:
+    assert canary_ab.pair_orders(5, "abba", random.Random(0)) == ["AB", "BA", "AB", "BA", "AB"]
+    assert canary_ab.pair_orders(2, "abba", random.Random(0), start=5) == ["BA", "AB"]  # continues the blocks
+    one = canary_ab.pair_orders(40, "random", random.Random(7))
+    assert one == canary_ab.pair_orders(40, "random", random.Random(7))  # seeded: reproducible
+    assert set(one) == {"AB", "BA"} and 10 < one.count("AB") < 30
+
+
+def test_sign_test_interval_coverage() -> None:
+    xs = [0.90, 0.95, 0.97, 0.98, 0.99, 1.00, 1.01, 1.02, 1.03, 1.05, 1.06, 1.10]
+    lo, hi, cov = canary_ab.sign_test_interval(xs[:6], 0.95)  # n = 6: only the range reaches 95%
+    assert (lo, hi) == (0.90, 1.00) and cov == pytest.approx(1 - 2 / 64)
+    lo, hi, cov = canary_ab.sign_test_interval(xs[:10], 0.95)  # n = 10: [x(2), x(9)], 97.9%
+    assert (lo, hi) == (0.95, 1.03) and cov == pytest.approx(1 - 2 * 11 / 1024)
+    lo, hi, cov = canary_ab.sign_test_interval(list(reversed(xs)), 0.95)  # n = 12: [x(3), x(10)], 96.1%
+    assert (lo, hi) == (0.97, 1.05) and cov == pytest.approx(1 - 2 * 79 / 4096)
+    assert canary_ab.sign_test_interval([1.0, 2.0], 0.95)[2] == pytest.approx(0.5)  # too few: the range, said so
+
+
+def test_paired_verdicts() -> None:
+    c = canary.CanaryConfig(ab_fail_pct=2.0, ab_confidence=0.95)
+
+    def verdict(*xs: float) -> tuple[str, bool]:
+        s = canary_ab.paired_statistic(list(xs), c)
+        return s["verdict"], s["undecided"]
+
+    assert verdict(0.95, 0.96, 0.94, 0.97, 0.95, 0.96) == ("fail", False)  # all below 0.98
+    assert verdict(0.95, 0.96, 0.94, 0.97, 0.95, 0.99) == ("warn", True)  # median below, the range reaches it
+    assert verdict(0.985, 0.99, 0.995, 0.99, 0.985, 0.99) == ("warn", False)  # slower, within the line
+    assert verdict(0.99, 1.01, 1.0, 0.98, 1.02, 1.0) == ("pass", False)
+    s = canary_ab.paired_statistic([1.03, 1.05, 1.04, 1.02, 1.06, 1.05], c)
+    assert s["verdict"] == "pass" and "faster" in s["state"] and s["b_faster_pairs"] == 6
