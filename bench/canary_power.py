@@ -4,6 +4,7 @@
     python -m bench.canary_power --baselines 3 --clean 3 --trials 1 --slowdowns 5   # a quick look
     python -m bench.canary_power --write-docs                     # also update docs/BENCHMARKS.md
                                                                   # (its canary-power part)
+    python -m bench.canary_power --ab --clean 20 --trials 10 --slowdowns 3,5,10   # the A/B canary
 
 1. Record a baseline from `--baselines` clean canary runs (`moeguard canary --record`) into a
    fresh history.
@@ -13,6 +14,11 @@
    re-run fails too).
 A clean run that fails is a false alarm (a warn is counted but is exit 0); an injected run
 that fails is a detection. The smallest slowdown detected in every trial is the canary's power.
+
+`--ab`: the same arms for the A/B canary (`moeguard canary --ab set: set:`, guard/canary_ab.py),
+no history: `--clean` A = B canaries (false alarms) and `--trials` canaries per slowdown with B
+slowed (`--inject slow:PCT` slows B), interleaved. Its table (printed, kept in OUT/ab_power.json)
+is appended to docs/BENCHMARKS.md by hand; `--rejudge OUT --ab` re-analyses a kept bench.
 Each canary run is a real training run in a worker process, so this bench is slow and, on a
 shared machine, noisy: the load average at every run is recorded and reported.
 """
@@ -73,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
                         "use with --baselines 0 to judge live against it alone")  # fmt: skip
     p.add_argument("--rejudge", type=Path, default=None, metavar="OUT",
                    help="run nothing: re-analyse the reports a previous bench kept under OUT (its --out)")
+    p.add_argument("--ab", action="store_true",
+                   help="the A/B canary (set: vs set:, B slowed in the slowdown arms) instead of the history gate")  # fmt: skip
     args = p.parse_args(argv)
+    if args.ab:
+        return ab_main(args)
     if args.rejudge:
         return rejudge(args)
     slowdowns = [float(s) for s in args.slowdowns.split(",") if s.strip()]
@@ -350,6 +360,153 @@ def render(res: dict[str, Any]) -> str:
         f"Load average (1 min) over the bench: min {load.get('min', 0):.1f}, median {load.get('median', 0):.1f}, "
         f"max {load.get('max', 0):.1f} on {os.cpu_count()} cores; {res['elapsed_s'] / 60:.0f} min in all.",
     ]  # fmt: skip
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# A/B mode.
+
+
+def _run_ab(argv: list[str]) -> dict[str, Any]:
+    """One `moeguard canary --ab` (in-process parent, worker subprocesses); returns its ab.json."""
+    from guard.cli import main
+
+    out = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(out):
+        code = main(["canary", *argv])
+    rep = json.loads((Path(argv[argv.index("--report-dir") + 1]) / "ab.json").read_text())
+    rep["_exit"], rep["_elapsed_s"] = code, time.perf_counter() - t0
+    return rep
+
+
+def ab_main(args: argparse.Namespace) -> int:
+    if args.write_docs:
+        raise SystemExit("--ab --write-docs: append the printed section to docs/BENCHMARKS.md by hand")
+    if args.rejudge:
+        return ab_finish(_ab_reload(args.rejudge), args, args.rejudge, rejudged=True)
+    slowdowns = [float(s) for s in args.slowdowns.split(",") if s.strip()]
+    out = args.out or Path(tempfile.mkdtemp(prefix="canary-ab-power-"))
+    out.mkdir(parents=True, exist_ok=True)
+    common = ["--config", str(args.config), "--runs", str(out / "runs"), *(a for s in args.set for a in ("--set", s))]
+    arms: dict[str, list[dict[str, Any]]] = {"A=B": [], **{f"{s:g}%": [] for s in slowdowns}}
+    t_start = time.time()
+
+    def one(arm: str, tag: str, extra: list[str]) -> None:
+        rep = _run_ab(["--ab", "set:", "set:", *common, "--report-dir", str(out / "reports" / tag), *extra])
+        rep["_arm"] = arm
+        arms[arm].append(rep)
+        st = rep["statistic"]
+        print(f"{tag:>12}: {rep['verdict']:4}  B/A {st['median']:.4f} [{st['ci'][0]:.4f}, {st['ci'][1]:.4f}] "
+              f"{st['n_pairs']} pairs  load {os.getloadavg()[0]:.1f}  {rep['_elapsed_s']:.0f} s", flush=True)  # fmt: skip
+
+    for r in range(max(args.clean, args.trials)):
+        if r < args.clean:
+            one("A=B", f"ab-clean-{r + 1}", [])
+        if r < args.trials:
+            for s in slowdowns:
+                one(f"{s:g}%", f"ab-slow{s:g}-{r + 1}", ["--inject", f"slow:{s:g}"])
+    cmd = "python -m bench.canary_power " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    (out / "ab_command.txt").write_text(cmd.strip() + f"\n{time.time() - t_start:.0f}\n")
+    return ab_finish(arms, args, out)
+
+
+def _ab_reload(out: Path) -> dict[str, list[dict[str, Any]]]:
+    """A kept bench's reports (OUT/reports/ab-<arm>-<i>/ab.json), in the order they ran."""
+    arms: dict[str, list[dict[str, Any]]] = {"A=B": []}
+    for f in sorted((out / "reports").glob("ab-*/ab.json"), key=lambda f: f.stat().st_mtime):
+        kind = f.parent.name.rsplit("-", 1)[0].removeprefix("ab-")
+        arm = "A=B" if kind == "clean" else f"{float(kind.removeprefix('slow')):g}%"
+        rep = json.loads(f.read_text())
+        rep["_elapsed_s"] = rep.get("elapsed_s")
+        arms.setdefault(arm, []).append(rep)
+    if not any(arms.values()):
+        raise SystemExit(f"--rejudge {out} --ab: no reports/ab-*/ab.json there")
+    return arms
+
+
+def ab_rejudge(ratios: list[float], first: int, most: int, c: Any) -> str:
+    """The A/B rule (canary_ab.run_ab) replayed on recorded pairs under other settings `c`: start
+    with `first` pairs, add two while undecided, up to `most`; 'unjudged' when it would need more
+    pairs than were measured."""
+    from guard.canary_ab import paired_statistic
+
+    if first > len(ratios):
+        return "unjudged"
+    n = first
+    while True:
+        st = paired_statistic(ratios[:n], c)
+        if not st["undecided"] or n >= most:
+            return st["verdict"]
+        if n + 2 > len(ratios):
+            return "unjudged"
+        n += 2
+
+
+def ab_finish(arms: dict[str, list[dict[str, Any]]], args: argparse.Namespace, out: Path,
+              rejudged: bool = False) -> int:  # fmt: skip
+    import dataclasses as dc
+
+    rows = []
+    for arm, reps in arms.items():
+        med = [r["statistic"]["median"] for r in reps]
+        rows.append({"arm": arm, "runs": len(reps), **{v: sum(r["verdict"] == v for r in reps) for v in ("fail", "warn", "pass")},
+                     "median": statistics.median(med) if med else None, "min": min(med, default=None),
+                     "max": max(med, default=None),
+                     "pairs_mean": statistics.fmean(r["statistic"]["n_pairs"] for r in reps) if reps else None,
+                     "minutes_mean": statistics.fmean(r["_elapsed_s"] / 60 for r in reps) if reps else None,
+                     "minutes_max": max((r["_elapsed_s"] / 60 for r in reps), default=None)})  # fmt: skip
+    clean_pairs = [p["ratio"]["speed"] for r in arms.get("A=B", []) for p in r["pairs"]]
+    raw_pairs = [p["ratio"]["tokens_per_s"] for r in arms.get("A=B", []) for p in r["pairs"]]
+    any_rep = next(r for reps in arms.values() for r in reps)
+    g = any_rep["gates"]
+    base = canary.CanaryConfig(**{k: v for k, v in g.items() if k in {f.name for f in dc.fields(canary.CanaryConfig)}})
+    sweep = []
+    for fail_pct in (0.0, 0.5, 1.0, 2.0, 3.0):
+        for first, most in ((g["ab_pairs"], g["ab_max_pairs"]), (4, g["ab_max_pairs"]), (g["ab_pairs"], g["ab_pairs"])):
+            c = dc.replace(base, ab_fail_pct=fail_pct)
+            row: dict[str, Any] = {"fail_pct": fail_pct, "first": first, "most": most}
+            for arm, reps in arms.items():
+                vs = [ab_rejudge([p["ratio"]["speed"] for p in r["pairs"]], first, most, c) for r in reps]
+                un = vs.count("unjudged")
+                row[arm] = f"{vs.count('fail')}/{len(vs)}" + (f" ({un} unjudged)" if un else "")
+            sweep.append(row)
+    cmd_file = out / "ab_command.txt"
+    cmd, elapsed = (cmd_file.read_text().splitlines() + ["", "0"])[:2] if cmd_file.is_file() else ("", "0")
+    res = {"command": cmd, "elapsed_s": float(elapsed or 0), "rows": rows, "gates": g, "sweep": sweep,
+           "clean_pair_sd_pct": 100 * statistics.stdev(clean_pairs) if len(clean_pairs) > 1 else None,
+           "clean_pair_raw_sd_pct": 100 * statistics.stdev(raw_pairs) if len(raw_pairs) > 1 else None,
+           "clean_pairs": len(clean_pairs), "rejudged": rejudged}  # fmt: skip
+    (out / "ab_power.json").write_text(json.dumps(res, indent=2) + "\n")
+    print("\n" + ab_render(res) + f"\n\nkept under {out}")
+    return 0
+
+
+def ab_render(res: dict[str, Any]) -> str:
+    g = res["gates"]
+    lines = [f"Command: `{res['command']}`", "",
+             f"Defaults as run: {g['ab_pairs']} pairs, up to {g['ab_max_pairs']} while undecided, {g['ab_order']} "
+             f"order, fail when the {100 * g['ab_confidence']:g}% sign-test interval of the median B/A ratio lies "
+             f"wholly below {1 - g['ab_fail_pct'] / 100:.3f} (ab_fail_pct = {g['ab_fail_pct']:g}).", "",
+             "| arm | canaries | fail | warn | pass | median B/A: median [min, max] | pairs (mean) | minutes (mean, max) |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in res["rows"]:
+        label = "A = B (false alarms = fail)" if r["arm"] == "A=B" else f"B slowed {r['arm']} (caught = fail)"
+        rng = "—" if r["median"] is None else f"{r['median']:.4f} [{r['min']:.4f}, {r['max']:.4f}]"
+        mins = "—" if r["minutes_mean"] is None else f"{r['minutes_mean']:.1f}, {r['minutes_max']:.1f}"
+        pairs = "—" if r["pairs_mean"] is None else f"{r['pairs_mean']:.1f}"
+        lines.append(f"| {label} | {r['runs']} | {r['fail']} | {r['warn']} | {r['pass']} | {rng} | {pairs} | {mins} |")
+    if res["clean_pair_sd_pct"] is not None:
+        lines += ["", f"Per-pair B/A ratio in the A = B canaries ({res['clean_pairs']} pairs): sd {res['clean_pair_sd_pct']:.2f}% "
+                  f"normalised by each process's reference (the gated ratio), {res['clean_pair_raw_sd_pct']:.2f}% raw tokens "
+                  "per CPU-second."]  # fmt: skip
+    arms = [k for k in res["sweep"][0] if k not in ("fail_pct", "first", "most")]
+    lines += ["", "The recorded pairs re-judged under other lines and pair counts (fails / canaries; the extension "
+              "replayed on the pairs measured, 'unjudged' where it would need more):", "",
+              "| ab_fail_pct | pairs (first, max) | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]  # fmt: skip
+    for row in res["sweep"]:
+        lines.append(f"| {row['fail_pct']:g} | {row['first']}, {row['most']} | " + " | ".join(row[a] for a in arms) + " |")
+    lines.append(f"\n{res['elapsed_s'] / 60:.0f} min in all on {os.cpu_count()} cores.")
     return "\n".join(lines)
 
 

@@ -1626,7 +1626,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.epilog = __doc__.split("\n", 2)[2]
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                    help="canary config: a training config plus a [canary] table (default: configs/canary.toml)")
-    p.add_argument("--history", type=Path, help="JSONL history to compare against (required unless --matrix)")
+    p.add_argument("--history", type=Path, help="JSONL history to compare against (required unless --matrix or --ab)")
     p.add_argument("--record", action="store_true", help="append this run to the history as a baseline entry")
     p.add_argument("--accept", action="store_true",
                    help="with --record: record even a failing run as a baseline (an intended change)")

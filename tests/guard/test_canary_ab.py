@@ -160,3 +160,21 @@ def test_paired_verdicts() -> None:
     assert verdict(0.99, 1.01, 1.0, 0.98, 1.02, 1.0) == ("pass", False)
     s = canary_ab.paired_statistic([1.03, 1.05, 1.04, 1.02, 1.06, 1.05], c)
     assert s["verdict"] == "pass" and "faster" in s["state"] and s["b_faster_pairs"] == 6
+
+
+def test_power_bench_replays_the_ab_rule_on_recorded_pairs() -> None:
+    """bench/canary_power.py --ab re-judges recorded canaries under other lines: the same sequential
+    rule, on the pairs that were measured; a replay that would need more pairs is 'unjudged'."""
+    from bench.canary_power import ab_rejudge
+
+    c = canary.CanaryConfig(ab_fail_pct=1.0)
+    slow = [0.95, 0.96, 0.94, 0.97, 0.95, 0.96]
+    assert ab_rejudge(slow, 6, 12, c) == "fail" and ab_rejudge(slow, 4, 12, c) == "fail"
+    assert ab_rejudge(slow, 8, 12, c) == "unjudged"  # only 6 pairs were measured
+    # Median below the line, one pair above it: undecided at 6 and 8 (the interval is the range),
+    # decided at 10 (the interval drops the top pair).
+    mixed = [0.95, 0.96, 0.94, 0.97, 0.95, 1.00, 0.96, 0.95, 0.96, 0.97]
+    assert ab_rejudge(mixed, 6, 6, c) == "warn" and ab_rejudge(mixed, 6, 12, c) == "fail"
+    assert ab_rejudge(mixed[:8], 6, 12, c) == "unjudged"
+    assert ab_rejudge([1.0, 0.99, 1.01, 1.02, 0.995, 1.0], 6, 12, c) == "pass"
+    assert ab_rejudge(slow, 6, 12, canary.CanaryConfig(ab_fail_pct=10.0)) == "warn"  # slower, within 10%
