@@ -33,10 +33,11 @@ import numpy as np
 import polars as pl
 import streamlit as st
 
-from guard import schema
+from guard import actions, schema
 from guard.runstore import list_runs, parse_part_name, polars_schema, read_meta
 
-# Actions that changed what training did (counted and marked); apply/none are not actions.
+# Actions marked on the charts (every event that names one, evidence merged per step and action).
+# Counting them is guard/actions.py's job: one definition for the CLI, meta.json, app and /metrics.
 ACTIVE_ACTIONS = (
     schema.ACT_SKIP,
     schema.ACT_ROLLBACK,
@@ -545,7 +546,7 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
     """Latest step, loss, recent MFU and tokens/s, guard action and verdict counts."""
     del sig
     out: dict[str, Any] = {"step": None, "loss": None, "mfu": None, "tokens_per_s": None, "mfu_over": 0,
-                           "actions": 0, "verdicts": 0, "halts": 0}  # fmt: skip
+                           "actions": 0, "action_counts": actions.zero(), "verdicts": 0, "halts": 0}  # fmt: skip
     parts = part_files(path, schema.TABLE_STEPS)
     if parts:
         tail = (scan(path, schema.TABLE_STEPS, parts[-3:])
@@ -560,9 +561,10 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
         out["mfu_over"] = (
             scan(path, schema.TABLE_STEPS).select((pl.col("mfu") > MFU_LIMIT).sum()).collect().item() or 0
         )
+    out["action_counts"] = actions.count_run(path)
+    out["actions"] = actions.total(out["action_counts"])
     ev = scan(path, schema.TABLE_EVENTS).select("step", "kind", "action").collect()
     if ev.height:
-        out["actions"] = ev.filter(pl.col("action").is_in(ACTIVE_ACTIONS)).unique(["step", "action"]).height
         out["verdicts"] = ev.filter(pl.col("kind") == schema.EV_VERDICT).height
         out["halts"] = ev.filter(pl.col("kind") == schema.EV_HALT).height
     return out

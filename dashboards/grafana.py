@@ -177,14 +177,19 @@ def run_overview() -> dict[str, Any]:
     lay = _Layout()
     p: list[dict[str, Any]] = []
     p.append(row(lay, "Now"))
-    p.append(stat(lay, "Step", f"{m.M_STEP}{{{_RUN}}}", decimals=0))
+    p.append(stat(lay, "Step", f"{m.M_STEP}{{{_RUN}}}", decimals=0, w=3))
     p.append(stat(lay, "Loss", f"{m.M_LOSS}{{{_RUN}}}", decimals=4))
-    p.append(stat(lay, "MFU", f"{m.M_MFU}{{{_RUN}}}", unit="percentunit", decimals=1))
+    p.append(stat(lay, "MFU", f"{m.M_MFU}{{{_RUN}}}", unit="percentunit", decimals=1, thresholds=[(1.0001, "red")],
+                  description="of the peak in the run's meta (peak_flops_source); red above 100%: not physical, "
+                              "a measurement artefact (a wrong peak)"))  # fmt: skip
     p.append(stat(lay, "Tokens/s", f"{m.M_TOKENS_PER_S}{{{_RUN}}}", unit="short"))
     p.append(stat(lay, "Goodput", f"{m.M_GOODPUT}{{{_RUN}}}", unit="percentunit", decimals=1,
                   description="productive step time / wall time"))  # fmt: skip
-    p.append(stat(lay, "Halted", f"max({m.M_HALTED}{{{_RUN}}})", thresholds=[(1, "red")],
+    p.append(stat(lay, "Halted", f"max({m.M_HALTED}{{{_RUN}}})", thresholds=[(1, "red")], w=2,
                   description="1 when the run halted itself and paged"))  # fmt: skip
+    p.append(stat(lay, "Guard actions", f"sum({m.M_ACTIONS}{{{_RUN}}}) or vector(0)", decimals=0, w=3,
+                  description="since the collector started: skipped / rolled-back / halted steps, bias "
+                              "corrections and LR cool-downs (guard/actions.py; the CLI and the app count the same)"))  # fmt: skip
     p.append(row(lay, "Training"))
     p.append(timeseries(lay, "Loss", [(f"{m.M_LOSS}{{{_RUN}}}", "loss")], unit="none"))
     p.append(timeseries(lay, "Grad norm (total, before clipping)", [(f"{m.M_GRAD_NORM}{{{_RUN}}}", "grad norm")],
@@ -197,7 +202,8 @@ def run_overview() -> dict[str, Any]:
                         [(f"sum by (action) (increase({m.M_ACTIONS}{{{_RUN}}}[$__rate_interval]))", "{{action}}"),
                          (f"increase({m.M_NONFINITE}{{{_RUN}}}[$__rate_interval])", "non-finite steps")],
                         bars=True, stack=True, w=8,
-                        description="skip / rollback / bias_correct / lr_cooldown / halt per interval"))  # fmt: skip
+                        description="skipped / rolled-back / halted steps, bias corrections and LR cool-downs "
+                                    "started, per interval (guard/actions.py)"))  # fmt: skip
     p.append(row(lay, "Efficiency"))
     p.append(timeseries(lay, "MFU vs the run's own baseline",
                         [(f"{m.M_MFU}{{{_RUN}}}", "MFU"), (f"{m.M_MFU_BASELINE}{{{_RUN}}}", "baseline (first window)")],
@@ -254,8 +260,9 @@ def per_layer() -> dict[str, Any]:
                         [(f"{m.M_LAYER_BIAS_NORM}{{{_RUN_LAYER}}}", "layer {{layer}}")], unit="none"))  # fmt: skip
     p.append(heatmap(lay, "Expert load share distribution (selected layers)",
                      f"sum by (le) (increase({m.M_EXPERT_LOAD_SHARE}_bucket{{{_RUN_LAYER}}}[$__rate_interval]))",
-                     w=24, description="How many experts got which share of tokens; a collapse shows as mass "
-                                       "moving to the top bucket and to 0."))  # fmt: skip
+                     w=24, description="How many experts got which share of tokens. Buckets sit at 1/E, 1.5/E "
+                                       "and 2/E for E = 2..256, so a balanced layer is one band at 1/E; a "
+                                       "collapse moves mass to the top buckets and to 0."))  # fmt: skip
     layer_var = _var_query("layer", f'label_values({m.M_LAYER_GRAD_NORM}{{run="$run"}}, layer)', label="layer",
                            multi=True, include_all=True)  # fmt: skip
     return _dashboard("moeguard-layers", "moeguard / per layer",
@@ -269,7 +276,8 @@ def fleet() -> dict[str, Any]:
     runs = 'run=~"$run"'
     p: list[dict[str, Any]] = []
     p.append(table(lay, "Runs and their environment", f"{m.M_RUN_INFO}{{{runs}}}",
-                   description="torch, device, attention backend, expert kernel and compile mode per run"))  # fmt: skip
+                   description="torch, device, attention backend, expert kernel (loop / bmm / grouped_mm) and "
+                               "compile mode per run: filter or sort by them to compare kernel choices"))  # fmt: skip
     p.append(timeseries(lay, "MFU by run", [(f"{m.M_MFU}{{{runs}}}", "{{run}}")], unit="percentunit", min_=0))
     p.append(
         timeseries(

@@ -10,7 +10,7 @@ import polars as pl
 import streamlit as st
 
 from dashboards import data, figures, ui
-from guard import schema
+from guard import actions, schema
 
 cfg = data.app_config()
 st.title("Run health")
@@ -49,7 +49,8 @@ c[3].metric(
     f"{100 * mfu:.1f}%" if mfu is not None else "—",
     help=f"median, last 100 steps, of peak {peak.label()}. Peak source: {peak.source}",
 )
-c[4].metric("guard actions", summ["actions"])
+c[4].metric("guard actions", summ["actions"], help="skipped / rolled-back / halted steps, bias corrections and LR "
+            f"cool-downs started (guard/actions.py): {actions.summary_text(summ['action_counts'])}")  # fmt: skip
 c[5].metric("verdicts", summ["verdicts"])
 note = data.mfu_note(mfu, peak)
 st.caption(

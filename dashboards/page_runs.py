@@ -75,7 +75,8 @@ st.dataframe(
         ),
         "MFU note": st.column_config.TextColumn(width="medium"),
         "guard actions": st.column_config.NumberColumn(
-            help="skip / rollback / bias_correct / lr_cooldown / halt"
+            help="skipped / rolled-back / halted steps, bias corrections and LR cool-downs started (guard/actions.py; "
+            "the CLI summary and moeguard_guard_actions_total count the same)"
         ),
         "verdicts": st.column_config.NumberColumn(help="detector verdicts recorded in the events table"),
         "note": st.column_config.TextColumn(width="medium"),

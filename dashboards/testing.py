@@ -190,8 +190,7 @@ def write_run(root: str | Path, spec: SynthRun) -> Path:
                     action = schema.ACT_SKIP if act == schema.ACT_LR_COOLDOWN else act
                 if act == schema.ACT_LR_COOLDOWN:
                     cooldown_until = step + int(f.evidence.get("cooldown_steps", 100))
-                if act == schema.ACT_BIAS_CORRECT:
-                    action = schema.ACT_BIAS_CORRECT
+                # a bias correction rides along an applied step (its step row says apply), as in the trainer
         if spec.halt_at is not None and step == spec.halt_at:
             v = Verdict(detector=schema.DET_NONFINITE, fired=True, layer=None, severity="critical",
                         evidence={"where": "loss", "consecutive": 3})  # fmt: skip

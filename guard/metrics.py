@@ -9,13 +9,19 @@ Names come from guard/schema.py (alert rules are written against them); labels:
   run                      on every per-run metric
   layer                    moeguard_layer_* and moeguard_expert_load_share
   rank                     last report time, heartbeat age/timeout/lost, straggler score
-  detector / action        verdict / action counters (counted from events, see `observe_events`)
+  detector                 verdict counter (counted from verdict events)
+  action                   moeguard_guard_actions_total: guard/actions.py's definition, the same count
+                           as the CLI, meta.json and the app (step decisions from rank 0's reports,
+                           corrections from action events); every action starts at 0
   outcome                  moeguard_ingest_batches_total (a rejected batch may name no valid run)
-  torch, device, attention, experts, compile    moeguard_run_info (= 1), from the run's meta
+  torch, device, attention, expert_kernel, compile    moeguard_run_info (= 1), from the run's meta
 
 moeguard_expert_load_share{run,layer} is a histogram of per-expert load shares (load_i / sum),
 one observation per expert per rank-0 step: bounded cardinality however many experts a layer
-has. Bucket bounds are EXPERT_SHARE_BUCKETS; le="0" counts experts that got no token.
+has. Bucket bounds are EXPERT_SHARE_BUCKETS; le="0" counts experts that got no token. The bounds
+sit at 1/E and 1.5/E for E = 2, 4, ..., 256 (each uniform share 1/E is a bound of its own, and so
+are half and double it), so a balanced 8-expert layer reads as one band at 0.125 instead of
+vanishing into a 0.1-0.2 bucket that also held shares 60% above the uniform one.
 """
 
 from __future__ import annotations
@@ -33,21 +39,24 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from guard import actions as guard_actions
 from guard import schema
 from guard.heartbeat import HeartbeatConfig, HeartbeatTracker
 from guard.report import StepReport
 
-EXPERT_SHARE_BUCKETS = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 0.9, 1.0)
+# 0, then 1/256 .. 1/2 by powers of two with 1.5/E between them, then 3/4 and 1: the uniform
+# share 1/E of E = 2..256 experts is a bound, and so are half and double it.
+EXPERT_SHARE_BUCKETS = (0.0, *(m / 2**k for k in range(8, 0, -1) for m in (1.0, 1.5)), 1.0)
 _BOUNDS = np.asarray(EXPERT_SHARE_BUCKETS)
 _NB = len(EXPERT_SHARE_BUCKETS) + 1  # + the +Inf bucket
 STRAGGLER_WINDOW = 50  # per-rank step times kept for the straggler median
-RUN_INFO_LABELS = ("torch", "device", "attention", "experts", "compile")
+RUN_INFO_LABELS = ("torch", "device", "attention", "expert_kernel", "compile")
 # meta keys searched (anywhere in the nested meta) for each run_info label, first match wins
 _INFO_KEYS: dict[str, tuple[str, ...]] = {
     "torch": ("torch", "torch_version"),
     "device": ("device_name", "device"),
     "attention": ("attention", "attention_backend", "sdpa_backend", "attn_backend"),
-    "experts": ("n_experts", "num_experts", "experts"),
+    "expert_kernel": ("expert_kernel", "experts_kernel"),  # the kernel, not the expert count
     "compile": ("compile", "torch_compile"),
 }
 
@@ -68,7 +77,7 @@ class _Run:
     nonfinite_total: int = 0
     values_total: int = 0
     verdicts: Counter = field(default_factory=Counter)
-    actions: Counter = field(default_factory=Counter)
+    actions: Counter = field(default_factory=lambda: Counter(guard_actions.zero()))
     halted: bool = False
     info: dict[str, str] | None = None
     mfu_vals: list[float] = field(default_factory=list)
@@ -137,6 +146,7 @@ class CollectorMetrics(Collector):
             if rep.rank != 0:
                 return
             r.last = rep
+            guard_actions.tally(r.actions, rep.action)  # the step's decision: skip, rollback, halt
             r.tokens_total += max(0, rep.tokens)
             if not rep.finite:
                 r.nonfinite_total += 1
@@ -204,7 +214,8 @@ class CollectorMetrics(Collector):
         np.add.at(r.hist_sum, rows, shares.sum(axis=1))
 
     def observe_events(self, run: str, rows: Iterable[Mapping[str, Any]]) -> None:
-        """Verdict events count by detector, action/halt events by action; a halt sets halted,
+        """Verdict events count by detector, correction events (bias_correct, lr_cooldown) by
+        action (step decisions are counted from reports: guard/actions.py); a halt sets halted,
         a resume clears it (in event order, so a batch may resume and halt again)."""
         with self._lock:
             r = self._run(run)
@@ -212,11 +223,7 @@ class CollectorMetrics(Collector):
                 kind = ev.get("kind")
                 if kind == schema.EV_VERDICT:
                     r.verdicts[str(ev.get("detector") or "unknown")] += 1
-                elif kind in (schema.EV_ACTION, schema.EV_HALT):
-                    action = str(ev.get("action") or schema.ACT_NONE)
-                    if kind == schema.EV_HALT and action == schema.ACT_NONE:
-                        action = schema.ACT_HALT
-                    r.actions[action] += 1
+                guard_actions.tally(r.actions, None, [ev])
                 if kind == schema.EV_HALT or (
                     kind == schema.EV_ACTION and ev.get("action") == schema.ACT_HALT
                 ):
@@ -391,7 +398,8 @@ class CollectorMetrics(Collector):
                 ["run", "detector"],
                 "detector verdicts (trainer events and collector-side)",
             ),
-            (schema.M_ACTIONS, c, ["run", "action"], "guard actions taken (action and halt events)"),
+            (schema.M_ACTIONS, c, ["run", "action"], "guard actions (guard/actions.py): skipped, "
+             "rolled-back and halted steps, bias corrections and LR cool-downs started"),  # fmt: skip
             (schema.M_NONFINITE, c, R, "rank-0 steps with a non-finite loss or gradient norm"),
             (schema.M_HALTED, g, R, "1 when the run halted itself (a halt event arrived), until it resumes"),
             (schema.M_LAST_SEEN, g, RK, "unix time the collector last heard from this rank"),

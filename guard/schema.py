@@ -124,7 +124,9 @@ STEP_DETECTORS = (DET_NONFINITE, DET_GRAD_SPIKE, DET_LOSS_SPIKE, DET_LAYER_GRAD_
 # Detectors that watch a single MoE layer's routing.
 COLLAPSE_DETECTORS = (DET_DEAD_EXPERTS, DET_MAXVIO, DET_LOAD_ENTROPY, DET_ROUTER_ENTROPY)
 
-# Actions (steps.action, events.action)
+# Actions (steps.action, events.action). What counts as a *guard action* (skipped, rolled-back
+# and halted steps plus bias corrections and LR cool-downs started), and how it is counted for
+# the CLI, meta.json, the app and /metrics: guard/actions.py, once.
 ACT_APPLY = "apply"
 ACT_SKIP = "skip"
 ACT_ROLLBACK = "rollback"
@@ -178,7 +180,7 @@ M_LAYER_ROUTER_ENTROPY = "moeguard_layer_router_entropy_nats"
 M_LAYER_BIAS_NORM = "moeguard_layer_bias_norm"
 M_EXPERT_LOAD_SHARE = "moeguard_expert_load_share"  # histogram per (run, layer) of expert shares
 M_VERDICTS = "moeguard_guard_verdicts_total"  # labels: run, detector
-M_ACTIONS = "moeguard_guard_actions_total"  # labels: run, action
+M_ACTIONS = "moeguard_guard_actions_total"  # labels: run, action (guard/actions.py)
 M_NONFINITE = "moeguard_nonfinite_steps_total"
 M_HALTED = "moeguard_run_halted"  # 1 when the run halted itself
 M_LAST_SEEN = "moeguard_last_report_timestamp_seconds"  # labels: run, rank
@@ -191,7 +193,7 @@ M_MFU_BASELINE = "moeguard_mfu_baseline_ratio"  # median MFU of the run's own fi
 M_TPS_BASELINE = "moeguard_tokens_per_second_baseline"
 M_INGEST_BATCHES = "moeguard_ingest_batches_total"  # labels: outcome
 M_INGEST_VALUES = "moeguard_ingest_values_total"
-M_RUN_INFO = "moeguard_run_info"  # labels: run, torch, device, attention, experts, compile
+M_RUN_INFO = "moeguard_run_info"  # labels: run, torch, device, attention, expert_kernel, compile
 
 METRICS = (
     M_STEP, M_LOSS, M_GRAD_NORM, M_LR, M_TOKENS, M_TOKENS_PER_S, M_MFU, M_STEP_TIME, M_DATA_WAIT,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from guard import actions as guard_actions
 from guard import schema
 from guard.runstore import read_table
 
@@ -79,10 +80,7 @@ def summarize_run(name: str, run_dir: Path, goodput: float) -> DrillResult:
     verdicts = events.filter(pl.col("kind") == schema.EV_VERDICT)
     spikes = verdicts.filter(pl.col("detector").is_in(list(schema.STEP_DETECTORS))).height
     collapse = verdicts.filter(pl.col("detector").is_in(list(schema.COLLAPSE_DETECTORS))).height
-    acts = steps["action"].value_counts()
-    actions = dict(zip(acts["action"].to_list(), acts["count"].to_list(), strict=True))
-    for a in (schema.ACT_BIAS_CORRECT, schema.ACT_LR_COOLDOWN):
-        actions[a] = events.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == a)).height
+    actions = guard_actions.count_run(run_dir)  # the one definition (guard/actions.py)
     last = layers.filter(pl.col("step") >= steps["step"].max() - max(1, n // 10))
     worst = float(last.group_by("layer").agg(pl.col("maxvio").mean())["maxvio"].max() or float("nan"))
     status = (read_meta(run_dir) or {}).get("status", "?")

@@ -36,7 +36,7 @@ def test_runs_page_lists_every_run_with_status(store: Path, open_page) -> None:
     assert status[synth.LIVE] == "running"
     assert status[synth.STALE] == "stale"
     row = df[df["run"] == synth.GUARDED].iloc[0]
-    assert row["step"] == 599 and row["guard actions"] == 7 and row["verdicts"] == 7
+    assert row["step"] == 599 and row["guard actions"] == 8 and row["verdicts"] == 7
     assert 35 < row["MFU %"] < 50 and row["tokens/s"] > 0
     assert (row["torch"], row["attention"], row["expert kernel"]) == ("2.9.1+cu128", "flash", "grouped_mm")
     unguarded = df[df["run"] == synth.UNGUARDED].iloc[0]

@@ -213,10 +213,11 @@ def test_metrics_expert_share_histogram_and_heartbeat_age_at_scrape() -> None:
     }
     b = "moeguard_expert_load_share_bucket"
     assert s[(b, (("layer", "1"), ("le", "0.0"), ("run", "r")))] == 3  # three dead experts
-    assert s[(b, (("layer", "1"), ("le", "0.9"), ("run", "r")))] == 3
+    assert s[(b, (("layer", "1"), ("le", "0.75"), ("run", "r")))] == 3
     assert s[(b, (("layer", "1"), ("le", "1.0"), ("run", "r")))] == 4
-    assert s[(b, (("layer", "3"), ("le", "0.2"), ("run", "r")))] == 0
-    assert s[(b, (("layer", "3"), ("le", "0.5"), ("run", "r")))] == 4
+    # the uniform share 1/E is a bucket bound of its own (issue #17: 1/8 vanished into 0.1-0.2)
+    assert s[(b, (("layer", "3"), ("le", "0.1875"), ("run", "r")))] == 0
+    assert s[(b, (("layer", "3"), ("le", "0.25"), ("run", "r")))] == 4
     assert s[("moeguard_expert_load_share_count", (("layer", "3"), ("run", "r")))] == 4
     age = ("moeguard_heartbeat_age_seconds", (("rank", "0"), ("run", "r")))
     assert s[age] == 0
@@ -246,7 +247,7 @@ def test_ingest_lands_in_run_store_and_replay_is_idempotent(collector: Collector
     meta = {
         "run_id": "r1",
         "status": "running",
-        "env": {"torch": "2.5.1", "device": "cpu"},
+        "env": {"torch": "2.5.1", "device": "cpu", "expert_kernel": "bmm"},
         "model": {"n_experts": 8},
     }
     p1 = batch("r1", 0, 1, reps[:10], [ev], meta=meta)
@@ -268,8 +269,8 @@ def test_ingest_lands_in_run_store_and_replay_is_idempotent(collector: Collector
     assert read_meta(run_dir)["env"]["torch"] == "2.5.1"
     m = collector.metrics()
     assert m[("moeguard_guard_verdicts_total", (("detector", "grad_norm_spike"), ("run", "r1")))] == 1
-    assert m[("moeguard_run_info", (("attention", ""), ("compile", ""), ("device", "cpu"), ("experts", "8"),
-                                    ("run", "r1"), ("torch", "2.5.1")))] == 1  # fmt: skip
+    assert m[("moeguard_run_info", (("attention", ""), ("compile", ""), ("device", "cpu"), ("expert_kernel", "bmm"),
+                                    ("run", "r1"), ("torch", "2.5.1")))] == 1  # the kernel, not the expert count
     assert m[("moeguard_ingest_batches_total", (("outcome", "duplicate"),))] == 1
     runs = httpx.get(f"{collector.url}/v1/runs").json()["runs"]
     assert runs[0]["run"] == "r1" and runs[0]["last_step"] == 24 and runs[0]["status"] == "running"
@@ -368,6 +369,7 @@ def test_fuzz_never_5xx_and_rejections_store_nothing(tmp_path_factory: pytest.Te
 @pytest.mark.integration
 def test_metrics_expose_every_schema_name(collector: CollectorProc) -> None:
     reps = [make_report(s) for s in range(130)]  # past the baseline window (steps 20..120)
+    reps[128].action, reps[129].action = schema.ACT_ROLLBACK, schema.ACT_HALT  # the steps that acted
     halt = Event(step=129, kind=schema.EV_HALT, action=schema.ACT_HALT).row()
     act = Event(step=128, kind=schema.EV_ACTION, action=schema.ACT_ROLLBACK).row()
     meta = {"torch": "2.5.1", "device_name": "cpu", "attention": "sdpa", "n_experts": 8, "compile": False}
@@ -392,6 +394,7 @@ def test_metrics_expose_every_schema_name(collector: CollectorProc) -> None:
     assert m[("moeguard_run_halted", (("run", "m1"),))] == 1
     assert m[("moeguard_guard_actions_total", (("action", "rollback"), ("run", "m1")))] == 1
     assert m[("moeguard_guard_actions_total", (("action", "halt"), ("run", "m1")))] == 1
+    assert m[("moeguard_guard_actions_total", (("action", "skip"), ("run", "m1")))] == 0  # every action from 0
     assert m[("moeguard_mfu_baseline_ratio", (("run", "m1"),))] == pytest.approx(0.4)
     assert m[("moeguard_tokens_total", (("run", "m1"),))] == 130 * 4096
     assert m[("moeguard_step", (("run", "m1"),))] == 129
