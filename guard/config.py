@@ -42,11 +42,13 @@ class SpikeConfig:
     # a run's first hundred steps are its least stationary, and a tail needs samples to be seen.
     tail_warmup: int = 0
     # While fewer than `tail_warmup` values were accepted, the rel_max cap becomes
-    # min(early_rel_max, max(rel_max, exp(tail_margin x the largest clean log excursion so far))):
-    # a steady start keeps rel_max, a wild one earns a wider cap, never above this (None: rel_max
-    # throughout). A run's first hundred steps swing hardest: clean tiny transformers MoE runs
-    # jumped 22x (total) and 95x (one layer) before step 50.
+    # min(early_rel_max, max(early_rel_floor, exp(tail_margin x the largest clean log excursion so
+    # far))): a steady start keeps the floor, a wild one earns a wider cap, never above
+    # early_rel_max (None: rel_max throughout; floor None: rel_max). A run's first hundred steps
+    # swing hardest: clean tiny transformers MoE runs jumped 43x (total, step 41) and 35x (total)
+    # with 127x in a single layer (step 95) without a fault.
     early_rel_max: float | None = None
+    early_rel_floor: float | None = None
 
     def __post_init__(self) -> None:
         check(self.window >= 8, "window", self.window, "must be >= 8")
@@ -61,6 +63,10 @@ class SpikeConfig:
         check(0 <= self.tail_warmup <= self.window, "tail_warmup", self.tail_warmup, "must be in 0..window")
         check(self.early_rel_max is None or (self.rel_max is not None and self.early_rel_max >= self.rel_max),
               "early_rel_max", self.early_rel_max, "must be >= rel_max (and rel_max set)")  # fmt: skip
+        check(self.early_rel_floor is None or (self.early_rel_max is not None
+                                               and self.rel_max is not None
+                                               and self.rel_max <= self.early_rel_floor <= self.early_rel_max),
+              "early_rel_floor", self.early_rel_floor, "must be in rel_max..early_rel_max (and both set)")  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,17 +166,18 @@ class GuardConfig:
     enabled: bool = True  # False: telemetry and verdicts only, every action off (--no-guard)
     nonfinite: bool = True
     # Grad norms calibrate to their own tail (tail_margin: twice the largest clean log excursion of
-    # the window) after 100 accepted steps; before that only NaN and a cap act: rel_max (20x total,
-    # 50x per layer), widened by the run's own early excursions up to early_rel_max (100x, 200x).
+    # the window) after 100 accepted steps; before that only NaN and a cap act: 50x total / 150x
+    # per layer, widened by the run's own early excursions up to 100x / 200x; then rel_max (20x,
+    # 50x) and the tail rule.
     # Calibrated on clean runs of six transformers MoE families x 4 seeds (bench/real_models.py,
     # docs/BENCHMARKS.md): clean per-layer excursions reach 25x, total ones 9x after step 100.
     grad_spike: SpikeConfig = field(
-        default_factory=lambda: SpikeConfig(tail_margin=2.0, tail_warmup=100, early_rel_max=100.0)
+        default_factory=lambda: SpikeConfig(tail_margin=2.0, tail_warmup=100, early_rel_max=100.0, early_rel_floor=50.0)
     )
     loss_spike: SpikeConfig = field(default_factory=lambda: SpikeConfig(z=6.0, rel_min=1.25, mad_floor=0.02))
     layer_grad_spike: SpikeConfig = field(
         default_factory=lambda: SpikeConfig(z=8.0, rel_min=3.0, rel_max=50.0, tail_margin=2.0, tail_warmup=100,
-                                            early_rel_max=200.0)  # fmt: skip
+                                            early_rel_max=200.0, early_rel_floor=150.0)  # fmt: skip
     )
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
     stall: StallConfig = field(default_factory=StallConfig)

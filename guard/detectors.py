@@ -238,11 +238,12 @@ class SpikeDetector:
         cap = cfg.rel_max
         if early and cfg.early_rel_max is not None:
             # Before the tail rule may act, the cap follows the run's own early swings: the
-            # tail_margin power of the largest clean excursion so far, between rel_max (a steady
-            # series keeps the tight cap) and early_rel_max (a wild start cannot disarm it).
+            # tail_margin power of the largest clean excursion so far, between the floor (a
+            # steady series keeps it) and early_rel_max (a wild start cannot disarm it).
             cap = cfg.early_rel_max
-            if cfg.rel_max is not None and cfg.tail_margin is not None:
-                cap = min(cap, max(cfg.rel_max, math.exp(cfg.tail_margin * top)))
+            floor = cfg.early_rel_floor if cfg.early_rel_floor is not None else cfg.rel_max
+            if floor is not None and cfg.tail_margin is not None:
+                cap = min(cap, max(floor, math.exp(cfg.tail_margin * top)))
         if cap is not None and x > median * cap:
             return True, "rel_max", median * cap, z
         if early:

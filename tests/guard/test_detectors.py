@@ -127,23 +127,24 @@ def test_warmup_respected() -> None:
     # warm now: before tail_warmup only the cap acts, widened by that accepted 100x swing up to
     # early_rel_max
     assert GRAD.tail_warmup > GRAD.warmup
-    assert not det.peek(det.median * GRAD.rel_max * 1.5).fired
+    assert not det.peek(det.median * GRAD.early_rel_floor * 1.5).fired
     assert det.update(det.median * GRAD.early_rel_max * 1.5).fired
 
 
 def test_early_cap_widens_with_the_runs_own_swings_up_to_early_rel_max() -> None:
-    """Before the tail warm-up the cap is max(rel_max, (largest clean excursion)^tail_margin),
-    at most early_rel_max: a wild start earns a wider cap, a steady one keeps rel_max."""
+    """Before the tail warm-up the cap is max(early_rel_floor, (largest clean excursion)^tail_margin),
+    at most early_rel_max: a wild start earns a wider cap, a steady one keeps the floor."""
     steady = SpikeDetector(GRAD)
     assert fired_at(steady, noisy(40, 2, sigma=0.05)) == []
-    assert steady.peek(steady.median * GRAD.rel_max * 1.2).fired
+    assert not steady.peek(steady.median * GRAD.early_rel_floor * 0.9).fired
+    assert steady.peek(steady.median * GRAD.early_rel_floor * 1.2).fired
     det = SpikeDetector(GRAD)
     xs = noisy(40, 3, sigma=0.05)
     xs[20] = 8.0  # one clean 8x excursion during warm-up (accepted: no rule may fire yet)
     assert fired_at(det, xs) == []
-    cap = min(GRAD.early_rel_max, 8.0**GRAD.tail_margin)  # ~64x, above rel_max (20x)
-    assert GRAD.rel_max < cap * 0.7
-    assert not det.peek(det.median * cap * 0.7).fired  # would have fired at rel_max
+    cap = min(GRAD.early_rel_max, 8.0**GRAD.tail_margin)  # ~64x, above the floor (50x)
+    assert GRAD.early_rel_floor < cap * 0.9
+    assert not det.peek(det.median * cap * 0.9).fired  # would have fired at the floor
     v = det.update(det.median * cap * 1.3)
     assert v.fired and v.evidence["rule"] == "rel_max"
     wild = SpikeDetector(GRAD)
