@@ -237,13 +237,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(trainer: Any, run_dir: Path) -> None:
+    from guard import actions
     from guard.runstore import read_meta
 
     c = trainer.counts
-    acts = ", ".join(f"{k} {v}" for k, v in c.items() if v and k not in (schema.ACT_APPLY, schema.ACT_NONE))
     gp = trainer.goodput()
     print(f"run {run_dir.name}: {trainer.step} steps, {c.get(schema.ACT_APPLY, 0)} updates applied; "
-          f"guard actions: {acts or 'none'}; goodput {gp['goodput']:.1%}")  # fmt: skip
+          f"guard actions: {actions.summary_text(trainer.guard_actions)}; goodput {gp['goodput']:.1%}")  # fmt: skip
     meta = read_meta(run_dir) or {}
     if meta.get("status") != schema.STATUS_FINISHED:
         print(f"status {meta.get('status')}" + (f": {meta['status_note']}" if meta.get("status_note") else ""))

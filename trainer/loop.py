@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from guard import schema
+from guard import actions, schema
 from guard.events import Event
 from guard.goodput import Goodput
 from guard.guard import Guard
@@ -213,7 +213,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak, self.peak_source = peak_flops(self.device, self.dtype)
         self.aux_boosted: set[int] = set()
-        self.counts = {a: 0 for a in schema.ACTIONS}
+        self.counts = {a: 0 for a in schema.ACTIONS}  # step decisions, apply included
+        self.guard_actions = actions.zero()  # what guard/actions.py counts (the CLI, meta, app, /metrics)
         self.gp = Goodput(started_at=self._t_start)
         self.probe_layer_ids = np.arange(len(self.model.blocks), dtype=np.int32)
         self.last_decision: Decision | None = None
@@ -280,6 +281,7 @@ class Trainer:
             "probe": self.probe.state_dict(),
             "sync": self.sync.state_dict(),
             "counts": dict(self.counts),
+            "guard_actions": dict(self.guard_actions),
             "nonfinite": {"steps": self.nonfinite_steps, "since": self.nonfinite_since},
             "goodput": self.gp.state_dict(),
             "config": to_dict(self.cfg),
@@ -331,6 +333,7 @@ class Trainer:
         self.probe.load_state_dict(host["probe"])
         self.step, self.opt_step = host["step"], host["opt_step"]
         self.counts.update(host.get("counts", {}))
+        self.guard_actions.update(host.get("guard_actions", {}))
         nf = host.get("nonfinite", {})
         self.nonfinite_steps, self.nonfinite_since = int(nf.get("steps", 0)), nf.get("since")
         if rng is not None:
@@ -500,6 +503,7 @@ class Trainer:
         rep.mfu = self.flops_per_token * rep.tokens_per_s / (self.peak * world) if self.peak else float("nan")
         rep.mem_peak_bytes = peak_memory_bytes(self.device)
         self.counts[decision.action] = self.counts.get(decision.action, 0) + 1
+        actions.tally(self.guard_actions, decision.action, events)
         finite = self._track_finite(rep.loss, rep.grad_norm, applied=decision.applies_update)
         self.gp.step(decision.applies_update, rep.step_time_s, rep.data_wait_s, finite=finite)
         if self.dist.main:
@@ -652,7 +656,7 @@ class Trainer:
 
     def _postfix(self, rep: StepReport) -> str:
         mfu = f"{rep.mfu * 100:.2f}%" if math.isfinite(rep.mfu) else "n/a"
-        acts = sum(v for k, v in self.counts.items() if k not in (schema.ACT_APPLY, schema.ACT_NONE))
+        acts = actions.total(self.guard_actions)
         return f"loss {rep.loss:.3f} | {rep.tokens_per_s:,.0f} tok/s | MFU {mfu} | guard actions {acts}"
 
     def _progress_bar(self) -> Any:
@@ -694,7 +698,7 @@ class Trainer:
         self.sync.log.close()
         if self.store is not None:
             last = read_meta(self.run_dir) or {}
-            fields = dict(final_step=self.step, counts=self.counts, goodput=self.goodput(),
+            fields = dict(final_step=self.step, counts=self.counts, guard_actions=self.guard_actions, goodput=self.goodput(),
                           nonfinite_steps=self.nonfinite_steps, restarts=last.get("restarts", 0))  # fmt: skip
             try:
                 self.store.close(status=status, status_note=note, **fields)

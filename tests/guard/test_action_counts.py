@@ -152,9 +152,6 @@ def test_run_store_app_and_metrics_count_the_same(faulty_run: dict) -> None:
 
 @pytest.mark.integration
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the CLI summary (trainer/cli.py) and meta.json (trainer/loop.py) still "
-                   "count step decisions only (no bias_correct / lr_cooldown); they are outside this change's files: "
-                   "when they count with guard/actions.py, drop this mark")  # fmt: skip
 def test_cli_summary_and_meta_count_the_same(faulty_run: dict) -> None:
     store = actions.count_run(faulty_run["run_dir"])
     assert _cli_counts(faulty_run["stdout"]) == store, faulty_run["stdout"]
