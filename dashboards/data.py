@@ -503,6 +503,12 @@ class Peak:
             detail = " (" + self.source.split(":", 1)[1].split("(")[0].strip() + ")"
         return f"{fmt_flops(self.flops)}, {what.get(self.kind, self.kind)}{detail}"
 
+    def short(self) -> str:
+        """'214 GFLOP/s pinned' for a table cell (label() and source say the rest)."""
+        if not self.flops:
+            return "none"
+        return f"{fmt_flops(self.flops)} {'self-measured' if self.kind == PEAK_SELF else self.kind}"
+
 
 def fmt_flops(v: float) -> str:
     for unit, n in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
@@ -529,12 +535,14 @@ def run_peak(env: dict[str, Any]) -> Peak:
     return Peak(flops, source or "not recorded", kind)
 
 
-def mfu_note(mfu: float | None, peak: Peak) -> str:
+def mfu_note(mfu: float | None, peak: Peak, *, short: bool = False) -> str:
     """What a reader must know next to one MFU figure ("" when nothing)."""
     if mfu is not None and mfu > MFU_LIMIT:
+        if short:
+            return "artefact: > 100%"
         return "above 100%: a measurement artefact (the peak used is too low), not a real MFU"
     if peak.kind == PEAK_SELF:
-        return "peak self-measured by the run: compare tokens/s instead"
+        return "not comparable" if short else "peak self-measured by the run: compare tokens/s instead"
     return ""
 
 
@@ -769,6 +777,10 @@ OVERLAY_METRICS: dict[str, tuple[str, float, str]] = {
     "mem_peak_bytes": ("peak memory (GiB)", 1 / 2**30, ".2f"),
 }
 X_AXES = {"step": "step", "tokens": "tokens consumed", "wall": "wall time since the first step (min)"}
+# what the Compare page offers (labels are also what its URL carries: ?metric=MFU&x_axis=wall+time)
+METRIC_CHOICES = {"tokens/s": "tokens_per_s", "MFU": "mfu", "loss": "loss", "grad norm": "grad_norm",
+                  "step time": "step_time_s", "data wait": "data_wait_s", "LR": "lr", "peak memory": "mem_peak_bytes"}  # fmt: skip
+X_CHOICES = {"steps": "step", "tokens": "tokens", "wall time": "wall"}
 
 
 def smooth(y: pl.Series, window: int) -> pl.Series:
@@ -843,6 +855,22 @@ def speedup_sentence(name_a: str, name_b: str, r: dict[str, float]) -> str:
     if r["hi"] < 0:
         return f"**{name_b}** is **{-r['pct']:.1f}% slower** than **{name_a}** ({span}; {tps})."
     return f"No clear difference: **{name_b}** vs **{name_a}** {r['pct']:+.1f}% ({span} includes 0; {tps})."
+
+
+# [model] keys that say how the model runs, not what it computes: a kernel or backend change
+# leaves the FLOPs per token alone, so tokens/s compares the same work
+IMPL_KEYS = ("experts_kernel", "attention", "compile", "attention_backend")
+
+
+def same_model(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> bool:
+    """Whether two runs train the same model (config [model] equal up to IMPL_KEYS)."""
+
+    def model(meta: dict[str, Any]) -> dict[str, Any]:
+        cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+        m = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+        return {k: v for k, v in m.items() if k not in IMPL_KEYS}
+
+    return model(meta_a) == model(meta_b)
 
 
 def profiler_trace(path: str | Path) -> Path | None:

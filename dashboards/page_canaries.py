@@ -64,7 +64,7 @@ st.caption("Band: the latest entry's baseline ± warn %. Dashed red: fail thresh
 st.dataframe(
     sub.with_columns(deltas).sort("n", descending=True).select(
         "time", "git_sha", "torch", "verdict", "baseline", (pl.col("mfu_p50") * 100).alias("MFU p50 %"),
-        "vs baseline %", "tokens_per_s_p50", "config",
+        "vs baseline %", pl.col("tokens_per_s_p50").round(0), "config",
     ),
     hide_index=True,
     column_config={"MFU p50 %": st.column_config.NumberColumn(format="%.2f"),
@@ -94,9 +94,9 @@ else:
         column_config={
             "now ms": st.column_config.NumberColumn(format="%.3f"),
             "baseline ms": st.column_config.NumberColumn(format="%.3f"),
-            "raw change %": st.column_config.NumberColumn(format="%+.0f", help="moves with the whole step"),
+            "raw change %": st.column_config.NumberColumn(format="%+.1f", help="moves with the whole step"),
             "vs overall %": st.column_config.NumberColumn(
-                format="%+.0f",
+                format="%+.1f",
                 help="this op's change divided by the overall change: ~0 under a uniform slowdown",
             ),
             "share now %": st.column_config.NumberColumn(format="%.1f"),

@@ -35,15 +35,15 @@ for i in sel:
     trace = data.profiler_trace(i.path)
     rows.append({
         "run": i.run_id,
-        "status": i.status,
-        "tokens/s p50": float(tps.median()) if len(tps) else None,  # type: ignore[arg-type]
-        "MFU p50 %": None if mfu_p50 is None else 100 * mfu_p50,
-        "MFU peak": peak.label(),
         "torch": env.get("torch"),
         "attention": env.get("attention_backend"),
         "expert kernel": env.get("expert_kernel"),
         "compile": None if env.get("compile") is None else str(env.get("compile")),
+        "tokens/s p50": round(float(tps.median())) if len(tps) else None,  # type: ignore[arg-type]
+        "MFU p50 %": None if mfu_p50 is None else 100 * mfu_p50,
+        "MFU peak": peak.short(),
         "device": env.get("device"),
+        "status": i.status,
         "steady steps": p.height,
         "profiler trace": trace.name if trace else None,
     })  # fmt: skip
@@ -92,34 +92,27 @@ else:
         ea, eb = by_id[run_a].env, by_id[run_b].env
         what = "; ".join(f"{k} {ea.get(k)} → {eb.get(k)}" for k in (*data.ENV_KEYS, "device", "dtype")
                          if ea.get(k) != eb.get(k))  # fmt: skip
-        model_a = (by_id[run_a].meta.get("config") or {}).get("model")
-        model_b = (by_id[run_b].meta.get("config") or {}).get("model")
         st.caption(
             f"From steady-state tokens/s ({int(r['n_a'])} and {int(r['n_b'])} steps: after the first 10%, "
             "steps the guard acted on left out); 90% interval by a block bootstrap over steps. "
             + (f"What differs: {what}. " if what else "Torch, attention, expert kernel and compile are the same. ")
-            + ("" if model_a == model_b else "**The model configs differ: tokens/s compares throughput, not "
+            + ("" if data.same_model(by_id[run_a].meta, by_id[run_b].meta) else "**The model configs differ: tokens/s compares throughput, not "
                "the same work.**")
         )  # fmt: skip
 
 # ---- any metric overlaid ------------------------------------------------------------------
 st.subheader("Overlay")
 c1, c2, c3 = st.columns([2, 2, 3])
-metric = c1.selectbox("Metric", list(data.OVERLAY_METRICS), key="metric", bind="query-params",
-                      format_func=lambda m: data.OVERLAY_METRICS[m][0])  # fmt: skip
-x_axis = (
-    c2.segmented_control(
-        "x-axis",
-        list(data.X_AXES),
-        default="step",
-        key="x_axis",
-        bind="query-params",
-        format_func={"step": "steps", "tokens": "tokens", "wall": "wall time"}.get,
-    )  # fmt: skip
-    or "step"
+metric = data.METRIC_CHOICES[
+    c1.selectbox("Metric", list(data.METRIC_CHOICES), key="metric", bind="query-params")
+]
+x_label = c2.segmented_control(
+    "x-axis", list(data.X_CHOICES), default="steps", key="x_axis", bind="query-params"
 )
-window = c3.select_slider("Smoothing (rolling median, steps)", [1, 5, 10, 25, 50, 100, 250], value=1,
-                          key="smooth")  # fmt: skip
+x_axis = data.X_CHOICES[x_label or "steps"]
+window = c3.select_slider(
+    "Smoothing (rolling median, steps)", [1, 5, 10, 25, 50, 100, 250], value=10, key="smooth"
+)
 series = {i.run_id: data.load_overlay(i.path, sigs[i.run_id], metric, x_axis, int(window)) for i in sel}
 st.plotly_chart(
     figures.compare_overlay(series, metric=metric, x_axis=x_axis, window=int(window)), key="overlay"

@@ -54,7 +54,7 @@ c[4].metric("guard actions", summ["actions"], help="skipped / rolled-back / halt
 c[5].metric("verdicts", summ["verdicts"])
 note = data.mfu_note(mfu, peak)
 st.caption(
-    f"MFU peak: **{peak.label()}** — {peak.source}"
+    f"MFU peak: **{peak.short()}** — {peak.source}"
     + (f". **{note}**" if note else "")
     + (f". {summ['mfu_over']:,} step(s) above 100% (marked in the MFU chart)" if summ.get("mfu_over") else "")
 )

@@ -87,7 +87,7 @@ def unmarked_mfu_points(fig: dict[str, Any]) -> tuple[int, list[tuple[Any, float
 def test_no_plotted_mfu_above_100_percent_without_a_marker(mfu_store: Path, open_page) -> None:
     seen_over = 0
     views = [("health", run, None) for run in (synth.GUARDED, SELF_PEAK, PINNED, FAST)]
-    views += [("compare", None, ("mfu", x)) for x in ("step", "tokens", "wall")]
+    views += [("compare", None, ("MFU", x)) for x in ("steps", "tokens", "wall time")]
     for page, run, overlay in views:
         at = open_page(page, mfu_store, run=run)
         if overlay:
@@ -164,9 +164,13 @@ def test_runs_table_has_peak_and_config_columns_and_no_empty_note(mfu_store: Pat
     for c in ("tokens/s", "MFU %", "MFU peak", "torch", "attention", "expert kernel", "compile"):
         assert c in cols, c
     assert "note" not in cols, "every run is complete: no empty note column taking width"
-    assert cols.index("tokens/s") < cols.index("MFU %") < cols.index("MFU peak")
+    assert cols.index("tokens/s") < cols.index("MFU %") < cols.index("guard actions") < cols.index("MFU peak")
+    assert "artefact" not in df.set_index("run").loc[PINNED]["MFU peak"]
     row = df.set_index("run").loc[SELF_PEAK]
-    assert row["MFU %"] > 100 and "artefact" in row["MFU note"] and "self-measured" in row["MFU peak"]
+    assert row["MFU %"] > 100 and "artefact" in row["MFU peak"] and "self-measured" in row["MFU peak"]
+    assert cols.index("compile") < cols.index("tokens/s"), (
+        "config before the wide columns: on screen at 1,600 px"
+    )
     assert "pinned" in df.set_index("run").loc[PINNED]["MFU peak"]
 
 
@@ -200,12 +204,13 @@ def test_compare_overlay_any_metric_on_steps_tokens_or_wall_time(mfu_store: Path
     at = open_page("compare", mfu_store)
     at.multiselect(key="runs").set_value([synth.GUARDED, FAST]).run()
     at.selectbox(key="metric").set_value("loss").run()
+    at.select_slider(key="smooth").set_value(1).run()
     fig = chart_titled(at, "Loss (nats/token) by step, runs overlaid")
     assert max(traces(fig, FAST)[0]["x"]) == 599
     at.segmented_control(key="x_axis").set_value("tokens").run()
     fig = chart_titled(at, "Loss (nats/token) by tokens consumed")
     assert max(traces(fig, FAST)[0]["x"]) == 600 * 65536
-    at.segmented_control(key="x_axis").set_value("wall").run()
+    at.segmented_control(key="x_axis").set_value("wall time").run()
     fig = chart_titled(at, "Loss (nats/token) by wall time since the first step (min)")
     assert max(traces(fig, FAST)[0]["x"]) == pytest.approx(599 * 0.8 / 60)
     raw = np.nanstd(np.diff(np.asarray(traces(fig, FAST)[0]["y"], dtype=float)))

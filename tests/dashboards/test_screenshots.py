@@ -1,0 +1,111 @@
+"""Screenshots of every page on real trainer runs that differ in expert kernel and in torch
+version (issue #17), in Chromium, saved under test-output/screenshots/ for a person to look at.
+
+The runs are real `moeguard train` runs of the micro model (bmm and loop kernels). One torch
+is installed, so the torch difference is fabricated: a third real run (another seed) whose
+meta.json says torch 2.12.1 and says that it was relabelled. An older-style run whose peak was
+self-measured (MFU above 100%) is written by the synthetic writer. Point
+MOEGUARD_SCREENSHOT_RUNS at another run store to shoot that instead (the canary history is the
+repository's own, configs/canary_history/ci-cpu.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dashboards import testing as synth
+from guard.runstore import atomic_write_json, list_runs
+from tests.conftest import MICRO, REPO
+from tests.dashboards.test_app_browser import CHROMIUM, _chromium, _screenshot, serve
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+HISTORY = REPO / "configs" / "canary_history" / "ci-cpu.jsonl"
+OUT = REPO / "test-output" / "screenshots"
+
+
+def _train(run_dir: Path, *args: str) -> None:
+    p = subprocess.run([sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(run_dir),
+                        "--steps", "80", "--no-progress", "--set", "train.threads=1",
+                        "--set", "telemetry.profile=true", *args],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def make_runs(root: Path) -> None:
+    _train(root / "kernel-bmm", "--set", "model.experts_kernel=bmm")
+    _train(root / "kernel-loop", "--set", "model.experts_kernel=loop", "--inject", "gradspike@40:1000",
+           "--inject", "collapse@45:1")  # fmt: skip
+    fake = root / "torch-2.12.1-fabricated"
+    _train(fake, "--set", "model.experts_kernel=bmm", "--seed", "1")
+    meta = json.loads((fake / "meta.json").read_text())
+    meta["env"]["note"] = (
+        f"torch {meta['env']['torch']} run relabelled 2.12.1 for the screenshots (one torch here)"
+    )
+    meta["env"]["torch"] = "2.12.1+cpu"
+    atomic_write_json(fake / "meta.json", meta)
+    env = {**synth.ENV_A, "torch": "2.13.0+cpu", "cuda": "none", "device": "cpu:x86_64:2threads", "world_size": 1,
+           "peak_flops": 1.6e10, "peak_flops_source": "measured: cpu matmul probe fp32 2 threads",
+           "expert_kernel": "bmm", "compile": False, "dtype": "fp32"}  # fmt: skip
+    synth.write_run(root, synth.SynthRun(run_id="legacy-self-peak-synthetic", steps=300, env=env, mfu=1.7,
+                                         faults=synth.default_faults()[:1], seed=11))  # fmt: skip
+
+
+def test_screenshots_of_every_page(tmp_path: Path) -> None:
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed")
+    root = Path(os.environ.get("MOEGUARD_SCREENSHOT_RUNS") or tmp_path / "runs")
+    if not os.environ.get("MOEGUARD_SCREENSHOT_RUNS"):
+        make_runs(root)
+    runs = [p.name for p in list_runs(root)]
+    kernels = sorted(r for r in runs if r.startswith("kernel-"))
+    legacy = [r for r in runs if "self-peak" in r]
+    fake = [r for r in runs if "fabricated" in r]
+    assert len(kernels) >= 2 and fake, runs
+    sel = "&".join(f"runs={r}" for r in [*kernels, *fake])
+    views = [("runs", "/runs", 0)]
+    views += [(f"health-{r}", f"/health?run={r}", 8) for r in runs]
+    views += [
+        ("compare-kernels-tokens", f"/compare?{sel}", 2),
+        ("compare-kernels-mfu-wall", f"/compare?{sel}&metric=MFU&x_axis=wall+time", 2),
+        ("compare-loss-tokens", f"/compare?{sel}&metric=loss&x_axis=tokens&group_by=expert+kernel", 2),
+    ]
+    if legacy:
+        views.append(
+            ("compare-with-legacy-mfu", f"/compare?runs={legacy[0]}&runs={kernels[0]}&metric=MFU", 2)
+        )
+    views.append(("canaries", "/canaries", 1))
+    OUT.mkdir(parents=True, exist_ok=True)
+    for old in OUT.glob("*.png"):  # one store's pages, not a mix with an earlier store's
+        old.unlink()
+    results = {}
+    with serve(root, HISTORY, tmp_path / "app.log") as base, playwright.sync_playwright() as p:
+        browser = _chromium(p)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        for name, path, min_charts in views:
+            page.set_viewport_size({"width": 1600, "height": 1000})
+            shot = tmp_path / f"{name}.png"
+            results[name] = _screenshot(page, base + path, shot, min_charts=min_charts)
+            shutil.copy(shot, OUT / shot.name)
+        browser.close()
+    for name, r in results.items():
+        assert r["exceptions"] == 0, f"{name}: Streamlit shows an exception"
+        assert "Page not found" not in r["text"] and "Traceback" not in r["text"], name
+    assert (
+        "faster than" in results["compare-kernels-tokens"]["text"]
+        or "No clear difference" in (results["compare-kernels-tokens"]["text"])
+    )
+    # the overlay follows its URL (?metric=MFU&x_axis=wall+time), so a view can be shared
+    assert (
+        "MFU (%) by wall time since the first step (min), runs overlaid"
+        in results["compare-kernels-mfu-wall"]["text"]
+    )
+    assert "Loss (nats/token) by tokens consumed" in results["compare-loss-tokens"]["text"]
+    if legacy:
+        assert "measurement artefact" in results["compare-with-legacy-mfu"]["text"]
