@@ -16,6 +16,16 @@ Names come from guard/schema.py (alert rules are written against them); labels:
   outcome                  moeguard_ingest_batches_total (a rejected batch may name no valid run)
   torch, device, attention, expert_kernel, compile    moeguard_run_info (= 1), from the run's meta
 
+Scrapes never block ingest: `collect()` copies one run at a time under the lock (a few fields
+and array copies) and builds its series after letting go, so an ingest waits at most for one
+run's copy, never for a whole render. Each run's series are capped at `max_series_per_run`
+(guard/limits.py): run-level series first, then per-rank, then per-layer; what does not fit is
+left out and counted in moeguard_collector_series_dropped{run}.
+
+Evicted runs (guard/limits.py, max_hot_runs) keep a compact record here (`compact`): counters,
+halt latch, heartbeats, the last step's scalars; the per-layer arrays, expert-share histograms
+and per-rank step-time windows go, and come back as the run reports again.
+
 moeguard_expert_load_share{run,layer} is a histogram of per-expert load shares (load_i / sum),
 one observation per expert per rank-0 step: bounded cardinality however many experts a layer
 has. Bucket bounds are EXPERT_SHARE_BUCKETS; le="0" counts experts that got no token. The bounds
@@ -26,6 +36,7 @@ vanishing into a 0.1-0.2 bucket that also held shares 60% above the uniform one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -38,10 +49,12 @@ import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from guard import actions as guard_actions
 from guard import schema
 from guard.heartbeat import HeartbeatConfig, HeartbeatTracker
+from guard.limits import CollectorLimits
 from guard.report import StepReport
 
 # 0, then 1/256 .. 1/2 by powers of two with 1.5/E between them, then 3/4 and 1: the uniform
@@ -95,14 +108,47 @@ class _Run:
     rank_step_times: dict[int, deque] = field(default_factory=dict)
     rank_scores: dict[int, float] = field(default_factory=dict)  # straggler scores the trainer reported
     goodput: float | None = None  # the trainer's own figure (meta["goodput"]), when it sent one
+    stored_step: int | None = None  # last stored step, for a run whose last report is not in memory
+    complete: bool = False  # restored from the run store (or seen from its start) by this process
+    series_dropped: int = 0  # series left out of the last render (max_series_per_run)
+
+
+_EMPTY_ARRAYS = {
+    "layer_ids_L": np.zeros(0, np.int32), "layer_grad_norm_L": np.zeros(0), "moe_layer_ids_M": np.zeros(0, np.int32),
+    "router_entropy_M": np.zeros(0), "load_entropy_M": np.zeros(0), "maxvio_M": np.zeros(0),
+    "dead_experts_M": np.zeros(0, np.int32), "bias_norm_M": np.zeros(0), "load_ME": np.zeros((0, 0), np.int64),
+    "bias_ME": np.zeros((0, 0)),
+}  # fmt: skip
+
+
+@dataclass(slots=True)
+class _RunView:
+    """What one run's series are built from, copied under the lock (see `collect`)."""
+
+    run: str
+    r: _Run  # only its immutable-after-write fields are read outside the lock
+    verdicts: dict[str, int]
+    actions: dict[str, int]
+    hist_rows: dict[int, int]
+    hist_counts: np.ndarray
+    hist_sum: np.ndarray
+    beats: list[tuple[int, float, float, float]]  # rank, last_seen, age, timeout
+    step_times: dict[int, list[float]]
+    rank_scores: dict[int, float]
 
 
 class CollectorMetrics(Collector):
     """State behind /metrics. Thread-safe: ingest threads write, the scrape thread reads."""
 
     def __init__(self, *, registry: CollectorRegistry | None = None, heartbeat: HeartbeatConfig | None = None,
-                 baseline: BaselineConfig | None = None, clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+                 baseline: BaselineConfig | None = None, clock: Callable[[], float] = time.time,
+                 limits: CollectorLimits | None = None) -> None:  # fmt: skip
         self.heartbeat_cfg = heartbeat or HeartbeatConfig()
+        self.limits = limits or CollectorLimits()
+        self._refusals: Counter = Counter()  # limit name -> batches refused
+        self._evictions = 0
+        self.hot_runs: Callable[[], int] = lambda: 0  # set by the collector
+        self.pending_load: Callable[[], int] = lambda: 0
         self.baseline = baseline or BaselineConfig()
         self.clock = clock
         self._lock = threading.RLock()
@@ -130,6 +176,58 @@ class CollectorMetrics(Collector):
         """Count one ingest batch: ok | duplicate | unauthorized | too_large | bad_request."""
         with self._lock:
             self._batches[outcome] += 1
+
+    def refused(self, limit: str) -> None:
+        """Count a batch refused by a limit (guard/limits.py)."""
+        with self._lock:
+            self._refusals[limit] += 1
+            self._batches["over_limit"] += 1
+
+    def detectors(self, run: str) -> list[str]:
+        """Detector names this run's verdict counters hold."""
+        with self._lock:
+            r = self._runs.get(run)
+            return [] if r is None else list(r.verdicts)
+
+    def compact(self, run: str, stored_step: int | None) -> None:
+        """The run was evicted from memory: keep what alerts and /v1/runs need (counters, halt
+        latch, heartbeats, baselines, the last step's scalars), drop the per-layer and per-rank
+        arrays. They come back as the run reports again."""
+        with self._lock:
+            r = self._runs.get(run)
+            if r is None:
+                return
+            self._evictions += 1
+            if r.last is not None:
+                r.last = dataclasses.replace(r.last, **_EMPTY_ARRAYS)
+            r.stored_step = stored_step
+            r.hist_rows, r.row_cache, r.rank_step_times, r.rank_scores = {}, {}, {}, {}
+            r.hist_counts, r.hist_sum = np.zeros((0, _NB), np.int64), np.zeros(0)
+
+    def cold_load(self, run: str, *, meta: Mapping[str, Any] | None, beats: Mapping[int, list[Any]],
+                  stored_step: int | None) -> bool:  # fmt: skip
+        """A run read at start-up from its meta.json and state.json only (no Parquet scan): the
+        halt latch from meta's status, heartbeats as last committed. False if the run already has
+        a record (it was loaded in full first). The full restore happens on its first request."""
+        with self._lock:
+            if run in self._runs:
+                return False
+            r = self._run(run)
+            r.stored_step = stored_step
+            if meta:
+                self.set_meta(run, meta)
+            for rank, (seen, sent, step, phase) in beats.items():
+                r.heartbeats.beat(rank, seen, step, phase, sent)
+            return True
+
+    def is_complete(self, run: str) -> bool:
+        with self._lock:
+            r = self._runs.get(run)
+            return bool(r and r.complete)
+
+    def mark_complete(self, run: str) -> None:
+        with self._lock:
+            self._run(run).complete = True
 
     def observe_report(self, run: str, rep: StepReport) -> None:
         """Any rank's report: values ingested and per-rank step time; rank 0 also run health."""
@@ -288,7 +386,9 @@ class CollectorMetrics(Collector):
     def last_step(self, run: str) -> int | None:
         with self._lock:
             r = self._runs.get(run)
-            return None if r is None or r.last is None else r.last.step
+            if r is None:
+                return None
+            return r.stored_step if r.last is None else r.last.step
 
     def is_halted(self, run: str) -> bool:
         with self._lock:
@@ -296,84 +396,152 @@ class CollectorMetrics(Collector):
             return bool(r and r.halted)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The registry in Prometheus text format. This collector's series are written straight
+        to text (`_TextFamily`, 2-3x faster than building Metric objects and formatting them);
+        other collectors in the registry go through
+        prometheus_client as usual. Same bytes as generate_latest(registry)."""
+        fam = self._families(text=True)
+        self._fill(fam)
+        own = "".join(f.text() for f in fam.values())  # type: ignore[attr-defined]
+        _RENDERING.active = True  # collect() answers nothing: our series are in `own`
+        try:
+            others = generate_latest(self.registry)
+        finally:
+            _RENDERING.active = False
+        return own.encode() + others
 
     # ---- prometheus_client Collector protocol ------------------------------------------
     def describe(self) -> Iterable[Metric]:
         return list(self._families().values())
 
     def collect(self) -> Iterable[Metric]:
-        now = self.clock()
+        if getattr(_RENDERING, "active", False):
+            return []
         fam = self._families()
+        self._fill(fam)
+        return list(fam.values())
+
+    def _fill(self, fam: dict[str, Any]) -> None:
+        now = self.clock()
         with self._lock:
             for b_outcome, n in sorted(self._batches.items()):
                 fam[schema.M_INGEST_BATCHES].add_metric([b_outcome], n)
-            for run, r in sorted(self._runs.items()):
-                self._collect_run(fam, run, r, now)
-        return list(fam.values())
+            for limit, n in sorted(self._refusals.items()):
+                fam[schema.M_COLLECTOR_LIMIT_REFUSALS].add_metric([limit], n)
+            fam[schema.M_COLLECTOR_EVICTIONS].add_metric([], self._evictions)
+            fam[schema.M_COLLECTOR_KNOWN_RUNS].add_metric([], len(self._runs))
+            names = sorted(self._runs)
+        fam[schema.M_COLLECTOR_HOT_RUNS].add_metric([], self.hot_runs())
+        fam[schema.M_COLLECTOR_PENDING_LOAD].add_metric([], self.pending_load())
+        for run in names:
+            with self._lock:  # one run at a time: an ingest waits for one copy, never the render
+                r = self._runs.get(run)
+                view = None if r is None else self._view(run, r, now)
+            if view is not None:
+                dropped = self._collect_run(fam, view)
+                r.series_dropped = dropped  # type: ignore[union-attr]
+                if dropped:
+                    fam[schema.M_COLLECTOR_SERIES_DROPPED].add_metric([run], dropped)
 
-    def _collect_run(self, fam: dict[str, Metric], run: str, r: _Run, now: float) -> None:
-        fam[schema.M_INGEST_VALUES].add_metric([run], r.values_total)
-        fam[schema.M_HALTED].add_metric([run], 1.0 if r.halted else 0.0)
-        fam[schema.M_TOKENS].add_metric([run], r.tokens_total)
-        fam[schema.M_NONFINITE].add_metric([run], r.nonfinite_total)
-        for det, n in sorted(r.verdicts.items()):
-            fam[schema.M_VERDICTS].add_metric([run, det], n)
-        for act, n in sorted(r.actions.items()):
-            fam[schema.M_ACTIONS].add_metric([run, act], n)
-        if r.info is not None:
-            fam[schema.M_RUN_INFO].add_metric([run, *(r.info[k] for k in RUN_INFO_LABELS)], 1.0)
-        if r.mfu_baseline is not None:
-            fam[schema.M_MFU_BASELINE].add_metric([run], r.mfu_baseline)
-        if r.tps_baseline is not None:
-            fam[schema.M_TPS_BASELINE].add_metric([run], r.tps_baseline)
-        if r.goodput is not None:
-            fam[schema.M_GOODPUT].add_metric([run], r.goodput)
-        elif r.first_time is not None and r.last_time is not None and r.last_time > r.first_time:
-            fam[schema.M_GOODPUT].add_metric([run], min(1.0, r.productive_s / (r.last_time - r.first_time)))
+    @staticmethod
+    def _view(run: str, r: _Run, now: float) -> _RunView:
+        hb = r.heartbeats
+        return _RunView(
+            run=run, r=r, verdicts=dict(r.verdicts), actions=dict(r.actions), hist_rows=dict(r.hist_rows),
+            hist_counts=r.hist_counts.copy(), hist_sum=r.hist_sum.copy(),
+            beats=[(rank, rb.last_seen, hb.age(rank, now), hb.timeout(rank)) for rank, rb in sorted(hb.ranks.items())],
+            step_times={rank: list(dq) for rank, dq in r.rank_step_times.items() if dq},
+            rank_scores=dict(r.rank_scores),
+        )  # fmt: skip
+
+    def _collect_run(self, fam: dict[str, Metric], v: _RunView) -> int:
+        """Add one run's series, at most max_series_per_run of them; returns how many were left
+        out. Order of priority: run-level (alerts and the runs table), ranks, layers."""
+        run, r = v.run, v.r
+        left = self.limits.max_series_per_run
+        dropped = 0
+
+        def fits(n: int) -> bool:
+            nonlocal left, dropped
+            if n <= left:
+                left -= n
+                return True
+            dropped += n
+            return False
+
         rep = r.last
+        scalars: list[tuple[str, float]] = [
+            (schema.M_INGEST_VALUES, r.values_total), (schema.M_HALTED, 1.0 if r.halted else 0.0),
+            (schema.M_TOKENS, r.tokens_total), (schema.M_NONFINITE, r.nonfinite_total),
+        ]  # fmt: skip
+        if r.mfu_baseline is not None:
+            scalars.append((schema.M_MFU_BASELINE, r.mfu_baseline))
+        if r.tps_baseline is not None:
+            scalars.append((schema.M_TPS_BASELINE, r.tps_baseline))
+        if r.goodput is not None:
+            scalars.append((schema.M_GOODPUT, r.goodput))
+        elif r.first_time is not None and r.last_time is not None and r.last_time > r.first_time:
+            scalars.append((schema.M_GOODPUT, min(1.0, r.productive_s / (r.last_time - r.first_time))))
         if rep is not None:
-            for name, v in ((schema.M_STEP, rep.step), (schema.M_LOSS, rep.loss), (schema.M_GRAD_NORM, rep.grad_norm),
-                            (schema.M_LR, rep.lr), (schema.M_TOKENS_PER_S, rep.tokens_per_s), (schema.M_MFU, rep.mfu),
-                            (schema.M_STEP_TIME, rep.step_time_s), (schema.M_DATA_WAIT, rep.data_wait_s),
-                            (schema.M_MEM_PEAK, rep.mem_peak_bytes)):  # fmt: skip
-                fam[name].add_metric([run], float(v))
-            for lid, v in zip(rep.layer_ids_L.tolist(), rep.layer_grad_norm_L.tolist(), strict=True):
-                fam[schema.M_LAYER_GRAD_NORM].add_metric([run, str(lid)], v)
+            scalars += [(schema.M_STEP, rep.step), (schema.M_LOSS, rep.loss), (schema.M_GRAD_NORM, rep.grad_norm),
+                        (schema.M_LR, rep.lr), (schema.M_TOKENS_PER_S, rep.tokens_per_s), (schema.M_MFU, rep.mfu),
+                        (schema.M_STEP_TIME, rep.step_time_s), (schema.M_DATA_WAIT, rep.data_wait_s),
+                        (schema.M_MEM_PEAK, rep.mem_peak_bytes)]  # fmt: skip
+        for name, val in scalars:
+            if fits(1):
+                fam[name].add_metric([run], float(val))
+        info = r.info
+        if info is not None and fits(1):
+            fam[schema.M_RUN_INFO].add_metric([run, *(info[k] for k in RUN_INFO_LABELS)], 1.0)
+        for det, n in sorted(v.verdicts.items()):
+            if fits(1):
+                fam[schema.M_VERDICTS].add_metric([run, det], n)
+        for act, n in sorted(v.actions.items()):
+            if fits(1):
+                fam[schema.M_ACTIONS].add_metric([run, act], n)
+        for rank, seen, age, timeout in v.beats:
+            if fits(4):
+                labels = [run, str(rank)]
+                fam[schema.M_LAST_SEEN].add_metric(labels, seen)
+                fam[schema.M_HEARTBEAT_AGE].add_metric(labels, age)
+                fam[schema.M_HEARTBEAT_TIMEOUT].add_metric(labels, timeout)
+                fam[schema.M_HEARTBEAT_LOST].add_metric(labels, 1.0 if age > timeout else 0.0)
+        if rep is not None:
+            for lid, val in zip(rep.layer_ids_L.tolist(), rep.layer_grad_norm_L.tolist(), strict=True):
+                if fits(1):
+                    fam[schema.M_LAYER_GRAD_NORM].add_metric([run, str(lid)], val)
             moe = rep.moe_layer_ids_M.tolist()
             for name, arr in ((schema.M_LAYER_MAXVIO, rep.maxvio_M), (schema.M_LAYER_DEAD, rep.dead_experts_M),
                               (schema.M_LAYER_LOAD_ENTROPY, rep.load_entropy_M),
                               (schema.M_LAYER_ROUTER_ENTROPY, rep.router_entropy_M),
                               (schema.M_LAYER_BIAS_NORM, rep.bias_norm_M)):  # fmt: skip
-                for lid, v in zip(moe, arr.tolist(), strict=True):
-                    fam[name].add_metric([run, str(lid)], float(v))
-        for lid, row in sorted(r.hist_rows.items()):
-            cum = np.cumsum(r.hist_counts[row]).tolist()
+                for lid, val in zip(moe, arr.tolist(), strict=True):
+                    if fits(1):
+                        fam[name].add_metric([run, str(lid)], float(val))
+        for lid, row in sorted(v.hist_rows.items()):
+            if not fits(_NB + 2):  # buckets (+Inf included), _sum, _count
+                continue
+            cum = np.cumsum(v.hist_counts[row]).tolist()
             buckets = [(_le(b), c) for b, c in zip(EXPERT_SHARE_BUCKETS, cum, strict=False)] + [
                 ("+Inf", cum[-1])
             ]
-            fam[schema.M_EXPERT_LOAD_SHARE].add_metric([run, str(lid)], buckets, float(r.hist_sum[row]))
-        hb = r.heartbeats
-        medians = {rank: float(np.median(dq)) for rank, dq in r.rank_step_times.items() if dq}
+            fam[schema.M_EXPERT_LOAD_SHARE].add_metric([run, str(lid)], buckets, float(v.hist_sum[row]))
+        medians = {rank: float(np.median(ts)) for rank, ts in v.step_times.items()}
         fastest = min(medians.values(), default=math.nan)
-        for rank, rb in sorted(hb.ranks.items()):
-            labels = [run, str(rank)]
-            age, timeout = hb.age(rank, now), hb.timeout(rank)
-            fam[schema.M_LAST_SEEN].add_metric(labels, rb.last_seen)
-            fam[schema.M_HEARTBEAT_AGE].add_metric(labels, age)
-            fam[schema.M_HEARTBEAT_TIMEOUT].add_metric(labels, timeout)
-            fam[schema.M_HEARTBEAT_LOST].add_metric(labels, 1.0 if age > timeout else 0.0)
-        for rank in sorted(set(medians) | set(r.rank_scores)):
+        for rank in sorted(set(medians) | set(v.rank_scores)):
             # nvidia-resiliency-ext's relative score: fastest rank's median / this rank's (1 = fastest).
             # A trainer that reports scores measured them on time outside collectives (in synchronous
             # training every rank's wall step time is the same); otherwise: from reported step times.
             med = medians.get(rank, math.nan)
-            score = r.rank_scores.get(rank, fastest / med if med > 0 else math.nan)
-            fam[schema.M_STRAGGLER].add_metric([run, str(rank)], score)
+            score = v.rank_scores.get(rank, fastest / med if med > 0 else math.nan)
+            if fits(1):
+                fam[schema.M_STRAGGLER].add_metric([run, str(rank)], score)
+        return dropped
 
     @staticmethod
-    def _families() -> dict[str, Metric]:
-        g, c = GaugeMetricFamily, CounterMetricFamily
+    def _families(text: bool = False) -> dict[str, Any]:
+        """name -> a Metric family (for collect()), or a _TextFamily of the same shape (render)."""
+        g, c = ("gauge", "counter") if text else (GaugeMetricFamily, CounterMetricFamily)
         R, RL, RK = ["run"], ["run", "layer"], ["run", "rank"]
         specs: list[tuple[str, type, list[str], str]] = [
             (schema.M_STEP, g, R, "last step reported by rank 0"),
@@ -413,12 +581,69 @@ class CollectorMetrics(Collector):
             (schema.M_INGEST_BATCHES, c, ["outcome"], "ingest batches by outcome"),
             (schema.M_INGEST_VALUES, c, R, "numeric values ingested (StepReport.n_values)"),
             (schema.M_RUN_INFO, g, ["run", *RUN_INFO_LABELS], "1, labelled with the run's environment"),
+            (schema.M_COLLECTOR_HOT_RUNS, g, [], "runs with full state in memory (at most --max-hot-runs)"),
+            (schema.M_COLLECTOR_KNOWN_RUNS, g, [], "runs with a record in memory, hot or evicted (compact)"),
+            (schema.M_COLLECTOR_PENDING_LOAD, g, [], "run folders the start-up scan has not read yet"),
+            (schema.M_COLLECTOR_EVICTIONS, c, [], "idle runs evicted from memory (least recently used first)"),
+            (schema.M_COLLECTOR_LIMIT_REFUSALS, c, ["limit"], "batches refused (400) for going over a limit"),
+            (schema.M_COLLECTOR_SERIES_DROPPED, g, R, "series of the run left out of the last render "
+             "(--max-series-per-run)"),
         ]
-        fams: dict[str, Metric] = {name: cls(name, doc, labels=labels) for name, cls, labels, doc in specs}
-        fams[schema.M_EXPERT_LOAD_SHARE] = HistogramMetricFamily(
-            schema.M_EXPERT_LOAD_SHARE, "per-expert share of a layer's routed tokens, one observation per expert per step",
-            labels=RL)  # fmt: skip
+        hist_doc = "per-expert share of a layer's routed tokens, one observation per expert per step"
+        if text:
+            fams: dict[str, Any] = {name: _TextFamily(name, kind, labels, doc) for name, kind, labels, doc in specs}
+            fams[schema.M_EXPERT_LOAD_SHARE] = _TextFamily(schema.M_EXPERT_LOAD_SHARE, "histogram", RL, hist_doc)
+            return fams
+        fams = {name: cls(name, doc, labels=labels) for name, cls, labels, doc in specs}
+        fams[schema.M_EXPERT_LOAD_SHARE] = HistogramMetricFamily(schema.M_EXPERT_LOAD_SHARE, hist_doc, labels=RL)
         return fams
+
+
+_RENDERING = threading.local()
+
+
+def _esc(v: str) -> str:
+    if "\\" in v or '"' in v or "\n" in v:
+        return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+    return v
+
+
+class _TextFamily:
+    """A metric family written straight to Prometheus text, with the `add_metric` of
+    GaugeMetricFamily / CounterMetricFamily / HistogramMetricFamily and generate_latest's
+    exact output (label pairs sorted by name, values through floatToGoString)."""
+
+    def __init__(self, name: str, kind: str, labels: list[str], doc: str) -> None:
+        self.kind = kind
+        if kind == "counter":
+            name = name if name.endswith("_total") else name + "_total"
+        self.name = name
+        doc = doc.replace("\\", r"\\").replace("\n", r"\n")
+        self.head = f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"
+        self.lines: list[str] = []
+        self.fmt = self._fmt(list(labels))  # "{{layer=\"{1}\",run=\"{0}\"}}": label values by position
+        self.bucket_fmt = self._fmt([*labels, "le"])
+
+    @staticmethod
+    def _fmt(keys: list[str]) -> str:
+        if not keys:
+            return ""
+        order = sorted(range(len(keys)), key=lambda i: keys[i])
+        return "{{" + ",".join(f'{keys[i]}="{{{i}}}"' for i in order) + "}}"
+
+    def add_metric(self, labels: list[str], value: Any, sum_value: float | None = None) -> None:
+        lab = self.fmt.format(*map(_esc, labels))
+        if self.kind != "histogram":
+            self.lines.append(f"{self.name}{lab} {floatToGoString(value)}\n")
+            return
+        esc = [_esc(v) for v in labels]
+        name, fmt = self.name, self.bucket_fmt
+        self.lines.extend(f"{name}_bucket{fmt.format(*esc, le)} {floatToGoString(count)}\n" for le, count in value)
+        self.lines.append(f"{name}_count{lab} {floatToGoString(value[-1][1])}\n")
+        self.lines.append(f"{name}_sum{lab} {floatToGoString(sum_value)}\n")
+
+    def text(self) -> str:
+        return self.head + "".join(self.lines)
 
 
 def _le(b: float) -> str:

@@ -56,6 +56,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from guard import schema
+from guard.http_limits import BodyLimit, BodyTooLarge, body_too_large_handler
 from guard.listen import bind_tcp
 from guard.notify import quiet_http_logs, redact_url, redact_urls
 from guard.tomlconf import check, check_choice
@@ -1035,10 +1036,6 @@ class Pager:
 # ---------------------------------------------------------------------------------------
 # HTTP
 # ---------------------------------------------------------------------------------------
-class BodyTooLarge(Exception):
-    """The request body passed the limit while it streamed in (answered with HTTP 413)."""
-
-
 def parse_json(raw: bytes) -> Any:
     """A request body -> JSON no deeper than MAX_JSON_DEPTH. Raises PayloadError."""
     too_deep = f"body is JSON nested deeper than {MAX_JSON_DEPTH} levels"
@@ -1057,42 +1054,6 @@ def parse_json(raw: bytes) -> Any:
         children = obj.values() if isinstance(obj, dict) else obj
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
     return body
-
-
-def _too_large(why: str) -> JSONResponse:
-    # Connection: close, so the client cannot go on streaming into a connection we keep reading.
-    return JSONResponse({"error": why}, status_code=413, headers={"Connection": "close"})
-
-
-class BodyLimit:
-    """ASGI middleware for every endpoint: a request whose Content-Length passes `limit` gets
-    413 before a byte of its body is read; one that streams past it (chunked, or lying about
-    its length) gets 413 at that byte. Nothing beyond the limit is ever held in memory."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"0")
-        if not declared.isdigit() or int(declared) > self.limit:
-            why = f"Content-Length {declared.decode(errors='replace')[:20]} is over the limit of {self.limit} bytes"
-            await _too_large(why)(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited_receive() -> dict[str, Any]:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:  # raised inside the endpoint; the app answers 413
-                    raise BodyTooLarge(f"body streamed past the limit of {self.limit} bytes")
-            return message
-
-        await self.app(scope, limited_receive, send)
 
 
 def build_app(pager: Pager, token: str | None = None) -> Starlette:
@@ -1130,9 +1091,6 @@ def build_app(pager: Pager, token: str | None = None) -> Starlette:
     async def healthz(request: Request) -> JSONResponse:
         return JSONResponse(pager.health())
 
-    async def body_too_large(request: Request, exc: Exception) -> JSONResponse:
-        return _too_large(str(exc))
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
@@ -1147,7 +1105,7 @@ def build_app(pager: Pager, token: str | None = None) -> Starlette:
             Route("/healthz", healthz, methods=["GET"]),
         ],
         middleware=[Middleware(BodyLimit, limit=pager.cfg.max_body_bytes)],
-        exception_handlers={BodyTooLarge: body_too_large},
+        exception_handlers={BodyTooLarge: body_too_large_handler},
         lifespan=lifespan,
     )
 

@@ -229,3 +229,15 @@ INJECT_KINDS = ("gradspike", "lrspike", "nan", "badbatch", "collapse", "stall", 
 # Environment variables
 ENV_TOKEN = "MOEGUARD_TOKEN"
 ENV_COLLECTOR = "MOEGUARD_COLLECTOR"  # URL of the collector for the trainer's exporter
+
+# The collector's own health and limits (guard/limits.py); not run metrics, so not in METRICS.
+M_COLLECTOR_HOT_RUNS = "moeguard_collector_hot_runs"  # runs with full state in memory
+M_COLLECTOR_KNOWN_RUNS = "moeguard_collector_known_runs"  # runs with a record (hot or evicted)
+M_COLLECTOR_PENDING_LOAD = "moeguard_collector_runs_pending_load"  # start-up: run folders not read yet
+M_COLLECTOR_EVICTIONS = "moeguard_collector_run_evictions_total"  # LRU evictions of idle runs
+M_COLLECTOR_LIMIT_REFUSALS = "moeguard_collector_limit_refusals_total"  # labels: limit
+M_COLLECTOR_SERIES_DROPPED = "moeguard_collector_series_dropped"  # labels: run; at the last render
+COLLECTOR_METRICS = (
+    M_COLLECTOR_HOT_RUNS, M_COLLECTOR_KNOWN_RUNS, M_COLLECTOR_PENDING_LOAD, M_COLLECTOR_EVICTIONS,
+    M_COLLECTOR_LIMIT_REFUSALS, M_COLLECTOR_SERIES_DROPPED,
+)  # fmt: skip

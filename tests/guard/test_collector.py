@@ -80,7 +80,9 @@ class CollectorProc:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> CollectorProc:
+    def start(self, wait_loaded: bool = True) -> CollectorProc:
+        """Start and wait until it answers (and, with wait_loaded, its start-up scan of the
+        run folders is done: it listens before that)."""
         env = {k: v for k, v in os.environ.items() if k != schema.ENV_TOKEN}
         if self.token:
             env[schema.ENV_TOKEN] = self.token
@@ -98,10 +100,12 @@ class CollectorProc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"collector exited with {self.proc.returncode}")
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                h = httpx.get(f"{self.url}/healthz", timeout=1)
+                if h.status_code == 200 and (not wait_loaded or h.json().get("pending_load", 0) == 0):
                     return self
             except httpx.HTTPError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         raise RuntimeError("collector did not come up")
 
     def kill(self) -> None:
