@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from guard import schema
 from guard.limits import CollectorLimits
-from guard.metrics import CollectorMetrics
+from guard.metrics import EXPERT_SHARE_BUCKETS, CollectorMetrics
 from guard.runstore import read_table
 from tests.guard.test_collector import AUTH, CollectorProc, batch, make_report, wait_steps
 
@@ -167,7 +167,7 @@ def test_fast_render_is_byte_identical_to_prometheus_client() -> None:
     fast = m.render()
     assert b'det \\"quoted\\" \\\\ back' in fast
     assert fast == generate_latest(reg)  # collect() is the reference path
-    assert fast.count(b"moeguard_expert_load_share_bucket{") == 2 * 3 * 13
+    assert fast.count(b"moeguard_expert_load_share_bucket{") == 2 * 3 * (len(EXPERT_SHARE_BUCKETS) + 1)
 
 
 # ---------------------------------------------------------------------------------------
