@@ -8,6 +8,16 @@ Two kinds, never a silent truncation:
     series of that run are left out of the scrape and counted in
     moeguard_collector_series_dropped{run} (run-level series first, then ranks, then layers).
 
+Flags of `moeguard collector` and their defaults:
+
+    --max-hot-runs 1000          runs held in full in memory (LRU beyond: checkpointed, evicted)
+    --max-ranks 16384            rank ids must be below this
+    --max-layers 1024            layer ids per report, and the largest layer id + 1
+    --max-detectors 64           distinct detector names per run
+    --max-series-per-run 100000  /metrics series per run (the rest dropped and counted)
+    --max-body-bytes 8 MiB       request bodies on every endpoint (413, read no further;
+                                 guard/http_limits.py)
+
 Runs in memory: at most `max_hot_runs` runs keep their full state (write-ahead log, pending rows,
 detectors, the last report, the expert-share histograms); the least recently used beyond that
 are checkpointed and evicted, keeping a compact record (halt latch, heartbeats, counters, last
