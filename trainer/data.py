@@ -105,13 +105,66 @@ def shard_files(path: str) -> list[Path]:
     return files
 
 
+SHARD_DTYPES = (np.uint8, np.uint16, np.uint32, np.int32, np.int64)
+CHECK_CHUNK = 1 << 24  # tokens per vectorised min/max pass (32-128 MB of a memmap at a time)
+CHECK_BAR_MIN = 1 << 27  # tokens to check on this rank before a progress bar is worth showing
+
+
 def load_shard(f: Path, dtype: str) -> np.ndarray:
-    arr = np.load(f, mmap_mode="r") if f.suffix == ".npy" else np.memmap(f, dtype=dtype, mode="r")
+    """Memory-map one shard; every way it can be unreadable is a ConfigError naming the file."""
+    try:
+        size = f.stat().st_size
+        if f.suffix == ".npy":
+            arr = np.load(f, mmap_mode="r")
+        else:
+            item = np.dtype(dtype).itemsize
+            if size == 0:
+                raise ConfigError(f"token shard {f} is empty (0 bytes)")
+            if size % item:
+                raise ConfigError(f"token shard {f} has {size:,} bytes, not a whole number of {dtype} tokens "
+                                  f"({item} bytes each): it is truncated, or data.dtype is wrong")  # fmt: skip
+            arr = np.memmap(f, dtype=dtype, mode="r")
+    except ConfigError:
+        raise
+    except (OSError, ValueError, EOFError) as e:  # a damaged .npy header, an unreadable file
+        raise ConfigError(f"token shard {f} cannot be read as token ids: {type(e).__name__}: {e}") from None
     if arr.ndim != 1:
         raise ConfigError(f"token shard {f} has shape {arr.shape}; expected a 1-D array of token ids")
-    if arr.dtype not in (np.uint16, np.uint32, np.int32, np.int64, np.uint8):
-        raise ConfigError(f"token shard {f} has dtype {arr.dtype}; expected uint16 or uint32")
+    if arr.dtype not in SHARD_DTYPES:
+        raise ConfigError(f"token shard {f} has dtype {arr.dtype}; expected one of "
+                          f"{', '.join(np.dtype(d).name for d in SHARD_DTYPES)}")  # fmt: skip
+    if len(arr) == 0:
+        raise ConfigError(f"token shard {f} is empty (0 tokens)")
     return arr
+
+
+def check_shards(files: list[Path], arrays: list[np.ndarray], vocab_size: int, *, rank: int = 0,
+                 world_size: int = 1) -> None:  # fmt: skip
+    """Every token id of every shard in [0, vocab_size), or a ConfigError naming the file, the
+    position, the value and the vocab size (an id out of range would crash training with an
+    IndexError hours in). Vectorised min/max over the memmaps in CHECK_CHUNK pieces, so memory
+    stays bounded; rank r of W checks every W-th piece (the ranks read the dataset once between
+    them). A progress bar on stderr when this rank has more than CHECK_BAR_MIN tokens to check."""
+    from tqdm import tqdm
+
+    pieces = [(i, lo) for i, a in enumerate(arrays) for lo in range(0, len(a), CHECK_CHUNK)]
+    mine = pieces[rank::world_size]
+    total = sum(min(CHECK_CHUNK, len(arrays[i]) - lo) for i, lo in mine)
+    with tqdm(total=total, unit="tok", unit_scale=True, desc="checking token shards", leave=False,
+              disable=total < CHECK_BAR_MIN or None) as bar:  # fmt: skip
+        for i, lo in mine:
+            chunk = arrays[i][lo : lo + CHECK_CHUNK]
+            signed = chunk.dtype.kind == "i"
+            if int(chunk.max()) >= vocab_size or (signed and int(chunk.min()) < 0):
+                bad = np.flatnonzero((chunk >= vocab_size) | (chunk < 0) if signed else chunk >= vocab_size)
+                pos = lo + int(bad[0])
+                raise ConfigError(
+                    f"token shard {files[i]}: token id {int(chunk[bad[0]])} at position {pos:,} (of {len(arrays[i]):,} "
+                    f"tokens) is outside [0, {vocab_size}): the vocab size is {vocab_size} ({len(bad):,} such ids in "
+                    f"positions {lo:,}..{lo + len(chunk) - 1:,}); the shard was tokenized for another vocabulary, "
+                    "or is damaged"
+                )
+            bar.update(len(chunk))
 
 
 class TokenWindows:
@@ -150,11 +203,9 @@ class DataLoader:
         else:
             files = shard_files(cfg.path)
             arrays = [load_shard(f, cfg.dtype) for f in files]
-            limit = cfg.vocab_size or vocab_size
-            for f, a in zip(files, arrays, strict=True):
-                hi = int(a[: min(len(a), 1_000_000)].max()) if len(a) else 0
-                if hi >= limit:
-                    raise ConfigError(f"token shard {f} holds token id {hi} >= vocab size {limit}")
+            # data.vocab_size may be smaller than the model's (a tokenizer with unused ids), never larger
+            limit = vocab_size if cfg.vocab_size is None else min(cfg.vocab_size, vocab_size)
+            check_shards(files, arrays, limit, rank=rank, world_size=world_size)
             self.windows = TokenWindows(arrays, cfg.seq_len, [str(f) for f in files])
         self.epoch = 0
         self.sample = 0  # windows consumed by all ranks in this epoch (world-size independent)
