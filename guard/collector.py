@@ -4,7 +4,8 @@
 
 Endpoints
     POST /v1/ingest                 a batch (below); bearer token required
-    GET  /v1/runs                   runs: id, status, last step, per-rank last report time
+    GET  /v1/runs                   runs: id, status, last step, per rank: last report time,
+                                    heartbeat age/timeout/lost, progress age/deadline, stuck
     GET  /v1/runs/{run}/commands?rank=R[&after=ID]   pending operator commands for rank R
     POST /v1/runs/{run}/commands    {"action": "rollback|halt|skip", "reason": str, "rank": int|null}
                                     an operator command; bearer token required
@@ -24,7 +25,9 @@ Batch payload (JSON object; NaN may be written as NaN or null)
     events     list of event rows (guard.events.Event.row()), optional: step and kind required;
                detail may be a JSON string or an object
     heartbeat  {"time": float (trainer clock), "step": int, "phase": "train|checkpoint|eval"},
-               optional (a batch with reports and no heartbeat beats at its last report)
+               optional (a batch with reports and no heartbeat beats at its last report).
+               A higher step or another phase is progress: a rank that keeps beating without
+               it past its phase's learned deadline is stuck (guard/progress.py, RunStuck)
     commands_ack  int, optional: the highest operator-command id this rank has taken up
     trainer_detectors  bool, optional: true when the trainer runs the DetectorSuite in-process
                (guard on, or --no-guard observing); the collector then runs none for the run
@@ -157,6 +160,7 @@ from guard.limits import CollectorLimits, LimitExceeded, check_detectors, check_
 from guard.listen import bind_tcp
 from guard.metrics import CollectorMetrics
 from guard.notify import PagerNotifier
+from guard.progress import ProgressConfig
 from guard.report import StepReport
 from guard.runstore import (
     atomic_write_bytes,
@@ -195,9 +199,7 @@ RETIRED_GENERATIONS = 16  # superseded generations per rank whose late retries s
 MAX_GENERATION_AHEAD_S = 3600
 SWITCH_INTERVAL_S = 0.001  # see run()
 STATE_FILE, COMMANDS_FILE, QUARANTINE_FILE = "state.json", "commands.json", "quarantine.json"
-# Number of runs refused at start-up or load (their files are damaged). Belongs in schema.py
-# with the other names; kept here until that module is free to edit.
-M_QUARANTINED_RUNS = "moeguard_collector_quarantined_runs"
+M_QUARANTINED_RUNS = schema.M_QUARANTINED_RUNS  # runs refused at start-up or load (damaged files)
 
 
 # ---------------------------------------------------------------------------------------
@@ -211,6 +213,7 @@ class CollectorConfig:
     checkpoint_interval_s: float = 1.0
     guard: GuardConfig | None = field(default_factory=GuardConfig)  # None: no server-side detectors
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    progress: ProgressConfig = field(default_factory=ProgressConfig)  # RunStuck deadlines
     pager_url: str | None = None  # `moeguard pager` base URL: halt events are posted to its /v1/events
     pager_token: str | None = None  # its bearer token (MOEGUARD_PAGER_TOKEN), if it wants one
     limits: CollectorLimits = field(default_factory=CollectorLimits)  # guard/limits.py
@@ -606,6 +609,10 @@ class RunState:
             self.detectors = None
         for rank, seen, sent, step, phase in ranks:
             self.metrics.beat(self.run, rank, seen, step, phase, sent)
+        try:
+            self.metrics.load_liveness_state(self.run, st.get("liveness", {}))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # learned again from the next beats
+            log.warning("run %s: %s liveness state not restored (%s: %s)", self.run, STATE_FILE, type(e).__name__, e)
         # parts written by a checkpoint that never committed
         for t in schema.TABLES:
             for p in part_files(self.dir, t):
@@ -838,10 +845,10 @@ class RunState:
         if self.status not in ENDED:  # an ended run has no liveness to watch
             hb = b.heartbeat
             if hb is not None:
-                m.beat(self.run, b.rank, now, hb["step"], hb["phase"], hb["time"])
+                m.beat(self.run, b.rank, now, hb["step"], hb["phase"], hb["time"], b.generation)
             elif b.reports:
                 last = max(b.reports, key=lambda r: r.step)
-                m.beat(self.run, b.rank, now, last.step, PHASE_TRAIN, last.time)
+                m.beat(self.run, b.rank, now, last.step, PHASE_TRAIN, last.time, b.generation)
         if b.final:
             m.end_heartbeats(self.run, b.rank)
         if self.notifier is not None and live:  # durable now; a replay never re-pages
@@ -946,7 +953,7 @@ class RunState:
                            "trainer_detectors": self.trainer_detectors, "report_gen": self.report_gen,
                            "retired": {str(r): {str(g): v for g, v in gens.items()} for r, gens in self.retired.items()},
                            "writers": {str(r): w for r, w in self.writers.items()},
-                           "ranks": self._rank_beats()},
+                           "ranks": self._rank_beats(), "liveness": self.metrics.liveness_state(self.run)},
                 )  # fmt: skip
                 self.pending_reports, self.pending_events, self.dirty = [], [], False
             try:
@@ -1102,6 +1109,7 @@ class ColdRun:
     meta: dict[str, Any] | None
     beats: dict[int, list[Any]]  # rank -> [last seen, last sent, step, phase]
     last_step: int
+    liveness: dict[str, Any] = field(default_factory=dict)  # learned deadlines (CollectorMetrics.liveness_state)
 
 
 def scan_run(run_dir: Path) -> ColdRun | None:
@@ -1121,7 +1129,9 @@ def scan_run(run_dir: Path) -> ColdRun | None:
             if m is not None and int(m.group(1)) > p.segment_done and e.stat().st_size > 0:
                 return None  # batches to replay
     beats = {rank: [seen, sent, step, phase] for rank, seen, sent, step, phase in p.ranks}
-    return ColdRun(meta=read_meta(run_dir), beats=beats, last_step=p.last_step)
+    liveness = st.get("liveness")
+    return ColdRun(meta=read_meta(run_dir), beats=beats, last_step=p.last_step,
+                   liveness=liveness if isinstance(liveness, dict) else {})  # fmt: skip
 
 
 def _nonneg(v: Any) -> int:
@@ -1194,7 +1204,7 @@ class Collector:
 
     def __init__(self, cfg: CollectorConfig, metrics: CollectorMetrics | None = None) -> None:
         self.cfg = cfg
-        self.metrics = metrics or CollectorMetrics(heartbeat=cfg.heartbeat, limits=cfg.limits)
+        self.metrics = metrics or CollectorMetrics(heartbeat=cfg.heartbeat, limits=cfg.limits, progress=cfg.progress)
         self.runs: dict[str, RunState] = {}
         self.quarantined: dict[str, str] = {}  # run -> why it was not loaded
         self._runs_lock = threading.Lock()
@@ -1269,7 +1279,8 @@ class Collector:
             return
         with self._runs_lock:
             if run not in self.runs and run not in self.quarantined:
-                self.metrics.cold_load(run, meta=cold.meta, beats=cold.beats, stored_step=cold.last_step)
+                self.metrics.cold_load(run, meta=cold.meta, beats=cold.beats, stored_step=cold.last_step,
+                                       liveness=cold.liveness)  # fmt: skip
 
     def close(self) -> None:
         self._stop.set()
@@ -1646,6 +1657,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--heartbeat-floor", type=float, default=30.0, help="minimum heartbeat timeout, seconds"
     )
+    pc = ProgressConfig()
+    parser.add_argument("--progress-safety", type=float, default=pc.safety_factor, metavar="X",
+                        help="RunStuck: a phase's deadline is X times the longest duration seen for it "
+                             f"(default {pc.safety_factor:g})")  # fmt: skip
+    parser.add_argument("--progress-floor", type=float, default=pc.floor_s, metavar="SECONDS",
+                        help=f"RunStuck: no deadline is shorter than this (default {pc.floor_s:g})")
+    parser.add_argument("--progress-first-deadline", type=float, default=pc.first_deadline_s, metavar="SECONDS",
+                        help="RunStuck: the deadline of a phase never seen to complete, and of a rank's start-up "
+                             f"(default {pc.first_deadline_s:g})")  # fmt: skip
     parser.add_argument("--port-file", default=None, help="write the bound port here once listening")
     parser.add_argument(
         "--pager-url",
@@ -1691,6 +1711,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = CollectorConfig(runs_dir=Path(args.runs), token=token, max_body_bytes=args.max_body_bytes, limits=limits,
                           checkpoint_interval_s=args.checkpoint_interval, guard=guard_cfg,
                           heartbeat=HeartbeatConfig(floor_s=args.heartbeat_floor), pager_url=args.pager_url,
+                          progress=ProgressConfig(safety_factor=args.progress_safety, floor_s=args.progress_floor,
+                                                  first_deadline_s=args.progress_first_deadline),
                           pager_token=os.environ.get(ENV_PAGER_TOKEN) or None)  # fmt: skip
     # A /metrics render is seconds of pure Python at 10k runs; with the default 5 ms GIL switch
     # interval every hand-off an ingest request needs (event loop, worker thread, after each

@@ -6,6 +6,11 @@ between two beats of a rank, with intervals that started in a checkpoint or eval
 rank has shown `min_intervals` training intervals the floor is used; the floor also bounds the
 learned value from below so a 50 ms step does not page after 250 ms of GC pause.
 
+Quiet phases (checkpoint, eval) learn their own timeout the same way: safety_factor x the longest
+interval seen that started in that phase (on any rank of the run), never below the floor. Only
+before the run has shown one such interval does `quiet_phase_timeout_s` (30 min) apply, so a
+rank that dies in its fifth 0.1 s checkpoint pages after the floor, not after 30 minutes.
+
 Two clocks, each used where it is right:
   * `now` (the collector's clock, when the beat arrived) measures age: "how long has it been
     silent?" must not depend on the trainer's clock being in sync.
@@ -32,7 +37,7 @@ class HeartbeatConfig:
     safety_factor: float = 5.0
     floor_s: float = 30.0  # never call a rank lost sooner than this
     min_intervals: int = 10  # training intervals seen before the learned value applies
-    quiet_phase_timeout_s: float = 1800.0  # timeout while a rank says it is checkpointing/evaluating
+    quiet_phase_timeout_s: float = 1800.0  # checkpoint/eval timeout before one was seen to end
 
     def __post_init__(self) -> None:
         check(self.safety_factor >= 1.0, "safety_factor", self.safety_factor, "must be >= 1")
@@ -59,6 +64,7 @@ class HeartbeatTracker:
     def __init__(self, cfg: HeartbeatConfig | None = None) -> None:
         self.cfg = cfg or HeartbeatConfig()
         self.ranks: dict[int, RankBeat] = {}
+        self.quiet_max: dict[str, float] = {}  # checkpoint/eval -> longest interval started in it
 
     def beat(
         self, rank: int, now: float, step: int, phase: str = PHASE_TRAIN, sent: float | None = None
@@ -79,6 +85,8 @@ class HeartbeatTracker:
         if rb.phase == PHASE_TRAIN:  # the interval started while training: it counts
             rb.max_interval = max(rb.max_interval, interval)
             rb.n_intervals += 1
+        else:  # a quiet phase teaches only its own timeout
+            self.quiet_max[rb.phase] = max(self.quiet_max.get(rb.phase, 0.0), interval)
         rb.last_seen = max(rb.last_seen, now)
         rb.last_sent = sent
         rb.step = max(rb.step, step)
@@ -93,7 +101,8 @@ class HeartbeatTracker:
         learned = cfg.safety_factor * rb.max_interval if rb.n_intervals >= cfg.min_intervals else 0.0
         t = max(cfg.floor_s, learned)
         if rb.phase != PHASE_TRAIN:
-            t = max(t, cfg.quiet_phase_timeout_s)
+            quiet = self.quiet_max.get(rb.phase)
+            t = max(t, cfg.quiet_phase_timeout_s if quiet is None else cfg.safety_factor * quiet)
         return t
 
     def age(self, rank: int, now: float) -> float:

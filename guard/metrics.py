@@ -8,7 +8,9 @@ report, and lets heartbeat age be computed at scrape time so it grows while a ru
 Names come from guard/schema.py (alert rules are written against them); labels:
   run                      on every per-run metric
   layer                    moeguard_layer_* and moeguard_expert_load_share
-  rank                     last report time, heartbeat age/timeout/lost, straggler score
+  rank                     last report time, heartbeat age/timeout/lost, straggler score,
+                           progress age/deadline, stuck
+  phase                    moeguard_rank_stuck, moeguard_run_stuck_ranks (guard/progress.py)
   detector                 verdict counter (counted from verdict events)
   action                   moeguard_guard_actions_total: guard/actions.py's definition, the same count
                            as the CLI, meta.json and the app (step decisions from rank 0's reports,
@@ -53,8 +55,9 @@ from prometheus_client.utils import floatToGoString
 
 from guard import actions as guard_actions
 from guard import schema
-from guard.heartbeat import HeartbeatConfig, HeartbeatTracker
+from guard.heartbeat import PHASES, HeartbeatConfig, HeartbeatTracker
 from guard.limits import CollectorLimits
+from guard.progress import ProgressConfig, ProgressTracker
 from guard.report import StepReport
 
 # 0, then 1/256 .. 1/2 by powers of two with 1.5/E between them, then 3/4 and 1: the uniform
@@ -111,6 +114,7 @@ class _Run:
     stored_step: int | None = None  # last stored step, for a run whose last report is not in memory
     complete: bool = False  # restored from the run store (or seen from its start) by this process
     series_dropped: int = 0  # series left out of the last render (max_series_per_run)
+    progress: ProgressTracker = field(default_factory=ProgressTracker)  # progress deadlines (RunStuck)
 
 
 _EMPTY_ARRAYS = {
@@ -133,6 +137,7 @@ class _RunView:
     hist_counts: np.ndarray
     hist_sum: np.ndarray
     beats: list[tuple[int, float, float, float]]  # rank, last_seen, age, timeout
+    progress: list[tuple[int, str, float, float, bool]]  # rank, phase, progress age, deadline, stuck
     step_times: dict[int, list[float]]
     rank_scores: dict[int, float]
 
@@ -142,8 +147,9 @@ class CollectorMetrics(Collector):
 
     def __init__(self, *, registry: CollectorRegistry | None = None, heartbeat: HeartbeatConfig | None = None,
                  baseline: BaselineConfig | None = None, clock: Callable[[], float] = time.time,
-                 limits: CollectorLimits | None = None) -> None:  # fmt: skip
+                 limits: CollectorLimits | None = None, progress: ProgressConfig | None = None) -> None:  # fmt: skip
         self.heartbeat_cfg = heartbeat or HeartbeatConfig()
+        self.progress_cfg = progress or ProgressConfig()
         self.limits = limits or CollectorLimits()
         self._refusals: Counter = Counter()  # limit name -> batches refused
         self._evictions = 0
@@ -161,7 +167,8 @@ class CollectorMetrics(Collector):
     def _run(self, run: str) -> _Run:
         r = self._runs.get(run)
         if r is None:
-            r = self._runs[run] = _Run(heartbeats=HeartbeatTracker(self.heartbeat_cfg))
+            r = self._runs[run] = _Run(heartbeats=HeartbeatTracker(self.heartbeat_cfg),
+                                       progress=ProgressTracker(self.progress_cfg))  # fmt: skip
         return r
 
     def ensure_run(self, run: str) -> None:
@@ -205,7 +212,7 @@ class CollectorMetrics(Collector):
             r.hist_counts, r.hist_sum = np.zeros((0, _NB), np.int64), np.zeros(0)
 
     def cold_load(self, run: str, *, meta: Mapping[str, Any] | None, beats: Mapping[int, list[Any]],
-                  stored_step: int | None) -> bool:  # fmt: skip
+                  stored_step: int | None, liveness: Mapping[str, Any] | None = None) -> bool:  # fmt: skip
         """A run read at start-up from its meta.json and state.json only (no Parquet scan): the
         halt latch from meta's status, heartbeats as last committed. False if the run already has
         a record (it was loaded in full first). The full restore happens on its first request."""
@@ -218,6 +225,12 @@ class CollectorMetrics(Collector):
                 self.set_meta(run, meta)
             for rank, (seen, sent, step, phase) in beats.items():
                 r.heartbeats.beat(rank, seen, step, phase, sent)
+                r.progress.beat(rank, seen, step, phase, sent)
+            if liveness:
+                try:
+                    self.load_liveness_state(run, dict(liveness))
+                except (KeyError, TypeError, ValueError, AttributeError):
+                    pass  # learned again from the next beats (the full load logs it)
             return True
 
     def is_complete(self, run: str) -> bool:
@@ -342,9 +355,12 @@ class CollectorMetrics(Collector):
             if meta.get("status") == schema.STATUS_HALTED:
                 self._runs[run].halted = True
 
-    def beat(self, run: str, rank: int, now: float, step: int, phase: str, sent: float | None = None) -> None:
+    def beat(self, run: str, rank: int, now: float, step: int, phase: str, sent: float | None = None,
+             generation: int | None = None) -> None:  # fmt: skip
         with self._lock:
-            self._run(run).heartbeats.beat(rank, now, step, phase, sent)
+            r = self._run(run)
+            r.heartbeats.beat(rank, now, step, phase, sent)
+            r.progress.beat(rank, now, step, phase, sent, generation)
 
     def end_heartbeats(self, run: str, rank: int | None = None) -> None:
         """Stop watching `rank` (every rank if None): it stopped on purpose, so its heartbeat
@@ -357,6 +373,29 @@ class CollectorMetrics(Collector):
                 r.heartbeats.ranks.clear()
             else:
                 r.heartbeats.ranks.pop(rank, None)
+            r.progress.end(rank)
+
+    def liveness_state(self, run: str) -> dict[str, Any]:
+        """What heartbeats learned beyond `beats()`: progress deadlines and quiet-phase intervals."""
+        with self._lock:
+            r = self._runs.get(run)
+            if r is None:
+                return {}
+            return {"progress": r.progress.state_dict(), "quiet_max": dict(r.heartbeats.quiet_max)}
+
+    def load_liveness_state(self, run: str, st: dict[str, Any]) -> None:
+        """Restore `liveness_state()` (after the ranks' beats); ValueError/TypeError/KeyError if damaged."""
+        with self._lock:
+            r = self._run(run)
+            r.progress.load_state_dict(st.get("progress", {}))
+            r.heartbeats.quiet_max = {PHASES[PHASES.index(k)]: float(v) for k, v in st.get("quiet_max", {}).items()}
+
+    @staticmethod
+    def _stuck(r: _Run, rank: int, now: float) -> bool:
+        """No progress within the deadline while the heartbeat is alive (silence is HeartbeatLost)."""
+        hb = r.heartbeats
+        alive = rank in hb.ranks and not hb.age(rank, now) > hb.timeout(rank)
+        return alive and rank in r.progress.ranks and r.progress.stalled(rank, now)
 
     def rank_status(self, run: str, now: float | None = None) -> dict[int, dict[str, Any]]:
         """rank -> last report time, step, phase, age, timeout, lost (for GET /v1/runs)."""
@@ -365,11 +404,13 @@ class CollectorMetrics(Collector):
             r = self._runs.get(run)
             if r is None:
                 return {}
-            hb = r.heartbeats
+            hb, pr = r.heartbeats, r.progress
             return {
                 rank: {"last_report_time": rb.last_seen, "last_step": rb.step, "phase": rb.phase,
                        "age_s": hb.age(rank, now), "timeout_s": hb.timeout(rank),
-                       "lost": hb.age(rank, now) > hb.timeout(rank)}
+                       "lost": hb.age(rank, now) > hb.timeout(rank),
+                       "progress_age_s": pr.age(rank, now), "progress_deadline_s": pr.deadline(rank),
+                       "stuck": self._stuck(r, rank, now)}
                 for rank, rb in sorted(hb.ranks.items())
             }  # fmt: skip
 
@@ -450,6 +491,9 @@ class CollectorMetrics(Collector):
             run=run, r=r, verdicts=dict(r.verdicts), actions=dict(r.actions), hist_rows=dict(r.hist_rows),
             hist_counts=r.hist_counts.copy(), hist_sum=r.hist_sum.copy(),
             beats=[(rank, rb.last_seen, hb.age(rank, now), hb.timeout(rank)) for rank, rb in sorted(hb.ranks.items())],
+            progress=[(rank, rp.phase, r.progress.age(rank, now), r.progress.deadline(rank),
+                       CollectorMetrics._stuck(r, rank, now))
+                      for rank, rp in sorted(r.progress.ranks.items()) if rank in hb.ranks],
             step_times={rank: list(dq) for rank, dq in r.rank_step_times.items() if dq},
             rank_scores=dict(r.rank_scores),
         )  # fmt: skip
@@ -499,6 +543,18 @@ class CollectorMetrics(Collector):
         for act, n in sorted(v.actions.items()):
             if fits(1):
                 fam[schema.M_ACTIONS].add_metric([run, act], n)
+        if v.beats and fits(len(PHASES)):  # RunStuck's count, per phase (0 when none is stuck)
+            stuck_ranks = dict.fromkeys(PHASES, 0)
+            for _, phase, _, _, stuck in v.progress:
+                stuck_ranks[phase] += stuck
+            for phase, n in stuck_ranks.items():
+                fam[schema.M_RUN_STUCK_RANKS].add_metric([run, phase], n)
+        for rank, phase, age, deadline, stuck in v.progress:
+            if fits(3):
+                labels = [run, str(rank)]
+                fam[schema.M_PROGRESS_AGE].add_metric(labels, age)
+                fam[schema.M_PROGRESS_DEADLINE].add_metric(labels, deadline)
+                fam[schema.M_RANK_STUCK].add_metric([*labels, phase], 1.0 if stuck else 0.0)
         for rank, seen, age, timeout in v.beats:
             if fits(4):
                 labels = [run, str(rank)]
@@ -575,6 +631,11 @@ class CollectorMetrics(Collector):
             (schema.M_HEARTBEAT_TIMEOUT, g, RK, "learned heartbeat timeout (5 x max interval, floored)"),
             (schema.M_HEARTBEAT_LOST, g, RK, "1 when heartbeat age exceeds the timeout"),
             (schema.M_STRAGGLER, g, RK, "fastest rank's median step time / this rank's (1 = fastest)"),
+            (schema.M_PROGRESS_AGE, g, RK, "seconds since this rank last advanced (a new step or phase)"),
+            (schema.M_PROGRESS_DEADLINE, g, RK, "learned deadline of the rank's phase (guard/progress.py)"),
+            (schema.M_RANK_STUCK, g, ["run", "rank", "phase"],
+             "1 when the rank has not advanced within its phase's deadline while its heartbeat goes on"),
+            (schema.M_RUN_STUCK_RANKS, g, ["run", "phase"], "ranks of the run stuck in each phase (RunStuck)"),
             (schema.M_GOODPUT, g, R, "productive (applied) step time / wall time since the first step"),
             (schema.M_MFU_BASELINE, g, R, "median MFU over the run's baseline window (frozen)"),
             (schema.M_TPS_BASELINE, g, R, "median tokens/s over the run's baseline window (frozen)"),

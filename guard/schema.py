@@ -187,6 +187,11 @@ M_LAST_SEEN = "moeguard_last_report_timestamp_seconds"  # labels: run, rank
 M_HEARTBEAT_AGE = "moeguard_heartbeat_age_seconds"  # labels: run, rank
 M_HEARTBEAT_TIMEOUT = "moeguard_heartbeat_timeout_seconds"  # labels: run, rank
 M_HEARTBEAT_LOST = "moeguard_heartbeat_lost"  # labels: run, rank; 1 when age > timeout
+M_PROGRESS_AGE = "moeguard_progress_age_seconds"  # labels: run, rank; since the rank last advanced
+M_PROGRESS_DEADLINE = "moeguard_progress_deadline_seconds"  # labels: run, rank; learned (guard/progress.py)
+M_RANK_STUCK = "moeguard_rank_stuck"  # labels: run, rank, phase; 1 when beating but not advancing
+M_RUN_STUCK_RANKS = "moeguard_run_stuck_ranks"  # labels: run, phase; how many ranks are stuck
+M_QUARANTINED_RUNS = "moeguard_collector_quarantined_runs"  # runs refused at load (damaged files)
 M_STRAGGLER = "moeguard_straggler_score"  # labels: run, rank
 M_GOODPUT = "moeguard_goodput_ratio"
 M_MFU_BASELINE = "moeguard_mfu_baseline_ratio"  # median MFU of the run's own first window
@@ -201,7 +206,7 @@ METRICS = (
     M_LAYER_ROUTER_ENTROPY, M_LAYER_BIAS_NORM, M_EXPERT_LOAD_SHARE, M_VERDICTS, M_ACTIONS,
     M_NONFINITE, M_HALTED, M_LAST_SEEN, M_HEARTBEAT_AGE, M_HEARTBEAT_TIMEOUT, M_HEARTBEAT_LOST,
     M_STRAGGLER, M_GOODPUT, M_MFU_BASELINE, M_TPS_BASELINE, M_INGEST_BATCHES, M_INGEST_VALUES,
-    M_RUN_INFO,
+    M_RUN_INFO, M_PROGRESS_AGE, M_PROGRESS_DEADLINE, M_RANK_STUCK, M_RUN_STUCK_RANKS, M_QUARANTINED_RUNS,
 )  # fmt: skip
 
 # Alert names (alerts/moeguard.rules.yml); each has playbooks/<Alert>.md.
@@ -219,6 +224,8 @@ ALERTS = (
     "ThroughputDrop",
     "DataLoaderStall",
     "HeartbeatLost",
+    "RunStuck",
+    "RunQuarantined",
     "Straggler",
     "Watchdog",
 )

@@ -2,7 +2,8 @@
 
 The shell commands come from the playbooks' fenced code blocks (and inline `curl ...` spans) that
 use $MOEGUARD_COLLECTOR. A real collector on loopback holds a real run that the guard halted
-(the trainer streamed it there); each command runs in bash with MOEGUARD_COLLECTOR and
+(the trainer streamed it there) and a run whose rank 0 keeps beating without advancing (stuck,
+for RunStuck's commands); each command runs in bash with MOEGUARD_COLLECTOR and
 MOEGUARD_TOKEN set and `<run_id>` filled in, and must exit 0 and print something that is not an
 error. Needs curl and jq (scripts/test installs jq); skipped without them.
 """
@@ -15,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +29,7 @@ from tests.helpers_http import http_json, wait_http, wait_until
 PLAYBOOKS = REPO / "playbooks"
 TOKEN = "playbook-token"
 RUN = "drill"
+STUCK_RUN = "wedged"
 
 pytestmark = [
     pytest.mark.integration,
@@ -72,7 +75,8 @@ COMMANDS = collector_commands()
 
 def test_the_playbooks_have_collector_commands_to_check() -> None:
     books = {book for book, _ in COMMANDS}
-    assert {"RunHalted.md", "HeartbeatLost.md", "GuardRollbackStorm.md", "README.md", "Watchdog.md"} <= books, books
+    assert {"RunHalted.md", "HeartbeatLost.md", "GuardRollbackStorm.md", "README.md", "Watchdog.md", "RunStuck.md",
+            "RunQuarantined.md"} <= books, books
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +89,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     with open(tmp / "collector.log", "wb") as log:
         collector = subprocess.Popen(
             [sys.executable, "-m", "guard", "collector", "--port", "0", "--port-file", str(port_file),
-             "--runs", str(tmp / "collector-runs"), "--log-level", "warning"],
+             "--runs", str(tmp / "collector-runs"), "--log-level", "warning", "--progress-floor", "1"],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
@@ -108,10 +112,37 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
             return any(r["run"] == RUN and r["status"] == schema.STATUS_HALTED for r in body["runs"])
 
         wait_until(halted, timeout=30, what=f"run {RUN} halted at the collector")
+        make_stuck_run(url)
         yield {**env, schema.ENV_COLLECTOR: url}
     finally:
         collector.terminate()
         collector.wait(timeout=30)
+
+
+def make_stuck_run(url: str) -> None:
+    """Run `wedged`: rank 0 makes four 10 ms steps (a 1 s deadline, the floor), then keeps beating
+    at step 3 until the collector calls it stuck."""
+    gen, auth = int(time.time()), {"Authorization": f"Bearer {TOKEN}"}
+    t0 = time.time()
+
+    def beat(i: int, step: int, sent: float) -> None:
+        body = {"run": STUCK_RUN, "rank": 0, "seq": gen << 32 | i,
+                "heartbeat": {"time": sent, "step": step, "phase": "train"}}  # fmt: skip
+        status, answer = http_json(f"{url}/v1/ingest", body, headers=auth)
+        assert status == 200, answer
+
+    for i in range(5):
+        beat(i, max(0, i - 1), t0 + 0.01 * i)
+    n = 5
+
+    def stuck() -> bool:
+        nonlocal n
+        beat(n, 3, time.time())
+        n += 1
+        _, body = http_json(f"{url}/v1/runs")
+        return any(r["run"] == STUCK_RUN and r["ranks"].get("0", {}).get("stuck") for r in body["runs"])
+
+    wait_until(stuck, timeout=30, interval=0.2, what=f"run {STUCK_RUN} rank 0 stuck at the collector")
 
 
 def json_values(text: str) -> list[Any]:
@@ -135,6 +166,11 @@ def test_playbook_command_runs_against_a_live_collector(live: dict[str, str], bo
     assert p.stdout.strip(), f"{book}: no output from {cmd}\n{p.stderr}"
     values = json_values(p.stdout)  # every answer and every jq filter here prints JSON
     assert values and not any(isinstance(v, dict) and "error" in v for v in values), p.stdout
+    if "select(.value.stuck)" in cmd:  # RunStuck: the stuck rank, its phase and how long
+        stuck = {v["run"]: v["stuck"] for v in values[0]}
+        assert [(s["rank"], s["phase"], s["last_step"]) for s in stuck[STUCK_RUN]] == [("0", "train", 3)], stuck
+        assert stuck[STUCK_RUN][0]["progress_age_s"] > stuck[STUCK_RUN][0]["progress_deadline_s"]
+        assert stuck[RUN] == []
     if "select(.run ==" in cmd:  # the run the alert names, with what the playbook reads from it
         assert all(v.get("status") == schema.STATUS_HALTED for v in values), p.stdout
         assert all(isinstance(v.get("last_step"), int) for v in values), p.stdout

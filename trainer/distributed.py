@@ -401,8 +401,11 @@ class HeartbeatPump:
     The trainer's exporters send no idle heartbeats: a beat goes out with each step's report, so
     a rank stuck in its own code (a hung data loader, a wedged kernel launch) goes silent and the
     collector names it (HeartbeatLost{rank}). Its peers block in the next collective; this thread
-    keeps them beating while they wait (up to `max_wait_s`: if every rank is stuck inside a
-    collective, they all go silent after that and the whole run shows as lost)."""
+    keeps them beating while they wait. If every rank is stuck inside a collective (a hung
+    all-reduce), they beat without advancing: the collector's progress deadline pages RunStuck
+    naming the phase and the ranks (guard/progress.py); after `max_wait_s` they go silent and the
+    whole run shows as lost too. Runs on one rank as well, where only `--inject hang@S:SECONDS`
+    enters a (simulated) collective."""
 
     def __init__(self, comm: Comm, exporter: Any, interval_s: float = 0.5, max_wait_s: float = 300.0) -> None:
         self.comm, self.exporter = comm, exporter

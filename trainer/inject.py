@@ -9,7 +9,11 @@
     stall@S:ARG      the data loader sleeps ARG seconds (default 6) before batch S
     crash@S          the process dies at S (SIGKILL: nothing is flushed, like a node loss)
     slowrank@S:ARG   from S on, every step computes ARG seconds longer (default 0.05): a straggler
-    hang@S           the process stops making progress at S (sleeps forever, outside any collective)
+    hang@S           the process stops making progress at S (sleeps forever, outside any collective,
+                     so its heartbeat stops too: HeartbeatLost)
+    hang@S:ARG       step S blocks for ARG seconds as if inside a hung collective: the rank's
+                     heartbeat goes on (trainer.distributed.HeartbeatPump) while its step does not
+                     advance (RunStuck), then the run carries on (RunStuck resolves)
 
 `crash` and `hang` fire in the first attempt of a torchrun job only: a job restarted by
 `torchrun --max-restarts` replays the same command line, and a drill's node loss happens once.
@@ -46,7 +50,9 @@ INJECT_HELP = {
     "stall": "ARG = seconds the data loader sleeps before batch STEP (default 6)",
     "crash": "no ARG: the process SIGKILLs itself at STEP, like a node loss (first torchrun attempt only)",
     "slowrank": "ARG = extra seconds every step computes from STEP on (default 0.05): a straggler",
-    "hang": "no ARG: the process stops making progress at STEP (first torchrun attempt only)",
+    "hang": "no ARG: the process stops making progress at STEP for good, its heartbeat too (first torchrun "
+            "attempt only); ARG = seconds STEP blocks as if in a hung collective while the heartbeat goes on, "
+            "then the run carries on (a RunStuck drill)",
 }
 _RANK_RE = re.compile(r"(?:/r|@rank)(\d+)$")
 
@@ -152,3 +158,8 @@ class Injector:
     def hang() -> None:
         while True:  # a wedged rank: alive, holding its sockets, making no progress
             time.sleep(3600)
+
+    @staticmethod
+    def block(seconds: float) -> None:
+        """A hung collective that comes back after `seconds` (the caller marks it as one)."""
+        time.sleep(seconds)

@@ -227,8 +227,8 @@ class Trainer:
         # multi-rank: decision agreement, operator commands, straggler windows, heartbeats
         self.sync = StepSync(self.dist, self.comm, self.device, straggler_every=cfg.telemetry.straggler_every,
                              straggler_threshold=cfg.telemetry.straggler_threshold, exporter=exporter)  # fmt: skip
-        multi = self.dist.world > 1
-        self.pump = HeartbeatPump(self.comm, exporter) if exporter is not None and multi else None
+        # one rank too: `--inject hang@S:SECONDS` blocks inside comm.timed() like a hung collective
+        self.pump = HeartbeatPump(self.comm, exporter) if exporter is not None else None
         self.store = RunStore(self.run_dir, flush_every=cfg.telemetry.flush_every) if self.dist.main else None
         self.env = fingerprint(device=self.device, dtype=self._dtype_name(), peak_flops=self.peak,
                                peak_source=self.peak_source, attention_backend=self.model.attention_backend,
@@ -442,7 +442,10 @@ class Trainer:
         for inj in self.injector.at(self.step):
             if inj.kind == "crash":
                 Injector.crash()
-            if inj.kind == "hang":
+            if inj.kind == "hang" and inj.arg > 0:
+                with self.comm.timed():  # as if blocked in a collective: the HeartbeatPump beats on
+                    Injector.block(inj.arg)
+            elif inj.kind == "hang":
                 Injector.hang()
         batches, data_wait = self._batches()
         loss_sum = self._forward_backward(batches)

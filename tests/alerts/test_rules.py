@@ -27,7 +27,8 @@ PLAYBOOKS = REPO / "playbooks"
 PROMTOOL = shutil.which("promtool")
 AMTOOL = shutil.which("amtool")
 LAYER_ALERTS = {"ExpertCollapse", "DeadExperts", "RouterEntropyLow"}
-PAGING = {"NonFiniteLoss", "ExpertCollapse", "GuardRollbackStorm", "RunHalted", "HeartbeatLost"}
+PAGING = {"NonFiniteLoss", "ExpertCollapse", "GuardRollbackStorm", "RunHalted", "HeartbeatLost", "RunStuck",
+          "RunQuarantined"}
 
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`)"

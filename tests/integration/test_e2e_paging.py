@@ -16,6 +16,8 @@ model's routing sits at the ExpertCollapse threshold, and a page for that would 
    run ends cleanly (a final batch), so no HeartbeatLost. `--resume` trains again: the collector
    clears moeguard_run_halted, RunHalted resolves: ONE resolve with the same dedup_key.
 2. A trainer SIGKILLed mid-stream sends no final batch: HeartbeatLost pages for its run, rank 0.
+3. A step that hangs while the heartbeat goes on (`--inject hang@STEP:SECONDS`, a hung collective)
+   pages RunStuck for its run, rank 0, and resolves when the step completes; no HeartbeatLost.
 
 Waits are polls with bounded timeouts (generous: CI boxes are loaded), never fixed sleeps.
 What the sink received is saved to test-output/e2e_paging/ (with the logs) for inspection.
@@ -66,8 +68,9 @@ pytestmark = [
 
 ARTIFACTS = REPO / "test-output" / "e2e_paging"
 TOKEN = "e2e-collector-token"
-UNDER_TEST = {"RunHalted", "HeartbeatLost"}
+UNDER_TEST = {"RunHalted", "HeartbeatLost", "RunStuck"}
 HEARTBEAT_FLOOR_S = 4.0  # small, so HeartbeatLost is fast; well above a loaded box's step hiccups
+PROGRESS_FLOOR_S = 4.0  # the same for RunStuck's learned deadline (micro steps take ~10-50 ms)
 # The micro config on one thread; the guard's collapse detector is off (the micro model's
 # routing trips it, and its bias-correction rollback would halt the resumed run a second time).
 TRAIN = ["--config", "tests/data/micro.toml", "--no-progress", "--set", "train.threads=1",
@@ -140,6 +143,7 @@ def start_collector(tmp: Path, pager_url: str) -> Proc:
         proc = subprocess.Popen(
             [sys.executable, "-m", "guard", "collector", "--port", "0", "--port-file", str(port_file),
              "--runs", str(tmp / "collector-runs"), "--heartbeat-floor", str(HEARTBEAT_FLOOR_S),
+             "--progress-floor", str(PROGRESS_FLOOR_S),
              "--checkpoint-interval", "0.5", "--pager-url", pager_url, "--log-level", "info"],
             cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -333,3 +337,35 @@ def test_killed_trainer_pages_heartbeat_lost(stack: Stack) -> None:
 
     flush_pager(s)
     assert [r.json["payload"]["class"] for r in s.pd(for_run(run, "trigger"))] == ["HeartbeatLost"]
+
+
+# ---------------------------------------------------------------------------------------
+# 3. a step hung in a (simulated) collective, heartbeat alive -> RunStuck, resolved when it moves
+# ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_hung_step_pages_run_stuck_and_resolves_when_it_moves(stack: Stack) -> None:
+    s, run, hang_s = stack, "e2e-hang", 30
+    trainer = s.train(run, "--steps", "40", "--inject", f"hang@25:{hang_s}")
+    [trig] = s.sink.wait_for(lambda r: r.path == PD and r.status < 300 and r.json["event_action"] == "trigger"
+                             and r.json["payload"]["group"] == run, timeout=120)  # fmt: skip
+    s.mark("run_stuck_trigger")
+    assert trainer.poll() is None, "paged after the run had moved on"
+    pd = trig.json
+    assert_pagerduty_trigger(pd, "RunStuck", run)
+    p = pd["payload"]
+    assert p["summary"] == f"Run {run} rank 0 stuck in train"
+    assert p["component"] == "rank 0" and p["custom_details"]["ranks"] == ["0"]
+    rank = s.runs()[run]["ranks"]["0"]
+    assert rank["lost"] is False and rank["last_step"] == 24
+    s.timings["run_stuck_deadline_s"] = round(rank["progress_deadline_s"], 2)
+    s.timings["run_stuck_age_at_page_s"] = round(rank["progress_age_s"], 2)
+    assert rank["progress_age_s"] < hang_s
+
+    [res] = s.sink.wait_for(lambda r: r.path == PD and r.status < 300 and r.json["event_action"] == "resolve"
+                            and r.json["dedup_key"] == pd["dedup_key"], timeout=120)  # fmt: skip
+    s.mark("run_stuck_resolve")
+    assert wait_exit(trainer, 120) == 0
+    flush_pager(s)
+    mine = s.pd(lambda b: b["dedup_key"] == pd["dedup_key"] or for_run(run, "trigger")(b))
+    assert [(r.json["event_action"], r.json["dedup_key"]) for r in mine] == [
+        ("trigger", pd["dedup_key"]), ("resolve", pd["dedup_key"])]  # fmt: skip

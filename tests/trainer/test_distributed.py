@@ -376,7 +376,7 @@ def test_hung_rank_shows_as_heartbeat_lost_and_operator_commands_apply(tmp_path:
     from tests.guard.test_collector import CollectorProc
 
     c = CollectorProc(tmp_path / "collected", "--heartbeat-floor", "2", "--no-detectors", "--insecure-no-auth",
-                      token=None).start()  # fmt: skip
+                      "--progress-floor", "2", token=None).start()  # fmt: skip
     run_dir = tmp_path / "hung"
     job = None
     try:
@@ -406,6 +406,14 @@ def test_hung_rank_shows_as_heartbeat_lost_and_operator_commands_apply(tmp_path:
         assert 0 < m[("moeguard_goodput_ratio", (("run", "hung"),))] <= 1  # the trainer's, from its meta
         ranks = httpx.get(f"{c.url}/v1/runs").json()["runs"][0]["ranks"]
         assert ranks["1"]["lost"] is True and ranks["0"]["lost"] is False
+        # rank 0 sits in a real all-reduce, beating, not advancing: stuck (RunStuck), rank 1 lost, not stuck
+        stuck0 = ("moeguard_rank_stuck", (("phase", "train"), ("rank", "0"), ("run", "hung")))
+        deadline = time.monotonic() + 60
+        while (m := c.metrics()).get(stuck0) != 1.0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert m.get(stuck0) == 1.0, {k: v for k, v in m.items() if "stuck" in k[0] or "progress" in k[0]}
+        assert m[("moeguard_rank_stuck", (("phase", "train"), ("rank", "1"), ("run", "hung")))] == 0.0
+        assert m[("moeguard_run_stuck_ranks", (("phase", "train"), ("run", "hung")))] == 1.0
     finally:
         if job is not None:
             kill_job(job)
