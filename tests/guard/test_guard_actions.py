@@ -54,7 +54,7 @@ def _trainer_at(tmp_path: Path, step: int, injections: list[str], **overrides): 
     return t
 
 
-@pytest.mark.parametrize("fault", ["gradspike@45:50", "lrspike@45:100", "nan@45", "badbatch@45"])
+@pytest.mark.parametrize("fault", ["gradspike@45:500", "lrspike@45:100", "nan@45", "badbatch@45"])
 def test_step_fault_is_caught_at_its_step_and_nothing_changes(tmp_path: Path, fault: str) -> None:
     t = _trainer_at(tmp_path, FAULT_STEP, [fault])
     before = _state(t)
@@ -81,7 +81,7 @@ def test_unguarded_nan_corrupts_the_model(tmp_path: Path) -> None:
 
 
 def test_events_record_verdict_and_action_with_evidence(tmp_path: Path) -> None:
-    train_micro(tmp_path / "r", overrides={"train.steps": 50}, injections=["gradspike@45:50"])
+    train_micro(tmp_path / "r", overrides={"train.steps": 50}, injections=["gradspike@45:500"])
     ev = read_table(tmp_path / "r", "events").filter(pl.col("step") == 45)
     kinds = ev["kind"].to_list()
     assert schema.EV_INJECT in kinds and schema.EV_VERDICT in kinds
@@ -95,7 +95,7 @@ def test_events_record_verdict_and_action_with_evidence(tmp_path: Path) -> None:
 
 def test_repeated_spikes_escalate_to_rollback_then_halt(tmp_path: Path) -> None:
     # snapshots every 5 steps; 3 skips within 50 steps -> roll back; 2nd rollback -> halt
-    spikes = [f"gradspike@{s}:50" for s in (45, 47, 49, 55, 57, 59)]
+    spikes = [f"gradspike@{s}:500" for s in (45, 47, 49, 55, 57, 59)]
     t = train_micro(tmp_path / "r", overrides={"train.steps": 80, "guard.policy.snapshot_every": 5,
                                               "guard.policy.halt_after_rollbacks": 1}, injections=spikes)  # fmt: skip
     assert t.exit_code == 3
@@ -117,7 +117,7 @@ def test_repeated_spikes_escalate_to_rollback_then_halt(tmp_path: Path) -> None:
     # a second halt on the first step it shows up
     r = train_micro(tmp_path / "r", overrides={"train.steps": 80, "guard.policy.snapshot_every": 5,
                                               "guard.policy.halt_after_rollbacks": 1},
-                    injections=["gradspike@65:50"], resume=True)  # fmt: skip
+                    injections=["gradspike@65:500"], resume=True)  # fmt: skip
     assert r.exit_code == 0
     steps = read_table(tmp_path / "r", "steps").sort("step")
     actions = dict(zip(steps["step"].to_list(), steps["action"].to_list(), strict=True))
