@@ -471,15 +471,48 @@ def ab_finish(arms: dict[str, list[dict[str, Any]]], args: argparse.Namespace, o
                 un = vs.count("unjudged")
                 row[arm] = f"{vs.count('fail')}/{len(vs)}" + (f" ({un} unjudged)" if un else "")
             sweep.append(row)
+    resampled = ab_resample(arms, base)
     cmd_file = out / "ab_command.txt"
     cmd, elapsed = (cmd_file.read_text().splitlines() + ["", "0"])[:2] if cmd_file.is_file() else ("", "0")
     res = {"command": cmd, "elapsed_s": float(elapsed or 0), "rows": rows, "gates": g, "sweep": sweep,
            "clean_pair_sd_pct": 100 * statistics.stdev(clean_pairs) if len(clean_pairs) > 1 else None,
            "clean_pair_raw_sd_pct": 100 * statistics.stdev(raw_pairs) if len(raw_pairs) > 1 else None,
-           "clean_pairs": len(clean_pairs), "rejudged": rejudged}  # fmt: skip
+           "clean_pairs": len(clean_pairs), "rejudged": rejudged, "resampled": resampled}  # fmt: skip
     (out / "ab_power.json").write_text(json.dumps(res, indent=2) + "\n")
     print("\n" + ab_render(res) + f"\n\nkept under {out}")
     return 0
+
+
+RESAMPLES = 2000
+
+
+def ab_resample(arms: dict[str, list[dict[str, Any]]], c: Any) -> dict[str, Any]:
+    """Synthetic canaries from the recorded pairs: for each arm, RESAMPLES canaries whose pairs are
+    drawn with replacement from all of that arm's recorded pair ratios, judged by the real rule
+    (ab_pairs, then two more while undecided, up to ab_max_pairs). An estimate that stretches a few
+    real canaries: it keeps the pairs' real spread and tails, not the drift within one canary."""
+    import random
+
+    from guard.canary_ab import paired_statistic
+
+    rng = random.Random(0)
+    out: dict[str, Any] = {}
+    for arm, reps in arms.items():
+        pool = [p["ratio"]["speed"] for r in reps for p in r["pairs"]]
+        if len(pool) < 6:
+            continue
+        fails = pairs = 0
+        for _ in range(RESAMPLES):
+            xs = [rng.choice(pool) for _ in range(c.ab_pairs)]
+            while True:
+                st = paired_statistic(xs, c)
+                if not st["undecided"] or len(xs) >= c.ab_max_pairs:
+                    break
+                xs += [rng.choice(pool) for _ in range(min(2, c.ab_max_pairs - len(xs)))]
+            fails += st["verdict"] == canary.FAIL
+            pairs += len(xs)
+        out[arm] = {"pool": len(pool), "fail_rate": fails / RESAMPLES, "pairs_mean": pairs / RESAMPLES}
+    return out
 
 
 def ab_render(res: dict[str, Any]) -> str:
@@ -506,6 +539,12 @@ def ab_render(res: dict[str, Any]) -> str:
               "| ab_fail_pct | pairs (first, max) | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]  # fmt: skip
     for row in res["sweep"]:
         lines.append(f"| {row['fail_pct']:g} | {row['first']}, {row['most']} | " + " | ".join(row[a] for a in arms) + " |")
+    if res.get("resampled"):
+        lines += ["", f"Resampled ({RESAMPLES} synthetic canaries per arm, pairs drawn with replacement from that "
+                  "arm's recorded pairs, judged by the same rule; an estimate, not runs):", "",
+                  "| arm | recorded pairs | fail rate | pairs (mean) |", "|---|---|---|---|"]  # fmt: skip
+        for arm, r in res["resampled"].items():
+            lines.append(f"| {arm} | {r['pool']} | {100 * r['fail_rate']:.1f}% | {r['pairs_mean']:.1f} |")
     lines.append(f"\n{res['elapsed_s'] / 60:.0f} min in all on {os.cpu_count()} cores.")
     return "\n".join(lines)
 
