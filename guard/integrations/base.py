@@ -121,6 +121,23 @@ class RoutingCounters:
         self._handle.remove()
 
 
+class _Counted:
+    """A TopKRoutingHook accumulator: stored as `_<name>`, read through the hook's `_read` (which
+    counts its pending forwards first)."""
+
+    names: list[str] = []  # the private attributes of every accumulator
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = f"_{name}"
+        _Counted.names.append(self.attr)
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else obj._read(self.attr)
+
+    def __set__(self, obj: Any, value: torch.Tensor) -> None:
+        setattr(obj, self.attr, value)
+
+
 class TopKRoutingHook(RoutingCounters):
     """A RoutingSource fed by a forward hook on a router module whose output holds the logits
     and the top-k indices the model chose, e.g. transformers 5's `(logits, weights, indices)`.
@@ -142,35 +159,15 @@ class TopKRoutingHook(RoutingCounters):
         self.indices_index = indices_index
         self.score_func = score_func
         self._bias = bias
-        self._no_bias_E = torch.zeros_like(self._tokens_E)
+        self._no_bias_E = torch.zeros_like(self._tokens_per_expert_E)
         self.aux_coef = 0.0
         self._zeroed = False  # the accumulators hold nothing since reset_stats (not yet zero-filled)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (logits [N,E], indices [N*K]) not yet counted
 
-    # The accumulators, brought up to date on read.
-    @property
-    def tokens_per_expert_E(self) -> torch.Tensor:
-        return self._read("_tokens_E")
-
-    @tokens_per_expert_E.setter
-    def tokens_per_expert_E(self, t: torch.Tensor) -> None:
-        self._tokens_E = t
-
-    @property
-    def entropy_sum(self) -> torch.Tensor:
-        return self._read("_entropy")
-
-    @entropy_sum.setter
-    def entropy_sum(self, t: torch.Tensor) -> None:
-        self._entropy = t
-
-    @property
-    def token_count(self) -> torch.Tensor:
-        return self._read("_count")
-
-    @token_count.setter
-    def token_count(self, t: torch.Tensor) -> None:
-        self._count = t
+    # The accumulators, brought up to date (pending forwards counted) on every read.
+    tokens_per_expert_E = _Counted()
+    entropy_sum = _Counted()
+    token_count = _Counted()
 
     @property
     def expert_bias_E(self) -> torch.Tensor:
@@ -185,8 +182,8 @@ class TopKRoutingHook(RoutingCounters):
     def _read(self, attr: str) -> torch.Tensor:
         count_pending([self])
         if self._zeroed:  # read with nothing counted since the reset
-            for acc in (self._tokens_E, self._entropy, self._count):
-                acc.zero_()
+            for name in _Counted.names:
+                getattr(self, name).zero_()
             self._zeroed = False
         return getattr(self, attr)
 
@@ -242,12 +239,12 @@ def count_pending(hooks: list[Any]) -> None:
         count_G = torch.full((g,), float(n_tokens), device=device)
         for j, (h, _, _) in enumerate(entries):
             if h._zeroed:  # first forward since the reset: take the results (views), no add
-                h._tokens_E, h._entropy, h._count = counts_GE[j], ent_G[j], count_G[j]
+                h._tokens_per_expert_E, h._entropy_sum, h._token_count = counts_GE[j], ent_G[j], count_G[j]
                 h._zeroed = False
             else:
-                h._tokens_E.add_(counts_GE[j])
-                h._entropy.add_(ent_G[j])
-                h._count.add_(n_tokens)
+                h._tokens_per_expert_E.add_(counts_GE[j])
+                h._entropy_sum.add_(ent_G[j])
+                h._token_count.add_(n_tokens)
 
 
 @dataclass(kw_only=True)
