@@ -68,7 +68,6 @@ class Probe:
         other = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
         self.params = [p for ps in block_params for p in ps] + other
         seg = [i for i, ps in enumerate(block_params) for _ in ps] + [self.n_layers] * len(other)
-        self.segment_ids = torch.tensor(seg, device=device)
         self._segments = np.asarray(seg, dtype=np.int64)
         if routers is None:
             routers = [(i, layer.router) for i, layer in model.moe_layers()] if hasattr(model, "moe_layers") else []
@@ -93,19 +92,6 @@ class Probe:
     def param_norms(self) -> torch.Tensor:
         """L2 norm of each parameter's gradient [P] (float32, on the device), NaN-propagating."""
         return torch.stack(torch._foreach_norm(self._grads())).float()
-
-    def grad_sq(self) -> torch.Tensor:
-        """Sum of squared gradients per block [L+1] (last: everything outside the blocks), of
-        this rank's gradient shards when sharded. NaN-propagating."""
-        norms = self.param_norms()
-        return torch.zeros(self.n_layers + 1, device=norms.device).index_add_(0, self.segment_ids, norms**2)
-
-    def grad_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(total L2 norm, per-block L2 norms [L]) as device tensors, NaN-propagating."""
-        sq = self.grad_sq()
-        if self.sharded and _multi_rank():
-            self.all_reduce(sq)
-        return sq.sum().sqrt(), sq[: self.n_layers].sqrt()
 
     def _router_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loads [M,E], entropy sums [M], token counts [M]) of this rank, summed over micro-batches."""
@@ -215,11 +201,6 @@ class Probe:
             bias_ME=bias.copy(),
             extra=extra,
         )
-
-    @property
-    def steps_since_token_ME(self) -> np.ndarray:
-        """Steps since each expert of each MoE layer last got a token (host counters)."""
-        return self._since_token_ME
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"steps_since_token_ME": torch.from_numpy(self._since_token_ME.astype(np.float32))}
