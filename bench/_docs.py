@@ -16,8 +16,10 @@ def machine_line() -> str:
     import torch
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"load average {load:.2f} at the end")  # fmt: skip
+    return (
+        f"{time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"load average {load:.2f} at the end"
+    )
 
 
 def write_section(name: str, body: str) -> None:

@@ -88,8 +88,11 @@ def page_data_path(run: Path) -> dict[str, float]:
     heats = data.load_layer_heatmaps(path, sig, lo, hi)
     lap("layer heatmaps")
     for name, h in heats.items():
-        figs.append(figures.heatmap(h, title=name, x_title="step", y_title="layer", z_title=name,
-                                    log=name == "grad_norm"))  # fmt: skip
+        figs.append(
+            figures.heatmap(
+                h, title=name, x_title="step", y_title="layer", z_title=name, log=name == "grad_norm"
+            )
+        )
     lap("figures")
     layer_ids = data.load_layer_ids(path, sig) if info.tables.get(schema.TABLE_EXPERTS) else []
     h = data.load_expert_share_over_time(path, sig, int(layer_ids[0]), lo, hi)

@@ -60,7 +60,9 @@ def _first_delta(rep: dict[str, Any], run: int = 0) -> float | None:
     runs = rep.get("runs", [])
     if run >= len(runs):
         return None
-    row = next((r for r in runs[run]["comparison"] if r["metric"] in canary.MFU_METRICS), None)  # the gated MFU
+    row = next(
+        (r for r in runs[run]["comparison"] if r["metric"] in canary.MFU_METRICS), None
+    )  # the gated MFU
     return row["delta"] if row else None
 
 
@@ -73,14 +75,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=5, help="runs per injected slowdown")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--out", type=Path, default=None, help="keep histories, runs and reports here")
-    p.add_argument("--write-docs", action="store_true", help="update the canary section of docs/BENCHMARKS.md")
-    p.add_argument("--history-from", type=Path, default=None, metavar="FILE",
-                   help="start from a copy of this history (e.g. one recorded over hours) instead of an empty one; "
-                        "use with --baselines 0 to judge live against it alone")  # fmt: skip
-    p.add_argument("--rejudge", type=Path, default=None, metavar="OUT",
-                   help="run nothing: re-analyse the reports a previous bench kept under OUT (its --out)")
-    p.add_argument("--ab", action="store_true",
-                   help="the A/B canary (set: vs set:, B slowed in the slowdown arms) instead of the history gate")  # fmt: skip
+    p.add_argument(
+        "--write-docs", action="store_true", help="update the canary section of docs/BENCHMARKS.md"
+    )
+    p.add_argument(
+        "--history-from",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="start from a copy of this history (e.g. one recorded over hours) instead of an empty one; "
+        "use with --baselines 0 to judge live against it alone",
+    )
+    p.add_argument(
+        "--rejudge",
+        type=Path,
+        default=None,
+        metavar="OUT",
+        help="run nothing: re-analyse the reports a previous bench kept under OUT (its --out)",
+    )
+    p.add_argument(
+        "--ab",
+        action="store_true",
+        help="the A/B canary (set: vs set:, B slowed in the slowdown arms) instead of the history gate",
+    )
     args = p.parse_args(argv)
     if args.ab:
         return ab_main(args)
@@ -97,8 +114,16 @@ def main(argv: list[str] | None = None) -> int:
         history.write_text(args.history_from.read_text())  # a copy: the bench never writes to the original
     # The live gate judges against the baselines just recorded, whatever their span (the bench
     # measures the gate itself; `spanning` then judges the same runs against a spanning history).
-    common = ["--config", str(args.config), "--history", str(history), "--runs", str(out / "runs"),
-              "--set", "canary.baseline_min_span_h=0"]  # fmt: skip
+    common = [
+        "--config",
+        str(args.config),
+        "--history",
+        str(history),
+        "--runs",
+        str(out / "runs"),
+        "--set",
+        "canary.baseline_min_span_h=0",
+    ]
     for s in args.set:
         common += ["--set", s]
     t_start = time.time()
@@ -109,9 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         rep = _run_canary([*common, "--report-dir", str(out / "reports" / tag), *extra])
         loads.append(os.getloadavg()[0])
         d1, d2 = _first_delta(rep, 0), _first_delta(rep, 1)
-        print(f"{tag:>14}: {rep['verdict']:4}  MFU delta {'—' if d1 is None else f'{d1:+.2f}%'}"
-              f"{'' if d2 is None else f' / re-run {d2:+.2f}%'}  load {loads[-2]:.1f}  "
-              f"{rep['_elapsed_s']:.0f} s", flush=True)  # fmt: skip
+        print(
+            f"{tag:>14}: {rep['verdict']:4}  MFU delta {'—' if d1 is None else f'{d1:+.2f}%'}"
+            f"{'' if d2 is None else f' / re-run {d2:+.2f}%'}  load {loads[-2]:.1f}  "
+            f"{rep['_elapsed_s']:.0f} s",
+            flush=True,
+        )
         return rep
 
     baseline_reps = [one(f"baseline-{i + 1}", ["--record"]) for i in range(args.baselines)]
@@ -128,8 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def finish(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], baseline_reps: list[dict[str, Any]],
-           loads: list[float], elapsed: float, args: argparse.Namespace, out: Path) -> None:  # fmt: skip
+def finish(
+    arms: dict[str, list[dict[str, Any]]],
+    slowdowns: list[float],
+    baseline_reps: list[dict[str, Any]],
+    loads: list[float],
+    elapsed: float,
+    args: argparse.Namespace,
+    out: Path,
+) -> None:
     result = summarize(arms, slowdowns, baseline_reps, loads, elapsed, args)
     (out / "canary_power.json").write_text(json.dumps(result, indent=2) + "\n")
     body = render(result)
@@ -164,8 +199,11 @@ def rejudge(args: argparse.Namespace) -> int:
                 slowdowns.append(pct)
             arms.setdefault(f"{pct:g}%", []).append(rep)
     old = json.loads((out / "canary_power.json").read_text()) if (out / "canary_power.json").is_file() else {}
-    loads = [float(r["runs"][0]["loadavg"][0]) for r in [*baseline_reps, *(x for v in arms.values() for x in v)]
-             if r["runs"][0].get("loadavg")]  # fmt: skip
+    loads = [
+        float(r["runs"][0]["loadavg"][0])
+        for r in [*baseline_reps, *(x for v in arms.values() for x in v)]
+        if r["runs"][0].get("loadavg")
+    ]
     cmd = shlex.split(old.get("command") or "")  # "python -m bench.canary_power ARGS..."
     if not args.history_from and "--history-from" in cmd[:-1]:
         args.history_from = Path(cmd[cmd.index("--history-from") + 1])
@@ -180,8 +218,11 @@ def _entry_pairs(rep: dict[str, Any]) -> list[tuple[float, float]]:
     return [p for run in rep["runs"] for p in canary.process_pairs(run["summary"])]
 
 
-def spanning(arms: dict[str, list[dict[str, Any]]], baseline_reps: list[dict[str, Any]],
-             lines: list[tuple[float, float]]) -> dict[str, Any]:  # fmt: skip
+def spanning(
+    arms: dict[str, list[dict[str, Any]]],
+    baseline_reps: list[dict[str, Any]],
+    lines: list[tuple[float, float]],
+) -> dict[str, Any]:
     """Judge every measurement against a history that spans the whole bench, not one quiet window.
 
     The live gate's baseline is the `--baselines` runs recorded back to back at the start: one host
@@ -199,8 +240,10 @@ def spanning(arms: dict[str, list[dict[str, Any]]], baseline_reps: list[dict[str
             others = [p for p in pool if p is not rep]
             fit = canary.fit_host([pr for o in others for pr in _entry_pairs(o)])
             base = statistics.median(canary.adjusted_median(_entry_pairs(o), fit) for o in others)
-            deltas = [100 * (canary.adjusted_median(canary.process_pairs(run["summary"]), fit) / base - 1)
-                      for run in rep["runs"]]  # fmt: skip
+            deltas = [
+                100 * (canary.adjusted_median(canary.process_pairs(run["summary"]), fit) / base - 1)
+                for run in rep["runs"]
+            ]
             results.setdefault(arm, []).append({"deltas": deltas, "slope": fit.slope, "r": fit.r})
     table = []
     for warn, fail in lines:
@@ -219,28 +262,42 @@ def spanning(arms: dict[str, list[dict[str, Any]]], baseline_reps: list[dict[str
         table.append(row)
     slopes = [x["slope"] for res in results.values() for x in res]
     first = {arm: [x["deltas"][0] for x in res] for arm, res in results.items()}
-    return {"table": table, "slope_range": [min(slopes), max(slopes)] if slopes else None,
-            "first_deltas": first}  # fmt: skip
+    return {
+        "table": table,
+        "slope_range": [min(slopes), max(slopes)] if slopes else None,
+        "first_deltas": first,
+    }
 
 
-def summarize(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], baseline_reps: list[dict[str, Any]],
-              loads: list[float], elapsed: float, args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    arms: dict[str, list[dict[str, Any]]],
+    slowdowns: list[float],
+    baseline_reps: list[dict[str, Any]],
+    loads: list[float],
+    elapsed: float,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     rows = []
     for arm, reps in arms.items():
         deltas = [d for rep in reps if (d := _first_delta(rep)) is not None]
-        rows.append({
-            "arm": arm,
-            "runs": len(reps),
-            "fail": sum(r["verdict"] == canary.FAIL for r in reps),
-            "warn": sum(r["verdict"] == canary.WARN for r in reps),
-            "pass": sum(r["verdict"] == canary.PASS for r in reps),
-            "reruns": sum(len(r["runs"]) > 1 for r in reps),
-            "delta_median": statistics.median(deltas) if deltas else None,
-            "delta_min": min(deltas, default=None),
-            "delta_max": max(deltas, default=None),
-        })  # fmt: skip
-    caught = [s for s in slowdowns if (row := next(r for r in rows if r["arm"] == f"{s:g}%"))["runs"]
-              and row["fail"] == row["runs"]]  # fmt: skip
+        rows.append(
+            {
+                "arm": arm,
+                "runs": len(reps),
+                "fail": sum(r["verdict"] == canary.FAIL for r in reps),
+                "warn": sum(r["verdict"] == canary.WARN for r in reps),
+                "pass": sum(r["verdict"] == canary.PASS for r in reps),
+                "reruns": sum(len(r["runs"]) > 1 for r in reps),
+                "delta_median": statistics.median(deltas) if deltas else None,
+                "delta_min": min(deltas, default=None),
+                "delta_max": max(deltas, default=None),
+            }
+        )
+    caught = [
+        s
+        for s in slowdowns
+        if (row := next(r for r in rows if r["arm"] == f"{s:g}%"))["runs"] and row["fail"] == row["runs"]
+    ]
     every = min((s for s in caught if all(c in caught for c in slowdowns if c >= s)), default=None)
     base_mfu = [r["runs"][0]["summary"][canary.MFU] for r in baseline_reps]
     any_rep = next(iter([*baseline_reps, *(r for reps in arms.values() for r in reps)]), {})
@@ -248,10 +305,21 @@ def summarize(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], bas
     judged = next((r for r in arms.get("clean", []) if r.get("baseline", {}).get("n")), {})
     cmd = "python -m bench.canary_power " + " ".join(
         shlex.quote(a) for a in sys.argv[1:] if a != "--write-docs"
-    )  # fmt: skip
-    per_run = [{"arm": arm, "verdict": r["verdict"], "delta_run1": _first_delta(r, 0), "delta_run2": _first_delta(r, 1),
-                "delta_pooled": next((p["delta"] for p in r.get("pooled", []) if p["metric"] in canary.MFU_METRICS), None),
-                "load": r["runs"][0].get("loadavg")} for arm, reps in arms.items() for r in reps]  # fmt: skip
+    )
+    per_run = [
+        {
+            "arm": arm,
+            "verdict": r["verdict"],
+            "delta_run1": _first_delta(r, 0),
+            "delta_run2": _first_delta(r, 1),
+            "delta_pooled": next(
+                (p["delta"] for p in r.get("pooled", []) if p["metric"] in canary.MFU_METRICS), None
+            ),
+            "load": r["runs"][0].get("loadavg"),
+        }
+        for arm, reps in arms.items()
+        for r in reps
+    ]
     return {
         "command": cmd.strip(),
         "rows": rows,
@@ -261,7 +329,8 @@ def summarize(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], bas
         "clean_runs": next(r["runs"] for r in rows if r["arm"] == "clean"),
         "baseline_mfu": base_mfu,
         "baseline_spread_pct": 100 * (max(base_mfu) - min(base_mfu)) / statistics.median(base_mfu)
-        if base_mfu else None,
+        if base_mfu
+        else None,
         "gates": {k: gates.get(k) for k in ("mfu_warn_pct", "mfu_fail_pct", "confirm", "warmup_steps")},
         "load": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)} if loads else {},
         "elapsed_s": elapsed,
@@ -270,8 +339,16 @@ def summarize(arms: dict[str, list[dict[str, Any]]], slowdowns: list[float], bas
         "baseline_n": judged.get("baseline", {}).get("n"),
         "baseline_span_h": (judged.get("mfu_gate") or {}).get("baseline_span_h"),
         "sweep": sweep(per_run, float(gates.get("mfu_warn_pct") or 0)),
-        "spanning": spanning(arms, baseline_reps, [(w, f) for w in (2.0, 2.5, 3.0, 4.0) for f in (3.0, 4.0, 5.0, 6.0)
-                                                   if f >= w and (w, f) != (4.0, 3.0)]),  # fmt: skip
+        "spanning": spanning(
+            arms,
+            baseline_reps,
+            [
+                (w, f)
+                for w in (2.0, 2.5, 3.0, 4.0)
+                for f in (3.0, 4.0, 5.0, 6.0)
+                if f >= w and (w, f) != (4.0, 3.0)
+            ],
+        ),
     }
 
 
@@ -292,7 +369,12 @@ def sweep(per_run: list[dict[str, Any]], as_run_warn: float) -> list[dict[str, A
             counts: dict[str, list[int]] = {}
             for r in per_run:
                 d1, d2, dp = r["delta_run1"], r["delta_run2"], r["delta_pooled"]
-                failed = d1 is not None and d2 is not None and dp is not None and _confirmed_fail(d1, d2, dp, warn, fail)
+                failed = (
+                    d1 is not None
+                    and d2 is not None
+                    and dp is not None
+                    and _confirmed_fail(d1, d2, dp, warn, fail)
+                )
                 c = counts.setdefault(r["arm"], [0, 0])
                 c[0] += failed
                 c[1] += 1
@@ -303,13 +385,17 @@ def sweep(per_run: list[dict[str, Any]], as_run_warn: float) -> list[dict[str, A
 def render(res: dict[str, Any]) -> str:
     g, load = res["gates"], res["load"]
     if res["baseline_mfu"]:
-        base = (f"Baseline: {len(res['baseline_mfu'])} clean runs recorded (`--record`) back to back at the start (one "
-                "sitting; the live gate runs with `canary.baseline_min_span_h = 0` so it judges against them), plain MFU "
-                f"p50 spread {res['baseline_spread_pct']:.2f}% (max - min over median).")  # fmt: skip
+        base = (
+            f"Baseline: {len(res['baseline_mfu'])} clean runs recorded (`--record`) back to back at the start (one "
+            "sitting; the live gate runs with `canary.baseline_min_span_h = 0` so it judges against them), plain MFU "
+            f"p50 spread {res['baseline_spread_pct']:.2f}% (max - min over median)."
+        )
     else:
         span = res.get("baseline_span_h")
-        base = (f"Baseline: the history `{res.get('history_from')}`, recorded earlier ({res.get('baseline_n')} "
-                f"baseline entries spanning {0 if span is None else span:.1f} h); no baseline recorded in the bench.")
+        base = (
+            f"Baseline: the history `{res.get('history_from')}`, recorded earlier ({res.get('baseline_n')} "
+            f"baseline entries spanning {0 if span is None else span:.1f} h); no baseline recorded in the bench."
+        )
     lines = [
         "## Canary power (`moeguard canary`)",
         "",
@@ -323,35 +409,69 @@ def render(res: dict[str, Any]) -> str:
         "",
         "| arm | runs | fail | warn | pass | re-runs | first-run MFU delta: median [min, max] |",
         "|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     for r in res["rows"]:
-        rng = ("—" if r["delta_median"] is None else
-               f"{r['delta_median']:+.2f}% [{r['delta_min']:+.2f}, {r['delta_max']:+.2f}]")  # fmt: skip
+        rng = (
+            "—"
+            if r["delta_median"] is None
+            else f"{r['delta_median']:+.2f}% [{r['delta_min']:+.2f}, {r['delta_max']:+.2f}]"
+        )
         label = "clean (false alarms = fail)" if r["arm"] == "clean" else f"slow {r['arm']} (detected = fail)"
-        lines.append(f"| {label} | {r['runs']} | {r['fail']} | {r['warn']} | {r['pass']} | {r['reruns']} | {rng} |")
+        lines.append(
+            f"| {label} | {r['runs']} | {r['fail']} | {r['warn']} | {r['pass']} | {r['reruns']} | {rng} |"
+        )
     if res.get("sweep"):
         arms = [k for k in res["sweep"][0] if k not in ("warn", "fail")]
-        lines += ["", "The same recorded runs re-judged under other MFU lines (fails / runs; clean = false alarms):", "",
-                  "| warn | fail | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]  # fmt: skip
+        lines += [
+            "",
+            "The same recorded runs re-judged under other MFU lines (fails / runs; clean = false alarms):",
+            "",
+            "| warn | fail | " + " | ".join(arms) + " |",
+            "|---|---|" + "---|" * len(arms),
+        ]
         for row in res["sweep"]:
-            lines.append(f"| -{row['warn']:g}% | -{row['fail']:g}% | " + " | ".join(row[a] for a in arms) + " |")
+            lines.append(
+                f"| -{row['warn']:g}% | -{row['fail']:g}% | " + " | ".join(row[a] for a in arms) + " |"
+            )
     span = res.get("spanning")
     if span and span["table"]:
         arms = [k for k in span["table"][0] if k not in ("warn", "fail")]
         lo, hi = span["slope_range"]
-        lines += ["", "The same runs judged against a history that spans the bench (leave-one-out: each run's baseline "
-                  "and host fit are every other clean measurement; `spanning` in bench/canary_power.py; fitted "
-                  f"slopes {lo:+.2f} to {hi:+.2f}; fails / runs):", "",
-                  "| warn | fail | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]  # fmt: skip
+        lines += [
+            "",
+            "The same runs judged against a history that spans the bench (leave-one-out: each run's baseline "
+            "and host fit are every other clean measurement; `spanning` in bench/canary_power.py; fitted "
+            f"slopes {lo:+.2f} to {hi:+.2f}; fails / runs):",
+            "",
+            "| warn | fail | " + " | ".join(arms) + " |",
+            "|---|---|" + "---|" * len(arms),
+        ]
         for row in span["table"]:
-            lines.append(f"| -{row['warn']:g}% | -{row['fail']:g}% | " + " | ".join(row[a] for a in arms) + " |")
-        own = next((r for r in span["table"] if r["warn"] == g["mfu_warn_pct"] and r["fail"] == g["mfu_fail_pct"]), None)
+            lines.append(
+                f"| -{row['warn']:g}% | -{row['fail']:g}% | " + " | ".join(row[a] for a in arms) + " |"
+            )
+        own = next(
+            (r for r in span["table"] if r["warn"] == g["mfu_warn_pct"] and r["fail"] == g["mfu_fail_pct"]),
+            None,
+        )
         if own:
-            lines += ["", f"**Against the spanning history, with the config's lines (-{g['mfu_warn_pct']:g}% / "
-                      f"-{g['mfu_fail_pct']:g}%): " + ", ".join(f"{a} {own[a]}" for a in arms) + "** (clean = false alarms)."]
-        lines += ["", "First-run MFU deltas there: " + "; ".join(
-            f"{arm} {statistics.median(d):+.2f}% [{min(d):+.2f}, {max(d):+.2f}]" for arm, d in span["first_deltas"].items()
-            if d) + "."]  # fmt: skip
+            lines += [
+                "",
+                f"**Against the spanning history, with the config's lines (-{g['mfu_warn_pct']:g}% / "
+                f"-{g['mfu_fail_pct']:g}%): "
+                + ", ".join(f"{a} {own[a]}" for a in arms)
+                + "** (clean = false alarms).",
+            ]
+        lines += [
+            "",
+            "First-run MFU deltas there: "
+            + "; ".join(
+                f"{arm} {statistics.median(d):+.2f}% [{min(d):+.2f}, {max(d):+.2f}]"
+                for arm, d in span["first_deltas"].items()
+                if d
+            )
+            + ".",
+        ]
     every = res["smallest_caught_every_time_pct"]
     lines += [
         "",
@@ -359,7 +479,7 @@ def render(res: dict[str, Any]) -> str:
         f"smallest slowdown caught every time: {'none' if every is None else f'{every:g}%'}.",
         f"Load average (1 min) over the bench: min {load.get('min', 0):.1f}, median {load.get('median', 0):.1f}, "
         f"max {load.get('max', 0):.1f} on {os.cpu_count()} cores; {res['elapsed_s'] / 60:.0f} min in all.",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)
 
 
@@ -388,7 +508,13 @@ def ab_main(args: argparse.Namespace) -> int:
     slowdowns = [float(s) for s in args.slowdowns.split(",") if s.strip()]
     out = args.out or Path(tempfile.mkdtemp(prefix="canary-ab-power-"))
     out.mkdir(parents=True, exist_ok=True)
-    common = ["--config", str(args.config), "--runs", str(out / "runs"), *(a for s in args.set for a in ("--set", s))]
+    common = [
+        "--config",
+        str(args.config),
+        "--runs",
+        str(out / "runs"),
+        *(a for s in args.set for a in ("--set", s)),
+    ]
     arms: dict[str, list[dict[str, Any]]] = {"A=B": [], **{f"{s:g}%": [] for s in slowdowns}}
     t_start = time.time()
 
@@ -397,8 +523,11 @@ def ab_main(args: argparse.Namespace) -> int:
         rep["_arm"] = arm
         arms[arm].append(rep)
         st = rep["statistic"]
-        print(f"{tag:>12}: {rep['verdict']:4}  B/A {st['median']:.4f} [{st['ci'][0]:.4f}, {st['ci'][1]:.4f}] "
-              f"{st['n_pairs']} pairs  load {os.getloadavg()[0]:.1f}  {rep['_elapsed_s']:.0f} s", flush=True)  # fmt: skip
+        print(
+            f"{tag:>12}: {rep['verdict']:4}  B/A {st['median']:.4f} [{st['ci'][0]:.4f}, {st['ci'][1]:.4f}] "
+            f"{st['n_pairs']} pairs  load {os.getloadavg()[0]:.1f}  {rep['_elapsed_s']:.0f} s",
+            flush=True,
+        )
 
     for r in range(max(args.clean, args.trials)):
         if r < args.clean:
@@ -443,27 +572,41 @@ def ab_rejudge(ratios: list[float], first: int, most: int, c: Any) -> str:
         n += 2
 
 
-def ab_finish(arms: dict[str, list[dict[str, Any]]], args: argparse.Namespace, out: Path,
-              rejudged: bool = False) -> int:  # fmt: skip
+def ab_finish(
+    arms: dict[str, list[dict[str, Any]]], args: argparse.Namespace, out: Path, rejudged: bool = False
+) -> int:
     import dataclasses as dc
 
     rows = []
     for arm, reps in arms.items():
         med = [r["statistic"]["median"] for r in reps]
-        rows.append({"arm": arm, "runs": len(reps), **{v: sum(r["verdict"] == v for r in reps) for v in ("fail", "warn", "pass")},
-                     "median": statistics.median(med) if med else None, "min": min(med, default=None),
-                     "max": max(med, default=None),
-                     "pairs_mean": statistics.fmean(r["statistic"]["n_pairs"] for r in reps) if reps else None,
-                     "minutes_mean": statistics.fmean(r["_elapsed_s"] / 60 for r in reps) if reps else None,
-                     "minutes_max": max((r["_elapsed_s"] / 60 for r in reps), default=None)})  # fmt: skip
+        rows.append(
+            {
+                "arm": arm,
+                "runs": len(reps),
+                **{v: sum(r["verdict"] == v for r in reps) for v in ("fail", "warn", "pass")},
+                "median": statistics.median(med) if med else None,
+                "min": min(med, default=None),
+                "max": max(med, default=None),
+                "pairs_mean": statistics.fmean(r["statistic"]["n_pairs"] for r in reps) if reps else None,
+                "minutes_mean": statistics.fmean(r["_elapsed_s"] / 60 for r in reps) if reps else None,
+                "minutes_max": max((r["_elapsed_s"] / 60 for r in reps), default=None),
+            }
+        )
     clean_pairs = [p["ratio"]["speed"] for r in arms.get("A=B", []) for p in r["pairs"]]
     raw_pairs = [p["ratio"]["tokens_per_s"] for r in arms.get("A=B", []) for p in r["pairs"]]
     any_rep = next(r for reps in arms.values() for r in reps)
     g = any_rep["gates"]
-    base = canary.CanaryConfig(**{k: v for k, v in g.items() if k in {f.name for f in dc.fields(canary.CanaryConfig)}})
+    base = canary.CanaryConfig(
+        **{k: v for k, v in g.items() if k in {f.name for f in dc.fields(canary.CanaryConfig)}}
+    )
     sweep = []
     for fail_pct in (0.0, 0.5, 1.0, 2.0, 3.0):
-        for first, most in ((g["ab_pairs"], g["ab_max_pairs"]), (4, g["ab_max_pairs"]), (g["ab_pairs"], g["ab_pairs"])):
+        for first, most in (
+            (g["ab_pairs"], g["ab_max_pairs"]),
+            (4, g["ab_max_pairs"]),
+            (g["ab_pairs"], g["ab_pairs"]),
+        ):
             c = dc.replace(base, ab_fail_pct=fail_pct)
             row: dict[str, Any] = {"fail_pct": fail_pct, "first": first, "most": most}
             for arm, reps in arms.items():
@@ -474,10 +617,18 @@ def ab_finish(arms: dict[str, list[dict[str, Any]]], args: argparse.Namespace, o
     resampled = ab_resample(arms, base)
     cmd_file = out / "ab_command.txt"
     cmd, elapsed = (cmd_file.read_text().splitlines() + ["", "0"])[:2] if cmd_file.is_file() else ("", "0")
-    res = {"command": cmd, "elapsed_s": float(elapsed or 0), "rows": rows, "gates": g, "sweep": sweep,
-           "clean_pair_sd_pct": 100 * statistics.stdev(clean_pairs) if len(clean_pairs) > 1 else None,
-           "clean_pair_raw_sd_pct": 100 * statistics.stdev(raw_pairs) if len(raw_pairs) > 1 else None,
-           "clean_pairs": len(clean_pairs), "rejudged": rejudged, "resampled": resampled}  # fmt: skip
+    res = {
+        "command": cmd,
+        "elapsed_s": float(elapsed or 0),
+        "rows": rows,
+        "gates": g,
+        "sweep": sweep,
+        "clean_pair_sd_pct": 100 * statistics.stdev(clean_pairs) if len(clean_pairs) > 1 else None,
+        "clean_pair_raw_sd_pct": 100 * statistics.stdev(raw_pairs) if len(raw_pairs) > 1 else None,
+        "clean_pairs": len(clean_pairs),
+        "rejudged": rejudged,
+        "resampled": resampled,
+    }
     (out / "ab_power.json").write_text(json.dumps(res, indent=2) + "\n")
     print("\n" + ab_render(res) + f"\n\nkept under {out}")
     return 0
@@ -517,32 +668,55 @@ def ab_resample(arms: dict[str, list[dict[str, Any]]], c: Any) -> dict[str, Any]
 
 def ab_render(res: dict[str, Any]) -> str:
     g = res["gates"]
-    lines = [f"Command: `{res['command']}`", "",
-             f"Defaults as run: {g['ab_pairs']} pairs, up to {g['ab_max_pairs']} while undecided, {g['ab_order']} "
-             f"order, fail when the {100 * g['ab_confidence']:g}% sign-test interval of the median B/A ratio lies "
-             f"wholly below {1 - g['ab_fail_pct'] / 100:.3f} (ab_fail_pct = {g['ab_fail_pct']:g}).", "",
-             "| arm | canaries | fail | warn | pass | median B/A: median [min, max] | pairs (mean) | minutes (mean, max) |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Command: `{res['command']}`",
+        "",
+        f"Defaults as run: {g['ab_pairs']} pairs, up to {g['ab_max_pairs']} while undecided, {g['ab_order']} "
+        f"order, fail when the {100 * g['ab_confidence']:g}% sign-test interval of the median B/A ratio lies "
+        f"wholly below {1 - g['ab_fail_pct'] / 100:.3f} (ab_fail_pct = {g['ab_fail_pct']:g}).",
+        "",
+        "| arm | canaries | fail | warn | pass | median B/A: median [min, max] | pairs (mean) | minutes (mean, max) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["rows"]:
         label = "A = B (false alarms = fail)" if r["arm"] == "A=B" else f"B slowed {r['arm']} (caught = fail)"
         rng = "—" if r["median"] is None else f"{r['median']:.4f} [{r['min']:.4f}, {r['max']:.4f}]"
         mins = "—" if r["minutes_mean"] is None else f"{r['minutes_mean']:.1f}, {r['minutes_max']:.1f}"
         pairs = "—" if r["pairs_mean"] is None else f"{r['pairs_mean']:.1f}"
-        lines.append(f"| {label} | {r['runs']} | {r['fail']} | {r['warn']} | {r['pass']} | {rng} | {pairs} | {mins} |")
+        lines.append(
+            f"| {label} | {r['runs']} | {r['fail']} | {r['warn']} | {r['pass']} | {rng} | {pairs} | {mins} |"
+        )
     if res["clean_pair_sd_pct"] is not None:
-        lines += ["", f"Per-pair B/A ratio in the A = B canaries ({res['clean_pairs']} pairs): sd {res['clean_pair_sd_pct']:.2f}% "
-                  f"normalised by each process's reference (the gated ratio), {res['clean_pair_raw_sd_pct']:.2f}% raw tokens "
-                  "per CPU-second."]  # fmt: skip
+        lines += [
+            "",
+            f"Per-pair B/A ratio in the A = B canaries ({res['clean_pairs']} pairs): sd {res['clean_pair_sd_pct']:.2f}% "
+            f"normalised by each process's reference (the gated ratio), {res['clean_pair_raw_sd_pct']:.2f}% raw tokens "
+            "per CPU-second.",
+        ]
     arms = [k for k in res["sweep"][0] if k not in ("fail_pct", "first", "most")]
-    lines += ["", "The recorded pairs re-judged under other lines and pair counts (fails / canaries; the extension "
-              "replayed on the pairs measured, 'unjudged' where it would need more):", "",
-              "| ab_fail_pct | pairs (first, max) | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]  # fmt: skip
+    lines += [
+        "",
+        "The recorded pairs re-judged under other lines and pair counts (fails / canaries; the extension "
+        "replayed on the pairs measured, 'unjudged' where it would need more):",
+        "",
+        "| ab_fail_pct | pairs (first, max) | " + " | ".join(arms) + " |",
+        "|---|---|" + "---|" * len(arms),
+    ]
     for row in res["sweep"]:
-        lines.append(f"| {row['fail_pct']:g} | {row['first']}, {row['most']} | " + " | ".join(row[a] for a in arms) + " |")
+        lines.append(
+            f"| {row['fail_pct']:g} | {row['first']}, {row['most']} | "
+            + " | ".join(row[a] for a in arms)
+            + " |"
+        )
     if res.get("resampled"):
-        lines += ["", f"Resampled ({RESAMPLES} synthetic canaries per arm, pairs drawn with replacement from that "
-                  "arm's recorded pairs, judged by the same rule; an estimate, not runs):", "",
-                  "| arm | recorded pairs | fail rate | pairs (mean) |", "|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            f"Resampled ({RESAMPLES} synthetic canaries per arm, pairs drawn with replacement from that "
+            "arm's recorded pairs, judged by the same rule; an estimate, not runs):",
+            "",
+            "| arm | recorded pairs | fail rate | pairs (mean) |",
+            "|---|---|---|---|",
+        ]
         for arm, r in res["resampled"].items():
             lines.append(f"| {arm} | {r['pool']} | {100 * r['fail_rate']:.1f}% | {r['pairs_mean']:.1f} |")
     lines.append(f"\n{res['elapsed_s'] / 60:.0f} min in all on {os.cpu_count()} cores.")

@@ -74,7 +74,12 @@ def summarise(run_dir: Path, *, layer: int, at: int, threshold: float) -> dict[s
     events = read_table(run_dir, "events")
     # (events carry the layer in their JSON detail; only one layer is forced here)
     corr = events.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_BIAS_CORRECT))
-    collapse_dets = (schema.DET_MAXVIO, schema.DET_DEAD_EXPERTS, schema.DET_LOAD_ENTROPY, schema.DET_ROUTER_ENTROPY)
+    collapse_dets = (
+        schema.DET_MAXVIO,
+        schema.DET_DEAD_EXPERTS,
+        schema.DET_LOAD_ENTROPY,
+        schema.DET_ROUTER_ENTROPY,
+    )
     det = events.filter((pl.col("kind") == schema.EV_VERDICT) & pl.col("detector").is_in(collapse_dets))
 
     def at_step(s: int) -> float:
@@ -115,20 +120,36 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for fam, seed, variant in tqdm(runs, unit="run", desc="collapse control"):
             run_dir = Path(tmp) / f"{fam}-{seed}-{variant}"  # one folder per run
-            drill(fam, seed=seed, steps=a.steps, corpus=corpus, run_dir=run_dir, cfg=cfg,
-                  injections=[("collapse", a.at, float(a.layer))], balance_coef=0.0,
-                  correct=variant == "boost")  # fmt: skip
-            r = {"family": fam, "seed": seed, "variant": variant,
-                 **summarise(run_dir, layer=a.layer, at=a.at, threshold=cfg.collapse.maxvio)}  # fmt: skip
+            drill(
+                fam,
+                seed=seed,
+                steps=a.steps,
+                corpus=corpus,
+                run_dir=run_dir,
+                cfg=cfg,
+                injections=[("collapse", a.at, float(a.layer))],
+                balance_coef=0.0,
+                correct=variant == "boost",
+            )
+            r = {
+                "family": fam,
+                "seed": seed,
+                "variant": variant,
+                **summarise(run_dir, layer=a.layer, at=a.at, threshold=cfg.collapse.maxvio),
+            }
             results.append(r)
             tqdm.write(json.dumps(r))
-    print("\n| family | seed | variant | MaxVio before | +20 | +50 | +100 | end | recovered at | corrections |")
+    print(
+        "\n| family | seed | variant | MaxVio before | +20 | +50 | +100 | end | recovered at | corrections |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         rec = r["recovered_at"] if r["recovered_at"] is not None else "never"
-        print(f"| {r['family']} | {r['seed']} | {r['variant']} | {r['maxvio_before']:.2f} | {r['maxvio_at+20']:.2f} | "
-              f"{r['maxvio_at+50']:.2f} | {r['maxvio_at+100']:.2f} | {r['maxvio_end']:.2f} | {rec} | "
-              f"{len(r['corrections'])} |")  # fmt: skip
+        print(
+            f"| {r['family']} | {r['seed']} | {r['variant']} | {r['maxvio_before']:.2f} | {r['maxvio_at+20']:.2f} | "
+            f"{r['maxvio_at+50']:.2f} | {r['maxvio_at+100']:.2f} | {r['maxvio_end']:.2f} | {rec} | "
+            f"{len(r['corrections'])} |"
+        )
     if a.out:
         a.out.write_text(json.dumps(results, indent=1, default=str))
     return 0

@@ -44,15 +44,28 @@ TOKEN = "bench-token"
 def make_report(step: int, layers: int, experts: int, rng: np.random.Generator) -> StepReport:
     moe = np.arange(layers, dtype=np.int32)  # every layer is MoE (the worst case for values/report)
     return StepReport(
-        step=step, time=time.time(), loss=2.0 + 0.05 * rng.random(), grad_norm=1.0 + 0.05 * rng.random(),
-        lr=3e-4, tokens=1 << 20, step_time_s=1.0 + 0.01 * rng.random(), data_wait_s=0.01,
-        tokens_per_s=1e6 * (1 + 0.01 * rng.random()), mfu=0.4 + 0.01 * rng.random(), mem_peak_bytes=60 << 30,
-        layer_ids_L=np.arange(layers, dtype=np.int32), layer_grad_norm_L=0.1 + 0.01 * rng.random(layers),
-        moe_layer_ids_M=moe, router_entropy_M=2.0 + 0.01 * rng.random(layers),
-        load_entropy_M=0.95 + 0.01 * rng.random(layers), maxvio_M=0.2 + 0.01 * rng.random(layers),
-        dead_experts_M=np.zeros(layers, np.int32), bias_norm_M=0.01 * rng.random(layers),
-        load_ME=rng.integers(14_000, 18_000, (layers, experts)), bias_ME=1e-3 * rng.standard_normal((layers, experts)),
-    )  # fmt: skip
+        step=step,
+        time=time.time(),
+        loss=2.0 + 0.05 * rng.random(),
+        grad_norm=1.0 + 0.05 * rng.random(),
+        lr=3e-4,
+        tokens=1 << 20,
+        step_time_s=1.0 + 0.01 * rng.random(),
+        data_wait_s=0.01,
+        tokens_per_s=1e6 * (1 + 0.01 * rng.random()),
+        mfu=0.4 + 0.01 * rng.random(),
+        mem_peak_bytes=60 << 30,
+        layer_ids_L=np.arange(layers, dtype=np.int32),
+        layer_grad_norm_L=0.1 + 0.01 * rng.random(layers),
+        moe_layer_ids_M=moe,
+        router_entropy_M=2.0 + 0.01 * rng.random(layers),
+        load_entropy_M=0.95 + 0.01 * rng.random(layers),
+        maxvio_M=0.2 + 0.01 * rng.random(layers),
+        dead_experts_M=np.zeros(layers, np.int32),
+        bias_norm_M=0.01 * rng.random(layers),
+        load_ME=rng.integers(14_000, 18_000, (layers, experts)),
+        bias_ME=1e-3 * rng.standard_normal((layers, experts)),
+    )
 
 
 def templates(n: int, layers: int, experts: int) -> tuple[list[str], int]:
@@ -111,8 +124,21 @@ def main() -> int:
         MOEGUARD_TOKEN=TOKEN,
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
-    cmd = ["taskset", "-c", str(args.collector_core), sys.executable, "-m", "guard", "collector", "--port", str(port),
-           "--runs", str(runs), "--log-level", "warning"]  # fmt: skip
+    cmd = [
+        "taskset",
+        "-c",
+        str(args.collector_core),
+        sys.executable,
+        "-m",
+        "guard",
+        "collector",
+        "--port",
+        str(port),
+        "--runs",
+        str(runs),
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO)
     os.sched_setaffinity(0, {args.client_core})
     url = f"http://127.0.0.1:{port}"
@@ -140,8 +166,9 @@ def main() -> int:
         interval = args.clients * args.batch * values_per_report / args.rate if args.rate else 0.0
         next_at = time.monotonic() + interval * i / max(1, args.clients)
         extra = ',"trainer_detectors":true' if args.trainer_detectors else ""
-        with httpx.Client(headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json"},
-                          timeout=30) as c:  # fmt: skip
+        with httpx.Client(
+            headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}, timeout=30
+        ) as c:
             while time.monotonic() < stop_at:
                 if interval:
                     next_at += interval
@@ -199,8 +226,10 @@ def main() -> int:
     )
     load = f"offered {args.rate / 1e6:.2f} M values/s" if args.rate else "closed loop"
     dets = "trainer's own (collector runs none)" if args.trainer_detectors else "server-side DetectorSuite on"
-    print(f"collector pinned to core {args.collector_core}; {args.clients} clients on core {args.client_core}; "
-          f"{load}; detectors: {dets}")  # fmt: skip
+    print(
+        f"collector pinned to core {args.collector_core}; {args.clients} clients on core {args.client_core}; "
+        f"{load}; detectors: {dets}"
+    )
     try:
         import orjson  # noqa: F401
 
@@ -208,15 +237,21 @@ def main() -> int:
     except ImportError:
         parser = "stdlib json"
     print(f"JSON parser in the collector: {parser}")
-    print(f"report: {args.layers} layers x {args.experts} experts = {values_per_report} values; "
-          f"{args.batch} reports/request ({len(tpl[0]) * args.batch / 1e6:.2f} MB)")  # fmt: skip
+    print(
+        f"report: {args.layers} layers x {args.experts} experts = {values_per_report} values; "
+        f"{args.batch} reports/request ({len(tpl[0]) * args.batch / 1e6:.2f} MB)"
+    )
     print(f"requests: {lats.size} in {elapsed:.0f} s; reports/s {reports / elapsed:.0f}")
     cpu = cpu1 - cpu0
-    print(f"ingest: {vps / 1e6:.2f} M values/s wall; collector used {cpu:.1f} CPU-s in {elapsed:.0f} s "
-          f"-> {reports * values_per_report / cpu / 1e6:.2f} M values per CPU-second; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
-    print(f"latency ms: p50 {np.percentile(lats, 50):.1f}  p90 {np.percentile(lats, 90):.1f}  "
-          f"p99 {np.percentile(lats, 99):.1f}  max {lats.max():.1f}")  # fmt: skip
+    print(
+        f"ingest: {vps / 1e6:.2f} M values/s wall; collector used {cpu:.1f} CPU-s in {elapsed:.0f} s "
+        f"-> {reports * values_per_report / cpu / 1e6:.2f} M values per CPU-second; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"latency ms: p50 {np.percentile(lats, 50):.1f}  p90 {np.percentile(lats, 90):.1f}  "
+        f"p99 {np.percentile(lats, 99):.1f}  max {lats.max():.1f}"
+    )
     nl = np.asarray(noop) * 1e3
     print(
         f"no-op GET /healthz meanwhile, ms: p50 {np.percentile(nl, 50):.1f}  p99 {np.percentile(nl, 99):.1f}"

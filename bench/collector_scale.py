@@ -68,13 +68,28 @@ def rss_mb(pid: int) -> float:
 def report(step: int, layers: int, experts: int, rng: np.random.Generator) -> dict[str, Any]:
     ids = np.arange(layers, dtype=np.int32)
     return StepReport(
-        step=step, time=time.time(), loss=2.0 + 0.01 * rng.random(), grad_norm=1.0 + 0.01 * rng.random(), lr=3e-4,
-        tokens=1 << 16, step_time_s=1.0, data_wait_s=0.01, tokens_per_s=6.5e4, mfu=0.4, mem_peak_bytes=1 << 30,
-        layer_ids_L=ids, layer_grad_norm_L=0.1 + 0.01 * rng.random(layers), moe_layer_ids_M=ids,
-        router_entropy_M=np.full(layers, 2.0), load_entropy_M=np.full(layers, 0.95), maxvio_M=np.full(layers, 0.2),
-        dead_experts_M=np.zeros(layers, np.int32), bias_norm_M=np.zeros(layers),
-        load_ME=rng.integers(90, 110, (layers, experts)), bias_ME=np.zeros((layers, experts)),
-    ).to_json()  # fmt: skip
+        step=step,
+        time=time.time(),
+        loss=2.0 + 0.01 * rng.random(),
+        grad_norm=1.0 + 0.01 * rng.random(),
+        lr=3e-4,
+        tokens=1 << 16,
+        step_time_s=1.0,
+        data_wait_s=0.01,
+        tokens_per_s=6.5e4,
+        mfu=0.4,
+        mem_peak_bytes=1 << 30,
+        layer_ids_L=ids,
+        layer_grad_norm_L=0.1 + 0.01 * rng.random(layers),
+        moe_layer_ids_M=ids,
+        router_entropy_M=np.full(layers, 2.0),
+        load_entropy_M=np.full(layers, 0.95),
+        maxvio_M=np.full(layers, 0.2),
+        dead_experts_M=np.zeros(layers, np.int32),
+        bias_norm_M=np.zeros(layers),
+        load_ME=rng.integers(90, 110, (layers, experts)),
+        bias_ME=np.zeros((layers, experts)),
+    ).to_json()
 
 
 class Proc:
@@ -86,8 +101,22 @@ class Proc:
     def start(self, timeout: float) -> dict[str, float]:
         env = dict(os.environ, MOEGUARD_TOKEN=TOKEN, PYTHONPATH=str(self.repo))
         t0 = time.monotonic()
-        self.p = subprocess.Popen([sys.executable, "-m", "guard", "collector", "--port", str(self.port), "--runs",
-                                   str(self.runs), "--log-level", "warning"], env=env, cwd=self.repo)  # fmt: skip
+        self.p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "guard",
+                "collector",
+                "--port",
+                str(self.port),
+                "--runs",
+                str(self.runs),
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            cwd=self.repo,
+        )
         listening = None
         while time.monotonic() - t0 < timeout:
             if self.p.poll() is not None:
@@ -132,11 +161,24 @@ def seed(proc: Proc, n: int, layers: int, experts: int) -> None:
             for b in range(3):
                 evs = [{"step": 29, "kind": "halt", "action": "halt"}] if i == 0 and b == 2 else []
                 reps = [report(10 * b + k, layers, experts, rng) for k in range(10)]
-                st, _, txt = post(c, proc.url, {"run": run, "rank": 0, "seq": GEN | (b + 1), "reports": reps,
-                                                "events": evs, "meta": meta if b == 0 else None})  # fmt: skip
+                st, _, txt = post(
+                    c,
+                    proc.url,
+                    {
+                        "run": run,
+                        "rank": 0,
+                        "seq": GEN | (b + 1),
+                        "reports": reps,
+                        "events": evs,
+                        "meta": meta if b == 0 else None,
+                    },
+                )
                 assert st == 200, txt
-            st, _, txt = post(c, proc.url, {"run": run, "rank": 1, "seq": GEN | 1,
-                                            "heartbeat": {"time": time.time(), "step": 29}})  # fmt: skip
+            st, _, txt = post(
+                c,
+                proc.url,
+                {"run": run, "rank": 1, "seq": GEN | 1, "heartbeat": {"time": time.time(), "step": 29}},
+            )
             assert st == 200, txt
 
 
@@ -156,8 +198,9 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs) * 1e3, q)) if xs else float("nan")
 
 
-def stream(url: str, runs: list[str], seconds: float, layers: int, experts: int, seq0: int,
-           clients: int = 4) -> tuple[list[float], list[str]]:  # fmt: skip
+def stream(
+    url: str, runs: list[str], seconds: float, layers: int, experts: int, seq0: int, clients: int = 4
+) -> tuple[list[float], list[str]]:
     """Closed-loop ingest from `clients` threads, each over its share of `runs`; latencies (s)."""
     lat: list[float] = []
     errors: list[str] = []
@@ -174,9 +217,17 @@ def stream(url: str, runs: list[str], seconds: float, layers: int, experts: int,
                     if time.monotonic() >= stop:
                         break
                     seq += 1
-                    st, dt, txt = post(c, url, {"run": run, "rank": 0, "seq": GEN | seq,
-                                                "reports": [report(step[run], layers, experts, rng)],
-                                                "heartbeat": {"time": time.time(), "step": step[run]}})  # fmt: skip
+                    st, dt, txt = post(
+                        c,
+                        url,
+                        {
+                            "run": run,
+                            "rank": 0,
+                            "seq": GEN | seq,
+                            "reports": [report(step[run], layers, experts, rng)],
+                            "heartbeat": {"time": time.time(), "step": step[run]},
+                        },
+                    )
                     step[run] += 1
                     lat.append(dt)
                     if st != 200:
@@ -256,8 +307,16 @@ def main() -> int:
             rng = np.random.default_rng(1)
             first = []
             for run in active:
-                st, dt, txt = post(c, proc.url, {"run": run, "rank": 0, "seq": GEN | 100,
-                                                 "reports": [report(999, args.layers, args.experts, rng)]})  # fmt: skip
+                st, dt, txt = post(
+                    c,
+                    proc.url,
+                    {
+                        "run": run,
+                        "rank": 0,
+                        "seq": GEN | 100,
+                        "reports": [report(999, args.layers, args.experts, rng)],
+                    },
+                )
                 first.append(dt)
                 if st != 200:
                     errors.append(f"{st} {txt}")
@@ -270,8 +329,9 @@ def main() -> int:
         )
         # the scraper is another process: its reading and parsing 10+ MB must not take this
         # process's GIL from the client threads whose latency is measured
-        scraper = subprocess.Popen([sys.executable, __file__, "--scrape-loop", proc.url], stdout=subprocess.PIPE,
-                                   text=True)  # fmt: skip
+        scraper = subprocess.Popen(
+            [sys.executable, __file__, "--scrape-loop", proc.url], stdout=subprocess.PIPE, text=True
+        )
         time.sleep(0.5)
         lat, e2 = stream(proc.url, active, args.seconds, args.layers, args.experts, 100_000)
         scraper.send_signal(signal.SIGTERM)
@@ -298,8 +358,16 @@ def main() -> int:
             time.sleep(0.2)
             with httpx.Client() as c:
                 rng = np.random.default_rng(3)
-                st2, dt2, _ = post(c, proc.url, {"run": active[0], "rank": 0, "seq": GEN | 300_000,
-                                                 "reports": [report(5000, args.layers, args.experts, rng)]})  # fmt: skip
+                st2, dt2, _ = post(
+                    c,
+                    proc.url,
+                    {
+                        "run": active[0],
+                        "rank": 0,
+                        "seq": GEN | 300_000,
+                        "reports": [report(5000, args.layers, args.experts, rng)],
+                    },
+                )
             th.join()
             out["big_render_s"], out["big_series"], out["ingest_during_big_render_s"] = (
                 res["t"],
@@ -321,21 +389,43 @@ def table(o: dict[str, Any]) -> str:
     rows = [
         ("restart: listening", f"{o['listening_s']:.2f} s"),
         ("restart: start-up scan done", f"{o['scanned_s']:.2f} s"),
-        ("RSS empty / after restart / streaming / end", f"{o['rss_empty_mb']:.0f} / {o['rss_loaded_mb']:.0f} / "
-                                                         f"{o['rss_active_mb']:.0f} / {o['rss_end_mb']:.0f} MB"),
-        ("/metrics after restart", f"{o['scrape_idle_s']:.2f} s, {o['metrics_bytes_idle'] / 1e6:.1f} MB, "
-                                   f"{o['series_idle']} series"),
-        ("first batch of a run (load from disk) p50 / p99", f"{o['first_touch_p50_ms']:.0f} / {o['first_touch_p99_ms']:.0f} ms"),
-        ("ingest, no scrape: p50 / p99", f"{o['ingest_quiet_p50_ms']:.1f} / {o['ingest_quiet_p99_ms']:.1f} ms"),
-        ("ingest, /metrics in a loop: p50 / p99 / max", f"{o['ingest_scrape_p50_ms']:.1f} / "
-                                                       f"{o['ingest_scrape_p99_ms']:.1f} / {o['ingest_scrape_max_ms']:.0f} ms"),
-        ("/metrics render while streaming: p50 / max", f"{o['render_p50_s']:.2f} / {o['render_max_s']:.2f} s, "
-                                                      f"{o['metrics_bytes'] / 1e6:.1f} MB, {o['series']} series"),
+        (
+            "RSS empty / after restart / streaming / end",
+            f"{o['rss_empty_mb']:.0f} / {o['rss_loaded_mb']:.0f} / "
+            f"{o['rss_active_mb']:.0f} / {o['rss_end_mb']:.0f} MB",
+        ),
+        (
+            "/metrics after restart",
+            f"{o['scrape_idle_s']:.2f} s, {o['metrics_bytes_idle'] / 1e6:.1f} MB, {o['series_idle']} series",
+        ),
+        (
+            "first batch of a run (load from disk) p50 / p99",
+            f"{o['first_touch_p50_ms']:.0f} / {o['first_touch_p99_ms']:.0f} ms",
+        ),
+        (
+            "ingest, no scrape: p50 / p99",
+            f"{o['ingest_quiet_p50_ms']:.1f} / {o['ingest_quiet_p99_ms']:.1f} ms",
+        ),
+        (
+            "ingest, /metrics in a loop: p50 / p99 / max",
+            f"{o['ingest_scrape_p50_ms']:.1f} / "
+            f"{o['ingest_scrape_p99_ms']:.1f} / {o['ingest_scrape_max_ms']:.0f} ms",
+        ),
+        (
+            "/metrics render while streaming: p50 / max",
+            f"{o['render_p50_s']:.2f} / {o['render_max_s']:.2f} s, "
+            f"{o['metrics_bytes'] / 1e6:.1f} MB, {o['series']} series",
+        ),
         (f"one {o.get('big_layers', '50k')}-layer report", f"{o['big_status']} in {o['big_answer_s']:.2f} s"),
-    ]  # fmt: skip
+    ]
     if "big_render_s" in o:
-        rows.append(("  then /metrics; an ingest during it", f"{o['big_render_s']:.1f} s, {o['big_series']} series; "
-                                                             f"{o['ingest_during_big_render_s']:.1f} s"))  # fmt: skip
+        rows.append(
+            (
+                "  then /metrics; an ingest during it",
+                f"{o['big_render_s']:.1f} s, {o['big_series']} series; "
+                f"{o['ingest_during_big_render_s']:.1f} s",
+            )
+        )
     return "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 

@@ -463,7 +463,9 @@ def report(res: Results, source: str, command: str, cfg: GuardConfig, notes: Seq
     return "\n".join(parts)
 
 
-def write_docs(path: Path, body: str, name: str = "detector_quality", title: str = "Detector quality") -> None:
+def write_docs(
+    path: Path, body: str, name: str = "detector_quality", title: str = "Detector quality"
+) -> None:
     """Replace our section between the markers (or append it); other sections stay as they are."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     section = f"{start}\n## {title}\n\n{body}\n{end}"
@@ -492,8 +494,14 @@ def build_traces(
     return synthetic_traces(n_runs, n_steps, seed), src, []
 
 
-def run(quick: bool = False, runs: Sequence[str] = (), seed: int = 0, n_runs: int | None = None,
-        n_steps: int | None = None, cfg: GuardConfig | None = None) -> tuple[Results, str, list[str]]:  # fmt: skip
+def run(
+    quick: bool = False,
+    runs: Sequence[str] = (),
+    seed: int = 0,
+    n_runs: int | None = None,
+    n_steps: int | None = None,
+    cfg: GuardConfig | None = None,
+) -> tuple[Results, str, list[str]]:
     """The whole benchmark, for tests and main(): (results, trace source, notes)."""
     n_runs = n_runs or (3 if quick else 16)
     n_steps = n_steps or (1500 if quick else 5000)
@@ -512,10 +520,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--write-docs", action="store_true", help="update the section in docs/BENCHMARKS.md")
     ap.add_argument("--docs", type=Path, default=Path("docs/BENCHMARKS.md"))
-    ap.add_argument("--config", type=Path, default=None,
-                    help="take our thresholds from this TOML's [guard] table (default: GuardConfig defaults)")
-    ap.add_argument("--section", default="detector_quality",
-                    help="docs section name (markers <!-- NAME:start/end -->)")
+    ap.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="take our thresholds from this TOML's [guard] table (default: GuardConfig defaults)",
+    )
+    ap.add_argument(
+        "--section", default="detector_quality", help="docs section name (markers <!-- NAME:start/end -->)"
+    )
     args = ap.parse_args(argv)
     cfg = load_guard_config(args.config) if args.config else GuardConfig()
     res, source, notes = run(args.quick, args.runs, args.seed, args.n_runs, args.steps, cfg)

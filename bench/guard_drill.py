@@ -29,7 +29,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", type=Path, default=None, help="where to keep the runs (default: a temp dir)")
     ap.add_argument("--inject", action="append", default=None)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per run (1 is fastest on a busy box)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads per run (1 is fastest on a busy box)"
+    )
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     faults = args.inject or DEFAULT_FAULTS
@@ -39,7 +41,7 @@ def main() -> None:
     clean, unguarded, guarded = results
     gap = (guarded.final_loss - clean.final_loss) / clean.final_loss
     worse = (not math.isfinite(unguarded.final_loss)) or unguarded.final_loss > clean.final_loss * 1.02
-    verdict = ("PASS" if abs(gap) <= 0.02 and worse else "FAIL")
+    verdict = "PASS" if abs(gap) <= 0.02 and worse else "FAIL"
     print(table)
     print(json.dumps([as_dict(r) for r in results], indent=1))
     from bench._docs import machine_line, write_section
@@ -48,14 +50,17 @@ def main() -> None:
 
 `python bench/guard_drill.py --steps {args.steps} --write-docs` ({machine_line()})
 
-Tiny config, seed {args.seed}, {args.steps} steps per run. Faults: `{' '.join(faults)}`.
+Tiny config, seed {args.seed}, {args.steps} steps per run. Faults: `{" ".join(faults)}`.
 "final loss" is the mean loss over the last 10% of steps; "worst MaxVio (end)" is the worst layer's mean
 MaxVio over the same steps.
 
 {table}
 
 Guarded vs clean final loss: **{gap:+.2%}** (target within 2%); unguarded: **{
-    'diverged' if not math.isfinite(unguarded.final_loss) else f'{(unguarded.final_loss - clean.final_loss) / clean.final_loss:+.2%}'}**
+        "diverged"
+        if not math.isfinite(unguarded.final_loss)
+        else f"{(unguarded.final_loss - clean.final_loss) / clean.final_loss:+.2%}"
+    }**
 (target: measurably worse or diverged). Result: **{verdict}**.
 """
     if args.write_docs:

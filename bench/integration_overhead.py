@@ -73,8 +73,9 @@ def guard_version() -> str:
     """The commit the guard code was measured at, '+dirty' when guard/ has uncommitted changes."""
     root = Path(__file__).resolve().parent.parent
     try:
-        run = functools.partial(subprocess.run, cwd=root, capture_output=True, text=True, timeout=10,
-                                check=True)  # fmt: skip
+        run = functools.partial(
+            subprocess.run, cwd=root, capture_output=True, text=True, timeout=10, check=True
+        )
         head = run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
         dirty = run(["git", "status", "--porcelain", "--", "guard"]).stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -108,8 +109,9 @@ class Guarded:
         self.data = data
         self.model = build(family, seed=seed)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
-        self.guarded = GuardedStep(self.model, self.opt, attach=attach(self.model), run_dir=run_dir, max_lr=LR,
-                                   grad_clip=CLIP)  # fmt: skip
+        self.guarded = GuardedStep(
+            self.model, self.opt, attach=attach(self.model), run_dir=run_dir, max_lr=LR, grad_clip=CLIP
+        )
 
     def step(self, x: torch.Tensor) -> None:
         loss = self.model(input_ids=x, labels=x).loss
@@ -143,8 +145,19 @@ def bootstrap_median(x: np.ndarray, *, n: int = 2000, seed: int = 0) -> tuple[fl
     return float(lo), float(hi)
 
 
-def measure(family: str, *, corpus: np.ndarray, batch: int, seq: int, blocks: int, steps_per_block: int,
-            warmup: int, seed: int, run_dir: Path, progress: Any = None) -> dict[str, Any]:  # fmt: skip
+def measure(
+    family: str,
+    *,
+    corpus: np.ndarray,
+    batch: int,
+    seq: int,
+    blocks: int,
+    steps_per_block: int,
+    warmup: int,
+    seed: int,
+    run_dir: Path,
+    progress: Any = None,
+) -> dict[str, Any]:
     """Interleaved A/B measurement of one family; times in seconds."""
     t_build = time.perf_counter()
     a = Plain(family, seed, byte_batches(corpus, batch=batch, seq=seq, seed=seed))
@@ -203,11 +216,13 @@ def markdown(res: dict[str, Any]) -> str:
     for f in res["families"].values():
         lo, hi = f["overhead_ci95"]
         acts = ", ".join(f"{k} {v}" for k, v in sorted(f["guard_actions"].items()))
-        rows.append(f"| {f['family']} ({f['model_class']}, {f['moe_layers']} MoE layers) "
-                    f"| {f['median_step_s_plain'] * 1e3:.1f} ms | {f['median_step_s_guarded'] * 1e3:.1f} ms "
-                    f"| **{f['overhead']:+.2%}** | {lo:+.2%} .. {hi:+.2%} "
-                    f"| {f['overhead_min']:+.1%} .. {f['overhead_max']:+.1%} "
-                    f"| {f['overhead_block_medians']:+.2%} | {f['overhead_cpu']:+.2%} | {acts} |")  # fmt: skip
+        rows.append(
+            f"| {f['family']} ({f['model_class']}, {f['moe_layers']} MoE layers) "
+            f"| {f['median_step_s_plain'] * 1e3:.1f} ms | {f['median_step_s_guarded'] * 1e3:.1f} ms "
+            f"| **{f['overhead']:+.2%}** | {lo:+.2%} .. {hi:+.2%} "
+            f"| {f['overhead_min']:+.1%} .. {f['overhead_max']:+.1%} "
+            f"| {f['overhead_block_medians']:+.2%} | {f['overhead_cpu']:+.2%} | {acts} |"
+        )
     worst = max(res["families"].values(), key=lambda f: f["overhead"])
     verdict = "met" if worst["overhead"] <= 0.03 else "NOT met"
     return f"""## Guard overhead per transformers MoE family
@@ -238,11 +253,18 @@ Target: at most 3% on CPU: **{verdict}** (worst: {worst["family"]}, {worst["over
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--families", default=",".join(FAMILIES),
-                    help=f"comma-separated, from {', '.join(FAMILIES)} (default: all)")  # fmt: skip
+    ap.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"comma-separated, from {', '.join(FAMILIES)} (default: all)",
+    )
     ap.add_argument("--blocks", type=int, default=20, help="A/B block pairs per family (default 20)")
-    ap.add_argument("--steps-per-block", type=int, default=50,
-                    help="steps per block; a multiple of 50 holds the guard's periodic work evenly (default 50)")  # fmt: skip
+    ap.add_argument(
+        "--steps-per-block",
+        type=int,
+        default=50,
+        help="steps per block; a multiple of 50 holds the guard's periodic work evenly (default 50)",
+    )
     ap.add_argument("--warmup", type=int, default=20, help="unmeasured steps per variant first (default 20)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
@@ -267,19 +289,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     corpus = stdlib_corpus(2_000_000)
-    bar = tqdm(total=len(families) * args.blocks, unit="pair", file=sys.stderr, dynamic_ncols=True,
-               mininterval=0.5, disable=args.no_progress)  # fmt: skip
+    bar = tqdm(
+        total=len(families) * args.blocks,
+        unit="pair",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.5,
+        disable=args.no_progress,
+    )
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="moeguard-bench-") as tmp:
         for fam in families:
             bar.set_description(fam)
-            out[fam] = measure(fam, corpus=corpus, batch=args.batch, seq=args.seq, blocks=args.blocks,
-                               steps_per_block=args.steps_per_block, warmup=args.warmup, seed=args.seed,
-                               run_dir=Path(tmp) / fam, progress=bar)  # fmt: skip
+            out[fam] = measure(
+                fam,
+                corpus=corpus,
+                batch=args.batch,
+                seq=args.seq,
+                blocks=args.blocks,
+                steps_per_block=args.steps_per_block,
+                warmup=args.warmup,
+                seed=args.seed,
+                run_dir=Path(tmp) / fam,
+                progress=bar,
+            )
     bar.close()
     shown = ["python", "bench/integration_overhead.py", *(sys.argv[1:] if argv is None else argv)]
-    config = dict(batch=args.batch, seq=args.seq, blocks=args.blocks, steps_per_block=args.steps_per_block,
-                  warmup=args.warmup, seed=args.seed, threads=args.threads, lr=LR, grad_clip=CLIP)  # fmt: skip
+    config = dict(
+        batch=args.batch,
+        seq=args.seq,
+        blocks=args.blocks,
+        steps_per_block=args.steps_per_block,
+        warmup=args.warmup,
+        seed=args.seed,
+        threads=args.threads,
+        lr=LR,
+        grad_clip=CLIP,
+    )
     res = {
         "command": shlex.join(shown),
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -291,10 +337,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     for f in out.values():
         lo, hi = f["overhead_ci95"]
-        print(f"{f['family']:12s} A {f['median_step_s_plain'] * 1e3:7.2f} ms  B {f['median_step_s_guarded'] * 1e3:7.2f} ms"
-              f"  overhead {f['overhead']:+.2%} [{lo:+.2%}, {hi:+.2%}]  block medians {f['overhead_block_medians']:+.2%}"
-              f"  cpu {f['overhead_cpu']:+.2%}"
-              f"  actions {f['guard_actions']}")  # fmt: skip
+        print(
+            f"{f['family']:12s} A {f['median_step_s_plain'] * 1e3:7.2f} ms  B {f['median_step_s_guarded'] * 1e3:7.2f} ms"
+            f"  overhead {f['overhead']:+.2%} [{lo:+.2%}, {hi:+.2%}]  block medians {f['overhead_block_medians']:+.2%}"
+            f"  cpu {f['overhead_cpu']:+.2%}"
+            f"  actions {f['guard_actions']}"
+        )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=2, allow_nan=True))

@@ -115,8 +115,19 @@ class _Counter(BaseHTTPRequestHandler):
 
 
 def start_pager(workdir: Path, *extra: str) -> tuple[subprocess.Popen, int]:
-    cmd = [sys.executable, "-m", "guard", "pager", "--port", "0", "--state", str(workdir / "state.json"),
-           "--log-level", "warning", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "guard",
+        "pager",
+        "--port",
+        "0",
+        "--state",
+        str(workdir / "state.json"),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEGUARD_")}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     sel = selectors.DefaultSelector()
@@ -140,8 +151,11 @@ def start_pager(workdir: Path, *extra: str) -> tuple[subprocess.Popen, int]:
 
 def post(port: int, path: str, body: bytes, timeout: float = 600) -> int:
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)  # fmt: skip
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
         return int(s.recv(4096).split(b" ", 2)[1])
 
 
@@ -188,8 +202,10 @@ def send_attack(port: int, chunked: bool) -> tuple[str, int]:
     framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {ATTACK_BYTES}"
     sent, piece = 0, b"[" + b"0," * (1 << 19)  # ~1 MB of JSON-looking bytes
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(f"POST /v1/alertmanager HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"{framing}\r\n\r\n".encode())  # fmt: skip
+        s.sendall(
+            f"POST /v1/alertmanager HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"{framing}\r\n\r\n".encode()
+        )
         try:
             readable = select.select([s], [], [], 0.5)[0]  # a server that checks the header answers now
             while sent < ATTACK_BYTES and not readable:
@@ -217,12 +233,16 @@ def bench_attack(workdir: Path) -> list[dict[str, Any]]:
             before = vm_kib(proc.pid, "VmRSS")
             answer, sent = send_attack(port, chunked)
             time.sleep(0.5)
-            out.append({
-                "framing": "chunked" if chunked else "Content-Length: 200 MB",
-                "answer": answer, "client_sent_mb": sent / 2**20,
-                "rss_before_mb": before / 1024, "rss_after_mb": vm_kib(proc.pid, "VmRSS") / 1024,
-                "peak_rss_mb": vm_kib(proc.pid, "VmHWM") / 1024,
-            })  # fmt: skip
+            out.append(
+                {
+                    "framing": "chunked" if chunked else "Content-Length: 200 MB",
+                    "answer": answer,
+                    "client_sent_mb": sent / 2**20,
+                    "rss_before_mb": before / 1024,
+                    "rss_after_mb": vm_kib(proc.pid, "VmRSS") / 1024,
+                    "peak_rss_mb": vm_kib(proc.pid, "VmHWM") / 1024,
+                }
+            )
     finally:
         proc.terminate()
         proc.wait(10)
@@ -273,8 +293,10 @@ def markdown(res: dict[str, Any], command: str) -> str:
             "|---|---|---|---|---|",
         ]
         for e in res["e2e"]:
-            lines.append(f"| {e['incidents']} | HTTP {e['status']} in {e['answered_s']:.2f} s | {e['delivered']} | "
-                         f"{e['total_s']:.2f} s | {e['ms_per_delivery']:.2f} ms |")  # fmt: skip
+            lines.append(
+                f"| {e['incidents']} | HTTP {e['status']} in {e['answered_s']:.2f} s | {e['delivered']} | "
+                f"{e['total_s']:.2f} s | {e['ms_per_delivery']:.2f} ms |"
+            )
     if res["attack"]:
         lines += [
             "",
@@ -282,9 +304,11 @@ def markdown(res: dict[str, Any], command: str) -> str:
             "|---|---|---|---|---|---|",
         ]
         for a in res["attack"]:
-            lines.append(f"| {a['framing']} | {a['answer']} | {a['client_sent_mb']:.1f} MB | {a['rss_before_mb']:.0f} MB | "
-                         f"{a['rss_after_mb']:.0f} MB | {a['peak_rss_mb']:.0f} MB |")  # fmt: skip
-    return "\n".join(lines)  # fmt: skip
+            lines.append(
+                f"| {a['framing']} | {a['answer']} | {a['client_sent_mb']:.1f} MB | {a['rss_before_mb']:.0f} MB | "
+                f"{a['rss_after_mb']:.0f} MB | {a['peak_rss_mb']:.0f} MB |"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

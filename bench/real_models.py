@@ -44,10 +44,21 @@ def parse_inject(spec: str) -> tuple[str, int, float]:
     return kind, int(step), float(arg) if arg else 0.0
 
 
-def drill(family: str, *, seed: int, steps: int, corpus: np.ndarray, run_dir: Path,
-          injections: list[tuple[str, int, float]] = (), cfg: GuardConfig | None = None,
-          lr: float = 3e-3, batch: int = 4, seq: int = 64, balance_coef: float = 1e-2,
-          correct: bool = True) -> dict[str, Any]:  # fmt: skip
+def drill(
+    family: str,
+    *,
+    seed: int,
+    steps: int,
+    corpus: np.ndarray,
+    run_dir: Path,
+    injections: list[tuple[str, int, float]] = (),
+    cfg: GuardConfig | None = None,
+    lr: float = 3e-3,
+    batch: int = 4,
+    seq: int = 64,
+    balance_coef: float = 1e-2,
+    correct: bool = True,
+) -> dict[str, Any]:
     """One guarded run; returns its actions, verdicts and final loss. `correct=False`: the guard
     detects but the model offers it no corrector (the control of a collapse drill)."""
     torch.manual_seed(seed)
@@ -83,11 +94,14 @@ def drill(family: str, *, seed: int, steps: int, corpus: np.ndarray, run_dir: Pa
     events = read_table(run_dir, "events")
     acts = steps_t.filter(pl.col("action") != "apply")
     return {
-        "family": family, "seed": seed, "steps": steps_t.height, "s_per_step": (time.perf_counter() - t0) / steps,
+        "family": family,
+        "seed": seed,
+        "steps": steps_t.height,
+        "s_per_step": (time.perf_counter() - t0) / steps,
         "final_loss": float(steps_t["loss"].tail(20).mean()),
         "actions": acts.select("step", "action").rows(),
         "events": events.select("step", "kind", "detector", "action", "value", "threshold").rows(),
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,8 +133,11 @@ def main(argv: list[str] | None = None) -> int:
                     fam, seed=seed, steps=a.steps, corpus=corpus, run_dir=run_dir, injections=inj, cfg=cfg
                 )
             results.append(r)
-            print(f"{fam:12s} seed {seed}: {r['s_per_step'] * 1e3:.0f} ms/step, loss {r['final_loss']:.3f}, "
-                  f"actions {r['actions'] or 'none'}", flush=True)  # fmt: skip
+            print(
+                f"{fam:12s} seed {seed}: {r['s_per_step'] * 1e3:.0f} ms/step, loss {r['final_loss']:.3f}, "
+                f"actions {r['actions'] or 'none'}",
+                flush=True,
+            )
             for ev in r["events"]:
                 print(f"    {ev}")
     if a.out:

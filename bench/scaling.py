@@ -56,9 +56,16 @@ def worker(args: argparse.Namespace) -> None:
     from trainer.loop import Trainer
 
     def make(telemetry: bool, run_dir: Path) -> Trainer:
-        cfg = load_config(args.config, {"telemetry.enabled": telemetry, "telemetry.profile": False,
-                                        "train.checkpoint_every": 0, "train.threads": 1,
-                                        "train.steps": args.steps + args.warmup + 10})  # fmt: skip
+        cfg = load_config(
+            args.config,
+            {
+                "telemetry.enabled": telemetry,
+                "telemetry.profile": False,
+                "train.checkpoint_every": 0,
+                "train.threads": 1,
+                "train.steps": args.steps + args.warmup + 10,
+            },
+        )
         return Trainer(cfg, run_dir, progress=False)
 
     def block(t: Trainer, n: int) -> list[float]:
@@ -90,8 +97,18 @@ def worker(args: argparse.Namespace) -> None:
     if on.store is not None:
         on.store.close()
     if on.dist.main:
-        out.write_text(json.dumps({"world": on.dist.world, "on": t_on, "off": t_off, "ratios": ratios,
-                                   "sync_s": sync_s, "gather_s": gather_s}))  # fmt: skip
+        out.write_text(
+            json.dumps(
+                {
+                    "world": on.dist.world,
+                    "on": t_on,
+                    "off": t_off,
+                    "ratios": ratios,
+                    "sync_s": sync_s,
+                    "gather_s": gather_s,
+                }
+            )
+        )
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -122,9 +139,25 @@ def sync_costs(t: Any, n: int = 200) -> tuple[float, float]:
 def measure(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     out = tmp / f"w{world}" / "result.json"
     out.parent.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(Path(__file__).resolve()), "--worker", "--out", str(out), "--config", str(args.config),
-           "--steps", str(args.steps), "--block", str(args.block), "--warmup", str(args.warmup)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--out",
+        str(out),
+        "--config",
+        str(args.config),
+        "--steps",
+        str(args.steps),
+        "--block",
+        str(args.block),
+        "--warmup",
+        str(args.warmup),
+    ]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if p.returncode != 0:
@@ -169,12 +202,17 @@ def run_config(config: Path, args: argparse.Namespace, tmp: Path, cores: int) ->
         # what the multi-rank additions cost per step: the agreement + 1/20 of a straggler gather
         share = (r["sync_s"] + r["gather_s"] / STRAGGLER_EVERY) / on
         rows.append((w, on, off, ov, lo, hi, len(r["ratios"]), r["sync_s"], r["gather_s"], share))
-        print(f"{config.name} world {w}: on {on * 1e3:.1f} ms  off {off * 1e3:.1f} ms  overhead {ov:+.1%} "
-              f"(IQR {lo:+.1%} .. {hi:+.1%}, {len(r['ratios'])} block pairs); agreement "
-              f"{r['sync_s'] * 1e3:.2f} ms, straggler gather {r['gather_s'] * 1e3:.2f} ms", flush=True)  # fmt: skip
-    head = ("| ranks | median step, on | median step, off | overhead (median of block ratios) | IQR | block pairs "
-            "| agreement / straggler gather, alone | multi-rank share of the step | note |\n"
-            "|---|---|---|---|---|---|---|---|---|\n")  # fmt: skip
+        print(
+            f"{config.name} world {w}: on {on * 1e3:.1f} ms  off {off * 1e3:.1f} ms  overhead {ov:+.1%} "
+            f"(IQR {lo:+.1%} .. {hi:+.1%}, {len(r['ratios'])} block pairs); agreement "
+            f"{r['sync_s'] * 1e3:.2f} ms, straggler gather {r['gather_s'] * 1e3:.2f} ms",
+            flush=True,
+        )
+    head = (
+        "| ranks | median step, on | median step, off | overhead (median of block ratios) | IQR | block pairs "
+        "| agreement / straggler gather, alone | multi-rank share of the step | note |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
     return head + "\n".join(
         f"| {w} | {on * 1e3:.1f} ms | {off * 1e3:.1f} ms | **{ov:+.1%}** | {lo:+.1%} .. {hi:+.1%} | {n} | "
         f"{f'{sy * 1e3:.2f} ms / {ga * 1e3:.2f} ms' if w > 1 else 'n/a (one process)'} | "
@@ -213,9 +251,12 @@ def main() -> None:
         load1 = os.getloadavg()
         (tmp / "run.json").write_text(json.dumps({"load": [load0, load1, when]}))
         print(f"results in {tmp} (re-render: --results {tmp})")
-    cmd = (f"python bench/scaling.py --worlds {' '.join(str(w) for w in args.worlds)} "
-           f"--config {' '.join(rel(c) for c in args.config)} --steps {args.steps} --block {args.block} --write-docs")  # fmt: skip
-    body = f"""## Multi-rank telemetry and guard overhead (`bench/scaling.py`)
+    cmd = (
+        f"python bench/scaling.py --worlds {' '.join(str(w) for w in args.worlds)} "
+        f"--config {' '.join(rel(c) for c in args.config)} --steps {args.steps} --block {args.block} --write-docs"
+    )
+    body = (
+        f"""## Multi-rank telemetry and guard overhead (`bench/scaling.py`)
 
 `{cmd}`
 
@@ -229,7 +270,10 @@ the plain loop with the same gradient all-reduce. Blocks of {args.block} steps a
 goes first alternates); rank 0's step times (every step ends in a collective, so they are the job's).
 "Agreement / straggler gather, alone" times the two multi-rank additions by themselves (200
 agreements, 50 gathers, median); "multi-rank share" = (agreement + gather / {STRAGGLER_EVERY}) / step time on.
-""" + "".join(f"\n### `{rel(c)}`\n\n{t}\n" for c, t in tables) + READING
+"""
+        + "".join(f"\n### `{rel(c)}`\n\n{t}\n" for c, t in tables)
+        + READING
+    )
     print(body)
     if args.write_docs:
         write_section(body)

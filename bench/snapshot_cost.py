@@ -1,6 +1,6 @@
 """Cost of the in-memory snapshot ring (take, restore) against one training step, tiny config.
 
-    python bench/snapshot_cost.py --write-docs
+python bench/snapshot_cost.py --write-docs
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
-    cfg = load_config(args.config, {"telemetry.profile": False, "train.checkpoint_every": 0, "train.steps": 1000})
+    cfg = load_config(
+        args.config, {"telemetry.profile": False, "train.checkpoint_every": 0, "train.steps": 1000}
+    )
     t = Trainer(cfg, Path(tempfile.mkdtemp()) / "r", progress=False)
     for _ in range(5):  # optimizer state exists after the first step
         t.train_step()
@@ -50,7 +52,8 @@ def main() -> None:
     step, take, restore = (statistics.median(x) for x in (steps, takes, restores))
     every = cfg.guard.policy.snapshot_every
     n_bytes = sum(x.numel() * x.element_size() for x in ring._slots[0].model) + sum(
-        v.numel() * v.element_size() for d in ring._slots[0].opt for v in d.values() if hasattr(v, "numel"))
+        v.numel() * v.element_size() for d in ring._slots[0].opt for v in d.values() if hasattr(v, "numel")
+    )
     from bench._docs import machine_line, write_section
 
     body = f"""## Snapshot ring and rollback cost (issue 3)

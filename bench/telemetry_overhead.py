@@ -27,8 +27,15 @@ from trainer.loop import Trainer
 
 
 def make(telemetry: bool, config: Path, run_dir: Path, overrides: dict) -> Trainer:
-    cfg = load_config(config, {"telemetry.enabled": telemetry, "telemetry.profile": False,
-                               "train.checkpoint_every": 0, **overrides})  # fmt: skip
+    cfg = load_config(
+        config,
+        {
+            "telemetry.enabled": telemetry,
+            "telemetry.profile": False,
+            "train.checkpoint_every": 0,
+            **overrides,
+        },
+    )
     return Trainer(cfg, run_dir, progress=False)
 
 
@@ -68,8 +75,10 @@ def main() -> None:
         t_on += x_on
         t_off += x_off
         ratios.append(statistics.median(x_on) / statistics.median(x_off))
-        print(f"block {i}: on {statistics.median(x_on) * 1e3:.1f} ms  off {statistics.median(x_off) * 1e3:.1f} ms",
-              flush=True)  # fmt: skip
+        print(
+            f"block {i}: on {statistics.median(x_on) * 1e3:.1f} ms  off {statistics.median(x_off) * 1e3:.1f} ms",
+            flush=True,
+        )
     on.store.close()
     overhead = statistics.median(ratios) - 1
     lo, hi = np.percentile(np.array(ratios) - 1, [25, 75])

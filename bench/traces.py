@@ -157,8 +157,14 @@ def fault_positions(n_steps: int, k: int, rng: np.random.Generator, start: int, 
     return start + slots + np.arange(k) * (min_gap - 1)
 
 
-def burst_faults(n_steps: int, k: int, rng: np.random.Generator, start: int,
-                 primary: Sequence[float], aftershock: Sequence[float]) -> tuple[np.ndarray, list[float]]:  # fmt: skip
+def burst_faults(
+    n_steps: int,
+    k: int,
+    rng: np.random.Generator,
+    start: int,
+    primary: Sequence[float],
+    aftershock: Sequence[float],
+) -> tuple[np.ndarray, list[float]]:
     """`k` incidents: a large spike, then 1..3 smaller ones 10..100 steps later (spikes cluster).
 
     Instabilities come in bursts (PaLM saw repeated spikes around the same steps); this is the

@@ -184,8 +184,16 @@ def run_info(
     meta = read_meta(d)
     tables = {t: _has_part(d, t) for t in schema.TABLES}
     if meta is None or not isinstance(meta, dict):
-        return RunInfo(run_id=d.name, path=str(d), meta={}, status=schema.STATUS_CRASHED,
-                       compat=COMPAT_UNREADABLE, schema_version=None, updated_at=None, tables=tables)  # fmt: skip
+        return RunInfo(
+            run_id=d.name,
+            path=str(d),
+            meta={},
+            status=schema.STATUS_CRASHED,
+            compat=COMPAT_UNREADABLE,
+            schema_version=None,
+            updated_at=None,
+            tables=tables,
+        )
     try:
         version = int(meta.get("schema_version", 0))
     except (TypeError, ValueError):
@@ -205,8 +213,16 @@ def run_info(
     now = time.time() if now is None else now
     if status == schema.STATUS_RUNNING and last_activity is not None and now - last_activity > stale_after_s:
         status = schema.STATUS_STALE
-    return RunInfo(run_id=d.name, path=str(d), meta=meta, status=status,
-                   compat=compat, schema_version=version, updated_at=last_activity, tables=tables)  # fmt: skip
+    return RunInfo(
+        run_id=d.name,
+        path=str(d),
+        meta=meta,
+        status=status,
+        compat=compat,
+        schema_version=version,
+        updated_at=last_activity,
+        tables=tables,
+    )
 
 
 def discover(runs_dir: str | Path, *, stale_after_s: float = DEFAULT_STALE_S) -> list[RunInfo]:
@@ -276,8 +292,13 @@ def _finite_or_null(col: str) -> pl.Expr:
 # ---------------------------------------------------------------------------------------
 # Pure helpers (tested directly; no caching)
 # ---------------------------------------------------------------------------------------
-def downsample(df: pl.DataFrame, y: str, *, max_points: int = MAX_LINE_POINTS,
-               keep_steps: tuple[int, ...] | list[int] = ()) -> pl.DataFrame:  # fmt: skip
+def downsample(
+    df: pl.DataFrame,
+    y: str,
+    *,
+    max_points: int = MAX_LINE_POINTS,
+    keep_steps: tuple[int, ...] | list[int] = (),
+) -> pl.DataFrame:
     """Rows (step, y) to draw, at most ~max_points plus the kept ones.
 
     Per step bucket keeps the first, last, min and max row (so a one-step spike survives any
@@ -309,8 +330,15 @@ def bucket_grid(lo: int, hi: int, n_buckets: int = HEAT_BUCKETS) -> int:
     return max(1, math.ceil((hi - lo + 1) / max(1, n_buckets)))
 
 
-def long_to_heat(df: pl.DataFrame, *, x: str, y: str, z: str, x_values: np.ndarray | None = None,
-                 y_values: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
+def long_to_heat(
+    df: pl.DataFrame,
+    *,
+    x: str,
+    y: str,
+    z: str,
+    x_values: np.ndarray | None = None,
+    y_values: list[int] | None = None,
+) -> dict[str, Any]:
     """Long (x, y, z) rows -> {"x", "y", "z"[len(y)][len(x)]} with NaN where nothing was seen."""
     xs = np.asarray(sorted(df[x].unique().to_list()) if x_values is None else x_values)
     ys = sorted(df[y].unique().to_list()) if y_values is None else list(y_values)
@@ -368,8 +396,16 @@ def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     non-finite (the NaN that was skipped) the mark is pinned to the series' finite maximum and
     `nf_loss` / `nf_grad_norm` say so (`nonfinite`: either), so the chart can label it.
     """
-    sch = {"step": pl.Int64, "action": pl.String, "hover": pl.String, "y_loss": pl.Float64,
-           "y_grad_norm": pl.Float64, "nf_loss": pl.Boolean, "nf_grad_norm": pl.Boolean, "nonfinite": pl.Boolean}  # fmt: skip
+    sch = {
+        "step": pl.Int64,
+        "action": pl.String,
+        "hover": pl.String,
+        "y_loss": pl.Float64,
+        "y_grad_norm": pl.Float64,
+        "nf_loss": pl.Boolean,
+        "nf_grad_norm": pl.Boolean,
+        "nonfinite": pl.Boolean,
+    }
     cols = list(sch)
     if events.height == 0:
         return pl.DataFrame(schema=sch)
@@ -383,11 +419,13 @@ def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
         {
             "step": [k[0] for k in rows],
             "action": [k[1] for k in rows],
-            "hover": [f"<b>{k[1].upper()}</b> at step {k[0]}<br>" + "<br>—<br>".join(dict.fromkeys(v))
-                      for k, v in rows.items()],
+            "hover": [
+                f"<b>{k[1].upper()}</b> at step {k[0]}<br>" + "<br>—<br>".join(dict.fromkeys(v))
+                for k, v in rows.items()
+            ],
         },
         schema={"step": pl.Int64, "action": pl.String, "hover": pl.String},
-    )  # fmt: skip
+    )
     s = steps.select("step", "loss", "grad_norm").unique("step", keep="last")
     out = marks.join(s, on="step", how="left")
     lmax = steps["loss"].filter(steps["loss"].is_finite()).max() if steps.height else None
@@ -415,8 +453,12 @@ def timeline_rows(events: pl.DataFrame) -> pl.DataFrame:
         return pl.DataFrame(
             schema={"step": pl.Int64, "lane": pl.String, "kind": pl.String, "hover": pl.String}
         )
-    hover = [f"step {r['step']}<br>" + evidence_text(r) + (f"<br>action: {r['action']}"
-             if r["action"] not in (schema.ACT_NONE, "") else "") for r in events.iter_rows(named=True)]  # fmt: skip
+    hover = [
+        f"step {r['step']}<br>"
+        + evidence_text(r)
+        + (f"<br>action: {r['action']}" if r["action"] not in (schema.ACT_NONE, "") else "")
+        for r in events.iter_rows(named=True)
+    ]
     return events.select(
         "step",
         pl.when(pl.col("kind") == schema.EV_VERDICT)
@@ -553,12 +595,26 @@ def mfu_note(mfu: float | None, peak: Peak, *, short: bool = False) -> str:
 def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
     """Latest step, loss, recent MFU and tokens/s, guard action and verdict counts."""
     del sig
-    out: dict[str, Any] = {"step": None, "loss": None, "mfu": None, "tokens_per_s": None, "mfu_over": 0,
-                           "actions": 0, "action_counts": actions.zero(), "verdicts": 0, "halts": 0}  # fmt: skip
+    out: dict[str, Any] = {
+        "step": None,
+        "loss": None,
+        "mfu": None,
+        "tokens_per_s": None,
+        "mfu_over": 0,
+        "actions": 0,
+        "action_counts": actions.zero(),
+        "verdicts": 0,
+        "halts": 0,
+    }
     parts = part_files(path, schema.TABLE_STEPS)
     if parts:
-        tail = (scan(path, schema.TABLE_STEPS, parts[-3:])
-                .select("step", "loss", "mfu", "tokens_per_s").sort("step").tail(100).collect())  # fmt: skip
+        tail = (
+            scan(path, schema.TABLE_STEPS, parts[-3:])
+            .select("step", "loss", "mfu", "tokens_per_s")
+            .sort("step")
+            .tail(100)
+            .collect()
+        )
         if tail.height:
             out["step"] = int(tail["step"][-1])
             loss = tail["loss"][-1]
@@ -578,8 +634,20 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
     return out
 
 
-_STEP_COLS = ["step", "time", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu", "step_time_s",
-              "data_wait_s", "mem_peak_bytes", "action"]  # fmt: skip
+_STEP_COLS = [
+    "step",
+    "time",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens",
+    "tokens_per_s",
+    "mfu",
+    "step_time_s",
+    "data_wait_s",
+    "mem_peak_bytes",
+    "action",
+]
 
 
 # The two raw frames are shared, not copied: cache_resource hands out the same (immutable)
@@ -600,8 +668,9 @@ def load_events(path: str, sig: tuple[int, ...]) -> pl.DataFrame:
 
 
 @st.cache_data(max_entries=32, show_spinner=False)
-def load_step_series(path: str, sig: tuple[int, ...], columns: tuple[str, ...],
-                     max_points: int = MAX_LINE_POINTS) -> dict[str, pl.DataFrame]:  # fmt: skip
+def load_step_series(
+    path: str, sig: tuple[int, ...], columns: tuple[str, ...], max_points: int = MAX_LINE_POINTS
+) -> dict[str, pl.DataFrame]:
     """Downsampled (step, value) series for each column, event steps always included."""
     steps = load_steps(path, sig)
     ev = load_events(path, sig)
@@ -630,8 +699,9 @@ LAYER_SIGNALS: dict[str, tuple[str, str]] = {
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
-def load_layer_heatmaps(path: str, sig: tuple[int, ...], lo: int, hi: int,
-                        n_buckets: int = HEAT_BUCKETS) -> dict[str, dict[str, Any]]:  # fmt: skip
+def load_layer_heatmaps(
+    path: str, sig: tuple[int, ...], lo: int, hi: int, n_buckets: int = HEAT_BUCKETS
+) -> dict[str, dict[str, Any]]:
     """layer x step-bucket matrices for every LAYER_SIGNALS column, in one scan."""
     del sig
     width = bucket_grid(lo, hi, n_buckets)
@@ -682,9 +752,15 @@ def load_layer_ids(path: str, sig: tuple[int, ...]) -> list[int]:
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def load_expert_share_over_time(path: str, sig: tuple[int, ...], layer: int, lo: int, hi: int,
-                                n_buckets: int = 200,
-                                row_budget: int = EXPERT_ROW_BUDGET) -> dict[str, Any]:  # fmt: skip
+def load_expert_share_over_time(
+    path: str,
+    sig: tuple[int, ...],
+    layer: int,
+    lo: int,
+    hi: int,
+    n_buckets: int = 200,
+    row_budget: int = EXPERT_ROW_BUDGET,
+) -> dict[str, Any]:
     """expert x step-bucket matrix of one layer's load share (bucket sum of load / layer total).
 
     Reads every part while the table is under `row_budget` rows; past that it reads evenly
@@ -778,8 +854,16 @@ OVERLAY_METRICS: dict[str, tuple[str, float, str]] = {
 }
 X_AXES = {"step": "step", "tokens": "tokens consumed", "wall": "wall time since the first step (min)"}
 # what the Compare page offers (labels are also what its URL carries: ?metric=MFU&x_axis=wall+time)
-METRIC_CHOICES = {"tokens/s": "tokens_per_s", "MFU": "mfu", "loss": "loss", "grad norm": "grad_norm",
-                  "step time": "step_time_s", "data wait": "data_wait_s", "LR": "lr", "peak memory": "mem_peak_bytes"}  # fmt: skip
+METRIC_CHOICES = {
+    "tokens/s": "tokens_per_s",
+    "MFU": "mfu",
+    "loss": "loss",
+    "grad norm": "grad_norm",
+    "step time": "step_time_s",
+    "data wait": "data_wait_s",
+    "LR": "lr",
+    "peak memory": "mem_peak_bytes",
+}
 X_CHOICES = {"steps": "step", "tokens": "tokens", "wall time": "wall"}
 
 
@@ -791,8 +875,9 @@ def smooth(y: pl.Series, window: int) -> pl.Series:
     return y.rolling_median(window_size=window, min_samples=1, center=True)
 
 
-def overlay_series(steps: pl.DataFrame, metric: str, x_axis: str, window: int = 1,
-                   max_points: int = MAX_LINE_POINTS) -> pl.DataFrame:  # fmt: skip
+def overlay_series(
+    steps: pl.DataFrame, metric: str, x_axis: str, window: int = 1, max_points: int = MAX_LINE_POINTS
+) -> pl.DataFrame:
     """(step, x, y) for one run: y smoothed over finite values, downsampled, x in the chosen unit."""
     if steps.height == 0:
         return pl.DataFrame(schema={"step": pl.Int64, "x": pl.Float64, "y": pl.Float64})
@@ -841,9 +926,15 @@ def speedup(a: np.ndarray, b: np.ndarray, *, n_boot: int = 400, seed: int = 0) -
 
     ratios = boot_medians(b) / boot_medians(a) - 1
     med_a, med_b = float(np.median(a)), float(np.median(b))
-    return {"pct": 100 * (med_b / med_a - 1), "lo": 100 * float(np.quantile(ratios, 0.05)),
-            "hi": 100 * float(np.quantile(ratios, 0.95)), "a": med_a, "b": med_b,
-            "n_a": float(a.size), "n_b": float(b.size)}  # fmt: skip
+    return {
+        "pct": 100 * (med_b / med_a - 1),
+        "lo": 100 * float(np.quantile(ratios, 0.05)),
+        "hi": 100 * float(np.quantile(ratios, 0.95)),
+        "a": med_a,
+        "b": med_b,
+        "n_a": float(a.size),
+        "n_b": float(b.size),
+    }
 
 
 def speedup_sentence(name_a: str, name_b: str, r: dict[str, float]) -> str:
@@ -942,20 +1033,30 @@ def parse_canary_history(text: str) -> tuple[pl.DataFrame, list[str]]:
         cfg = obj.get("config")
         tps = obj.get("tokens_per_s_p50")
         verdict = str(obj.get("verdict", "")).lower()
-        rows.append({
-            "time": _parse_time(obj.get("time")),
-            "git_sha": str(obj.get("git_sha") or "?"),
-            "torch": str(obj.get("torch") or "?"),
-            "fingerprint": str(obj.get("fingerprint") or "default"),
-            "config": cfg if isinstance(cfg, str) else json.dumps(cfg, sort_keys=True) if cfg is not None else "",
-            "mfu_p50": float(mfu),
-            "tokens_per_s_p50": float(tps) if isinstance(tps, int | float) and not isinstance(tps, bool) else None,
-            "verdict": verdict if verdict in CANARY_VERDICTS else "unknown",
-            "baseline": bool(obj.get("baseline", False)),
-            "warn_pct": _num(obj.get("warn_pct")),
-            "fail_pct": _num(obj.get("fail_pct")),
-            "profile_top": json.dumps(obj["profile_top"]) if isinstance(obj.get("profile_top"), dict) else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "time": _parse_time(obj.get("time")),
+                "git_sha": str(obj.get("git_sha") or "?"),
+                "torch": str(obj.get("torch") or "?"),
+                "fingerprint": str(obj.get("fingerprint") or "default"),
+                "config": cfg
+                if isinstance(cfg, str)
+                else json.dumps(cfg, sort_keys=True)
+                if cfg is not None
+                else "",
+                "mfu_p50": float(mfu),
+                "tokens_per_s_p50": float(tps)
+                if isinstance(tps, int | float) and not isinstance(tps, bool)
+                else None,
+                "verdict": verdict if verdict in CANARY_VERDICTS else "unknown",
+                "baseline": bool(obj.get("baseline", False)),
+                "warn_pct": _num(obj.get("warn_pct")),
+                "fail_pct": _num(obj.get("fail_pct")),
+                "profile_top": json.dumps(obj["profile_top"])
+                if isinstance(obj.get("profile_top"), dict)
+                else None,
+            }
+        )
     sch = {**CANARY_COLUMNS, "warn_pct": pl.Float64, "fail_pct": pl.Float64, "profile_top": pl.String}
     df = pl.DataFrame(rows, schema=sch, strict=False) if rows else pl.DataFrame(schema=sch)
     return df.with_row_index("n"), problems
@@ -985,8 +1086,14 @@ def canary_baseline_rows(df: pl.DataFrame, judged: int, window: int = CANARY_WIN
     return base.tail(window)
 
 
-def canary_gate(df: pl.DataFrame, *, warn_pct: float, fail_pct: float, judged: int | None = None,
-                window: int = CANARY_WINDOW) -> dict[str, float | None]:  # fmt: skip
+def canary_gate(
+    df: pl.DataFrame,
+    *,
+    warn_pct: float,
+    fail_pct: float,
+    judged: int | None = None,
+    window: int = CANARY_WINDOW,
+) -> dict[str, float | None]:
     """Gate lines for the judged entry (default: the latest): baseline = median MFU of its
     baseline rows (canary_baseline_rows)."""
     if df.height == 0:
@@ -1029,9 +1136,16 @@ def kernel_deltas(latest: dict[str, float], baseline: list[dict[str, float]]) ->
         if vals:
             base[op] = statistics.median(vals)
     common = [o for o in latest if o in base and base[o] > 0 and latest[o] is not None]
-    sch = {"op": pl.String, "now ms": pl.Float64, "baseline ms": pl.Float64, "raw change %": pl.Float64,
-           "vs overall %": pl.Float64, "share now %": pl.Float64, "share before %": pl.Float64,
-           "share change (pts)": pl.Float64}  # fmt: skip
+    sch = {
+        "op": pl.String,
+        "now ms": pl.Float64,
+        "baseline ms": pl.Float64,
+        "raw change %": pl.Float64,
+        "vs overall %": pl.Float64,
+        "share now %": pl.Float64,
+        "share before %": pl.Float64,
+        "share change (pts)": pl.Float64,
+    }
     if not common:
         return pl.DataFrame(schema=sch)
     tot_now = sum(latest[o] for o in common)
@@ -1040,10 +1154,18 @@ def kernel_deltas(latest: dict[str, float], baseline: list[dict[str, float]]) ->
     rows = []
     for o in common:
         r = latest[o] / base[o]
-        rows.append({"op": o, "now ms": latest[o], "baseline ms": base[o], "raw change %": 100 * (r - 1),
-                     "vs overall %": 100 * (r / overall - 1), "share now %": 100 * latest[o] / tot_now,
-                     "share before %": 100 * base[o] / tot_base,
-                     "share change (pts)": 100 * (latest[o] / tot_now - base[o] / tot_base)})  # fmt: skip
+        rows.append(
+            {
+                "op": o,
+                "now ms": latest[o],
+                "baseline ms": base[o],
+                "raw change %": 100 * (r - 1),
+                "vs overall %": 100 * (r / overall - 1),
+                "share now %": 100 * latest[o] / tot_now,
+                "share before %": 100 * base[o] / tot_base,
+                "share change (pts)": 100 * (latest[o] / tot_now - base[o] / tot_base),
+            }
+        )
     df = pl.DataFrame(rows, schema=sch)
     return df.sort(pl.col("share change (pts)").abs(), descending=True)
 
@@ -1070,8 +1192,11 @@ def fetch_open_alerts(url: str) -> tuple[dict[str, int], str | None]:
     base = url.rstrip("/")
     errors = []
     try:
-        r = httpx.get(base + "/api/v2/alerts", params={"active": "true", "silenced": "false",
-                                                       "inhibited": "false"}, timeout=3.0)  # fmt: skip
+        r = httpx.get(
+            base + "/api/v2/alerts",
+            params={"active": "true", "silenced": "false", "inhibited": "false"},
+            timeout=3.0,
+        )
         if r.status_code == 200 and isinstance(r.json(), list):
             out: dict[str, int] = {}
             for a in r.json():

@@ -31,13 +31,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def streamlit_command(args: argparse.Namespace) -> list[str]:
     cmd = [
-        sys.executable, "-m", "streamlit", "run", str(APP),
-        "--server.headless", "true",
-        "--server.port", str(args.port),
-        "--server.address", args.host,
-        "--browser.gatherUsageStats", "false",
-        "--", "--runs", str(Path(args.runs).resolve()),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.headless",
+        "true",
+        "--server.port",
+        str(args.port),
+        "--server.address",
+        args.host,
+        "--browser.gatherUsageStats",
+        "false",
+        "--",
+        "--runs",
+        str(Path(args.runs).resolve()),
+    ]
     if args.history:
         cmd += ["--history", str(Path(args.history).resolve())]
     if args.collector:
@@ -49,12 +59,18 @@ def run(args: argparse.Namespace) -> int:
     runs = Path(args.runs)
     if not runs.is_dir():
         what = "is not a folder" if runs.exists() else "does not exist"
-        print(f"moeguard app: run folder {str(runs)!r} {what}; pass --runs DIR where DIR holds "
-              "one folder per run (the trainer's --run-dir parent)", file=sys.stderr)  # fmt: skip
+        print(
+            f"moeguard app: run folder {str(runs)!r} {what}; pass --runs DIR where DIR holds "
+            "one folder per run (the trainer's --run-dir parent)",
+            file=sys.stderr,
+        )
         return 2
     if args.history and not Path(args.history).is_file():
-        print(f"moeguard app: note: canary history {args.history!r} does not exist yet; the Canaries page "
-              "will say so until `moeguard canary --record` writes it", file=sys.stderr)  # fmt: skip
+        print(
+            f"moeguard app: note: canary history {args.history!r} does not exist yet; the Canaries page "
+            "will say so until `moeguard canary --record` writes it",
+            file=sys.stderr,
+        )
     if not 0 < args.port < 65536:
         print(f"moeguard app: --port {args.port} is not a valid port", file=sys.stderr)
         return 2

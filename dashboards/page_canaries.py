@@ -10,18 +10,25 @@ from dashboards import data, figures
 cfg = data.app_config()
 st.title("Canaries")
 if cfg.history is None:
-    st.info("No canary history given. Start the app with `moeguard app --runs DIR --history FILE`, where FILE is "
-            "the JSONL history that `moeguard canary --history FILE` appends to.")  # fmt: skip
+    st.info(
+        "No canary history given. Start the app with `moeguard app --runs DIR --history FILE`, where FILE is "
+        "the JSONL history that `moeguard canary --history FILE` appends to."
+    )
     st.stop()
 if not cfg.history.is_file():
-    st.warning(f"Canary history `{cfg.history}` does not exist yet; `moeguard canary --history {cfg.history} "
-               "--record` creates it with a first baseline.")  # fmt: skip
+    st.warning(
+        f"Canary history `{cfg.history}` does not exist yet; `moeguard canary --history {cfg.history} "
+        "--record` creates it with a first baseline."
+    )
     st.stop()
 
 hist, problems = data.load_canary_history(str(cfg.history), cfg.history.stat().st_mtime_ns)
 if problems:
-    st.warning(f"{len(problems)} line(s) of `{cfg.history}` skipped: " + "; ".join(problems[:5])
-               + (" ..." if len(problems) > 5 else ""))  # fmt: skip
+    st.warning(
+        f"{len(problems)} line(s) of `{cfg.history}` skipped: "
+        + "; ".join(problems[:5])
+        + (" ..." if len(problems) > 5 else "")
+    )
 if hist.height == 0:
     st.info(f"`{cfg.history}` has no canary entries yet.")
     st.stop()
@@ -44,12 +51,18 @@ latest = sub.row(-1, named=True)
 deltas = data.canary_deltas(sub)
 m = st.columns(4)
 base = gate["baseline"]
-m[0].metric("baseline MFU (median)", f"{100 * base:.2f}%" if base else "—",
-            help=f"median MFU p50 of the {int(gate.get('n_baseline') or 0)} baseline entries recorded before the "
-                 f"latest one (the last {data.CANARY_WINDOW}, as `moeguard canary` picks them); the latest entry "
-                 "is never part of its own baseline")  # fmt: skip
-m[1].metric("latest MFU p50", f"{100 * latest['mfu_p50']:.2f}%",
-            delta=f"{deltas[-1]:+.1f}% vs baseline" if deltas[-1] is not None else None)  # fmt: skip
+m[0].metric(
+    "baseline MFU (median)",
+    f"{100 * base:.2f}%" if base else "—",
+    help=f"median MFU p50 of the {int(gate.get('n_baseline') or 0)} baseline entries recorded before the "
+    f"latest one (the last {data.CANARY_WINDOW}, as `moeguard canary` picks them); the latest entry "
+    "is never part of its own baseline",
+)
+m[1].metric(
+    "latest MFU p50",
+    f"{100 * latest['mfu_p50']:.2f}%",
+    delta=f"{deltas[-1]:+.1f}% vs baseline" if deltas[-1] is not None else None,
+)
 m[2].metric("latest verdict", latest["verdict"])
 m[3].metric("failures", int((sub["verdict"] == "fail").sum()))
 if base is None:
@@ -58,20 +71,34 @@ if base is None:
     )
 
 st.plotly_chart(figures.canary_figure(sub, gate, fingerprint=fp), key="canary")
-st.caption("Band: the latest entry's baseline ± warn %. Dashed red: fail threshold. Verdicts are the canary's own "
-           "(recorded at the time with its thresholds; on CPU it gates host-adjusted MFU, so its delta can differ "
-           "from the raw one here); the band uses the thresholds above.")  # fmt: skip
+st.caption(
+    "Band: the latest entry's baseline ± warn %. Dashed red: fail threshold. Verdicts are the canary's own "
+    "(recorded at the time with its thresholds; on CPU it gates host-adjusted MFU, so its delta can differ "
+    "from the raw one here); the band uses the thresholds above."
+)
 st.dataframe(
-    sub.with_columns(deltas).sort("n", descending=True).select(
-        "time", "git_sha", "torch", "verdict", "baseline", (pl.col("mfu_p50") * 100).alias("MFU p50 %"),
-        "vs baseline %", pl.col("tokens_per_s_p50").round(0), "config",
+    sub.with_columns(deltas)
+    .sort("n", descending=True)
+    .select(
+        "time",
+        "git_sha",
+        "torch",
+        "verdict",
+        "baseline",
+        (pl.col("mfu_p50") * 100).alias("MFU p50 %"),
+        "vs baseline %",
+        pl.col("tokens_per_s_p50").round(0),
+        "config",
     ),
     hide_index=True,
-    column_config={"MFU p50 %": st.column_config.NumberColumn(format="%.2f"),
-                   "vs baseline %": st.column_config.NumberColumn(
-                       format="%+.1f", help="MFU p50 vs the median of the baseline entries recorded before this one"),
-                   "tokens_per_s_p50": st.column_config.NumberColumn("tokens/s p50", format="localized")},
-)  # fmt: skip
+    column_config={
+        "MFU p50 %": st.column_config.NumberColumn(format="%.2f"),
+        "vs baseline %": st.column_config.NumberColumn(
+            format="%+.1f", help="MFU p50 vs the median of the baseline entries recorded before this one"
+        ),
+        "tokens_per_s_p50": st.column_config.NumberColumn("tokens/s p50", format="localized"),
+    },
+)
 
 st.subheader("Top kernels: latest vs its baseline")
 base_rows = data.canary_baseline_rows(sub, int(latest["n"]))

@@ -33,20 +33,22 @@ for i in sel:
     mfu = p["mfu"].filter(p["mfu"].is_finite()) if p.height else p["mfu"]
     mfu_p50 = float(mfu.median()) if len(mfu) else None  # type: ignore[arg-type]
     trace = data.profiler_trace(i.path)
-    rows.append({
-        "run": i.run_id,
-        "torch": env.get("torch"),
-        "attention": env.get("attention_backend"),
-        "expert kernel": env.get("expert_kernel"),
-        "compile": None if env.get("compile") is None else str(env.get("compile")),
-        "tokens/s p50": round(float(tps.median())) if len(tps) else None,  # type: ignore[arg-type]
-        "MFU p50 %": None if mfu_p50 is None else 100 * mfu_p50,
-        "MFU peak": peak.short(),
-        "device": env.get("device"),
-        "status": i.status,
-        "steady steps": p.height,
-        "profiler trace": trace.name if trace else None,
-    })  # fmt: skip
+    rows.append(
+        {
+            "run": i.run_id,
+            "torch": env.get("torch"),
+            "attention": env.get("attention_backend"),
+            "expert kernel": env.get("expert_kernel"),
+            "compile": None if env.get("compile") is None else str(env.get("compile")),
+            "tokens/s p50": round(float(tps.median())) if len(tps) else None,  # type: ignore[arg-type]
+            "MFU p50 %": None if mfu_p50 is None else 100 * mfu_p50,
+            "MFU peak": peak.short(),
+            "device": env.get("device"),
+            "status": i.status,
+            "steady steps": p.height,
+            "profiler trace": trace.name if trace else None,
+        }
+    )
 table = pl.DataFrame(rows, infer_schema_length=None)
 st.dataframe(
     table,
@@ -60,15 +62,22 @@ st.dataframe(
 )
 traces = [(i, t) for i in sel if (t := data.profiler_trace(i.path)) is not None]
 if traces:
-    st.caption("Profiler traces (torch.profiler, Chrome trace format): open them in https://ui.perfetto.dev "
-               "or chrome://tracing.")  # fmt: skip
+    st.caption(
+        "Profiler traces (torch.profiler, Chrome trace format): open them in https://ui.perfetto.dev "
+        "or chrome://tracing."
+    )
     cols = st.columns(min(4, len(traces)))
     for k, (i, t) in enumerate(traces):
         cols[k % len(cols)].download_button(
-            f"{i.run_id}: trace", data=t.read_bytes, file_name=f"{i.run_id}-{t.name}", mime="application/json",
-            key=f"trace-{i.run_id}", icon=":material/download:", on_click="ignore",
+            f"{i.run_id}: trace",
+            data=t.read_bytes,
+            file_name=f"{i.run_id}-{t.name}",
+            mime="application/json",
+            key=f"trace-{i.run_id}",
+            icon=":material/download:",
+            on_click="ignore",
             help=f"{t} ({t.stat().st_size / 2**20:.1f} MiB)",
-        )  # fmt: skip
+        )
 peaks = {(p.kind, p.flops) for p in (data.run_peak(i.env) for i in sel)}
 if len(sel) > 1 and (len(peaks) > 1 or not all(data.run_peak(i.env).trusted for i in sel)):
     st.caption(
@@ -90,15 +99,25 @@ else:
     else:
         st.markdown(data.speedup_sentence(f"A ({run_a})", f"B ({run_b})", r))
         ea, eb = by_id[run_a].env, by_id[run_b].env
-        what = "; ".join(f"{k} {ea.get(k)} → {eb.get(k)}" for k in (*data.ENV_KEYS, "device", "dtype")
-                         if ea.get(k) != eb.get(k))  # fmt: skip
+        what = "; ".join(
+            f"{k} {ea.get(k)} → {eb.get(k)}"
+            for k in (*data.ENV_KEYS, "device", "dtype")
+            if ea.get(k) != eb.get(k)
+        )
         st.caption(
             f"From steady-state tokens/s ({int(r['n_a'])} and {int(r['n_b'])} steps: after the first 10%, "
             "steps the guard acted on left out); 90% interval by a block bootstrap over steps. "
-            + (f"What differs: {what}. " if what else "Torch, attention, expert kernel and compile are the same. ")
-            + ("" if data.same_model(by_id[run_a].meta, by_id[run_b].meta) else "**The model configs differ: tokens/s compares throughput, not "
-               "the same work.**")
-        )  # fmt: skip
+            + (
+                f"What differs: {what}. "
+                if what
+                else "Torch, attention, expert kernel and compile are the same. "
+            )
+            + (
+                ""
+                if data.same_model(by_id[run_a].meta, by_id[run_b].meta)
+                else "**The model configs differ: tokens/s compares throughput, not the same work.**"
+            )
+        )
 
 # ---- any metric overlaid ------------------------------------------------------------------
 st.subheader("Overlay")
@@ -120,8 +139,13 @@ st.plotly_chart(
 
 # ---- distributions by environment ---------------------------------------------------------
 st.subheader("Efficiency by environment")
-keys = {"torch": "torch", "attention backend": "attention_backend", "expert kernel": "expert_kernel",
-        "compile mode": "compile", "run": "run"}  # fmt: skip
+keys = {
+    "torch": "torch",
+    "attention backend": "attention_backend",
+    "expert kernel": "expert_kernel",
+    "compile mode": "compile",
+    "run": "run",
+}
 label = (
     st.segmented_control("Group by", list(keys), default="torch", key="group_by", bind="query-params")
     or "torch"
@@ -133,8 +157,10 @@ for i in sel:
     frames.append(perf[i.run_id].with_columns(group=pl.lit(group), run=pl.lit(i.run_id)))
 dist = pl.concat(frames, how="vertical_relaxed") if frames else pl.DataFrame()
 if dist.height == 0:
-    st.info("The chosen runs have no steady-state steps yet (the first 10% of steps and every step the guard "
-            "acted on are left out).")  # fmt: skip
+    st.info(
+        "The chosen runs have no steady-state steps yet (the first 10% of steps and every step the guard "
+        "acted on are left out)."
+    )
 else:
     st.plotly_chart(figures.compare_distributions(dist, label), key="dist")
     grouped = (
@@ -150,9 +176,14 @@ else:
         .sort("tokens/s p50", descending=True, nulls_last=True)
         .rename({"group": label})
     )
-    st.dataframe(grouped, hide_index=True, column_config={
-        c: st.column_config.NumberColumn(format="%.1f") for c in ("MFU p50 %", "MFU p10 %", "MFU p90 %")
-    } | {"tokens/s p50": st.column_config.NumberColumn(format="localized")})  # fmt: skip
+    st.dataframe(
+        grouped,
+        hide_index=True,
+        column_config={
+            c: st.column_config.NumberColumn(format="%.1f") for c in ("MFU p50 %", "MFU p10 %", "MFU p90 %")
+        }
+        | {"tokens/s p50": st.column_config.NumberColumn(format="localized")},
+    )
     st.caption(
         "Steady state: steps after the first 10% (at least 20) on which the guard did not skip or roll back."
     )

@@ -42,15 +42,22 @@ c[1].metric(
     "—" if summ["loss"] is None else f"{summ['loss']:.4f}" if math.isfinite(summ["loss"]) else "non-finite",
 )
 # tokens/s first: it needs no peak, so it is the number every run has and runs can be compared by
-c[2].metric("tokens/s", f"{summ['tokens_per_s']:,.0f}" if summ["tokens_per_s"] is not None else "—",
-            help="median, last 100 steps")  # fmt: skip
+c[2].metric(
+    "tokens/s",
+    f"{summ['tokens_per_s']:,.0f}" if summ["tokens_per_s"] is not None else "—",
+    help="median, last 100 steps",
+)
 c[3].metric(
     "MFU" + (" (artefact)" if mfu is not None and mfu > data.MFU_LIMIT else ""),
     f"{100 * mfu:.1f}%" if mfu is not None else "—",
     help=f"median, last 100 steps, of peak {peak.label()}. Peak source: {peak.source}",
 )
-c[4].metric("guard actions", summ["actions"], help="skipped / rolled-back / halted steps, bias corrections and LR "
-            f"cool-downs started (guard/actions.py): {actions.summary_text(summ['action_counts'])}")  # fmt: skip
+c[4].metric(
+    "guard actions",
+    summ["actions"],
+    help="skipped / rolled-back / halted steps, bias corrections and LR "
+    f"cool-downs started (guard/actions.py): {actions.summary_text(summ['action_counts'])}",
+)
 c[5].metric("verdicts", summ["verdicts"])
 note = data.mfu_note(mfu, peak)
 st.caption(
@@ -72,7 +79,7 @@ st.caption(
             "git_sha",
         )
         if k in env
-    )  # fmt: skip
+    )
 )
 if summ["halts"]:
     st.error(f"Run `{run_id}` halted itself ({summ['halts']} halt event(s)); see the events table for why.")
@@ -109,13 +116,19 @@ else:
         ev.select(
             "step",
             pl.from_epoch(pl.col("time"), time_unit="s").alias("time (UTC)"),
-            "kind", "detector", "action", "value", "threshold",
+            "kind",
+            "detector",
+            "action",
+            "value",
+            "threshold",
         ).with_columns(evidence=pl.Series(evidence, dtype=pl.String)),
         hide_index=True,
         height=min(420, 38 + 35 * max(1, ev.height)),
-        column_config={"value": st.column_config.NumberColumn(format="%.4g"),
-                       "threshold": st.column_config.NumberColumn(format="%.4g")},
-    )  # fmt: skip
+        column_config={
+            "value": st.column_config.NumberColumn(format="%.4g"),
+            "threshold": st.column_config.NumberColumn(format="%.4g"),
+        },
+    )
 
 # ---- per-layer signals ----------------------------------------------------------------
 st.subheader("Per layer")
@@ -140,8 +153,17 @@ else:
     for i in range(0, len(specs), 2):
         cols = st.columns(2)
         for col, (name, ztitle, scale, log, (zmin, zmax)) in zip(cols, specs[i : i + 2], strict=False):
-            fig = figures.heatmap(heats[name], title=data.LAYER_SIGNALS[name][1], x_title="step", y_title="layer",
-                                  z_title=ztitle, colorscale=scale, log=log, zmin=zmin, zmax=zmax)  # fmt: skip
+            fig = figures.heatmap(
+                heats[name],
+                title=data.LAYER_SIGNALS[name][1],
+                x_title="step",
+                y_title="layer",
+                z_title=ztitle,
+                colorscale=scale,
+                log=log,
+                zmin=zmin,
+                zmax=zmax,
+            )
             col.plotly_chart(fig, key=f"layer-{name}")
     if heats:
         st.caption(
@@ -162,19 +184,35 @@ def expert_load() -> None:
         with left:
             a, b = st.columns([2, 1], vertical_alignment="bottom")
             layer = a.selectbox("MoE layer", layer_ids, key="expert_layer")
-            exact = b.toggle("every step", key="expert_exact",
-                             help="Read every step of the experts table (slower on long runs); off: a sample of "
-                                  f"chunks once the table passes {data.EXPERT_ROW_BUDGET / 1e6:.0f}M rows.")  # fmt: skip
-            h = data.load_expert_share_over_time(path, sig, int(layer), lo, hi,
-                                                 row_budget=10**15 if exact else data.EXPERT_ROW_BUDGET)  # fmt: skip
+            exact = b.toggle(
+                "every step",
+                key="expert_exact",
+                help="Read every step of the experts table (slower on long runs); off: a sample of "
+                f"chunks once the table passes {data.EXPERT_ROW_BUDGET / 1e6:.0f}M rows.",
+            )
+            h = data.load_expert_share_over_time(
+                path, sig, int(layer), lo, hi, row_budget=10**15 if exact else data.EXPERT_ROW_BUDGET
+            )
             if h:
                 n_exp = len(h["y"])
-                st.plotly_chart(figures.heatmap(h, title=f"Layer {layer}: load share per expert over time",
-                                                x_title="step", y_title="expert", z_title="share %", colorscale="RdBu_r",
-                                                zmid=100 / n_exp, z_scale=100, hover_z="%{z:.2f}%"),
-                                key="expert-time")  # fmt: skip
-                st.caption(f"Red: above the uniform share ({100 / n_exp:.2f}%), blue: below; dark blue is an expert "
-                           f"that got no tokens. {h['note']}")  # fmt: skip
+                st.plotly_chart(
+                    figures.heatmap(
+                        h,
+                        title=f"Layer {layer}: load share per expert over time",
+                        x_title="step",
+                        y_title="expert",
+                        z_title="share %",
+                        colorscale="RdBu_r",
+                        zmid=100 / n_exp,
+                        z_scale=100,
+                        hover_z="%{z:.2f}%",
+                    ),
+                    key="expert-time",
+                )
+                st.caption(
+                    f"Red: above the uniform share ({100 / n_exp:.2f}%), blue: below; dark blue is an expert "
+                    f"that got no tokens. {h['note']}"
+                )
         with right:
             window = st.select_slider(
                 "Window (steps)", [10, 50, 100, 500, 1000], value=100, key="expert_window"
@@ -182,10 +220,20 @@ def expert_load() -> None:
             now = data.load_expert_share_now(path, sig, int(window))
             if now:
                 n_exp = len(now["x"])
-                st.plotly_chart(figures.heatmap(now, title=f"Current load share, steps {now['from']:,}..{now['to']:,}",
-                                                x_title="expert", y_title="layer", z_title="share %", colorscale="RdBu_r",
-                                                zmid=100 / n_exp, z_scale=100, hover_z="%{z:.2f}%"),
-                                key="expert-now")  # fmt: skip
+                st.plotly_chart(
+                    figures.heatmap(
+                        now,
+                        title=f"Current load share, steps {now['from']:,}..{now['to']:,}",
+                        x_title="expert",
+                        y_title="layer",
+                        z_title="share %",
+                        colorscale="RdBu_r",
+                        zmid=100 / n_exp,
+                        z_scale=100,
+                        hover_z="%{z:.2f}%",
+                    ),
+                    key="expert-now",
+                )
 
 
 expert_load()

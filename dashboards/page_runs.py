@@ -38,25 +38,27 @@ for info in infos:
         else data.mfu_note(mfu, peak, short=True)
     )
     # config first (it is what runs are compared by), then progress, efficiency, guard activity
-    rows.append({
-        "run": info.run_id,
-        "health": f"health?run={info.run_id}",
-        "status": info.status,
-        "torch": env.get("torch"),
-        "attention": env.get("attention_backend"),
-        "expert kernel": env.get("expert_kernel"),
-        "compile": None if env.get("compile") is None else str(env.get("compile")),
-        "step": summ.get("step"),
-        "loss": summ.get("loss"),
-        "tokens/s": None if summ.get("tokens_per_s") is None else round(summ["tokens_per_s"]),
-        "MFU %": None if mfu is None else 100 * mfu,
-        "open alerts": alerts.get(info.run_id) if cfg.collector and not alert_error else None,
-        "guard actions": summ.get("actions"),
-        "verdicts": summ.get("verdicts"),
-        "MFU peak": ((f"{note} · " if note else "") + peak.short()) if info.readable else "",
-        "last update": ui.age(info.updated_at),
-        "note": info.note,
-    })  # fmt: skip
+    rows.append(
+        {
+            "run": info.run_id,
+            "health": f"health?run={info.run_id}",
+            "status": info.status,
+            "torch": env.get("torch"),
+            "attention": env.get("attention_backend"),
+            "expert kernel": env.get("expert_kernel"),
+            "compile": None if env.get("compile") is None else str(env.get("compile")),
+            "step": summ.get("step"),
+            "loss": summ.get("loss"),
+            "tokens/s": None if summ.get("tokens_per_s") is None else round(summ["tokens_per_s"]),
+            "MFU %": None if mfu is None else 100 * mfu,
+            "open alerts": alerts.get(info.run_id) if cfg.collector and not alert_error else None,
+            "guard actions": summ.get("actions"),
+            "verdicts": summ.get("verdicts"),
+            "MFU peak": ((f"{note} · " if note else "") + peak.short()) if info.readable else "",
+            "last update": ui.age(info.updated_at),
+            "note": info.note,
+        }
+    )
 df = pl.DataFrame(rows, infer_schema_length=None)
 if not cfg.collector:
     df = df.drop("open alerts")

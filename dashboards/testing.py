@@ -89,25 +89,80 @@ class Fault:
 def default_faults() -> list[Fault]:
     """The drill: every verdict kind and every corrective action at least once."""
     return [
-        Fault(step=100, inject="gradspike", detector=schema.DET_GRAD_SPIKE, action=schema.ACT_SKIP,
-              value=84.0, threshold=9.1, evidence={"median": 1.9, "mad": 0.21, "z": 61.2, "window": 128}),
-        Fault(step=180, inject="lrspike", detector=schema.DET_LOSS_SPIKE, action=schema.ACT_ROLLBACK,
-              value=7.9, threshold=4.4, evidence={"median": 3.6, "mad": 0.05, "z": 14.3,
-                                                  "rollback_to": 150, "skip_window": [150, 180]}),
-        Fault(step=240, inject="nan", detector=schema.DET_NONFINITE, action=schema.ACT_SKIP,
-              value=float("nan"), threshold=float("nan"), evidence={"where": "grad_norm", "layers": [2]}),
-        Fault(step=300, inject="collapse", detector=schema.DET_MAXVIO, action=schema.ACT_BIAS_CORRECT,
-              value=3.4, threshold=1.5, layer=2, evidence={"top_expert": 5, "top_share": 0.53,
-                                                           "bias_step": 0.002}),
-        Fault(step=360, inject="collapse", detector=schema.DET_DEAD_EXPERTS, action=schema.ACT_BIAS_CORRECT,
-              value=3.0, threshold=0.0, layer=1, evidence={"dead": [0, 3, 6], "window": 50}),
-        Fault(step=420, inject="gradspike", detector=schema.DET_GRAD_SPIKE, action=schema.ACT_SKIP,
-              value=40.0, threshold=8.7, evidence={"median": 1.8, "mad": 0.2, "z": 30.1, "window": 128}),
-        Fault(step=425, inject="gradspike", detector=schema.DET_GRAD_SPIKE, action=schema.ACT_LR_COOLDOWN,
-              value=38.0, threshold=8.7, evidence={"median": 1.8, "mad": 0.2, "z": 28.4, "window": 128,
-                                                   "escalation": "2 skips in 10 steps", "lr_factor": 0.5,
-                                                   "cooldown_steps": 100}),
-    ]  # fmt: skip
+        Fault(
+            step=100,
+            inject="gradspike",
+            detector=schema.DET_GRAD_SPIKE,
+            action=schema.ACT_SKIP,
+            value=84.0,
+            threshold=9.1,
+            evidence={"median": 1.9, "mad": 0.21, "z": 61.2, "window": 128},
+        ),
+        Fault(
+            step=180,
+            inject="lrspike",
+            detector=schema.DET_LOSS_SPIKE,
+            action=schema.ACT_ROLLBACK,
+            value=7.9,
+            threshold=4.4,
+            evidence={"median": 3.6, "mad": 0.05, "z": 14.3, "rollback_to": 150, "skip_window": [150, 180]},
+        ),
+        Fault(
+            step=240,
+            inject="nan",
+            detector=schema.DET_NONFINITE,
+            action=schema.ACT_SKIP,
+            value=float("nan"),
+            threshold=float("nan"),
+            evidence={"where": "grad_norm", "layers": [2]},
+        ),
+        Fault(
+            step=300,
+            inject="collapse",
+            detector=schema.DET_MAXVIO,
+            action=schema.ACT_BIAS_CORRECT,
+            value=3.4,
+            threshold=1.5,
+            layer=2,
+            evidence={"top_expert": 5, "top_share": 0.53, "bias_step": 0.002},
+        ),
+        Fault(
+            step=360,
+            inject="collapse",
+            detector=schema.DET_DEAD_EXPERTS,
+            action=schema.ACT_BIAS_CORRECT,
+            value=3.0,
+            threshold=0.0,
+            layer=1,
+            evidence={"dead": [0, 3, 6], "window": 50},
+        ),
+        Fault(
+            step=420,
+            inject="gradspike",
+            detector=schema.DET_GRAD_SPIKE,
+            action=schema.ACT_SKIP,
+            value=40.0,
+            threshold=8.7,
+            evidence={"median": 1.8, "mad": 0.2, "z": 30.1, "window": 128},
+        ),
+        Fault(
+            step=425,
+            inject="gradspike",
+            detector=schema.DET_GRAD_SPIKE,
+            action=schema.ACT_LR_COOLDOWN,
+            value=38.0,
+            threshold=8.7,
+            evidence={
+                "median": 1.8,
+                "mad": 0.2,
+                "z": 28.4,
+                "window": 128,
+                "escalation": "2 skips in 10 steps",
+                "lr_factor": 0.5,
+                "cooldown_steps": 100,
+            },
+        ),
+    ]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,11 +190,20 @@ def write_run(root: str | Path, spec: SynthRun) -> Path:
     rng = np.random.default_rng(spec.seed)
     run_dir = Path(root) / spec.run_id
     store = RunStore(run_dir, flush_every=spec.flush_every)
-    config = {"model": {"layers": spec.layers, "experts": spec.experts, "top_k": 2, "d_model": 512},
-              "train": {"steps": spec.steps, "lr": 3e-4, "global_batch_tokens": 65536},
-              "guard": {"enabled": spec.guarded}}  # fmt: skip
-    store.write_meta({"run_id": spec.run_id, "status": schema.STATUS_RUNNING, "config": config,
-                      "env": spec.env, "started_at": T0})  # fmt: skip
+    config = {
+        "model": {"layers": spec.layers, "experts": spec.experts, "top_k": 2, "d_model": 512},
+        "train": {"steps": spec.steps, "lr": 3e-4, "global_batch_tokens": 65536},
+        "guard": {"enabled": spec.guarded},
+    }
+    store.write_meta(
+        {
+            "run_id": spec.run_id,
+            "status": schema.STATUS_RUNNING,
+            "config": config,
+            "env": spec.env,
+            "started_at": T0,
+        }
+    )
     faults = {f.step: f for f in spec.faults}
     moe_ids = np.arange(1, spec.layers, dtype=np.int32)
     m, e = len(moe_ids), spec.experts
@@ -161,8 +225,9 @@ def write_run(root: str | Path, spec: SynthRun) -> Path:
         action = schema.ACT_APPLY if spec.guarded else schema.ACT_NONE
         events: list[Event] = []
         if f is not None:
-            events.append(Event(step=step, time=t, kind=schema.EV_INJECT, detail={"kind": f.inject},
-                                detector=""))  # fmt: skip
+            events.append(
+                Event(step=step, time=t, kind=schema.EV_INJECT, detail={"kind": f.inject}, detector="")
+            )
             if f.inject == "gradspike":
                 gnorm = f.value
                 layer_gn[-1] = f.value * 0.9
@@ -176,24 +241,46 @@ def write_run(root: str | Path, spec: SynthRun) -> Path:
             elif f.inject == "collapse":
                 collapse_layer = f.layer
             act = f.action if spec.guarded else schema.ACT_NONE
-            v = Verdict(detector=f.detector, fired=True, value=f.value, threshold=f.threshold,
-                        layer=f.layer, severity="warning", evidence=dict(f.evidence))  # fmt: skip
+            v = Verdict(
+                detector=f.detector,
+                fired=True,
+                value=f.value,
+                threshold=f.threshold,
+                layer=f.layer,
+                severity="warning",
+                evidence=dict(f.evidence),
+            )
             events.append(Event.from_verdict(step, v, act))
             events[-1].time = t
             if spec.guarded:
                 detail = {"because": f.detector, **f.evidence}
                 if f.layer is not None:
                     detail["layer"] = f.layer
-                events.append(Event(step=step, time=t, kind=schema.EV_ACTION, detector=f.detector,
-                                    value=f.value, threshold=f.threshold, action=act, detail=detail))  # fmt: skip
+                events.append(
+                    Event(
+                        step=step,
+                        time=t,
+                        kind=schema.EV_ACTION,
+                        detector=f.detector,
+                        value=f.value,
+                        threshold=f.threshold,
+                        action=act,
+                        detail=detail,
+                    )
+                )
                 if act in (schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_LR_COOLDOWN):
                     action = schema.ACT_SKIP if act == schema.ACT_LR_COOLDOWN else act
                 if act == schema.ACT_LR_COOLDOWN:
                     cooldown_until = step + int(f.evidence.get("cooldown_steps", 100))
                 # a bias correction rides along an applied step (its step row says apply), as in the trainer
         if spec.halt_at is not None and step == spec.halt_at:
-            v = Verdict(detector=schema.DET_NONFINITE, fired=True, layer=None, severity="critical",
-                        evidence={"where": "loss", "consecutive": 3})  # fmt: skip
+            v = Verdict(
+                detector=schema.DET_NONFINITE,
+                fired=True,
+                layer=None,
+                severity="critical",
+                evidence={"where": "loss", "consecutive": 3},
+            )
             loss, gnorm = float("nan"), float("nan")
             events.append(Event.from_verdict(step, v, schema.ACT_HALT))
             events.append(
@@ -236,8 +323,15 @@ def write_run(root: str | Path, spec: SynthRun) -> Path:
         router_ent = 0.7 * math.log(e) * load_ent + 0.02 * rng.standard_normal(m)
         dead = (load_ME == 0).sum(1).astype(np.int32)
         if spec.guarded and step == 330 and collapse_layer is not None:
-            events.append(Event(step=step, time=t, kind=schema.EV_RECOVERED, detector=schema.DET_MAXVIO,
-                                detail={"layer": collapse_layer, "maxvio": float(maxvio.max())}))  # fmt: skip
+            events.append(
+                Event(
+                    step=step,
+                    time=t,
+                    kind=schema.EV_RECOVERED,
+                    detector=schema.DET_MAXVIO,
+                    detail={"layer": collapse_layer, "maxvio": float(maxvio.max())},
+                )
+            )
         cur_lr = lr * (0.5 if step <= cooldown_until else 1.0) * min(1.0, (step + 1) / 50)
         # faster kernels = shorter steps: tokens/s and MFU move together across environments
         nominal = 0.8 * 0.42 / spec.mfu
@@ -246,14 +340,29 @@ def write_run(root: str | Path, spec: SynthRun) -> Path:
         warm = min(1.0, (step + 5) / 25)
         mfu = spec.mfu * nominal / step_time * warm if spec.peak_known else float("nan")
         rep = StepReport(
-            step=step, time=t, loss=loss, grad_norm=gnorm, lr=cur_lr, tokens=tokens,
-            step_time_s=step_time, data_wait_s=data_wait, tokens_per_s=tokens / step_time * warm,
-            mfu=mfu, mem_peak_bytes=int(61e9 + 1e8 * rng.standard_normal()), action=action,
-            layer_ids_L=np.arange(spec.layers, dtype=np.int32), layer_grad_norm_L=layer_gn,
-            moe_layer_ids_M=moe_ids, router_entropy_M=router_ent, load_entropy_M=load_ent,
-            maxvio_M=maxvio, dead_experts_M=dead, bias_norm_M=np.abs(0.01 * step / 100 + 0.001 * rng.standard_normal(m)),
-            load_ME=load_ME, bias_ME=0.001 * rng.standard_normal((m, e)),
-        )  # fmt: skip
+            step=step,
+            time=t,
+            loss=loss,
+            grad_norm=gnorm,
+            lr=cur_lr,
+            tokens=tokens,
+            step_time_s=step_time,
+            data_wait_s=data_wait,
+            tokens_per_s=tokens / step_time * warm,
+            mfu=mfu,
+            mem_peak_bytes=int(61e9 + 1e8 * rng.standard_normal()),
+            action=action,
+            layer_ids_L=np.arange(spec.layers, dtype=np.int32),
+            layer_grad_norm_L=layer_gn,
+            moe_layer_ids_M=moe_ids,
+            router_entropy_M=router_ent,
+            load_entropy_M=load_ent,
+            maxvio_M=maxvio,
+            dead_experts_M=dead,
+            bias_norm_M=np.abs(0.01 * step / 100 + 0.001 * rng.standard_normal(m)),
+            load_ME=load_ME,
+            bias_ME=0.001 * rng.standard_normal((m, e)),
+        )
         store.add_step(rep)
         for ev in events:
             store.add_event(ev)
@@ -284,22 +393,61 @@ def make_store(root: str | Path) -> dict[str, Path]:
     out[UNGUARDED] = write_run(
         root, SynthRun(run_id=UNGUARDED, guarded=False, env=dict(ENV_B), mfu=0.31, seed=2)
     )
-    out[HALTED] = write_run(root, SynthRun(run_id=HALTED, steps=400, halt_at=250, status=schema.STATUS_HALTED,
-                                           faults=default_faults()[:2], seed=3))  # fmt: skip
-    out[CRASHED] = write_run(root, SynthRun(run_id=CRASHED, steps=400, crash_at=150, faults=default_faults()[:1],
-                                            status=schema.STATUS_CRASHED, env=dict(ENV_B), mfu=0.30, seed=4))  # fmt: skip
-    out[LIVE] = write_run(root, SynthRun(run_id=LIVE, steps=220, faults=default_faults()[:1],
-                                         status=schema.STATUS_RUNNING, seed=5))  # fmt: skip
-    out[STALE] = write_run(root, SynthRun(run_id=STALE, steps=160, faults=[], status=schema.STATUS_RUNNING,
-                                          env={**ENV_A, "compile": "max-autotune"}, mfu=0.44, seed=6))  # fmt: skip
+    out[HALTED] = write_run(
+        root,
+        SynthRun(
+            run_id=HALTED,
+            steps=400,
+            halt_at=250,
+            status=schema.STATUS_HALTED,
+            faults=default_faults()[:2],
+            seed=3,
+        ),
+    )
+    out[CRASHED] = write_run(
+        root,
+        SynthRun(
+            run_id=CRASHED,
+            steps=400,
+            crash_at=150,
+            faults=default_faults()[:1],
+            status=schema.STATUS_CRASHED,
+            env=dict(ENV_B),
+            mfu=0.30,
+            seed=4,
+        ),
+    )
+    out[LIVE] = write_run(
+        root,
+        SynthRun(run_id=LIVE, steps=220, faults=default_faults()[:1], status=schema.STATUS_RUNNING, seed=5),
+    )
+    out[STALE] = write_run(
+        root,
+        SynthRun(
+            run_id=STALE,
+            steps=160,
+            faults=[],
+            status=schema.STATUS_RUNNING,
+            env={**ENV_A, "compile": "max-autotune"},
+            mfu=0.44,
+            seed=6,
+        ),
+    )
     set_meta(out[STALE], updated_at=time.time() - 7200)
     _age_files(out[STALE], 7200)
 
     # half-written: the trainer wrote meta.json and died before its first flush
     d = root / META_ONLY
     store = RunStore(d)
-    store.write_meta({"run_id": META_ONLY, "status": schema.STATUS_RUNNING, "config": {}, "env": dict(ENV_A),
-                      "started_at": time.time()})  # fmt: skip
+    store.write_meta(
+        {
+            "run_id": META_ONLY,
+            "status": schema.STATUS_RUNNING,
+            "config": {},
+            "env": dict(ENV_A),
+            "started_at": time.time(),
+        }
+    )
     store.close()
     out[META_ONLY] = d
 
@@ -390,18 +538,36 @@ def write_big_run(
                 if a in (schema.ACT_SKIP, schema.ACT_ROLLBACK):
                     act[j] = a
                 for kind in (schema.EV_VERDICT, schema.EV_ACTION):
-                    ev_rows.append({"step": int(s), "time": T0 + 2.0 * int(s), "kind": kind, "detector": det,
-                                    "value": float(gn[j]), "threshold": 9.0, "action": a,
-                                    "detail": json.dumps({"z": 25.0, "layer": i, "median": 1.5})})  # fmt: skip
+                    ev_rows.append(
+                        {
+                            "step": int(s),
+                            "time": T0 + 2.0 * int(s),
+                            "kind": kind,
+                            "detector": det,
+                            "value": float(gn[j]),
+                            "threshold": 9.0,
+                            "action": a,
+                            "detail": json.dumps({"z": 25.0, "layer": i, "median": 1.5}),
+                        }
+                    )
         st_s = 2.0 * (1 + 0.02 * rng.standard_normal(n))
         steps_df = pl.DataFrame(
-            {"step": step_S, "time": T0 + 2.0 * step_S, "loss": loss, "grad_norm": gn,
-             "lr": np.full(n, 3e-4), "tokens": np.full(n, tokens, dtype=np.int64), "step_time_s": st_s,
-             "data_wait_s": np.abs(0.01 + 0.005 * rng.standard_normal(n)), "tokens_per_s": tokens / st_s,
-             "mfu": 0.41 * 2.0 / st_s, "mem_peak_bytes": np.full(n, 70_000_000_000, dtype=np.int64),
-             "action": act.astype(str)},
+            {
+                "step": step_S,
+                "time": T0 + 2.0 * step_S,
+                "loss": loss,
+                "grad_norm": gn,
+                "lr": np.full(n, 3e-4),
+                "tokens": np.full(n, tokens, dtype=np.int64),
+                "step_time_s": st_s,
+                "data_wait_s": np.abs(0.01 + 0.005 * rng.standard_normal(n)),
+                "tokens_per_s": tokens / st_s,
+                "mfu": 0.41 * 2.0 / st_s,
+                "mem_peak_bytes": np.full(n, 70_000_000_000, dtype=np.int64),
+                "action": act.astype(str),
+            },
             schema=sch[schema.TABLE_STEPS],
-        )  # fmt: skip
+        )
         # layers: n steps x L layers
         ls = np.repeat(step_S, layers)
         ll = np.tile(layer_ids, n)
@@ -414,22 +580,35 @@ def write_big_run(
         p = load / load.sum(2, keepdims=True)
         load_ent = -(p * np.log(np.clip(p, 1e-12, None))).sum(2) / math.log(experts)
         layers_df = pl.DataFrame(
-            {"step": ls, "layer": ll, "grad_norm": np.repeat(gn, layers) / math.sqrt(layers)
-             * (1 + 0.05 * rng.standard_normal(n * layers)),
-             "router_entropy": (0.8 * math.log(experts) * load_ent).reshape(-1),
-             "load_entropy": load_ent.reshape(-1), "maxvio": maxvio.reshape(-1),
-             "dead_experts": (load == 0).sum(2).astype(np.int32).reshape(-1),
-             "bias_norm": np.full(n * layers, 0.01)},
+            {
+                "step": ls,
+                "layer": ll,
+                "grad_norm": np.repeat(gn, layers)
+                / math.sqrt(layers)
+                * (1 + 0.05 * rng.standard_normal(n * layers)),
+                "router_entropy": (0.8 * math.log(experts) * load_ent).reshape(-1),
+                "load_entropy": load_ent.reshape(-1),
+                "maxvio": maxvio.reshape(-1),
+                "dead_experts": (load == 0).sum(2).astype(np.int32).reshape(-1),
+                "bias_norm": np.full(n * layers, 0.01),
+            },
             schema=sch[schema.TABLE_LAYERS],
-        )  # fmt: skip
+        )
         experts_df = pl.DataFrame(
-            {"step": np.repeat(step_S, layers * experts), "layer": np.tile(np.repeat(layer_ids, experts), n),
-             "expert": np.tile(np.arange(experts, dtype=np.int32), n * layers), "load": load.reshape(-1),
-             "bias": np.tile((0.001 * rng.standard_normal((layers, experts))).reshape(-1), n)},
+            {
+                "step": np.repeat(step_S, layers * experts),
+                "layer": np.tile(np.repeat(layer_ids, experts), n),
+                "expert": np.tile(np.arange(experts, dtype=np.int32), n * layers),
+                "load": load.reshape(-1),
+                "bias": np.tile((0.001 * rng.standard_normal((layers, experts))).reshape(-1), n),
+            },
             schema=sch[schema.TABLE_EXPERTS],
-        )  # fmt: skip
-        for t, df in ((schema.TABLE_STEPS, steps_df), (schema.TABLE_LAYERS, layers_df),
-                      (schema.TABLE_EXPERTS, experts_df)):  # fmt: skip
+        )
+        for t, df in (
+            (schema.TABLE_STEPS, steps_df),
+            (schema.TABLE_LAYERS, layers_df),
+            (schema.TABLE_EXPERTS, experts_df),
+        ):
             df.write_parquet(
                 d / t / f"part-{first:010d}-{seq:06d}.parquet", compression="zstd", statistics=True
             )
@@ -439,12 +618,19 @@ def write_big_run(
             d / schema.TABLE_EVENTS / f"part-{0:010d}-{seq:06d}.parquet", compression="zstd"
         )
     meta = {
-        "run_id": d.name, "status": status, "schema_version": schema.SCHEMA_VERSION,
-        "updated_at": T0 + 2.0 * steps, "started_at": T0, "final_step": steps - 1,
+        "run_id": d.name,
+        "status": status,
+        "schema_version": schema.SCHEMA_VERSION,
+        "updated_at": T0 + 2.0 * steps,
+        "started_at": T0,
+        "final_step": steps - 1,
         "final_loss": float(loss[-1]),
-        "config": {"model": {"layers": layers, "experts": experts, "top_k": top_k}, "train": {"steps": steps}},
+        "config": {
+            "model": {"layers": layers, "experts": experts, "top_k": top_k},
+            "train": {"steps": steps},
+        },
         "env": {**ENV_A, "world_size": 256},
-    }  # fmt: skip
+    }
     atomic_write_json(d / schema.META_FILE, meta)
     return d
 
@@ -468,12 +654,23 @@ def write_canary_history(path: str | Path, *, n: int = 30, seed: int = 0) -> Pat
         mfu = base * (1 - drop) * (1 + 0.006 * rng.standard_normal())
         pct = (1 - mfu / base) * 100
         verdict = "fail" if pct > 10 else "warn" if pct > 5 else "pass"
-        lines.append(json.dumps({
-            "time": T0 + 86400 * i, "git_sha": f"{rng.integers(0, 16**7):07x}{'0' * 33}", "torch": torch_v,
-            "fingerprint": "H100-SXM x8 / moe-1b-64e", "config": "configs/canary_moe_1b.toml",
-            "mfu_p50": round(mfu, 5), "tokens_per_s_p50": round(mfu / base * 1.9e6, 1), "verdict": verdict,
-            "baseline": i < 5, "warn_pct": 5.0, "fail_pct": 10.0,
-        }))  # fmt: skip
+        lines.append(
+            json.dumps(
+                {
+                    "time": T0 + 86400 * i,
+                    "git_sha": f"{rng.integers(0, 16**7):07x}{'0' * 33}",
+                    "torch": torch_v,
+                    "fingerprint": "H100-SXM x8 / moe-1b-64e",
+                    "config": "configs/canary_moe_1b.toml",
+                    "mfu_p50": round(mfu, 5),
+                    "tokens_per_s_p50": round(mfu / base * 1.9e6, 1),
+                    "verdict": verdict,
+                    "baseline": i < 5,
+                    "warn_pct": 5.0,
+                    "fail_pct": 10.0,
+                }
+            )
+        )
         if i == 7:
             lines.append("{not json")
     p = Path(path)

@@ -57,11 +57,20 @@ def _default_layers(model: nn.Module) -> list[nn.Module]:
 
 
 class GuardedStep:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 run_dir: str | Path | None = None, config: GuardConfig | str | Path | None = None,
-                 attach: Attachment | None = None, layers: list[nn.Module] | None = None,
-                 routers: list[tuple[int, Any]] | None = None, max_lr: float | None = None,
-                 grad_clip: float = 0.0, dead_window: int = 50) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        run_dir: str | Path | None = None,
+        config: GuardConfig | str | Path | None = None,
+        attach: Attachment | None = None,
+        layers: list[nn.Module] | None = None,
+        routers: list[tuple[int, Any]] | None = None,
+        max_lr: float | None = None,
+        grad_clip: float = 0.0,
+        dead_window: int = 50,
+    ) -> None:
         """`attach`: what guard.integrations.<framework>.attach(model) found (layers, routers and
         the collapse corrector); `layers`/`routers` are the manual form of the same for a custom
         model (routers observed, no correction applied)."""
@@ -75,20 +84,32 @@ class GuardedStep:
         if attach is not None:
             layers, routers = attach.layers, attach.routers
         device = next(model.parameters()).device
-        self.probe = Probe(model, dead_window=dead_window, device=device,
-                           layers=layers if layers is not None else _default_layers(model),
-                           routers=routers or [])  # fmt: skip
+        self.probe = Probe(
+            model,
+            dead_window=dead_window,
+            device=device,
+            layers=layers if layers is not None else _default_layers(model),
+            routers=routers or [],
+        )
         self.layer_ids = np.arange(self.probe.n_layers, dtype=np.int32)
         self.corrector = attach.corrector if attach is not None else None
         mode = attach.correction_mode if attach is not None else MODE_NONE
         self.guard = Guard(self.cfg, model, optimizer, max_lr=max_lr, correction=mode)
         self.store = RunStore(run_dir) if run_dir is not None else None
         if self.store is not None:
-            self.store.write_meta({"run_id": Path(run_dir).name, "status": schema.STATUS_RUNNING,  # type: ignore[arg-type]
-                                   "started_at": time.time(), "env": {"torch": torch.__version__},
-                                   "integration": {"family": attach.family if attach else type(model).__name__,
-                                                   "correction": mode},
-                                   "config": {"guard": _asdict(self.cfg)}})  # fmt: skip
+            self.store.write_meta(
+                {
+                    "run_id": Path(run_dir).name,
+                    "status": schema.STATUS_RUNNING,  # type: ignore[arg-type]
+                    "started_at": time.time(),
+                    "env": {"torch": torch.__version__},
+                    "integration": {
+                        "family": attach.family if attach else type(model).__name__,
+                        "correction": mode,
+                    },
+                    "config": {"guard": _asdict(self.cfg)},
+                }
+            )
         self.step_idx = 0
         self._t_last = time.perf_counter()
         self.counts: dict[str, int] = {}
@@ -108,21 +129,38 @@ class GuardedStep:
         """Call after backward. Steps the optimizer only if the guard allows it; zeroes gradients."""
         pr = self.probe.collect(loss.detach() * n_micro, n_micro)
         planned = [float(g["lr"]) for g in self.optimizer.param_groups]
-        rep = StepReport(step=self.step_idx, time=time.time(), loss=pr.loss, grad_norm=pr.grad_norm,
-                         lr=planned[0], tokens=tokens, layer_ids_L=self.layer_ids,
-                         layer_grad_norm_L=pr.layer_grad_norm_L, moe_layer_ids_M=self.probe.moe_ids_M,
-                         router_entropy_M=pr.router_entropy_M, load_entropy_M=pr.load_entropy_M,
-                         maxvio_M=pr.maxvio_M, dead_experts_M=pr.dead_experts_M, bias_norm_M=pr.bias_norm_M,
-                         load_ME=pr.load_ME, bias_ME=pr.bias_ME)  # fmt: skip
+        rep = StepReport(
+            step=self.step_idx,
+            time=time.time(),
+            loss=pr.loss,
+            grad_norm=pr.grad_norm,
+            lr=planned[0],
+            tokens=tokens,
+            layer_ids_L=self.layer_ids,
+            layer_grad_norm_L=pr.layer_grad_norm_L,
+            moe_layer_ids_M=self.probe.moe_ids_M,
+            router_entropy_M=pr.router_entropy_M,
+            load_entropy_M=pr.load_entropy_M,
+            maxvio_M=pr.maxvio_M,
+            dead_experts_M=pr.dead_experts_M,
+            bias_norm_M=pr.bias_norm_M,
+            load_ME=pr.load_ME,
+            bias_ME=pr.bias_ME,
+        )
         d = self.guard.observe(rep, lr=planned[0])
         if d.applies_update and self.pending_skip > 0:
             # A rollback asked to skip a data window and this loop does not drop batches through
             # batches(): skip the update of each batch of the window instead.
             self.pending_skip -= 1
             d.action = schema.ACT_SKIP
-            d.events.append(Event(step=self.step_idx, kind=schema.EV_ACTION, action=schema.ACT_SKIP,
-                                  detail={"reason": "data window after a rollback",
-                                          "left": self.pending_skip}))  # fmt: skip
+            d.events.append(
+                Event(
+                    step=self.step_idx,
+                    kind=schema.EV_ACTION,
+                    action=schema.ACT_SKIP,
+                    detail={"reason": "data window after a rollback", "left": self.pending_skip},
+                )
+            )
         applied = d.applies_update
         rep.lr = planned[0] * d.lr_scale if applied else planned[0]
         if applied:
@@ -165,8 +203,13 @@ class GuardedStep:
                     g["lr"] = lr
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step_idx, "guard": self.guard.state_dict(), "probe": self.probe.state_dict(),
-                "pending_skip": self.pending_skip, "counts": dict(self.counts)}  # fmt: skip
+        return {
+            "step": self.step_idx,
+            "guard": self.guard.state_dict(),
+            "probe": self.probe.state_dict(),
+            "pending_skip": self.pending_skip,
+            "counts": dict(self.counts),
+        }
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
         self.step_idx = int(s["step"])

@@ -89,7 +89,13 @@ TIMING_CPU, TIMING_WALL = "cpu", "wall"
 # torch, fingerprint, config, mfu_p50, tokens_per_s_p50, verdict, baseline (and warn_pct/fail_pct).
 H_TIME, H_SHA, H_TORCH, H_FP, H_HW = "time", "git_sha", "torch", "fingerprint", "hardware"
 H_CFG_HASH, H_CFG, H_VERDICT, H_BASELINE = "config_hash", "config", "verdict", "baseline"
-MFU, TPS, MEM, DATA_WAIT, LOSS = "mfu_p50", "tokens_per_s_p50", "mem_peak_bytes", "data_wait_share", "final_loss"
+MFU, TPS, MEM, DATA_WAIT, LOSS = (
+    "mfu_p50",
+    "tokens_per_s_p50",
+    "mem_peak_bytes",
+    "data_wait_share",
+    "final_loss",
+)
 REF = "ref_cpu_ms_p50"  # the paired reference's p50 CPU time (CPU timing): how contended the core was
 MFU_ADJ = "mfu_host_adj_p50"  # CPU timing: MFU corrected for the host's speed (HostFit); the gated MFU
 PROC_MFU, PROC_REF = "process_mfu", "process_ref_ms"  # per worker process: MFU p50 and reference p50
@@ -156,26 +162,55 @@ class CanaryConfig:
         check(self.history_window >= 1, "canary.history_window", self.history_window, "must be >= 1")
         check(self.timeout_s > 0, "canary.timeout_s", self.timeout_s, "must be > 0")
         check(1 <= self.processes <= 50, "canary.processes", self.processes, "must be in [1, 50]")
-        check(self.baseline_min_span_h >= 0, "canary.baseline_min_span_h", self.baseline_min_span_h, "must be >= 0")
-        check(self.young_spread_factor >= 0, "canary.young_spread_factor", self.young_spread_factor, "must be >= 0")
-        check(0 <= self.young_fail_floor_pct <= self.young_fail_cap_pct, "canary.young_fail_floor_pct",
-              self.young_fail_floor_pct, f"must be in [0, young_fail_cap_pct = {self.young_fail_cap_pct}]")  # fmt: skip
+        check(
+            self.baseline_min_span_h >= 0,
+            "canary.baseline_min_span_h",
+            self.baseline_min_span_h,
+            "must be >= 0",
+        )
+        check(
+            self.young_spread_factor >= 0,
+            "canary.young_spread_factor",
+            self.young_spread_factor,
+            "must be >= 0",
+        )
+        check(
+            0 <= self.young_fail_floor_pct <= self.young_fail_cap_pct,
+            "canary.young_fail_floor_pct",
+            self.young_fail_floor_pct,
+            f"must be in [0, young_fail_cap_pct = {self.young_fail_cap_pct}]",
+        )
         check(2 <= self.ab_pairs <= 200, "canary.ab_pairs", self.ab_pairs, "must be in [2, 200]")
-        check(self.ab_pairs <= self.ab_max_pairs <= 400, "canary.ab_max_pairs", self.ab_max_pairs,
-              f"must be in [ab_pairs = {self.ab_pairs}, 400]")  # fmt: skip
+        check(
+            self.ab_pairs <= self.ab_max_pairs <= 400,
+            "canary.ab_max_pairs",
+            self.ab_max_pairs,
+            f"must be in [ab_pairs = {self.ab_pairs}, 400]",
+        )
         check(0 <= self.ab_fail_pct < 100, "canary.ab_fail_pct", self.ab_fail_pct, "must be in [0, 100)")
-        check(0.5 <= self.ab_confidence < 1, "canary.ab_confidence", self.ab_confidence, "must be in [0.5, 1)")
+        check(
+            0.5 <= self.ab_confidence < 1, "canary.ab_confidence", self.ab_confidence, "must be in [0.5, 1)"
+        )
         check_choice("canary.ab_order", self.ab_order, ("abba", "random"))
         for name in ("mfu", "tokens", "tokens_cpu", "mem", "loss"):
             w, f = getattr(self, f"{name}_warn_pct"), getattr(self, f"{name}_fail_pct")
             check(0 <= w <= f, f"canary.{name}_warn_pct", w, f"must be in [0, {name}_fail_pct = {f}]")
-        check(0 <= self.data_wait_warn_pp <= self.data_wait_fail_pp, "canary.data_wait_warn_pp",
-              self.data_wait_warn_pp, "must be in [0, data_wait_fail_pp]")  # fmt: skip
+        check(
+            0 <= self.data_wait_warn_pp <= self.data_wait_fail_pp,
+            "canary.data_wait_warn_pp",
+            self.data_wait_warn_pp,
+            "must be in [0, data_wait_fail_pp]",
+        )
 
     def measure_key(self) -> dict[str, Any]:
         """The settings that change what is measured (part of the config hash; gates are not)."""
-        return {"warmup_steps": self.warmup_steps, "timing": self.timing, "stable_layout": self.stable_layout,
-                "processes": self.processes, "version": MEASURE_VERSION}  # fmt: skip
+        return {
+            "warmup_steps": self.warmup_steps,
+            "timing": self.timing,
+            "stable_layout": self.stable_layout,
+            "processes": self.processes,
+            "version": MEASURE_VERSION,
+        }
 
 
 @dataclass(kw_only=True, slots=True)
@@ -239,8 +274,12 @@ def load_setup(path: str | Path, overrides: dict[str, Any] | None = None) -> Set
     _apply_overrides(data, train_ov)
     setup = Setup(path=Path(path), train=data, canary=canary, overrides=train_ov)
     cfg = setup.train_config()  # validates the training part now, with key names in errors
-    check(cfg.train.steps > canary.warmup_steps + 5, "train.steps", cfg.train.steps,
-          f"must leave a steady-state window after canary.warmup_steps = {canary.warmup_steps}")  # fmt: skip
+    check(
+        cfg.train.steps > canary.warmup_steps + 5,
+        "train.steps",
+        cfg.train.steps,
+        f"must leave a steady-state window after canary.warmup_steps = {canary.warmup_steps}",
+    )
     return setup
 
 
@@ -337,11 +376,21 @@ def _canary_trainer(*args: Any, slow_pct: float, **kwargs: Any) -> Any:
             cpu = time.thread_time() - self._c0
             ref = self.reference() if self.reference is not None else float("nan")
             self._last_cpu, self._last_wall = cpu - self._burned_cpu, rep.step_time_s - self._slept
-            self.samples.append({
-                "step": rep.step, "action": rep.action, "tokens": rep.tokens, "cpu_s": cpu, "ref_cpu_s": ref,
-                "step_time_s": rep.step_time_s, "data_wait_s": rep.data_wait_s, "mfu": rep.mfu,
-                "tokens_per_s": rep.tokens_per_s, "mem_peak_bytes": rep.mem_peak_bytes, "loss": rep.loss,
-            })  # fmt: skip
+            self.samples.append(
+                {
+                    "step": rep.step,
+                    "action": rep.action,
+                    "tokens": rep.tokens,
+                    "cpu_s": cpu,
+                    "ref_cpu_s": ref,
+                    "step_time_s": rep.step_time_s,
+                    "data_wait_s": rep.data_wait_s,
+                    "mfu": rep.mfu,
+                    "tokens_per_s": rep.tokens_per_s,
+                    "mem_peak_bytes": rep.mem_peak_bytes,
+                    "loss": rep.loss,
+                }
+            )
             return rep
 
         def _forward_backward(self, batches: list[torch.Tensor]) -> torch.Tensor:
@@ -377,7 +426,10 @@ def hardware_id(env: dict[str, Any]) -> str:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             k, _, v = line.partition(":")
             k, v = k.strip(), v.strip()
-            if k in ("vendor_id", "cpu family", "model", "stepping", "model name", "cache size") and k not in info:
+            if (
+                k in ("vendor_id", "cpu family", "model", "stepping", "model name", "cache size")
+                and k not in info
+            ):
                 info[k] = v
             elif k == "flags" and not flags:
                 flags = v
@@ -470,8 +522,12 @@ def _annotate_run(run_dir: Path, spec: dict[str, Any], out: dict[str, Any]) -> N
 
     meta = read_meta(run_dir)
     if meta is not None:
-        meta["canary"] = {"variant": spec.get("variant_label", ""), "slow_pct": out["slow_pct"],
-                          "timing": out["timing"], "attempt": spec.get("attempt", 1)}  # fmt: skip
+        meta["canary"] = {
+            "variant": spec.get("variant_label", ""),
+            "slow_pct": out["slow_pct"],
+            "timing": out["timing"],
+            "attempt": spec.get("attempt", 1),
+        }
         atomic_write_json(run_dir / schema.META_FILE, meta)
     atomic_write_json(run_dir / "canary.json", {k: v for k, v in out.items() if k != "env"})
 
@@ -505,9 +561,16 @@ def _no_aslr() -> None:
         pass
 
 
-def spawn_measurement(spec: dict[str, Any], timeout_s: float, threads: int, stable_layout: bool = True, *,
-                      python: str | None = None, extra_env: dict[str, str] | None = None,
-                      cwd: str | None = None) -> dict[str, Any]:  # fmt: skip
+def spawn_measurement(
+    spec: dict[str, Any],
+    timeout_s: float,
+    threads: int,
+    stable_layout: bool = True,
+    *,
+    python: str | None = None,
+    extra_env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> dict[str, Any]:
     """Run one measurement in a fresh worker process; never raises for a failed run.
 
     python: the interpreter that runs the worker (default: this one); `--ab py:PATH` runs another
@@ -532,8 +595,10 @@ def spawn_measurement(spec: dict[str, Any], timeout_s: float, threads: int, stab
     # hugetlb=1: malloc asks for transparent huge pages (THP_MEM_ALLOC_ENABLE: torch's allocator
     # too), so far fewer pages are placed at random: run-to-run sd of MFU 2.55% -> 2.28%, the
     # reference's 1.29% -> 0.62% (10 + 10 runs on an idle VM). Ignored where THP is off.
-    env.setdefault("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184"
-                   ":glibc.malloc.hugetlb=1")  # fmt: skip
+    env.setdefault(
+        "GLIBC_TUNABLES",
+        "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184:glibc.malloc.hugetlb=1",
+    )
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     env.update(extra_env or {})
     with tempfile.TemporaryDirectory(prefix="moeguard-canary-") as td:
@@ -541,8 +606,15 @@ def spawn_measurement(spec: dict[str, Any], timeout_s: float, threads: int, stab
         spec_path.write_text(json.dumps(spec))
         cmd = [python or sys.executable, "-m", "guard.canary", "--worker", str(spec_path), str(out_path)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=cwd,
-                                  preexec_fn=_no_aslr if stable_layout and sys.platform == "linux" else None)  # fmt: skip
+            proc = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                env=env,
+                cwd=cwd,
+                preexec_fn=_no_aslr if stable_layout and sys.platform == "linux" else None,
+            )
         except subprocess.TimeoutExpired:
             return {"status": "error", "reason": f"measurement timed out after {timeout_s:.0f} s"}
         if not out_path.is_file():
@@ -576,7 +648,9 @@ def _quantile(xs: list[float], q: float) -> float:
 def steady_window(samples: list[dict[str, Any]], warmup_steps: int, profiled: range) -> list[dict[str, Any]]:
     """Steps after warm-up, outside the profiler window, where the update was applied."""
     ok = ("apply", "none")
-    return [s for s in samples if s["step"] >= warmup_steps and s["step"] not in profiled and s["action"] in ok]
+    return [
+        s for s in samples if s["step"] >= warmup_steps and s["step"] not in profiled and s["action"] in ok
+    ]
 
 
 def profiled_steps(train: Any) -> range:
@@ -604,9 +678,13 @@ def summarize(result: dict[str, Any], warmup_steps: int, profiled: range) -> dic
     tps_wall = [s["tokens_per_s"] for s in win]
     if result["timing"] == TIMING_CPU:
         ref_p50 = _p50([s["ref_cpu_s"] for s in win])
-        mfu = (fpt * tokens / cpu_p50) / (result["reference_flops"] / ref_p50) if cpu_p50 > 0 else float("nan")
+        mfu = (
+            (fpt * tokens / cpu_p50) / (result["reference_flops"] / ref_p50) if cpu_p50 > 0 else float("nan")
+        )
         tps = tokens / cpu_p50 if cpu_p50 > 0 else float("nan")
-        spread = 100 * (_quantile(cpu, 0.75) - _quantile(cpu, 0.25)) / cpu_p50 if cpu_p50 > 0 else float("nan")
+        spread = (
+            100 * (_quantile(cpu, 0.75) - _quantile(cpu, 0.25)) / cpu_p50 if cpu_p50 > 0 else float("nan")
+        )
     else:
         ref_p50 = float("nan")
         mfu, tps = _p50(mfu_wall), _p50(tps_wall)
@@ -668,17 +746,30 @@ def _thresholds(c: CanaryConfig, m: MetricSpec) -> tuple[float, float]:
     return getattr(c, f"{m.gate}_warn_{unit}"), getattr(c, f"{m.gate}_fail_{unit}")
 
 
-def compare(current: dict[str, Any], baseline: list[dict[str, Any]], c: CanaryConfig,
-            timing: str) -> list[dict[str, Any]]:  # fmt: skip
+def compare(
+    current: dict[str, Any], baseline: list[dict[str, Any]], c: CanaryConfig, timing: str
+) -> list[dict[str, Any]]:
     """One row per metric: current, baseline median, delta, the thresholds and the level."""
     rows = []
     for m in metric_specs(timing):
-        vals = [e[m.key] for e in baseline if isinstance(e.get(m.key), int | float) and math.isfinite(e[m.key])]
+        vals = [
+            e[m.key] for e in baseline if isinstance(e.get(m.key), int | float) and math.isfinite(e[m.key])
+        ]
         base = statistics.median(vals) if vals else None
         cur = current.get(m.key)
         warn, fail = _thresholds(c, m)
-        row = {"metric": m.key, "label": m.label, "current": cur, "baseline": base, "n_baseline": len(vals),
-               "unit": "pp" if m.absolute else "%", "warn": warn, "fail": fail, "delta": None, "level": PASS}  # fmt: skip
+        row = {
+            "metric": m.key,
+            "label": m.label,
+            "current": cur,
+            "baseline": base,
+            "n_baseline": len(vals),
+            "unit": "pp" if m.absolute else "%",
+            "warn": warn,
+            "fail": fail,
+            "delta": None,
+            "level": PASS,
+        }
         if base is not None and cur is not None and math.isfinite(cur):
             if m.absolute:
                 delta = 100 * (cur - base)
@@ -732,9 +823,16 @@ HOST_FIT_SLOPE_RANGE = (-4.0, 0.5)
 def process_pairs(d: dict[str, Any]) -> list[tuple[float, float]]:
     """(MFU, reference ms) of each worker process of a summary or history entry (finite, > 0)."""
     mfus, refs = d.get(PROC_MFU) or [], d.get(PROC_REF) or []
-    return [(m, r) for m, r in zip(mfus, refs, strict=False)
-            if isinstance(m, int | float) and isinstance(r, int | float) and m > 0 and r > 0
-            and math.isfinite(m) and math.isfinite(r)]  # fmt: skip
+    return [
+        (m, r)
+        for m, r in zip(mfus, refs, strict=False)
+        if isinstance(m, int | float)
+        and isinstance(r, int | float)
+        and m > 0
+        and r > 0
+        and math.isfinite(m)
+        and math.isfinite(r)
+    ]
 
 
 def fit_host(pairs: list[tuple[float, float]], prior_sd: float = HOST_FIT_PRIOR_SD) -> HostFit:
@@ -807,7 +905,11 @@ def baseline_span_h(baseline: list[dict[str, Any]]) -> float:
 def baseline_spread_pct(baseline: list[dict[str, Any]], key: str) -> float | None:
     """The baseline's own spread of the gated MFU, in percent: (max - min) / median over its
     entries; with one entry, over that entry's worker processes. None when there is nothing to span."""
-    vals = [e[key] for e in baseline if isinstance(e.get(key), int | float) and math.isfinite(e[key]) and e[key] > 0]
+    vals = [
+        e[key]
+        for e in baseline
+        if isinstance(e.get(key), int | float) and math.isfinite(e[key]) and e[key] > 0
+    ]
     if len(vals) < 2 and len(baseline) == 1:
         vals = [m for m, _ in process_pairs(baseline[0])]
     if len(vals) < 2:
@@ -833,8 +935,15 @@ def young_fail_line(baseline: list[dict[str, Any]], timing: str, c: CanaryConfig
     """
     span = baseline_span_h(baseline)
     key = MFU_ADJ if timing == TIMING_CPU else MFU
-    out = {"armed": True, "widened": False, "fail_pct": c.mfu_fail_pct, "configured_fail_pct": c.mfu_fail_pct,
-           "spread_pct": None, "baseline_span_h": span, "reason": ""}  # fmt: skip
+    out = {
+        "armed": True,
+        "widened": False,
+        "fail_pct": c.mfu_fail_pct,
+        "configured_fail_pct": c.mfu_fail_pct,
+        "spread_pct": None,
+        "baseline_span_h": span,
+        "reason": "",
+    }
     if timing != TIMING_CPU or c.baseline_min_span_h <= 0 or not baseline or span >= c.baseline_min_span_h:
         return out
     spread = baseline_spread_pct(baseline, key)
@@ -842,18 +951,24 @@ def young_fail_line(baseline: list[dict[str, Any]], timing: str, c: CanaryConfig
     line = max(c.mfu_fail_pct, wide)
     out.update(widened=line > c.mfu_fail_pct, fail_pct=line, spread_pct=spread)
     spread_txt = "no spread (one process)" if spread is None else f"spread {spread:.1f}%"
-    out["reason"] = (f"the {len(baseline)} baseline entries span {span:.1f} h, less than canary.baseline_min_span_h = "
-                     f"{c.baseline_min_span_h:g} h, so the MFU fail line is -{line:.1f}% = max(configured "
-                     f"-{c.mfu_fail_pct:g}%, min(cap {c.young_fail_cap_pct:g}%, max({c.young_spread_factor:g} x the "
-                     f"baseline's {spread_txt}, floor {c.young_fail_floor_pct:g}%))); record baselines (--record) at "
-                     "other times to narrow it")  # fmt: skip
+    out["reason"] = (
+        f"the {len(baseline)} baseline entries span {span:.1f} h, less than canary.baseline_min_span_h = "
+        f"{c.baseline_min_span_h:g} h, so the MFU fail line is -{line:.1f}% = max(configured "
+        f"-{c.mfu_fail_pct:g}%, min(cap {c.young_fail_cap_pct:g}%, max({c.young_spread_factor:g} x the "
+        f"baseline's {spread_txt}, floor {c.young_fail_floor_pct:g}%))); record baselines (--record) at "
+        "other times to narrow it"
+    )
     return out
 
 
-def select_baseline(entries: list[dict[str, Any]], fingerprint: str, config_hash: str,
-                    window: int) -> list[dict[str, Any]]:  # fmt: skip
-    same = [e for e in entries if e.get(H_BASELINE) is True and e.get(H_FP) == fingerprint
-            and e.get(H_CFG_HASH) == config_hash]  # fmt: skip
+def select_baseline(
+    entries: list[dict[str, Any]], fingerprint: str, config_hash: str, window: int
+) -> list[dict[str, Any]]:
+    same = [
+        e
+        for e in entries
+        if e.get(H_BASELINE) is True and e.get(H_FP) == fingerprint and e.get(H_CFG_HASH) == config_hash
+    ]
     return same[-window:]
 
 
@@ -879,8 +994,18 @@ def _finite(v: Any) -> Any:
     return v
 
 
-ENV_KEYS = ("torch", "cuda", "python", "device", "attention_backend", "expert_kernel", "compile", "dtype",
-            "peak_flops_source", "world_size")  # fmt: skip
+ENV_KEYS = (
+    "torch",
+    "cuda",
+    "python",
+    "device",
+    "attention_backend",
+    "expert_kernel",
+    "compile",
+    "dtype",
+    "peak_flops_source",
+    "world_size",
+)
 
 
 def env_differences(env: dict[str, Any], baseline: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -926,8 +1051,15 @@ def profile_summary(run_dir: Path, top: int = 10) -> dict[str, Any]:
 
     def rows(stats: dict[str, list[float]], by: int, limit: int) -> list[dict[str, Any]]:
         ranked = sorted(stats.items(), key=lambda kv: kv[1][by], reverse=True)[:limit]
-        return [{"op": k, "calls": int(v[0] / n_steps), "total_ms": v[1] / 1e3 / n_steps,
-                 "self_ms": v[2] / 1e3 / n_steps} for k, v in ranked]  # fmt: skip
+        return [
+            {
+                "op": k,
+                "calls": int(v[0] / n_steps),
+                "total_ms": v[1] / 1e3 / n_steps,
+                "self_ms": v[2] / 1e3 / n_steps,
+            }
+            for k, v in ranked
+        ]
 
     host_self_total = sum(v[2] for v in host_stats.values()) / 1e3 / n_steps
     return {
@@ -976,8 +1108,14 @@ def profile_deltas(current: dict[str, Any], baseline: list[dict[str, Any]]) -> l
     for op in list(now) + [o for o in base if o not in now]:
         b = statistics.median(base[op]) if op in base else None
         n = now.get(op)
-        out.append({"op": op, "self_ms": n, "baseline_ms": b,
-                    "delta_pct": 100 * (n / b - 1) if n is not None and b else None})  # fmt: skip
+        out.append(
+            {
+                "op": op,
+                "self_ms": n,
+                "baseline_ms": b,
+                "delta_pct": 100 * (n / b - 1) if n is not None and b else None,
+            }
+        )
     return out
 
 
@@ -1016,8 +1154,16 @@ class Measurement:
         return self.result.get("status") == "ok"
 
 
-def measure(setup: Setup, runs: Path, *, name: str, variant: dict[str, Any] | None = None,
-            variant_label: str = "", slow_pct: float = 0.0, attempt: int = 1) -> Measurement:  # fmt: skip
+def measure(
+    setup: Setup,
+    runs: Path,
+    *,
+    name: str,
+    variant: dict[str, Any] | None = None,
+    variant_label: str = "",
+    slow_pct: float = 0.0,
+    attempt: int = 1,
+) -> Measurement:
     """One measurement: `canary.processes` fresh worker processes in a row, pooled by median.
 
     Why several processes: on a CPU, most of the run-to-run spread is fixed per process (measured
@@ -1033,9 +1179,18 @@ def measure(setup: Setup, runs: Path, *, name: str, variant: dict[str, Any] | No
     for p in range(k):
         suffix = f"p{p + 1}" if k > 1 else ""
         run_dir = _new_run_dir(runs, f"{_slug(name)}-{stamp}-r{attempt}{suffix}")
-        spec = worker_spec(setup, run_dir, name=name, variant=variant, variant_label=variant_label,
-                           slow_pct=slow_pct, attempt=attempt)  # fmt: skip
-        result = spawn_measurement(spec, setup.canary.timeout_s, cfg.train.threads, setup.canary.stable_layout)
+        spec = worker_spec(
+            setup,
+            run_dir,
+            name=name,
+            variant=variant,
+            variant_label=variant_label,
+            slow_pct=slow_pct,
+            attempt=attempt,
+        )
+        result = spawn_measurement(
+            spec, setup.canary.timeout_s, cfg.train.threads, setup.canary.stable_layout
+        )
         if result.get("status") != "ok":
             return Measurement(result=result, attempt=attempt)
         results.append(result)
@@ -1044,21 +1199,39 @@ def measure(setup: Setup, runs: Path, *, name: str, variant: dict[str, Any] | No
             _progress(f"  process {p + 1}/{k}: MFU p50 {100 * one[MFU]:.3f}% ({result['wall_s']:.0f} s)")
     summaries = [summarize(r, setup.canary.warmup_steps, profiled_steps(cfg)) for r in results]
     first, last = results[0], results[-1]
-    merged = {**first, "wall_s": sum(r["wall_s"] for r in results),
-              "loadavg": [first["loadavg"][0], last["loadavg"][1]],
-              "run_ids": [r["run_id"] for r in results]}  # fmt: skip
+    merged = {
+        **first,
+        "wall_s": sum(r["wall_s"] for r in results),
+        "loadavg": [first["loadavg"][0], last["loadavg"][1]],
+        "run_ids": [r["run_id"] for r in results],
+    }
     m = Measurement(result=merged, attempt=attempt)
     m.summary = pool_processes(summaries)
     m.summary["profile"] = profile_summary(Path(first["run_dir"]))
     return m
 
 
-def worker_spec(setup: Setup, run_dir: Path, *, name: str, variant: dict[str, Any] | None = None,
-                variant_label: str = "", slow_pct: float = 0.0, attempt: int = 1) -> dict[str, Any]:  # fmt: skip
+def worker_spec(
+    setup: Setup,
+    run_dir: Path,
+    *,
+    name: str,
+    variant: dict[str, Any] | None = None,
+    variant_label: str = "",
+    slow_pct: float = 0.0,
+    attempt: int = 1,
+) -> dict[str, Any]:
     """What one worker process measures (`python -m guard.canary --worker SPEC OUT`)."""
-    return {"config": str(setup.path.resolve()), "overrides": {**setup.overrides, **_canary_overrides(setup)},
-            "variant": variant or {}, "variant_label": variant_label, "name": name,
-            "run_dir": str(run_dir.resolve()), "slow_pct": slow_pct, "attempt": attempt}  # fmt: skip
+    return {
+        "config": str(setup.path.resolve()),
+        "overrides": {**setup.overrides, **_canary_overrides(setup)},
+        "variant": variant or {},
+        "variant_label": variant_label,
+        "name": name,
+        "run_dir": str(run_dir.resolve()),
+        "slow_pct": slow_pct,
+        "attempt": attempt,
+    }
 
 
 def pool_processes(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1067,8 +1240,20 @@ def pool_processes(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     if len(summaries) == 1:
         return {**summaries[0], PROC_MFU: [summaries[0][MFU]], PROC_REF: [summaries[0][REF]]}
     out = dict(summaries[0])
-    for key in (MFU, TPS, DATA_WAIT, LOSS, REF, "mfu_wall_p50", "tokens_per_s_wall_p50", "step_iqr_pct",
-                "step_cpu_ms_p50", "step_wall_ms_p50", "first_step_s", "compile_s"):  # fmt: skip
+    for key in (
+        MFU,
+        TPS,
+        DATA_WAIT,
+        LOSS,
+        REF,
+        "mfu_wall_p50",
+        "tokens_per_s_wall_p50",
+        "step_iqr_pct",
+        "step_cpu_ms_p50",
+        "step_wall_ms_p50",
+        "first_step_s",
+        "compile_s",
+    ):
         out[key] = _p50([s.get(key, float("nan")) for s in summaries])
     out[MEM] = max(s[MEM] for s in summaries)
     out["window_steps"] = sum(s["window_steps"] for s in summaries)
@@ -1085,8 +1270,11 @@ PARENT_ONLY_KEYS = ("young_", "ab_")
 
 def _canary_overrides(setup: Setup) -> dict[str, Any]:
     """The worker re-reads the TOML; pass the already-applied [canary] values along."""
-    return {f"canary.{f.name}": getattr(setup.canary, f.name) for f in dataclasses.fields(CanaryConfig)
-            if not f.name.startswith(PARENT_ONLY_KEYS)}  # fmt: skip
+    return {
+        f"canary.{f.name}": getattr(setup.canary, f.name)
+        for f in dataclasses.fields(CanaryConfig)
+        if not f.name.startswith(PARENT_ONLY_KEYS)
+    }
 
 
 def _progress(msg: str) -> None:
@@ -1096,10 +1284,12 @@ def _progress(msg: str) -> None:
 def _describe(m: Measurement) -> str:
     s = m.summary or {}
     load = m.result.get("loadavg") or [float("nan")] * 2
-    return (f"run {m.result.get('run_id')}: MFU p50 {100 * s.get(MFU, float('nan')):.3f}% "
-            f"({m.result.get('timing')} timing, step IQR {s.get('step_iqr_pct', float('nan')):.1f}%), "
-            f"{s.get('window_steps', 0)} steady steps, {m.result.get('wall_s', 0):.0f} s, "
-            f"load {load[0]:.1f}->{load[1]:.1f}")  # fmt: skip
+    return (
+        f"run {m.result.get('run_id')}: MFU p50 {100 * s.get(MFU, float('nan')):.3f}% "
+        f"({m.result.get('timing')} timing, step IQR {s.get('step_iqr_pct', float('nan')):.1f}%), "
+        f"{s.get('window_steps', 0)} steady steps, {m.result.get('wall_s', 0):.0f} s, "
+        f"load {load[0]:.1f}->{load[1]:.1f}"
+    )
 
 
 def run_canary(args: argparse.Namespace, setup: Setup) -> int:
@@ -1132,14 +1322,18 @@ def run_canary(args: argparse.Namespace, setup: Setup) -> int:
     first.summary = with_host_adjusted(first.summary, fit)
 
     line = young_fail_line(baseline, timing, setup.canary)
-    gates = dataclasses.replace(setup.canary, mfu_fail_pct=line["fail_pct"]) if line["widened"] else setup.canary
+    gates = (
+        dataclasses.replace(setup.canary, mfu_fail_pct=line["fail_pct"]) if line["widened"] else setup.canary
+    )
     comparisons = [compare(first.summary, baseline, gates, timing)] if baseline else [[]]
     pooled: list[dict[str, Any]] = []
     summary = first.summary
     notice = ""
     if not baseline and not args.record:  # a --record with no baseline records the first one: no hint
-        notice = (f"no baseline for {fingerprint}; record one with --record "
-                  f"(moeguard canary --config {args.config} --history {args.history} --record)")  # fmt: skip
+        notice = (
+            f"no baseline for {fingerprint}; record one with --record "
+            f"(moeguard canary --config {args.config} --history {args.history} --record)"
+        )
     elif gates.confirm and needs_confirmation(comparisons[0]):
         _progress("the first run regressed; re-running once to confirm ...")
         second = measure(setup, Path(args.runs), name=name, slow_pct=slow, attempt=2)
@@ -1156,11 +1350,29 @@ def run_canary(args: argparse.Namespace, setup: Setup) -> int:
     if line["widened"]:
         notice = "young baseline: " + line["reason"]
     if pooled and verdict != FAIL and any(r["level"] == FAIL for r in comparisons[0]):
-        notice = "; ".join(x for x in (notice, "the first run failed but the regression did not repeat in the "
-                                       "re-run: not failing") if x)  # fmt: skip
-    report = build_report(setup=setup, args=args, runs=runs, comparisons=comparisons, pooled=pooled,
-                          decision=decision, baseline=baseline, verdict=verdict, notice=notice,
-                          fingerprint=fingerprint, config_hash=config_hash, slow=slow, problems=problems)  # fmt: skip
+        notice = "; ".join(
+            x
+            for x in (
+                notice,
+                "the first run failed but the regression did not repeat in the re-run: not failing",
+            )
+            if x
+        )
+    report = build_report(
+        setup=setup,
+        args=args,
+        runs=runs,
+        comparisons=comparisons,
+        pooled=pooled,
+        decision=decision,
+        baseline=baseline,
+        verdict=verdict,
+        notice=notice,
+        fingerprint=fingerprint,
+        config_hash=config_hash,
+        slow=slow,
+        problems=problems,
+    )
     report["host_fit"] = _finite(host_fit_report(fit, runs))
     report["mfu_gate"] = _finite(line)
     record_as_baseline = args.record and (verdict != FAIL or args.accept)
@@ -1172,17 +1384,23 @@ def run_canary(args: argparse.Namespace, setup: Setup) -> int:
     write_reports(report, Path(args.report_dir))
     print_summary(report)
     if args.record and not record_as_baseline:
-        print("moeguard canary: the run failed, so it was appended as a non-baseline entry; to accept a new "
-              "level on purpose (an intended change), re-run with --record --accept", file=sys.stderr)  # fmt: skip
+        print(
+            "moeguard canary: the run failed, so it was appended as a non-baseline entry; to accept a new "
+            "level on purpose (an intended change), re-run with --record --accept",
+            file=sys.stderr,
+        )
     return EXIT_FAIL if verdict == FAIL else EXIT_PASS
 
 
 def host_fit_report(fit: HostFit, runs: list[Measurement]) -> dict[str, Any]:
     """The fit and how far each run's host was from the baseline's (reference ms, median)."""
     ref0 = math.exp(fit.log_ref0) if fit.n else None
-    return {**dataclasses.asdict(fit), "ref0_ms": ref0,
-            "run_ref_ms": [(m.summary or {}).get(REF) for m in runs],
-            "ref_range_ms": [math.exp(fit.lo), math.exp(fit.hi)] if fit.n else None}  # fmt: skip
+    return {
+        **dataclasses.asdict(fit),
+        "ref0_ms": ref0,
+        "run_ref_ms": [(m.summary or {}).get(REF) for m in runs],
+        "ref_range_ms": [math.exp(fit.lo), math.exp(fit.hi)] if fit.n else None,
+    }
 
 
 def needs_confirmation(rows: list[dict[str, Any]]) -> bool:
@@ -1209,8 +1427,15 @@ def decide(comparisons: list[list[dict[str, Any]]], pooled: list[dict[str, Any]]
     first = comparisons[0]
     out = []
     for i, row in enumerate(first):
-        d = {"metric": row["metric"], "label": row["label"], "first": row["level"], "second": None,
-             "pooled": None, "pooled_delta": None, "final": row["level"]}  # fmt: skip
+        d = {
+            "metric": row["metric"],
+            "label": row["label"],
+            "first": row["level"],
+            "second": None,
+            "pooled": None,
+            "pooled_delta": None,
+            "final": row["level"],
+        }
         if pooled:
             second, both = comparisons[1][i], pooled[i]
             d.update(second=second["level"], pooled=both["level"], pooled_delta=both["delta"])
@@ -1228,92 +1453,123 @@ def _report_error(args: argparse.Namespace, m: Measurement) -> int:
     return EXIT_FAIL
 
 
-def history_entry(m: Measurement, s: dict[str, Any], setup: Setup, fingerprint: str, config_hash: str,
-                  verdict: str, baseline: bool) -> dict[str, Any]:  # fmt: skip
+def history_entry(
+    m: Measurement,
+    s: dict[str, Any],
+    setup: Setup,
+    fingerprint: str,
+    config_hash: str,
+    verdict: str,
+    baseline: bool,
+) -> dict[str, Any]:
     """The JSONL line; `s` is the run's summary (the two runs' mean when the canary re-ran)."""
     r, env = m.result, m.result.get("env", {})
     prof = s.get("profile", {})
-    return _finite({
-        H_TIME: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        H_SHA: env.get("git_sha", "unknown"),
-        H_TORCH: env.get("torch", "?"),
-        H_FP: fingerprint,
-        H_HW: r.get("hardware"),
-        H_CFG_HASH: config_hash,
-        H_CFG: setup.label(),
-        MFU: s.get(MFU),
-        TPS: s.get(TPS),
-        MEM: s.get(MEM),
-        DATA_WAIT: s.get(DATA_WAIT),
-        LOSS: s.get(LOSS),
-        H_VERDICT: verdict,
-        H_BASELINE: baseline,
-        "timing": r.get("timing"),
-        "mfu_wall_p50": s.get("mfu_wall_p50"),
-        "tokens_per_s_wall_p50": s.get("tokens_per_s_wall_p50"),
-        REF: s.get(REF),
-        PROC_MFU: s.get(PROC_MFU),
-        PROC_REF: s.get(PROC_REF),
-        "step_cpu_ms_p50": s.get("step_cpu_ms_p50"),
-        "step_iqr_pct": s.get("step_iqr_pct"),
-        "warn_pct": setup.canary.mfu_warn_pct,
-        "fail_pct": setup.canary.mfu_fail_pct,
-        "run_id": r.get("run_id"),
-        "runs": 1 + (m.attempt > 1),
-        "loadavg": r.get("loadavg"),
-        "env": {k: env.get(k) for k in ENV_KEYS},
-        "profile_top": {row["op"]: round(row["self_ms"], 4) for row in prof.get("top_self", [])},
-    })
+    return _finite(
+        {
+            H_TIME: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            H_SHA: env.get("git_sha", "unknown"),
+            H_TORCH: env.get("torch", "?"),
+            H_FP: fingerprint,
+            H_HW: r.get("hardware"),
+            H_CFG_HASH: config_hash,
+            H_CFG: setup.label(),
+            MFU: s.get(MFU),
+            TPS: s.get(TPS),
+            MEM: s.get(MEM),
+            DATA_WAIT: s.get(DATA_WAIT),
+            LOSS: s.get(LOSS),
+            H_VERDICT: verdict,
+            H_BASELINE: baseline,
+            "timing": r.get("timing"),
+            "mfu_wall_p50": s.get("mfu_wall_p50"),
+            "tokens_per_s_wall_p50": s.get("tokens_per_s_wall_p50"),
+            REF: s.get(REF),
+            PROC_MFU: s.get(PROC_MFU),
+            PROC_REF: s.get(PROC_REF),
+            "step_cpu_ms_p50": s.get("step_cpu_ms_p50"),
+            "step_iqr_pct": s.get("step_iqr_pct"),
+            "warn_pct": setup.canary.mfu_warn_pct,
+            "fail_pct": setup.canary.mfu_fail_pct,
+            "run_id": r.get("run_id"),
+            "runs": 1 + (m.attempt > 1),
+            "loadavg": r.get("loadavg"),
+            "env": {k: env.get(k) for k in ENV_KEYS},
+            "profile_top": {row["op"]: round(row["self_ms"], 4) for row in prof.get("top_self", [])},
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Reports (Markdown + JSON).
 
 
-def build_report(*, setup: Setup, args: argparse.Namespace, runs: list[Measurement],
-                 comparisons: list[list[dict[str, Any]]], pooled: list[dict[str, Any]],
-                 decision: list[dict[str, Any]], baseline: list[dict[str, Any]], verdict: str, notice: str,
-                 fingerprint: str, config_hash: str, slow: float, problems: list[str]) -> dict[str, Any]:  # fmt: skip
+def build_report(
+    *,
+    setup: Setup,
+    args: argparse.Namespace,
+    runs: list[Measurement],
+    comparisons: list[list[dict[str, Any]]],
+    pooled: list[dict[str, Any]],
+    decision: list[dict[str, Any]],
+    baseline: list[dict[str, Any]],
+    verdict: str,
+    notice: str,
+    fingerprint: str,
+    config_hash: str,
+    slow: float,
+    problems: list[str],
+) -> dict[str, Any]:
     decisive = runs[-1]
     env = decisive.result.get("env", {})
     prof = (decisive.summary or {}).get("profile", {})
     failing = [d["metric"] for d in decision if d["final"] == FAIL]
     warned = [d["metric"] for d in decision if d["final"] == WARN]
-    return _finite({
-        "verdict": verdict,
-        "exit_code": EXIT_FAIL if verdict == FAIL else EXIT_PASS,
-        "regressed_metrics": failing,
-        "warned_metrics": warned,
-        "decision": decision,
-        "pooled": pooled,
-        "notice": notice,
-        "config": str(setup.path),
-        "config_label": setup.label(),
-        "config_hash": config_hash,
-        "fingerprint": fingerprint,
-        "hardware": decisive.result.get("hardware"),
-        "timing": decisive.result.get("timing"),
-        "inject_slow_pct": slow,
-        "history": str(args.history),
-        "history_problems": problems,
-        "gates": {f.name: getattr(setup.canary, f.name) for f in dataclasses.fields(CanaryConfig)},
-        "baseline": {
-            "n": len(baseline),
-            "entries": [{k: e.get(k) for k in (H_TIME, H_SHA, H_TORCH, MFU, MFU_ADJ, TPS, "run_id")} for e in baseline],
-        },
-        "runs": [
-            {"attempt": m.attempt, "run_id": m.result.get("run_id"), "run_dir": m.result.get("run_dir"),
-             "loadavg": m.result.get("loadavg"), "wall_s": m.result.get("wall_s"),
-             "summary": {k: v for k, v in (m.summary or {}).items() if k != "profile"},
-             "comparison": comparisons[i] if i < len(comparisons) else [],
-             "verdict": worst([r["level"] for r in comparisons[i]]) if i < len(comparisons) else PASS}
-            for i, m in enumerate(runs)
-        ],  # fmt: skip
-        "env": env,
-        "env_differences": env_differences(env, baseline),
-        "profile": prof,
-        "profile_vs_baseline": profile_deltas(prof, baseline) if baseline else [],
-    })
+    return _finite(
+        {
+            "verdict": verdict,
+            "exit_code": EXIT_FAIL if verdict == FAIL else EXIT_PASS,
+            "regressed_metrics": failing,
+            "warned_metrics": warned,
+            "decision": decision,
+            "pooled": pooled,
+            "notice": notice,
+            "config": str(setup.path),
+            "config_label": setup.label(),
+            "config_hash": config_hash,
+            "fingerprint": fingerprint,
+            "hardware": decisive.result.get("hardware"),
+            "timing": decisive.result.get("timing"),
+            "inject_slow_pct": slow,
+            "history": str(args.history),
+            "history_problems": problems,
+            "gates": {f.name: getattr(setup.canary, f.name) for f in dataclasses.fields(CanaryConfig)},
+            "baseline": {
+                "n": len(baseline),
+                "entries": [
+                    {k: e.get(k) for k in (H_TIME, H_SHA, H_TORCH, MFU, MFU_ADJ, TPS, "run_id")}
+                    for e in baseline
+                ],
+            },
+            "runs": [
+                {
+                    "attempt": m.attempt,
+                    "run_id": m.result.get("run_id"),
+                    "run_dir": m.result.get("run_dir"),
+                    "loadavg": m.result.get("loadavg"),
+                    "wall_s": m.result.get("wall_s"),
+                    "summary": {k: v for k, v in (m.summary or {}).items() if k != "profile"},
+                    "comparison": comparisons[i] if i < len(comparisons) else [],
+                    "verdict": worst([r["level"] for r in comparisons[i]]) if i < len(comparisons) else PASS,
+                }
+                for i, m in enumerate(runs)
+            ],
+            "env": env,
+            "env_differences": env_differences(env, baseline),
+            "profile": prof,
+            "profile_vs_baseline": profile_deltas(prof, baseline) if baseline else [],
+        }
+    )
 
 
 def _fmt_value(metric: str, v: Any) -> str:
@@ -1341,12 +1597,18 @@ def render_markdown(rep: dict[str, Any]) -> str:
     out = [f"# Canary: {icon}", ""]
     if rep["notice"]:
         out += [f"> {rep['notice']}", ""]
-    out += [f"- config: `{rep['config_label']}` (hash `{rep['config_hash']}`)",
-            f"- fingerprint: `{rep['fingerprint']}`",
-            f"- timing: {rep['timing']} ("
-            + ("thread CPU time, MFU against a numpy reference matmul timed right after every step"
-               if rep["timing"] == TIMING_CPU else "wall clock") + ")",
-            f"- baseline: median of {rep['baseline']['n']} baseline entries of `{rep['history']}`"]  # fmt: skip
+    out += [
+        f"- config: `{rep['config_label']}` (hash `{rep['config_hash']}`)",
+        f"- fingerprint: `{rep['fingerprint']}`",
+        f"- timing: {rep['timing']} ("
+        + (
+            "thread CPU time, MFU against a numpy reference matmul timed right after every step"
+            if rep["timing"] == TIMING_CPU
+            else "wall clock"
+        )
+        + ")",
+        f"- baseline: median of {rep['baseline']['n']} baseline entries of `{rep['history']}`",
+    ]
     out += _host_fit_markdown(rep.get("host_fit"))
     gate = rep.get("mfu_gate") or {}
     if gate.get("reason"):
@@ -1358,40 +1620,63 @@ def render_markdown(rep: dict[str, Any]) -> str:
     if rep["warned_metrics"]:
         out.append(f"- warned: {', '.join(rep['warned_metrics'])}")
     if rep["pooled"]:
-        out += ["", "## Decision: both runs", "",
-                "The first run regressed, so the canary re-ran once. A metric fails only if the mean of both runs "
-                "is past its fail line and the re-run alone is past its warn line.", "",
-                "| metric | run 1 | run 2 | mean of both | delta (mean) | final |", "|---|---|---|---|---|---|"]  # fmt: skip
+        out += [
+            "",
+            "## Decision: both runs",
+            "",
+            "The first run regressed, so the canary re-ran once. A metric fails only if the mean of both runs "
+            "is past its fail line and the re-run alone is past its warn line.",
+            "",
+            "| metric | run 1 | run 2 | mean of both | delta (mean) | final |",
+            "|---|---|---|---|---|---|",
+        ]
         by = {r["metric"]: r for r in rep["pooled"]}
         for d in rep["decision"]:
             p = by.get(d["metric"], {})
-            out.append(f"| {d['label']} | {d['first']} | {d['second']} | {_fmt_value(d['metric'], p.get('current'))} | "
-                       f"{_fmt_delta(p) if p else '—'} | **{d['final']}** |")  # fmt: skip
+            out.append(
+                f"| {d['label']} | {d['first']} | {d['second']} | {_fmt_value(d['metric'], p.get('current'))} | "
+                f"{_fmt_delta(p) if p else '—'} | **{d['final']}** |"
+            )
     for run in rep["runs"]:
         s = run["summary"]
         load = run.get("loadavg") or [None, None]
-        out += ["", f"## Run {run['attempt']}: `{run['run_id']}` — {run['verdict']}", "",
-                f"{s.get('window_steps')} steady-state steps of {s.get('steps')}; wall {run.get('wall_s') or 0:.0f} s; "
-                f"load average {load[0] or 0:.1f} -> {load[1] or 0:.1f}; step-time IQR {s.get('step_iqr_pct') or 0:.1f}%; "
-                f"first step (incl. compile) {s.get('first_step_s') or 0:.2f} s", ""]  # fmt: skip
+        out += [
+            "",
+            f"## Run {run['attempt']}: `{run['run_id']}` — {run['verdict']}",
+            "",
+            f"{s.get('window_steps')} steady-state steps of {s.get('steps')}; wall {run.get('wall_s') or 0:.0f} s; "
+            f"load average {load[0] or 0:.1f} -> {load[1] or 0:.1f}; step-time IQR {s.get('step_iqr_pct') or 0:.1f}%; "
+            f"first step (incl. compile) {s.get('first_step_s') or 0:.2f} s",
+            "",
+        ]
         per_process = [v for v in s.get("process_mfu") or [] if isinstance(v, int | float)]
         if len(per_process) > 1:
-            out += [f"MFU p50 of each of its {len(per_process)} worker processes (the measurement is their "
-                    f"median): " + ", ".join(f"{100 * v:.3f}%" for v in per_process), ""]  # fmt: skip
+            out += [
+                f"MFU p50 of each of its {len(per_process)} worker processes (the measurement is their "
+                f"median): " + ", ".join(f"{100 * v:.3f}%" for v in per_process),
+                "",
+            ]
         if run["comparison"]:
-            out += ["| metric | current | baseline | delta | warn / fail | level |", "|---|---|---|---|---|---|"]
+            out += [
+                "| metric | current | baseline | delta | warn / fail | level |",
+                "|---|---|---|---|---|---|",
+            ]
             for r in run["comparison"]:
                 unit = " pp" if r["unit"] == "pp" else "%"
-                out.append(f"| {r['label']} | {_fmt_value(r['metric'], r['current'])} | "
-                           f"{_fmt_value(r['metric'], r['baseline'])} | {_fmt_delta(r)} | "
-                           f"{r['warn']:g}{unit} / {r['fail']:g}{unit} | {r['level']} |")  # fmt: skip
+                out.append(
+                    f"| {r['label']} | {_fmt_value(r['metric'], r['current'])} | "
+                    f"{_fmt_value(r['metric'], r['baseline'])} | {_fmt_delta(r)} | "
+                    f"{r['warn']:g}{unit} / {r['fail']:g}{unit} | {r['level']} |"
+                )
         else:
             out += ["| metric | value |", "|---|---|"]
             for k in (MFU, TPS, MEM, DATA_WAIT, LOSS):
                 out.append(f"| {k} | {_fmt_value(k, s.get(k))} |")
-        out.append(f"\nWall clock (not gated on CPU): MFU p50 {_fmt_value('mfu', s.get('mfu_wall_p50'))}, "
-                   f"tokens/s p50 {_fmt_value('tps', s.get('tokens_per_s_wall_p50'))}; "
-                   f"step p50 {s.get('step_cpu_ms_p50') or 0:.1f} ms CPU / {s.get('step_wall_ms_p50') or 0:.1f} ms wall.")  # fmt: skip
+        out.append(
+            f"\nWall clock (not gated on CPU): MFU p50 {_fmt_value('mfu', s.get('mfu_wall_p50'))}, "
+            f"tokens/s p50 {_fmt_value('tps', s.get('tokens_per_s_wall_p50'))}; "
+            f"step p50 {s.get('step_cpu_ms_p50') or 0:.1f} ms CPU / {s.get('step_wall_ms_p50') or 0:.1f} ms wall."
+        )
     out += ["", "## Environment vs baseline", ""]
     if rep["env_differences"]:
         out += ["| key | now | baseline entries |", "|---|---|---|"]
@@ -1403,9 +1688,11 @@ def render_markdown(rep: dict[str, Any]) -> str:
     else:
         out.append("No baseline entries to compare with.")
     env = rep.get("env") or {}
-    out.append(f"\nNow: torch {env.get('torch')}, CUDA {env.get('cuda')}, device {env.get('device')}, attention "
-               f"{env.get('attention_backend')}, experts {env.get('expert_kernel')}, compile {env.get('compile')}, "
-               f"git {env.get('git_sha')}.")  # fmt: skip
+    out.append(
+        f"\nNow: torch {env.get('torch')}, CUDA {env.get('cuda')}, device {env.get('device')}, attention "
+        f"{env.get('attention_backend')}, experts {env.get('expert_kernel')}, compile {env.get('compile')}, "
+        f"git {env.get('git_sha')}."
+    )
     out += _profile_markdown(rep)
     return "\n".join(out) + "\n"
 
@@ -1414,14 +1701,18 @@ def _host_fit_markdown(fit: dict[str, Any] | None) -> list[str]:
     if not fit:
         return []
     if not fit.get("n"):
-        return ["- host adjustment: none (fewer than "
-                f"{HOST_FIT_MIN_POINTS} baseline processes with reference times): MFU is plain-normalised"]
+        return [
+            "- host adjustment: none (fewer than "
+            f"{HOST_FIT_MIN_POINTS} baseline processes with reference times): MFU is plain-normalised"
+        ]
     runs = ", ".join(f"{v:.2f}" for v in fit.get("run_ref_ms") or [] if isinstance(v, int | float))
     lo, hi = fit["ref_range_ms"]
-    return [f"- host adjustment: over {fit['n']} baseline processes log MFU = {fit['slope']:+.2f} x log(reference ms) "
-            f"+ c (r = {fit['r'] if fit['r'] is not None else float('nan'):.2f}); each process's MFU is moved along "
-            f"it to the baseline's median reference {fit['ref0_ms']:.2f} ms (seen {lo:.2f}-{hi:.2f} ms, clipped to "
-            f"that range). This run: reference {runs} ms"]  # fmt: skip
+    return [
+        f"- host adjustment: over {fit['n']} baseline processes log MFU = {fit['slope']:+.2f} x log(reference ms) "
+        f"+ c (r = {fit['r'] if fit['r'] is not None else float('nan'):.2f}); each process's MFU is moved along "
+        f"it to the baseline's median reference {fit['ref0_ms']:.2f} ms (seen {lo:.2f}-{hi:.2f} ms, clipped to "
+        f"that range). This run: reference {runs} ms"
+    ]
 
 
 def _profile_markdown(rep: dict[str, Any]) -> list[str]:
@@ -1429,17 +1720,27 @@ def _profile_markdown(rep: dict[str, Any]) -> list[str]:
     out = ["", "## Profile (torch.profiler window of the decisive run)", ""]
     if not prof.get("file"):
         return out + [prof.get("note", "no trace")]
-    out.append(f"`{prof['file']}`: {prof['profiled_steps']} profiled step(s); times are per step, wall clock "
-               "inside the trace (self = excluding child ops). \"vs baseline\" compares self time with the "
-               "median of the baseline entries' profiles: a few profiled steps on a shared CPU, so read only "
-               "large changes (tens of percent) or ops that appear or vanish.")  # fmt: skip
+    out.append(
+        f"`{prof['file']}`: {prof['profiled_steps']} profiled step(s); times are per step, wall clock "
+        'inside the trace (self = excluding child ops). "vs baseline" compares self time with the '
+        "median of the baseline entries' profiles: a few profiled steps on a shared CPU, so read only "
+        "large changes (tens of percent) or ops that appear or vanish."
+    )
     deltas = {d["op"]: d for d in rep.get("profile_vs_baseline", [])}
     for title, key in (("Top ops by total time", "top_total"), ("Top ops by self time", "top_self")):
-        out += ["", f"**{title}**", "", "| op | calls | total ms | self ms | self vs baseline |", "|---|---|---|---|---|"]
+        out += [
+            "",
+            f"**{title}**",
+            "",
+            "| op | calls | total ms | self ms | self vs baseline |",
+            "|---|---|---|---|---|",
+        ]
         for r in prof.get(key, []):
             d = deltas.get(r["op"], {}).get("delta_pct")
-            out.append(f"| `{r['op']}` | {r['calls']} | {r['total_ms']:.3f} | {r['self_ms']:.3f} | "
-                       f"{'—' if d is None else f'{d:+.0f}%'} |")  # fmt: skip
+            out.append(
+                f"| `{r['op']}` | {r['calls']} | {r['total_ms']:.3f} | {r['self_ms']:.3f} | "
+                f"{'—' if d is None else f'{d:+.0f}%'} |"
+            )
     if prof.get("device_top"):
         out += ["", "**Top device kernels**", "", "| kernel | calls | total ms |", "|---|---|---|"]
         for r in prof["device_top"]:
@@ -1463,9 +1764,11 @@ def print_summary(rep: dict[str, Any]) -> None:
         if final.get(r["metric"], PASS) != PASS:
             unit = " pp" if r["unit"] == "pp" else "%"
             what = "mean of both runs" if rep["pooled"] else "current"
-            print(f"canary {final[r['metric']].upper()}: {r['metric']} {_fmt_value(r['metric'], r['current'])} ({what}) vs "
-                  f"baseline {_fmt_value(r['metric'], r['baseline'])} ({_fmt_delta(r)}; warn {r['warn']:g}{unit}, "
-                  f"fail {r['fail']:g}{unit})")  # fmt: skip
+            print(
+                f"canary {final[r['metric']].upper()}: {r['metric']} {_fmt_value(r['metric'], r['current'])} ({what}) vs "
+                f"baseline {_fmt_value(r['metric'], r['baseline'])} ({_fmt_delta(r)}; warn {r['warn']:g}{unit}, "
+                f"fail {r['fail']:g}{unit})"
+            )
     if rep["notice"]:
         print(f"canary notice: {rep['notice']}")
     tail = ""
@@ -1473,8 +1776,10 @@ def print_summary(rep: dict[str, Any]) -> None:
     if mfu is not None and mfu["delta"] is not None:
         tail = f" ({_fmt_delta(mfu)} vs the median of {mfu['n_baseline']} baseline entries)"
     now = mfu["current"] if mfu else rep["runs"][-1]["summary"].get(MFU)
-    print(f"canary {rep['verdict'].upper()}: MFU p50 {_fmt_value(MFU, now)}{tail}, "
-          f"{len(rep['runs'])} run(s); report: {rep.get('report_md', '')}")  # fmt: skip
+    print(
+        f"canary {rep['verdict'].upper()}: MFU p50 {_fmt_value(MFU, now)}{tail}, "
+        f"{len(rep['runs'])} run(s); report: {rep.get('report_md', '')}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1492,10 +1797,14 @@ def parse_matrix(tokens: list[str]) -> list[tuple[str, dict[str, Any]]]:
     for tok in tokens:
         name, sep, vals = tok.partition("=")
         if not sep or not name or not vals:
-            raise ConfigError(f"--matrix {tok!r}: expected AXIS=V1,V2 (axes: {', '.join(MATRIX_AXES)} or a dotted key)")
+            raise ConfigError(
+                f"--matrix {tok!r}: expected AXIS=V1,V2 (axes: {', '.join(MATRIX_AXES)} or a dotted key)"
+            )
         key = MATRIX_AXES.get(name, name)
         if "." not in key:
-            raise ConfigError(f"--matrix {tok!r}: unknown axis {name!r}; axes: {', '.join(MATRIX_AXES)} or a dotted key")
+            raise ConfigError(
+                f"--matrix {tok!r}: unknown axis {name!r}; axes: {', '.join(MATRIX_AXES)} or a dotted key"
+            )
         values = []
         for raw in (v.strip() for v in vals.split(",") if v.strip()):
             values.append((raw, _matrix_value(key, raw)))
@@ -1536,8 +1845,15 @@ def run_matrix(args: argparse.Namespace, setup: Setup) -> int:
             if label in unavailable:
                 continue
             _progress(f"[{k}/{n_total}] {label} (repeat {r}) ...")
-            m = measure(setup, Path(args.runs), name=f"canary[{label}]", variant=ov, variant_label=label,
-                        slow_pct=slow, attempt=r)  # fmt: skip
+            m = measure(
+                setup,
+                Path(args.runs),
+                name=f"canary[{label}]",
+                variant=ov,
+                variant_label=label,
+                slow_pct=slow,
+                attempt=r,
+            )
             results[label].append(m)
             if m.result.get("status") == "unavailable":
                 unavailable[label] = m.result.get("reason", "")
@@ -1553,13 +1869,21 @@ def run_matrix(args: argparse.Namespace, setup: Setup) -> int:
     return EXIT_FAIL if any(v["status"] == "error" for v in rep["variants"]) else EXIT_PASS
 
 
-def matrix_report(setup: Setup, variants: list[tuple[str, dict[str, Any]]],
-                  results: dict[str, list[Measurement]], repeats: int) -> dict[str, Any]:  # fmt: skip
+def matrix_report(
+    setup: Setup,
+    variants: list[tuple[str, dict[str, Any]]],
+    results: dict[str, list[Measurement]],
+    repeats: int,
+) -> dict[str, Any]:
     rows = []
     for label, ov in variants:
         ms = results[label]
         ok = [m for m in ms if m.ok]
-        row: dict[str, Any] = {"variant": label, "overrides": ov, "runs": [m.result.get("run_id") for m in ok]}
+        row: dict[str, Any] = {
+            "variant": label,
+            "overrides": ov,
+            "runs": [m.result.get("run_id") for m in ok],
+        }
         if ms and ms[0].result.get("status") == "unavailable":
             row.update(status="unavailable", reason=ms[0].result.get("reason", ""))
         elif not ok:
@@ -1585,9 +1909,15 @@ def matrix_report(setup: Setup, variants: list[tuple[str, dict[str, Any]]],
                 loadavg=[m.result.get("loadavg") for m in ok],
             )
         rows.append(row)
-    return _finite({"config": str(setup.path), "config_label": setup.label(), "repeats": repeats,
-                    "order": "interleaved: every variant once per repeat, in the same order",
-                    "variants": rows})  # fmt: skip
+    return _finite(
+        {
+            "config": str(setup.path),
+            "config_label": setup.label(),
+            "repeats": repeats,
+            "order": "interleaved: every variant once per repeat, in the same order",
+            "variants": rows,
+        }
+    )
 
 
 def render_matrix_table(rep: dict[str, Any]) -> str:
@@ -1595,26 +1925,37 @@ def render_matrix_table(rep: dict[str, Any]) -> str:
     rest = [v for v in rep["variants"] if v.get("mfu_p50") is None]
     timing = ok[0].get("timing") if ok else None
     tps = "tokens/CPU-s p50" if timing == TIMING_CPU else "tokens/s p50"
-    lines = [f"| variant | MFU p50 | spread | {tps} | wall MFU p50 | wall tokens/s | first step s | loss | status |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"| variant | MFU p50 | spread | {tps} | wall MFU p50 | wall tokens/s | first step s | loss | status |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for v in ok:
-        lines.append(f"| {v['variant']} | {100 * v['mfu_p50']:.3f}% | {v['mfu_spread_pct'] or 0:.1f}% | "
-                     f"{v['tokens_per_s_p50']:,.0f} | {100 * (v['mfu_wall_p50'] or 0):.3f}% | "
-                     f"{v['tokens_per_s_wall_p50'] or 0:,.0f} | {v['first_step_s'] or 0:.2f} | "
-                     f"{v['final_loss'] or 0:.4f} | {v['status']} |")  # fmt: skip
+        lines.append(
+            f"| {v['variant']} | {100 * v['mfu_p50']:.3f}% | {v['mfu_spread_pct'] or 0:.1f}% | "
+            f"{v['tokens_per_s_p50']:,.0f} | {100 * (v['mfu_wall_p50'] or 0):.3f}% | "
+            f"{v['tokens_per_s_wall_p50'] or 0:,.0f} | {v['first_step_s'] or 0:.2f} | "
+            f"{v['final_loss'] or 0:.4f} | {v['status']} |"
+        )
     for v in rest:
-        lines.append(f"| {v['variant']} | — | — | — | — | — | — | — | {v['status']}: {v.get('reason', '')[:120]} |")
+        lines.append(
+            f"| {v['variant']} | — | — | — | — | — | — | — | {v['status']}: {v.get('reason', '')[:120]} |"
+        )
     return "\n".join(lines)
 
 
 def render_matrix_markdown(rep: dict[str, Any]) -> str:
-    return "\n".join([
-        "# Canary kernel matrix", "",
-        f"- config: `{rep['config_label']}`; {rep['repeats']} repeat(s), {rep['order']}",
-        "- MFU p50: median over repeats of each run's steady-state p50 (CPU: against the paired reference); "
-        "spread: (max - min) / median over repeats; first step includes torch.compile time when compile=on.",
-        "", render_matrix_table(rep), "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "# Canary kernel matrix",
+            "",
+            f"- config: `{rep['config_label']}`; {rep['repeats']} repeat(s), {rep['order']}",
+            "- MFU p50: median over repeats of each run's steady-state p50 (CPU: against the paired reference); "
+            "spread: (max - min) / median over repeats; first step includes torch.compile time when compile=on.",
+            "",
+            render_matrix_table(rep),
+            "",
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1624,31 +1965,69 @@ def render_matrix_markdown(rep: dict[str, Any]) -> str:
 def configure(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = __doc__.split("\n", 2)[2]
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
-                   help="canary config: a training config plus a [canary] table (default: configs/canary.toml)")
-    p.add_argument("--history", type=Path, help="JSONL history to compare against (required unless --matrix or --ab)")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_CONFIG,
+        help="canary config: a training config plus a [canary] table (default: configs/canary.toml)",
+    )
+    p.add_argument(
+        "--history", type=Path, help="JSONL history to compare against (required unless --matrix or --ab)"
+    )
     p.add_argument("--record", action="store_true", help="append this run to the history as a baseline entry")
-    p.add_argument("--accept", action="store_true",
-                   help="with --record: record even a failing run as a baseline (an intended change)")
-    p.add_argument("--append", action="store_true",
-                   help="append this run to the history as a non-baseline entry (a nightly job's trend)")
-    p.add_argument("--inject", action="append", default=[], metavar="slow:PCT",
-                   help="slow each step by PCT percent (to prove the gate fails)")
-    p.add_argument("--report-dir", type=Path, default=None,
-                   help="where canary.md/canary.json (or matrix.md/matrix.json) go (default: RUNS/canary-report)")
-    p.add_argument("--runs", type=Path, default=Path("runs"), help="run store the canary runs go to (default: runs)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.steps=80 or --set canary.mfu_fail_pct=5")
-    p.add_argument("--matrix", nargs="+", metavar="AXIS=V1,V2",
-                   help="kernel matrix instead of the gate: attention=..., experts=..., compile=off,on")
-    p.add_argument("--repeats", type=int, default=2, help="matrix: runs per variant, interleaved (default: 2)")
-    p.add_argument("--ab", nargs=2, metavar=("A", "B"),
-                   help="A/B canary instead of the gate (no history): two environments, each py:PATH (another "
-                        "Python interpreter, e.g. a venv's bin/python) or set:KEY=VALUE[,KEY=VALUE...] (this "
-                        "interpreter with config overrides; set: alone = the config unchanged); worker processes "
-                        "alternate in ABBA order (canary.ab_order); fails when the sign-test interval of the median "
-                        "per-pair B/A tokens/s ratio lies wholly below 1 - canary.ab_fail_pct/100 (exit 1). "
-                        "--inject slow:PCT slows B (a:slow:PCT slows A). Report: ab.md/ab.json in --report-dir")  # fmt: skip
+    p.add_argument(
+        "--accept",
+        action="store_true",
+        help="with --record: record even a failing run as a baseline (an intended change)",
+    )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="append this run to the history as a non-baseline entry (a nightly job's trend)",
+    )
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="slow:PCT",
+        help="slow each step by PCT percent (to prove the gate fails)",
+    )
+    p.add_argument(
+        "--report-dir",
+        type=Path,
+        default=None,
+        help="where canary.md/canary.json (or matrix.md/matrix.json) go (default: RUNS/canary-report)",
+    )
+    p.add_argument(
+        "--runs", type=Path, default=Path("runs"), help="run store the canary runs go to (default: runs)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.steps=80 or --set canary.mfu_fail_pct=5",
+    )
+    p.add_argument(
+        "--matrix",
+        nargs="+",
+        metavar="AXIS=V1,V2",
+        help="kernel matrix instead of the gate: attention=..., experts=..., compile=off,on",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=2, help="matrix: runs per variant, interleaved (default: 2)"
+    )
+    p.add_argument(
+        "--ab",
+        nargs=2,
+        metavar=("A", "B"),
+        help="A/B canary instead of the gate (no history): two environments, each py:PATH (another "
+        "Python interpreter, e.g. a venv's bin/python) or set:KEY=VALUE[,KEY=VALUE...] (this "
+        "interpreter with config overrides; set: alone = the config unchanged); worker processes "
+        "alternate in ABBA order (canary.ab_order); fails when the sign-test interval of the median "
+        "per-pair B/A tokens/s ratio lies wholly below 1 - canary.ab_fail_pct/100 (exit 1). "
+        "--inject slow:PCT slows B (a:slow:PCT slows A). Report: ab.md/ab.json in --report-dir",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1658,10 +2037,22 @@ def run(args: argparse.Namespace) -> int:
     if args.report_dir is None:
         args.report_dir = Path(args.runs) / "canary-report"
     if args.ab:
-        clash = [flag for flag, on in (("--matrix", args.matrix), ("--history", args.history), ("--record", args.record),
-                                       ("--append", args.append), ("--accept", args.accept)) if on]  # fmt: skip
+        clash = [
+            flag
+            for flag, on in (
+                ("--matrix", args.matrix),
+                ("--history", args.history),
+                ("--record", args.record),
+                ("--append", args.append),
+                ("--accept", args.accept),
+            )
+            if on
+        ]
         if clash:
-            print(f"moeguard canary: --ab keeps no history and runs no matrix; drop {', '.join(clash)}", file=sys.stderr)
+            print(
+                f"moeguard canary: --ab keeps no history and runs no matrix; drop {', '.join(clash)}",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
         from guard.canary_ab import run_ab
 

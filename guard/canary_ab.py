@@ -48,8 +48,10 @@ from typing import Any
 from guard import canary
 from guard.tomlconf import ConfigError
 
-SYNTAX = ("py:PATH (another Python interpreter, e.g. /opt/venv/bin/python) or set:KEY=VALUE[,KEY=VALUE...] "
-          "(this interpreter with config overrides; set: alone = the config unchanged)")  # fmt: skip
+SYNTAX = (
+    "py:PATH (another Python interpreter, e.g. /opt/venv/bin/python) or set:KEY=VALUE[,KEY=VALUE...] "
+    "(this interpreter with config overrides; set: alone = the config unchanged)"
+)
 SPEED, TPS_RAW, MFU_R, TPS_WALL = "speed", "tokens_per_s", "mfu", "tokens_per_s_wall"
 RATIO_LABELS = {
     SPEED: "tokens/s (gated; CPU: per CPU-second, normalised by the reference matmul)",
@@ -57,8 +59,23 @@ RATIO_LABELS = {
     MFU_R: "MFU",
     TPS_WALL: "tokens/s, wall clock",
 }
-ENV_DIFF_KEYS = ("torch", "cuda", "python", "python_executable", "numpy", "moeguard", "device", "attention_backend",
-                 "expert_kernel", "compile", "dtype", "peak_flops_source", "world_size", "git_sha", "overrides")  # fmt: skip
+ENV_DIFF_KEYS = (
+    "torch",
+    "cuda",
+    "python",
+    "python_executable",
+    "numpy",
+    "moeguard",
+    "device",
+    "attention_backend",
+    "expert_kernel",
+    "compile",
+    "dtype",
+    "peak_flops_source",
+    "world_size",
+    "git_sha",
+    "overrides",
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,7 +104,9 @@ def parse_side(spec: str, name: str) -> Side:
         raise ConfigError(f"{where}: expected {SYNTAX}")
     if kind == "py":
         if not rest.strip():
-            raise ConfigError(f"{where}: py: needs the path of a Python interpreter, e.g. py:/opt/venv/bin/python")
+            raise ConfigError(
+                f"{where}: py: needs the path of a Python interpreter, e.g. py:/opt/venv/bin/python"
+            )
         path = Path(rest).expanduser()
         if not path.is_file() or not os.access(path, os.X_OK):
             raise ConfigError(f"{where}: {rest!r} is not an executable file (expected {SYNTAX})")
@@ -103,9 +122,13 @@ def parse_side(spec: str, name: str) -> Side:
     overrides = parse_overrides(items)
     for key in overrides:
         if key.startswith("canary."):
-            raise ConfigError(f"{where}: {key} is a measurement setting and must be the same on both sides; "
-                              "give it once with --set")  # fmt: skip
-    return Side(name=name, spec=spec, overrides=overrides, probe={"moeguard": f"this checkout ({canary.REPO})"})
+            raise ConfigError(
+                f"{where}: {key} is a measurement setting and must be the same on both sides; "
+                "give it once with --set"
+            )
+    return Side(
+        name=name, spec=spec, overrides=overrides, probe={"moeguard": f"this checkout ({canary.REPO})"}
+    )
 
 
 _PROBE = r"""
@@ -131,15 +154,18 @@ def probe_interpreter(side: Side, neutral_dir: Path) -> None:
     where = f"--ab {side.name} = {side.spec!r}"
     assert side.python is not None
     try:
-        out = subprocess.run([side.python, "-c", _PROBE], capture_output=True, text=True, timeout=300,
-                             cwd=neutral_dir)  # fmt: skip
+        out = subprocess.run(
+            [side.python, "-c", _PROBE], capture_output=True, text=True, timeout=300, cwd=neutral_dir
+        )
     except (OSError, subprocess.SubprocessError) as e:
         raise ConfigError(f"{where}: cannot run it: {e}") from None
     try:
         side.probe = json.loads(out.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         tail = " | ".join((out.stderr or out.stdout).strip().splitlines()[-3:])
-        raise ConfigError(f"{where}: not a working Python interpreter (exit {out.returncode}: {tail})") from None
+        raise ConfigError(
+            f"{where}: not a working Python interpreter (exit {out.returncode}: {tail})"
+        ) from None
     if side.probe.get("missing"):
         raise ConfigError(f"{where}: the interpreter cannot import " + ", ".join(side.probe["missing"]))
     side.cwd = str(neutral_dir)
@@ -148,8 +174,9 @@ def probe_interpreter(side: Side, neutral_dir: Path) -> None:
     elif side.probe.get("moeguard"):
         side.probe["moeguard"] = f"its own install ({side.probe['moeguard']})"
     else:  # this checkout's moeguard with that interpreter's torch
-        side.extra_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(canary.REPO), os.environ.get("PYTHONPATH"))
-                                                       if p)  # fmt: skip
+        side.extra_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(canary.REPO), os.environ.get("PYTHONPATH")) if p
+        )
         side.probe["moeguard"] = f"this checkout ({canary.REPO}), on PYTHONPATH"
 
 
@@ -200,19 +227,36 @@ def paired_statistic(ratios: list[float], c: canary.CanaryConfig) -> dict[str, A
     med = statistics.median(ratios) if ratios else float("nan")
     line = 1 - c.ab_fail_pct / 100
     if hi < line:
-        verdict, state = canary.FAIL, f"B is slower than A by more than {c.ab_fail_pct:g}%: the whole interval is below {line:.3f}"
+        verdict, state = (
+            canary.FAIL,
+            f"B is slower than A by more than {c.ab_fail_pct:g}%: the whole interval is below {line:.3f}",
+        )
     elif med < line:
-        verdict, state = canary.WARN, (f"undecided: the median is below {line:.3f} but the interval reaches it "
-                                       f"(B may be slower by more than {c.ab_fail_pct:g}%)")  # fmt: skip
+        verdict, state = (
+            canary.WARN,
+            (
+                f"undecided: the median is below {line:.3f} but the interval reaches it "
+                f"(B may be slower by more than {c.ab_fail_pct:g}%)"
+            ),
+        )
     elif hi < 1:
         verdict, state = canary.WARN, f"B is slower than A, by less than the {c.ab_fail_pct:g}% line"
     elif lo > 1:
         verdict, state = canary.PASS, "B is faster than A (the whole interval is above 1)"
     else:
         verdict, state = canary.PASS, f"no slowdown beyond {c.ab_fail_pct:g}% (the interval reaches 1)"
-    return {"median": med, "ci": [lo, hi], "coverage": cov, "n_pairs": len(ratios), "fail_below": line,
-            "delta_pct": 100 * (med - 1), "b_faster_pairs": sum(r > 1 for r in ratios), "verdict": verdict,
-            "state": state, "undecided": med < line <= hi}  # fmt: skip
+    return {
+        "median": med,
+        "ci": [lo, hi],
+        "coverage": cov,
+        "n_pairs": len(ratios),
+        "fail_below": line,
+        "delta_pct": 100 * (med - 1),
+        "b_faster_pairs": sum(r > 1 for r in ratios),
+        "verdict": verdict,
+        "state": state,
+        "undecided": med < line <= hi,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,10 +267,24 @@ def measure_side(setup: canary.Setup, side: Side, runs: Path, pair: int, stamp: 
     """One worker process of one side: the history canary's worker and summary, per-worker metrics."""
     cfg = setup.train_config(side.overrides)
     run_dir = canary._new_run_dir(runs, f"canary-ab-{stamp}-p{pair + 1:02d}{side.name}")
-    spec = canary.worker_spec(setup, run_dir, name=f"canary-ab[{side.name}]", variant=side.overrides,
-                              variant_label=f"ab {side.name}: {side.spec}", slow_pct=side.slow_pct, attempt=pair + 1)  # fmt: skip
-    result = canary.spawn_measurement(spec, setup.canary.timeout_s, cfg.train.threads, setup.canary.stable_layout,
-                                      python=side.python, extra_env=side.extra_env, cwd=side.cwd)  # fmt: skip
+    spec = canary.worker_spec(
+        setup,
+        run_dir,
+        name=f"canary-ab[{side.name}]",
+        variant=side.overrides,
+        variant_label=f"ab {side.name}: {side.spec}",
+        slow_pct=side.slow_pct,
+        attempt=pair + 1,
+    )
+    result = canary.spawn_measurement(
+        spec,
+        setup.canary.timeout_s,
+        cfg.train.threads,
+        setup.canary.stable_layout,
+        python=side.python,
+        extra_env=side.extra_env,
+        cwd=side.cwd,
+    )
     if result.get("status") != "ok":
         return result
     s = canary.summarize(result, setup.canary.warmup_steps, canary.profiled_steps(cfg))
@@ -234,17 +292,31 @@ def measure_side(setup: canary.Setup, side: Side, runs: Path, pair: int, stamp: 
     tps = s[canary.TPS]
     result["metrics"] = {
         SPEED: tps * s[canary.REF] / 1e3 if cpu else tps,  # CPU: tokens per CPU-second x reference seconds
-        TPS_RAW: tps, MFU_R: s[canary.MFU], TPS_WALL: s["tokens_per_s_wall_p50"],
-        "ref_cpu_ms": s[canary.REF], "step_cpu_ms": s["step_cpu_ms_p50"], "step_wall_ms": s["step_wall_ms_p50"],
-        "mem_peak_bytes": s[canary.MEM], "final_loss": s[canary.LOSS], "window_steps": s["window_steps"],
-    }  # fmt: skip
+        TPS_RAW: tps,
+        MFU_R: s[canary.MFU],
+        TPS_WALL: s["tokens_per_s_wall_p50"],
+        "ref_cpu_ms": s[canary.REF],
+        "step_cpu_ms": s["step_cpu_ms_p50"],
+        "step_wall_ms": s["step_wall_ms_p50"],
+        "mem_peak_bytes": s[canary.MEM],
+        "final_loss": s[canary.LOSS],
+        "window_steps": s["window_steps"],
+    }
     return result
 
 
 def _worker_row(side: Side, pair: int, r: dict[str, Any]) -> dict[str, Any]:
-    return {"side": side.name, "pair": pair + 1, "run_id": r.get("run_id"), "run_dir": r.get("run_dir"),
-            "wall_s": r.get("wall_s"), "loadavg": r.get("loadavg"), "timing": r.get("timing"),
-            "flops_per_token": r.get("flops_per_token"), **r["metrics"]}  # fmt: skip
+    return {
+        "side": side.name,
+        "pair": pair + 1,
+        "run_id": r.get("run_id"),
+        "run_dir": r.get("run_dir"),
+        "wall_s": r.get("wall_s"),
+        "loadavg": r.get("loadavg"),
+        "timing": r.get("timing"),
+        "flops_per_token": r.get("flops_per_token"),
+        **r["metrics"],
+    }
 
 
 def pair_ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
@@ -282,8 +354,10 @@ def run_ab(args: argparse.Namespace, setup: canary.Setup) -> int:
     pairs: list[dict[str, Any]] = []
     orders = pair_orders(c.ab_pairs, c.ab_order, rng)
     stat: dict[str, Any] = {}
-    canary._progress(f"A/B: A = {sides[0].spec}, B = {sides[1].spec}; {c.ab_pairs} pairs ({c.ab_order} order)"
-                     f"{'' if c.ab_max_pairs == c.ab_pairs else f', up to {c.ab_max_pairs} if undecided'} ...")  # fmt: skip
+    canary._progress(
+        f"A/B: A = {sides[0].spec}, B = {sides[1].spec}; {c.ab_pairs} pairs ({c.ab_order} order)"
+        f"{'' if c.ab_max_pairs == c.ab_pairs else f', up to {c.ab_max_pairs} if undecided'} ..."
+    )
     while True:
         for i in range(len(pairs), len(orders)):
             got: dict[str, dict[str, Any]] = {}
@@ -291,34 +365,54 @@ def run_ab(args: argparse.Namespace, setup: canary.Setup) -> int:
                 side = sides["AB".index(name)]
                 r = measure_side(setup, side, runs, i, stamp)
                 if r.get("status") == "unavailable":
-                    print(f"moeguard canary: --ab {name} = {side.spec!r} cannot run here: {r.get('reason')}",
-                          file=sys.stderr)  # fmt: skip
+                    print(
+                        f"moeguard canary: --ab {name} = {side.spec!r} cannot run here: {r.get('reason')}",
+                        file=sys.stderr,
+                    )
                     return canary.EXIT_USAGE
                 if r.get("status") != "ok":
-                    print(f"moeguard canary: --ab {name} ({side.spec}) measurement failed: {r.get('reason')}",
-                          file=sys.stderr)  # fmt: skip
+                    print(
+                        f"moeguard canary: --ab {name} ({side.spec}) measurement failed: {r.get('reason')}",
+                        file=sys.stderr,
+                    )
                     for line in r.get("stderr_tail", []):
                         print(f"  {line}", file=sys.stderr)
                     return canary.EXIT_FAIL
                 got[name] = _worker_row(side, i, r)
-                got[name]["env"] = {**side.probe, **r.get("env", {}),
-                                    **{k: r[k] for k in ("python_executable", "numpy") if r.get(k)}}  # fmt: skip
+                got[name]["env"] = {
+                    **side.probe,
+                    **r.get("env", {}),
+                    **{k: r[k] for k in ("python_executable", "numpy") if r.get(k)},
+                }
             rows += [got[name] for name in orders[i]]  # in the order they ran
             ratios = pair_ratios(got["A"], got["B"])
-            pairs.append({"pair": i + 1, "order": orders[i], "a_run": got["A"]["run_id"], "b_run": got["B"]["run_id"],
-                          "ratio": ratios, "load": os.getloadavg()[0]})  # fmt: skip
-            canary._progress(f"  pair {i + 1}/{len(orders)} ({orders[i]}): B/A {ratios[SPEED]:.4f} "
-                             f"(A {got['A'][SPEED]:,.1f}, B {got['B'][SPEED]:,.1f}), load {pairs[-1]['load']:.1f}, "
-                             f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+            pairs.append(
+                {
+                    "pair": i + 1,
+                    "order": orders[i],
+                    "a_run": got["A"]["run_id"],
+                    "b_run": got["B"]["run_id"],
+                    "ratio": ratios,
+                    "load": os.getloadavg()[0],
+                }
+            )
+            canary._progress(
+                f"  pair {i + 1}/{len(orders)} ({orders[i]}): B/A {ratios[SPEED]:.4f} "
+                f"(A {got['A'][SPEED]:,.1f}, B {got['B'][SPEED]:,.1f}), load {pairs[-1]['load']:.1f}, "
+                f"{time.perf_counter() - t0:.0f} s"
+            )
         stat = paired_statistic([p["ratio"][SPEED] for p in pairs], c)
         if not stat["undecided"] or len(orders) >= c.ab_max_pairs:
             break
         more = min(2, c.ab_max_pairs - len(orders))
-        canary._progress(f"  undecided (median {stat['median']:.4f}, interval up to {stat['ci'][1]:.4f}): "
-                         f"{more} more pair(s) ...")  # fmt: skip
+        canary._progress(
+            f"  undecided (median {stat['median']:.4f}, interval up to {stat['ci'][1]:.4f}): "
+            f"{more} more pair(s) ..."
+        )
         orders += pair_orders(more, c.ab_order, rng, start=len(orders))
-    rep = build_report(setup=setup, sides=sides, rows=rows, pairs=pairs, stat=stat,
-                       elapsed_s=time.perf_counter() - t0)  # fmt: skip
+    rep = build_report(
+        setup=setup, sides=sides, rows=rows, pairs=pairs, stat=stat, elapsed_s=time.perf_counter() - t0
+    )
     write_reports(rep, Path(args.report_dir))
     print_summary(rep)
     return canary.EXIT_FAIL if rep["verdict"] == canary.FAIL else canary.EXIT_PASS

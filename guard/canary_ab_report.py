@@ -36,7 +36,10 @@ def env_diff(sides: list[Side], rows: list[dict[str, Any]]) -> list[dict[str, An
 def profile_diff(rows: list[dict[str, Any]], top: int = TOP_CHANGED) -> dict[str, Any]:
     """Per op, the median over each side's workers of its self time per step (host ops) or total
     time (device kernels) in the profiler window; the ops whose time changed most, B - A."""
-    per: dict[str, dict[str, dict[str, list[float]]]] = {"host": {"A": {}, "B": {}}, "device": {"A": {}, "B": {}}}
+    per: dict[str, dict[str, dict[str, list[float]]]] = {
+        "host": {"A": {}, "B": {}},
+        "device": {"A": {}, "B": {}},
+    }
     profiled = {"A": 0, "B": 0}
     for r in rows:
         prof = canary.profile_summary(Path(r["run_dir"]), top=500) if r.get("run_dir") else {}
@@ -54,15 +57,29 @@ def profile_diff(rows: list[dict[str, Any]], top: int = TOP_CHANGED) -> dict[str
             a = statistics.median(sides["A"][op]) if op in sides["A"] else None
             b = statistics.median(sides["B"][op]) if op in sides["B"] else None
             delta = (b or 0.0) - (a or 0.0)
-            changed.append({"op": op, "a_ms": a, "b_ms": b, "delta_ms": delta,
-                            "delta_pct": 100 * (b / a - 1) if a and b is not None else None})  # fmt: skip
+            changed.append(
+                {
+                    "op": op,
+                    "a_ms": a,
+                    "b_ms": b,
+                    "delta_ms": delta,
+                    "delta_pct": 100 * (b / a - 1) if a and b is not None else None,
+                }
+            )
         changed.sort(key=lambda d: -abs(d["delta_ms"]))
         out[kind] = changed[:top]
     return out
 
 
-def build_report(*, setup: canary.Setup, sides: list[Side], rows: list[dict[str, Any]],
-                 pairs: list[dict[str, Any]], stat: dict[str, Any], elapsed_s: float) -> dict[str, Any]:  # fmt: skip
+def build_report(
+    *,
+    setup: canary.Setup,
+    sides: list[Side],
+    rows: list[dict[str, Any]],
+    pairs: list[dict[str, Any]],
+    stat: dict[str, Any],
+    elapsed_s: float,
+) -> dict[str, Any]:
     others = {}
     for key in RATIO_LABELS:
         vals = [p["ratio"][key] for p in pairs if p["ratio"].get(key) is not None]
@@ -73,33 +90,54 @@ def build_report(*, setup: canary.Setup, sides: list[Side], rows: list[dict[str,
     for side in sides:
         mine = [r for r in rows if r["side"] == side.name]
         per_side[side.name] = {
-            "spec": side.spec, "python": side.python, "overrides": side.overrides, "slow_pct": side.slow_pct,
-            "workers": len(mine), "run_ids": [r["run_id"] for r in mine],
-            **{f"{k}_median": statistics.median(r[k] for r in mine) if mine else None
-               for k in (SPEED, MFU_R, "tokens_per_s", "ref_cpu_ms", "step_cpu_ms", "mem_peak_bytes", "final_loss")},
-        }  # fmt: skip
+            "spec": side.spec,
+            "python": side.python,
+            "overrides": side.overrides,
+            "slow_pct": side.slow_pct,
+            "workers": len(mine),
+            "run_ids": [r["run_id"] for r in mine],
+            **{
+                f"{k}_median": statistics.median(r[k] for r in mine) if mine else None
+                for k in (
+                    SPEED,
+                    MFU_R,
+                    "tokens_per_s",
+                    "ref_cpu_ms",
+                    "step_cpu_ms",
+                    "mem_peak_bytes",
+                    "final_loss",
+                )
+            },
+        }
     c = setup.canary
-    return canary._finite({
-        "kind": "ab",
-        "verdict": stat["verdict"],
-        "exit_code": canary.EXIT_FAIL if stat["verdict"] == canary.FAIL else canary.EXIT_PASS,
-        "state": stat["state"],
-        "statistic": {**stat, "metric": SPEED, "label": RATIO_LABELS[SPEED], "method": "median of per-pair B/A "
-                      f"ratios, sign-test interval (>= {100 * c.ab_confidence:g}% coverage where n allows)"},
-        "other_ratios": others,
-        "config": str(setup.path),
-        "config_label": setup.label(),
-        "timing": rows[0]["timing"] if rows else None,
-        "order": c.ab_order,
-        "sequence": "".join(p["order"] for p in pairs),
-        "gates": {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name.startswith("ab_")},
-        "sides": per_side,
-        "pairs": pairs,
-        "workers": [{k: v for k, v in r.items() if k != "env"} for r in rows],
-        "env_diff": env_diff(sides, rows),
-        "profile_diff": profile_diff(rows),
-        "elapsed_s": elapsed_s,
-    })  # fmt: skip
+    return canary._finite(
+        {
+            "kind": "ab",
+            "verdict": stat["verdict"],
+            "exit_code": canary.EXIT_FAIL if stat["verdict"] == canary.FAIL else canary.EXIT_PASS,
+            "state": stat["state"],
+            "statistic": {
+                **stat,
+                "metric": SPEED,
+                "label": RATIO_LABELS[SPEED],
+                "method": "median of per-pair B/A "
+                f"ratios, sign-test interval (>= {100 * c.ab_confidence:g}% coverage where n allows)",
+            },
+            "other_ratios": others,
+            "config": str(setup.path),
+            "config_label": setup.label(),
+            "timing": rows[0]["timing"] if rows else None,
+            "order": c.ab_order,
+            "sequence": "".join(p["order"] for p in pairs),
+            "gates": {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name.startswith("ab_")},
+            "sides": per_side,
+            "pairs": pairs,
+            "workers": [{k: v for k, v in r.items() if k != "env"} for r in rows],
+            "env_diff": env_diff(sides, rows),
+            "profile_diff": profile_diff(rows),
+            "elapsed_s": elapsed_s,
+        }
+    )
 
 
 def write_reports(rep: dict[str, Any], report_dir: Path) -> tuple[Path, Path]:
@@ -118,51 +156,83 @@ def _r(v: Any) -> str:
 def render_markdown(rep: dict[str, Any]) -> str:
     st, sides = rep["statistic"], rep["sides"]
     lo, hi = st["ci"]
-    out = [f"# A/B canary: {rep['verdict'].upper()}", "",
-           f"> {rep['state']}", "",
-           f"- A: `{sides['A']['spec']}`" + (f", injected slowdown {sides['A']['slow_pct']:g}%" if sides["A"]["slow_pct"] else ""),
-           f"- B: `{sides['B']['spec']}`" + (f", injected slowdown {sides['B']['slow_pct']:g}%" if sides["B"]["slow_pct"] else ""),
-           f"- config: `{rep['config_label']}`; timing: {rep['timing']}; order: {rep['order']} (`{rep['sequence']}`)",
-           f"- statistic: {st['label']}: median B/A **{st['median']:.4f}** ({st['delta_pct']:+.2f}%) over {st['n_pairs']} "
-           f"pairs, interval [{lo:.4f}, {hi:.4f}] ({100 * st['coverage']:.1f}% sign-test coverage); fails below "
-           f"{st['fail_below']:.4f} (canary.ab_fail_pct = {rep['gates']['ab_fail_pct']:g}); B faster in "
-           f"{st['b_faster_pairs']} of {st['n_pairs']} pairs",
-           f"- {rep['elapsed_s'] / 60:.1f} min for {2 * st['n_pairs']} worker processes", ""]  # fmt: skip
+    out = [
+        f"# A/B canary: {rep['verdict'].upper()}",
+        "",
+        f"> {rep['state']}",
+        "",
+        f"- A: `{sides['A']['spec']}`"
+        + (f", injected slowdown {sides['A']['slow_pct']:g}%" if sides["A"]["slow_pct"] else ""),
+        f"- B: `{sides['B']['spec']}`"
+        + (f", injected slowdown {sides['B']['slow_pct']:g}%" if sides["B"]["slow_pct"] else ""),
+        f"- config: `{rep['config_label']}`; timing: {rep['timing']}; order: {rep['order']} (`{rep['sequence']}`)",
+        f"- statistic: {st['label']}: median B/A **{st['median']:.4f}** ({st['delta_pct']:+.2f}%) over {st['n_pairs']} "
+        f"pairs, interval [{lo:.4f}, {hi:.4f}] ({100 * st['coverage']:.1f}% sign-test coverage); fails below "
+        f"{st['fail_below']:.4f} (canary.ab_fail_pct = {rep['gates']['ab_fail_pct']:g}); B faster in "
+        f"{st['b_faster_pairs']} of {st['n_pairs']} pairs",
+        f"- {rep['elapsed_s'] / 60:.1f} min for {2 * st['n_pairs']} worker processes",
+        "",
+    ]
     if rep["other_ratios"]:
         out += ["| ratio B/A | median | interval |", "|---|---|---|"]
         for k, s in rep["other_ratios"].items():
             out.append(f"| {RATIO_LABELS[k]} | {_r(s['median'])} | [{_r(s['ci'][0])}, {_r(s['ci'][1])}] |")
         if MFU_R not in rep["other_ratios"]:
-            out.append("\nMFU ratio not shown: A and B do different FLOPs per token, so MFU is no speed to compare.")
+            out.append(
+                "\nMFU ratio not shown: A and B do different FLOPs per token, so MFU is no speed to compare."
+            )
         out.append("")
-    out += ["## Pairs", "", "| pair | order | A run | B run | B/A (gated) | B/A tokens/s raw | B/A MFU | load |",
-            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    out += [
+        "## Pairs",
+        "",
+        "| pair | order | A run | B run | B/A (gated) | B/A tokens/s raw | B/A MFU | load |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for p in rep["pairs"]:
         r = p["ratio"]
-        out.append(f"| {p['pair']} | {p['order']} | `{p['a_run']}` | `{p['b_run']}` | {_r(r.get(SPEED))} | "
-                   f"{_r(r.get('tokens_per_s'))} | {_r(r.get(MFU_R))} | {p['load']:.1f} |")  # fmt: skip
+        out.append(
+            f"| {p['pair']} | {p['order']} | `{p['a_run']}` | `{p['b_run']}` | {_r(r.get(SPEED))} | "
+            f"{_r(r.get('tokens_per_s'))} | {_r(r.get(MFU_R))} | {p['load']:.1f} |"
+        )
     out += ["", "## Environments", "", "| key | A | B | |", "|---|---|---|---|"]
     for d in rep["env_diff"]:
         out.append(f"| {d['key']} | {d['a']} | {d['b']} | {'**differs**' if d['differs'] else ''} |")
     out += ["", "| per side (median over its workers) | A | B |", "|---|---|---|"]
-    for k in ("mfu_median", "tokens_per_s_median", "ref_cpu_ms_median", "step_cpu_ms_median", "final_loss_median"):
+    for k in (
+        "mfu_median",
+        "tokens_per_s_median",
+        "ref_cpu_ms_median",
+        "step_cpu_ms_median",
+        "final_loss_median",
+    ):
         out.append(f"| {k.removesuffix('_median')} | {_fmt(k, sides['A'][k])} | {_fmt(k, sides['B'][k])} |")
     prof = rep["profile_diff"]
     out += ["", "## Ops that changed most (profiler window, median over each side's workers)", ""]
-    for kind, title, col in (("host", "Host ops, self time per step", "self ms"),
-                             ("device", "Device kernels, total time per step", "total ms")):  # fmt: skip
+    for kind, title, col in (
+        ("host", "Host ops, self time per step", "self ms"),
+        ("device", "Device kernels, total time per step", "total ms"),
+    ):
         if not prof.get(kind):
             continue
-        out += [f"**{title}**", "", f"| op | A {col} | B {col} | B - A ms | change |", "|---|---|---|---|---|"]
+        out += [
+            f"**{title}**",
+            "",
+            f"| op | A {col} | B {col} | B - A ms | change |",
+            "|---|---|---|---|---|",
+        ]
         for d in prof[kind]:
             pct = "—" if d["delta_pct"] is None else f"{d['delta_pct']:+.0f}%"
-            out.append(f"| `{d['op'][:90]}` | {_r(d['a_ms'])} | {_r(d['b_ms'])} | {d['delta_ms']:+.4f} | {pct} |")
+            out.append(
+                f"| `{d['op'][:90]}` | {_r(d['a_ms'])} | {_r(d['b_ms'])} | {d['delta_ms']:+.4f} | {pct} |"
+            )
         out.append("")
     if not prof.get("host") and not prof.get("device"):
         out.append("No profiler traces (telemetry.profile = false?).")
     else:
-        out.append(f"Profiled workers: A {prof['workers_profiled']['A']}, B {prof['workers_profiled']['B']}; a few "
-                   "steps each on a shared host: read only large changes or ops that appear or vanish.")  # fmt: skip
+        out.append(
+            f"Profiled workers: A {prof['workers_profiled']['A']}, B {prof['workers_profiled']['B']}; a few "
+            "steps each on a shared host: read only large changes or ops that appear or vanish."
+        )
     return "\n".join(out) + "\n"
 
 
@@ -178,9 +248,11 @@ def _fmt(key: str, v: Any) -> str:
 
 def print_summary(rep: dict[str, Any]) -> None:
     st = rep["statistic"]
-    print(f"canary A/B {rep['verdict'].upper()}: B/A tokens/s median {st['median']:.4f} ({st['delta_pct']:+.2f}%), "
-          f"interval [{st['ci'][0]:.4f}, {st['ci'][1]:.4f}] over {st['n_pairs']} pairs; {rep['state']}; "
-          f"{rep['elapsed_s'] / 60:.1f} min; report: {rep.get('report_md', '')}")  # fmt: skip
+    print(
+        f"canary A/B {rep['verdict'].upper()}: B/A tokens/s median {st['median']:.4f} ({st['delta_pct']:+.2f}%), "
+        f"interval [{st['ci'][0]:.4f}, {st['ci'][1]:.4f}] over {st['n_pairs']} pairs; {rep['state']}; "
+        f"{rep['elapsed_s'] / 60:.1f} min; report: {rep.get('report_md', '')}"
+    )
     for d in rep["env_diff"]:
         if d["differs"]:
             print(f"  {d['key']}: A {d['a']} | B {d['b']}")

@@ -15,8 +15,14 @@ from guard.tomlconf import ConfigError
 # name -> (module, one-line help). Order is the order --help lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("trainer.cli", "train an MoE model with the stability guard on (telemetry to the run store)"),
-    "demo": ("trainer.demo", "fault drill: same seed clean / faulty-unguarded / faulty-guarded, side by side"),
-    "replay": ("guard.replay", "run the detectors and policy over a recorded run and print what they would do"),
+    "demo": (
+        "trainer.demo",
+        "fault drill: same seed clean / faulty-unguarded / faulty-guarded, side by side",
+    ),
+    "replay": (
+        "guard.replay",
+        "run the detectors and policy over a recorded run and print what they would do",
+    ),
     "collector": ("guard.collector", "HTTP service: ingest telemetry, server-side detectors, /metrics"),
     "pager": ("guard.pager", "receive Alertmanager webhooks and guard events; page PagerDuty/Slack/webhooks"),
     "app": ("dashboards.launch", "start the Streamlit run-health app over a run store"),

@@ -384,8 +384,19 @@ def parse_batch(body: bytes, limits: CollectorLimits | None = None) -> Batch:
     writer = d.get("writer")
     if writer is not None and not (isinstance(writer, str) and WRITER_RE.fullmatch(writer)):
         raise BadRequest(f"field 'writer': expected {WRITER_RE.pattern}, got {str(writer)[:60]!r}")
-    return Batch(run=d["run"], rank=rank, seq=seq, meta=meta, reports=reports, events=events, heartbeat=hb,
-                 commands_ack=ack, trainer_detectors=td, final=final, writer=writer)  # fmt: skip
+    return Batch(
+        run=d["run"],
+        rank=rank,
+        seq=seq,
+        meta=meta,
+        reports=reports,
+        events=events,
+        heartbeat=hb,
+        commands_ack=ack,
+        trainer_detectors=td,
+        final=final,
+        writer=writer,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -510,11 +521,13 @@ def report_frames(reports: list[StepReport]) -> dict[str, pl.DataFrame]:
             pos = np.minimum(pos, max(len(moe) - 1, 0))
             hit = (len(moe) > 0) & (moe[order][pos] == r.layer_ids_L) if len(moe) else np.zeros(n_l, bool)
             idx = order[pos] if len(moe) else pos
-            for name, arr, fill, dt in (("router_entropy", r.router_entropy_M, np.nan, np.float64),
-                                        ("load_entropy", r.load_entropy_M, np.nan, np.float64),
-                                        ("maxvio", r.maxvio_M, np.nan, np.float64),
-                                        ("dead_experts", r.dead_experts_M, 0, np.int32),
-                                        ("bias_norm", r.bias_norm_M, np.nan, np.float64)):  # fmt: skip
+            for name, arr, fill, dt in (
+                ("router_entropy", r.router_entropy_M, np.nan, np.float64),
+                ("load_entropy", r.load_entropy_M, np.nan, np.float64),
+                ("maxvio", r.maxvio_M, np.nan, np.float64),
+                ("dead_experts", r.dead_experts_M, 0, np.int32),
+                ("bias_norm", r.bias_norm_M, np.nan, np.float64),
+            ):
                 col = np.full(n_l, fill, dt)
                 if len(moe):
                     col[hit] = arr[idx[hit]]
@@ -555,8 +568,14 @@ class RunState:
     """A run's dedupe marks, pending rows, log and detectors. `lock` guards memory;
     `ckpt_lock` serialises checkpoints and truncations (taken before `lock`)."""
 
-    def __init__(self, run: str, run_dir: Path, cfg: CollectorConfig, metrics: CollectorMetrics,
-                 notifier: PagerNotifier | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run: str,
+        run_dir: Path,
+        cfg: CollectorConfig,
+        metrics: CollectorMetrics,
+        notifier: PagerNotifier | None = None,
+    ) -> None:
         self.run, self.dir, self.cfg, self.metrics, self.notifier = run, run_dir, cfg, metrics, notifier
         self.lock = threading.Lock()
         self.ckpt_lock = threading.Lock()
@@ -596,12 +615,23 @@ class RunState:
         st = _load_json(self.state_dir / STATE_FILE, None)
         if st is None:  # first time: commit an empty state over whatever is already there
             last = scan_last_step(self.dir)
-            st = {"segment_done": 0, "next_part_seq": next_part_seq(self.dir), "hwm": {}, "acks": {},
-                  "last_step": last, "ranks": {}}  # fmt: skip
+            st = {
+                "segment_done": 0,
+                "next_part_seq": next_part_seq(self.dir),
+                "hwm": {},
+                "acks": {},
+                "last_step": last,
+                "ranks": {},
+            }
             self._commit_state(st)
         p = parse_state(st)
         self.segment_done, self.next_part, self.hwm, self.acks = p.segment_done, p.next_part, p.hwm, p.acks
-        self.retired, self.writers, self.last_step, self.report_gen = p.retired, p.writers, p.last_step, p.report_gen
+        self.retired, self.writers, self.last_step, self.report_gen = (
+            p.retired,
+            p.writers,
+            p.last_step,
+            p.report_gen,
+        )
         self.trainer_detectors, ranks = p.trainer_detectors, p.ranks
         self.meta = read_meta(self.dir)  # a JSON object or None: check_run_layout refused anything else
         self.status = (self.meta or {}).get("status")
@@ -612,7 +642,9 @@ class RunState:
         try:
             self.metrics.load_liveness_state(self.run, st.get("liveness", {}))
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # learned again from the next beats
-            log.warning("run %s: %s liveness state not restored (%s: %s)", self.run, STATE_FILE, type(e).__name__, e)
+            log.warning(
+                "run %s: %s liveness state not restored (%s: %s)", self.run, STATE_FILE, type(e).__name__, e
+            )
         # parts written by a checkpoint that never committed
         for t in schema.TABLES:
             for p in part_files(self.dir, t):
@@ -695,7 +727,9 @@ class RunState:
         try:
             self._ingest(b, body, now)
         except OSError as e:  # before the commit point: nothing was applied
-            log.warning("run %s: batch rank %d seq %d not stored (%r); the client retries", self.run, b.rank, b.seq, e)
+            log.warning(
+                "run %s: batch rank %d seq %d not stored (%r); the client retries", self.run, b.rank, b.seq, e
+            )
             raise StorageFailed(f"run {self.run}: storage error, nothing stored, retry: {e!r}") from e
 
     def _is_restart(self, b: Batch) -> bool:
@@ -719,9 +753,14 @@ class RunState:
         first = min(r.step for r in b.reports) if self._needs_truncate(b) else None
         if first is not None:
             self._supersede(b, first)
-        durable = bool(b.events or b.meta or (b.rank == 0 and b.reports) or b.final
-                       or (b.trainer_detectors and not self.trainer_detectors)
-                       or (b.commands_ack is not None and b.commands_ack > self.acks.get(b.rank, -1)))  # fmt: skip
+        durable = bool(
+            b.events
+            or b.meta
+            or (b.rank == 0 and b.reports)
+            or b.final
+            or (b.trainer_detectors and not self.trainer_detectors)
+            or (b.commands_ack is not None and b.commands_ack > self.acks.get(b.rank, -1))
+        )
         if durable and body is not None:
             self.wal.append(body)  # the commit point: the batch is durable from here on
         try:
@@ -730,7 +769,9 @@ class RunState:
             if body is None:
                 raise  # replay at start: the run is quarantined
             self.failed = e
-            log.exception("run %s: applying a logged batch failed; run refuses ingest until restart", self.run)
+            log.exception(
+                "run %s: applying a logged batch failed; run refuses ingest until restart", self.run
+            )
             raise StorageFailed(f"run {self.run}: internal error after the batch was logged: {e!r}") from e
         if self.meta_dirty and not replay:
             try:
@@ -755,8 +796,16 @@ class RunState:
             write_part_file(dest / table / part_name(int(df["step"].min()), self.next_part), df)  # type: ignore[arg-type]
             fsync_dir(dest / table)
             moved += df.height
-        log.warning("run %s: rank 0 generation %d re-runs steps from %d; %d rows after step %d moved to %s "
-                    "(kept, not deleted)", self.run, b.generation, first, moved, first - 1, dest)  # fmt: skip
+        log.warning(
+            "run %s: rank 0 generation %d re-runs steps from %d; %d rows after step %d moved to %s "
+            "(kept, not deleted)",
+            self.run,
+            b.generation,
+            first,
+            moved,
+            first - 1,
+            dest,
+        )
 
     def classify(self, b: Batch) -> str:
         """new | duplicate | conflict, for a batch of (run, rank). A rank is written by one
@@ -778,8 +827,14 @@ class RunState:
         key = (b.rank, b.generation)
         if key not in self._conflicts_logged and len(self._conflicts_logged) < 64:
             self._conflicts_logged.add(key)
-            log.warning("run %s rank %d: refusing batches of writer generation %d; generation %d writes this "
-                        "run now (two trainers on one run id?)", self.run, b.rank, b.generation, current)  # fmt: skip
+            log.warning(
+                "run %s rank %d: refusing batches of writer generation %d; generation %d writes this "
+                "run now (two trainers on one run id?)",
+                self.run,
+                b.rank,
+                b.generation,
+                current,
+            )
         return GenerationConflict(self.run, b.rank, b.generation, current)
 
     def _apply(self, b: Batch, now: float, truncated_from: int | None, live: bool) -> None:
@@ -808,7 +863,12 @@ class RunState:
         m = self.metrics
         was_halted, was_status = m.is_halted(self.run), self.status
         if b.meta:
-            meta = {**(self.meta or {}), **b.meta, "schema_version": schema.SCHEMA_VERSION, "updated_at": time.time()}
+            meta = {
+                **(self.meta or {}),
+                **b.meta,
+                "schema_version": schema.SCHEMA_VERSION,
+                "updated_at": time.time(),
+            }
             meta.setdefault("run_id", self.run)
             self._set_meta(meta)
             m.set_meta(self.run, meta)
@@ -874,8 +934,11 @@ class RunState:
         if any(e["kind"] == schema.EV_RESUME for e in b.events):
             return []
         first = min(b.reports, key=lambda r: r.step)
-        ev = Event(step=first.step, kind=schema.EV_RESUME,
-                   detail={"source": "collector", "after": schema.STATUS_HALTED, "generation": b.generation})  # fmt: skip
+        ev = Event(
+            step=first.step,
+            kind=schema.EV_RESUME,
+            detail={"source": "collector", "after": schema.STATUS_HALTED, "generation": b.generation},
+        )
         ev.time = first.time
         return [ev.row()]
 
@@ -894,12 +957,19 @@ class RunState:
         if status in ENDED and was_status not in ENDED:
             self.metrics.end_heartbeats(self.run)  # every rank: the run is over
         if status != self.status and status is not None:
-            self._set_meta({**(self.meta or self._minimal_meta()), "status": status, "updated_at": time.time()})
+            self._set_meta(
+                {**(self.meta or self._minimal_meta()), "status": status, "updated_at": time.time()}
+            )
             self.status = status
 
     def _minimal_meta(self) -> dict[str, Any]:
-        return {"run_id": self.run, "status": schema.STATUS_RUNNING, "source": "collector",
-                "schema_version": schema.SCHEMA_VERSION, "updated_at": time.time()}  # fmt: skip
+        return {
+            "run_id": self.run,
+            "status": schema.STATUS_RUNNING,
+            "source": "collector",
+            "schema_version": schema.SCHEMA_VERSION,
+            "updated_at": time.time(),
+        }
 
     def _set_meta(self, meta: dict[str, Any]) -> None:
         self.meta, self.meta_dirty = meta, True
@@ -907,8 +977,10 @@ class RunState:
     def _write_meta(self) -> None:
         """Write meta.json from memory. Caller holds `lock`."""
         if self.meta is not None:
-            atomic_write_bytes(self.dir / schema.META_FILE,
-                               json.dumps(self.meta, indent=2, sort_keys=True, default=str).encode())  # fmt: skip
+            atomic_write_bytes(
+                self.dir / schema.META_FILE,
+                json.dumps(self.meta, indent=2, sort_keys=True, default=str).encode(),
+            )
         self.meta_dirty = False
 
     def _answer(self, b: Batch, duplicate: bool) -> dict[str, Any]:
@@ -927,8 +999,13 @@ class RunState:
         with self.lock:
             if self.evicted:
                 raise RunEvicted(self.run)
-            cmd = {"id": max((c["id"] for c in self.commands), default=0) + 1, "action": action,
-                   "reason": reason, "rank": rank, "time": time.time()}  # fmt: skip
+            cmd = {
+                "id": max((c["id"] for c in self.commands), default=0) + 1,
+                "action": action,
+                "reason": reason,
+                "rank": rank,
+                "time": time.time(),
+            }
             cmds = [*self.commands, cmd]
             atomic_write_bytes(self.state_dir / "commands.json", json.dumps(cmds).encode())
             self.commands = cmds
@@ -948,13 +1025,23 @@ class RunState:
                         log.warning("run %s: meta.json not written (%r); checkpoint postponed", self.run, e)
                         return
                 snap = _Snapshot(
-                    segment=self.wal.rotate(), reports=self.pending_reports, events=self.pending_events,
-                    state={"hwm": dict(self.hwm), "acks": dict(self.acks), "last_step": self.last_step,
-                           "trainer_detectors": self.trainer_detectors, "report_gen": self.report_gen,
-                           "retired": {str(r): {str(g): v for g, v in gens.items()} for r, gens in self.retired.items()},
-                           "writers": {str(r): w for r, w in self.writers.items()},
-                           "ranks": self._rank_beats(), "liveness": self.metrics.liveness_state(self.run)},
-                )  # fmt: skip
+                    segment=self.wal.rotate(),
+                    reports=self.pending_reports,
+                    events=self.pending_events,
+                    state={
+                        "hwm": dict(self.hwm),
+                        "acks": dict(self.acks),
+                        "last_step": self.last_step,
+                        "trainer_detectors": self.trainer_detectors,
+                        "report_gen": self.report_gen,
+                        "retired": {
+                            str(r): {str(g): v for g, v in gens.items()} for r, gens in self.retired.items()
+                        },
+                        "writers": {str(r): w for r, w in self.writers.items()},
+                        "ranks": self._rank_beats(),
+                        "liveness": self.metrics.liveness_state(self.run),
+                    },
+                )
                 self.pending_reports, self.pending_events, self.dirty = [], [], False
             try:
                 self._write(snap)
@@ -1010,8 +1097,11 @@ class GenerationConflict(Exception):
     """A batch from an exporter generation older than the one that writes (run, rank) now."""
 
     def __init__(self, run: str, rank: int, generation: int, current: int) -> None:
-        since = (f"but generation {current} has written this run since" if generation != current else
-                 "but another process of that generation (started in the same second) writes this run")  # fmt: skip
+        since = (
+            f"but generation {current} has written this run since"
+            if generation != current
+            else "but another process of that generation (started in the same second) writes this run"
+        )
         super().__init__(
             f"run {run!r} rank {rank}: generation conflict: this batch is from writer generation {generation}, "
             f"{since}. Two trainers are writing one run id, or this trainer was superseded by a restarted one. "
@@ -1022,8 +1112,10 @@ class GenerationConflict(Exception):
 
 class RunQuarantined(StorageFailed):
     def __init__(self, run: str, reason: str) -> None:
-        super().__init__(f"run {run} is quarantined (its files are damaged; repair them and restart the "
-                         f"collector): {reason}")  # fmt: skip
+        super().__init__(
+            f"run {run} is quarantined (its files are damaged; repair them and restart the "
+            f"collector): {reason}"
+        )
         self.run, self.reason = run, reason
 
 
@@ -1087,19 +1179,33 @@ def parse_state(st: Any) -> _State:
     try:
         hwm = {_nonneg(int(k)): _nonneg(v) for k, v in st["hwm"].items()}
         return _State(
-            segment_done=_nonneg(st["segment_done"]), next_part=_nonneg(st["next_part_seq"]), hwm=hwm,
+            segment_done=_nonneg(st["segment_done"]),
+            next_part=_nonneg(st["next_part_seq"]),
+            hwm=hwm,
             acks={_nonneg(int(k)): int(v) for k, v in st["acks"].items()},
-            retired={_nonneg(int(r)): {_nonneg(int(g)): _nonneg(v) for g, v in gens.items()}
-                     for r, gens in st.get("retired", {}).items()},
+            retired={
+                _nonneg(int(r)): {_nonneg(int(g)): _nonneg(v) for g, v in gens.items()}
+                for r, gens in st.get("retired", {}).items()
+            },
             writers={_nonneg(int(r)): str(w) for r, w in st.get("writers", {}).items()},
             last_step=int(st["last_step"]),
             report_gen=int(st.get("report_gen", (hwm[0] >> GEN_SHIFT) if 0 in hwm else -1)),
             trainer_detectors=bool(st.get("trainer_detectors", False)),
-            ranks=[(int(r), float(seen), sent if sent is None else float(sent), int(step), PHASES[PHASES.index(phase)])
-                   for r, (seen, sent, step, phase) in st.get("ranks", {}).items()],
-        )  # fmt: skip
+            ranks=[
+                (
+                    int(r),
+                    float(seen),
+                    sent if sent is None else float(sent),
+                    int(step),
+                    PHASES[PHASES.index(phase)],
+                )
+                for r, (seen, sent, step, phase) in st.get("ranks", {}).items()
+            ],
+        )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise RunDamaged(f"{STATE_DIR}/{STATE_FILE}: not a state this collector wrote ({type(e).__name__}: {e})") from e
+        raise RunDamaged(
+            f"{STATE_DIR}/{STATE_FILE}: not a state this collector wrote ({type(e).__name__}: {e})"
+        ) from e
 
 
 @dataclass(slots=True)
@@ -1109,7 +1215,9 @@ class ColdRun:
     meta: dict[str, Any] | None
     beats: dict[int, list[Any]]  # rank -> [last seen, last sent, step, phase]
     last_step: int
-    liveness: dict[str, Any] = field(default_factory=dict)  # learned deadlines (CollectorMetrics.liveness_state)
+    liveness: dict[str, Any] = field(
+        default_factory=dict
+    )  # learned deadlines (CollectorMetrics.liveness_state)
 
 
 def scan_run(run_dir: Path) -> ColdRun | None:
@@ -1130,8 +1238,12 @@ def scan_run(run_dir: Path) -> ColdRun | None:
                 return None  # batches to replay
     beats = {rank: [seen, sent, step, phase] for rank, seen, sent, step, phase in p.ranks}
     liveness = st.get("liveness")
-    return ColdRun(meta=read_meta(run_dir), beats=beats, last_step=p.last_step,
-                   liveness=liveness if isinstance(liveness, dict) else {})  # fmt: skip
+    return ColdRun(
+        meta=read_meta(run_dir),
+        beats=beats,
+        last_step=p.last_step,
+        liveness=liveness if isinstance(liveness, dict) else {},
+    )
 
 
 def _nonneg(v: Any) -> int:
@@ -1142,7 +1254,9 @@ def _nonneg(v: Any) -> int:
 
 def _load_commands(p: Path) -> list[dict[str, Any]]:
     cmds = _load_json(p, [])
-    if not isinstance(cmds, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), int) for c in cmds):
+    if not isinstance(cmds, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("id"), int) for c in cmds
+    ):
         raise RunDamaged(f"{STATE_DIR}/{COMMANDS_FILE}: expected a list of commands with integer ids")
     return cmds
 
@@ -1204,7 +1318,9 @@ class Collector:
 
     def __init__(self, cfg: CollectorConfig, metrics: CollectorMetrics | None = None) -> None:
         self.cfg = cfg
-        self.metrics = metrics or CollectorMetrics(heartbeat=cfg.heartbeat, limits=cfg.limits, progress=cfg.progress)
+        self.metrics = metrics or CollectorMetrics(
+            heartbeat=cfg.heartbeat, limits=cfg.limits, progress=cfg.progress
+        )
         self.runs: dict[str, RunState] = {}
         self.quarantined: dict[str, str] = {}  # run -> why it was not loaded
         self._runs_lock = threading.Lock()
@@ -1259,8 +1375,13 @@ class Collector:
             self.pending_load -= 1
         self.pending_load = 0
         self.loaded.set()
-        log.info("start-up scan done: %d runs in %.1f s (%d held in full, %d quarantined)", len(names),
-                 time.monotonic() - t0, len(self.runs), len(self.quarantined))  # fmt: skip
+        log.info(
+            "start-up scan done: %d runs in %.1f s (%d held in full, %d quarantined)",
+            len(names),
+            time.monotonic() - t0,
+            len(self.runs),
+            len(self.quarantined),
+        )
 
     def _load_one(self, run: str) -> None:
         """Scan one run at start-up: a compact record from its JSON files, or a full load when it
@@ -1279,8 +1400,9 @@ class Collector:
             return
         with self._runs_lock:
             if run not in self.runs and run not in self.quarantined:
-                self.metrics.cold_load(run, meta=cold.meta, beats=cold.beats, stored_step=cold.last_step,
-                                       liveness=cold.liveness)  # fmt: skip
+                self.metrics.cold_load(
+                    run, meta=cold.meta, beats=cold.beats, stored_step=cold.last_step, liveness=cold.liveness
+                )
 
     def close(self) -> None:
         self._stop.set()
@@ -1371,12 +1493,18 @@ class Collector:
         and restarts the collector. Caller holds `_runs_lock`."""
         self.quarantined[run] = reason
         self.metrics.end_heartbeats(run)  # a refused run is not "lost": the quarantine alerts
-        log.warning("run %s: quarantined, not served until repaired and the collector restarts: %s", run, reason)
+        log.warning(
+            "run %s: quarantined, not served until repaired and the collector restarts: %s", run, reason
+        )
         state_dir = self.cfg.runs_dir / run / STATE_DIR
         if state_dir.is_dir():
             try:
-                atomic_write_bytes(state_dir / QUARANTINE_FILE, json.dumps(
-                    {"run": run, "reason": reason, "time": time.time(), "pid": os.getpid()}, indent=2).encode())  # fmt: skip
+                atomic_write_bytes(
+                    state_dir / QUARANTINE_FILE,
+                    json.dumps(
+                        {"run": run, "reason": reason, "time": time.time(), "pid": os.getpid()}, indent=2
+                    ).encode(),
+                )
             except OSError as e:
                 log.warning("run %s: could not record the quarantine in %s: %r", run, state_dir, e)
         return RunQuarantined(run, reason)
@@ -1393,17 +1521,26 @@ class Collector:
         ahead = batch.generation - (time.time() + MAX_GENERATION_AHEAD_S)
         if ahead > 0:  # e.g. seq = 2**63 - 1: it would own the run, and block it, for decades
             self.metrics.batch("bad_request")
-            return 400, {"error": f"field 'seq': generation {batch.generation} (seq >> {GEN_SHIFT}, the writer's "
-                         f"start time in seconds) is {ahead + MAX_GENERATION_AHEAD_S:.0f} s ahead of this "
-                         f"collector's clock (at most {MAX_GENERATION_AHEAD_S} s allowed)"}  # fmt: skip
+            return 400, {
+                "error": f"field 'seq': generation {batch.generation} (seq >> {GEN_SHIFT}, the writer's "
+                f"start time in seconds) is {ahead + MAX_GENERATION_AHEAD_S:.0f} s ahead of this "
+                f"collector's clock (at most {MAX_GENERATION_AHEAD_S} s allowed)"
+            }
         try:
             ans = self._with_run(batch.run, lambda rs: rs.ingest(batch, body))
         except LimitExceeded as e:
             return self._over_limit(e)
         except GenerationConflict as e:
             self.metrics.batch("conflict")
-            return 409, {"error": str(e), "conflict": {"run": e.run, "rank": e.rank, "generation": e.generation,
-                                                       "current_generation": e.current}}  # fmt: skip
+            return 409, {
+                "error": str(e),
+                "conflict": {
+                    "run": e.run,
+                    "rank": e.rank,
+                    "generation": e.generation,
+                    "current_generation": e.current,
+                },
+            }
         except RunQuarantined as e:
             self.metrics.batch("quarantined")
             return 503, {"error": str(e)}
@@ -1423,20 +1560,32 @@ class Collector:
 
     def _over_limit(self, e: LimitExceeded) -> tuple[int, dict[str, Any]]:
         self.metrics.refused(e.limit)
-        return 400, {"error": str(e), "limit": {"name": e.limit, "value": e.value, "max": e.maximum,
-                                                "flag": LIMIT_FLAGS[e.limit]}}  # fmt: skip
+        return 400, {
+            "error": str(e),
+            "limit": {"name": e.limit, "value": e.value, "max": e.maximum, "flag": LIMIT_FLAGS[e.limit]},
+        }
 
     def list_runs(self) -> list[dict[str, Any]]:
         now = time.time()
-        names = set(self.runs) | set(self.quarantined) | {d.name for d in self.cfg.runs_dir.iterdir()
-                                  if d.is_dir() and (d / schema.META_FILE).is_file()}  # fmt: skip
+        names = (
+            set(self.runs)
+            | set(self.quarantined)
+            | {d.name for d in self.cfg.runs_dir.iterdir() if d.is_dir() and (d / schema.META_FILE).is_file()}
+        )
         out = []
         for run in sorted(names):
             rs = self.runs.get(run)
             meta = (rs.meta if rs is not None else read_meta(self.cfg.runs_dir / run)) or {}
             if run in self.quarantined:
-                out.append({"run": run, "status": meta.get("status", schema.STATUS_RUNNING), "last_step": None,
-                            "ranks": {}, "quarantined": self.quarantined[run]})  # fmt: skip
+                out.append(
+                    {
+                        "run": run,
+                        "status": meta.get("status", schema.STATUS_RUNNING),
+                        "last_step": None,
+                        "ranks": {},
+                        "quarantined": self.quarantined[run],
+                    }
+                )
                 continue
             ranks = self.metrics.rank_status(run, now)
             status = meta.get("status", schema.STATUS_RUNNING)
@@ -1447,9 +1596,15 @@ class Collector:
             last = self.metrics.last_step(run)
             if last is None and rs is not None and rs.last_step >= 0:
                 last = rs.last_step
-            out.append({"run": run, "status": status, "last_step": last,
-                        "ranks": {str(k): v for k, v in ranks.items()},
-                        "hot": rs is not None and not rs.evicted})  # fmt: skip
+            out.append(
+                {
+                    "run": run,
+                    "status": status,
+                    "last_step": last,
+                    "ranks": {str(k): v for k, v in ranks.items()},
+                    "hot": rs is not None and not rs.evicted,
+                }
+            )
         return _finite(out)
 
     def post_command(self, run: str, body: bytes) -> tuple[int, dict[str, Any]]:
@@ -1516,8 +1671,11 @@ def _restore_run_metrics(metrics: CollectorMetrics, run: str, run_dir: Path, met
             .collect()
             .row(0)
         )
-        metrics.set_halted(run, meta.get("status") == schema.STATUS_HALTED
-                           or (last_halt is not None and (last_resume is None or last_halt >= last_resume)))  # fmt: skip
+        metrics.set_halted(
+            run,
+            meta.get("status") == schema.STATUS_HALTED
+            or (last_halt is not None and (last_resume is None or last_halt >= last_resume)),
+        )
         b = metrics.baseline
         steps = scan_table(run_dir, schema.TABLE_STEPS)
         last = steps.select(pl.col("step").max()).collect().item()
@@ -1600,8 +1758,15 @@ def build_app(collector: Collector) -> Any:
         return Response(await run_in_threadpool(collector.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"ok": True, "runs": len(collector.runs), "quarantined": len(collector.quarantined),
-                             "known_runs": len(collector.metrics.runs()), "pending_load": collector.pending_load})  # fmt: skip
+        return JSONResponse(
+            {
+                "ok": True,
+                "runs": len(collector.runs),
+                "quarantined": len(collector.quarantined),
+                "known_runs": len(collector.metrics.runs()),
+                "pending_load": collector.pending_load,
+            }
+        )
 
     def refused(path: str) -> None:
         if path == "/v1/ingest":
@@ -1643,7 +1808,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help=f"accept writes without a bearer token (otherwise ${schema.ENV_TOKEN} is required)",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=8 << 20, help="a larger request body on any endpoint gets 413, read no further")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 << 20,
+        help="a larger request body on any endpoint gets 413, read no further",
+    )
     parser.add_argument(
         "--checkpoint-interval",
         type=float,
@@ -1658,14 +1828,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--heartbeat-floor", type=float, default=30.0, help="minimum heartbeat timeout, seconds"
     )
     pc = ProgressConfig()
-    parser.add_argument("--progress-safety", type=float, default=pc.safety_factor, metavar="X",
-                        help="RunStuck: a phase's deadline is X times the longest duration seen for it "
-                             f"(default {pc.safety_factor:g})")  # fmt: skip
-    parser.add_argument("--progress-floor", type=float, default=pc.floor_s, metavar="SECONDS",
-                        help=f"RunStuck: no deadline is shorter than this (default {pc.floor_s:g})")
-    parser.add_argument("--progress-first-deadline", type=float, default=pc.first_deadline_s, metavar="SECONDS",
-                        help="RunStuck: the deadline of a phase never seen to complete, and of a rank's start-up "
-                             f"(default {pc.first_deadline_s:g})")  # fmt: skip
+    parser.add_argument(
+        "--progress-safety",
+        type=float,
+        default=pc.safety_factor,
+        metavar="X",
+        help="RunStuck: a phase's deadline is X times the longest duration seen for it "
+        f"(default {pc.safety_factor:g})",
+    )
+    parser.add_argument(
+        "--progress-floor",
+        type=float,
+        default=pc.floor_s,
+        metavar="SECONDS",
+        help=f"RunStuck: no deadline is shorter than this (default {pc.floor_s:g})",
+    )
+    parser.add_argument(
+        "--progress-first-deadline",
+        type=float,
+        default=pc.first_deadline_s,
+        metavar="SECONDS",
+        help="RunStuck: the deadline of a phase never seen to complete, and of a rank's start-up "
+        f"(default {pc.first_deadline_s:g})",
+    )
     parser.add_argument("--port-file", default=None, help="write the bound port here once listening")
     parser.add_argument(
         "--pager-url",
@@ -1675,19 +1860,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "/v1/events in the background, so a halt pages in seconds (bearer token from $MOEGUARD_PAGER_TOKEN)",
     )
     d = CollectorLimits()
-    lim = parser.add_argument_group("limits", "a batch over one is refused whole with 400 naming it; see guard/limits.py")
-    lim.add_argument("--max-hot-runs", type=int, default=d.max_hot_runs,
-                     help="runs held in full in memory; the least recently used beyond are checkpointed and evicted, "
-                     "and reload on their next batch (default %(default)s)")
-    lim.add_argument("--max-ranks", type=int, default=d.max_ranks,
-                     help="rank ids must be below this (default %(default)s)")
-    lim.add_argument("--max-layers", type=int, default=d.max_layers,
-                     help="layer ids per report, and every layer id must be below this (default %(default)s)")
-    lim.add_argument("--max-detectors", type=int, default=d.max_detectors,
-                     help="distinct detector names per run (default %(default)s)")
-    lim.add_argument("--max-series-per-run", type=int, default=d.max_series_per_run,
-                     help="/metrics series per run; the rest are left out and counted in "
-                     f"{schema.M_COLLECTOR_SERIES_DROPPED} (default %(default)s)")  # fmt: skip
+    lim = parser.add_argument_group(
+        "limits", "a batch over one is refused whole with 400 naming it; see guard/limits.py"
+    )
+    lim.add_argument(
+        "--max-hot-runs",
+        type=int,
+        default=d.max_hot_runs,
+        help="runs held in full in memory; the least recently used beyond are checkpointed and evicted, "
+        "and reload on their next batch (default %(default)s)",
+    )
+    lim.add_argument(
+        "--max-ranks", type=int, default=d.max_ranks, help="rank ids must be below this (default %(default)s)"
+    )
+    lim.add_argument(
+        "--max-layers",
+        type=int,
+        default=d.max_layers,
+        help="layer ids per report, and every layer id must be below this (default %(default)s)",
+    )
+    lim.add_argument(
+        "--max-detectors",
+        type=int,
+        default=d.max_detectors,
+        help="distinct detector names per run (default %(default)s)",
+    )
+    lim.add_argument(
+        "--max-series-per-run",
+        type=int,
+        default=d.max_series_per_run,
+        help="/metrics series per run; the rest are left out and counted in "
+        f"{schema.M_COLLECTOR_SERIES_DROPPED} (default %(default)s)",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -1697,8 +1901,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = os.environ.get(schema.ENV_TOKEN) or None
     if token is None and not args.insecure_no_auth:
-        print(f"moeguard collector: set {schema.ENV_TOKEN} (writes need a bearer token), "
-              "or pass --insecure-no-auth to accept unauthenticated writes", flush=True)  # fmt: skip
+        print(
+            f"moeguard collector: set {schema.ENV_TOKEN} (writes need a bearer token), "
+            "or pass --insecure-no-auth to accept unauthenticated writes",
+            flush=True,
+        )
         return 2
     guard_cfg = None if args.no_detectors else load_guard_config(args.guard) if args.guard else GuardConfig()
     from guard.pager import ENV_PAGER_TOKEN
@@ -1708,12 +1915,22 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"moeguard collector: {e}", flush=True)
         return 2
-    cfg = CollectorConfig(runs_dir=Path(args.runs), token=token, max_body_bytes=args.max_body_bytes, limits=limits,
-                          checkpoint_interval_s=args.checkpoint_interval, guard=guard_cfg,
-                          heartbeat=HeartbeatConfig(floor_s=args.heartbeat_floor), pager_url=args.pager_url,
-                          progress=ProgressConfig(safety_factor=args.progress_safety, floor_s=args.progress_floor,
-                                                  first_deadline_s=args.progress_first_deadline),
-                          pager_token=os.environ.get(ENV_PAGER_TOKEN) or None)  # fmt: skip
+    cfg = CollectorConfig(
+        runs_dir=Path(args.runs),
+        token=token,
+        max_body_bytes=args.max_body_bytes,
+        limits=limits,
+        checkpoint_interval_s=args.checkpoint_interval,
+        guard=guard_cfg,
+        heartbeat=HeartbeatConfig(floor_s=args.heartbeat_floor),
+        pager_url=args.pager_url,
+        progress=ProgressConfig(
+            safety_factor=args.progress_safety,
+            floor_s=args.progress_floor,
+            first_deadline_s=args.progress_first_deadline,
+        ),
+        pager_token=os.environ.get(ENV_PAGER_TOKEN) or None,
+    )
     # A /metrics render is seconds of pure Python at 10k runs; with the default 5 ms GIL switch
     # interval every hand-off an ingest request needs (event loop, worker thread, after each
     # fdatasync) waits up to 5 ms behind it. 1 ms keeps ingest p99 low while a scrape renders.
@@ -1723,9 +1940,17 @@ def run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     if args.port_file:
         atomic_write_bytes(Path(args.port_file), str(port).encode())
-    log.info("collector listening on http://%s:%d, runs in %s%s", args.host, port, cfg.runs_dir,
-             "" if token else " (NO AUTH)")  # fmt: skip
-    server = uvicorn.Server(uvicorn.Config(build_app(collector), log_level=args.log_level, access_log=False,
-                                           timeout_graceful_shutdown=10))  # fmt: skip
+    log.info(
+        "collector listening on http://%s:%d, runs in %s%s",
+        args.host,
+        port,
+        cfg.runs_dir,
+        "" if token else " (NO AUTH)",
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(collector), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=10
+        )
+    )
     server.run(sockets=[sock])
     return 0

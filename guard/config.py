@@ -1,7 +1,7 @@
 """The `[guard]` TOML table: detector thresholds and policy, with defaults tuned on the tiny config.
 
-    [guard.grad_spike]   z = 6.0 ...
-    [guard.policy]       snapshot_every = 25 ...
+[guard.grad_spike]   z = 6.0 ...
+[guard.policy]       snapshot_every = 25 ...
 """
 
 from __future__ import annotations
@@ -56,17 +56,37 @@ class SpikeConfig:
         check(self.z > 0, "z", self.z, "must be > 0")
         check(self.rel_min >= 1.0, "rel_min", self.rel_min, "must be >= 1.0")
         check(self.abs_max is None or self.abs_max > 0, "abs_max", self.abs_max, "must be > 0")
-        check(self.rel_max is None or self.rel_max > self.rel_min, "rel_max", self.rel_max, "must be > rel_min")
+        check(
+            self.rel_max is None or self.rel_max > self.rel_min, "rel_max", self.rel_max, "must be > rel_min"
+        )
         check(self.mad_floor >= 0, "mad_floor", self.mad_floor, "must be >= 0")
-        check(1 <= self.level_window <= self.window, "level_window", self.level_window, "must be in 1..window")
-        check(self.tail_margin is None or self.tail_margin >= 1.0, "tail_margin", self.tail_margin, "must be >= 1")
+        check(
+            1 <= self.level_window <= self.window, "level_window", self.level_window, "must be in 1..window"
+        )
+        check(
+            self.tail_margin is None or self.tail_margin >= 1.0,
+            "tail_margin",
+            self.tail_margin,
+            "must be >= 1",
+        )
         check(0 <= self.tail_warmup <= self.window, "tail_warmup", self.tail_warmup, "must be in 0..window")
-        check(self.early_rel_max is None or (self.rel_max is not None and self.early_rel_max >= self.rel_max),
-              "early_rel_max", self.early_rel_max, "must be >= rel_max (and rel_max set)")  # fmt: skip
-        check(self.early_rel_floor is None or (self.early_rel_max is not None
-                                               and self.rel_max is not None
-                                               and self.rel_max <= self.early_rel_floor <= self.early_rel_max),
-              "early_rel_floor", self.early_rel_floor, "must be in rel_max..early_rel_max (and both set)")  # fmt: skip
+        check(
+            self.early_rel_max is None or (self.rel_max is not None and self.early_rel_max >= self.rel_max),
+            "early_rel_max",
+            self.early_rel_max,
+            "must be >= rel_max (and rel_max set)",
+        )
+        check(
+            self.early_rel_floor is None
+            or (
+                self.early_rel_max is not None
+                and self.rel_max is not None
+                and self.rel_max <= self.early_rel_floor <= self.early_rel_max
+            ),
+            "early_rel_floor",
+            self.early_rel_floor,
+            "must be in rel_max..early_rel_max (and both set)",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,7 +113,12 @@ class CollapseConfig:
         check(0 <= self.max_dead_frac < 1, "max_dead_frac", self.max_dead_frac, "must be in [0, 1)")
         check(self.maxvio > 0, "maxvio", self.maxvio, "must be > 0")
         check(self.maxvio_for >= 1, "maxvio_for", self.maxvio_for, "must be >= 1")
-        check(0 <= self.load_entropy_floor < 1, "load_entropy_floor", self.load_entropy_floor, "must be in [0, 1)")
+        check(
+            0 <= self.load_entropy_floor < 1,
+            "load_entropy_floor",
+            self.load_entropy_floor,
+            "must be in [0, 1)",
+        )
         check(self.entropy_for >= 1, "entropy_for", self.entropy_for, "must be >= 1")
 
 
@@ -151,11 +176,23 @@ class PolicyConfig:
     aux_boost: float = 10.0  # for models without a bias: aux-loss coefficient multiplier
 
     def __post_init__(self) -> None:
-        for key in ("snapshot_every", "ring_size", "rollback_after_skips", "skip_window",
-                    "halt_after_rollbacks", "rollback_window", "bias_boost_steps"):  # fmt: skip
+        for key in (
+            "snapshot_every",
+            "ring_size",
+            "rollback_after_skips",
+            "skip_window",
+            "halt_after_rollbacks",
+            "rollback_window",
+            "bias_boost_steps",
+        ):
             v = getattr(self, key)
             check(isinstance(v, int) and v >= 1, key, v, "must be an integer >= 1")
-        check(self.rollback_skip_batches >= 0, "rollback_skip_batches", self.rollback_skip_batches, "must be >= 0")
+        check(
+            self.rollback_skip_batches >= 0,
+            "rollback_skip_batches",
+            self.rollback_skip_batches,
+            "must be >= 0",
+        )
         check(0 < self.cooldown_factor <= 1, "cooldown_factor", self.cooldown_factor, "must be in (0, 1]")
         check(self.bias_boost >= 1, "bias_boost", self.bias_boost, "must be >= 1")
         check(self.aux_boost >= 1, "aux_boost", self.aux_boost, "must be >= 1")
@@ -172,12 +209,21 @@ class GuardConfig:
     # Calibrated on clean runs of six transformers MoE families x 4 seeds (bench/real_models.py,
     # docs/BENCHMARKS.md): clean per-layer excursions reach 25x, total ones 9x after step 100.
     grad_spike: SpikeConfig = field(
-        default_factory=lambda: SpikeConfig(tail_margin=2.0, tail_warmup=100, early_rel_max=100.0, early_rel_floor=50.0)
+        default_factory=lambda: SpikeConfig(
+            tail_margin=2.0, tail_warmup=100, early_rel_max=100.0, early_rel_floor=50.0
+        )
     )
     loss_spike: SpikeConfig = field(default_factory=lambda: SpikeConfig(z=6.0, rel_min=1.25, mad_floor=0.02))
     layer_grad_spike: SpikeConfig = field(
-        default_factory=lambda: SpikeConfig(z=8.0, rel_min=3.0, rel_max=50.0, tail_margin=2.0, tail_warmup=100,
-                                            early_rel_max=200.0, early_rel_floor=150.0)  # fmt: skip
+        default_factory=lambda: SpikeConfig(
+            z=8.0,
+            rel_min=3.0,
+            rel_max=50.0,
+            tail_margin=2.0,
+            tail_warmup=100,
+            early_rel_max=200.0,
+            early_rel_floor=150.0,
+        )
     )
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
     stall: StallConfig = field(default_factory=StallConfig)

@@ -170,7 +170,9 @@ class SpikeDetector:
         self.n_accepted = 0
         self._recent = RingBuffer(cfg.level_window)  # log of the latest accepted values
         self._resid = RingBuffer(cfg.window)  # their residuals against the level before them
-        self._stats: tuple[float, float, float, float] | None = None  # (level, resid median, MAD, max excursion)
+        self._stats: tuple[float, float, float, float] | None = (
+            None  # (level, resid median, MAD, max excursion)
+        )
 
     # ---- baseline ------------------------------------------------------------------
     @property
@@ -215,8 +217,13 @@ class SpikeDetector:
             evidence["z"] = z
         if rule is not None:
             evidence["rule"] = rule
-        return Verdict(detector=self.name, fired=fired, value=x, threshold=_NAN if threshold is None else threshold,
-                       evidence=evidence)  # fmt: skip
+        return Verdict(
+            detector=self.name,
+            fired=fired,
+            value=x,
+            threshold=_NAN if threshold is None else threshold,
+            evidence=evidence,
+        )
 
     def judge(self, x: float) -> tuple[bool, str | None, float | None, float | None]:
         """(fired, rule, threshold, z) for a finite x: the decision alone, without building a
@@ -301,7 +308,11 @@ class LayerSpikeDetector:
         """Fired verdicts (layer set) without changing any window."""
         pairs = self._pairs(layer_ids, values)
         dets = [self.layers.get(lid, self._empty) for lid, _ in pairs]
-        return [v for (lid, x), det in zip(pairs, dets, strict=True) if (v := self._fired(det, lid, x)) is not None]
+        return [
+            v
+            for (lid, x), det in zip(pairs, dets, strict=True)
+            if (v := self._fired(det, lid, x)) is not None
+        ]
 
     def accept(self, layer_ids: Any, values: Any) -> None:
         for lid, x in self._pairs(layer_ids, values):
@@ -356,8 +367,9 @@ class LayerSpikeDetector:
                 top = r.max(axis=1) - med_r
             else:
                 med_r = mad = top = np.zeros(len(ds))
-            for d, stats in zip(ds, zip(level.tolist(), med_r.tolist(), mad.tolist(), top.tolist(), strict=True),
-                                strict=True):  # fmt: skip
+            for d, stats in zip(
+                ds, zip(level.tolist(), med_r.tolist(), mad.tolist(), top.tolist(), strict=True), strict=True
+            ):
                 d._stats = stats
 
     def _det(self, lid: int) -> SpikeDetector:
@@ -435,8 +447,15 @@ class CollapseDetector:
             out.extend(self._verdicts(lid, st, maxvio, load_h, router_h, fallback_dead))
         return out
 
-    def _verdicts(self, lid: int, st: _LayerRouting, maxvio: float, load_h: float, router_h: float,
-                  fallback_dead: int | None) -> list[Verdict]:  # fmt: skip
+    def _verdicts(
+        self,
+        lid: int,
+        st: _LayerRouting,
+        maxvio: float,
+        load_h: float,
+        router_h: float,
+        fallback_dead: int | None,
+    ) -> list[Verdict]:
         cfg = self.cfg
         out = []
         n_exp = st.since_token_E.size
@@ -445,21 +464,54 @@ class CollapseDetector:
             dead_ids = st.dead(cfg.dead_window)
             n_dead = len(dead_ids) if fallback_dead is None else fallback_dead
             if n_dead / n_exp > cfg.max_dead_frac:
-                out.append(Verdict(detector=schema.DET_DEAD_EXPERTS, fired=True, value=n_dead / n_exp,
-                                   threshold=cfg.max_dead_frac, layer=lid,
-                                   evidence={"dead": n_dead, "experts": n_exp, "window": cfg.dead_window,
-                                             "dead_ids": dead_ids[:_MAX_IDS].tolist()}))  # fmt: skip
+                out.append(
+                    Verdict(
+                        detector=schema.DET_DEAD_EXPERTS,
+                        fired=True,
+                        value=n_dead / n_exp,
+                        threshold=cfg.max_dead_frac,
+                        layer=lid,
+                        evidence={
+                            "dead": n_dead,
+                            "experts": n_exp,
+                            "window": cfg.dead_window,
+                            "dead_ids": dead_ids[:_MAX_IDS].tolist(),
+                        },
+                    )
+                )
         if st.maxvio_for >= cfg.maxvio_for:
-            out.append(Verdict(detector=schema.DET_MAXVIO, fired=True, value=maxvio, threshold=cfg.maxvio,
-                               layer=lid, evidence={"for": st.maxvio_for}))  # fmt: skip
+            out.append(
+                Verdict(
+                    detector=schema.DET_MAXVIO,
+                    fired=True,
+                    value=maxvio,
+                    threshold=cfg.maxvio,
+                    layer=lid,
+                    evidence={"for": st.maxvio_for},
+                )
+            )
         if st.load_entropy_for >= cfg.entropy_for:
-            out.append(Verdict(detector=schema.DET_LOAD_ENTROPY, fired=True, value=load_h,
-                               threshold=cfg.load_entropy_floor, layer=lid,
-                               evidence={"for": st.load_entropy_for}))  # fmt: skip
+            out.append(
+                Verdict(
+                    detector=schema.DET_LOAD_ENTROPY,
+                    fired=True,
+                    value=load_h,
+                    threshold=cfg.load_entropy_floor,
+                    layer=lid,
+                    evidence={"for": st.load_entropy_for},
+                )
+            )
         if st.router_entropy_for >= cfg.entropy_for:
-            out.append(Verdict(detector=schema.DET_ROUTER_ENTROPY, fired=True, value=router_h,
-                               threshold=cfg.router_entropy_floor, layer=lid,
-                               evidence={"for": st.router_entropy_for}))  # fmt: skip
+            out.append(
+                Verdict(
+                    detector=schema.DET_ROUTER_ENTROPY,
+                    fired=True,
+                    value=router_h,
+                    threshold=cfg.router_entropy_floor,
+                    layer=lid,
+                    evidence={"for": st.router_entropy_for},
+                )
+            )
         return out
 
     def reset_layer(self, layer: int) -> None:
@@ -544,8 +596,13 @@ class StallDetector:
         if not fired:  # a stall must not teach the baseline that stalls are normal
             self._win.push(x)
             self._median = None
-        return Verdict(detector=self.name, fired=fired, value=x, threshold=threshold,
-                       evidence={"median": median, "n": len(self._win)})  # fmt: skip
+        return Verdict(
+            detector=self.name,
+            fired=fired,
+            value=x,
+            threshold=threshold,
+            evidence={"median": median, "n": len(self._win)},
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"n_seen": self.n_seen, "window": self._win.ordered()}
@@ -584,8 +641,13 @@ class ThroughputDetector:
         else:
             self.low_for = 0
             self._push(x)
-        return Verdict(detector=self.name, fired=self.low_for >= cfg.sustain, value=x, threshold=threshold,
-                       evidence={"median": median, "for": self.low_for, "n": len(self._win)})  # fmt: skip
+        return Verdict(
+            detector=self.name,
+            fired=self.low_for >= cfg.sustain,
+            value=x,
+            threshold=threshold,
+            evidence={"median": median, "for": self.low_for, "n": len(self._win)},
+        )
 
     def _push(self, x: float) -> None:
         self._win.push(x)

@@ -80,10 +80,23 @@ def _dumps(obj: Any) -> bytes:
 
 
 class Exporter:
-    def __init__(self, url: str, token: str | None, run_id: str, rank: int, spool_dir: str | Path, *,
-                 max_queue: int = 1024, batch_max: int = 32, max_body_bytes: int = 8 << 20,
-                 timeout_s: float = 10.0, poll_s: float = 5.0, heartbeat_s: float = 10.0,
-                 backoff_max_s: float = 30.0, trainer_detectors: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        run_id: str,
+        rank: int,
+        spool_dir: str | Path,
+        *,
+        max_queue: int = 1024,
+        batch_max: int = 32,
+        max_body_bytes: int = 8 << 20,
+        timeout_s: float = 10.0,
+        poll_s: float = 5.0,
+        heartbeat_s: float = 10.0,
+        backoff_max_s: float = 30.0,
+        trainer_detectors: bool = False,
+    ) -> None:
         """`trainer_detectors`: this trainer runs the DetectorSuite itself (guard on, or observing),
         so the collector skips its own detectors for the run."""
         self.url = url.rstrip("/")
@@ -274,8 +287,13 @@ class Exporter:
 
     def _body(self, chunk: list[_Encoded], seq: int, final: bool = False) -> bytes:
         """The batch body for `chunk` with sequence number `seq`. Holds _lock."""
-        d: dict[str, Any] = {"run": self.run_id, "rank": self.rank, "seq": seq, "writer": self.writer,
-                             "events": [e for _, evs, _ in chunk for e in evs]}  # fmt: skip
+        d: dict[str, Any] = {
+            "run": self.run_id,
+            "rank": self.rank,
+            "seq": seq,
+            "writer": self.writer,
+            "events": [e for _, evs, _ in chunk for e in evs],
+        }
         if final:
             d["final"] = True
         if chunk:
@@ -406,8 +424,12 @@ class Exporter:
         if r.status_code in (401, 403):  # a missing or wrong token: every retry gets the same answer
             self.stats["unauthorized"] = self.stats.get("unauthorized", 0) + 1
             if self.stats["unauthorized"] == 1:
-                log.warning("collector answered %d: %s; set MOEGUARD_TOKEN to the collector's token (telemetry "
-                            "stays spooled and is retried; logged once)", r.status_code, r.text[:200])  # fmt: skip
+                log.warning(
+                    "collector answered %d: %s; set MOEGUARD_TOKEN to the collector's token (telemetry "
+                    "stays spooled and is retried; logged once)",
+                    r.status_code,
+                    r.text[:200],
+                )
             return False
         log.warning("collector answered %d: %s", r.status_code, r.text[:200])
         return False
@@ -431,9 +453,14 @@ class Exporter:
             why = str(r.json().get("error", ""))
         except (ValueError, AttributeError):
             why = r.text[:300]
-        log.error("run %s rank %d: the collector refuses this trainer's telemetry (409): %s Its batches are NOT "
-                  "delivered; they are kept in %s. (Logged once; later refusals are counted in stats['conflict'].)",
-                  self.run_id, self.rank, why, self.spool_dir / "conflict")  # fmt: skip
+        log.error(
+            "run %s rank %d: the collector refuses this trainer's telemetry (409): %s Its batches are NOT "
+            "delivered; they are kept in %s. (Logged once; later refusals are counted in stats['conflict'].)",
+            self.run_id,
+            self.rank,
+            why,
+            self.spool_dir / "conflict",
+        )
 
     def _replay(self) -> bool:
         """Send spooled batches oldest first; stop at the first failure."""
@@ -455,8 +482,10 @@ class Exporter:
 
     def _poll(self) -> None:
         try:
-            r = self._client.get(f"{self.url}/v1/runs/{self.run_id}/commands",
-                                 params={"rank": self.rank, "after": self._queued_cmd})  # fmt: skip
+            r = self._client.get(
+                f"{self.url}/v1/runs/{self.run_id}/commands",
+                params={"rank": self.rank, "after": self._queued_cmd},
+            )
         except httpx.HTTPError:
             return
         if r.status_code == 200:

@@ -22,8 +22,16 @@ from __future__ import annotations
 
 from typing import Any
 
-KEYS = ("productive_s", "data_wait_s", "checkpoint_s", "skipped_s", "nonfinite_s", "rolled_back_s", "startup_s",
-        "restarts_s")
+KEYS = (
+    "productive_s",
+    "data_wait_s",
+    "checkpoint_s",
+    "skipped_s",
+    "nonfinite_s",
+    "rolled_back_s",
+    "startup_s",
+    "restarts_s",
+)
 
 
 class Goodput:

@@ -29,10 +29,17 @@ from guard.snapshot import SnapshotRing
 
 
 class Guard:
-    def __init__(self, cfg: GuardConfig, model: nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, *, max_lr: float | None = None,
-                 has_bias: bool = True, correction: str | None = None,
-                 snapshot_device: torch.device | str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: GuardConfig,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        max_lr: float | None = None,
+        has_bias: bool = True,
+        correction: str | None = None,
+        snapshot_device: torch.device | str | None = None,
+    ) -> None:
         self.cfg = cfg
         self.detectors = DetectorSuite(cfg)
         self.lr_bound = LRBoundDetector(max_lr) if max_lr else None
@@ -49,7 +56,9 @@ class Guard:
             if v.fired:
                 verdicts.append(v)
         decision = self.policy.decide(report.step, verdicts, healthy=self._healthy)
-        if decision.action == schema.ACT_ROLLBACK and (self.ring is None or not self._snapshot_before(decision)):
+        if decision.action == schema.ACT_ROLLBACK and (
+            self.ring is None or not self._snapshot_before(decision)
+        ):
             # Nothing to roll back to (too early in the run): skipping is the safe fallback.
             decision.action = schema.ACT_SKIP
             for ev in decision.events:

@@ -61,8 +61,10 @@ class LimitExceeded(ValueError):
     """A batch over one of the limits; `limit` is its field name, `value` what the batch had."""
 
     def __init__(self, where: str, limit: str, value: int, maximum: int) -> None:
-        super().__init__(f"{where}: {value} is over the limit {limit} = {maximum} "
-                         f"(collector flag {FLAGS.get(limit, limit)})")  # fmt: skip
+        super().__init__(
+            f"{where}: {value} is over the limit {limit} = {maximum} "
+            f"(collector flag {FLAGS.get(limit, limit)})"
+        )
         self.limit, self.value, self.maximum = limit, value, maximum
 
 
@@ -89,5 +91,9 @@ def check_detectors(known: Iterable[str], new: Iterable[str], limits: CollectorL
     names = set(known)
     names.update(new)
     if len(names) > limits.max_detectors:
-        raise LimitExceeded("events[].detector: distinct detector names of the run", "max_detectors",
-                            len(names), limits.max_detectors)  # fmt: skip
+        raise LimitExceeded(
+            "events[].detector: distinct detector names of the run",
+            "max_detectors",
+            len(names),
+            limits.max_detectors,
+        )

@@ -22,8 +22,14 @@ class LRBoundDetector:
     def update(self, lr: float) -> Verdict:
         bound = self.max_lr * (1 + self.tolerance)
         if not math.isfinite(lr) or lr > bound:
-            return Verdict(detector=schema.DET_LR, fired=True, value=lr, threshold=bound, severity="critical",
-                           evidence={"max_lr": self.max_lr, "ratio": lr / self.max_lr if self.max_lr else math.inf})
+            return Verdict(
+                detector=schema.DET_LR,
+                fired=True,
+                value=lr,
+                threshold=bound,
+                severity="critical",
+                evidence={"max_lr": self.max_lr, "ratio": lr / self.max_lr if self.max_lr else math.inf},
+            )
         return Verdict.ok(schema.DET_LR)
 
     def state_dict(self) -> dict[str, float]:

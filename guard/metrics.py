@@ -118,11 +118,17 @@ class _Run:
 
 
 _EMPTY_ARRAYS = {
-    "layer_ids_L": np.zeros(0, np.int32), "layer_grad_norm_L": np.zeros(0), "moe_layer_ids_M": np.zeros(0, np.int32),
-    "router_entropy_M": np.zeros(0), "load_entropy_M": np.zeros(0), "maxvio_M": np.zeros(0),
-    "dead_experts_M": np.zeros(0, np.int32), "bias_norm_M": np.zeros(0), "load_ME": np.zeros((0, 0), np.int64),
+    "layer_ids_L": np.zeros(0, np.int32),
+    "layer_grad_norm_L": np.zeros(0),
+    "moe_layer_ids_M": np.zeros(0, np.int32),
+    "router_entropy_M": np.zeros(0),
+    "load_entropy_M": np.zeros(0),
+    "maxvio_M": np.zeros(0),
+    "dead_experts_M": np.zeros(0, np.int32),
+    "bias_norm_M": np.zeros(0),
+    "load_ME": np.zeros((0, 0), np.int64),
     "bias_ME": np.zeros((0, 0)),
-}  # fmt: skip
+}
 
 
 @dataclass(slots=True)
@@ -145,9 +151,16 @@ class _RunView:
 class CollectorMetrics(Collector):
     """State behind /metrics. Thread-safe: ingest threads write, the scrape thread reads."""
 
-    def __init__(self, *, registry: CollectorRegistry | None = None, heartbeat: HeartbeatConfig | None = None,
-                 baseline: BaselineConfig | None = None, clock: Callable[[], float] = time.time,
-                 limits: CollectorLimits | None = None, progress: ProgressConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        registry: CollectorRegistry | None = None,
+        heartbeat: HeartbeatConfig | None = None,
+        baseline: BaselineConfig | None = None,
+        clock: Callable[[], float] = time.time,
+        limits: CollectorLimits | None = None,
+        progress: ProgressConfig | None = None,
+    ) -> None:
         self.heartbeat_cfg = heartbeat or HeartbeatConfig()
         self.progress_cfg = progress or ProgressConfig()
         self.limits = limits or CollectorLimits()
@@ -167,8 +180,9 @@ class CollectorMetrics(Collector):
     def _run(self, run: str) -> _Run:
         r = self._runs.get(run)
         if r is None:
-            r = self._runs[run] = _Run(heartbeats=HeartbeatTracker(self.heartbeat_cfg),
-                                       progress=ProgressTracker(self.progress_cfg))  # fmt: skip
+            r = self._runs[run] = _Run(
+                heartbeats=HeartbeatTracker(self.heartbeat_cfg), progress=ProgressTracker(self.progress_cfg)
+            )
         return r
 
     def ensure_run(self, run: str) -> None:
@@ -211,8 +225,15 @@ class CollectorMetrics(Collector):
             r.hist_rows, r.row_cache, r.rank_step_times, r.rank_scores = {}, {}, {}, {}
             r.hist_counts, r.hist_sum = np.zeros((0, _NB), np.int64), np.zeros(0)
 
-    def cold_load(self, run: str, *, meta: Mapping[str, Any] | None, beats: Mapping[int, list[Any]],
-                  stored_step: int | None, liveness: Mapping[str, Any] | None = None) -> bool:  # fmt: skip
+    def cold_load(
+        self,
+        run: str,
+        *,
+        meta: Mapping[str, Any] | None,
+        beats: Mapping[int, list[Any]],
+        stored_step: int | None,
+        liveness: Mapping[str, Any] | None = None,
+    ) -> bool:
         """A run read at start-up from its meta.json and state.json only (no Parquet scan): the
         halt latch from meta's status, heartbeats as last committed. False if the run already has
         a record (it was loaded in full first). The full restore happens on its first request."""
@@ -350,13 +371,25 @@ class CollectorMetrics(Collector):
         with self._lock:
             self._run(run).info = {k: _find_key(meta, keys) for k, keys in _INFO_KEYS.items()}
             g = meta.get("goodput")
-            if isinstance(g, Mapping) and isinstance(g.get("goodput"), int | float) and math.isfinite(g["goodput"]):
+            if (
+                isinstance(g, Mapping)
+                and isinstance(g.get("goodput"), int | float)
+                and math.isfinite(g["goodput"])
+            ):
                 self._runs[run].goodput = float(g["goodput"])  # the trainer's: counts startup and restarts
             if meta.get("status") == schema.STATUS_HALTED:
                 self._runs[run].halted = True
 
-    def beat(self, run: str, rank: int, now: float, step: int, phase: str, sent: float | None = None,
-             generation: int | None = None) -> None:  # fmt: skip
+    def beat(
+        self,
+        run: str,
+        rank: int,
+        now: float,
+        step: int,
+        phase: str,
+        sent: float | None = None,
+        generation: int | None = None,
+    ) -> None:
         with self._lock:
             r = self._run(run)
             r.heartbeats.beat(rank, now, step, phase, sent)
@@ -388,7 +421,9 @@ class CollectorMetrics(Collector):
         with self._lock:
             r = self._run(run)
             r.progress.load_state_dict(st.get("progress", {}))
-            r.heartbeats.quiet_max = {PHASES[PHASES.index(k)]: float(v) for k, v in st.get("quiet_max", {}).items()}
+            r.heartbeats.quiet_max = {
+                PHASES[PHASES.index(k)]: float(v) for k, v in st.get("quiet_max", {}).items()
+            }
 
     @staticmethod
     def _stuck(r: _Run, rank: int, now: float) -> bool:
@@ -406,13 +441,19 @@ class CollectorMetrics(Collector):
                 return {}
             hb, pr = r.heartbeats, r.progress
             return {
-                rank: {"last_report_time": rb.last_seen, "last_step": rb.step, "phase": rb.phase,
-                       "age_s": hb.age(rank, now), "timeout_s": hb.timeout(rank),
-                       "lost": hb.age(rank, now) > hb.timeout(rank),
-                       "progress_age_s": pr.age(rank, now), "progress_deadline_s": pr.deadline(rank),
-                       "stuck": self._stuck(r, rank, now)}
+                rank: {
+                    "last_report_time": rb.last_seen,
+                    "last_step": rb.step,
+                    "phase": rb.phase,
+                    "age_s": hb.age(rank, now),
+                    "timeout_s": hb.timeout(rank),
+                    "lost": hb.age(rank, now) > hb.timeout(rank),
+                    "progress_age_s": pr.age(rank, now),
+                    "progress_deadline_s": pr.deadline(rank),
+                    "stuck": self._stuck(r, rank, now),
+                }
                 for rank, rb in sorted(hb.ranks.items())
-            }  # fmt: skip
+            }
 
     def beats(self, run: str) -> dict[int, list[Any]]:
         """rank -> [last_seen, last_sent, step, phase], to persist and restore heartbeats."""
@@ -488,15 +529,31 @@ class CollectorMetrics(Collector):
     def _view(run: str, r: _Run, now: float) -> _RunView:
         hb = r.heartbeats
         return _RunView(
-            run=run, r=r, verdicts=dict(r.verdicts), actions=dict(r.actions), hist_rows=dict(r.hist_rows),
-            hist_counts=r.hist_counts.copy(), hist_sum=r.hist_sum.copy(),
-            beats=[(rank, rb.last_seen, hb.age(rank, now), hb.timeout(rank)) for rank, rb in sorted(hb.ranks.items())],
-            progress=[(rank, rp.phase, r.progress.age(rank, now), r.progress.deadline(rank),
-                       CollectorMetrics._stuck(r, rank, now))
-                      for rank, rp in sorted(r.progress.ranks.items()) if rank in hb.ranks],
+            run=run,
+            r=r,
+            verdicts=dict(r.verdicts),
+            actions=dict(r.actions),
+            hist_rows=dict(r.hist_rows),
+            hist_counts=r.hist_counts.copy(),
+            hist_sum=r.hist_sum.copy(),
+            beats=[
+                (rank, rb.last_seen, hb.age(rank, now), hb.timeout(rank))
+                for rank, rb in sorted(hb.ranks.items())
+            ],
+            progress=[
+                (
+                    rank,
+                    rp.phase,
+                    r.progress.age(rank, now),
+                    r.progress.deadline(rank),
+                    CollectorMetrics._stuck(r, rank, now),
+                )
+                for rank, rp in sorted(r.progress.ranks.items())
+                if rank in hb.ranks
+            ],
             step_times={rank: list(dq) for rank, dq in r.rank_step_times.items() if dq},
             rank_scores=dict(r.rank_scores),
-        )  # fmt: skip
+        )
 
     def _collect_run(self, fam: dict[str, Metric], v: _RunView) -> int:
         """Add one run's series, at most max_series_per_run of them; returns how many were left
@@ -515,9 +572,11 @@ class CollectorMetrics(Collector):
 
         rep = r.last
         scalars: list[tuple[str, float]] = [
-            (schema.M_INGEST_VALUES, r.values_total), (schema.M_HALTED, 1.0 if r.halted else 0.0),
-            (schema.M_TOKENS, r.tokens_total), (schema.M_NONFINITE, r.nonfinite_total),
-        ]  # fmt: skip
+            (schema.M_INGEST_VALUES, r.values_total),
+            (schema.M_HALTED, 1.0 if r.halted else 0.0),
+            (schema.M_TOKENS, r.tokens_total),
+            (schema.M_NONFINITE, r.nonfinite_total),
+        ]
         if r.mfu_baseline is not None:
             scalars.append((schema.M_MFU_BASELINE, r.mfu_baseline))
         if r.tps_baseline is not None:
@@ -527,10 +586,17 @@ class CollectorMetrics(Collector):
         elif r.first_time is not None and r.last_time is not None and r.last_time > r.first_time:
             scalars.append((schema.M_GOODPUT, min(1.0, r.productive_s / (r.last_time - r.first_time))))
         if rep is not None:
-            scalars += [(schema.M_STEP, rep.step), (schema.M_LOSS, rep.loss), (schema.M_GRAD_NORM, rep.grad_norm),
-                        (schema.M_LR, rep.lr), (schema.M_TOKENS_PER_S, rep.tokens_per_s), (schema.M_MFU, rep.mfu),
-                        (schema.M_STEP_TIME, rep.step_time_s), (schema.M_DATA_WAIT, rep.data_wait_s),
-                        (schema.M_MEM_PEAK, rep.mem_peak_bytes)]  # fmt: skip
+            scalars += [
+                (schema.M_STEP, rep.step),
+                (schema.M_LOSS, rep.loss),
+                (schema.M_GRAD_NORM, rep.grad_norm),
+                (schema.M_LR, rep.lr),
+                (schema.M_TOKENS_PER_S, rep.tokens_per_s),
+                (schema.M_MFU, rep.mfu),
+                (schema.M_STEP_TIME, rep.step_time_s),
+                (schema.M_DATA_WAIT, rep.data_wait_s),
+                (schema.M_MEM_PEAK, rep.mem_peak_bytes),
+            ]
         for name, val in scalars:
             if fits(1):
                 fam[name].add_metric([run], float(val))
@@ -567,10 +633,13 @@ class CollectorMetrics(Collector):
                 if fits(1):
                     fam[schema.M_LAYER_GRAD_NORM].add_metric([run, str(lid)], val)
             moe = rep.moe_layer_ids_M.tolist()
-            for name, arr in ((schema.M_LAYER_MAXVIO, rep.maxvio_M), (schema.M_LAYER_DEAD, rep.dead_experts_M),
-                              (schema.M_LAYER_LOAD_ENTROPY, rep.load_entropy_M),
-                              (schema.M_LAYER_ROUTER_ENTROPY, rep.router_entropy_M),
-                              (schema.M_LAYER_BIAS_NORM, rep.bias_norm_M)):  # fmt: skip
+            for name, arr in (
+                (schema.M_LAYER_MAXVIO, rep.maxvio_M),
+                (schema.M_LAYER_DEAD, rep.dead_experts_M),
+                (schema.M_LAYER_LOAD_ENTROPY, rep.load_entropy_M),
+                (schema.M_LAYER_ROUTER_ENTROPY, rep.router_entropy_M),
+                (schema.M_LAYER_BIAS_NORM, rep.bias_norm_M),
+            ):
                 for lid, val in zip(moe, arr.tolist(), strict=True):
                     if fits(1):
                         fam[name].add_metric([run, str(lid)], float(val))
@@ -622,8 +691,13 @@ class CollectorMetrics(Collector):
                 ["run", "detector"],
                 "detector verdicts (trainer events and collector-side)",
             ),
-            (schema.M_ACTIONS, c, ["run", "action"], "guard actions (guard/actions.py): skipped, "
-             "rolled-back and halted steps, bias corrections and LR cool-downs started"),  # fmt: skip
+            (
+                schema.M_ACTIONS,
+                c,
+                ["run", "action"],
+                "guard actions (guard/actions.py): skipped, "
+                "rolled-back and halted steps, bias corrections and LR cool-downs started",
+            ),
             (schema.M_NONFINITE, c, R, "rank-0 steps with a non-finite loss or gradient norm"),
             (schema.M_HALTED, g, R, "1 when the run halted itself (a halt event arrived), until it resumes"),
             (schema.M_LAST_SEEN, g, RK, "unix time the collector last heard from this rank"),
@@ -633,9 +707,18 @@ class CollectorMetrics(Collector):
             (schema.M_STRAGGLER, g, RK, "fastest rank's median step time / this rank's (1 = fastest)"),
             (schema.M_PROGRESS_AGE, g, RK, "seconds since this rank last advanced (a new step or phase)"),
             (schema.M_PROGRESS_DEADLINE, g, RK, "learned deadline of the rank's phase (guard/progress.py)"),
-            (schema.M_RANK_STUCK, g, ["run", "rank", "phase"],
-             "1 when the rank has not advanced within its phase's deadline while its heartbeat goes on"),
-            (schema.M_RUN_STUCK_RANKS, g, ["run", "phase"], "ranks of the run stuck in each phase (RunStuck)"),
+            (
+                schema.M_RANK_STUCK,
+                g,
+                ["run", "rank", "phase"],
+                "1 when the rank has not advanced within its phase's deadline while its heartbeat goes on",
+            ),
+            (
+                schema.M_RUN_STUCK_RANKS,
+                g,
+                ["run", "phase"],
+                "ranks of the run stuck in each phase (RunStuck)",
+            ),
             (schema.M_GOODPUT, g, R, "productive (applied) step time / wall time since the first step"),
             (schema.M_MFU_BASELINE, g, R, "median MFU over the run's baseline window (frozen)"),
             (schema.M_TPS_BASELINE, g, R, "median tokens/s over the run's baseline window (frozen)"),
@@ -645,18 +728,33 @@ class CollectorMetrics(Collector):
             (schema.M_COLLECTOR_HOT_RUNS, g, [], "runs with full state in memory (at most --max-hot-runs)"),
             (schema.M_COLLECTOR_KNOWN_RUNS, g, [], "runs with a record in memory, hot or evicted (compact)"),
             (schema.M_COLLECTOR_PENDING_LOAD, g, [], "run folders the start-up scan has not read yet"),
-            (schema.M_COLLECTOR_EVICTIONS, c, [], "idle runs evicted from memory (least recently used first)"),
+            (
+                schema.M_COLLECTOR_EVICTIONS,
+                c,
+                [],
+                "idle runs evicted from memory (least recently used first)",
+            ),
             (schema.M_COLLECTOR_LIMIT_REFUSALS, c, ["limit"], "batches refused (400) for going over a limit"),
-            (schema.M_COLLECTOR_SERIES_DROPPED, g, R, "series of the run left out of the last render "
-             "(--max-series-per-run)"),
+            (
+                schema.M_COLLECTOR_SERIES_DROPPED,
+                g,
+                R,
+                "series of the run left out of the last render (--max-series-per-run)",
+            ),
         ]
         hist_doc = "per-expert share of a layer's routed tokens, one observation per expert per step"
         if text:
-            fams: dict[str, Any] = {name: _TextFamily(name, kind, labels, doc) for name, kind, labels, doc in specs}
-            fams[schema.M_EXPERT_LOAD_SHARE] = _TextFamily(schema.M_EXPERT_LOAD_SHARE, "histogram", RL, hist_doc)
+            fams: dict[str, Any] = {
+                name: _TextFamily(name, kind, labels, doc) for name, kind, labels, doc in specs
+            }
+            fams[schema.M_EXPERT_LOAD_SHARE] = _TextFamily(
+                schema.M_EXPERT_LOAD_SHARE, "histogram", RL, hist_doc
+            )
             return fams
         fams = {name: cls(name, doc, labels=labels) for name, cls, labels, doc in specs}
-        fams[schema.M_EXPERT_LOAD_SHARE] = HistogramMetricFamily(schema.M_EXPERT_LOAD_SHARE, hist_doc, labels=RL)
+        fams[schema.M_EXPERT_LOAD_SHARE] = HistogramMetricFamily(
+            schema.M_EXPERT_LOAD_SHARE, hist_doc, labels=RL
+        )
         return fams
 
 
@@ -665,7 +763,7 @@ _RENDERING = threading.local()
 
 def _esc(v: str) -> str:
     if "\\" in v or '"' in v or "\n" in v:
-        return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+        return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
     return v
 
 
@@ -699,7 +797,9 @@ class _TextFamily:
             return
         esc = [_esc(v) for v in labels]
         name, fmt = self.name, self.bucket_fmt
-        self.lines.extend(f"{name}_bucket{fmt.format(*esc, le)} {floatToGoString(count)}\n" for le, count in value)
+        self.lines.extend(
+            f"{name}_bucket{fmt.format(*esc, le)} {floatToGoString(count)}\n" for le, count in value
+        )
         self.lines.append(f"{name}_count{lab} {floatToGoString(value[-1][1])}\n")
         self.lines.append(f"{name}_sum{lab} {floatToGoString(sum_value)}\n")
 

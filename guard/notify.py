@@ -103,8 +103,17 @@ def pager_body(run: str, row: dict[str, Any]) -> dict[str, Any]:
 
 
 class PagerNotifier:
-    def __init__(self, url: str, token: str | None = None, *, max_queue: int = 1000, max_attempts: int = 5,
-                 base_delay_s: float = 0.5, max_delay_s: float = 8.0, timeout_s: float = 5.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        max_queue: int = 1000,
+        max_attempts: int = 5,
+        base_delay_s: float = 0.5,
+        max_delay_s: float = 8.0,
+        timeout_s: float = 5.0,
+    ) -> None:
         quiet_http_logs()
         self.url = events_url(url)
         self.max_attempts, self.base_delay_s, self.max_delay_s = max_attempts, base_delay_s, max_delay_s
@@ -184,5 +193,9 @@ class PagerNotifier:
             if attempt + 1 < self.max_attempts and self._stop.wait(delay):
                 break
         self.stats["failed"] += 1
-        log.error("pager: could not deliver the %s event of run %s (%s); the RunHalted alert still pages",
-                  body["kind"], body["run"], why)  # fmt: skip
+        log.error(
+            "pager: could not deliver the %s event of run %s (%s); the RunHalted alert still pages",
+            body["kind"],
+            body["run"],
+            why,
+        )

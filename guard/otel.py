@@ -47,8 +47,15 @@ _LAYER_GAUGES: tuple[tuple[str, str], ...] = (
 
 
 class OtelExporter:
-    def __init__(self, endpoint: str | None, run_id: str, *, reader: MetricReader | None = None,
-                 export_interval_s: float = 10.0, headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str | None,
+        run_id: str,
+        *,
+        reader: MetricReader | None = None,
+        export_interval_s: float = 10.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         """`endpoint`: OTLP/HTTP metrics URL; ignored when `reader` is given (tests, custom setups)."""
         if reader is None:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
@@ -106,17 +113,21 @@ class OtelExporter:
         rep = self._last
         if rep is None:
             return []
-        return [Observation(float(v), {**self._attrs, "layer": str(lid)})
-                for lid, v in zip(rep.layer_ids_L.tolist(), rep.layer_grad_norm_L.tolist(), strict=True)
-                if math.isfinite(v)]  # fmt: skip
+        return [
+            Observation(float(v), {**self._attrs, "layer": str(lid)})
+            for lid, v in zip(rep.layer_ids_L.tolist(), rep.layer_grad_norm_L.tolist(), strict=True)
+            if math.isfinite(v)
+        ]
 
     def _moe_cb(self, attr: str) -> Any:
         def cb(options: CallbackOptions) -> Iterable[Observation]:
             rep = self._last
             if rep is None:
                 return []
-            return [Observation(float(v), {**self._attrs, "layer": str(lid)})
-                    for lid, v in zip(rep.moe_layer_ids_M.tolist(), getattr(rep, attr).tolist(), strict=True)
-                    if math.isfinite(v)]  # fmt: skip
+            return [
+                Observation(float(v), {**self._attrs, "layer": str(lid)})
+                for lid, v in zip(rep.moe_layer_ids_M.tolist(), getattr(rep, attr).tolist(), strict=True)
+                if math.isfinite(v)
+            ]
 
         return cb

@@ -80,7 +80,9 @@ class Policy:
         self.halted_at: int | None = None  # the step this policy halted the run at, if it did
 
     # ---- the decision --------------------------------------------------------------
-    def decide(self, step: int, verdicts: list[Verdict], healthy: Callable[[int], bool] | None = None) -> Decision:
+    def decide(
+        self, step: int, verdicts: list[Verdict], healthy: Callable[[int], bool] | None = None
+    ) -> Decision:
         """One Decision for this step. `healthy(layer)` says whether a layer's routing is fine now."""
         d = Decision(step=step, verdicts=list(verdicts))
         acting = self.cfg.acting
@@ -106,12 +108,19 @@ class Policy:
         other_v = [v for v in other_v if (-1, v.detector) not in self.open_conditions]
         self.open_conditions = now_open
         for v in new_collapse:
-            act = observed or (schema.ACT_BIAS_CORRECT if v.layer in d.bias_boost or v.layer in d.aux_boost
-                               else schema.ACT_NONE)  # fmt: skip
+            act = observed or (
+                schema.ACT_BIAS_CORRECT
+                if v.layer in d.bias_boost or v.layer in d.aux_boost
+                else schema.ACT_NONE
+            )
             d.events.append(Event.from_verdict(step, v, act))
         for v in other_v:
             d.events.append(Event.from_verdict(step, v, schema.ACT_NONE))
-        if not step_v and self.incident_start is not None and step - self.last_verdict_step > self.p.skip_window:
+        if (
+            not step_v
+            and self.incident_start is not None
+            and step - self.last_verdict_step > self.p.skip_window
+        ):
             self.incident_start = None
         return d
 
@@ -131,31 +140,55 @@ class Policy:
         p = self.p
         self.rollbacks = [s for s in self.rollbacks if s > step - p.rollback_window]
         if p.halt and len(self.rollbacks) + 1 > p.halt_after_rollbacks:
-            d.events.append(Event(step=step, kind=schema.EV_HALT, action=schema.ACT_HALT,
-                                  value=len(self.rollbacks) + 1, threshold=p.halt_after_rollbacks,
-                                  detail={"severity": "critical", "reason":
-                                          f"{len(self.rollbacks) + 1} rollbacks within {p.rollback_window} steps "
-                                          f"({reason})", "rollbacks": self.rollbacks[:]}))  # fmt: skip
+            d.events.append(
+                Event(
+                    step=step,
+                    kind=schema.EV_HALT,
+                    action=schema.ACT_HALT,
+                    value=len(self.rollbacks) + 1,
+                    threshold=p.halt_after_rollbacks,
+                    detail={
+                        "severity": "critical",
+                        "reason": f"{len(self.rollbacks) + 1} rollbacks within {p.rollback_window} steps "
+                        f"({reason})",
+                        "rollbacks": self.rollbacks[:],
+                    },
+                )
+            )
             self.halted_at = step
             return schema.ACT_HALT
         self.rollbacks.append(step)
         before = self.incident_start if self.incident_start is not None else step
         d.rollback_before = before
         d.skip_batches = p.rollback_skip_batches
-        d.events.append(Event(step=step, kind=schema.EV_ACTION, action=schema.ACT_ROLLBACK,
-                              value=len(self.rollbacks), threshold=p.halt_after_rollbacks,
-                              detail={"reason": reason, "snapshot_before": before,
-                                      "skip_batches": p.rollback_skip_batches}))  # fmt: skip
+        d.events.append(
+            Event(
+                step=step,
+                kind=schema.EV_ACTION,
+                action=schema.ACT_ROLLBACK,
+                value=len(self.rollbacks),
+                threshold=p.halt_after_rollbacks,
+                detail={"reason": reason, "snapshot_before": before, "skip_batches": p.rollback_skip_batches},
+            )
+        )
         if p.lr_cooldown:
             self.cooldown_from = step
-            d.events.append(Event(step=step, kind=schema.EV_ACTION, action=schema.ACT_LR_COOLDOWN,
-                                  value=p.cooldown_factor, detail={"steps": p.cooldown_steps}))  # fmt: skip
+            d.events.append(
+                Event(
+                    step=step,
+                    kind=schema.EV_ACTION,
+                    action=schema.ACT_LR_COOLDOWN,
+                    value=p.cooldown_factor,
+                    detail={"steps": p.cooldown_steps},
+                )
+            )
         self.skips.clear()
         self.incident_start = None
         return schema.ACT_ROLLBACK
 
-    def _on_collapse(self, step: int, verdicts: list[Verdict], d: Decision,
-                     healthy: Callable[[int], bool] | None) -> None:  # fmt: skip
+    def _on_collapse(
+        self, step: int, verdicts: list[Verdict], d: Decision, healthy: Callable[[int], bool] | None
+    ) -> None:
         p = self.p
         # 1) corrections whose window ended: recovered, or escalate to a rollback
         for layer, c in list(self.corrections.items()):
@@ -163,9 +196,15 @@ class Policy:
                 continue
             del self.corrections[layer]
             if healthy is None or healthy(layer):
-                d.events.append(Event(step=step, kind=schema.EV_RECOVERED, detector=c.detector,
-                                      action=schema.ACT_BIAS_CORRECT,
-                                      detail={"layer": layer, "corrected_for": step - c.started}))  # fmt: skip
+                d.events.append(
+                    Event(
+                        step=step,
+                        kind=schema.EV_RECOVERED,
+                        detector=c.detector,
+                        action=schema.ACT_BIAS_CORRECT,
+                        detail={"layer": layer, "corrected_for": step - c.started},
+                    )
+                )
             elif p.rollback and d.action == schema.ACT_APPLY:
                 self.incident_start = c.started
                 d.action = self._rollback(step, d, reason=f"layer {layer} did not recover from {c.detector}")
@@ -180,11 +219,22 @@ class Policy:
                 continue
             self.corrections[v.layer] = _Correction(v.layer, step, step + p.bias_boost_steps, v.detector)
             self._boost(d, v.layer)
-            d.events.append(Event(step=step, kind=schema.EV_ACTION, action=schema.ACT_BIAS_CORRECT,
-                                  detector=v.detector, value=v.value, threshold=v.threshold,
-                                  detail={"layer": v.layer, "until": step + p.bias_boost_steps,
-                                          "mode": self.correction,
-                                          "boost": p.bias_boost if self.has_bias else p.aux_boost}))  # fmt: skip
+            d.events.append(
+                Event(
+                    step=step,
+                    kind=schema.EV_ACTION,
+                    action=schema.ACT_BIAS_CORRECT,
+                    detector=v.detector,
+                    value=v.value,
+                    threshold=v.threshold,
+                    detail={
+                        "layer": v.layer,
+                        "until": step + p.bias_boost_steps,
+                        "mode": self.correction,
+                        "boost": p.bias_boost if self.has_bias else p.aux_boost,
+                    },
+                )
+            )
         for layer in self.corrections:
             self._boost(d, layer)
 
@@ -214,8 +264,7 @@ class Policy:
 
     def calm(self, step: int) -> bool:
         """No incident under way: a good moment for a snapshot."""
-        return (self.incident_start is None and not self.corrections
-                and step - self.last_verdict_step > 2)  # fmt: skip
+        return self.incident_start is None and not self.corrections and step - self.last_verdict_step > 2
 
     def _operator_resumed(self) -> None:
         """A human resumed a halted run: they have looked at it, so the escalation ladder starts
@@ -230,7 +279,9 @@ class Policy:
         return {
             "skips": self.skips[:],
             "rollbacks": self.rollbacks[:],
-            "corrections": {str(k): [c.layer, c.started, c.until, c.detector] for k, c in self.corrections.items()},
+            "corrections": {
+                str(k): [c.layer, c.started, c.until, c.detector] for k, c in self.corrections.items()
+            },
             "incident_start": self.incident_start,
             "cooldown_from": self.cooldown_from,
             "last_verdict_step": self.last_verdict_step,

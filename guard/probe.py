@@ -49,8 +49,15 @@ class ProbeResult:
 class Probe:
     """Reads gradients and router accumulators after backward, before the optimizer step."""
 
-    def __init__(self, model: nn.Module, *, dead_window: int, device: torch.device,
-                 layers: list[nn.Module] | None = None, routers: list[tuple[int, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        dead_window: int,
+        device: torch.device,
+        layers: list[nn.Module] | None = None,
+        routers: list[tuple[int, Any]] | None = None,
+    ) -> None:
         """`layers`: the modules whose gradient norms are reported per layer (default model.blocks).
         `routers`: (layer index, router) pairs; a router exposes tokens_per_expert_E, entropy_sum,
         token_count, expert_bias_E and reset_stats() (moeguard's Router, or a guard.probes.RouterProbe
@@ -70,7 +77,9 @@ class Probe:
         seg = [i for i, ps in enumerate(block_params) for _ in ps] + [self.n_layers] * len(other)
         self._segments = np.asarray(seg, dtype=np.int64)
         if routers is None:
-            routers = [(i, layer.router) for i, layer in model.moe_layers()] if hasattr(model, "moe_layers") else []
+            routers = (
+                [(i, layer.router) for i, layer in model.moe_layers()] if hasattr(model, "moe_layers") else []
+            )
         self.routers = list(routers)
         self.moe_ids_M = np.array([i for i, _ in self.routers], dtype=np.int32)
         self.n_experts = self.routers[0][1].expert_bias_E.numel() if self.routers else 0
@@ -86,7 +95,9 @@ class Probe:
     def _grads(self) -> list[torch.Tensor]:
         """Every parameter's gradient (this rank's shard when sharded), zeros where missing."""
         if self.sharded:
-            return [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in self.params]
+            return [
+                _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in self.params
+            ]
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
 
     def param_norms(self) -> torch.Tensor:
@@ -141,8 +152,13 @@ class Probe:
         loss = loss_sum.detach().float().reshape(1)
         ex = extra.detach().float().reshape(-1).to(loss.device) if extra is not None else loss.new_zeros(0)
         # Additive across ranks: loss, router accumulators, extra (and FSDP shards' squared norms).
-        summed = [loss, *(r.tokens_per_expert_E.reshape(-1) for r in sources),
-                  *(r.entropy_sum.reshape(1) for r in sources), *(r.token_count.reshape(1) for r in sources), ex]  # fmt: skip
+        summed = [
+            loss,
+            *(r.tokens_per_expert_E.reshape(-1) for r in sources),
+            *(r.entropy_sum.reshape(1) for r in sources),
+            *(r.token_count.reshape(1) for r in sources),
+            ex,
+        ]
         biases = [r.expert_bias_E.reshape(-1) for r in sources]
         n_ex = ex.numel()
         if _multi_rank():

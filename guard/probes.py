@@ -29,8 +29,16 @@ from guard.integrations.base import RoutingCounters
 
 
 class RouterProbe(RoutingCounters):
-    def __init__(self, gate: nn.Module, *, n_experts: int, top_k: int, score_func: str = "softmax",
-                 output_index: int | None = None, bias: torch.Tensor | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        gate: nn.Module,
+        *,
+        n_experts: int,
+        top_k: int,
+        score_func: str = "softmax",
+        output_index: int | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> None:
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func = {score_func!r}: must be 'softmax' or 'sigmoid'")
         if not 1 <= top_k <= n_experts:
@@ -46,8 +54,10 @@ class RouterProbe(RoutingCounters):
     def _hook(self, module: nn.Module, inputs: Any, output: Any) -> None:
         logits = output[self.output_index] if self.output_index is not None else output
         if logits.shape[-1] != self.n_experts:
-            raise ValueError(f"RouterProbe: gate output has {logits.shape[-1]} experts in its last dim, "
-                             f"expected n_experts = {self.n_experts} (set output_index for tuple outputs)")  # fmt: skip
+            raise ValueError(
+                f"RouterProbe: gate output has {logits.shape[-1]} experts in its last dim, "
+                f"expected n_experts = {self.n_experts} (set output_index for tuple outputs)"
+            )
         x_NE = logits.detach().reshape(-1, self.n_experts).float()
         if self.score_func == "softmax":
             p_NE = x_NE.softmax(-1)
@@ -60,6 +70,7 @@ class RouterProbe(RoutingCounters):
         self.entropy_sum.add_(-(p_NE * p_NE.clamp_min(1e-12).log()).sum())
         self.token_count.add_(x_NE.shape[0])
 
-    def update_bias(self, load_E: torch.Tensor, rate_scale: float = 1.0, bias_max: float | None = None) -> None:
+    def update_bias(
+        self, load_E: torch.Tensor, rate_scale: float = 1.0, bias_max: float | None = None
+    ) -> None:
         """Third-party routers own their balancing; the probe only observes."""
-

@@ -61,18 +61,30 @@ class ProgressTracker:
     longest: dict[str, float] = field(default_factory=dict)  # phase -> longest completed duration
     ranks: dict[int, RankProgress] = field(default_factory=dict)
 
-    def beat(self, rank: int, now: float, step: int, phase: str = PHASE_TRAIN, sent: float | None = None,
-             generation: int | None = None) -> None:  # fmt: skip
+    def beat(
+        self,
+        rank: int,
+        now: float,
+        step: int,
+        phase: str = PHASE_TRAIN,
+        sent: float | None = None,
+        generation: int | None = None,
+    ) -> None:
         """A beat of `rank` that arrived at `now`, made at `sent` (trainer clock)."""
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} not one of {PHASES}")
         sent = now if sent is None or not math.isfinite(sent) else sent
         rp = self.ranks.get(rank)
-        if rp is None or (generation is not None and rp.generation is not None and generation > rp.generation):
-            self.ranks[rank] = RankProgress(step=step, phase=phase, since_seen=now, since_sent=sent,
-                                            last_sent=sent, generation=generation)  # fmt: skip
+        if rp is None or (
+            generation is not None and rp.generation is not None and generation > rp.generation
+        ):
+            self.ranks[rank] = RankProgress(
+                step=step, phase=phase, since_seen=now, since_sent=sent, last_sent=sent, generation=generation
+            )
             return
-        if (generation is not None and rp.generation is not None and generation < rp.generation) or sent <= rp.last_sent:
+        if (
+            generation is not None and rp.generation is not None and generation < rp.generation
+        ) or sent <= rp.last_sent:
             return  # an older writer's or a replayed beat: no news about progress
         rp.last_sent = sent
         if rp.generation is None:
@@ -116,16 +128,26 @@ class ProgressTracker:
 
     # ---- persistence (the collector's state.json) ----------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"longest": dict(self.longest),
-                "ranks": {str(r): [p.step, p.phase, p.since_seen, p.since_sent, p.last_sent, p.generation, p.starting]
-                          for r, p in self.ranks.items()}}  # fmt: skip
+        return {
+            "longest": dict(self.longest),
+            "ranks": {
+                str(r): [p.step, p.phase, p.since_seen, p.since_sent, p.last_sent, p.generation, p.starting]
+                for r, p in self.ranks.items()
+            },
+        }
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         """Restore; raises ValueError/TypeError/KeyError on a state this code did not write."""
         longest = {PHASES[PHASES.index(k)]: float(v) for k, v in st.get("longest", {}).items()}
         ranks = {}
         for r, (step, phase, seen, since_sent, last_sent, gen, starting) in st.get("ranks", {}).items():
-            ranks[int(r)] = RankProgress(step=int(step), phase=PHASES[PHASES.index(phase)], since_seen=float(seen),
-                                         since_sent=float(since_sent), last_sent=float(last_sent),
-                                         generation=None if gen is None else int(gen), starting=bool(starting))  # fmt: skip
+            ranks[int(r)] = RankProgress(
+                step=int(step),
+                phase=PHASES[PHASES.index(phase)],
+                since_seen=float(seen),
+                since_sent=float(since_sent),
+                last_sent=float(last_sent),
+                generation=None if gen is None else int(gen),
+                starting=bool(starting),
+            )
         self.longest, self.ranks = longest, ranks

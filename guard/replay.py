@@ -28,8 +28,12 @@ from guard.tomlconf import ConfigError, from_dict
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, help="a run folder (runs/<run_id>)")
-    p.add_argument("--guard", type=Path, metavar="FILE.toml",
-                   help="guard settings to try (default: the ones the run was recorded with)")
+    p.add_argument(
+        "--guard",
+        type=Path,
+        metavar="FILE.toml",
+        help="guard settings to try (default: the ones the run was recorded with)",
+    )
     p.add_argument("--all", action="store_true", help="list every step with a verdict (default: first 50)")
     p.add_argument("--json", action="store_true", help="print the replayed events as JSON lines")
 
@@ -87,8 +91,17 @@ def replay(run_dir: Path, cfg: GuardConfig, max_lr: float | None = None) -> list
         for ev in d.events:
             if ev.kind != schema.EV_VERDICT:
                 continue
-            rows.append(ReplayRow(rep.step, ev.detector, ev.value, ev.threshold, ev.detail.get("layer"),
-                                  ev.action, rep.action))  # fmt: skip
+            rows.append(
+                ReplayRow(
+                    rep.step,
+                    ev.detector,
+                    ev.value,
+                    ev.threshold,
+                    ev.detail.get("layer"),
+                    ev.action,
+                    rep.action,
+                )
+            )
     return rows
 
 
@@ -112,12 +125,25 @@ def run(args: argparse.Namespace) -> int:
     rows = replay(args.run_dir, cfg, max_lr)
     if args.json:
         for r in rows:
-            print(json.dumps({"step": r.step, "detector": r.detector, "value": r.value, "threshold": r.threshold,
-                              "layer": r.layer, "would": r.would, "did": r.did}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "step": r.step,
+                        "detector": r.detector,
+                        "value": r.value,
+                        "threshold": r.threshold,
+                        "layer": r.layer,
+                        "would": r.would,
+                        "did": r.did,
+                    }
+                )
+            )
         return 0
     n_steps = scan_table(args.run_dir, schema.TABLE_STEPS).select(pl.len()).collect().item()
-    print(f"replayed {n_steps} steps of {args.run_dir.name} with "
-          f"{'guard settings from ' + str(args.guard) if args.guard else 'the recorded guard settings'}")  # fmt: skip
+    print(
+        f"replayed {n_steps} steps of {args.run_dir.name} with "
+        f"{'guard settings from ' + str(args.guard) if args.guard else 'the recorded guard settings'}"
+    )
     if not rows:
         print("no verdicts: the detectors would have stayed quiet on every step")
         return 0
@@ -125,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'step':>7}  {'detector':<22} {'layer':>5} {'value':>12} {'threshold':>12}  {'would':<13} did")
     for r in shown:
         layer = "" if r.layer is None else str(r.layer)
-        print(f"{r.step:>7}  {r.detector:<22} {layer:>5} {r.value:>12.4g} {r.threshold:>12.4g}  {r.would:<13} {r.did}")
+        print(
+            f"{r.step:>7}  {r.detector:<22} {layer:>5} {r.value:>12.4g} {r.threshold:>12.4g}  {r.would:<13} {r.did}"
+        )
     if len(rows) > len(shown):
         print(f"... {len(rows) - len(shown)} more (use --all)")
     by_det: dict[str, int] = {}

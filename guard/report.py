@@ -136,9 +136,13 @@ class StepReport:
 
 
 # Per-MoE-layer statistics stored per layer row, with the value a dense layer (no router) gets.
-_ROUTING_STATS = (("router_entropy", "router_entropy_M", math.nan), ("load_entropy", "load_entropy_M", math.nan),
-                  ("maxvio", "maxvio_M", math.nan), ("dead_experts", "dead_experts_M", 0),
-                  ("bias_norm", "bias_norm_M", math.nan))  # fmt: skip
+_ROUTING_STATS = (
+    ("router_entropy", "router_entropy_M", math.nan),
+    ("load_entropy", "load_entropy_M", math.nan),
+    ("maxvio", "maxvio_M", math.nan),
+    ("dead_experts", "dead_experts_M", 0),
+    ("bias_norm", "bias_norm_M", math.nan),
+)
 
 
 def layer_columns(reps: list[StepReport]) -> dict[str, np.ndarray]:
@@ -156,7 +160,8 @@ def layer_columns(reps: list[StepReport]) -> dict[str, np.ndarray]:
     }
     first = reps[0]
     same_layout = all(
-        np.array_equal(r.layer_ids_L, first.layer_ids_L) and np.array_equal(r.moe_layer_ids_M, first.moe_layer_ids_M)
+        np.array_equal(r.layer_ids_L, first.layer_ids_L)
+        and np.array_equal(r.moe_layer_ids_M, first.moe_layer_ids_M)
         for r in reps
     )
     for col, attr, fill in _ROUTING_STATS:
@@ -193,11 +198,14 @@ def expert_columns(reps: list[StepReport]) -> dict[str, np.ndarray]:
     sizes = np.array([r.load_ME.size for r in reps])
     return {
         "step": np.repeat(np.array([r.step for r in reps], dtype=np.int64), sizes),
-        "layer": np.concatenate([np.repeat(r.moe_layer_ids_M.astype(np.int64), r.load_ME.shape[1]) for r in reps]),
+        "layer": np.concatenate(
+            [np.repeat(r.moe_layer_ids_M.astype(np.int64), r.load_ME.shape[1]) for r in reps]
+        ),
         "expert": np.concatenate([np.tile(np.arange(r.load_ME.shape[1]), r.load_ME.shape[0]) for r in reps]),
         "load": np.concatenate([r.load_ME.reshape(-1) for r in reps]).astype(np.int64),
-        "bias": np.concatenate([r.bias_ME.reshape(-1) if r.bias_ME.size else np.zeros(r.load_ME.size)
-                                for r in reps]).astype(np.float64),  # fmt: skip
+        "bias": np.concatenate(
+            [r.bias_ME.reshape(-1) if r.bias_ME.size else np.zeros(r.load_ME.size) for r in reps]
+        ).astype(np.float64),
     }
 
 

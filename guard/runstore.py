@@ -135,7 +135,9 @@ class RunStore:
         self._reports: list[StepReport] = []  # their layer/expert rows are built at the flush
         # Bounded: if the disk is slower than training for a long time, the step blocks here
         # rather than growing memory without limit. 64 chunks of slack is minutes of steps.
-        self._q: queue.Queue[tuple[str, int, pl.DataFrame | Callable[[], pl.DataFrame]] | None] = queue.Queue(maxsize=max_pending)
+        self._q: queue.Queue[tuple[str, int, pl.DataFrame | Callable[[], pl.DataFrame]] | None] = queue.Queue(
+            maxsize=max_pending
+        )
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._writer, name="moeguard-runstore", daemon=True)
         self._thread.start()

@@ -39,8 +39,14 @@ class _Slot:
 class SnapshotRing:
     """Keep the last `size` snapshots of (model, optimizer, extra)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, size: int,
-                 *, device: torch.device | str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        size: int,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.size = size

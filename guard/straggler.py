@@ -52,7 +52,9 @@ class StragglerDetector:
         self.best_R: np.ndarray = np.zeros(0)  # best (lowest) window median seen per rank
         self.flagged: set[int] = set()
 
-    def update(self, step: int, median_R: np.ndarray, data_wait_R: np.ndarray | None = None) -> StragglerResult:
+    def update(
+        self, step: int, median_R: np.ndarray, data_wait_R: np.ndarray | None = None
+    ) -> StragglerResult:
         """Scores for one window ending at `step`. `median_R`: each rank's median step time
         (seconds outside collectives); `data_wait_R`: its median data wait (evidence only)."""
         med = np.asarray(median_R, dtype=np.float64)
@@ -70,17 +72,37 @@ class StragglerDetector:
         now = {int(r) for r in np.flatnonzero(ok & (rel < thr))}
         events: list[Event] = []
         for r in sorted(now - self.flagged):
-            detail: dict[str, Any] = {"rank": r, "relative": float(rel[r]), "individual": float(ind[r]),
-                                      "median_step_s": float(med[r]), "fastest_median_step_s": float(fastest),
-                                      "fastest_rank": int(np.nanargmin(np.where(ok, med, np.nan)))}  # fmt: skip
+            detail: dict[str, Any] = {
+                "rank": r,
+                "relative": float(rel[r]),
+                "individual": float(ind[r]),
+                "median_step_s": float(med[r]),
+                "fastest_median_step_s": float(fastest),
+                "fastest_rank": int(np.nanargmin(np.where(ok, med, np.nan))),
+            }
             if data_wait_R is not None:
                 detail["median_data_wait_s"] = float(data_wait_R[r])
-            events.append(Event(step=step, kind=schema.EV_STRAGGLER, value=float(rel[r]),
-                                threshold=thr, action=schema.ACT_NONE, detail=detail))  # fmt: skip
+            events.append(
+                Event(
+                    step=step,
+                    kind=schema.EV_STRAGGLER,
+                    value=float(rel[r]),
+                    threshold=thr,
+                    action=schema.ACT_NONE,
+                    detail=detail,
+                )
+            )
         for r in sorted(self.flagged - now):
-            events.append(Event(step=step, kind=schema.EV_STRAGGLER,
-                                value=float(rel[r]) if r < n else math.nan, threshold=thr,
-                                action=schema.ACT_NONE, detail={"rank": r, "recovered": True}))  # fmt: skip
+            events.append(
+                Event(
+                    step=step,
+                    kind=schema.EV_STRAGGLER,
+                    value=float(rel[r]) if r < n else math.nan,
+                    threshold=thr,
+                    action=schema.ACT_NONE,
+                    detail={"rank": r, "recovered": True},
+                )
+            )
         self.flagged = now
         return StragglerResult(relative_R=rel, individual_R=ind, flagged=sorted(now), events=events)
 

@@ -16,8 +16,15 @@ def micro_config_path() -> Path:
     return MICRO
 
 
-def train_micro(run_dir: Path, *, overrides: dict[str, Any] | None = None, injections: list[str] = (),
-                resume: bool = False, guard_mode: str | None = None, until: int | None = None) -> Any:  # fmt: skip
+def train_micro(
+    run_dir: Path,
+    *,
+    overrides: dict[str, Any] | None = None,
+    injections: list[str] = (),
+    resume: bool = False,
+    guard_mode: str | None = None,
+    until: int | None = None,
+) -> Any:
     """Train the micro config in this process; returns the Trainer after run()."""
     from trainer.config import load_config
     from trainer.inject import parse_injection
@@ -26,6 +33,8 @@ def train_micro(run_dir: Path, *, overrides: dict[str, Any] | None = None, injec
     cfg = load_config(MICRO, overrides or {})
     if guard_mode:
         cfg.guard.mode = guard_mode
-    t = Trainer(cfg, run_dir, resume=resume, injections=[parse_injection(s) for s in injections], progress=False)
+    t = Trainer(
+        cfg, run_dir, resume=resume, injections=[parse_injection(s) for s in injections], progress=False
+    )
     t.exit_code = t.run(until=until)
     return t

@@ -76,10 +76,29 @@ def start_pager(
     PD, SLACK, HOOK), state in workdir/pager-state.json, fast retries."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"pager-{time.monotonic_ns()}.log"
-    cmd = [sys.executable, "-m", "guard", "pager", "--port", "0", "--pagerduty-url", sink.url + PD,
-           "--slack-url", sink.url + SLACK, "--webhook-url", sink.url + HOOK,
-           "--state", str(workdir / "pager-state.json"), "--retry-base", "0.05", "--retry-max-delay", "0.5",
-           "--timeout", "5", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "guard",
+        "pager",
+        "--port",
+        "0",
+        "--pagerduty-url",
+        sink.url + PD,
+        "--slack-url",
+        sink.url + SLACK,
+        "--webhook-url",
+        sink.url + HOOK,
+        "--state",
+        str(workdir / "pager-state.json"),
+        "--retry-base",
+        "0.05",
+        "--retry-max-delay",
+        "0.5",
+        "--timeout",
+        "5",
+        *extra,
+    ]
     full_env = {
         **os.environ,
         pg.ENV_PAGERDUTY_ROUTING_KEY: ROUTING_KEY,
@@ -156,10 +175,17 @@ def start_alertmanager(tmp: Path, pager_port: int) -> Proc:
     log = tmp / "alertmanager.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(
-            [ALERTMANAGER, f"--config.file={tmp / 'am.yml'}", f"--storage.path={tmp / 'am-data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"],
-            stdout=f, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                ALERTMANAGER,
+                f"--config.file={tmp / 'am.yml'}",
+                f"--storage.path={tmp / 'am-data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--cluster.listen-address=",
+                "--log.level=warn",
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     return Proc(proc, port, log)
 
 
@@ -170,18 +196,28 @@ def start_prometheus(tmp: Path, targets: list[str], am_port: int, rules: str) ->
     port = free_port()
     (tmp / "rules.yml").write_text(rules)
     cfg = {  # JSON is YAML
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s",
-                   "external_labels": {"runbook_base": RUNBOOKS}},
+        "global": {
+            "scrape_interval": "1s",
+            "evaluation_interval": "1s",
+            "external_labels": {"runbook_base": RUNBOOKS},
+        },
         "rule_files": [str(tmp / "rules.yml")],
         "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
         "scrape_configs": [{"job_name": "moeguard", "static_configs": [{"targets": targets}]}],
-    }  # fmt: skip
+    }
     (tmp / "prometheus.yml").write_text(json.dumps(cfg))
     log = tmp / "prometheus.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'prom-data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--rules.alert.resend-delay=1s", "--log.level=warn"],
-            stdout=f, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                PROMETHEUS,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'prom-data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--rules.alert.resend-delay=1s",
+                "--log.level=warn",
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     return Proc(proc, port, log)

@@ -33,8 +33,10 @@ STUCK_RUN = "wedged"
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(shutil.which("jq") is None or shutil.which("curl") is None,
-                       reason="the playbooks' commands need curl and jq (scripts/test installs both)"),  # fmt: skip
+    pytest.mark.skipif(
+        shutil.which("jq") is None or shutil.which("curl") is None,
+        reason="the playbooks' commands need curl and jq (scripts/test installs both)",
+    ),
 ]
 
 
@@ -75,8 +77,15 @@ COMMANDS = collector_commands()
 
 def test_the_playbooks_have_collector_commands_to_check() -> None:
     books = {book for book, _ in COMMANDS}
-    assert {"RunHalted.md", "HeartbeatLost.md", "GuardRollbackStorm.md", "README.md", "Watchdog.md", "RunStuck.md",
-            "RunQuarantined.md"} <= books, books
+    assert {
+        "RunHalted.md",
+        "HeartbeatLost.md",
+        "GuardRollbackStorm.md",
+        "README.md",
+        "Watchdog.md",
+        "RunStuck.md",
+        "RunQuarantined.md",
+    } <= books, books
 
 
 @pytest.fixture(scope="module")
@@ -88,23 +97,66 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     port_file = tmp / "port"
     with open(tmp / "collector.log", "wb") as log:
         collector = subprocess.Popen(
-            [sys.executable, "-m", "guard", "collector", "--port", "0", "--port-file", str(port_file),
-             "--runs", str(tmp / "collector-runs"), "--log-level", "warning", "--progress-floor", "1"],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "guard",
+                "collector",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--runs",
+                str(tmp / "collector-runs"),
+                "--log-level",
+                "warning",
+                "--progress-floor",
+                "1",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
-        port = wait_until(lambda: port_file.is_file() and port_file.read_text().strip(), timeout=60,
-                          what="the collector's port file")  # fmt: skip
+        port = wait_until(
+            lambda: port_file.is_file() and port_file.read_text().strip(),
+            timeout=60,
+            what="the collector's port file",
+        )
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/healthz", timeout=30)
         # two rollbacks' worth of NaN steps with halt_after_rollbacks = 1: the guard halts at step 22
         nans = [a for s in (12, 13, 14, 20, 21, 22) for a in ("--inject", f"nan@{s}")]
         p = subprocess.run(
-            [sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(tmp / "train" / RUN),
-             "--steps", "30", "--no-progress", "--collector", url, "--set", "train.threads=1",
-             "--set", "guard.policy.snapshot_every=5", "--set", "guard.policy.halt_after_rollbacks=1", *nans],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "guard",
+                "train",
+                "--config",
+                str(MICRO),
+                "--run-dir",
+                str(tmp / "train" / RUN),
+                "--steps",
+                "30",
+                "--no-progress",
+                "--collector",
+                url,
+                "--set",
+                "train.threads=1",
+                "--set",
+                "guard.policy.snapshot_every=5",
+                "--set",
+                "guard.policy.halt_after_rollbacks=1",
+                *nans,
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert p.returncode == 3, p.stderr[-3000:]
 
         def halted() -> bool:
@@ -126,8 +178,12 @@ def make_stuck_run(url: str) -> None:
     t0 = time.time()
 
     def beat(i: int, step: int, sent: float) -> None:
-        body = {"run": STUCK_RUN, "rank": 0, "seq": gen << 32 | i,
-                "heartbeat": {"time": sent, "step": step, "phase": "train"}}  # fmt: skip
+        body = {
+            "run": STUCK_RUN,
+            "rank": 0,
+            "seq": gen << 32 | i,
+            "heartbeat": {"time": sent, "step": step, "phase": "train"},
+        }
         status, answer = http_json(f"{url}/v1/ingest", body, headers=auth)
         assert status == 200, answer
 
@@ -158,20 +214,25 @@ def json_values(text: str) -> list[Any]:
 
 
 @pytest.mark.parametrize(("book", "command"), COMMANDS, ids=[f"{b}:{c[:60]}" for b, c in COMMANDS])
-def test_playbook_command_runs_against_a_live_collector(live: dict[str, str], book: str, command: str) -> None:
+def test_playbook_command_runs_against_a_live_collector(
+    live: dict[str, str], book: str, command: str
+) -> None:
     cmd = command.replace("<run_id>", RUN)
     assert not re.search(r"<[a-z_ ]+>", cmd), f"{book}: a placeholder the reader must fill in: {cmd}"
-    p = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], env=live, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", cmd], env=live, capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 0, f"{book}: {cmd}\n{p.stderr}"
     assert p.stdout.strip(), f"{book}: no output from {cmd}\n{p.stderr}"
     values = json_values(p.stdout)  # every answer and every jq filter here prints JSON
     assert values and not any(isinstance(v, dict) and "error" in v for v in values), p.stdout
     if "select(.value.stuck)" in cmd:  # RunStuck: the stuck rank, its phase and how long
         stuck = {v["run"]: v["stuck"] for v in values[0]}
-        assert [(s["rank"], s["phase"], s["last_step"]) for s in stuck[STUCK_RUN]] == [("0", "train", 3)], stuck
+        assert [(s["rank"], s["phase"], s["last_step"]) for s in stuck[STUCK_RUN]] == [("0", "train", 3)], (
+            stuck
+        )
         assert stuck[STUCK_RUN][0]["progress_age_s"] > stuck[STUCK_RUN][0]["progress_deadline_s"]
         assert stuck[RUN] == []
     if "select(.run ==" in cmd:  # the run the alert names, with what the playbook reads from it
         assert all(v.get("status") == schema.STATUS_HALTED for v in values), p.stdout
         assert all(isinstance(v.get("last_step"), int) for v in values), p.stdout
-

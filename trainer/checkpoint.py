@@ -37,7 +37,11 @@ HOST_FILE = "host.pt"
 
 
 def rng_state() -> dict[str, Any]:
-    s: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    s: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         s["cuda"] = torch.cuda.get_rng_state_all()
     return s
@@ -77,9 +81,18 @@ def _remove(p: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def save_checkpoint(ckpt_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    host: dict[str, Any] | None, *, rank: int = 0, world: int = 1, keep: int = 2,
-                    barrier: Callable[[], None] = lambda: None) -> Path:  # fmt: skip
+def save_checkpoint(
+    ckpt_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    host: dict[str, Any] | None,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    keep: int = 2,
+    barrier: Callable[[], None] = lambda: None,
+) -> Path:
     """Collective when world > 1: every rank calls it; `host` is only used on rank 0."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -147,7 +160,9 @@ def load_host_state(path: str | Path, rank: int = 0) -> tuple[dict[str, Any], di
     return host, rng
 
 
-def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, world: int = 1) -> None:
+def load_sharded(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, world: int = 1
+) -> None:
     """Load model + optimizer from a DCP checkpoint into this rank's (possibly sharded) layout."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -44,33 +44,60 @@ def inject_help() -> str:
     from trainer.inject import INJECT_HELP
 
     width = max(map(len, schema.INJECT_KINDS)) + len("@STEP[:ARG]")
-    lines = [f"  {k + '@STEP' + ('' if INJECT_HELP[k].startswith('no ARG') else ':ARG'):<{width}}  {INJECT_HELP[k]}"
-             for k in schema.INJECT_KINDS]  # fmt: skip
-    return ("Fault injection, --inject KIND@STEP[:ARG][/rRANK] (repeatable). STEP is the 0-based step it\n"
-            "fires at (0 .. steps-1); /rRANK injects on that rank only (default: every rank):\n"
-            + "\n".join(lines))  # fmt: skip
+    lines = [
+        f"  {k + '@STEP' + ('' if INJECT_HELP[k].startswith('no ARG') else ':ARG'):<{width}}  {INJECT_HELP[k]}"
+        for k in schema.INJECT_KINDS
+    ]
+    return (
+        "Fault injection, --inject KIND@STEP[:ARG][/rRANK] (repeatable). STEP is the 0-based step it\n"
+        "fires at (0 .. steps-1); /rRANK injects on that rank only (default: every rank):\n"
+        + "\n".join(lines)
+    )
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = __doc__.split("\n", 2)[2] + "\n" + inject_help()
-    p.add_argument("--config", type=Path, default=None,
-                   help=f"training config TOML (default: {DEFAULT_CONFIG.name}, the CPU demo config)")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"training config TOML (default: {DEFAULT_CONFIG.name}, the CPU demo config)",
+    )
     p.add_argument("--steps", type=int, help="override train.steps")
     p.add_argument("--seed", type=int, help="override train.seed")
     p.add_argument("--run-dir", type=Path, help="run store folder (default: runs/<name>-<timestamp>)")
-    p.add_argument("--until", type=int, metavar="STEP",
-                   help="stop at STEP with a checkpoint (the LR schedule still spans --steps); resume later")
+    p.add_argument(
+        "--until",
+        type=int,
+        metavar="STEP",
+        help="stop at STEP with a checkpoint (the LR schedule still spans --steps); resume later",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
-    p.add_argument("--no-guard", action="store_true",
-                   help="keep telemetry and verdicts, turn every guard action off")
-    p.add_argument("--guard", type=Path, metavar="FILE.toml", help="guard settings ([guard] table) to use instead")
-    p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:ARG][/rRANK]",
-                   help=f"inject a fault for a drill (repeatable; /rRANK: on that rank only); kinds: "
-                        f"{', '.join(schema.INJECT_KINDS)}; what ARG means for each: below")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config key, e.g. --set model.experts_kernel=bmm (TOML value syntax)")
-    p.add_argument("--collector", help=f"collector URL to stream telemetry to (default: ${schema.ENV_COLLECTOR})")
+    p.add_argument(
+        "--no-guard", action="store_true", help="keep telemetry and verdicts, turn every guard action off"
+    )
+    p.add_argument(
+        "--guard", type=Path, metavar="FILE.toml", help="guard settings ([guard] table) to use instead"
+    )
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="KIND@STEP[:ARG][/rRANK]",
+        help=f"inject a fault for a drill (repeatable; /rRANK: on that rank only); kinds: "
+        f"{', '.join(schema.INJECT_KINDS)}; what ARG means for each: below",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config key, e.g. --set model.experts_kernel=bmm (TOML value syntax)",
+    )
+    p.add_argument(
+        "--collector", help=f"collector URL to stream telemetry to (default: ${schema.ENV_COLLECTOR})"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -116,9 +143,16 @@ def make_exporter(cfg: Any, run_id: str, run_dir: Path, rank: int) -> Any:
     from guard.exporter import Exporter
 
     never = 1e9
-    return Exporter(url, os.environ.get(schema.ENV_TOKEN, ""), run_id, rank, spool_dir=run_dir / "spool",
-                    heartbeat_s=never, poll_s=2.0 if rank == 0 else never,
-                    trainer_detectors=cfg.telemetry.enabled)  # fmt: skip
+    return Exporter(
+        url,
+        os.environ.get(schema.ENV_TOKEN, ""),
+        run_id,
+        rank,
+        spool_dir=run_dir / "spool",
+        heartbeat_s=never,
+        poll_s=2.0 if rank == 0 else never,
+        trainer_detectors=cfg.telemetry.enabled,
+    )
 
 
 def default_run_dir(cfg: Any) -> Path:
@@ -179,17 +213,21 @@ def refuse_reused_run_dir(run_dir: Path, *, rank: int, device: str) -> None:
         dist.broadcast_object_list(box, src=0)
         held = box[0]
     if held is not None:
-        raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run ({held}); continue it with --resume, "
-                          "or pass a new --run-dir (nothing was written)")  # fmt: skip
+        raise ConfigError(
+            f"--run-dir {str(run_dir)!r} already holds a run ({held}); continue it with --resume, "
+            "or pass a new --run-dir (nothing was written)"
+        )
 
 
 def check_injections(injections: list[Any], steps: int) -> None:
     """An injection at or past the last step would never fire: a drill that silently does nothing."""
     late = [str(i) for i in injections if i.step >= steps]
     if late:
-        raise ConfigError(f"--inject {', '.join(late)}: past the run's last step ({steps - 1}; the run has "
-                          f"{steps} steps, 0..{steps - 1}): it would never fire; inject at an earlier step "
-                          "or raise --steps")  # fmt: skip
+        raise ConfigError(
+            f"--inject {', '.join(late)}: past the run's last step ({steps - 1}; the run has "
+            f"{steps} steps, 0..{steps - 1}): it would never fire; inject at an earlier step "
+            "or raise --steps"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,21 +249,32 @@ def run(args: argparse.Namespace) -> int:
     resume = args.resume
     if not resume:
         refuse_reused_run_dir(run_dir, rank=rank, device=cfg.train.device)
-    if not resume and restart_count() > 0 and (read_meta(run_dir) or {}).get("status") == schema.STATUS_HALTED:
+    if (
+        not resume
+        and restart_count() > 0
+        and (read_meta(run_dir) or {}).get("status") == schema.STATUS_HALTED
+    ):
         # The guard (or an operator) halted the run and paged a human: a torchrun restart must
         # not carry on past that. Each remaining restart ends here at once; --resume overrides.
         if rank == 0:
-            print(f"moeguard train: {run_dir} is halted; not resuming it automatically "
-                  "(look at its halt event, then rerun with --resume)", file=sys.stderr)  # fmt: skip
+            print(
+                f"moeguard train: {run_dir} is halted; not resuming it automatically "
+                "(look at its halt event, then rerun with --resume)",
+                file=sys.stderr,
+            )
         return EXIT_HALTED
     if not resume and restart_count() > 0 and latest_checkpoint(run_dir / schema.CHECKPOINT_DIR) is not None:
         resume = True  # torchrun restarted the job after a failure: continue from the last good checkpoint
         if rank == 0:
-            print(f"moeguard train: torchrun restart {restart_count()}: resuming from "
-                  f"{latest_checkpoint(run_dir / schema.CHECKPOINT_DIR)}", file=sys.stderr)  # fmt: skip
+            print(
+                f"moeguard train: torchrun restart {restart_count()}: resuming from "
+                f"{latest_checkpoint(run_dir / schema.CHECKPOINT_DIR)}",
+                file=sys.stderr,
+            )
     exporter = make_exporter(cfg, run_dir.name, run_dir, rank)
-    trainer = Trainer(cfg, run_dir, resume=resume, injections=injections,
-                      progress=not args.no_progress, exporter=exporter)  # fmt: skip
+    trainer = Trainer(
+        cfg, run_dir, resume=resume, injections=injections, progress=not args.no_progress, exporter=exporter
+    )
     code = trainer.run(until=args.until)
     if trainer.dist.main:
         summarize(trainer, run_dir)
@@ -242,9 +291,13 @@ def summarize(trainer: Any, run_dir: Path) -> None:
 
     c = trainer.counts
     gp = trainer.goodput()
-    print(f"run {run_dir.name}: {trainer.step} steps, {c.get(schema.ACT_APPLY, 0)} updates applied; "
-          f"guard actions: {actions.summary_text(trainer.guard_actions)}; goodput {gp['goodput']:.1%}")  # fmt: skip
+    print(
+        f"run {run_dir.name}: {trainer.step} steps, {c.get(schema.ACT_APPLY, 0)} updates applied; "
+        f"guard actions: {actions.summary_text(trainer.guard_actions)}; goodput {gp['goodput']:.1%}"
+    )
     meta = read_meta(run_dir) or {}
     if meta.get("status") != schema.STATUS_FINISHED:
-        print(f"status {meta.get('status')}" + (f": {meta['status_note']}" if meta.get("status_note") else ""))
+        print(
+            f"status {meta.get('status')}" + (f": {meta['status_note']}" if meta.get("status_note") else "")
+        )
     print(f"run store: {run_dir}  (open it with: moeguard app --runs {run_dir.parent})")

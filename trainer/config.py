@@ -1,11 +1,11 @@
 """The training config: one TOML file, one typed dataclass per table, validated on load.
 
-    [model]      trainer.model.ModelConfig
-    [data]       trainer.data.DataConfig
-    [optim]      OptimConfig
-    [train]      TrainLoopConfig
-    [telemetry]  TelemetryConfig
-    [guard]      guard.config.GuardConfig
+[model]      trainer.model.ModelConfig
+[data]       trainer.data.DataConfig
+[optim]      OptimConfig
+[train]      TrainLoopConfig
+[telemetry]  TelemetryConfig
+[guard]      guard.config.GuardConfig
 """
 
 from __future__ import annotations
@@ -84,8 +84,12 @@ class TelemetryConfig:
     def __post_init__(self) -> None:
         check(self.dead_window >= 1, "telemetry.dead_window", self.dead_window, "must be >= 1")
         check(self.flush_every >= 1, "telemetry.flush_every", self.flush_every, "must be >= 1")
-        check(0 < self.straggler_threshold < 1, "telemetry.straggler_threshold", self.straggler_threshold,
-              "must be in (0, 1)")  # fmt: skip
+        check(
+            0 < self.straggler_threshold < 1,
+            "telemetry.straggler_threshold",
+            self.straggler_threshold,
+            "must be in (0, 1)",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,8 +103,12 @@ class TrainConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
-        check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
-              f"must be <= model.max_seq_len ({self.model.max_seq_len})")  # fmt: skip
+        check(
+            self.data.seq_len <= self.model.max_seq_len,
+            "data.seq_len",
+            self.data.seq_len,
+            f"must be <= model.max_seq_len ({self.model.max_seq_len})",
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:

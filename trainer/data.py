@@ -42,7 +42,9 @@ class DataConfig:
         check(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be >= 1")
         check(self.max_bytes >= 4096, "data.max_bytes", self.max_bytes, "must be >= 4096")
         if self.source == "shards":
-            check(bool(self.path), "data.path", self.path, "must name token shards when data.source = 'shards'")
+            check(
+                bool(self.path), "data.path", self.path, "must name token shards when data.source = 'shards'"
+            )
 
 
 # Data-quality filter for the embedded corpus, as any pretraining pipeline has one: test suites
@@ -121,8 +123,10 @@ def load_shard(f: Path, dtype: str) -> np.ndarray:
             if size == 0:
                 raise ConfigError(f"token shard {f} is empty (0 bytes)")
             if size % item:
-                raise ConfigError(f"token shard {f} has {size:,} bytes, not a whole number of {dtype} tokens "
-                                  f"({item} bytes each): it is truncated, or data.dtype is wrong")  # fmt: skip
+                raise ConfigError(
+                    f"token shard {f} has {size:,} bytes, not a whole number of {dtype} tokens "
+                    f"({item} bytes each): it is truncated, or data.dtype is wrong"
+                )
             arr = np.memmap(f, dtype=dtype, mode="r")
     except ConfigError:
         raise
@@ -131,15 +135,18 @@ def load_shard(f: Path, dtype: str) -> np.ndarray:
     if arr.ndim != 1:
         raise ConfigError(f"token shard {f} has shape {arr.shape}; expected a 1-D array of token ids")
     if arr.dtype not in SHARD_DTYPES:
-        raise ConfigError(f"token shard {f} has dtype {arr.dtype}; expected one of "
-                          f"{', '.join(np.dtype(d).name for d in SHARD_DTYPES)}")  # fmt: skip
+        raise ConfigError(
+            f"token shard {f} has dtype {arr.dtype}; expected one of "
+            f"{', '.join(np.dtype(d).name for d in SHARD_DTYPES)}"
+        )
     if len(arr) == 0:
         raise ConfigError(f"token shard {f} is empty (0 tokens)")
     return arr
 
 
-def check_shards(files: list[Path], arrays: list[np.ndarray], vocab_size: int, *, rank: int = 0,
-                 world_size: int = 1) -> None:  # fmt: skip
+def check_shards(
+    files: list[Path], arrays: list[np.ndarray], vocab_size: int, *, rank: int = 0, world_size: int = 1
+) -> None:
     """Every token id of every shard in [0, vocab_size), or a ConfigError naming the file, the
     position, the value and the vocab size (an id out of range would crash training with an
     IndexError hours in). Vectorised min/max over the memmaps in CHECK_CHUNK pieces, so memory
@@ -150,8 +157,14 @@ def check_shards(files: list[Path], arrays: list[np.ndarray], vocab_size: int, *
     pieces = [(i, lo) for i, a in enumerate(arrays) for lo in range(0, len(a), CHECK_CHUNK)]
     mine = pieces[rank::world_size]
     total = sum(min(CHECK_CHUNK, len(arrays[i]) - lo) for i, lo in mine)
-    with tqdm(total=total, unit="tok", unit_scale=True, desc="checking token shards", leave=False,
-              disable=total < CHECK_BAR_MIN or None) as bar:  # fmt: skip
+    with tqdm(
+        total=total,
+        unit="tok",
+        unit_scale=True,
+        desc="checking token shards",
+        leave=False,
+        disable=total < CHECK_BAR_MIN or None,
+    ) as bar:
         for i, lo in mine:
             chunk = arrays[i][lo : lo + CHECK_CHUNK]
             signed = chunk.dtype.kind == "i"
@@ -198,7 +211,9 @@ class DataLoader:
         self.world_size = world_size
         if cfg.source == "stdlib":
             if vocab_size < 256:
-                raise ConfigError(f"model.vocab_size = {vocab_size}: the stdlib corpus is bytes and needs >= 256")
+                raise ConfigError(
+                    f"model.vocab_size = {vocab_size}: the stdlib corpus is bytes and needs >= 256"
+                )
             self.windows = TokenWindows([stdlib_corpus(cfg.max_bytes)], cfg.seq_len, ["stdlib"])
         else:
             files = shard_files(cfg.path)

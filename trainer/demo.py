@@ -31,8 +31,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=400, help="steps per run (default 400)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", type=Path, default=Path("runs"), help="parent folder for the three runs")
-    p.add_argument("--inject", action="append", default=None, metavar="KIND@STEP[:ARG]",
-                   help=f"faults to inject (repeatable; default: {' '.join(DEFAULT_FAULTS)})")
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=None,
+        metavar="KIND@STEP[:ARG]",
+        help=f"faults to inject (repeatable; default: {' '.join(DEFAULT_FAULTS)})",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per run (0: torch's default)")
     p.add_argument("--no-progress", action="store_true")
 
@@ -50,8 +55,17 @@ class DrillResult:
     max_maxvio_end: float  # worst layer's mean MaxVio over the last 10% of steps
 
 
-def run_one(name: str, config: Path | None, steps: int, seed: int, run_dir: Path, faults: list[str],
-            guard_mode: str, progress: bool, threads: int = 0) -> DrillResult:  # fmt: skip
+def run_one(
+    name: str,
+    config: Path | None,
+    steps: int,
+    seed: int,
+    run_dir: Path,
+    faults: list[str],
+    guard_mode: str,
+    progress: bool,
+    threads: int = 0,
+) -> DrillResult:
     from trainer.cli import DEFAULT_CONFIG
     from trainer.config import load_config
     from trainer.inject import parse_injection
@@ -89,29 +103,59 @@ def summarize_run(name: str, run_dir: Path, goodput: float) -> DrillResult:
 
 def format_table(results: list[DrillResult]) -> str:
     clean = results[0].final_loss
-    rows = [["run", "final loss", "vs clean", "spikes seen", "collapses seen", "skipped", "rolled back",
-             "bias fixes", "worst MaxVio (end)", "goodput", "status"]]  # fmt: skip
+    rows = [
+        [
+            "run",
+            "final loss",
+            "vs clean",
+            "spikes seen",
+            "collapses seen",
+            "skipped",
+            "rolled back",
+            "bias fixes",
+            "worst MaxVio (end)",
+            "goodput",
+            "status",
+        ]
+    ]
     for r in results:
         delta = (r.final_loss - clean) / clean if math.isfinite(r.final_loss) else float("nan")
-        rows.append([
-            r.name,
-            f"{r.final_loss:.4f}" if math.isfinite(r.final_loss) else "diverged (NaN)",
-            "-" if r is results[0] else (f"{delta:+.2%}" if math.isfinite(delta) else "diverged"),
-            str(r.spikes), str(r.collapse),
-            str(r.actions.get(schema.ACT_SKIP, 0)), str(r.actions.get(schema.ACT_ROLLBACK, 0)),
-            str(r.actions.get(schema.ACT_BIAS_CORRECT, 0)),
-            f"{r.max_maxvio_end:.2f}", f"{r.goodput:.1%}", r.status,
-        ])  # fmt: skip
+        rows.append(
+            [
+                r.name,
+                f"{r.final_loss:.4f}" if math.isfinite(r.final_loss) else "diverged (NaN)",
+                "-" if r is results[0] else (f"{delta:+.2%}" if math.isfinite(delta) else "diverged"),
+                str(r.spikes),
+                str(r.collapse),
+                str(r.actions.get(schema.ACT_SKIP, 0)),
+                str(r.actions.get(schema.ACT_ROLLBACK, 0)),
+                str(r.actions.get(schema.ACT_BIAS_CORRECT, 0)),
+                f"{r.max_maxvio_end:.2f}",
+                f"{r.goodput:.1%}",
+                r.status,
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
 
 
-def drill(config: Path | None, steps: int, seed: int, parent: Path, faults: list[str],
-          progress: bool = True, threads: int = 0) -> list[DrillResult]:  # fmt: skip
+def drill(
+    config: Path | None,
+    steps: int,
+    seed: int,
+    parent: Path,
+    faults: list[str],
+    progress: bool = True,
+    threads: int = 0,
+) -> list[DrillResult]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    plan = [("clean", [], "act"), ("faulty, unguarded", faults, "observe"), ("faulty, guarded", faults, "act")]
+    plan = [
+        ("clean", [], "act"),
+        ("faulty, unguarded", faults, "observe"),
+        ("faulty, guarded", faults, "act"),
+    ]
     out = []
     for name, f, mode in plan:
         run_dir = parent / f"demo-{stamp}-{name.replace(', ', '-')}"
@@ -124,8 +168,15 @@ def drill(config: Path | None, steps: int, seed: int, parent: Path, faults: list
 def run(args: argparse.Namespace) -> int:
     faults = args.inject if args.inject is not None else DEFAULT_FAULTS
     print(f"moeguard demo: {args.steps} steps x 3 runs, seed {args.seed}, faults: {' '.join(faults)}")
-    results = drill(args.config, args.steps, args.seed, args.runs, faults, progress=not args.no_progress,
-                    threads=args.threads)
+    results = drill(
+        args.config,
+        args.steps,
+        args.seed,
+        args.runs,
+        faults,
+        progress=not args.no_progress,
+        threads=args.threads,
+    )
     print()
     print(format_table(results))
     print(f"\nruns are in {args.runs}/; explore them with: moeguard app --runs {args.runs}")
@@ -133,5 +184,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def as_dict(r: DrillResult) -> dict[str, Any]:
-    return {"name": r.name, "final_loss": r.final_loss, "spikes": r.spikes, "collapse": r.collapse,
-            "actions": r.actions, "goodput": r.goodput, "status": r.status, "run_dir": str(r.run_dir)}  # fmt: skip
+    return {
+        "name": r.name,
+        "final_loss": r.final_loss,
+        "spikes": r.spikes,
+        "collapse": r.collapse,
+        "actions": r.actions,
+        "goodput": r.goodput,
+        "status": r.status,
+        "run_dir": str(r.run_dir),
+    }

@@ -50,7 +50,9 @@ from guard.straggler import StragglerConfig, StragglerDetector
 from guard.tomlconf import ConfigError
 
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: 0 first, then 1, 2, ... per restart
-ENV_DECISION_LOG = "MOEGUARD_DECISION_LOG"  # a directory: each rank appends its decisions there (tests, audits)
+ENV_DECISION_LOG = (
+    "MOEGUARD_DECISION_LOG"  # a directory: each rank appends its decisions there (tests, audits)
+)
 
 
 @dataclass(slots=True)
@@ -93,8 +95,13 @@ def _init_in_agent_store(backend: str, world: int) -> None:
     rendezvous keys apart (checked by tests/trainer/test_distributed.py's restart test)."""
     import datetime
 
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=300),
+    )
     prefixed = dist.PrefixStore(f"moeguard/attempt_{restart_count()}", store)
     dist.init_process_group(backend=backend, store=prefixed, rank=int(os.environ["RANK"]), world_size=world)
 
@@ -198,8 +205,10 @@ COMMANDS = (schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_HALT)  # operator a
 
 def decision_fingerprint(d: Decision) -> int:
     """A 31-bit digest of everything in a decision that changes state on a rank."""
-    key = (f"{d.action}|{d.lr_scale:.12g}|{sorted(d.bias_boost.items())}|{sorted(d.aux_boost.items())}|"
-           f"{d.rollback_before}|{d.skip_batches}")  # fmt: skip
+    key = (
+        f"{d.action}|{d.lr_scale:.12g}|{sorted(d.bias_boost.items())}|{sorted(d.aux_boost.items())}|"
+        f"{d.rollback_before}|{d.skip_batches}"
+    )
     return zlib.crc32(key.encode()) & 0x7FFFFFFF
 
 
@@ -229,7 +238,9 @@ class Agreement:
         same = mx == -neg_mn
         actions = None
         if not same:  # rare path: find out who decided what, for the event
-            mine = torch.tensor([schema.ACTIONS.index(decision.action)], dtype=torch.int64, device=self.buf.device)
+            mine = torch.tensor(
+                [schema.ACTIONS.index(decision.action)], dtype=torch.int64, device=self.buf.device
+            )
             actions = [schema.ACTIONS[int(i)] for i in self.comm.all_gather(mine).reshape(-1).tolist()]
         return Agreed(same, COMMANDS[code_r - 1] if code_r else None, int(cid_r), actions)
 
@@ -278,8 +289,15 @@ class RankWindow:
 
     def gather(self, comm: Comm, device: torch.device) -> np.ndarray:
         """[world, 4]: median busy s, best busy s, median data wait s, tokens, per rank."""
-        mine = torch.tensor([float(np.median(self.busy)), float(np.min(self.busy)), float(np.median(self.wait)),
-                             float(self.tokens)], dtype=torch.float64)  # fmt: skip
+        mine = torch.tensor(
+            [
+                float(np.median(self.busy)),
+                float(np.min(self.busy)),
+                float(np.median(self.wait)),
+                float(self.tokens),
+            ],
+            dtype=torch.float64,
+        )
         self.busy, self.wait, self.tokens = [], [], 0
         return comm.all_gather(mine.to(device)).cpu().numpy()
 
@@ -300,8 +318,16 @@ class StepSync:
     Operator commands are polled on rank 0 only and ride in the agreement's all-reduce (no extra
     broadcast). In one process the same code runs without collectives."""
 
-    def __init__(self, d: Dist, comm: Comm, device: torch.device, *, straggler_every: int,
-                 straggler_threshold: float, exporter: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        d: Dist,
+        comm: Comm,
+        device: torch.device,
+        *,
+        straggler_every: int,
+        straggler_threshold: float,
+        exporter: Any = None,
+    ) -> None:
         self.dist, self.comm, self.device, self.exporter = d, comm, device, exporter
         multi = d.world > 1
         self.agreement = Agreement(comm, device) if multi else None
@@ -313,8 +339,9 @@ class StepSync:
         self.applied_id = 0  # highest operator command id applied (checkpointed)
         self.log = DecisionLog(d.rank)
 
-    def apply_command(self, step: int, d: Decision, events: list[Event], *, can_roll_back: bool,
-                      skip_batches: int) -> None:  # fmt: skip
+    def apply_command(
+        self, step: int, d: Decision, events: list[Event], *, can_roll_back: bool, skip_batches: int
+    ) -> None:
         """Turn the pending operator command into this step's decision (the guard's own wins
         when it is stronger) and record it as an operator event."""
         cmd, self.pending = self.pending, None
@@ -322,15 +349,24 @@ class StepSync:
             return
         action = cmd["action"]
         self.applied_id = max(self.applied_id, int(cmd["id"]))
-        detail = {"command": action, "id": cmd["id"], "reason": cmd.get("reason", ""), "guard_action": d.action}
+        detail = {
+            "command": action,
+            "id": cmd["id"],
+            "reason": cmd.get("reason", ""),
+            "guard_action": d.action,
+        }
         if action == schema.ACT_ROLLBACK and not can_roll_back:
             action, detail["fallback"] = schema.ACT_SKIP, "no snapshot to roll back to; skipped instead"
         if _SEVERITY.get(action, 0) > _SEVERITY.get(d.action, 0):
             d.action = action
             if action == schema.ACT_ROLLBACK:
                 d.rollback_before, d.skip_batches = step, skip_batches
-                ev = Event(step=step, kind=schema.EV_ACTION, action=action,
-                           detail={"reason": "operator command", "skip_batches": skip_batches})  # fmt: skip
+                ev = Event(
+                    step=step,
+                    kind=schema.EV_ACTION,
+                    action=action,
+                    detail={"reason": "operator command", "skip_batches": skip_batches},
+                )
                 d.events.append(ev)  # Guard.rollback writes the restored step into it
                 events.append(ev)
         events.append(Event(step=step, kind=schema.EV_OPERATOR, action=action, detail=detail))
@@ -353,20 +389,31 @@ class StepSync:
         agreed = self.agreement.sync(d, cmd)
         self.log.write(f"{step} {d.action} {fp:08x}" + ("" if agreed.same else " DIVERGED"))
         if agreed.command is not None and agreed.command_id > self.applied_id:
-            self.pending = {"action": agreed.command, "id": agreed.command_id,
-                            **({"reason": cmd.get("reason", "")} if cmd else {})}  # fmt: skip
+            self.pending = {
+                "action": agreed.command,
+                "id": agreed.command_id,
+                **({"reason": cmd.get("reason", "")} if cmd else {}),
+            }
         if agreed.same:
             return d
         # Different guard states on different ranks: applying anything could desynchronise the
         # replicas. Stop before any rank touches its weights, and page a human.
-        ev = Event(step=step, kind=schema.EV_HALT, action=schema.ACT_HALT,
-                   detail={"severity": "critical", "reason": "guard decisions diverged across ranks",
-                           "actions_by_rank": agreed.actions})  # fmt: skip
+        ev = Event(
+            step=step,
+            kind=schema.EV_HALT,
+            action=schema.ACT_HALT,
+            detail={
+                "severity": "critical",
+                "reason": "guard decisions diverged across ranks",
+                "actions_by_rank": agreed.actions,
+            },
+        )
         events.append(ev)
         return Decision(step=step, action=schema.ACT_HALT, verdicts=d.verdicts, events=[*d.events, ev])
 
-    def end_step(self, step: int, busy_s: float, data_wait_s: float, tokens: int,
-                 store: Any = None) -> list[Event]:  # fmt: skip
+    def end_step(
+        self, step: int, busy_s: float, data_wait_s: float, tokens: int, store: Any = None
+    ) -> list[Event]:
         """Record this rank's busy time; at a window's end gather every rank's summary, score,
         write the `ranks` rows (rank 0's store) and return straggler events."""
         if self.window is None:
@@ -379,9 +426,16 @@ class StepSync:
         self.straggler_score = float(res.relative_R[self.dist.rank])
         if store is not None:
             w = self.dist.world
-            store.add_rank_rows({"step": [step] * w, "rank": list(range(w)), "step_time_s": g[:, 0].tolist(),
-                                 "data_wait_s": g[:, 2].tolist(), "straggler_score": res.relative_R.tolist(),
-                                 "tokens": g[:, 3].astype(np.int64).tolist()})  # fmt: skip
+            store.add_rank_rows(
+                {
+                    "step": [step] * w,
+                    "rank": list(range(w)),
+                    "step_time_s": g[:, 0].tolist(),
+                    "data_wait_s": g[:, 2].tolist(),
+                    "straggler_score": res.relative_R.tolist(),
+                    "tokens": g[:, 3].astype(np.int64).tolist(),
+                }
+            )
         return res.events
 
     def state_dict(self) -> dict[str, Any]:

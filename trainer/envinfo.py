@@ -13,8 +13,13 @@ import torch
 def git_sha() -> str:
     """The commit of the moeguard checkout we run from, or 'unknown' outside a git checkout."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5)  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -26,8 +31,17 @@ def device_name(device: torch.device) -> str:
     return f"cpu:{platform.machine()}:{torch.get_num_threads()}threads"
 
 
-def fingerprint(*, device: torch.device, dtype: str, peak_flops: float | None, peak_source: str,
-                attention_backend: str, expert_kernel: str, compile: bool, world_size: int) -> dict[str, Any]:  # fmt: skip
+def fingerprint(
+    *,
+    device: torch.device,
+    dtype: str,
+    peak_flops: float | None,
+    peak_source: str,
+    attention_backend: str,
+    expert_kernel: str,
+    compile: bool,
+    world_size: int,
+) -> dict[str, Any]:
     return {
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none",

@@ -180,8 +180,9 @@ def load_cpu_peaks(path: Path = CPU_PEAKS_FILE) -> dict[str, dict]:
     return classes if isinstance(classes, dict) else {}
 
 
-def pinned_cpu_peak(dtype: torch.dtype, machine_class: str | None = None,
-                    path: Path = CPU_PEAKS_FILE) -> tuple[float | None, str]:  # fmt: skip
+def pinned_cpu_peak(
+    dtype: torch.dtype, machine_class: str | None = None, path: Path = CPU_PEAKS_FILE
+) -> tuple[float | None, str]:
     """(peak FLOP/s or None, where it came from) for this machine class from the pinned file."""
     cls = machine_class or cpu_machine_class()
     key = _DTYPE_KEY.get(dtype, str(dtype))
@@ -189,10 +190,14 @@ def pinned_cpu_peak(dtype: torch.dtype, machine_class: str | None = None,
     peak = entry.get(key)
     where = "configs/cpu_peaks.toml" if path == CPU_PEAKS_FILE else str(path)
     if isinstance(peak, int | float) and peak > 0:
-        return float(peak), (f"pinned: {cls} {key} in {where}, measured {entry.get('measured', '?')} "
-                             f"({entry.get('method', '?')})")  # fmt: skip
-    return None, (f"no pinned {key} peak for CPU class {cls} in {where}: MFU not computed, "
-                  "tokens/s is the measure (pin one with `python -m trainer.flops --pin`)")  # fmt: skip
+        return float(peak), (
+            f"pinned: {cls} {key} in {where}, measured {entry.get('measured', '?')} "
+            f"({entry.get('method', '?')})"
+        )
+    return None, (
+        f"no pinned {key} peak for CPU class {cls} in {where}: MFU not computed, "
+        "tokens/s is the measure (pin one with `python -m trainer.flops --pin`)"
+    )
 
 
 def measure_cpu_core_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 20) -> float:
@@ -227,8 +232,10 @@ def measure_cpu_peaks(sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int =
         entry[_DTYPE_KEY[dtype]] = float(f"{core * cores:.4g}")
     entry["measured"] = datetime.date.today().isoformat()
     entry["torch"] = torch.__version__
-    entry["method"] = (f"best of {repeats} one-thread {'/'.join(map(str, sizes))}^3 matmuls per thread CPU second, "
-                       f"x {cores} cores")  # fmt: skip
+    entry["method"] = (
+        f"best of {repeats} one-thread {'/'.join(map(str, sizes))}^3 matmuls per thread CPU second, "
+        f"x {cores} cores"
+    )
     return entry
 
 
@@ -254,8 +261,11 @@ def write_cpu_peaks(classes: dict[str, dict], path: Path = CPU_PEAKS_FILE) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.flops", description="Measure this machine's CPU peak "
-                                "FLOP/s and pin it for its machine class in configs/cpu_peaks.toml.")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.flops",
+        description="Measure this machine's CPU peak "
+        "FLOP/s and pin it for its machine class in configs/cpu_peaks.toml.",
+    )
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--measure", action="store_true", help="measure and print, change nothing")
     g.add_argument("--pin", action="store_true", help="measure and write this class's entry")

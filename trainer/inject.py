@@ -37,8 +37,17 @@ import torch
 from guard import schema
 from guard.tomlconf import ConfigError
 
-_DEFAULT_ARG = {"gradspike": 100.0, "lrspike": 100.0, "nan": 0.0, "badbatch": 0.0, "collapse": 0.0,
-                "stall": 6.0, "crash": 0.0, "slowrank": 0.05, "hang": 0.0}  # fmt: skip
+_DEFAULT_ARG = {
+    "gradspike": 100.0,
+    "lrspike": 100.0,
+    "nan": 0.0,
+    "badbatch": 0.0,
+    "collapse": 0.0,
+    "stall": 6.0,
+    "crash": 0.0,
+    "slowrank": 0.05,
+    "hang": 0.0,
+}
 COLLAPSE_LOGIT_OFFSET = 8.0
 # What ARG means for each kind (`moeguard train --help` lists these; every kind has a line).
 INJECT_HELP = {
@@ -51,8 +60,8 @@ INJECT_HELP = {
     "crash": "no ARG: the process SIGKILLs itself at STEP, like a node loss (first torchrun attempt only)",
     "slowrank": "ARG = extra seconds every step computes from STEP on (default 0.05): a straggler",
     "hang": "no ARG: the process stops making progress at STEP for good, its heartbeat too (first torchrun "
-            "attempt only); ARG = seconds STEP blocks as if in a hung collective while the heartbeat goes on, "
-            "then the run carries on (a RunStuck drill)",
+    "attempt only); ARG = seconds STEP blocks as if in a hung collective while the heartbeat goes on, "
+    "then the run carries on (a RunStuck drill)",
 }
 _RANK_RE = re.compile(r"(?:/r|@rank)(\d+)$")
 
@@ -79,7 +88,9 @@ def parse_injection(spec: str) -> Injection:
     if not sep:
         raise ConfigError(f"--inject {spec!r}: expected KIND@STEP[:ARG][/rRANK], e.g. gradspike@100:50")
     if kind not in schema.INJECT_KINDS:
-        raise ConfigError(f"--inject {spec!r}: unknown kind {kind!r}; kinds: {', '.join(schema.INJECT_KINDS)}")
+        raise ConfigError(
+            f"--inject {spec!r}: unknown kind {kind!r}; kinds: {', '.join(schema.INJECT_KINDS)}"
+        )
     step_s, _, arg_s = rest.partition(":")
     try:
         step = int(step_s)
@@ -106,8 +117,9 @@ class Injector:
         self.by_step: dict[int, list[Injection]] = {}
         if attempt > 0:  # a torchrun restart: the process-killing drill already happened
             injections = [i for i in injections if i.kind not in ("crash", "hang")]
-        self.slow = sorted((i for i in injections if i.kind == "slowrank" and i.rank in (None, rank)),
-                           key=lambda i: i.step)  # fmt: skip
+        self.slow = sorted(
+            (i for i in injections if i.kind == "slowrank" and i.rank in (None, rank)), key=lambda i: i.step
+        )
         for inj in injections:
             if inj.rank in (None, rank):
                 self.by_step.setdefault(inj.step, []).append(inj)
@@ -147,7 +159,9 @@ class Injector:
     def collapse(model: torch.nn.Module, layer: int) -> None:
         moe = dict(model.moe_layers())
         if layer not in moe:
-            raise ConfigError(f"--inject collapse: layer {layer} is not an MoE layer; MoE layers: {sorted(moe)}")
+            raise ConfigError(
+                f"--inject collapse: layer {layer} is not an MoE layer; MoE layers: {sorted(moe)}"
+            )
         moe[layer].router.logit_offset_E[0] += COLLAPSE_LOGIT_OFFSET
 
     @staticmethod

@@ -60,8 +60,16 @@ from trainer.flops import flops_per_token, peak_flops
 from trainer.inject import Injection, Injector
 from trainer.model import MoETransformer
 
-__all__ = ["EXIT_HALTED", "EXIT_PREEMPTED", "Dist", "Trainer", "allreduce_grads", "build_optimizer", "lr_at",
-           "setup_distributed"]  # fmt: skip
+__all__ = [
+    "EXIT_HALTED",
+    "EXIT_PREEMPTED",
+    "Dist",
+    "Trainer",
+    "allreduce_grads",
+    "build_optimizer",
+    "lr_at",
+    "setup_distributed",
+]
 
 EXIT_HALTED = 3  # the guard halted the run (a checkpoint and a critical event were written)
 # SIGTERM (preemption): checkpoint, then exit 128 + SIGTERM, what a process killed by SIGTERM reports.
@@ -91,12 +99,17 @@ def lr_at(opt_step: int, cfg: TrainConfig) -> float:
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     # Decay matrices only (norm gains and embeddings' rows are left alone, as in nanoGPT).
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2 and "embed" not in n]
-    rest = [p for n, p in model.named_parameters() if p.requires_grad and not (p.ndim >= 2 and "embed" not in n)]
+    rest = [
+        p for n, p in model.named_parameters() if p.requires_grad and not (p.ndim >= 2 and "embed" not in n)
+    ]
     o = cfg.optim
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True,
-    )  # fmt: skip
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        foreach=True,
+    )
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -122,8 +135,14 @@ def unavailable_backend(e: ValueError, cfg: TrainConfig, device: torch.device, d
         ok = []
         for name in ATTENTION_CHOICES:
             try:
-                resolve_attention_backend(name, device, dtype, n_heads=cfg.model.n_heads,
-                                          head_dim=cfg.model.head_dim, seq_len=cfg.model.max_seq_len)  # fmt: skip
+                resolve_attention_backend(
+                    name,
+                    device,
+                    dtype,
+                    n_heads=cfg.model.n_heads,
+                    head_dim=cfg.model.head_dim,
+                    seq_len=cfg.model.max_seq_len,
+                )
                 ok.append(name)
             except ValueError:
                 pass
@@ -150,8 +169,10 @@ def action_lines(step: int, action: str, events: list[Event]) -> list[str]:
         what = action
         for e in events:
             if e.kind == schema.EV_ACTION and e.action == schema.ACT_ROLLBACK:
-                what = (f"rollback to the snapshot of step {e.detail.get('restored_step', '?')}, "
-                        f"{e.detail.get('skip_batches', 0)} batches skipped")  # fmt: skip
+                what = (
+                    f"rollback to the snapshot of step {e.detail.get('restored_step', '?')}, "
+                    f"{e.detail.get('skip_batches', 0)} batches skipped"
+                )
                 why = why or [str(e.detail.get("reason", ""))]
             elif e.kind == schema.EV_ACTION and e.action == schema.ACT_LR_COOLDOWN:
                 what += f", LR x{e.value:g} for {e.detail.get('steps')} steps"
@@ -163,18 +184,29 @@ def action_lines(step: int, action: str, events: list[Event]) -> list[str]:
     for e in events:
         if e.kind == schema.EV_ACTION and e.action == schema.ACT_BIAS_CORRECT:
             d = e.detail
-            out.append(f"guard step {step}: {e.action} layer {d.get('layer')} ({d.get('mode')} boost x{d.get('boost', 0):g} "
-                       f"until step {d.get('until')}) <- {_evidence(e)}")  # fmt: skip
+            out.append(
+                f"guard step {step}: {e.action} layer {d.get('layer')} ({d.get('mode')} boost x{d.get('boost', 0):g} "
+                f"until step {d.get('until')}) <- {_evidence(e)}"
+            )
         elif e.kind == schema.EV_RECOVERED:
-            out.append(f"guard step {step}: layer {e.detail.get('layer')} recovered from {e.detector} "
-                       f"after {e.detail.get('corrected_for')} steps")  # fmt: skip
+            out.append(
+                f"guard step {step}: layer {e.detail.get('layer')} recovered from {e.detector} "
+                f"after {e.detail.get('corrected_for')} steps"
+            )
     return out
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False,
-                 injections: list[Injection] | None = None, progress: bool = True,
-                 exporter: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        run_dir: str | Path,
+        *,
+        resume: bool = False,
+        injections: list[Injection] | None = None,
+        progress: bool = True,
+        exporter: Any = None,
+    ) -> None:
         self._t_start = time.time()
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -197,14 +229,20 @@ class Trainer:
         self.fwd = torch.compile(self.model) if cfg.train.compile else self.model
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.model, cfg)
-        self.data = DataLoader(cfg.data, vocab_size=cfg.model.vocab_size, seed=cfg.train.seed,
-                               rank=self.dist.rank, world_size=self.dist.world)  # fmt: skip
+        self.data = DataLoader(
+            cfg.data,
+            vocab_size=cfg.model.vocab_size,
+            seed=cfg.train.seed,
+            rank=self.dist.rank,
+            world_size=self.dist.world,
+        )
         self.telemetry = cfg.telemetry.enabled
         self.comm = Comm(self.dist.world)
         self.probe = Probe(self.model, dead_window=cfg.telemetry.dead_window, device=self.device)
         self.probe.all_reduce = self.comm.all_reduce
-        self.guard = Guard(cfg.guard, self.model, self.opt, max_lr=cfg.optim.lr,
-                           has_bias=cfg.model.bias_mode != "off")  # fmt: skip
+        self.guard = Guard(
+            cfg.guard, self.model, self.opt, max_lr=cfg.optim.lr, has_bias=cfg.model.bias_mode != "off"
+        )
         self.injector = Injector(injections or [], rank=self.dist.rank, attempt=restart_count())
         self.opt_step = 0  # updates actually applied (drives the LR schedule; restored on rollback)
         self.step = 0  # iterations run (monotonic; the run store's key)
@@ -225,15 +263,27 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self._bar: Any = None
         # multi-rank: decision agreement, operator commands, straggler windows, heartbeats
-        self.sync = StepSync(self.dist, self.comm, self.device, straggler_every=cfg.telemetry.straggler_every,
-                             straggler_threshold=cfg.telemetry.straggler_threshold, exporter=exporter)  # fmt: skip
+        self.sync = StepSync(
+            self.dist,
+            self.comm,
+            self.device,
+            straggler_every=cfg.telemetry.straggler_every,
+            straggler_threshold=cfg.telemetry.straggler_threshold,
+            exporter=exporter,
+        )
         # one rank too: `--inject hang@S:SECONDS` blocks inside comm.timed() like a hung collective
         self.pump = HeartbeatPump(self.comm, exporter) if exporter is not None else None
         self.store = RunStore(self.run_dir, flush_every=cfg.telemetry.flush_every) if self.dist.main else None
-        self.env = fingerprint(device=self.device, dtype=self._dtype_name(), peak_flops=self.peak,
-                               peak_source=self.peak_source, attention_backend=self.model.attention_backend,
-                               expert_kernel=self.model.experts_kernel, compile=cfg.train.compile,
-                               world_size=self.dist.world)  # fmt: skip
+        self.env = fingerprint(
+            device=self.device,
+            dtype=self._dtype_name(),
+            peak_flops=self.peak,
+            peak_source=self.peak_source,
+            attention_backend=self.model.attention_backend,
+            expert_kernel=self.model.experts_kernel,
+            compile=cfg.train.compile,
+            world_size=self.dist.world,
+        )
         self.env["parallel"] = self.parallel
         if resume:
             self._resume()
@@ -297,10 +347,17 @@ class Trainer:
         if self.store is not None:  # every row before the checkpoint is on disk before it exists
             self.store.flush(wait=True)
         multi = self.dist.world > 1
-        path = ckpt.save_checkpoint(self.run_dir / schema.CHECKPOINT_DIR, self.step, self.model, self.opt,
-                                    self._host_state() if self.dist.main else None, rank=self.dist.rank,
-                                    world=self.dist.world, keep=self.cfg.train.keep_checkpoints,
-                                    barrier=self.comm.barrier if multi else lambda: None)  # fmt: skip
+        path = ckpt.save_checkpoint(
+            self.run_dir / schema.CHECKPOINT_DIR,
+            self.step,
+            self.model,
+            self.opt,
+            self._host_state() if self.dist.main else None,
+            rank=self.dist.rank,
+            world=self.dist.world,
+            keep=self.cfg.train.keep_checkpoints,
+            barrier=self.comm.barrier if multi else lambda: None,
+        )
         self.gp.add("checkpoint_s", time.perf_counter() - t0)
         self.last_checkpoint = path
         if self.exporter is not None:
@@ -342,11 +399,22 @@ class Trainer:
             dropped = truncate_after(self.run_dir, self.step - 1)
             meta = read_meta(self.run_dir) or self._meta(schema.STATUS_RUNNING)
             restarts = int(meta.get("restarts", 0)) + 1
-            self.store.write_meta({**meta, "status": schema.STATUS_RUNNING, "restarts": restarts, "env": self.env})
-            self.store.add_event(Event(step=self.step, kind=schema.EV_RESUME,
-                                       detail={"checkpoint": path.name, "rows_dropped": dropped,
-                                               "restarts": restarts, "world_size": self.dist.world,
-                                               "saved_world_size": host.get("world_size", 1)}))  # fmt: skip
+            self.store.write_meta(
+                {**meta, "status": schema.STATUS_RUNNING, "restarts": restarts, "env": self.env}
+            )
+            self.store.add_event(
+                Event(
+                    step=self.step,
+                    kind=schema.EV_RESUME,
+                    detail={
+                        "checkpoint": path.name,
+                        "rows_dropped": dropped,
+                        "restarts": restarts,
+                        "world_size": self.dist.world,
+                        "saved_world_size": host.get("world_size", 1),
+                    },
+                )
+            )
 
     # ---- one step -----------------------------------------------------------------------
     def _batches(self) -> tuple[list[torch.Tensor], float]:
@@ -383,7 +451,9 @@ class Trainer:
     def _apply_update(self, grad_norm: float, lr: float, bias_boost: dict[int, float]) -> None:
         clip = self.cfg.optim.grad_clip
         if clip > 0 and math.isfinite(grad_norm) and grad_norm > clip:
-            torch._foreach_mul_([local(p.grad) for p in self.params if p.grad is not None], clip / (grad_norm + 1e-6))
+            torch._foreach_mul_(
+                [local(p.grad) for p in self.params if p.grad is not None], clip / (grad_norm + 1e-6)
+            )
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.step()
@@ -392,8 +462,9 @@ class Trainer:
             bias_max = self.cfg.guard.policy.bias_max
             for m, (layer_idx, router) in enumerate(self.probe.routers):
                 boost = bias_boost.get(layer_idx)
-                router.update_bias(self.probe.loads_ME[m], rate_scale=boost or 1.0,
-                                         bias_max=bias_max if boost else None)  # fmt: skip
+                router.update_bias(
+                    self.probe.loads_ME[m], rate_scale=boost or 1.0, bias_max=bias_max if boost else None
+                )
 
     def _set_aux_boost(self, aux_boost: dict[int, float]) -> None:
         base = self.cfg.model.aux_loss_coef
@@ -431,8 +502,17 @@ class Trainer:
         tokens = sum(b.numel() - b.size(0) for b in batches) * self.dist.world
         self._track_finite(loss, 0.0, applied=True)  # no grad norm measured here: the loss says it
         self.stop_agreed = self.stop_requested and self.dist.world == 1
-        return StepReport(step=self.step, time=time.time(), loss=loss, grad_norm=float("nan"), lr=lr,
-                          tokens=tokens, step_time_s=dt, data_wait_s=data_wait, tokens_per_s=tokens / dt)
+        return StepReport(
+            step=self.step,
+            time=time.time(),
+            loss=loss,
+            grad_norm=float("nan"),
+            lr=lr,
+            tokens=tokens,
+            step_time_s=dt,
+            data_wait_s=data_wait,
+            tokens_per_s=tokens / dt,
+        )
 
     def train_step(self) -> StepReport:
         if not self.telemetry:
@@ -469,13 +549,25 @@ class Trainer:
         self.stop_agreed = bool(pr.extra[world] > 0) if world > 1 else self.stop_requested
         own_tokens = sum(b.numel() - b.size(0) for b in batches)
         rep = StepReport(
-            step=self.step, time=time.time(), loss=pr.loss, grad_norm=pr.grad_norm, lr=planned_lr,
-            tokens=own_tokens * world, data_wait_s=job_wait, rank=rank,
-            layer_ids_L=self.probe_layer_ids, layer_grad_norm_L=pr.layer_grad_norm_L,
-            moe_layer_ids_M=self.probe.moe_ids_M, router_entropy_M=pr.router_entropy_M,
-            load_entropy_M=pr.load_entropy_M, maxvio_M=pr.maxvio_M, dead_experts_M=pr.dead_experts_M,
-            bias_norm_M=pr.bias_norm_M, load_ME=pr.load_ME, bias_ME=pr.bias_ME,
-        )  # fmt: skip
+            step=self.step,
+            time=time.time(),
+            loss=pr.loss,
+            grad_norm=pr.grad_norm,
+            lr=planned_lr,
+            tokens=own_tokens * world,
+            data_wait_s=job_wait,
+            rank=rank,
+            layer_ids_L=self.probe_layer_ids,
+            layer_grad_norm_L=pr.layer_grad_norm_L,
+            moe_layer_ids_M=self.probe.moe_ids_M,
+            router_entropy_M=pr.router_entropy_M,
+            load_entropy_M=pr.load_entropy_M,
+            maxvio_M=pr.maxvio_M,
+            dead_experts_M=pr.dead_experts_M,
+            bias_norm_M=pr.bias_norm_M,
+            load_ME=pr.load_ME,
+            bias_ME=pr.bias_ME,
+        )
         if world == 1:
             # Provisional throughput (time so far) so the throughput detector sees this step; with
             # several ranks each would see its own clock, so there the collector watches throughput.
@@ -483,8 +575,13 @@ class Trainer:
             rep.step_time_s, rep.tokens_per_s = elapsed, rep.tokens / elapsed
         decision = self.guard.observe(rep, lr=planned_lr)
         events = list(decision.events)
-        self.sync.apply_command(self.step, decision, events, can_roll_back=self._can_roll_back(),
-                                skip_batches=self.cfg.guard.policy.rollback_skip_batches)  # fmt: skip
+        self.sync.apply_command(
+            self.step,
+            decision,
+            events,
+            can_roll_back=self._can_roll_back(),
+            skip_batches=self.cfg.guard.policy.rollback_skip_batches,
+        )
         decision = self.sync.agree(self.step, decision, events)
         lr = planned_lr * decision.lr_scale
         rep.lr = lr
@@ -531,9 +628,11 @@ class Trainer:
             if self.nonfinite_since is None:
                 self.nonfinite_since = self.step
                 if self.dist.main:
-                    self.say(f"step {self.step}: loss {loss:.4g}, grad norm {grad_norm:.4g}: a non-finite update "
-                             f"was applied ({'guard in observe mode' if self.telemetry else 'telemetry off'}); "
-                             "the weights are likely non-finite from here")  # fmt: skip
+                    self.say(
+                        f"step {self.step}: loss {loss:.4g}, grad norm {grad_norm:.4g}: a non-finite update "
+                        f"was applied ({'guard in observe mode' if self.telemetry else 'telemetry off'}); "
+                        "the weights are likely non-finite from here"
+                    )
         return finite
 
     def say(self, line: str) -> None:
@@ -558,11 +657,22 @@ class Trainer:
         if self.dist.main:
             self.exporter.submit(rep, events)
         else:  # this rank's own timing: its heartbeat and its straggler score at the collector
-            self.exporter.submit(StepReport(step=rep.step, time=rep.time, loss=rep.loss, grad_norm=rep.grad_norm,
-                                            lr=rep.lr, tokens=own_tokens, step_time_s=rep.step_time_s,
-                                            data_wait_s=own_wait, tokens_per_s=own_tokens / rep.step_time_s,
-                                            action=rep.action, rank=self.dist.rank,
-                                            straggler_score=rep.straggler_score))  # fmt: skip
+            self.exporter.submit(
+                StepReport(
+                    step=rep.step,
+                    time=rep.time,
+                    loss=rep.loss,
+                    grad_norm=rep.grad_norm,
+                    lr=rep.lr,
+                    tokens=own_tokens,
+                    step_time_s=rep.step_time_s,
+                    data_wait_s=own_wait,
+                    tokens_per_s=own_tokens / rep.step_time_s,
+                    action=rep.action,
+                    rank=self.dist.rank,
+                    straggler_score=rep.straggler_score,
+                )
+            )
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self, until: int | None = None) -> int:
@@ -588,23 +698,37 @@ class Trainer:
                 if self.last_decision is not None and self.last_decision.halt:
                     status, code = schema.STATUS_HALTED, EXIT_HALTED
                     self.save_checkpoint()
-                    why = next((str(e.detail.get("reason", "")) for e in self.last_decision.events
-                                if e.kind == schema.EV_HALT), "an operator command")  # fmt: skip
-                    note = (f"halted at step {self.step - 1}: {why}; checkpoint {self.last_checkpoint.name}; "
-                            "look at the halt event, then continue with --resume")  # fmt: skip
+                    why = next(
+                        (
+                            str(e.detail.get("reason", ""))
+                            for e in self.last_decision.events
+                            if e.kind == schema.EV_HALT
+                        ),
+                        "an operator command",
+                    )
+                    note = (
+                        f"halted at step {self.step - 1}: {why}; checkpoint {self.last_checkpoint.name}; "
+                        "look at the halt event, then continue with --resume"
+                    )
                     break
                 if self.stop_agreed if self.dist.world > 1 else self.stop_requested:
                     status, code = STATUS_PREEMPTED, EXIT_PREEMPTED
-                    if self.last_checkpoint != ckpt.checkpoint_path(self.run_dir / schema.CHECKPOINT_DIR, self.step):
+                    if self.last_checkpoint != ckpt.checkpoint_path(
+                        self.run_dir / schema.CHECKPOINT_DIR, self.step
+                    ):
                         self.save_checkpoint()
-                    note = (f"SIGTERM (preemption): stopped after step {self.step - 1} with checkpoint "
-                            f"{self.last_checkpoint.name if self.last_checkpoint else '-'}; continue with --resume")
+                    note = (
+                        f"SIGTERM (preemption): stopped after step {self.step - 1} with checkpoint "
+                        f"{self.last_checkpoint.name if self.last_checkpoint else '-'}; continue with --resume"
+                    )
                     if self.dist.main:
                         self.say(f"moeguard train: {note}")
                     break
                 if self.guard.after_step(self.step, {"opt_step": self.opt_step}):
                     self.sync.log.write(f"{self.step} snapshot")
-                    self.gp.snapshot_taken(self.step, set(self.guard.ring.steps()) if self.guard.ring else set())
+                    self.gp.snapshot_taken(
+                        self.step, set(self.guard.ring.steps()) if self.guard.ring else set()
+                    )
                 every = self.cfg.train.checkpoint_every
                 if every and self.step % every == 0 and self.step < self.cfg.train.steps:
                     self.save_checkpoint()
@@ -618,14 +742,17 @@ class Trainer:
                     status = schema.STATUS_RUNNING  # stopped at --until; resumable
                 elif self.nonfinite_since is not None:
                     status = STATUS_FINISHED_NONFINITE
-                    note = (f"loss/grad norm non-finite from step {self.nonfinite_since} to the end "
-                            f"({self.nonfinite_steps} non-finite updates applied): the weights are not usable; "
-                            "rerun from a checkpoint before that step with the guard on")  # fmt: skip
+                    note = (
+                        f"loss/grad norm non-finite from step {self.nonfinite_since} to the end "
+                        f"({self.nonfinite_steps} non-finite updates applied): the weights are not usable; "
+                        "rerun from a checkpoint before that step with the guard on"
+                    )
         except KeyboardInterrupt:
             status, code = STATUS_INTERRUPTED, EXIT_INTERRUPTED
             last = self.last_checkpoint.name if self.last_checkpoint else "none yet"
-            note = (f"interrupted (Ctrl-C / SIGINT) during step {self.step}; newest checkpoint: {last}"
-                    + ("; continue with --resume" if self.last_checkpoint else ""))  # fmt: skip
+            note = f"interrupted (Ctrl-C / SIGINT) during step {self.step}; newest checkpoint: {last}" + (
+                "; continue with --resume" if self.last_checkpoint else ""
+            )
             raise
         except BaseException as e:
             status, code = schema.STATUS_CRASHED, 1
@@ -667,8 +794,15 @@ class Trainer:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=self.cfg.train.steps, initial=self.step, desc=self.run_dir.name, unit="step",
-                    file=sys.stderr, dynamic_ncols=True, mininterval=0.5)  # fmt: skip
+        return tqdm(
+            total=self.cfg.train.steps,
+            initial=self.step,
+            desc=self.run_dir.name,
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=0.5,
+        )
 
     def _profiler(self) -> Any:
         t = self.cfg.telemetry
@@ -681,9 +815,13 @@ class Trainer:
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        prof = profile(activities=acts, schedule=schedule(wait=t.profile_wait, warmup=t.profile_warmup,
-                                                          active=t.profile_active, repeat=1),
-                       on_trace_ready=tensorboard_trace_handler(str(self.run_dir / schema.PROFILE_DIR)))  # fmt: skip
+        prof = profile(
+            activities=acts,
+            schedule=schedule(
+                wait=t.profile_wait, warmup=t.profile_warmup, active=t.profile_active, repeat=1
+            ),
+            on_trace_ready=tensorboard_trace_handler(str(self.run_dir / schema.PROFILE_DIR)),
+        )
         prof.start()
         return prof
 
@@ -701,8 +839,14 @@ class Trainer:
         self.sync.log.close()
         if self.store is not None:
             last = read_meta(self.run_dir) or {}
-            fields = dict(final_step=self.step, counts=self.counts, guard_actions=self.guard_actions, goodput=self.goodput(),
-                          nonfinite_steps=self.nonfinite_steps, restarts=last.get("restarts", 0))  # fmt: skip
+            fields = dict(
+                final_step=self.step,
+                counts=self.counts,
+                guard_actions=self.guard_actions,
+                goodput=self.goodput(),
+                nonfinite_steps=self.nonfinite_steps,
+                restarts=last.get("restarts", 0),
+            )
             try:
                 self.store.close(status=status, status_note=note, **fields)
             except RuntimeError as e:
@@ -718,5 +862,9 @@ class Trainer:
         if self.exporter is not None:
             # a crash sends no final batch, so its silence pages; a Ctrl-C or SIGTERM was on purpose
             self.exporter.close(timeout=30, final=status != schema.STATUS_CRASHED)
-        if self.dist.world > 1 and dist.is_initialized() and status not in (schema.STATUS_CRASHED, STATUS_INTERRUPTED):
+        if (
+            self.dist.world > 1
+            and dist.is_initialized()
+            and status not in (schema.STATUS_CRASHED, STATUS_INTERRUPTED)
+        ):
             self.comm.barrier()  # after a crash or Ctrl-C a peer may be gone: do not wait for it

@@ -60,7 +60,9 @@ class Corrector(Protocol):
         ...
 
 
-def score_entropy_sum(logits_NE: torch.Tensor, score_func: str, dims: tuple[int, ...] | None = None) -> torch.Tensor:
+def score_entropy_sum(
+    logits_NE: torch.Tensor, score_func: str, dims: tuple[int, ...] | None = None
+) -> torch.Tensor:
     """Sum over tokens of the entropy (nats) of the router's score distribution (the experts are
     the last dim); `dims`: the dims to sum over (default all: one scalar)."""
     x = logits_NE.detach().float()
@@ -85,8 +87,14 @@ def switch_loss_grad(logits_NE: torch.Tensor, counts_E: torch.Tensor) -> torch.T
     return (e / max(n, 1)) * p * (f_E - (p @ f_E).unsqueeze(-1))
 
 
-def smebu_push(bias_E: torch.Tensor, load_E: torch.Tensor, *, lam: float, kappa: float = 2.0,
-               bias_max: float | None = None) -> None:  # fmt: skip
+def smebu_push(
+    bias_E: torch.Tensor,
+    load_E: torch.Tensor,
+    *,
+    lam: float,
+    kappa: float = 2.0,
+    bias_max: float | None = None,
+) -> None:
     """One bounded balancing step on a selection bias, in place: d = lam * tanh(kappa * v),
     v = (mean - n) / mean, mean-centred (Trinity's SMEBU without momentum, which would carry the
     push past the end of the correction), then clamped to |b| <= bias_max."""
@@ -151,8 +159,16 @@ class TopKRoutingHook(RoutingCounters):
     and registers a gradient hook on the logits that adds aux_coef x the switch loss gradient.
     """
 
-    def __init__(self, router: nn.Module, *, n_experts: int, logits_index: int = 0, indices_index: int = 2,
-                 score_func: str = "softmax", bias: torch.Tensor | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        router: nn.Module,
+        *,
+        n_experts: int,
+        logits_index: int = 0,
+        indices_index: int = 2,
+        score_func: str = "softmax",
+        bias: torch.Tensor | None = None,
+    ) -> None:
         super().__init__(router, n_experts)
         self.router = router
         self.logits_index = logits_index
@@ -162,7 +178,9 @@ class TopKRoutingHook(RoutingCounters):
         self._no_bias_E = torch.zeros_like(self._tokens_per_expert_E)
         self.aux_coef = 0.0
         self._zeroed = False  # the accumulators hold nothing since reset_stats (not yet zero-filled)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (logits [N,E], indices [N*K]) not yet counted
+        self.pending: list[
+            tuple[torch.Tensor, torch.Tensor]
+        ] = []  # (logits [N,E], indices [N*K]) not yet counted
 
     # The accumulators, brought up to date (pending forwards counted) on every read.
     tokens_per_expert_E = _Counted()
@@ -189,12 +207,16 @@ class TopKRoutingHook(RoutingCounters):
 
     def _hook(self, module: nn.Module, inputs: Any, output: Any) -> None:
         if not isinstance(output, tuple | list) or len(output) <= max(self.logits_index, self.indices_index):
-            raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; expected a tuple with "
-                            f"logits at {self.logits_index} and top-k indices at {self.indices_index}")  # fmt: skip
+            raise TypeError(
+                f"{type(module).__name__} returned {type(output).__name__}; expected a tuple with "
+                f"logits at {self.logits_index} and top-k indices at {self.indices_index}"
+            )
         logits, idx = output[self.logits_index], output[self.indices_index]
         if idx.dtype.is_floating_point or logits.shape[-1] != self.n_experts:
-            raise TypeError(f"{type(module).__name__}: output[{self.indices_index}] is not integer indices or "
-                            f"output[{self.logits_index}] has {logits.shape[-1]} != {self.n_experts} experts")  # fmt: skip
+            raise TypeError(
+                f"{type(module).__name__}: output[{self.indices_index}] is not integer indices or "
+                f"output[{self.logits_index}] has {logits.shape[-1]} != {self.n_experts} experts"
+            )
         logits_NE = logits.detach().reshape(-1, self.n_experts)
         self.pending.append((logits_NE, idx.detach().reshape(-1)))
         if self.aux_coef > 0 and logits.requires_grad:
@@ -222,7 +244,14 @@ def count_pending(hooks: list[Any]) -> None:
     groups: dict[tuple[Any, ...], list[tuple[Any, torch.Tensor, torch.Tensor]]] = {}
     for h in todo:
         for logits_NE, idx in h.pending:
-            key = (tuple(logits_NE.shape), idx.numel(), logits_NE.dtype, logits_NE.device, h.score_func, h.n_experts)
+            key = (
+                tuple(logits_NE.shape),
+                idx.numel(),
+                logits_NE.dtype,
+                logits_NE.device,
+                h.score_func,
+                h.n_experts,
+            )
             groups.setdefault(key, []).append((h, logits_NE, idx))
         h.pending = []
     for (_, _, _, device, score_func, e), entries in groups.items():
@@ -274,8 +303,13 @@ class BiasCorrector:
                     b.add_((d_E - d_E.mean()).to(b.dtype))
         for m, layer in enumerate(self.order):
             if layer in boosts and layer in self.biases:
-                smebu_push(self.biases[layer](), loads_ME[m], lam=self.lam * boosts[layer], kappa=self.kappa,
-                           bias_max=self.bias_max)  # fmt: skip
+                smebu_push(
+                    self.biases[layer](),
+                    loads_ME[m],
+                    lam=self.lam * boosts[layer],
+                    kappa=self.kappa,
+                    bias_max=self.bias_max,
+                )
 
 
 @dataclass(kw_only=True)

@@ -116,8 +116,9 @@ def _moe_of(block: nn.Module) -> nn.Module | None:
     return None
 
 
-def attach(model_or_parts: nn.Module | Sequence[nn.Module], *, bias_rate: float = 1e-3,
-           bias_max: float = 1.0) -> Attachment:  # fmt: skip
+def attach(
+    model_or_parts: nn.Module | Sequence[nn.Module], *, bias_rate: float = 1e-3, bias_max: float = 1.0
+) -> Attachment:
     """Read every MoE layer of a torchtitan model (call after parallelize_fn/init_weights).
     Layer ids are block positions. Raises ValueError naming the class when there is no MoE.
 
@@ -127,13 +128,19 @@ def attach(model_or_parts: nn.Module | Sequence[nn.Module], *, bias_rate: float 
     found = [(i, MoECounters(b, m)) for i, b in enumerate(blocks) if (m := _moe_of(b)) is not None]
     if not found:
         names = type(model_or_parts).__name__ if isinstance(model_or_parts, nn.Module) else "model parts"
-        raise ValueError(f"{names}: no MoE layer in its {len(blocks)} blocks (looked for `moe_enabled` blocks "
-                         f"with a `.moe` holding `tokens_per_expert_E` and a `router`, as torchtitan's MoE has)")  # fmt: skip
+        raise ValueError(
+            f"{names}: no MoE layer in its {len(blocks)} blocks (looked for `moe_enabled` blocks "
+            f"with a `.moe` holding `tokens_per_expert_E` and a `router`, as torchtitan's MoE has)"
+        )
     biased = [src for _, src in found if isinstance(getattr(src.moe, "expert_bias_E", None), torch.Tensor)]
     corrector = None
     if len(biased) == len(found):  # load_balance_coeff set (torchtitan requires it on all or none)
-        corrector = BiasCorrector(biases={i: (lambda s=s: s.expert_bias_E) for i, s in found},
-                                  order=[i for i, _ in found], lam=bias_rate, bias_max=bias_max)  # fmt: skip
+        corrector = BiasCorrector(
+            biases={i: (lambda s=s: s.expert_bias_E) for i, s in found},
+            order=[i for i, _ in found],
+            lam=bias_rate,
+            bias_max=bias_max,
+        )
 
     def after_step(applied: bool) -> None:
         for _, src in found:  # see the module docstring: zeroed after every step
@@ -141,10 +148,15 @@ def attach(model_or_parts: nn.Module | Sequence[nn.Module], *, bias_rate: float 
 
     moe0 = found[0][1].moe
     part = model_or_parts if isinstance(model_or_parts, nn.Module) else model_or_parts[0]
-    return Attachment(family=type(part).__name__.removeprefix("FSDP"),
-                      layers=blocks, routers=[(i, s) for i, s in found], corrector=corrector,
-                      n_experts=int(moe0.tokens_per_expert_E.numel()), top_k=int(moe0.router.top_k),
-                      after_step=after_step)  # fmt: skip
+    return Attachment(
+        family=type(part).__name__.removeprefix("FSDP"),
+        layers=blocks,
+        routers=[(i, s) for i, s in found],
+        corrector=corrector,
+        n_experts=int(moe0.tokens_per_expert_E.numel()),
+        top_k=int(moe0.router.top_k),
+        after_step=after_step,
+    )
 
 
 def force_collapse(model: nn.Module | Sequence[nn.Module], layer: int, margin: float = 0.5) -> None:
@@ -247,9 +259,14 @@ def _guarded_trainer() -> type:
                 )
             clip, config.training.max_norm = float(config.training.max_norm), math.inf
             view = OptimizersView(self.optimizers, set_to_none=config.training.disable_cuda_graphs)
-            self.guarded = GuardedStep(self.model_parts[0], view,  # type: ignore[arg-type]
-                                       attach=attach(self.model_parts), run_dir=run_dir, config=guard_config,
-                                       grad_clip=max(clip, 0.0))  # fmt: skip
+            self.guarded = GuardedStep(
+                self.model_parts[0],
+                view,  # type: ignore[arg-type]
+                attach=attach(self.model_parts),
+                run_dir=run_dir,
+                config=guard_config,
+                grad_clip=max(clip, 0.0),
+            )
             # torchtitan's loss is a local sum / the GLOBAL token count; the guard wants local means
             pd = self.parallel_dims
             self._dp = pd.get_mesh("batch").size() if pd.dp_enabled else 1

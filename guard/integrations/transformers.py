@@ -59,12 +59,21 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             obj = getattr(obj, part, None)
         if isinstance(obj, nn.ModuleList | nn.ModuleDict) and len(obj):
             return list(obj.values()) if isinstance(obj, nn.ModuleDict) else list(obj)
-    raise ValueError(f"{type(model).__name__}: no decoder layers found (looked for model.layers, layers, "
-                     f"model.decoder.layers, transformer.h)")  # fmt: skip
+    raise ValueError(
+        f"{type(model).__name__}: no decoder layers found (looked for model.layers, layers, "
+        f"model.decoder.layers, transformer.h)"
+    )
 
 
-def attach(model: nn.Module, *, aux_coef: float | None = None, bias_rate: float = 1e-3,
-           bias_max: float = 1.0, bias_update_rate: float = 0.0, balance_coef: float = 0.0) -> Attachment:  # fmt: skip
+def attach(
+    model: nn.Module,
+    *,
+    aux_coef: float | None = None,
+    bias_rate: float = 1e-3,
+    bias_max: float = 1.0,
+    bias_update_rate: float = 0.0,
+    balance_coef: float = 0.0,
+) -> Attachment:
     """Hook every MoE router of a transformers model. Raises ValueError naming the class when the
     model has no router this adapter knows.
 
@@ -98,18 +107,30 @@ def attach(model: nn.Module, *, aux_coef: float | None = None, bias_rate: float 
         bias = getattr(r, "e_score_correction_bias", None)
         # Sigmoid-scored routers carry the selection bias (DeepSeek-V3 and its descendants).
         score = "sigmoid" if isinstance(bias, torch.Tensor) else "softmax"
-        hooks[i] = TopKRoutingHook(r, n_experts=_n_experts(r), score_func=score,
-                                   bias=bias if isinstance(bias, torch.Tensor) else None)  # fmt: skip
+        hooks[i] = TopKRoutingHook(
+            r,
+            n_experts=_n_experts(r),
+            score_func=score,
+            bias=bias if isinstance(bias, torch.Tensor) else None,
+        )
         if isinstance(bias, torch.Tensor):
             biases[i] = lambda r=r: r.e_score_correction_bias
     corrector: Corrector
     if len(biases) == len(found):
-        corrector = BiasCorrector(biases=biases, lam=bias_rate, bias_max=bias_max, order=[i for i, _ in found],
-                                  update_rate=bias_update_rate)  # fmt: skip
+        corrector = BiasCorrector(
+            biases=biases,
+            lam=bias_rate,
+            bias_max=bias_max,
+            order=[i for i, _ in found],
+            update_rate=bias_update_rate,
+        )
     else:
         base = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0) or 0.0
-        corrector = AuxGradCorrector(hooks=hooks, base_coef=aux_coef if aux_coef is not None else max(base, 1e-2),
-                                     balance_coef=balance_coef)  # fmt: skip
+        corrector = AuxGradCorrector(
+            hooks=hooks,
+            base_coef=aux_coef if aux_coef is not None else max(base, 1e-2),
+            balance_coef=balance_coef,
+        )
     cfg = getattr(model, "config", None)
     return Attachment(
         family=type(model).__name__,

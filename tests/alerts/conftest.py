@@ -44,10 +44,16 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusA
     port = free_port()
     with open(tmp / "prometheus.log", "wb") as log:
         proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                PROMETHEUS,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         api = PrometheusAPI(f"http://127.0.0.1:{port}")
         wait_http(f"{api.url}/-/ready", timeout=30)

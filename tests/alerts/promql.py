@@ -10,9 +10,21 @@ from __future__ import annotations
 import re
 
 _KEYWORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-    "offset", "atan2", "inf", "nan",
-}  # fmt: skip
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "atan2",
+    "inf",
+    "nan",
+}
 _STRINGS = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`')
 _MATCHERS = re.compile(r"\{[^}]*\}")
 _RANGES = re.compile(r"\[[^\]]*\]")

@@ -94,57 +94,134 @@ def run_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     action = ["apply"] * n
     for s in (100, 120, 130, 150, 151):
         action[s] = "skip"
-    write_table(run, schema.TABLE_STEPS, {
-        "step": steps, "time": 1.7e9 + steps * 0.5, "loss": loss, "grad_norm": grad, "lr": np.full(n, 3e-4),
-        "tokens": np.full(n, 4096), "step_time_s": 0.5 + wait, "data_wait_s": wait,
-        "tokens_per_s": 4096 / (0.5 + wait), "mfu": mfu, "mem_peak_bytes": np.full(n, 8 << 30), "action": action,
-    })  # fmt: skip
+    write_table(
+        run,
+        schema.TABLE_STEPS,
+        {
+            "step": steps,
+            "time": 1.7e9 + steps * 0.5,
+            "loss": loss,
+            "grad_norm": grad,
+            "lr": np.full(n, 3e-4),
+            "tokens": np.full(n, 4096),
+            "step_time_s": 0.5 + wait,
+            "data_wait_s": wait,
+            "tokens_per_s": 4096 / (0.5 + wait),
+            "mfu": mfu,
+            "mem_peak_bytes": np.full(n, 8 << 30),
+            "action": action,
+        },
+    )
     ls, ll = np.repeat(steps, n_layers), np.tile(np.arange(n_layers), n)
     load_entropy = np.where((ll == 3) & (ls >= 200), 0.3, 0.95)
     lgrad = np.ones(n * n_layers)
     lgrad[(ls == 150) & (ll == 2)] = math.nan
-    write_table(run, schema.TABLE_LAYERS, {
-        "step": ls, "layer": ll, "grad_norm": lgrad, "router_entropy": np.where(load_entropy < 0.5, 0.4, 1.8),
-        "load_entropy": load_entropy, "maxvio": np.where(load_entropy < 0.5, 5.0, 0.2),
-        "dead_experts": np.where(load_entropy < 0.5, 3, 0), "bias_norm": 0.01 + ls * 1e-4,
-    })  # fmt: skip
+    write_table(
+        run,
+        schema.TABLE_LAYERS,
+        {
+            "step": ls,
+            "layer": ll,
+            "grad_norm": lgrad,
+            "router_entropy": np.where(load_entropy < 0.5, 0.4, 1.8),
+            "load_entropy": load_entropy,
+            "maxvio": np.where(load_entropy < 0.5, 5.0, 0.2),
+            "dead_experts": np.where(load_entropy < 0.5, 3, 0),
+            "bias_norm": 0.01 + ls * 1e-4,
+        },
+    )
     es = np.repeat(steps, n_layers * n_exp)
     el = np.tile(np.repeat(np.arange(n_layers), n_exp), n)
     ee = np.tile(np.arange(n_exp), n * n_layers)
     load = np.where((el == 3) & (es >= 200), np.where(ee < 2, 2000, 0), 512)
-    write_table(run, schema.TABLE_EXPERTS, {"step": es, "layer": el, "expert": ee, "load": load,
-                                            "bias": rng.normal(0, 0.01, es.size)})  # fmt: skip
+    write_table(
+        run,
+        schema.TABLE_EXPERTS,
+        {"step": es, "layer": el, "expert": ee, "load": load, "bias": rng.normal(0, 0.01, es.size)},
+    )
     ev = [
         (100, "verdict", "grad_norm_spike", 25.0, 2.0, "skip", {"z": 40.0}),
         (110, "verdict", "layer_grad_norm_spike", 9.0, 3.0, "skip", {"layer": 2}),
         (120, "verdict", "loss_spike", 9.0, 3.8, "skip", {}),
         (130, "inject", "", math.nan, math.nan, "none", {"injection": "lrspike@130:100"}),
-        (130, "verdict", "lr_spike", 0.03, 3.003e-4, "skip", {"max_lr": 3e-4, "ratio": 100.0, "severity": "critical"}),
+        (
+            130,
+            "verdict",
+            "lr_spike",
+            0.03,
+            3.003e-4,
+            "skip",
+            {"max_lr": 3e-4, "ratio": 100.0, "severity": "critical"},
+        ),
         (150, "verdict", "nonfinite", math.nan, math.nan, "skip", {}),
         (151, "verdict", "nonfinite", math.inf, math.nan, "rollback", {}),
-        (151, "action", "", 1.0, 3.0, "rollback", {"reason": "3 skips within 50 steps", "snapshot_before": 100,
-                                                    "skip_batches": 20}),
+        (
+            151,
+            "action",
+            "",
+            1.0,
+            3.0,
+            "rollback",
+            {"reason": "3 skips within 50 steps", "snapshot_before": 100, "skip_batches": 20},
+        ),
         (151, "action", "", 0.5, math.nan, "lr_cooldown", {"steps": 50}),
         (200, "verdict", "data_stall", 8.0, 5.0, "none", {}),
         (205, "verdict", "load_entropy", 0.3, 0.5, "bias_correct", {"layer": 3}),
         (205, "action", "load_entropy", 0.3, 0.5, "bias_correct", {"layer": 3, "until": 255}),
         (210, "verdict", "data_stall", 8.0, 5.0, "none", {}),
         (220, "verdict", "data_stall", 8.0, 5.0, "none", {}),
-        (255, "action", "", 2.0, 3.0, "rollback", {"reason": "layer 3 did not recover from load_entropy",
-                                                    "snapshot_before": 200, "skip_batches": 20}),
+        (
+            255,
+            "action",
+            "",
+            2.0,
+            3.0,
+            "rollback",
+            {
+                "reason": "layer 3 did not recover from load_entropy",
+                "snapshot_before": 200,
+                "skip_batches": 20,
+            },
+        ),
         (260, "straggler", "", 0.6, 0.75, "none", {"rank": 5}),
-        (290, "halt", "", 4.0, 3.0, "halt", {"severity": "critical", "reason": "4 rollbacks within 500 steps",
-                                              "rollbacks": [151, 255, 270]}),
-    ]  # fmt: skip
-    write_table(run, schema.TABLE_EVENTS, {
-        "step": [e[0] for e in ev], "time": [1.7e9 + e[0] * 0.5 for e in ev], "kind": [e[1] for e in ev],
-        "detector": [e[2] for e in ev], "value": [e[3] for e in ev], "threshold": [e[4] for e in ev],
-        "action": [e[5] for e in ev], "detail": [json.dumps(e[6]) for e in ev],
-    })  # fmt: skip
+        (
+            290,
+            "halt",
+            "",
+            4.0,
+            3.0,
+            "halt",
+            {"severity": "critical", "reason": "4 rollbacks within 500 steps", "rollbacks": [151, 255, 270]},
+        ),
+    ]
+    write_table(
+        run,
+        schema.TABLE_EVENTS,
+        {
+            "step": [e[0] for e in ev],
+            "time": [1.7e9 + e[0] * 0.5 for e in ev],
+            "kind": [e[1] for e in ev],
+            "detector": [e[2] for e in ev],
+            "value": [e[3] for e in ev],
+            "threshold": [e[4] for e in ev],
+            "action": [e[5] for e in ev],
+            "detail": [json.dumps(e[6]) for e in ev],
+        },
+    )
     rs, rr = np.repeat(np.arange(0, n, 20), 8), np.tile(np.arange(8), n // 20)
     st = np.where(rr == 5, 0.8, 0.5)
-    write_table(run, schema.TABLE_RANKS, {"step": rs, "rank": rr, "step_time_s": st, "data_wait_s": np.full(rs.size, 0.01),
-                                          "straggler_score": 0.5 / st, "tokens": np.full(rs.size, 512)})  # fmt: skip
+    write_table(
+        run,
+        schema.TABLE_RANKS,
+        {
+            "step": rs,
+            "rank": rr,
+            "step_time_s": st,
+            "data_wait_s": np.full(rs.size, 0.01),
+            "straggler_score": 0.5 / st,
+            "tokens": np.full(rs.size, 512),
+        },
+    )
     (run / schema.META_FILE).write_text(json.dumps({"run_id": "r1", "status": "halted", "config": {}}))
     return run
 
@@ -203,8 +280,13 @@ def test_moeguard_commands_and_flags_exist() -> None:
     for alert, cmd, words in cmds:
         assert cmd in COMMANDS, f"{alert}: moeguard {cmd} is not a command"
         if cmd not in helps:
-            r = subprocess.run([sys.executable, "-m", "guard", cmd, "--help"], cwd=REPO, capture_output=True,
-                               text=True, timeout=120)  # fmt: skip
+            r = subprocess.run(
+                [sys.executable, "-m", "guard", cmd, "--help"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             # a command whose module is still being written: its name is checked above
             helps[cmd] = r.stdout if r.returncode == 0 else None
             assert r.returncode == 0 or "ModuleNotFoundError" in r.stderr, r.stderr

@@ -27,8 +27,15 @@ PLAYBOOKS = REPO / "playbooks"
 PROMTOOL = shutil.which("promtool")
 AMTOOL = shutil.which("amtool")
 LAYER_ALERTS = {"ExpertCollapse", "DeadExperts", "RouterEntropyLow"}
-PAGING = {"NonFiniteLoss", "ExpertCollapse", "GuardRollbackStorm", "RunHalted", "HeartbeatLost", "RunStuck",
-          "RunQuarantined"}
+PAGING = {
+    "NonFiniteLoss",
+    "ExpertCollapse",
+    "GuardRollbackStorm",
+    "RunHalted",
+    "HeartbeatLost",
+    "RunStuck",
+    "RunQuarantined",
+}
 
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`)"
@@ -95,8 +102,11 @@ def test_alertmanager_sends_to_the_pager_with_resolves() -> None:
     assert "url: http://127.0.0.1:9095/v1/alertmanager" in text
     assert "send_resolved: true" in text
     assert "group_by: [alertname, run]" in text
-    assert re.search(r'source_matchers: \[scope="run", severity="critical"\]\s+target_matchers: \[scope="layer"\]'
-                     r"\s+equal: \[run\]", text)  # fmt: skip
+    assert re.search(
+        r'source_matchers: \[scope="run", severity="critical"\]\s+target_matchers: \[scope="layer"\]'
+        r"\s+equal: \[run\]",
+        text,
+    )
 
 
 # ---------------------------------------------------------------------------------------

@@ -12,8 +12,21 @@ def test_integration_overhead_smoke(tmp_path):
     from bench.integration_overhead import main, markdown
 
     out = tmp_path / "r.json"
-    main(["--families", "mixtral", "--blocks", "2", "--steps-per-block", "3", "--warmup", "1",
-          "--out", str(out), "--no-progress"])  # fmt: skip
+    main(
+        [
+            "--families",
+            "mixtral",
+            "--blocks",
+            "2",
+            "--steps-per-block",
+            "3",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     res = json.loads(out.read_text())
     assert {"command", "date", "machine", "config", "wall_s", "families"} <= res.keys()
     assert res["config"]["blocks"] == 2 and res["config"]["steps_per_block"] == 3

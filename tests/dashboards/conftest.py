@@ -33,8 +33,9 @@ def history(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def open_page(monkeypatch: pytest.MonkeyPatch):
     """open_page(page, runs_dir, run=None, history=None) -> AppTest after running the page."""
 
-    def _open(page: str, runs_dir: Path, *, run: str | None = None, history: Path | None = None,
-              timeout: float = 60) -> AppTest:  # fmt: skip
+    def _open(
+        page: str, runs_dir: Path, *, run: str | None = None, history: Path | None = None, timeout: float = 60
+    ) -> AppTest:
         monkeypatch.setenv(data.ENV_RUNS, str(runs_dir))
         if history is not None:
             monkeypatch.setenv(data.ENV_HISTORY, str(history))

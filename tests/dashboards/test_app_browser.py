@@ -31,9 +31,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
-]  # fmt: skip
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def _free_port() -> int:
@@ -46,8 +52,20 @@ def _free_port() -> int:
 def serve(runs: Path, history: Path, log: Path) -> Iterator[str]:
     """`python -m guard app` on a free loopback port; yields the base URL once healthy."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "guard", "app", "--runs", str(runs), "--port", str(port),
-           "--host", "127.0.0.1", "--history", str(history)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "guard",
+        "app",
+        "--runs",
+        str(runs),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--history",
+        str(history),
+    ]
     with open(log, "wb") as out:
         # own process group: the launcher's streamlit child is stopped with it
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -128,8 +146,13 @@ def test_pages_render_in_chromium(store: Path, history: Path, tmp_path: Path) ->
         assert "Traceback" not in r["text"], name
     health = results["health"]
     assert health["charts"] >= 10
-    for text in ("Run health", "Loss and grad norm with guard verdicts and actions", "Guard events",
-                 "Expert load", "Throughput and memory"):  # fmt: skip
+    for text in (
+        "Run health",
+        "Loss and grad norm with guard verdicts and actions",
+        "Guard events",
+        "Expert load",
+        "Throughput and memory",
+    ):
         assert text in health["text"], text
     assert "finished" in results["runs"]["text"] and "stale" in results["runs"]["text"]
     assert "Canary MFU history" in results["canaries"]["text"]

@@ -43,12 +43,18 @@ def test_action_marks_merge_verdict_and_action_and_pin_nonfinite() -> None:
     steps = pl.DataFrame(
         {"step": [1, 2, 3], "loss": [3.0, float("nan"), 2.0], "grad_norm": [1.0, float("nan"), 9.0]}
     )
-    ev = pl.DataFrame({
-        "step": [2, 2, 3, 3], "time": [0.0] * 4, "kind": ["verdict", "action", "verdict", "inject"],
-        "detector": ["nonfinite", "nonfinite", "maxvio", ""], "value": [math.nan, math.nan, 3.0, math.nan],
-        "threshold": [math.nan, math.nan, 1.5, math.nan], "action": ["skip", "skip", "bias_correct", "none"],
-        "detail": [json.dumps({"where": "loss"}), "{}", json.dumps({"layer": 4}), "{}"],
-    })  # fmt: skip
+    ev = pl.DataFrame(
+        {
+            "step": [2, 2, 3, 3],
+            "time": [0.0] * 4,
+            "kind": ["verdict", "action", "verdict", "inject"],
+            "detector": ["nonfinite", "nonfinite", "maxvio", ""],
+            "value": [math.nan, math.nan, 3.0, math.nan],
+            "threshold": [math.nan, math.nan, 1.5, math.nan],
+            "action": ["skip", "skip", "bias_correct", "none"],
+            "detail": [json.dumps({"where": "loss"}), "{}", json.dumps({"layer": 4}), "{}"],
+        }
+    )
     marks = data.action_marks(ev, steps)
     assert marks.select("step", "action").rows() == [(2, "skip"), (3, "bias_correct")]
     skip = marks.row(0, named=True)
@@ -119,24 +125,51 @@ def test_expert_heatmap_samples_past_the_row_budget(store: Path) -> None:
 
 
 def test_steady_state_and_env_differences() -> None:
-    steps = pl.DataFrame({"step": range(200), "action": ["apply"] * 150 + ["skip"] + ["apply"] * 49,
-                          "mfu": [0.4] * 200})  # fmt: skip
+    steps = pl.DataFrame(
+        {"step": range(200), "action": ["apply"] * 150 + ["skip"] + ["apply"] * 49, "mfu": [0.4] * 200}
+    )
     ss = data.steady_state(steps)
     assert ss["step"].min() == 20 and 150 not in ss["step"].to_list() and ss.height == 179
-    diff = data.env_differences({"a": {"env": {"torch": "1", "dev": "h"}}, "b": {"env": {"torch": "2", "dev": "h"}},
-                                 "c": {"env": {"torch": "1"}}})  # fmt: skip
-    assert diff.to_dicts() == [{"key": "env.dev", "a": "h", "b": "h", "c": "—"},
-                               {"key": "env.torch", "a": "1", "b": "2", "c": "1"}]  # fmt: skip
+    diff = data.env_differences(
+        {
+            "a": {"env": {"torch": "1", "dev": "h"}},
+            "b": {"env": {"torch": "2", "dev": "h"}},
+            "c": {"env": {"torch": "1"}},
+        }
+    )
+    assert diff.to_dicts() == [
+        {"key": "env.dev", "a": "h", "b": "h", "c": "—"},
+        {"key": "env.torch", "a": "1", "b": "2", "c": "1"},
+    ]
 
 
 def test_canary_reader_accepts_the_canary_format() -> None:
     lines = [
-        {"time": 1_760_000_000, "git_sha": "abc", "torch": "2.9", "fingerprint": "fp", "config": "c.toml",
-         "mfu_p50": 0.41, "tokens_per_s_p50": 1e6, "verdict": "pass", "baseline": True},
-        {"time": "2025-11-01T10:00:00Z", "git_sha": "def", "torch": "2.10", "fingerprint": "fp",
-         "config": {"model": "x"}, "mfu_p50": 0.36, "tokens_per_s_p50": 9e5, "verdict": "FAIL", "baseline": False,
-         "warn_pct": 4, "fail_pct": 8},
-    ]  # fmt: skip
+        {
+            "time": 1_760_000_000,
+            "git_sha": "abc",
+            "torch": "2.9",
+            "fingerprint": "fp",
+            "config": "c.toml",
+            "mfu_p50": 0.41,
+            "tokens_per_s_p50": 1e6,
+            "verdict": "pass",
+            "baseline": True,
+        },
+        {
+            "time": "2025-11-01T10:00:00Z",
+            "git_sha": "def",
+            "torch": "2.10",
+            "fingerprint": "fp",
+            "config": {"model": "x"},
+            "mfu_p50": 0.36,
+            "tokens_per_s_p50": 9e5,
+            "verdict": "FAIL",
+            "baseline": False,
+            "warn_pct": 4,
+            "fail_pct": 8,
+        },
+    ]
     text = "\n".join(json.dumps(x) for x in lines) + '\n[1,2]\n{"mfu_p50": "fast"}\nnope\n'
     df, problems = data.parse_canary_history(text)
     assert df.height == 2 and len(problems) == 3
@@ -168,11 +201,19 @@ def alertmanager() -> Iterator[str]:
 
         def do_GET(self) -> None:  # noqa: N802
             if self.path.startswith("/api/v2/alerts"):
-                body = json.dumps([
-                    {"labels": {"alertname": "GradNormSpike", "run": synth.GUARDED}, "status": {"state": "active"}},
-                    {"labels": {"alertname": "MFUDrop", "run": synth.GUARDED}, "status": {"state": "active"}},
-                    {"labels": {"alertname": "Watchdog"}, "status": {"state": "active"}},
-                ]).encode()  # fmt: skip
+                body = json.dumps(
+                    [
+                        {
+                            "labels": {"alertname": "GradNormSpike", "run": synth.GUARDED},
+                            "status": {"state": "active"},
+                        },
+                        {
+                            "labels": {"alertname": "MFUDrop", "run": synth.GUARDED},
+                            "status": {"state": "active"},
+                        },
+                        {"labels": {"alertname": "Watchdog"}, "status": {"state": "active"}},
+                    ]
+                ).encode()
                 self.send_response(200)
             else:
                 body = b"{}"
@@ -221,8 +262,24 @@ def test_app_command_runs_streamlit_headless(tmp_path: Path, monkeypatch) -> Non
 
     monkeypatch.setattr(launch.subprocess, "call", fake_call)
     hist = tmp_path / "h.jsonl"
-    assert cli_main(["app", "--runs", str(tmp_path), "--port", "8600", "--host", "0.0.0.0",
-                     "--history", str(hist), "--collector", "http://c:8080"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "app",
+                "--runs",
+                str(tmp_path),
+                "--port",
+                "8600",
+                "--host",
+                "0.0.0.0",
+                "--history",
+                str(hist),
+                "--collector",
+                "http://c:8080",
+            ]
+        )
+        == 0
+    )
     cmd = seen["cmd"]
     assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4].endswith("dashboards/app.py")
     i = cmd.index("--")
@@ -230,8 +287,14 @@ def test_app_command_runs_streamlit_headless(tmp_path: Path, monkeypatch) -> Non
     assert opts[opts.index("--server.headless") + 1] == "true"
     assert opts[opts.index("--server.port") + 1] == "8600"
     assert opts[opts.index("--server.address") + 1] == "0.0.0.0"
-    assert cmd[i + 1 :] == ["--runs", str(tmp_path.resolve()), "--history", str(hist.resolve()),
-                            "--collector", "http://c:8080"]  # fmt: skip
+    assert cmd[i + 1 :] == [
+        "--runs",
+        str(tmp_path.resolve()),
+        "--history",
+        str(hist.resolve()),
+        "--collector",
+        "http://c:8080",
+    ]
     # what the app parses out of that command line is what was asked for
     cfg = data.app_config(cmd[i + 1 :])
     assert cfg.runs_dir == tmp_path.resolve() and cfg.history == hist.resolve()

@@ -27,8 +27,18 @@ def test_runs_page_lists_every_run_with_status(store: Path, open_page) -> None:
     at = open_page("runs", store)
     no_exception(at)
     df = at.dataframe[0].value
-    assert set(df["run"]) == {synth.GUARDED, synth.UNGUARDED, synth.HALTED, synth.CRASHED, synth.LIVE, synth.STALE,
-                              synth.META_ONLY, synth.NO_LAYERS, synth.OLD_SCHEMA, synth.NEW_SCHEMA}  # fmt: skip
+    assert set(df["run"]) == {
+        synth.GUARDED,
+        synth.UNGUARDED,
+        synth.HALTED,
+        synth.CRASHED,
+        synth.LIVE,
+        synth.STALE,
+        synth.META_ONLY,
+        synth.NO_LAYERS,
+        synth.OLD_SCHEMA,
+        synth.NEW_SCHEMA,
+    }
     status = dict(zip(df["run"], df["status"], strict=True))
     assert status[synth.GUARDED] == "finished"
     assert status[synth.HALTED] == "halted"
@@ -60,8 +70,12 @@ def test_health_marks_every_guard_action_with_its_evidence(store: Path, open_pag
     no_exception(at)
     assert at.selectbox(key="run").value == synth.GUARDED
     fig = chart_titled(at, HEALTH_TITLE)
-    expected = {schema.ACT_SKIP: {100, 240, 420}, schema.ACT_ROLLBACK: {180},
-                schema.ACT_BIAS_CORRECT: {300, 360}, schema.ACT_LR_COOLDOWN: {425}}  # fmt: skip
+    expected = {
+        schema.ACT_SKIP: {100, 240, 420},
+        schema.ACT_ROLLBACK: {180},
+        schema.ACT_BIAS_CORRECT: {300, 360},
+        schema.ACT_LR_COOLDOWN: {425},
+    }
     symbols = set()
     for action, steps in expected.items():
         tr = traces(fig, f"action: {action}")
@@ -94,8 +108,13 @@ def test_health_marks_every_guard_action_with_its_evidence(store: Path, open_pag
     assert {schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_BIAS_CORRECT, schema.ACT_LR_COOLDOWN} <= set(
         ev["action"]
     )
-    assert {schema.DET_GRAD_SPIKE, schema.DET_LOSS_SPIKE, schema.DET_NONFINITE, schema.DET_MAXVIO,
-            schema.DET_DEAD_EXPERTS} <= set(ev["detector"])  # fmt: skip
+    assert {
+        schema.DET_GRAD_SPIKE,
+        schema.DET_LOSS_SPIKE,
+        schema.DET_NONFINITE,
+        schema.DET_MAXVIO,
+        schema.DET_DEAD_EXPERTS,
+    } <= set(ev["detector"])
     assert ev["evidence"].str.contains("rollback_to=150").any()
     assert ev["evidence"].str.contains("dead=\\[0, 3, 6\\]").any()
 
@@ -104,9 +123,16 @@ def test_health_shows_every_section(store: Path, open_page) -> None:
     at = open_page("health", store, run=synth.GUARDED)
     no_exception(at)
     titles = [str(f["layout"]["title"]["text"]) for f in charts(at)]
-    for prefix in (HEALTH_TITLE, "Per-layer grad norm", "MaxVio per layer", "Dead experts per layer",
-                   "Router entropy per layer", "Layer 1: load share per expert over time", "Current load share",
-                   "Throughput, efficiency and memory"):  # fmt: skip
+    for prefix in (
+        HEALTH_TITLE,
+        "Per-layer grad norm",
+        "MaxVio per layer",
+        "Dead experts per layer",
+        "Router entropy per layer",
+        "Layer 1: load share per expert over time",
+        "Current load share",
+        "Throughput, efficiency and memory",
+    ):
         assert any(t.startswith(prefix) for t in titles), (prefix, titles)
     dead = chart_titled(at, "Dead experts per layer")["data"][0]
     layer_row = dead["y"].index(1)
@@ -303,9 +329,25 @@ def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) ->
     pytest.importorskip("trainer.cli")
     root = Path(__file__).resolve().parents[2]
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "guard", "train", "--config", str(root / "configs" / "tiny.toml"),
-           "--steps", "45", "--run-dir", str(runs / "drill"), "--no-progress", "--inject", "gradspike@40:50",
-           "--set", "data.batch_size=2", "--set", "data.seq_len=32"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "guard",
+        "train",
+        "--config",
+        str(root / "configs" / "tiny.toml"),
+        "--steps",
+        "45",
+        "--run-dir",
+        str(runs / "drill"),
+        "--no-progress",
+        "--inject",
+        "gradspike@40:50",
+        "--set",
+        "data.batch_size=2",
+        "--set",
+        "data.seq_len=32",
+    ]
     r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     at = open_page("health", runs, run="drill")

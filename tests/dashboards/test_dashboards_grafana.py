@@ -21,9 +21,20 @@ from guard import schema
 from guard.cli import main as cli_main
 
 PROMQL_WORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or", "unless",
-    "inf", "nan",
-}  # fmt: skip
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+    "and",
+    "or",
+    "unless",
+    "inf",
+    "nan",
+}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 HISTOGRAMS = {schema.M_EXPERT_LOAD_SHARE}
 
@@ -71,8 +82,10 @@ def test_metric_name_parser_itself() -> None:
     assert metric_names(
         'sum by (detector) (increase(moeguard_guard_verdicts_total{run="$run"}[$__rate_interval]))'
     ) == {"moeguard_guard_verdicts_total"}
-    assert metric_names("moeguard_mfu_ratio{run=~\"$run\"} / on (run) moeguard_mfu_baseline_ratio") == {
-        "moeguard_mfu_ratio", "moeguard_mfu_baseline_ratio"}  # fmt: skip
+    assert metric_names('moeguard_mfu_ratio{run=~"$run"} / on (run) moeguard_mfu_baseline_ratio') == {
+        "moeguard_mfu_ratio",
+        "moeguard_mfu_baseline_ratio",
+    }
     assert metric_names("count(moeguard_run_halted == 1) or vector(0)") == {"moeguard_run_halted"}
     assert metric_names('time() - max by (rank) (moeguard_x{a="b"})') == {"moeguard_x"}
 
@@ -136,8 +149,13 @@ def test_promql_parses_with_promtool(tmp_path: Path) -> None:
 def test_export_writes_json_and_provisioning(tmp_path: Path) -> None:
     assert cli_main(["grafana", "export", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["dashboards.yml", "datasource.yml", "moeguard-fleet.json", "moeguard-layers.json",
-                     "moeguard-run.json"]  # fmt: skip
+    assert names == [
+        "dashboards.yml",
+        "datasource.yml",
+        "moeguard-fleet.json",
+        "moeguard-layers.json",
+        "moeguard-run.json",
+    ]
     assert json.loads((tmp_path / "moeguard-run.json").read_text())["uid"] == "moeguard-run"
 
 
@@ -165,8 +183,14 @@ class _Recorder(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _record(self, body: Any) -> None:
-        self.requests.append({"method": self.command, "path": self.path, "auth": self.headers.get("Authorization"),
-                              "json": body})  # fmt: skip
+        self.requests.append(
+            {
+                "method": self.command,
+                "path": self.path,
+                "auth": self.headers.get("Authorization"),
+                "json": body,
+            }
+        )
 
     def do_GET(self) -> None:  # noqa: N802
         self._record(None)
@@ -218,8 +242,10 @@ def test_push_posts_every_dashboard_with_overwrite(fake_grafana, monkeypatch, ca
         assert p["auth"] == "Bearer s3cret"
         assert p["json"]["dashboard"]["id"] is None
     # the folder was looked up, then created once
-    assert [(r["method"], r["path"].split("?")[0]) for r in rec.requests[:2]] == [("GET", "/api/folders"),
-                                                                                 ("POST", "/api/folders")]  # fmt: skip
+    assert [(r["method"], r["path"].split("?")[0]) for r in rec.requests[:2]] == [
+        ("GET", "/api/folders"),
+        ("POST", "/api/folders"),
+    ]
     assert rec.requests[1]["json"] == {"title": "ML training"}
     assert "moeguard / run overview: success" in capsys.readouterr().out
 

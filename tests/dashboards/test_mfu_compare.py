@@ -23,10 +23,19 @@ SELF_PEAK = "self-peak-cpu"  # an older CPU run that timed its own peak: MFU ~18
 PINNED = "pinned-cpu"
 FAST = "fast-kernel"  # ENV_A with 10% higher throughput than GUARDED
 
-CPU_ENV = {**synth.ENV_A, "device": "cpu:x86_64:2threads", "peak_flops": 1.6e10, "world_size": 1,
-           "peak_flops_source": "measured: cpu matmul probe fp32 2 threads"}  # fmt: skip
-PINNED_ENV = {**CPU_ENV, "peak_flops": 2.139e11, "peak_flops_source": "pinned: cpu-authenticamd-amd-epyc-f26-m2-2c "
-              "fp32 in configs/cpu_peaks.toml, measured 2026-11-23 (best of 20 ...)"}  # fmt: skip
+CPU_ENV = {
+    **synth.ENV_A,
+    "device": "cpu:x86_64:2threads",
+    "peak_flops": 1.6e10,
+    "world_size": 1,
+    "peak_flops_source": "measured: cpu matmul probe fp32 2 threads",
+}
+PINNED_ENV = {
+    **CPU_ENV,
+    "peak_flops": 2.139e11,
+    "peak_flops_source": "pinned: cpu-authenticamd-amd-epyc-f26-m2-2c "
+    "fp32 in configs/cpu_peaks.toml, measured 2026-11-23 (best of 20 ...)",
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +48,12 @@ def mfu_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     synth.write_run(
         root, synth.SynthRun(run_id=PINNED, steps=300, faults=[], env=PINNED_ENV, mfu=0.08, seed=3)
     )
-    synth.write_run(root, synth.SynthRun(run_id=FAST, faults=[], env={**synth.ENV_A, "expert_kernel": "bmm"},
-                                         mfu=0.42 * 1.10, seed=4))  # fmt: skip
+    synth.write_run(
+        root,
+        synth.SynthRun(
+            run_id=FAST, faults=[], env={**synth.ENV_A, "expert_kernel": "bmm"}, mfu=0.42 * 1.10, seed=4
+        ),
+    )
     trace = root / FAST / schema.PROFILE_DIR / "host_1.123.pt.trace.json"
     trace.parent.mkdir()
     trace.write_text(json.dumps({"traceEvents": [{"name": "aten::mm", "ph": "X", "ts": 0, "dur": 5}]}))
@@ -106,9 +119,15 @@ def test_no_plotted_mfu_above_100_percent_without_a_marker(mfu_store: Path, open
 
 
 def test_the_checker_catches_an_unmarked_point() -> None:
-    fig = _decode(json.loads(figures.compare_overlay(
-        {"r": pl.DataFrame({"step": [0, 1], "x": [0.0, 1.0], "y": [0.5, 1.5]})}, metric="mfu", x_axis="step",
-    ).to_json()))  # fmt: skip
+    fig = _decode(
+        json.loads(
+            figures.compare_overlay(
+                {"r": pl.DataFrame({"step": [0, 1], "x": [0.0, 1.0], "y": [0.5, 1.5]})},
+                metric="mfu",
+                x_axis="step",
+            ).to_json()
+        )
+    )
     assert unmarked_mfu_points(fig) == (1, [])
     fig["data"] = [t for t in fig["data"] if t.get("name") != figures.MFU_ARTEFACT]
     assert unmarked_mfu_points(fig) == (1, [(1.0, 150.0)])
@@ -141,8 +160,12 @@ def test_health_shows_the_peak_and_its_source_beside_mfu(mfu_store: Path, open_p
 
 
 def test_a_run_with_no_peak_reads_tokens_per_s(tmp_path: Path, open_page) -> None:
-    env = {**CPU_ENV, "peak_flops": None, "peak_flops_source": "no pinned fp32 peak for CPU class cpu-x-2c in "
-           "configs/cpu_peaks.toml: MFU not computed, tokens/s is the measure"}  # fmt: skip
+    env = {
+        **CPU_ENV,
+        "peak_flops": None,
+        "peak_flops_source": "no pinned fp32 peak for CPU class cpu-x-2c in "
+        "configs/cpu_peaks.toml: MFU not computed, tokens/s is the measure",
+    }
     run = synth.write_run(
         tmp_path, synth.SynthRun(run_id="no-peak", steps=100, faults=[], env=env, peak_known=False)
     )
@@ -237,9 +260,18 @@ def test_speedup_interval_and_no_clear_difference() -> None:
 
 # ---- Canaries page --------------------------------------------------------------------------
 def _entry(n: int, mfu: float, *, baseline: bool, prof: dict[str, float] | None = None) -> dict[str, Any]:
-    return {"time": 1_760_000_000 + 3600 * n, "git_sha": f"{n:07x}", "torch": "2.13.0", "fingerprint": "fp",
-            "config": "canary.toml", "mfu_p50": mfu, "tokens_per_s_p50": 1e4 * mfu, "verdict": "pass",
-            "baseline": baseline, "profile_top": prof}  # fmt: skip
+    return {
+        "time": 1_760_000_000 + 3600 * n,
+        "git_sha": f"{n:07x}",
+        "torch": "2.13.0",
+        "fingerprint": "fp",
+        "config": "canary.toml",
+        "mfu_p50": mfu,
+        "tokens_per_s_p50": 1e4 * mfu,
+        "verdict": "pass",
+        "baseline": baseline,
+        "profile_top": prof,
+    }
 
 
 BASE_PROF = {"aten::bmm": 12.9, "aten::mm": 8.4, "aten::mul": 3.7, "aten::silu": 1.9, "aten::flash_attn": 0.6}

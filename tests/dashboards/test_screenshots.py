@@ -30,17 +30,44 @@ OUT = REPO / "test-output" / "screenshots"
 
 
 def _train(run_dir: Path, *args: str) -> None:
-    p = subprocess.run([sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(run_dir),
-                        "--steps", "80", "--no-progress", "--set", "train.threads=1",
-                        "--set", "telemetry.profile=true", *args],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "guard",
+            "train",
+            "--config",
+            str(MICRO),
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            "80",
+            "--no-progress",
+            "--set",
+            "train.threads=1",
+            "--set",
+            "telemetry.profile=true",
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
 
 
 def make_runs(root: Path) -> None:
     _train(root / "kernel-bmm", "--set", "model.experts_kernel=bmm")
-    _train(root / "kernel-loop", "--set", "model.experts_kernel=loop", "--inject", "gradspike@40:1000",
-           "--inject", "collapse@45:1")  # fmt: skip
+    _train(
+        root / "kernel-loop",
+        "--set",
+        "model.experts_kernel=loop",
+        "--inject",
+        "gradspike@40:1000",
+        "--inject",
+        "collapse@45:1",
+    )
     fake = root / "torch-2.12.1-fabricated"
     _train(fake, "--set", "model.experts_kernel=bmm", "--seed", "1")
     meta = json.loads((fake / "meta.json").read_text())
@@ -49,11 +76,29 @@ def make_runs(root: Path) -> None:
     )
     meta["env"]["torch"] = "2.12.1+cpu"
     atomic_write_json(fake / "meta.json", meta)
-    env = {**synth.ENV_A, "torch": "2.13.0+cpu", "cuda": "none", "device": "cpu:x86_64:2threads", "world_size": 1,
-           "peak_flops": 1.6e10, "peak_flops_source": "measured: cpu matmul probe fp32 2 threads",
-           "expert_kernel": "bmm", "compile": False, "dtype": "fp32"}  # fmt: skip
-    synth.write_run(root, synth.SynthRun(run_id="legacy-self-peak-synthetic", steps=300, env=env, mfu=1.7,
-                                         faults=synth.default_faults()[:1], seed=11))  # fmt: skip
+    env = {
+        **synth.ENV_A,
+        "torch": "2.13.0+cpu",
+        "cuda": "none",
+        "device": "cpu:x86_64:2threads",
+        "world_size": 1,
+        "peak_flops": 1.6e10,
+        "peak_flops_source": "measured: cpu matmul probe fp32 2 threads",
+        "expert_kernel": "bmm",
+        "compile": False,
+        "dtype": "fp32",
+    }
+    synth.write_run(
+        root,
+        synth.SynthRun(
+            run_id="legacy-self-peak-synthetic",
+            steps=300,
+            env=env,
+            mfu=1.7,
+            faults=synth.default_faults()[:1],
+            seed=11,
+        ),
+    )
 
 
 def test_screenshots_of_every_page(tmp_path: Path) -> None:

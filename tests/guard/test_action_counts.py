@@ -51,8 +51,15 @@ def test_the_definition_counts_each_thing_once() -> None:
     assert actions.total(counts) == 6
     assert actions.summary_text(counts) == "skip 2, rollback 1, halt 1, bias_correct 1, lr_cooldown 1"
     assert actions.summary_text(actions.zero()) == "none"
-    steps = [schema.ACT_APPLY, schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_APPLY, schema.ACT_SKIP,
-             schema.ACT_HALT, schema.ACT_NONE]  # fmt: skip
+    steps = [
+        schema.ACT_APPLY,
+        schema.ACT_SKIP,
+        schema.ACT_ROLLBACK,
+        schema.ACT_APPLY,
+        schema.ACT_SKIP,
+        schema.ACT_HALT,
+        schema.ACT_NONE,
+    ]
     evs = [e.row() for e in rollback_step + collapse_step]
     assert actions.count(steps, evs) == counts
 
@@ -61,8 +68,11 @@ def _metrics(url: str) -> dict[tuple[str, tuple], float]:
     import httpx
 
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +87,31 @@ def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     port_file = tmp / "port"
     with open(tmp / "collector.log", "wb") as log:
         collector = subprocess.Popen(
-            [sys.executable, "-m", "guard", "collector", "--port", "0", "--port-file", str(port_file),
-             "--runs", str(tmp / "collector-runs"), "--log-level", "warning"],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "guard",
+                "collector",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--runs",
+                str(tmp / "collector-runs"),
+                "--log-level",
+                "warning",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
-        port = wait_until(lambda: port_file.is_file() and port_file.read_text().strip(), timeout=60,
-                          what="the collector's port file")  # fmt: skip
+        port = wait_until(
+            lambda: port_file.is_file() and port_file.read_text().strip(),
+            timeout=60,
+            what="the collector's port file",
+        )
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/healthz", timeout=30)
         faults = [
@@ -98,12 +126,34 @@ def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         ]
         run_dir = tmp / "train" / RUN
         p = subprocess.run(
-            [sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(run_dir),
-             "--steps", "80", "--no-progress", "--collector", url, "--set", "train.threads=1",
-             "--set", "guard.policy.snapshot_every=5", "--set", "guard.policy.halt_after_rollbacks=1",
-             *[a for f in faults for a in ("--inject", f)]],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "guard",
+                "train",
+                "--config",
+                str(MICRO),
+                "--run-dir",
+                str(run_dir),
+                "--steps",
+                "80",
+                "--no-progress",
+                "--collector",
+                url,
+                "--set",
+                "train.threads=1",
+                "--set",
+                "guard.policy.snapshot_every=5",
+                "--set",
+                "guard.policy.halt_after_rollbacks=1",
+                *[a for f in faults for a in ("--inject", f)],
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert p.returncode == 3, p.stderr[-3000:]  # halted
 
         def ended() -> bool:
@@ -111,8 +161,14 @@ def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             return any(r["run"] == RUN and r["status"] == schema.STATUS_HALTED for r in body["runs"])
 
         wait_until(ended, timeout=30, what=f"run {RUN} halted at the collector")
-        yield {"url": url, "run_dir": run_dir, "stdout": p.stdout, "stderr": p.stderr,
-               "collector_run_dir": tmp / "collector-runs" / RUN, "metrics": _metrics(url)}  # fmt: skip
+        yield {
+            "url": url,
+            "run_dir": run_dir,
+            "stdout": p.stdout,
+            "stderr": p.stderr,
+            "collector_run_dir": tmp / "collector-runs" / RUN,
+            "metrics": _metrics(url),
+        }
     finally:
         collector.terminate()
         collector.wait(timeout=30)

@@ -117,8 +117,12 @@ def test_rollback_loses_at_most_one_snapshot_interval_and_the_lr_is_restored_exa
         assert opt.param_groups[0]["lr"] == lr  # bit-exact after every step, cool-down or not
     guarded.close()
     assert [(i, d.action) for i, d in enumerate(decisions) if d.action != schema.ACT_APPLY] == [
-        (60, schema.ACT_SKIP), (61, schema.ACT_SKIP), (62, schema.ACT_ROLLBACK), (63, schema.ACT_SKIP),
-        (64, schema.ACT_SKIP)]  # fmt: skip
+        (60, schema.ACT_SKIP),
+        (61, schema.ACT_SKIP),
+        (62, schema.ACT_ROLLBACK),
+        (63, schema.ACT_SKIP),
+        (64, schema.ACT_SKIP),
+    ]
     ev = read_table(tmp_path / "run", "events")
     restored = [d for d in ev["detail"].to_list() if "restored_step" in d]
     import json

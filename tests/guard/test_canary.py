@@ -18,17 +18,33 @@ from guard.cli import main
 
 # A canary small enough for tests: ~60 steps of a few ms each, profiler window at steps 3-5.
 TINY = [
-    "train.steps=80", "model.d_model=32", "model.n_layers=1", "model.d_expert=64", "model.n_experts=4",
-    "model.max_seq_len=32", "data.seq_len=32", "data.batch_size=4", "data.max_bytes=200000",
-    "telemetry.profile_wait=3", "telemetry.profile_warmup=1", "telemetry.profile_active=1",
-    "canary.warmup_steps=20", "canary.processes=2",  # two worker processes: the pooled path, still quick
+    "train.steps=80",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.d_expert=64",
+    "model.n_experts=4",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "data.max_bytes=200000",
+    "telemetry.profile_wait=3",
+    "telemetry.profile_warmup=1",
+    "telemetry.profile_active=1",
+    "canary.warmup_steps=20",
+    "canary.processes=2",  # two worker processes: the pooled path, still quick
     # Loose gates: a clean tiny run must pass on a loaded machine, a 40% slowdown (-29% MFU) must fail.
-    "canary.mfu_warn_pct=12", "canary.mfu_fail_pct=15", "canary.tokens_cpu_warn_pct=60",
-    "canary.tokens_cpu_fail_pct=70", "canary.tokens_warn_pct=60", "canary.tokens_fail_pct=70",
-    "canary.mem_warn_pct=50", "canary.mem_fail_pct=80", "canary.data_wait_warn_pp=20",
+    "canary.mfu_warn_pct=12",
+    "canary.mfu_fail_pct=15",
+    "canary.tokens_cpu_warn_pct=60",
+    "canary.tokens_cpu_fail_pct=70",
+    "canary.tokens_warn_pct=60",
+    "canary.tokens_fail_pct=70",
+    "canary.mem_warn_pct=50",
+    "canary.mem_fail_pct=80",
+    "canary.data_wait_warn_pp=20",
     "canary.data_wait_fail_pp=40",
     "canary.baseline_min_span_h=0",  # the shipped config's 24 h would keep MFU warn-only here
-]  # fmt: skip
+]
 # The shipped canary model (configs/canary.toml: ~25 ms steps), run short: TINY's ~3 ms steps
 # differ by up to 50% from one worker process to the next on an idle 2-core host (cache luck of a
 # model that nearly fits), more than the tests that judge one slowed measurement can take.
@@ -40,8 +56,19 @@ def _sets(items: list[str]) -> list[str]:
 
 
 def _canary(tmp: Path, *extra: str, report: str = "rep", sets: list[str] = TINY) -> int:
-    return main(["canary", "--history", str(tmp / "h.jsonl"), "--runs", str(tmp / "runs"),
-                 "--report-dir", str(tmp / report), *_sets(sets), *extra])  # fmt: skip
+    return main(
+        [
+            "canary",
+            "--history",
+            str(tmp / "h.jsonl"),
+            "--runs",
+            str(tmp / "runs"),
+            "--report-dir",
+            str(tmp / report),
+            *_sets(sets),
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +82,22 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 def test_record_appends_a_baseline_entry(recorded: Path) -> None:
     e = json.loads((recorded / "h.jsonl").read_text().splitlines()[0])  # later tests may --append more
-    for key in ("time", "git_sha", "torch", "fingerprint", "hardware", "config_hash", "config", "mfu_p50",
-                "tokens_per_s_p50", "mem_peak_bytes", "data_wait_share", "final_loss", "verdict", "baseline"):  # fmt: skip
+    for key in (
+        "time",
+        "git_sha",
+        "torch",
+        "fingerprint",
+        "hardware",
+        "config_hash",
+        "config",
+        "mfu_p50",
+        "tokens_per_s_p50",
+        "mem_peak_bytes",
+        "data_wait_share",
+        "final_loss",
+        "verdict",
+        "baseline",
+    ):
         assert key in e, key
     assert e["baseline"] is True and e["verdict"] == "pass"
     assert 0 < e["mfu_p50"] < 5 and e["tokens_per_s_p50"] > 0 and e["mem_peak_bytes"] > 0
@@ -72,12 +113,16 @@ def test_record_appends_a_baseline_entry(recorded: Path) -> None:
 
 
 @pytest.mark.slow
-def test_clean_run_passes_and_injected_slowdown_fails(recorded: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_clean_run_passes_and_injected_slowdown_fails(
+    recorded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _canary(recorded, "--append", report="rep-clean") == 0
     clean = json.loads((recorded / "rep-clean" / "canary.json").read_text())
     assert clean["verdict"] in ("pass", "warn") and clean["baseline"]["n"] == 1
     lines = (recorded / "h.jsonl").read_text().splitlines()
-    assert len(lines) == 2 and json.loads(lines[1])["baseline"] is False  # --append: a trend entry, not a baseline
+    assert (
+        len(lines) == 2 and json.loads(lines[1])["baseline"] is False
+    )  # --append: a trend entry, not a baseline
 
     capsys.readouterr()
     assert _canary(recorded, "--inject", "slow:40", report="rep-slow") == 1
@@ -105,9 +150,20 @@ def test_clean_run_passes_and_injected_slowdown_fails(recorded: Path, capsys: py
 def test_a_baseline_from_one_sitting_widens_the_mfu_line(recorded: Path) -> None:
     """The shipped config's rule: a CPU baseline that spans less than baseline_min_span_h widens the
     MFU fail line (canary.young_fail_line) instead of disarming it; a 40% slowdown still fails."""
-    code = _canary(recorded, "--inject", "slow:40", "--set", "canary.baseline_min_span_h=24",
-                   "--set", "canary.mfu_warn_pct=2", "--set", "canary.mfu_fail_pct=3",
-                   "--set", "canary.confirm=false", report="rep-young")  # fmt: skip
+    code = _canary(
+        recorded,
+        "--inject",
+        "slow:40",
+        "--set",
+        "canary.baseline_min_span_h=24",
+        "--set",
+        "canary.mfu_warn_pct=2",
+        "--set",
+        "canary.mfu_fail_pct=3",
+        "--set",
+        "canary.confirm=false",
+        report="rep-young",
+    )
     rep = json.loads((recorded / "rep-young" / "canary.json").read_text())
     if rep["timing"] != "cpu":
         # Only on a GPU host (auto timing = wall clock there), where the rule is off by design
@@ -129,10 +185,18 @@ def test_a_fresh_three_entry_history_fails_a_30pct_slowdown_from_the_first_day(t
     """Issue #15: three --record baselines back to back (span ~minutes, far below the shipped 24 h),
     the shipped MFU lines (-2/-3%), the shipped model run short: --inject slow:30 exits non-zero, a
     clean run exits 0."""
-    young = ["--set", "canary.baseline_min_span_h=24", "--set", "canary.mfu_warn_pct=2",
-             "--set", "canary.mfu_fail_pct=3"]  # fmt: skip
+    young = [
+        "--set",
+        "canary.baseline_min_span_h=24",
+        "--set",
+        "canary.mfu_warn_pct=2",
+        "--set",
+        "canary.mfu_fail_pct=3",
+    ]
     for i in range(3):
-        code = _canary(tmp_path, "--record", "--set", "canary.confirm=false", *young, report=f"rec{i}", sets=SHORT)
+        code = _canary(
+            tmp_path, "--record", "--set", "canary.confirm=false", *young, report=f"rec{i}", sets=SHORT
+        )
         assert code == 0
     lines = [json.loads(x) for x in (tmp_path / "h.jsonl").read_text().splitlines()]
     assert len(lines) == 3 and all(e["baseline"] for e in lines)
@@ -162,8 +226,20 @@ def test_reports_carry_the_profile_summary(recorded: Path) -> None:
 @pytest.mark.slow
 def test_matrix_reports_unavailable_variants(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # cudnn attention cannot run on CPU (and efficient neither); on a GPU box math still runs.
-    code = main(["canary", "--matrix", "attention=math,cudnn", "--repeats", "1", "--runs", str(tmp_path / "runs"),
-                 "--report-dir", str(tmp_path / "rep"), *_sets(TINY)])  # fmt: skip
+    code = main(
+        [
+            "canary",
+            "--matrix",
+            "attention=math,cudnn",
+            "--repeats",
+            "1",
+            "--runs",
+            str(tmp_path / "runs"),
+            "--report-dir",
+            str(tmp_path / "rep"),
+            *_sets(TINY),
+        ]
+    )
     assert code == 0
     rep = json.loads((tmp_path / "rep" / "matrix.json").read_text())
     by = {v["variant"]: v for v in rep["variants"]}
@@ -192,10 +268,21 @@ def test_usage_errors(tmp_path: Path) -> None:
 
 
 # ---- the pieces, without training ---------------------------------------------------------------
-def _entry(mfu: float, *, fp: str = "hw | cfg abc", h: str = "abc", baseline: bool = True, **kw: object) -> dict:
-    return {"fingerprint": fp, "config_hash": h, "baseline": baseline, "mfu_p50": mfu, "mfu_host_adj_p50": mfu,
-            "tokens_per_s_p50": 1000.0,
-            "mem_peak_bytes": 1e9, "data_wait_share": 0.01, "final_loss": 2.0, **kw}  # fmt: skip
+def _entry(
+    mfu: float, *, fp: str = "hw | cfg abc", h: str = "abc", baseline: bool = True, **kw: object
+) -> dict:
+    return {
+        "fingerprint": fp,
+        "config_hash": h,
+        "baseline": baseline,
+        "mfu_p50": mfu,
+        "mfu_host_adj_p50": mfu,
+        "tokens_per_s_p50": 1000.0,
+        "mem_peak_bytes": 1e9,
+        "data_wait_share": 0.01,
+        "final_loss": 2.0,
+        **kw,
+    }
 
 
 def test_compare_levels_against_the_median() -> None:
@@ -204,13 +291,21 @@ def test_compare_levels_against_the_median() -> None:
     for timing, key in (("cpu", canary.MFU_ADJ), ("wall", canary.MFU)):  # CPU gates the host-adjusted MFU
         rows = {r["metric"]: r for r in canary.compare(_entry(0.200), base, c, timing)}
         assert rows[key]["baseline"] == pytest.approx(0.205) and rows[key]["level"] == "pass"
-        assert {r["metric"]: r for r in canary.compare(_entry(0.197), base, c, timing)}[key]["level"] == "warn"
-        assert {r["metric"]: r for r in canary.compare(_entry(0.190), base, c, timing)}[key]["level"] == "fail"
-        assert {r["metric"]: r for r in canary.compare(_entry(0.300), base, c, timing)}[key]["level"] == "pass"
+        assert {r["metric"]: r for r in canary.compare(_entry(0.197), base, c, timing)}[key][
+            "level"
+        ] == "warn"
+        assert {r["metric"]: r for r in canary.compare(_entry(0.190), base, c, timing)}[key][
+            "level"
+        ] == "fail"
+        assert {r["metric"]: r for r in canary.compare(_entry(0.300), base, c, timing)}[key][
+            "level"
+        ] == "pass"
     worse = _entry(0.205, final_loss=2.2, mem_peak_bytes=1.3e9, data_wait_share=0.2)
     rows = {r["metric"]: r for r in canary.compare(worse, base, c, "cpu")}
     assert rows["final_loss"]["level"] == "fail" and rows["mem_peak_bytes"]["level"] == "fail"
-    assert rows["data_wait_share"]["level"] == "fail" and rows["data_wait_share"]["delta"] == pytest.approx(19)
+    assert rows["data_wait_share"]["level"] == "fail" and rows["data_wait_share"]["delta"] == pytest.approx(
+        19
+    )
     assert canary.worst(["pass", "warn", "pass"]) == "warn" and canary.worst([]) == "pass"
 
 
@@ -218,7 +313,7 @@ def test_baseline_selection_and_history_parsing(tmp_path: Path) -> None:
     p = tmp_path / "h.jsonl"
     entries = [_entry(0.1 + i / 100) for i in range(12)]
     entries += [_entry(0.9, fp="other | cfg abc"), _entry(0.9, h="zzz"), _entry(0.9, baseline=False)]
-    p.write_text("\n".join(json.dumps(e) for e in entries) + "\nnot json\n{\"x\": 1}\n\n")
+    p.write_text("\n".join(json.dumps(e) for e in entries) + '\nnot json\n{"x": 1}\n\n')
     got, problems = canary.read_history(p)
     assert len(got) == 15 and problems == ["line 16: not JSON", "line 17: not a canary entry"]
     sel = canary.select_baseline(got, "hw | cfg abc", "abc", 10)
@@ -228,14 +323,20 @@ def test_baseline_selection_and_history_parsing(tmp_path: Path) -> None:
 
 
 def test_parse_slow_and_matrix() -> None:
-    assert canary.parse_slow([]) == 0 and canary.parse_slow(["slow:7.5"]) == 7.5 and canary.parse_slow(["slow:5%"]) == 5
+    assert (
+        canary.parse_slow([]) == 0
+        and canary.parse_slow(["slow:7.5"]) == 7.5
+        and canary.parse_slow(["slow:5%"]) == 5
+    )
     for bad in ("slow", "slow:x", "slow:0", "gradspike@3:2"):
         with pytest.raises(canary.ConfigError):
             canary.parse_slow([bad])
     v = canary.parse_matrix(["attention=math,flash", "experts=loop,bmm,grouped_mm", "compile=off,on"])
     assert len(v) == 12
-    assert v[0] == ("attention=math experts=loop compile=off",
-                    {"model.attention": "math", "model.experts_kernel": "loop", "train.compile": False})  # fmt: skip
+    assert v[0] == (
+        "attention=math experts=loop compile=off",
+        {"model.attention": "math", "model.experts_kernel": "loop", "train.compile": False},
+    )
     assert v[-1][1]["train.compile"] is True
     assert canary.parse_matrix(["model.top_k=1,2"])[1] == ("model.top_k=2", {"model.top_k": 2})
     for bad in ("attention", "colour=red", "compile=maybe"):
@@ -245,14 +346,22 @@ def test_parse_slow_and_matrix() -> None:
 
 def test_profile_summary_self_time_from_a_chrome_trace(tmp_path: Path) -> None:
     events = [
-        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "pid": 1, "tid": 1, "ts": 0, "dur": 100},
+        {
+            "ph": "X",
+            "cat": "user_annotation",
+            "name": "ProfilerStep#7",
+            "pid": 1,
+            "tid": 1,
+            "ts": 0,
+            "dur": 100,
+        },
         {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "pid": 1, "tid": 1, "ts": 0, "dur": 50},
         {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "pid": 1, "tid": 1, "ts": 5, "dur": 40},
         {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": 1, "tid": 1, "ts": 10, "dur": 10},
         {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 1, "ts": 60, "dur": 35},
         {"ph": "X", "cat": "kernel", "name": "gemm_kernel", "pid": 0, "tid": 7, "ts": 6, "dur": 20},
         {"ph": "i", "cat": "cpu_op", "name": "ignored", "pid": 1, "tid": 1, "ts": 1},
-    ]  # fmt: skip
+    ]
     (tmp_path / "profile").mkdir()
     (tmp_path / "profile" / "host.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
     s = canary.profile_summary(tmp_path)
@@ -267,8 +376,10 @@ def test_profile_summary_self_time_from_a_chrome_trace(tmp_path: Path) -> None:
 
 
 def test_env_differences_name_what_changed() -> None:
-    base = [_entry(0.2, env={"torch": "2.12.0", "expert_kernel": "bmm"}),
-            _entry(0.2, env={"torch": "2.12.0", "expert_kernel": "bmm"})]  # fmt: skip
+    base = [
+        _entry(0.2, env={"torch": "2.12.0", "expert_kernel": "bmm"}),
+        _entry(0.2, env={"torch": "2.12.0", "expert_kernel": "bmm"}),
+    ]
     diff = canary.env_differences({"torch": "2.13.0", "expert_kernel": "bmm"}, base)
     assert [d["key"] for d in diff if d["key"] in ("torch", "expert_kernel")] == ["torch"]
     assert diff[0]["baseline"] == {"2.12.0": 2}
@@ -285,12 +396,16 @@ def test_a_regression_must_repeat() -> None:
     assert canary.needs_confirmation(_rows(mfu_host_adj_p50=("warn", -3.0)))
     assert not canary.needs_confirmation(_rows(mfu_p50=("pass", -1.0), final_loss=("warn", 3.0)))
     # Repeated: the mean of both runs fails and the re-run alone is at least a warn -> fail.
-    d = canary.decide([first, _rows(mfu_p50=("warn", -3.5), final_loss=("pass", 0.0))],
-                      _rows(mfu_p50=("fail", -4.8), final_loss=("pass", 0.0)))  # fmt: skip
+    d = canary.decide(
+        [first, _rows(mfu_p50=("warn", -3.5), final_loss=("pass", 0.0))],
+        _rows(mfu_p50=("fail", -4.8), final_loss=("pass", 0.0)),
+    )
     assert [x["final"] for x in d] == ["fail", "pass"] and d[0]["pooled_delta"] == -4.8
     # Not repeated: the re-run passes -> warn, even though the mean is still past the fail line.
-    d = canary.decide([first, _rows(mfu_p50=("pass", -1.0), final_loss=("pass", 0.0))],
-                      _rows(mfu_p50=("fail", -3.5), final_loss=("pass", 0.0)))  # fmt: skip
+    d = canary.decide(
+        [first, _rows(mfu_p50=("pass", -1.0), final_loss=("pass", 0.0))],
+        _rows(mfu_p50=("fail", -3.5), final_loss=("pass", 0.0)),
+    )
     assert d[0]["final"] == "warn"
     # One run only: its own levels.
     assert [x["final"] for x in canary.decide([first], [])] == ["fail", "pass"]
@@ -300,8 +415,16 @@ def test_a_regression_must_repeat() -> None:
 
 def test_processes_pool_by_median_and_keep_each_processs_mfu() -> None:
     def one(mfu: float, mem: int) -> dict:
-        return {canary.MFU: mfu, canary.TPS: 1000 * mfu, canary.MEM: mem, canary.DATA_WAIT: 0.01,
-                canary.LOSS: 2.0, canary.REF: 7.0, "window_steps": 160, "steps": 200}  # fmt: skip
+        return {
+            canary.MFU: mfu,
+            canary.TPS: 1000 * mfu,
+            canary.MEM: mem,
+            canary.DATA_WAIT: 0.01,
+            canary.LOSS: 2.0,
+            canary.REF: 7.0,
+            "window_steps": 160,
+            "steps": 200,
+        }
 
     pooled = canary.pool_processes([one(0.20, 5), one(0.10, 9), one(0.21, 7)])  # one odd, slow process
     assert pooled[canary.MFU] == pytest.approx(0.20) and pooled[canary.TPS] == pytest.approx(200)
@@ -327,14 +450,16 @@ def test_host_fit_removes_the_hosts_slow_phases_but_not_a_regression() -> None:
     fit = canary.fit_host(_host(SLOW_PHASES, b=3.0))
     assert fit.n == 12 and fit.slope == pytest.approx(-2.0, abs=0.05) and fit.r == pytest.approx(-1.0)
     # Plain normalisation reads the host's slow phase (ref 11 ms) as -17%; adjusted it is level.
-    (plain, ref), = _host([11.0], b=3.0)
+    ((plain, ref),) = _host([11.0], b=3.0)
     assert plain / 0.2 - 1 < -0.15
     assert fit.adjust(plain, ref) == pytest.approx(fit.adjust(*_host([10.0], b=3.0)[0]), rel=0.01)
     # A 5% regression at the same host speed stays a 5% drop after the adjustment.
     assert fit.adjust(0.95 * plain, ref) / fit.adjust(plain, ref) == pytest.approx(0.95)
     # Baseline and current go through the same fit: with_host_adjusted takes each entry's processes.
-    base = [canary.with_host_adjusted({canary.MFU: 0.2, canary.PROC_MFU: [m], canary.PROC_REF: [r]}, fit)
-            for m, r in _host(SLOW_PHASES, b=3.0)]  # fmt: skip
+    base = [
+        canary.with_host_adjusted({canary.MFU: 0.2, canary.PROC_MFU: [m], canary.PROC_REF: [r]}, fit)
+        for m, r in _host(SLOW_PHASES, b=3.0)
+    ]
     assert max(e[canary.MFU_ADJ] for e in base) / min(e[canary.MFU_ADJ] for e in base) < 1.01
 
 
@@ -346,7 +471,9 @@ def test_a_young_baseline_widens_the_mfu_fail_line() -> None:
     day = entries("2026-11-22T10:00:00Z", "2026-11-22T22:00:00Z", "2026-11-23T10:30:00Z")
     assert canary.baseline_span_h(day) == pytest.approx(24.5)
     assert canary.baseline_span_h(entries("2026-11-22T10:00:00Z")) == 0
-    assert canary.baseline_span_h(entries("garbage", "2026-11-22T10:00:00Z")) == 0  # unreadable times are skipped
+    assert (
+        canary.baseline_span_h(entries("garbage", "2026-11-22T10:00:00Z")) == 0
+    )  # unreadable times are skipped
     line = canary.young_fail_line(day, canary.TIMING_CPU, c)  # spans a day: the configured line
     assert line["fail_pct"] == 3 and not line["widened"] and line["reason"] == ""
     # One sitting, spread (0.21 - 0.20) / 0.205 = 4.9%: 3 x 4.9 = 14.6% (above the 10% floor).
@@ -361,14 +488,28 @@ def test_a_young_baseline_widens_the_mfu_fail_line() -> None:
     wild = entries(*[f"2026-11-23T10:0{i}:00Z" for i in range(3)], mfu=(0.18, 0.22, 0.20))
     assert canary.young_fail_line(wild, canary.TIMING_CPU, c)["fail_pct"] == 20
     # One entry: its worker processes' spread.
-    one = [{"time": "2026-11-23T10:00:00Z", canary.MFU_ADJ: 0.2, canary.PROC_MFU: [0.19, 0.21, 0.2],
-            canary.PROC_REF: [5.0, 5.0, 5.0]}]  # fmt: skip
+    one = [
+        {
+            "time": "2026-11-23T10:00:00Z",
+            canary.MFU_ADJ: 0.2,
+            canary.PROC_MFU: [0.19, 0.21, 0.2],
+            canary.PROC_REF: [5.0, 5.0, 5.0],
+        }
+    ]
     assert canary.young_fail_line(one, canary.TIMING_CPU, c)["spread_pct"] == pytest.approx(10)
     # Configured lines wider than the widening stay; the rule is off on GPUs (wall clock) and at 0 h.
-    assert canary.young_fail_line(sitting, canary.TIMING_CPU, canary.CanaryConfig(
-        mfu_warn_pct=20, mfu_fail_pct=25, baseline_min_span_h=24))["fail_pct"] == 25  # fmt: skip
+    assert (
+        canary.young_fail_line(
+            sitting,
+            canary.TIMING_CPU,
+            canary.CanaryConfig(mfu_warn_pct=20, mfu_fail_pct=25, baseline_min_span_h=24),
+        )["fail_pct"]
+        == 25
+    )
     assert not canary.young_fail_line(sitting, canary.TIMING_WALL, c)["widened"]
-    assert not canary.young_fail_line(sitting, canary.TIMING_CPU, canary.CanaryConfig(baseline_min_span_h=0))["widened"]
+    assert not canary.young_fail_line(sitting, canary.TIMING_CPU, canary.CanaryConfig(baseline_min_span_h=0))[
+        "widened"
+    ]
     with pytest.raises(canary.ConfigError):
         canary.CanaryConfig(young_fail_floor_pct=30, young_fail_cap_pct=20)
 
@@ -376,7 +517,7 @@ def test_a_young_baseline_widens_the_mfu_fail_line() -> None:
 def test_host_fit_does_not_extrapolate_or_overfit() -> None:
     fit = canary.fit_host(_host(SLOW_PHASES, b=3.0))
     # A host far slower than any baseline process is corrected only up to the slowest one seen.
-    (far, ref), = _host([14.0], b=3.0)
+    ((far, ref),) = _host([14.0], b=3.0)
     edge = fit.adjust(*_host([max(SLOW_PHASES)], b=3.0)[0])
     assert fit.adjust(far, ref) == pytest.approx(edge * far / _host([max(SLOW_PHASES)], b=3.0)[0][0])
     # A baseline that saw (almost) no host variation: the slope shrinks towards plain normalisation.
@@ -398,8 +539,17 @@ def test_power_bench_judges_against_every_other_clean_measurement() -> None:
 
     def rep(*runs: tuple[float, float]) -> dict[str, object]:
         # each run: 5 processes at (MFU, reference ms); MFU/ref spread a little so the fit has data
-        return {"runs": [{"summary": {canary.PROC_MFU: [m * (1 + 0.002 * i) for i in range(5)],
-                                      canary.PROC_REF: [r * (1 + 0.01 * i) for i in range(5)]}} for m, r in runs]}  # fmt: skip
+        return {
+            "runs": [
+                {
+                    "summary": {
+                        canary.PROC_MFU: [m * (1 + 0.002 * i) for i in range(5)],
+                        canary.PROC_REF: [r * (1 + 0.01 * i) for i in range(5)],
+                    }
+                }
+                for m, r in runs
+            ]
+        }
 
     clean = [rep((0.25 * (1 + 0.003 * (i % 3 - 1)), 4.6)) for i in range(6)]
     outlier = rep((0.235, 4.6), (0.236, 4.6))  # a clean measurement 6% low, re-run low too

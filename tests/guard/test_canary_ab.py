@@ -23,16 +23,32 @@ AB_SHORT = [*SHORT, "canary.ab_fail_pct=10"]
 
 
 def _ab(tmp: Path, a: str, b: str, *extra: str, pairs: int, report: str = "rep") -> tuple[int, dict]:
-    code = main(["canary", "--ab", a, b, "--runs", str(tmp / "runs"), "--report-dir", str(tmp / report),
-                 *_sets([*AB_SHORT, f"canary.ab_pairs={pairs}", f"canary.ab_max_pairs={pairs}"]), *extra])  # fmt: skip
+    code = main(
+        [
+            "canary",
+            "--ab",
+            a,
+            b,
+            "--runs",
+            str(tmp / "runs"),
+            "--report-dir",
+            str(tmp / report),
+            *_sets([*AB_SHORT, f"canary.ab_pairs={pairs}", f"canary.ab_max_pairs={pairs}"]),
+            *extra,
+        ]
+    )
     path = tmp / report / "ab.json"
     return code, (json.loads(path.read_text()) if path.is_file() else {})
 
 
 # ---- real A/B runs ------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_ab_with_b_slowed_fails_on_the_paired_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, rep = _ab(tmp_path, "set:", "set:model.experts_kernel=bmm,train.seed=0", "--inject", "slow:40", pairs=4)
+def test_ab_with_b_slowed_fails_on_the_paired_ratio(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, rep = _ab(
+        tmp_path, "set:", "set:model.experts_kernel=bmm,train.seed=0", "--inject", "slow:40", pairs=4
+    )
     assert code == 1 and rep["verdict"] == "fail" and rep["exit_code"] == 1
     # ABBA: pairs alternate AB, BA; the workers ran in exactly that order, one A and one B per pair.
     assert rep["sequence"] == "ABBAABBA"
@@ -56,11 +72,15 @@ def test_ab_with_b_slowed_fails_on_the_paired_ratio(tmp_path: Path, capsys: pyte
     # clock_gettime calls slowed the steps around it too, to 0.5).
     assert 0.4 < st["median"] < 0.85 and st["n_pairs"] == 4
     assert st["ci"] == pytest.approx([min(ratios), max(ratios)])  # n = 4: the sign-test interval is the range
-    assert st["coverage"] == pytest.approx(1 - 2 / 16) and st["ci"][1] < st["fail_below"] == pytest.approx(0.9)
+    assert st["coverage"] == pytest.approx(1 - 2 / 16) and st["ci"][1] < st["fail_below"] == pytest.approx(
+        0.9
+    )
     assert rep["sides"]["B"]["slow_pct"] == 40 and rep["sides"]["A"]["slow_pct"] == 0
     # The environment diff names what differs (the override set) and what does not (torch, kernel).
     diff = {d["key"]: d for d in rep["env_diff"]}
-    assert diff["overrides"]["differs"] and not diff["torch"]["differs"] and not diff["expert_kernel"]["differs"]
+    assert (
+        diff["overrides"]["differs"] and not diff["torch"]["differs"] and not diff["expert_kernel"]["differs"]
+    )
     assert diff["attention_backend"]["a"] not in ("?", "None")  # the backend actually used, from the worker
     assert rep["profile_diff"]["workers_profiled"] == {"A": 4, "B": 4} and rep["profile_diff"]["host"]
     md = (tmp_path / "rep" / "ab.md").read_text()
@@ -85,16 +105,20 @@ def test_a_equals_a_passes_and_a_py_interpreter_runs_the_worker(tmp_path: Path) 
 
 
 # ---- usage errors name the bad value ------------------------------------------------------------
-@pytest.mark.parametrize(("a", "b", "says"), [
-    ("torch=2.13", "set:", "'torch=2.13': expected py:PATH"),
-    ("set:", "py:", "py: needs the path of a Python interpreter"),
-    ("set:", "py:/no/such/python", "'/no/such/python' is not an executable file"),
-    ("set:model.attention", "set:", "'model.attention' is not KEY=VALUE"),
-    ("set:", "set:model.nope=1", "--ab B = 'set:model.nope=1': "),
-    ("set:canary.warmup_steps=5", "set:", "canary.warmup_steps is a measurement setting"),
-])  # fmt: skip
-def test_bad_ab_specs_are_usage_errors_naming_the_value(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                        a: str, b: str, says: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("a", "b", "says"),
+    [
+        ("torch=2.13", "set:", "'torch=2.13': expected py:PATH"),
+        ("set:", "py:", "py: needs the path of a Python interpreter"),
+        ("set:", "py:/no/such/python", "'/no/such/python' is not an executable file"),
+        ("set:model.attention", "set:", "'model.attention' is not KEY=VALUE"),
+        ("set:", "set:model.nope=1", "--ab B = 'set:model.nope=1': "),
+        ("set:canary.warmup_steps=5", "set:", "canary.warmup_steps is a measurement setting"),
+    ],
+)
+def test_bad_ab_specs_are_usage_errors_naming_the_value(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], a: str, b: str, says: str
+) -> None:
     assert main(["canary", "--ab", a, b, "--runs", str(tmp_path / "runs")]) == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
@@ -107,7 +131,9 @@ def test_ab_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["canary", "--ab", "set:", "set:", "--record", *runs]) == 2
     assert main(["canary", "--ab", "set:", "set:", "--inject", "c:slow:5", *runs]) == 2
     assert main(["canary", "--ab", "set:", "set:", "--set", "canary.ab_order=zigzag", *runs]) == 2
-    assert main(["canary", "--ab", "set:", "set:", "--set", "canary.ab_max_pairs=2", *runs]) == 2  # < ab_pairs
+    assert (
+        main(["canary", "--ab", "set:", "set:", "--set", "canary.ab_max_pairs=2", *runs]) == 2
+    )  # < ab_pairs
     not_python = tmp_path / "not-python"
     not_python.write_text("#!/bin/sh\nexit 3\n")
     not_python.chmod(0o755)
@@ -119,7 +145,11 @@ def test_ab_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 # ---- the pieces ---------------------------------------------------------------------------------
 def test_parse_side_and_inject() -> None:
     s = canary_ab.parse_side("set:model.attention=math,train.compile=true, model.top_k=1", "B")
-    assert s.python is None and s.overrides == {"model.attention": "math", "train.compile": True, "model.top_k": 1}
+    assert s.python is None and s.overrides == {
+        "model.attention": "math",
+        "train.compile": True,
+        "model.top_k": 1,
+    }
     assert canary_ab.parse_side("set:", "A").overrides == {}
     p = canary_ab.parse_side(f"py:{sys.executable}", "A")
     assert p.python == str(Path(sys.executable).absolute()) and p.overrides == {}  # a venv symlink is kept
@@ -146,7 +176,9 @@ def test_sign_test_interval_coverage() -> None:
     assert (lo, hi) == (0.95, 1.03) and cov == pytest.approx(1 - 2 * 11 / 1024)
     lo, hi, cov = canary_ab.sign_test_interval(list(reversed(xs)), 0.95)  # n = 12: [x(3), x(10)], 96.1%
     assert (lo, hi) == (0.97, 1.05) and cov == pytest.approx(1 - 2 * 79 / 4096)
-    assert canary_ab.sign_test_interval([1.0, 2.0], 0.95)[2] == pytest.approx(0.5)  # too few: the range, said so
+    assert canary_ab.sign_test_interval([1.0, 2.0], 0.95)[2] == pytest.approx(
+        0.5
+    )  # too few: the range, said so
 
 
 def test_paired_verdicts() -> None:

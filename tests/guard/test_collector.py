@@ -41,27 +41,56 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 # ---------------------------------------------------------------------------------------
 # helpers (also used by test_exporter.py)
 # ---------------------------------------------------------------------------------------
-def make_report(step: int, *, n_layers: int = 4, n_experts: int = 8, rank: int = 0, loss: float | None = None,
-                t: float | None = None) -> StepReport:  # fmt: skip
+def make_report(
+    step: int,
+    *,
+    n_layers: int = 4,
+    n_experts: int = 8,
+    rank: int = 0,
+    loss: float | None = None,
+    t: float | None = None,
+) -> StepReport:
     """MoE on every other layer (dense layers carry NaN routing stats)."""
     rng = np.random.default_rng(step * 1000 + rank)
     moe = np.arange(1, n_layers, 2, dtype=np.int32)
     m = len(moe)
     return StepReport(
-        step=step, time=time.time() if t is None else t, loss=2.0 + 0.01 * rng.random() if loss is None else loss,
-        grad_norm=1.0 + 0.01 * rng.random(), lr=1e-3, tokens=4096, step_time_s=0.1 + 0.001 * rng.random(),
-        data_wait_s=0.001, tokens_per_s=40960.0, mfu=0.4, mem_peak_bytes=1 << 30, rank=rank,
-        layer_ids_L=np.arange(n_layers, dtype=np.int32), layer_grad_norm_L=0.1 + 0.01 * rng.random(n_layers),
-        moe_layer_ids_M=moe, router_entropy_M=1.5 + 0.01 * rng.random(m), load_entropy_M=0.95 + 0.01 * rng.random(m),
-        maxvio_M=0.1 + 0.01 * rng.random(m), dead_experts_M=np.zeros(m, np.int32), bias_norm_M=0.01 * rng.random(m),
-        load_ME=rng.integers(90, 110, (m, n_experts)), bias_ME=0.001 * rng.standard_normal((m, n_experts)),
-    )  # fmt: skip
+        step=step,
+        time=time.time() if t is None else t,
+        loss=2.0 + 0.01 * rng.random() if loss is None else loss,
+        grad_norm=1.0 + 0.01 * rng.random(),
+        lr=1e-3,
+        tokens=4096,
+        step_time_s=0.1 + 0.001 * rng.random(),
+        data_wait_s=0.001,
+        tokens_per_s=40960.0,
+        mfu=0.4,
+        mem_peak_bytes=1 << 30,
+        rank=rank,
+        layer_ids_L=np.arange(n_layers, dtype=np.int32),
+        layer_grad_norm_L=0.1 + 0.01 * rng.random(n_layers),
+        moe_layer_ids_M=moe,
+        router_entropy_M=1.5 + 0.01 * rng.random(m),
+        load_entropy_M=0.95 + 0.01 * rng.random(m),
+        maxvio_M=0.1 + 0.01 * rng.random(m),
+        dead_experts_M=np.zeros(m, np.int32),
+        bias_norm_M=0.01 * rng.random(m),
+        load_ME=rng.integers(90, 110, (m, n_experts)),
+        bias_ME=0.001 * rng.standard_normal((m, n_experts)),
+    )
 
 
-def batch(run: str, rank: int, seq: int, reports: list[StepReport], events: list[dict] | None = None,
-          **extra: Any) -> dict[str, Any]:  # fmt: skip
-    return {"run": run, "rank": rank, "seq": seq, "reports": [r.to_json() for r in reports],
-            "events": events or [], **extra}  # fmt: skip
+def batch(
+    run: str, rank: int, seq: int, reports: list[StepReport], events: list[dict] | None = None, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "run": run,
+        "rank": rank,
+        "seq": seq,
+        "reports": [r.to_json() for r in reports],
+        "events": events or [],
+        **extra,
+    }
 
 
 def free_port() -> int:
@@ -73,8 +102,14 @@ def free_port() -> int:
 class CollectorProc:
     """`python -m guard collector` in a subprocess on a fixed port (restartable on it)."""
 
-    def __init__(self, runs: Path, *args: str, port: int | None = None, token: str | None = TOKEN,
-                 stderr: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runs: Path,
+        *args: str,
+        port: int | None = None,
+        token: str | None = TOKEN,
+        stderr: Path | None = None,
+    ) -> None:
         self.runs, self.args, self.token, self.stderr = runs, args, token, stderr
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -89,9 +124,22 @@ class CollectorProc:
         err = None if self.stderr is None else open(self.stderr, "ab")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "guard", "collector", "--port", str(self.port), "--runs", str(self.runs),
-                 "--log-level", "warning", *self.args], env=env, stderr=err,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "guard",
+                    "collector",
+                    "--port",
+                    str(self.port),
+                    "--runs",
+                    str(self.runs),
+                    "--log-level",
+                    "warning",
+                    *self.args,
+                ],
+                env=env,
+                stderr=err,
+            )
         finally:
             if err is not None:
                 err.close()  # the child has its own copy
@@ -120,13 +168,17 @@ class CollectorProc:
 
     def post(self, payload: Any, headers: dict[str, str] | None = None) -> httpx.Response:
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        return httpx.post(f"{self.url}/v1/ingest", content=body, headers=AUTH if headers is None else headers,
-                          timeout=10)  # fmt: skip
+        return httpx.post(
+            f"{self.url}/v1/ingest", content=body, headers=AUTH if headers is None else headers, timeout=10
+        )
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
 
 
 @pytest.fixture
@@ -226,8 +278,11 @@ def test_metrics_expert_share_histogram_and_heartbeat_age_at_scrape() -> None:
     age = ("moeguard_heartbeat_age_seconds", (("rank", "0"), ("run", "r")))
     assert s[age] == 0
     clock[0] += 42
-    s2 = {(x.name, tuple(sorted(x.labels.items()))): x.value
-          for f in text_string_to_metric_families(m.render().decode()) for x in f.samples}  # fmt: skip
+    s2 = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for f in text_string_to_metric_families(m.render().decode())
+        for x in f.samples
+    }
     assert s2[age] == 42  # grows while the run is silent
     assert s2[("moeguard_heartbeat_lost", (("rank", "0"), ("run", "r")))] == 1
 
@@ -238,16 +293,27 @@ def test_metrics_expert_share_histogram_and_heartbeat_age_at_scrape() -> None:
 @pytest.mark.integration
 def test_refuses_to_start_without_token(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != schema.ENV_TOKEN}
-    r = subprocess.run([sys.executable, "-m", "guard", "collector", "--port", "0", "--runs", str(tmp_path)],
-                       env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "guard", "collector", "--port", "0", "--runs", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "MOEGUARD_TOKEN" in r.stdout + r.stderr
 
 
 @pytest.mark.integration
 def test_ingest_lands_in_run_store_and_replay_is_idempotent(collector: CollectorProc) -> None:
     reps = [make_report(s) for s in range(25)]
-    ev = Event(step=7, kind=schema.EV_VERDICT, detector=schema.DET_GRAD_SPIKE, value=9.0, threshold=3.0,
-               action=schema.ACT_SKIP).row()  # fmt: skip
+    ev = Event(
+        step=7,
+        kind=schema.EV_VERDICT,
+        detector=schema.DET_GRAD_SPIKE,
+        value=9.0,
+        threshold=3.0,
+        action=schema.ACT_SKIP,
+    ).row()
     meta = {
         "run_id": "r1",
         "status": "running",
@@ -273,8 +339,22 @@ def test_ingest_lands_in_run_store_and_replay_is_idempotent(collector: Collector
     assert read_meta(run_dir)["env"]["torch"] == "2.5.1"
     m = collector.metrics()
     assert m[("moeguard_guard_verdicts_total", (("detector", "grad_norm_spike"), ("run", "r1")))] == 1
-    assert m[("moeguard_run_info", (("attention", ""), ("compile", ""), ("device", "cpu"), ("expert_kernel", "bmm"),
-                                    ("run", "r1"), ("torch", "2.5.1")))] == 1  # the kernel, not the expert count
+    assert (
+        m[
+            (
+                "moeguard_run_info",
+                (
+                    ("attention", ""),
+                    ("compile", ""),
+                    ("device", "cpu"),
+                    ("expert_kernel", "bmm"),
+                    ("run", "r1"),
+                    ("torch", "2.5.1"),
+                ),
+            )
+        ]
+        == 1
+    )  # the kernel, not the expert count
     assert m[("moeguard_ingest_batches_total", (("outcome", "duplicate"),))] == 1
     runs = httpx.get(f"{collector.url}/v1/runs").json()["runs"]
     assert runs[0]["run"] == "r1" and runs[0]["last_step"] == 24 and runs[0]["status"] == "running"
@@ -398,7 +478,9 @@ def test_metrics_expose_every_schema_name(collector: CollectorProc) -> None:
     assert m[("moeguard_run_halted", (("run", "m1"),))] == 1
     assert m[("moeguard_guard_actions_total", (("action", "rollback"), ("run", "m1")))] == 1
     assert m[("moeguard_guard_actions_total", (("action", "halt"), ("run", "m1")))] == 1
-    assert m[("moeguard_guard_actions_total", (("action", "skip"), ("run", "m1")))] == 0  # every action from 0
+    assert (
+        m[("moeguard_guard_actions_total", (("action", "skip"), ("run", "m1")))] == 0
+    )  # every action from 0
     assert m[("moeguard_mfu_baseline_ratio", (("run", "m1"),))] == pytest.approx(0.4)
     assert m[("moeguard_tokens_total", (("run", "m1"),))] == 130 * 4096
     assert m[("moeguard_step", (("run", "m1"),))] == 129
@@ -523,8 +605,9 @@ def test_server_side_verdicts_and_the_duplicate_event_rule(collector: CollectorP
         out[45].grad_norm = 100.0  # a spike after a warm-up of steady ~1.0 norms
         return out
 
-    trainer_ev = Event(step=45, kind=schema.EV_VERDICT, detector=schema.DET_GRAD_SPIKE, value=100.0,
-                       action=schema.ACT_SKIP).row()  # fmt: skip
+    trainer_ev = Event(
+        step=45, kind=schema.EV_VERDICT, detector=schema.DET_GRAD_SPIKE, value=100.0, action=schema.ACT_SKIP
+    ).row()
     # telemetry only: the collector's own verdict becomes an event
     assert collector.post(batch("tel", 0, 1, reps())).status_code == 200
     # the trainer sent its own verdict for step 45 in the same batch: no second event
@@ -555,8 +638,11 @@ def ingest(c: Any, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def scrape(c: Any) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(c.metrics.render().decode()) for s in f.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(c.metrics.render().decode())
+        for s in f.samples
+    }
 
 
 def halted(c: Any, run: str) -> float:
@@ -564,13 +650,22 @@ def halted(c: Any, run: str) -> float:
 
 
 def lost_series(c: Any, run: str) -> dict[str, float]:
-    return {dict(k[1])["rank"]: v for k, v in scrape(c).items()
-            if k[0] == "moeguard_heartbeat_lost" and dict(k[1])["run"] == run}  # fmt: skip
+    return {
+        dict(k[1])["rank"]: v
+        for k, v in scrape(c).items()
+        if k[0] == "moeguard_heartbeat_lost" and dict(k[1])["run"] == run
+    }
 
 
 def halt_row(step: int) -> dict[str, Any]:
-    return Event(step=step, kind=schema.EV_HALT, action=schema.ACT_HALT, value=2.0, threshold=1.0,
-                 detail={"severity": "critical", "reason": "2 rollbacks within 500 steps"}).row()  # fmt: skip
+    return Event(
+        step=step,
+        kind=schema.EV_HALT,
+        action=schema.ACT_HALT,
+        value=2.0,
+        threshold=1.0,
+        detail={"severity": "critical", "reason": "2 rollbacks within 500 steps"},
+    ).row()
 
 
 def beat(run: str, rank: int, seq: int, step: int = 0, **extra: Any) -> dict[str, Any]:
@@ -629,7 +724,10 @@ def test_a_resume_and_a_new_halt_in_one_batch_end_halted(inproc: Any) -> None:
     assert halted(c, "hh") == 1
     c.close()
     assert read_table(c.cfg.runs_dir / "hh", schema.TABLE_EVENTS).sort("step")["kind"].to_list() == [
-        "halt", "resume", "halt"]  # fmt: skip
+        "halt",
+        "resume",
+        "halt",
+    ]
     assert halted(inproc(), "hh") == 1
 
 
@@ -724,8 +822,20 @@ def test_halt_events_are_posted_to_the_pager_in_the_background(inproc: Any) -> N
         assert json.loads(body["detail"])["severity"] == "critical"
         # the exporter retrying the same batch, and non-halt events: no second post
         assert ingest(c, payload)["duplicate"] is True
-        ingest(c, batch("ph", 0, G1 | 2, [make_report(4)], [Event(step=4, kind=schema.EV_VERDICT,
-               detector=schema.DET_GRAD_SPIKE, action=schema.ACT_SKIP).row()]))  # fmt: skip
+        ingest(
+            c,
+            batch(
+                "ph",
+                0,
+                G1 | 2,
+                [make_report(4)],
+                [
+                    Event(
+                        step=4, kind=schema.EV_VERDICT, detector=schema.DET_GRAD_SPIKE, action=schema.ACT_SKIP
+                    ).row()
+                ],
+            ),
+        )
         c.close()
         assert len(pager.received()) == 2 and c.notifier.stats == {"sent": 1, "failed": 0, "dropped": 0}
 

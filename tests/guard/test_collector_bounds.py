@@ -55,8 +55,19 @@ def listing(c: CollectorProc) -> dict[str, dict[str, Any]]:
 # ---------------------------------------------------------------------------------------
 @pytest.mark.integration
 def test_over_limit_inputs_are_refused_with_the_named_limit(tmp_path: Path) -> None:
-    c = CollectorProc(tmp_path / "runs", "--checkpoint-interval", "0.1", "--max-ranks", "8", "--max-layers", "16",
-                      "--max-detectors", "3", "--max-body-bytes", "65536").start()  # fmt: skip
+    c = CollectorProc(
+        tmp_path / "runs",
+        "--checkpoint-interval",
+        "0.1",
+        "--max-ranks",
+        "8",
+        "--max-layers",
+        "16",
+        "--max-detectors",
+        "3",
+        "--max-body-bytes",
+        "65536",
+    ).start()
     try:
         assert c.post(batch("lim", 0, G1 | 1, [make_report(0)])).status_code == 200
 
@@ -135,16 +146,24 @@ def test_series_cap_keeps_run_level_series_and_counts_the_rest() -> None:
     # run-level series and the heartbeat survive the cap; per-layer ones go first
     names = {n for n, _ in of_r}
     assert {schema.M_HALTED, schema.M_STEP, schema.M_HEARTBEAT_LOST, schema.M_LOSS} <= names
-    dropped = {s.labels["run"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == schema.M_COLLECTOR_SERIES_DROPPED}  # fmt: skip
+    dropped = {
+        s.labels["run"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == schema.M_COLLECTOR_SERIES_DROPPED
+    }
     assert set(dropped) == {"r"}  # the small run fits
     # uncapped, the same run has exactly kept + dropped series
     full = CollectorMetrics(registry=CollectorRegistry())
     full.observe_report("r", make_report(5, n_layers=16))
     full.beat("r", 0, time.time(), 5, "train")
     full.observe_events("r", [{"kind": schema.EV_HALT, "action": schema.ACT_HALT, "step": 5}])
-    n_full = sum(1 for f in text_string_to_metric_families(full.render().decode()) for s in f.samples
-                 if s.labels.get("run") == "r")  # fmt: skip
+    n_full = sum(
+        1
+        for f in text_string_to_metric_families(full.render().decode())
+        for s in f.samples
+        if s.labels.get("run") == "r"
+    )
     assert len(of_r) + dropped["r"] == n_full
 
 
@@ -224,8 +243,15 @@ def test_ingest_completes_while_slow_scrapes_render(tmp_path: Path) -> None:
     three scraper processes render it three times each, at once. Small batches of another run,
     sent one after another from 1 s in, must each come back within 1 s while the scrapes are
     still going (before: the scrape held the metrics lock, which ingest needs, for its render)."""
-    c = CollectorProc(tmp_path / "runs", "--max-layers", "40000", "--max-series-per-run", "10000000",
-                      "--max-body-bytes", str(64 << 20)).start()  # fmt: skip
+    c = CollectorProc(
+        tmp_path / "runs",
+        "--max-layers",
+        "40000",
+        "--max-series-per-run",
+        "10000000",
+        "--max-body-bytes",
+        str(64 << 20),
+    ).start()
     try:
         wide = batch("wide", 0, G1 | 1, [make_report(0, n_layers=30_000, n_experts=2)])
         r = httpx.post(f"{c.url}/v1/ingest", headers=AUTH, timeout=120, content=json.dumps(wide).encode())

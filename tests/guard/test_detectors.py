@@ -268,11 +268,21 @@ def test_layer_spike_detector_names_the_layer() -> None:
     assert clone.state_dict() == det.state_dict()
 
 
-def make_report(step: int, loss: float = 2.0, grad: float = 1.0, layer_grads: list[float] | None = None,
-                **kw: object) -> StepReport:  # fmt: skip
+def make_report(
+    step: int, loss: float = 2.0, grad: float = 1.0, layer_grads: list[float] | None = None, **kw: object
+) -> StepReport:
     lg = np.asarray(layer_grads if layer_grads is not None else [], dtype=np.float64)
-    return StepReport(step=step, time=float(step), loss=loss, grad_norm=grad, lr=1e-3, tokens=1024,
-                      layer_ids_L=np.arange(lg.size, dtype=np.int32), layer_grad_norm_L=lg, **kw)  # fmt: skip
+    return StepReport(
+        step=step,
+        time=float(step),
+        loss=loss,
+        grad_norm=grad,
+        lr=1e-3,
+        tokens=1024,
+        layer_ids_L=np.arange(lg.size, dtype=np.int32),
+        layer_grad_norm_L=lg,
+        **kw,
+    )
 
 
 def test_nonfinite_detector_names_layers() -> None:
@@ -291,8 +301,9 @@ def test_nonfinite_detector_names_layers() -> None:
 E = 8
 
 
-def moe_report(step: int, loads: list[int], maxvio: float = 0.1, load_h: float = 0.95,
-               router_h: float = 1.5) -> StepReport:  # fmt: skip
+def moe_report(
+    step: int, loads: list[int], maxvio: float = 0.1, load_h: float = 0.95, router_h: float = 1.5
+) -> StepReport:
     return make_report(
         step,
         moe_layer_ids_M=np.array([3], np.int32),

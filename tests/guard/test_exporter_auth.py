@@ -12,12 +12,22 @@ from guard.exporter import Exporter
 from tests.guard.test_collector import CollectorProc, make_report
 
 
-def test_repeated_401_is_logged_once_with_a_token_hint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_repeated_401_is_logged_once_with_a_token_hint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     collector = CollectorProc(tmp_path / "runs").start()
     try:
         caplog.set_level(logging.WARNING, logger="moeguard.exporter")
-        exp = Exporter(collector.url, "wrong-token", "auth", 0, tmp_path / "spool", backoff_max_s=0.2,
-                       heartbeat_s=1e9, poll_s=1e9)  # fmt: skip
+        exp = Exporter(
+            collector.url,
+            "wrong-token",
+            "auth",
+            0,
+            tmp_path / "spool",
+            backoff_max_s=0.2,
+            heartbeat_s=1e9,
+            poll_s=1e9,
+        )
         for s in range(5):
             exp.submit(make_report(s, n_layers=2, n_experts=2))
         deadline = time.monotonic() + 30

@@ -96,8 +96,15 @@ def test_events_record_verdict_and_action_with_evidence(tmp_path: Path) -> None:
 def test_repeated_spikes_escalate_to_rollback_then_halt(tmp_path: Path) -> None:
     # snapshots every 5 steps; 3 skips within 50 steps -> roll back; 2nd rollback -> halt
     spikes = [f"gradspike@{s}:500" for s in (45, 47, 49, 55, 57, 59)]
-    t = train_micro(tmp_path / "r", overrides={"train.steps": 80, "guard.policy.snapshot_every": 5,
-                                              "guard.policy.halt_after_rollbacks": 1}, injections=spikes)  # fmt: skip
+    t = train_micro(
+        tmp_path / "r",
+        overrides={
+            "train.steps": 80,
+            "guard.policy.snapshot_every": 5,
+            "guard.policy.halt_after_rollbacks": 1,
+        },
+        injections=spikes,
+    )
     assert t.exit_code == 3
     steps = read_table(tmp_path / "r", "steps").sort("step")
     actions = dict(zip(steps["step"].to_list(), steps["action"].to_list(), strict=True))
@@ -105,7 +112,9 @@ def test_repeated_spikes_escalate_to_rollback_then_halt(tmp_path: Path) -> None:
     assert actions[49] == schema.ACT_ROLLBACK
     assert actions[59] == schema.ACT_HALT and steps["step"].max() == 59
     ev = read_table(tmp_path / "r", "events")
-    rb = ev.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_ROLLBACK)).row(0, named=True)
+    rb = ev.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_ROLLBACK)).row(
+        0, named=True
+    )
     restored = json.loads(rb["detail"])["restored_step"]
     assert restored < 45 and restored % 5 == 0
     assert ev.filter(pl.col("kind") == schema.EV_HALT).height == 1
@@ -115,9 +124,16 @@ def test_repeated_spikes_escalate_to_rollback_then_halt(tmp_path: Path) -> None:
 
     # The operator resumes: the ladder starts again from skip, so the next spike is skipped, not
     # a second halt on the first step it shows up
-    r = train_micro(tmp_path / "r", overrides={"train.steps": 80, "guard.policy.snapshot_every": 5,
-                                              "guard.policy.halt_after_rollbacks": 1},
-                    injections=["gradspike@65:500"], resume=True)  # fmt: skip
+    r = train_micro(
+        tmp_path / "r",
+        overrides={
+            "train.steps": 80,
+            "guard.policy.snapshot_every": 5,
+            "guard.policy.halt_after_rollbacks": 1,
+        },
+        injections=["gradspike@65:500"],
+        resume=True,
+    )
     assert r.exit_code == 0
     steps = read_table(tmp_path / "r", "steps").sort("step")
     actions = dict(zip(steps["step"].to_list(), steps["action"].to_list(), strict=True))
@@ -144,13 +160,21 @@ def test_rollback_restores_the_snapshot_state_exactly(tmp_path: Path) -> None:
 
 def test_collapse_is_detected_within_its_window_and_corrected(tmp_path: Path) -> None:
     # 8 experts top-2 (MaxVio at most 3) and 512 tokens a step, so a collapse stands out from noise
-    overrides = {"train.steps": 170, "model.n_experts": 8, "data.batch_size": 16, "model.score_func": "sigmoid",
-                 "model.bias_rate": 1e-2, "guard.collapse.warmup": 60, "guard.collapse.maxvio": 2.5,
-                 "guard.policy.bias_boost_steps": 50}  # fmt: skip
+    overrides = {
+        "train.steps": 170,
+        "model.n_experts": 8,
+        "data.batch_size": 16,
+        "model.score_func": "sigmoid",
+        "model.bias_rate": 1e-2,
+        "guard.collapse.warmup": 60,
+        "guard.collapse.maxvio": 2.5,
+        "guard.policy.bias_boost_steps": 50,
+    }
     t = train_micro(tmp_path / "r", overrides=overrides, injections=["collapse@80:1"])
     ev = read_table(tmp_path / "r", "events")
-    verdicts = ev.filter((pl.col("kind") == schema.EV_VERDICT)
-                         & pl.col("detector").is_in(list(schema.COLLAPSE_DETECTORS)))  # fmt: skip
+    verdicts = ev.filter(
+        (pl.col("kind") == schema.EV_VERDICT) & pl.col("detector").is_in(list(schema.COLLAPSE_DETECTORS))
+    )
     assert verdicts.height >= 1
     first = verdicts["step"].min()
     # maxvio_for = 5 in the micro config: fires within its window of the injection

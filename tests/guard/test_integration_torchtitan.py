@@ -46,21 +46,44 @@ def model_config() -> object:
 
     rope = 16
     layers = ds.build_mla_moe_layers(
-        n_layers=4, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=rope, v_head_dim=16, mscale=1.0, dense_hidden_dim=128, moe_hidden_dim=64, num_experts=8,
-        num_shared_experts=1, router_top_k=2, router_score_func="softmax", attn_backend="flex",
-        moe_comm_backend="standard", non_blocking_capacity_factor=None, linear_init=ds._LINEAR_INIT,
-        norm_init=ds._NORM_INIT, depth_init=ds._depth_init, depth_experts_init=ds._depth_experts_init,
+        n_layers=4,
+        n_dense_layers=1,
+        dim=DIM,
+        n_heads=4,
+        q_lora_rank=0,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=rope,
+        v_head_dim=16,
+        mscale=1.0,
+        dense_hidden_dim=128,
+        moe_hidden_dim=64,
+        num_experts=8,
+        num_shared_experts=1,
+        router_top_k=2,
+        router_score_func="softmax",
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        linear_init=ds._LINEAR_INIT,
+        norm_init=ds._NORM_INIT,
+        depth_init=ds._depth_init,
+        depth_experts_init=ds._depth_experts_init,
         rope=ComplexRoPE.Config(dim=rope, max_seq_len=SEQ, theta=10000.0),
-    )  # fmt: skip
+    )
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return ds.DeepSeekV3Model.Config(
-        vocab_size=VOCAB, dim=DIM, layers=layers, mtp_layers=[],
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=ds._EMBEDDING_INIT),
+        vocab_size=VOCAB,
+        dim=DIM,
+        layers=layers,
+        mtp_layers=[],
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=DIM, param_init=ds._EMBEDDING_INIT
+        ),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=ds._NORM_INIT),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=ds._output_linear_init(DIM)),
-    )  # fmt: skip
+    )
 
 
 def build_model(seed: int = 0) -> nn.Module:
@@ -94,8 +117,13 @@ def parallel_dims() -> Iterator[object]:
 class Run:
     """A plain loop on the torchtitan model: AdamW + torchtitan's bias hook + GuardedStep."""
 
-    def __init__(self, run_dir: Path, corpus: np.ndarray, parallel_dims: object | None,
-                 config: GuardConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_dir: Path,
+        corpus: np.ndarray,
+        parallel_dims: object | None,
+        config: GuardConfig | None = None,
+    ) -> None:
         from torchtitan.components.optimizer import register_moe_load_balancing_hook
 
         self.model = build_model()
@@ -135,8 +163,11 @@ def _state(run: Run) -> dict[str, torch.Tensor]:
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                      b.reshape(-1).view(torch.uint8))  # fmt: skip
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def _loads(run_dir: Path) -> dict[tuple[int, int], list[int]]:
@@ -315,11 +346,23 @@ def _cpu_shim(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = types.SimpleNamespace(
         **{k: getattr(torch.cpu, k) for k in dir(torch.cpu) if not k.startswith("__")}
     )
-    cpu.__dict__.update(get_device_name=lambda *a: "cpu", current_device=lambda: 0, device_count=lambda: 1,
-                        get_device_properties=lambda *a: types.SimpleNamespace(total_memory=1 << 30),
-                        reset_peak_memory_stats=lambda *a: None, empty_cache=lambda: None, memory_stats=lambda *a: {})  # fmt: skip
-    for name in ("tools.utils", "distributed.utils", "distributed.parallel_dims", "components.metrics",
-                 "models.common.token_dispatcher", "tools.profiler"):  # fmt: skip
+    cpu.__dict__.update(
+        get_device_name=lambda *a: "cpu",
+        current_device=lambda: 0,
+        device_count=lambda: 1,
+        get_device_properties=lambda *a: types.SimpleNamespace(total_memory=1 << 30),
+        reset_peak_memory_stats=lambda *a: None,
+        empty_cache=lambda: None,
+        memory_stats=lambda *a: {},
+    )
+    for name in (
+        "tools.utils",
+        "distributed.utils",
+        "distributed.parallel_dims",
+        "components.metrics",
+        "models.common.token_dispatcher",
+        "tools.profiler",
+    ):
         mod = importlib.import_module(f"torchtitan.{name}")
         for attr, value in (("device_type", "cpu"), ("device_module", cpu)):
             if hasattr(mod, attr):
@@ -330,8 +373,9 @@ def _cpu_shim(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "0")
 
 
-def test_torchtitans_own_trainer_is_guarded(tmp_path: Path, corpus: np.ndarray, parallel_dims: object,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_torchtitans_own_trainer_is_guarded(
+    tmp_path: Path, corpus: np.ndarray, parallel_dims: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import gc
     from dataclasses import dataclass
 
@@ -407,17 +451,37 @@ def test_torchtitans_own_trainer_is_guarded(tmp_path: Path, corpus: np.ndarray, 
 
     optimizer = default_adamw(lr=1e-3)
     optimizer.implementation = "foreach"
-    spec = ModelSpec(name="deepseek_v3", flavor="test", model=model_config(), parallelize_fn=parallelize_deepseekv3,
-                     pipelining_fn=None, post_optimizer_build_fn=register_moe_load_balancing_hook,
-                     state_dict_adapter=None)  # fmt: skip
+    spec = ModelSpec(
+        name="deepseek_v3",
+        flavor="test",
+        model=model_config(),
+        parallelize_fn=parallelize_deepseekv3,
+        pipelining_fn=None,
+        post_optimizer_build_fn=register_moe_load_balancing_hook,
+        state_dict_adapter=None,
+    )
     config = Trainer.Config(
-        model_spec=spec, hf_assets_path=str(tmp_path), dump_folder=str(tmp_path / "out"), tokenizer=Bytes.Config(),
-        dataloader=Windows.Config(), loss=CrossEntropyLoss.Config(global_vocab_size=VOCAB), optimizer=optimizer,
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=10), metrics=MetricsProcessor.Config(log_freq=10),
-        training=TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, steps=60, disable_cuda_graphs=True,
-                                mixed_precision_param="float32", max_norm=1.0),
-        parallelism=ParallelismConfig(), checkpoint=CheckpointManager.Config(enable=False), activation_checkpoint=None,
-    )  # fmt: skip
+        model_spec=spec,
+        hf_assets_path=str(tmp_path),
+        dump_folder=str(tmp_path / "out"),
+        tokenizer=Bytes.Config(),
+        dataloader=Windows.Config(),
+        loss=CrossEntropyLoss.Config(global_vocab_size=VOCAB),
+        optimizer=optimizer,
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=10),
+        metrics=MetricsProcessor.Config(log_freq=10),
+        training=TrainingConfig(
+            local_batch_size=BATCH,
+            seq_len=SEQ,
+            steps=60,
+            disable_cuda_graphs=True,
+            mixed_precision_param="float32",
+            max_norm=1.0,
+        ),
+        parallelism=ParallelismConfig(),
+        checkpoint=CheckpointManager.Config(enable=False),
+        activation_checkpoint=None,
+    )
     torch.manual_seed(0)
     trainer = Spiky(config, run_dir=tmp_path / "run")
     try:

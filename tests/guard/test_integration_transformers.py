@@ -93,8 +93,9 @@ def test_stored_loads_are_the_routers_real_top_k(family: str, corpus: np.ndarray
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_spike_and_nan_are_skipped_with_all_state_bitwise_unchanged(family: str, corpus: np.ndarray,
-                                                                    tmp_path: Path) -> None:  # fmt: skip
+def test_spike_and_nan_are_skipped_with_all_state_bitwise_unchanged(
+    family: str, corpus: np.ndarray, tmp_path: Path
+) -> None:
     model = build(family, seed=2)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     guarded = GuardedStep(model, opt, attach=attach(model), run_dir=tmp_path / "run", grad_clip=1.0)
@@ -136,8 +137,15 @@ def test_forced_collapse_is_detected_and_corrected(family: str, corpus: np.ndarr
     # The collapse detector waits out init's routing chaos (collapse.warmup, 250 steps by default);
     # 60 is enough for these tiny models and keeps the test short.
     cfg = GuardConfig(collapse=CollapseConfig(warmup=60))
-    drill(family, seed=0, steps=200, corpus=corpus, run_dir=tmp_path / "run", cfg=cfg,
-          injections=[("collapse", at, layer)])  # fmt: skip
+    drill(
+        family,
+        seed=0,
+        steps=200,
+        corpus=corpus,
+        run_dir=tmp_path / "run",
+        cfg=cfg,
+        injections=[("collapse", at, layer)],
+    )
     events = read_table(tmp_path / "run", "events")
     maxvio = read_table(tmp_path / "run", "layers").filter(pl.col("layer") == layer).sort("step")["maxvio"]
     assert maxvio[at] == pytest.approx(3.0)  # every token to expert 0: the largest MaxVio of top-2 of 8
@@ -164,7 +172,8 @@ def test_clean_run_takes_no_action(family: str, corpus: np.ndarray, tmp_path: Pa
 def test_a_model_without_a_router_is_refused_by_name() -> None:
     import transformers as tf
 
-    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64)  # fmt: skip
+    cfg = tf.LlamaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
     with pytest.raises(ValueError, match="LlamaForCausalLM: no MoE router"):
         attach(tf.AutoModelForCausalLM.from_config(cfg))

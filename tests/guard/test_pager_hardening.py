@@ -149,11 +149,22 @@ def test_no_webhook_secret_in_logs_or_state_at_debug(sink: RecordingSink, tmp_pa
     echo = EchoingReceiver()
     try:
         sink.fail_next(1, status=503, path=slack_path)  # a retry, and its log line
-        p = start_pager(sink, tmp_path, "--slack-url", sink.url + slack_path,
-                        "--webhook-url", sink.url + hook_path,                                    # webhook-1
-                        "--webhook-url", f"http://127.0.0.1:{free_port()}/x/{secrets['dead']}",   # webhook-2
-                        "--webhook-url", f"{echo.url}/{secrets['echo']}",                         # webhook-3
-                        "--max-attempts", "2", "--log-level", "debug")  # fmt: skip
+        p = start_pager(
+            sink,
+            tmp_path,
+            "--slack-url",
+            sink.url + slack_path,
+            "--webhook-url",
+            sink.url + hook_path,  # webhook-1
+            "--webhook-url",
+            f"http://127.0.0.1:{free_port()}/x/{secrets['dead']}",  # webhook-2
+            "--webhook-url",
+            f"{echo.url}/{secrets['echo']}",  # webhook-3
+            "--max-attempts",
+            "2",
+            "--log-level",
+            "debug",
+        )
         try:
             assert p.post("/v1/alertmanager", payload(alert("r1")))[0] == 200
             sink.wait_for(lambda r: r.path == slack_path and r.status == 202)

@@ -130,9 +130,12 @@ def scrape(m: CollectorMetrics) -> dict[tuple[str, tuple], float]:
 
 def test_collector_metrics_name_the_stuck_rank_and_phase_and_clear_when_it_moves() -> None:
     clock = [0.0]
-    m = CollectorMetrics(registry=CollectorRegistry(), clock=lambda: clock[0],
-                         heartbeat=HeartbeatConfig(floor_s=30, min_intervals=1),
-                         progress=ProgressConfig(safety_factor=2, floor_s=1, first_deadline_s=100))  # fmt: skip
+    m = CollectorMetrics(
+        registry=CollectorRegistry(),
+        clock=lambda: clock[0],
+        heartbeat=HeartbeatConfig(floor_s=30, min_intervals=1),
+        progress=ProgressConfig(safety_factor=2, floor_s=1, first_deadline_s=100),
+    )
     for t in range(6):  # two ranks, 1 s steps
         for rank in (0, 1):
             m.beat("r", rank, float(t), t, "train", generation=7)
@@ -157,9 +160,12 @@ def test_collector_metrics_name_the_stuck_rank_and_phase_and_clear_when_it_moves
 
 def test_a_silent_rank_is_lost_not_stuck_and_an_ended_rank_is_neither() -> None:
     clock = [0.0]
-    m = CollectorMetrics(registry=CollectorRegistry(), clock=lambda: clock[0],
-                         heartbeat=HeartbeatConfig(floor_s=5, min_intervals=1),
-                         progress=ProgressConfig(safety_factor=2, floor_s=1, first_deadline_s=100))  # fmt: skip
+    m = CollectorMetrics(
+        registry=CollectorRegistry(),
+        clock=lambda: clock[0],
+        heartbeat=HeartbeatConfig(floor_s=5, min_intervals=1),
+        progress=ProgressConfig(safety_factor=2, floor_s=1, first_deadline_s=100),
+    )
     for t in range(5):
         m.beat("r", 0, float(t), t, "train", generation=1)
     clock[0] = 4.0 + 10  # silent for 10 s: past the 5 s heartbeat timeout
@@ -177,16 +183,40 @@ def test_learned_deadlines_survive_a_collector_restart(tmp_path: Path) -> None:
     applies them (state.json), including the learned quiet-phase heartbeat timeout."""
     from tests.guard.test_collector import CollectorProc
 
-    c = CollectorProc(tmp_path / "runs", "--checkpoint-interval", "0.2", "--heartbeat-floor", "1",
-                      "--progress-floor", "1", "--progress-first-deadline", "900").start()  # fmt: skip
+    c = CollectorProc(
+        tmp_path / "runs",
+        "--checkpoint-interval",
+        "0.2",
+        "--heartbeat-floor",
+        "1",
+        "--progress-floor",
+        "1",
+        "--progress-first-deadline",
+        "900",
+    ).start()
     gen, t0 = int(time.time()), time.time()
-    beats = [(0, "train", 0.0), (1, "train", 0.01), (2, "train", 0.02), (3, "train", 0.5),
-             (3, "checkpoint", 0.51), (3, "train", 3.51), (4, "train", 3.52), (4, "checkpoint", 3.6)]  # fmt: skip
+    beats = [
+        (0, "train", 0.0),
+        (1, "train", 0.01),
+        (2, "train", 0.02),
+        (3, "train", 0.5),
+        (3, "checkpoint", 0.51),
+        (3, "train", 3.51),
+        (4, "train", 3.52),
+        (4, "checkpoint", 3.6),
+    ]
     try:
         for i, (step, phase, dt) in enumerate(beats, start=1):
             meta = {"meta": {"run_id": "r", "status": "running"}} if i == 1 else {}
-            r = c.post({"run": "r", "rank": 0, "seq": gen << 32 | i,
-                        "heartbeat": {"time": t0 + dt, "step": step, "phase": phase}, **meta})  # fmt: skip
+            r = c.post(
+                {
+                    "run": "r",
+                    "rank": 0,
+                    "seq": gen << 32 | i,
+                    "heartbeat": {"time": t0 + dt, "step": step, "phase": phase},
+                    **meta,
+                }
+            )
             assert r.status_code == 200, r.text
 
         def rank0_or_none() -> dict | None:

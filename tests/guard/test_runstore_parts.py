@@ -40,9 +40,16 @@ def test_part_name_round_trip_and_widths() -> None:
     assert part_name(10**11, 5) == "part-100000000000-000005.parquet"
     for first, seq in ((0, 0), (7, 999_999), (7, 1_000_000), (10**11, 10**9)):
         assert parse_part_name(part_name(first, seq)) == PartName(first, seq)
-    for junk in ("part-0000000000-00000.parquet", "part-000000000-000000.parquet", "part-0000000000-000000.parq",
-                 ".part-0000000000-000000.parquet.tmp", "xpart-0000000000-000000.parquet",
-                 "part-0000000000-00000a.parquet", "wal-abc.log", "part--1-000000.parquet"):  # fmt: skip
+    for junk in (
+        "part-0000000000-00000.parquet",
+        "part-000000000-000000.parquet",
+        "part-0000000000-000000.parq",
+        ".part-0000000000-000000.parquet.tmp",
+        "xpart-0000000000-000000.parquet",
+        "part-0000000000-00000a.parquet",
+        "wal-abc.log",
+        "part--1-000000.parquet",
+    ):
         assert parse_part_name(junk) is None, junk
     with pytest.raises(ValueError):
         part_name(-1, 0)

@@ -30,7 +30,9 @@ def test_events_only_when_a_rank_becomes_or_stops_being_a_straggler() -> None:
     assert len(det.update(9, np.array([0.1, 0.2])).events) == 1
     assert det.update(19, np.array([0.1, 0.21])).events == []  # still slow: no new event
     res = det.update(29, np.array([0.1, 0.11]))
-    assert res.flagged == [] and [json.loads(e.row()["detail"]).get("recovered") for e in res.events] == [True]
+    assert res.flagged == [] and [json.loads(e.row()["detail"]).get("recovered") for e in res.events] == [
+        True
+    ]
 
 
 def test_individual_score_tracks_a_rank_against_its_own_best() -> None:
@@ -71,8 +73,19 @@ def test_goodput_split_adds_up_to_wall_time() -> None:
     assert r["wall_s"] == 30.0 and r["productive_s"] == pytest.approx(0.75)
     assert r["rolled_back_s"] == pytest.approx(1.0) and r["skipped_s"] == 1.0 and r["restarts_s"] == 3.0
     assert r["goodput"] == pytest.approx(0.75 / 30)
-    parts = sum(r[k] for k in ("productive_s", "data_wait_s", "checkpoint_s", "skipped_s", "rolled_back_s",
-                               "startup_s", "restarts_s", "other_s"))  # fmt: skip
+    parts = sum(
+        r[k]
+        for k in (
+            "productive_s",
+            "data_wait_s",
+            "checkpoint_s",
+            "skipped_s",
+            "rolled_back_s",
+            "startup_s",
+            "restarts_s",
+            "other_s",
+        )
+    )
     assert parts == pytest.approx(r["wall_s"])
     g2 = Goodput(started_at=0.0)
     g2.load_state_dict(g.state_dict())

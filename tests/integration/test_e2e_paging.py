@@ -73,9 +73,21 @@ HEARTBEAT_FLOOR_S = 4.0  # small, so HeartbeatLost is fast; well above a loaded 
 PROGRESS_FLOOR_S = 4.0  # the same for RunStuck's learned deadline (micro steps take ~10-50 ms)
 # The micro config on one thread; the guard's collapse detector is off (the micro model's
 # routing trips it, and its bias-correction rollback would halt the resumed run a second time).
-TRAIN = ["--config", "tests/data/micro.toml", "--no-progress", "--set", "train.threads=1",
-         "--set", "telemetry.profile=false", "--set", "guard.collapse.enabled=false",
-         "--set", "guard.policy.snapshot_every=5", "--set", "guard.policy.halt_after_rollbacks=1"]  # fmt: skip
+TRAIN = [
+    "--config",
+    "tests/data/micro.toml",
+    "--no-progress",
+    "--set",
+    "train.threads=1",
+    "--set",
+    "telemetry.profile=false",
+    "--set",
+    "guard.collapse.enabled=false",
+    "--set",
+    "guard.policy.snapshot_every=5",
+    "--set",
+    "guard.policy.halt_after_rollbacks=1",
+]
 # 3 spikes in 50 steps -> rollback (to the snapshot at 40), 3 more -> 2nd rollback -> halt at 59
 # 500x: above the guard's early spike cap (50-100x before the 100-step tail warm-up), so each is skipped
 SPIKES = [arg for s in (45, 47, 49, 55, 57, 59) for arg in ("--inject", f"gradspike@{s}:500")]
@@ -103,10 +115,23 @@ class Stack:
         env = {**os.environ, schema.ENV_TOKEN: TOKEN, "PYTHONUNBUFFERED": "1"}
         with open(self.tmp / f"train-{run}-{len(self.trainers)}.log", "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "guard", "train", *TRAIN, "--run-dir", str(run_dir),
-                 "--collector", self.collector.url, *args],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "guard",
+                    "train",
+                    *TRAIN,
+                    "--run-dir",
+                    str(run_dir),
+                    "--collector",
+                    self.collector.url,
+                    *args,
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.trainers.append(proc)
         return proc
 
@@ -142,12 +167,33 @@ def start_collector(tmp: Path, pager_url: str) -> Proc:
     env = {**os.environ, schema.ENV_TOKEN: TOKEN}
     with open(log, "wb") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "guard", "collector", "--port", "0", "--port-file", str(port_file),
-             "--runs", str(tmp / "collector-runs"), "--heartbeat-floor", str(HEARTBEAT_FLOOR_S),
-             "--progress-floor", str(PROGRESS_FLOOR_S),
-             "--checkpoint-interval", "0.5", "--pager-url", pager_url, "--log-level", "info"],
-            cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "guard",
+                "collector",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--runs",
+                str(tmp / "collector-runs"),
+                "--heartbeat-floor",
+                str(HEARTBEAT_FLOOR_S),
+                "--progress-floor",
+                str(PROGRESS_FLOOR_S),
+                "--checkpoint-interval",
+                "0.5",
+                "--pager-url",
+                pager_url,
+                "--log-level",
+                "info",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
 
     def port() -> int | None:
         assert proc.poll() is None, f"collector exited early:\n{log.read_text()[-3000:]}"
@@ -194,9 +240,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def save_artifacts(tmp: Path, sink: RecordingSink, t0: float, timings: dict[str, float]) -> None:
     """test-output/e2e_paging/: every request the sink got, the timings, every process's log."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    received = [{"t_s": round(r.time - t0, 3), "method": r.method, "path": r.path, "status": r.status,
-                 "body": r.json if r.json is not None else r.body.decode(errors="replace")}
-                for r in sink.received()]  # fmt: skip
+    received = [
+        {
+            "t_s": round(r.time - t0, 3),
+            "method": r.method,
+            "path": r.path,
+            "status": r.status,
+            "body": r.json if r.json is not None else r.body.decode(errors="replace"),
+        }
+        for r in sink.received()
+    ]
     (ARTIFACTS / "received.json").write_text(json.dumps(received, indent=2, sort_keys=True))
     (ARTIFACTS / "timings.json").write_text(json.dumps(timings, indent=2))
     for log in [*tmp.glob("*.log"), *(tmp / "pager").glob("*.log"), tmp / "pager" / "pager-state.json"]:
@@ -208,8 +261,11 @@ def flush_pager(s: Stack) -> None:
     """Everything the pager had to send before now has been sent: a fresh marker incident goes
     through the same FIFO worker, so once it arrives nothing older is still queued."""
     run = f"marker-{time.monotonic_ns()}"
-    alert = {"status": "firing", "labels": {"alertname": "RunHalted", "run": run, "severity": "critical"},
-             "annotations": {"summary": "flush marker"}}  # fmt: skip
+    alert = {
+        "status": "firing",
+        "labels": {"alertname": "RunHalted", "run": run, "severity": "critical"},
+        "annotations": {"summary": "flush marker"},
+    }
     status, _ = s.pager.post("/v1/alertmanager", {"version": "4", "alerts": [alert]})
     assert status == 200
     s.sink.wait_for(lambda r: r.path == PD and run.encode() in r.body, timeout=30)
@@ -253,8 +309,9 @@ def test_guard_halt_pages_once_and_resume_resolves_it(stack: Stack) -> None:
     trainer = s.train(run, "--steps", "80", *SPIKES)
 
     # The page: from the collector's halt event (fast path), seconds after the halt
-    [trig] = s.sink.wait_for(lambda r: r.path == PD and r.status < 300 and for_run(run, "trigger")(r.json),
-                             timeout=180)  # fmt: skip
+    [trig] = s.sink.wait_for(
+        lambda r: r.path == PD and r.status < 300 and for_run(run, "trigger")(r.json), timeout=180
+    )
     s.mark("halt_trigger")
     pd = trig.json
     assert_pagerduty_trigger(pd, "RunHalted", run)
@@ -269,9 +326,15 @@ def test_guard_halt_pages_once_and_resume_resolves_it(stack: Stack) -> None:
     assert latency < 30, f"halt paged {latency:.1f}s after it happened"
 
     # Prometheus' RunHalted reaches the pager through Alertmanager: same incident, no new page
-    wait_until(lambda: (inc := s.pager_incident(pd["dedup_key"])) and any(
-        m["origin"] == "alertmanager" for m in inc["members"].values()), timeout=90, interval=0.2,
-        what="Alertmanager's RunHalted to reach the pager")  # fmt: skip
+    wait_until(
+        lambda: (
+            (inc := s.pager_incident(pd["dedup_key"]))
+            and any(m["origin"] == "alertmanager" for m in inc["members"].values())
+        ),
+        timeout=90,
+        interval=0.2,
+        what="Alertmanager's RunHalted to reach the pager",
+    )
     s.mark("runhalted_via_alertmanager")
     runs = s.runs()
     assert runs[run]["status"] == schema.STATUS_HALTED and runs[run]["ranks"] == {}  # final: not watched
@@ -279,8 +342,15 @@ def test_guard_halt_pages_once_and_resume_resolves_it(stack: Stack) -> None:
 
     # The operator resumes the run: the gauge clears, RunHalted resolves, the incident closes
     resumed = s.train(run, "--steps", "80", "--resume")
-    [res] = s.sink.wait_for(lambda r: r.path == PD and r.status < 300 and r.json["event_action"] == "resolve"
-                            and r.json["dedup_key"] == pd["dedup_key"], timeout=180)  # fmt: skip
+    [res] = s.sink.wait_for(
+        lambda r: (
+            r.path == PD
+            and r.status < 300
+            and r.json["event_action"] == "resolve"
+            and r.json["dedup_key"] == pd["dedup_key"]
+        ),
+        timeout=180,
+    )
     s.mark("resolve")
     assert res.json == {"routing_key": ROUTING_KEY, "dedup_key": pd["dedup_key"], "event_action": "resolve"}
     assert wait_exit(resumed, 120) == 0
@@ -294,7 +364,9 @@ def test_guard_halt_pages_once_and_resume_resolves_it(stack: Stack) -> None:
     flush_pager(s)
     mine = s.pd(lambda b: b["dedup_key"] == pd["dedup_key"] or for_run(run, "trigger")(b))
     assert [(r.json["event_action"], r.json["dedup_key"]) for r in mine] == [
-        ("trigger", pd["dedup_key"]), ("resolve", pd["dedup_key"])]  # fmt: skip
+        ("trigger", pd["dedup_key"]),
+        ("resolve", pd["dedup_key"]),
+    ]
 
 
 def _halt_event_time(run_dir: Path) -> float:
@@ -324,8 +396,15 @@ def test_killed_trainer_pages_heartbeat_lost(stack: Stack) -> None:
     s.mark("killed")
     killed_at = time.monotonic()
 
-    [trig] = s.sink.wait_for(lambda r: r.path == PD and r.status < 300 and r.json["event_action"] == "trigger"
-                             and r.json["payload"]["group"] == run, timeout=120)  # fmt: skip
+    [trig] = s.sink.wait_for(
+        lambda r: (
+            r.path == PD
+            and r.status < 300
+            and r.json["event_action"] == "trigger"
+            and r.json["payload"]["group"] == run
+        ),
+        timeout=120,
+    )
     s.mark("heartbeat_lost_trigger")
     s.timings["kill_to_page_s"] = round(trig.time - killed_at, 2)
     pd = trig.json
@@ -347,8 +426,15 @@ def test_killed_trainer_pages_heartbeat_lost(stack: Stack) -> None:
 def test_hung_step_pages_run_stuck_and_resolves_when_it_moves(stack: Stack) -> None:
     s, run, hang_s = stack, "e2e-hang", 30
     trainer = s.train(run, "--steps", "40", "--inject", f"hang@25:{hang_s}")
-    [trig] = s.sink.wait_for(lambda r: r.path == PD and r.status < 300 and r.json["event_action"] == "trigger"
-                             and r.json["payload"]["group"] == run, timeout=120)  # fmt: skip
+    [trig] = s.sink.wait_for(
+        lambda r: (
+            r.path == PD
+            and r.status < 300
+            and r.json["event_action"] == "trigger"
+            and r.json["payload"]["group"] == run
+        ),
+        timeout=120,
+    )
     s.mark("run_stuck_trigger")
     assert trainer.poll() is None, "paged after the run had moved on"
     pd = trig.json
@@ -362,11 +448,20 @@ def test_hung_step_pages_run_stuck_and_resolves_when_it_moves(stack: Stack) -> N
     s.timings["run_stuck_age_at_page_s"] = round(rank["progress_age_s"], 2)
     assert rank["progress_age_s"] < hang_s
 
-    [res] = s.sink.wait_for(lambda r: r.path == PD and r.status < 300 and r.json["event_action"] == "resolve"
-                            and r.json["dedup_key"] == pd["dedup_key"], timeout=120)  # fmt: skip
+    [res] = s.sink.wait_for(
+        lambda r: (
+            r.path == PD
+            and r.status < 300
+            and r.json["event_action"] == "resolve"
+            and r.json["dedup_key"] == pd["dedup_key"]
+        ),
+        timeout=120,
+    )
     s.mark("run_stuck_resolve")
     assert wait_exit(trainer, 120) == 0
     flush_pager(s)
     mine = s.pd(lambda b: b["dedup_key"] == pd["dedup_key"] or for_run(run, "trigger")(b))
     assert [(r.json["event_action"], r.json["dedup_key"]) for r in mine] == [
-        ("trigger", pd["dedup_key"]), ("resolve", pd["dedup_key"])]  # fmt: skip
+        ("trigger", pd["dedup_key"]),
+        ("resolve", pd["dedup_key"]),
+    ]

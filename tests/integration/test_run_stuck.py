@@ -44,8 +44,11 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def rank_value(m: dict[tuple[str, tuple], float], name: str, **labels: str) -> float | None:
@@ -60,25 +63,68 @@ def test_hung_step_is_stuck_within_the_learned_deadline_and_clears_when_it_moves
     port_file = tmp_path / "port"
     clog, tlog = open(tmp_path / "collector.log", "wb"), open(tmp_path / "train.log", "wb")
     collector = subprocess.Popen(
-        [sys.executable, "-m", "guard", "collector", "--port", "0", "--port-file", str(port_file),
-         "--runs", str(tmp_path / "collector-runs"), "--checkpoint-interval", "0.5",
-         "--heartbeat-floor", str(HEARTBEAT_FLOOR_S), "--progress-floor", str(PROGRESS_FLOOR_S),
-         "--progress-first-deadline", str(FIRST_DEADLINE_S), "--log-level", "warning"],
-        cwd=REPO, env=env, stdout=clog, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "guard",
+            "collector",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--runs",
+            str(tmp_path / "collector-runs"),
+            "--checkpoint-interval",
+            "0.5",
+            "--heartbeat-floor",
+            str(HEARTBEAT_FLOOR_S),
+            "--progress-floor",
+            str(PROGRESS_FLOOR_S),
+            "--progress-first-deadline",
+            str(FIRST_DEADLINE_S),
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=clog,
+        stderr=subprocess.STDOUT,
+    )
     trainer = None
     result: dict[str, float] = {}
     try:
-        port = wait_until(lambda: port_file.is_file() and port_file.read_text().strip(), timeout=60,
-                          what="the collector's port file")  # fmt: skip
+        port = wait_until(
+            lambda: port_file.is_file() and port_file.read_text().strip(),
+            timeout=60,
+            what="the collector's port file",
+        )
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/healthz", timeout=30)
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(tmp_path / "train" / RUN),
-             "--steps", "40", "--no-progress", "--collector", url, "--set", "train.threads=1",
-             "--inject", f"hang@{HANG_STEP}:{HANG_S:g}"],
-            cwd=REPO, env=env, stdout=tlog, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "guard",
+                "train",
+                "--config",
+                str(MICRO),
+                "--run-dir",
+                str(tmp_path / "train" / RUN),
+                "--steps",
+                "40",
+                "--no-progress",
+                "--collector",
+                url,
+                "--set",
+                "train.threads=1",
+                "--inject",
+                f"hang@{HANG_STEP}:{HANG_S:g}",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=tlog,
+            stderr=subprocess.STDOUT,
+        )
 
         # Watch every 0.1 s until the run is finished: the rank must never be lost, and must be
         # stuck only while the hung step blocks.
@@ -94,10 +140,16 @@ def test_hung_step_is_stuck_within_the_learned_deadline_and_clears_when_it_moves
                 _, body = http_json(f"{url}/v1/runs")
                 [run] = [r for r in body["runs"] if r["run"] == RUN]
                 rk = run["ranks"]["0"]
-                seen.append({"age": rank_value(m, schema.M_PROGRESS_AGE, rank="0"),
-                             "deadline": rank_value(m, schema.M_PROGRESS_DEADLINE, rank="0"),
-                             "run_stuck_ranks": rank_value(m, schema.M_RUN_STUCK_RANKS, phase="train"),
-                             "last_step": rk["last_step"], "stuck": rk["stuck"], "lost": rk["lost"]})  # fmt: skip
+                seen.append(
+                    {
+                        "age": rank_value(m, schema.M_PROGRESS_AGE, rank="0"),
+                        "deadline": rank_value(m, schema.M_PROGRESS_DEADLINE, rank="0"),
+                        "run_stuck_ranks": rank_value(m, schema.M_RUN_STUCK_RANKS, phase="train"),
+                        "last_step": rk["last_step"],
+                        "stuck": rk["stuck"],
+                        "lost": rk["lost"],
+                    }
+                )
             if stuck_at is not None and stuck == 0.0 and cleared_at is None:
                 cleared_at = time.monotonic()
             if trainer.poll() is not None:
@@ -115,8 +167,11 @@ def test_hung_step_is_stuck_within_the_learned_deadline_and_clears_when_it_moves
         assert PROGRESS_FLOOR_S <= deadline < FIRST_DEADLINE_S, "a learned deadline, not the first one"
         # marked once the deadline passed, and within a scrape or two of it
         assert deadline < delay <= deadline + 1.0, (delay, deadline)
-        result = {"learned_deadline_s": round(deadline, 3), "detected_after_s": round(delay, 3),
-                  "hang_s": HANG_S}  # fmt: skip
+        result = {
+            "learned_deadline_s": round(deadline, 3),
+            "detected_after_s": round(delay, 3),
+            "hang_s": HANG_S,
+        }
 
         # ... and it cleared when the hung step completed: HANG_S after the hang began
         assert cleared_at is not None, "the stuck mark did not clear when the run moved again"
@@ -130,7 +185,9 @@ def test_hung_step_is_stuck_within_the_learned_deadline_and_clears_when_it_moves
 
         wait_until(finished, timeout=30, what="the run finished at the collector")
         m = scrape(url)
-        assert rank_value(m, schema.M_RANK_STUCK, rank="0", phase="train") is None  # an ended run is not watched
+        assert (
+            rank_value(m, schema.M_RANK_STUCK, rank="0", phase="train") is None
+        )  # an ended run is not watched
     finally:
         if trainer is not None and trainer.poll() is None:
             trainer.kill()

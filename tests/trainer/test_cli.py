@@ -21,7 +21,18 @@ from tests.conftest import MICRO, REPO
 
 def train(run: Path | None, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     where = ["--run-dir", str(run)] if run is not None else []
-    cmd = [sys.executable, "-m", "guard", "train", "--config", str(MICRO), *where, "--set", "train.threads=1", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "guard",
+        "train",
+        "--config",
+        str(MICRO),
+        *where,
+        "--set",
+        "train.threads=1",
+        *args,
+    ]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -73,8 +84,13 @@ def test_an_injection_past_the_last_step_is_refused(tmp_path: Path) -> None:
 
 
 def test_train_help_says_what_arg_means_for_every_inject_kind() -> None:
-    p = subprocess.run([sys.executable, "-m", "guard", "train", "--help"], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "guard", "train", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     for kind in schema.INJECT_KINDS:
         [line] = [ln for ln in p.stdout.splitlines() if re.match(rf"\s+{kind}@STEP\b", ln)]
@@ -87,7 +103,9 @@ def test_train_help_says_what_arg_means_for_every_inject_kind() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="cuDNN attention may run on a GPU")
 def test_an_unavailable_attention_backend_is_one_line_naming_what_is_available(tmp_path: Path) -> None:
-    line = one_line_error(train(tmp_path / "r", "--steps", "2", "--set", "model.attention=cudnn", "--no-progress"))
+    line = one_line_error(
+        train(tmp_path / "r", "--steps", "2", "--set", "model.attention=cudnn", "--no-progress")
+    )
     assert "model.attention='cudnn' is not available on cpu" in line
     available = line.split("available here: ")[1].split(" (")[0].split(", ")
     assert "math" in available and "cudnn" not in available
@@ -97,9 +115,23 @@ def test_an_unavailable_attention_backend_is_one_line_naming_what_is_available(t
 def test_guard_actions_print_one_line_each_above_the_progress_bar(tmp_path: Path) -> None:
     # three NaN steps in a row: skip, skip, then a rollback to the snapshot at step 10; the
     # profiler window (steps 5..8) runs too, and kineto's USDT lines must not reach the terminal
-    p = train(tmp_path / "r", "--steps", "20", "--set", "guard.policy.snapshot_every=5",
-              "--set", "guard.collapse.enabled=false", "--set", "telemetry.profile=true",
-              "--inject", "nan@12", "--inject", "nan@13", "--inject", "nan@14")  # fmt: skip
+    p = train(
+        tmp_path / "r",
+        "--steps",
+        "20",
+        "--set",
+        "guard.policy.snapshot_every=5",
+        "--set",
+        "guard.collapse.enabled=false",
+        "--set",
+        "telemetry.profile=true",
+        "--inject",
+        "nan@12",
+        "--inject",
+        "nan@13",
+        "--inject",
+        "nan@14",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     err = p.stderr
     assert "%|" in err, "the progress bar is drawn on stderr"

@@ -90,11 +90,30 @@ def test_train_cli_says_what_is_wrong_in_one_line(tmp_path: Path) -> None:
     toks[40_000] = 70_000
     toks.tofile(tmp_path / "big-vocab.bin")
     p = subprocess.run(
-        [sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(tmp_path / "r"),
-         "--no-progress", "--set", "train.threads=1", "--set", "data.source='shards'",
-         "--set", f"data.path='{tmp_path / 'big-vocab.bin'}'", "--set", "data.dtype='uint32'"],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "guard",
+            "train",
+            "--config",
+            str(MICRO),
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--no-progress",
+            "--set",
+            "train.threads=1",
+            "--set",
+            "data.source='shards'",
+            "--set",
+            f"data.path='{tmp_path / 'big-vocab.bin'}'",
+            "--set",
+            "data.dtype='uint32'",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert p.returncode == 2, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
     assert f"token shard {tmp_path / 'big-vocab.bin'}: token id 70000 at position 40,000" in p.stderr

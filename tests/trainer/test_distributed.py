@@ -39,12 +39,28 @@ slow = [pytest.mark.slow, pytest.mark.integration]
 # helpers
 # ---------------------------------------------------------------------------------------
 def torchrun_cmd(run_dir: Path, *args: str, nproc: int = 2, restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            f"--max-restarts={restarts}", "-m", "guard", "train", "--config", str(MICRO), "--run-dir",
-            str(run_dir), "--no-progress", *args]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        f"--max-restarts={restarts}",
+        "-m",
+        "guard",
+        "train",
+        "--config",
+        str(MICRO),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *args,
+    ]
 
 
-def run(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     e = {**os.environ, **(env or {})}
     e.pop(schema.ENV_COLLECTOR, None)
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=e)
@@ -98,7 +114,9 @@ def test_injections_target_one_rank() -> None:
     assert parse_injection("gradspike@45:50@rank1") == Injection("gradspike", 45, 50.0, 1)
     assert str(parse_injection("gradspike@45:50/r1")) == "gradspike@45:50/r1"
     assert parse_injection("gradspike@45:50").rank is None  # unchanged: every rank
-    injs = [parse_injection(s) for s in ("nan@45/r1", "stall@3:2", "slowrank@10:0.2/r0", "crash@50", "hang@60/r0")]
+    injs = [
+        parse_injection(s) for s in ("nan@45/r1", "stall@3:2", "slowrank@10:0.2/r0", "crash@50", "hang@60/r0")
+    ]
     r0, r1 = Injector(injs, rank=0), Injector(injs, rank=1)
     assert r0.due(45, "nan") is None and r1.due(45, "nan") is not None
     assert r0.due(3, "stall") and r1.due(3, "stall")
@@ -142,8 +160,12 @@ def test_decision_fingerprint_covers_what_changes_state() -> None:
 
     a = Decision(step=5)
     assert decision_fingerprint(a) == decision_fingerprint(Decision(step=5))
-    for other in (Decision(step=5, action=schema.ACT_SKIP), Decision(step=5, lr_scale=0.5),
-                  Decision(step=5, bias_boost={1: 10.0}), Decision(step=5, skip_batches=20)):  # fmt: skip
+    for other in (
+        Decision(step=5, action=schema.ACT_SKIP),
+        Decision(step=5, lr_scale=0.5),
+        Decision(step=5, bias_boost={1: 10.0}),
+        Decision(step=5, skip_batches=20),
+    ):
         assert decision_fingerprint(other) != decision_fingerprint(a)
     assert 0 <= decision_fingerprint(a) < 2**31
 
@@ -176,43 +198,72 @@ def test_operator_commands_apply_at_the_next_step(tmp_path: Path) -> None:
     from trainer.loop import EXIT_HALTED, Trainer
 
     # poll k happens during step k-1; its command applies at step k
-    script = {6: {"id": 1, "action": "skip", "reason": "drill"},
-              14: {"id": 2, "action": "rollback", "reason": "drill"},
-              20: {"id": 3, "action": "halt", "reason": "drill"}}  # fmt: skip
+    script = {
+        6: {"id": 1, "action": "skip", "reason": "drill"},
+        14: {"id": 2, "action": "rollback", "reason": "drill"},
+        20: {"id": 3, "action": "halt", "reason": "drill"},
+    }
     cfg = load_config(MICRO, {"train.steps": 40, "guard.policy.snapshot_every": 5})
     exp = FakeExporter(script)
     t = Trainer(cfg, tmp_path / "r", progress=False, exporter=exp)
     assert t.run() == EXIT_HALTED
-    actions = dict(zip(*steps_of(tmp_path / "r").select("step", "action").to_dict(as_series=False).values(),
-                       strict=True))  # fmt: skip
+    actions = dict(
+        zip(*steps_of(tmp_path / "r").select("step", "action").to_dict(as_series=False).values(), strict=True)
+    )
     assert (actions[6], actions[14], actions[20]) == (schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_HALT)
     assert max(actions) == 20 and sum(a != schema.ACT_APPLY for a in actions.values()) == 3
     ops = events_of(tmp_path / "r").filter(pl.col("kind") == schema.EV_OPERATOR).sort("step")
     assert ops["step"].to_list() == [6, 14, 20] and ops["action"].to_list() == ["skip", "rollback", "halt"]
     assert all(json.loads(d)["reason"] == "drill" for d in ops["detail"])
-    rb = events_of(tmp_path / "r").filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == "rollback"))
+    rb = events_of(tmp_path / "r").filter(
+        (pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == "rollback")
+    )
     assert json.loads(rb["detail"].item())["restored_step"] == 10  # newest snapshot before step 14
     meta = read_meta(tmp_path / "r")
     assert meta["status"] == schema.STATUS_HALTED and exp.metas[-1]["status"] == schema.STATUS_HALTED
-    assert set(meta["goodput"]) >= {"goodput", "wall_s", "productive_s", "data_wait_s", "checkpoint_s", "skipped_s",
-                                    "rolled_back_s", "startup_s", "restarts_s"}  # fmt: skip
+    assert set(meta["goodput"]) >= {
+        "goodput",
+        "wall_s",
+        "productive_s",
+        "data_wait_s",
+        "checkpoint_s",
+        "skipped_s",
+        "rolled_back_s",
+        "startup_s",
+        "restarts_s",
+    }
     assert meta["goodput"]["rolled_back_s"] > 0 and meta["goodput"]["skipped_s"] > 0
 
 
 # ---------------------------------------------------------------------------------------
 # torchrun: one drill run with faults on one rank
 # ---------------------------------------------------------------------------------------
-DRILL = ["--steps", "70", "--set", "telemetry.straggler_every=10", "--set", "guard.policy.snapshot_every=5",
-         "--set", "guard.stall.min_seconds=0.3",
-         "--inject", "slowrank@0:0.04/r1",  # rank 1 computes 40 ms longer every step: a straggler
-         "--inject", "stall@30:0.8/r1",  # rank 1's loader stalls: every rank must see the stall
-         "--inject", "nan@45/r1",  # a NaN in rank 1's local gradient
-         "--inject", "gradspike@48:500/r0",  # a spike in rank 0's local gradient
-         "--inject", "lrspike@56:100/r1"]  # only rank 1's LR is wrong: the guards disagree -> halt  # fmt: skip
+DRILL = [
+    "--steps",
+    "70",
+    "--set",
+    "telemetry.straggler_every=10",
+    "--set",
+    "guard.policy.snapshot_every=5",
+    "--set",
+    "guard.stall.min_seconds=0.3",
+    "--inject",
+    "slowrank@0:0.04/r1",  # rank 1 computes 40 ms longer every step: a straggler
+    "--inject",
+    "stall@30:0.8/r1",  # rank 1's loader stalls: every rank must see the stall
+    "--inject",
+    "nan@45/r1",  # a NaN in rank 1's local gradient
+    "--inject",
+    "gradspike@48:500/r0",  # a spike in rank 0's local gradient
+    "--inject",
+    "lrspike@56:100/r1",
+]  # only rank 1's LR is wrong: the guards disagree -> halt
 
 
 @pytest.fixture(scope="module")
-def drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, subprocess.CompletedProcess]]:
+def drill(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Path, Path, subprocess.CompletedProcess]]:
     root = tmp_path_factory.mktemp("drill")
     p = run(torchrun_cmd(root / "run", *DRILL), env={"MOEGUARD_DECISION_LOG": str(root / "decisions")})
     yield root / "run", root / "decisions", p
@@ -316,7 +367,9 @@ def test_torchrun_restart_resumes_on_its_own_bitwise(tmp_path: Path, reference: 
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_kill_9_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path: Path, reference: pl.DataFrame) -> None:
+def test_kill_9_mid_run_then_resume_matches_an_uninterrupted_run(
+    tmp_path: Path, reference: pl.DataFrame
+) -> None:
     d = tmp_path / "run"
     # 50 ms of sleep per step on both ranks (no effect on the numbers) gives the kill a window
     cmd = torchrun_cmd(d, "--steps", str(STEPS), "--inject", "slowrank@0:0.05")
@@ -335,8 +388,22 @@ def test_kill_9_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path: Path,
     _assert_same_trajectory(steps_of(d), reference)
     assert read_meta(d)["restarts"] == 1
     # 2 -> 1 ranks: DCP reshards, the data position continues in the global stream
-    p = run([sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(tmp_path / "one"),
-             "--no-progress", "--steps", str(STEPS), "--resume"])  # fmt: skip
+    p = run(
+        [
+            sys.executable,
+            "-m",
+            "guard",
+            "train",
+            "--config",
+            str(MICRO),
+            "--run-dir",
+            str(tmp_path / "one"),
+            "--no-progress",
+            "--steps",
+            str(STEPS),
+            "--resume",
+        ]
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     one = steps_of(tmp_path / "one")
     assert one["step"].to_list() == list(range(STEPS)) and one["loss"].is_finite().all()
@@ -348,8 +415,9 @@ def test_kill_9_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path: Path,
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_fsdp_matches_ddp_and_its_checkpoint_resumes_on_one_process(tmp_path: Path,
-                                                                      reference: pl.DataFrame) -> None:  # fmt: skip
+def test_fsdp_matches_ddp_and_its_checkpoint_resumes_on_one_process(
+    tmp_path: Path, reference: pl.DataFrame
+) -> None:
     d = tmp_path / "fsdp"
     p = run(torchrun_cmd(d, "--steps", str(STEPS), "--until", "20", "--set", 'train.parallel="fsdp"'))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -360,8 +428,22 @@ def test_fsdp_matches_ddp_and_its_checkpoint_resumes_on_one_process(tmp_path: Pa
     np.testing.assert_allclose(got["loss"].to_numpy(), ref["loss"].to_numpy(), rtol=1e-4)
     layers = read_table(d, schema.TABLE_LAYERS).filter(pl.col("step") == 5).sort("layer")
     assert layers.height == 2 and layers["grad_norm"].is_finite().all()
-    p = run([sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(d), "--no-progress",
-             "--steps", str(STEPS), "--resume"])  # fmt: skip
+    p = run(
+        [
+            sys.executable,
+            "-m",
+            "guard",
+            "train",
+            "--config",
+            str(MICRO),
+            "--run-dir",
+            str(d),
+            "--no-progress",
+            "--steps",
+            str(STEPS),
+            "--resume",
+        ]
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert steps_of(d)["step"].to_list() == list(range(STEPS))
     assert steps_of(d)["loss"].is_finite().all()
@@ -375,16 +457,33 @@ def test_fsdp_matches_ddp_and_its_checkpoint_resumes_on_one_process(tmp_path: Pa
 def test_hung_rank_shows_as_heartbeat_lost_and_operator_commands_apply(tmp_path: Path) -> None:
     from tests.guard.test_collector import CollectorProc
 
-    c = CollectorProc(tmp_path / "collected", "--heartbeat-floor", "2", "--no-detectors", "--insecure-no-auth",
-                      "--progress-floor", "2", token=None).start()  # fmt: skip
+    c = CollectorProc(
+        tmp_path / "collected",
+        "--heartbeat-floor",
+        "2",
+        "--no-detectors",
+        "--insecure-no-auth",
+        "--progress-floor",
+        "2",
+        token=None,
+    ).start()
     run_dir = tmp_path / "hung"
     job = None
     try:
         # queued before the job starts: rank 0 picks it up with its first batch and every rank skips
         cmd = httpx.post(f"{c.url}/v1/runs/hung/commands", json={"action": "skip", "reason": "drill"}).json()
         assert cmd["ok"], cmd
-        args = torchrun_cmd(run_dir, "--steps", "1000", "--collector", c.url, "--set", "telemetry.straggler_every=10",
-                            "--inject", "hang@60/r1")  # fmt: skip
+        args = torchrun_cmd(
+            run_dir,
+            "--steps",
+            "1000",
+            "--collector",
+            c.url,
+            "--set",
+            "telemetry.straggler_every=10",
+            "--inject",
+            "hang@60/r1",
+        )
         job = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         lost = ("moeguard_heartbeat_lost", (("rank", "1"), ("run", "hung")))
         deadline = time.monotonic() + 150

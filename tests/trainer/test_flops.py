@@ -125,8 +125,9 @@ def test_gpu_table_is_bf16_only(monkeypatch: pytest.MonkeyPatch, fresh_cache: No
     assert value is None and "MFU not computed" in source
 
 
-def test_cpu_peak_is_pinned_per_machine_class(monkeypatch: pytest.MonkeyPatch, fresh_cache: None,
-                                              tmp_path) -> None:  # fmt: skip
+def test_cpu_peak_is_pinned_per_machine_class(
+    monkeypatch: pytest.MonkeyPatch, fresh_cache: None, tmp_path
+) -> None:
     """Issue #17: no run measures its own CPU peak; the peak comes from the pinned file, or there is none."""
 
     def no_measuring(*a, **k):

@@ -45,8 +45,18 @@ def test_run_store_has_every_column_for_every_step(tmp_path: Path) -> None:
     meta = read_meta(run)
     assert meta["status"] == schema.STATUS_FINISHED and meta["final_step"] == 30
     env = meta["env"]
-    for key in ("torch", "cuda", "device", "peak_flops", "attention_backend", "expert_kernel", "compile",
-                "dtype", "git_sha", "world_size"):  # fmt: skip
+    for key in (
+        "torch",
+        "cuda",
+        "device",
+        "peak_flops",
+        "attention_backend",
+        "expert_kernel",
+        "compile",
+        "dtype",
+        "git_sha",
+        "world_size",
+    ):
         assert key in env, key
     assert env["expert_kernel"] == "bmm" and env["world_size"] == 1
     assert t.counts[schema.ACT_APPLY] + t.counts[schema.ACT_SKIP] == 30
@@ -69,16 +79,30 @@ def test_resume_continues_the_same_loss_trajectory(tmp_path: Path) -> None:
 
 def test_a_crash_loses_at_most_the_last_chunk_and_resume_recovers(tmp_path: Path) -> None:
     run = tmp_path / "crash"
-    cmd = [sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(run),
-           "--no-progress", "--inject", "crash@23", "--steps", "40"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "guard",
+        "train",
+        "--config",
+        str(MICRO),
+        "--run-dir",
+        str(run),
+        "--no-progress",
+        "--inject",
+        "crash@23",
+        "--steps",
+        "40",
+    ]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == -9, p.stderr[-2000:]
     steps = read_table(run, "steps")  # every part on disk is readable: nothing corrupted
     # flush_every = 7: steps 0..20 are flushed (3 chunks); 21, 22 may be lost, never more
     assert set(range(21)) <= set(steps["step"].to_list()) <= set(range(23))
     assert read_meta(run)["status"] == schema.STATUS_RUNNING  # the process died without a word
-    p = subprocess.run([*cmd[:-4], "--steps", "40", "--resume"], cwd=REPO, capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
+    p = subprocess.run(
+        [*cmd[:-4], "--steps", "40", "--resume"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     steps = read_table(run, "steps").sort("step")
     assert steps["step"].to_list() == list(range(40))
@@ -102,8 +126,13 @@ def test_bad_config_names_the_key(tmp_path: Path) -> None:
         load_config(MICRO, {"model.experts_kernel": "magic"})
     with pytest.raises(ConfigError, match="unknown key 'optim.learning_rate'"):
         load_config(MICRO, {"optim.learning_rate": 1.0})
-    p = subprocess.run([sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--set", "train.steps=0"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--set", "train.steps=0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and "train.steps = 0" in p.stderr
 
 
@@ -120,14 +149,17 @@ def test_token_shards_train(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     np.save(tmp_path / "shard0.npy", rng.integers(0, 256, 20_000).astype(np.uint16))
     rng.integers(0, 256, 20_000).astype(np.uint16).tofile(tmp_path / "shard1.bin")
-    t = train_micro(tmp_path / "r", overrides={"data.source": "shards", "data.path": str(tmp_path),
-                                               "train.steps": 5})  # fmt: skip
+    t = train_micro(
+        tmp_path / "r", overrides={"data.source": "shards", "data.path": str(tmp_path), "train.steps": 5}
+    )
     assert t.step == 5
     np.save(tmp_path / "bad.npy", np.full(5000, 70000, dtype=np.uint32))
     from guard.tomlconf import ConfigError
 
     with pytest.raises(ConfigError, match="token id 70000"):
-        train_micro(tmp_path / "r2", overrides={"data.source": "shards", "data.path": str(tmp_path / "bad.npy")})
+        train_micro(
+            tmp_path / "r2", overrides={"data.source": "shards", "data.path": str(tmp_path / "bad.npy")}
+        )
 
 
 def test_probe_makes_one_host_transfer_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -287,8 +287,11 @@ def test_update_bias_sign_is_mean_centred() -> None:
 
 def test_update_bias_smebu_matches_formula() -> None:
     lam, kappa, beta = 5e-4, 2.0, 0.5
-    router = Router(small_cfg(n_experts=4, top_k=1, bias_mode="smebu", smebu_lambda=lam, smebu_kappa=kappa,
-                              smebu_beta=beta))  # fmt: skip
+    router = Router(
+        small_cfg(
+            n_experts=4, top_k=1, bias_mode="smebu", smebu_lambda=lam, smebu_kappa=kappa, smebu_beta=beta
+        )
+    )
     b = torch.zeros(4, dtype=torch.float64)
     m = torch.zeros(4, dtype=torch.float64)
     for load, scale in (([10.0, 30.0, 20.0, 40.0], 1.0), ([25.0, 25.0, 5.0, 45.0], 2.0)):

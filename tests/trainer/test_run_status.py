@@ -30,15 +30,32 @@ from trainer.loop import (
 
 
 def train_cmd(run: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(run), "--no-progress",
-            "--set", "train.threads=1", *args]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "guard",
+        "train",
+        "--config",
+        str(MICRO),
+        "--run-dir",
+        str(run),
+        "--no-progress",
+        "--set",
+        "train.threads=1",
+        *args,
+    ]
 
 
 def start_long_run(run: Path) -> subprocess.Popen:
     """A run far longer than the test (checkpoints only every 1000 steps), once it has flushed
     its first chunk of steps (flush_every = 7): it is mid-run, past start-up."""
-    p = subprocess.Popen(train_cmd(run, "--steps", "5000", "--set", "train.checkpoint_every=1000"), cwd=REPO,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    p = subprocess.Popen(
+        train_cmd(run, "--steps", "5000", "--set", "train.checkpoint_every=1000"),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 180
     while not list((run / schema.TABLE_STEPS).glob("part-*.parquet")):
         assert p.poll() is None, p.communicate()[1][-3000:]
@@ -60,12 +77,21 @@ def test_sigterm_checkpoints_marks_preempted_and_resume_continues(tmp_path: Path
     assert 7 <= stopped < 5000
     [ckpt] = list_checkpoints(run / schema.CHECKPOINT_DIR)  # none was due before step 1000
     assert ckpt.name == f"step-{stopped:09d}"
-    assert "SIGTERM" in meta["status_note"] and ckpt.name in meta["status_note"] and "--resume" in meta["status_note"]
+    assert (
+        "SIGTERM" in meta["status_note"]
+        and ckpt.name in meta["status_note"]
+        and "--resume" in meta["status_note"]
+    )
     assert f"status {STATUS_PREEMPTED}" in out and "SIGTERM" in err
     assert read_table(run, schema.TABLE_STEPS)["step"].sort().to_list() == list(range(stopped))
 
-    r = subprocess.run(train_cmd(run, "--steps", "5000", "--resume", "--until", str(stopped + 3)), cwd=REPO,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        train_cmd(run, "--steps", "5000", "--resume", "--until", str(stopped + 3)),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     steps = read_table(run, schema.TABLE_STEPS).sort("step")
     assert steps["step"].to_list() == list(range(stopped + 3)), "the resumed run continues where it stopped"
@@ -73,7 +99,11 @@ def test_sigterm_checkpoints_marks_preempted_and_resume_continues(tmp_path: Path
     resume = events.filter(pl.col("kind") == schema.EV_RESUME)
     assert resume["step"].to_list() == [stopped]
     meta = read_meta(run)
-    assert meta["status"] == schema.STATUS_RUNNING and meta["restarts"] == 1 and meta["final_step"] == stopped + 3
+    assert (
+        meta["status"] == schema.STATUS_RUNNING
+        and meta["restarts"] == 1
+        and meta["final_step"] == stopped + 3
+    )
 
 
 def test_ctrl_c_marks_interrupted_with_a_note(tmp_path: Path) -> None:
@@ -90,8 +120,13 @@ def test_ctrl_c_marks_interrupted_with_a_note(tmp_path: Path) -> None:
 
 def test_a_run_that_ended_nonfinite_is_marked_and_its_nan_steps_are_badput(tmp_path: Path) -> None:
     run = tmp_path / "nan"
-    p = subprocess.run(train_cmd(run, "--steps", "12", "--no-guard", "--inject", "nan@5"), cwd=REPO,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    p = subprocess.run(
+        train_cmd(run, "--steps", "12", "--no-guard", "--inject", "nan@5"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     meta = read_meta(run)
     assert meta["status"] == STATUS_FINISHED_NONFINITE
@@ -111,8 +146,13 @@ def test_a_run_that_ended_nonfinite_is_marked_and_its_nan_steps_are_badput(tmp_p
 
     # the same fault with the guard on: skipped, so the run ends finite and "finished"
     guarded = tmp_path / "guarded"
-    p = subprocess.run(train_cmd(guarded, "--steps", "12", "--inject", "nan@5"), cwd=REPO,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    p = subprocess.run(
+        train_cmd(guarded, "--steps", "12", "--inject", "nan@5"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     meta = read_meta(guarded)
     assert meta["status"] == schema.STATUS_FINISHED and meta["nonfinite_steps"] == 0
@@ -128,9 +168,27 @@ def test_sigterm_to_torchrun_stops_every_rank_at_the_same_step_with_one_checkpoi
     from tests.trainer.test_distributed import descendants
 
     run = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "guard", "train",
-           "--config", str(MICRO), "--run-dir", str(run), "--no-progress", "--steps", "5000",
-           "--set", "train.checkpoint_every=1000", "--set", "train.threads=1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "guard",
+        "train",
+        "--config",
+        str(MICRO),
+        "--run-dir",
+        str(run),
+        "--no-progress",
+        "--steps",
+        "5000",
+        "--set",
+        "train.checkpoint_every=1000",
+        "--set",
+        "train.threads=1",
+    ]
     env = {k: v for k, v in os.environ.items() if k != schema.ENV_COLLECTOR}
     p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -153,8 +211,28 @@ def test_sigterm_to_torchrun_stops_every_rank_at_the_same_step_with_one_checkpoi
     [ckpt] = list_checkpoints(run / schema.CHECKPOINT_DIR)
     assert ckpt.name == f"step-{stopped:09d}" and ckpt.name in meta["status_note"]
     assert (ckpt / "rng-r0.pt").is_file() and (ckpt / "rng-r1.pt").is_file(), "both ranks saved"
-    r = subprocess.run([sys.executable, "-m", "guard", "train", "--config", str(MICRO), "--run-dir", str(run),
-                        "--no-progress", "--steps", "5000", "--resume", "--until", str(stopped + 2)],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "guard",
+            "train",
+            "--config",
+            str(MICRO),
+            "--run-dir",
+            str(run),
+            "--no-progress",
+            "--steps",
+            "5000",
+            "--resume",
+            "--until",
+            str(stopped + 2),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert read_table(run, schema.TABLE_STEPS)["step"].sort().to_list() == list(range(stopped + 2))
