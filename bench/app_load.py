@@ -61,7 +61,7 @@ def page_data_path(run: Path) -> dict[str, float]:
     import plotly.io as pio
 
     from dashboards import data, figures
-    from guard import schema
+    from guard.core import schema
 
     times: dict[str, float] = {}
     figs = []

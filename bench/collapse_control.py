@@ -42,9 +42,9 @@ import torch
 from tqdm import tqdm
 
 from bench.real_models import drill
-from guard import schema
-from guard.config import CollapseConfig, GuardConfig
-from guard.runstore import read_table
+from guard.core import schema
+from guard.core.config import CollapseConfig, GuardConfig
+from guard.store.runstore import read_table
 
 AUX_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 WINDOW = 10

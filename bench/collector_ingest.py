@@ -34,9 +34,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from guard import schema  # noqa: E402
-from guard.report import StepReport  # noqa: E402
-from guard.runstore import read_table  # noqa: E402
+from guard.core import schema  # noqa: E402
+from guard.core.report import StepReport  # noqa: E402
+from guard.store.runstore import read_table  # noqa: E402
 
 TOKEN = "bench-token"
 

@@ -62,8 +62,8 @@ from bench.traces import (
     load_run_traces,
     synthetic_traces,
 )
-from guard.config import GuardConfig, SpikeConfig, load_guard_config
-from guard.detectors import SpikeDetector
+from guard.core.config import GuardConfig, SpikeConfig, load_guard_config
+from guard.core.detectors import SpikeDetector
 
 NAN = float("nan")
 SIZES: tuple[float, ...] = (1.5, 2.0, 3.0, 5.0, 10.0, 100.0, NAN)

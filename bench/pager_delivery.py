@@ -42,7 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from guard import pager as pg
+from guard.pager import service as pg
 
 REPO = Path(__file__).resolve().parent.parent
 ATTACK_BYTES = 200 << 20

@@ -22,10 +22,10 @@ import polars as pl
 import torch
 
 from guard.api import GuardedStep
-from guard.config import GuardConfig
+from guard.core.config import GuardConfig
 from guard.integrations.tiny import FAMILIES, build
 from guard.integrations.transformers import attach, force_collapse
-from guard.runstore import read_table
+from guard.store.runstore import read_table
 
 
 def byte_batches(corpus: np.ndarray, *, batch: int, seq: int, seed: int) -> Iterator[torch.Tensor]:

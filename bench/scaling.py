@@ -116,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def sync_costs(t: Any, n: int = 200) -> tuple[float, float]:
     """Median seconds of the per-step decision agreement and of one straggler all_gather, alone."""
-    from guard.policy import Decision
+    from guard.core.policy import Decision
 
     agreement, window = t.sync.agreement, t.sync.window
     if agreement is None or window is None:

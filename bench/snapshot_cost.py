@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from guard.snapshot import SnapshotRing
+from guard.runtime.snapshot import SnapshotRing
 from trainer.cli import DEFAULT_CONFIG
 from trainer.config import load_config
 from trainer.loop import Trainer

@@ -33,11 +33,11 @@ import numpy as np
 import polars as pl
 import streamlit as st
 
-from guard import actions, schema
-from guard.runstore import list_runs, parse_part_name, polars_schema, read_meta
+from guard.core import actions, schema
+from guard.store.runstore import list_runs, parse_part_name, polars_schema, read_meta
 
 # Actions marked on the charts (every event that names one, evidence merged per step and action).
-# Counting them is guard/actions.py's job: one definition for the CLI, meta.json, app and /metrics.
+# Counting them is guard/core/actions.py's job: one definition for the CLI, meta.json, app and /metrics.
 ACTIVE_ACTIONS = (
     schema.ACT_SKIP,
     schema.ACT_ROLLBACK,
@@ -246,7 +246,7 @@ def stray_folders(runs_dir: str | Path) -> list[str]:
 # Scans
 # ---------------------------------------------------------------------------------------
 def part_files(run_dir: str | Path, table: str) -> list[Path]:
-    """Same answer as guard.runstore.part_files (same filter, same order), for long runs:
+    """Same answer as guard.store.runstore.part_files (same filter, same order), for long runs:
     a scandir plus a sort on parsed names, remembered until the table folder changes.
     (Sorting thousands of Path objects costs more than reading their footers.)"""
     d = os.path.join(run_dir, table)

@@ -16,7 +16,7 @@ import polars as pl
 from plotly.subplots import make_subplots
 
 from dashboards import data
-from guard import schema
+from guard.core import schema
 
 # action -> (marker symbol, colour); distinct shapes so they read in grey-scale too
 ACTION_STYLE: dict[str, tuple[str, str]] = {

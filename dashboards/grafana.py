@@ -4,7 +4,7 @@
     moeguard grafana push --url URL [--folder NAME]   create/overwrite them in Grafana
                                                 (token from GRAFANA_TOKEN; user:pass in URL works too)
 
-Three dashboards, built as plain dicts from the metric names in guard/schema.py (so a rename
+Three dashboards, built as plain dicts from the metric names in guard/core/schema.py (so a rename
 there changes the queries here, and a test checks every queried name exists):
   * run overview  (uid moeguard-run):    loss, grad norm, LR, guard verdicts and actions,
                                           MFU and tokens/s against the run's own baseline,
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from guard import schema
+from guard.core import schema
 
 GRAFANA_DIR = Path(__file__).resolve().parent / "grafana"
 DATASOURCE_UID = "moeguard-prometheus"
@@ -340,7 +340,7 @@ def run_overview() -> dict[str, Any]:
             decimals=0,
             w=3,
             description="since the collector started: skipped / rolled-back / halted steps, bias "
-            "corrections and LR cool-downs (guard/actions.py; the CLI and the app count the same)",
+            "corrections and LR cool-downs (guard/core/actions.py; the CLI and the app count the same)",
         )
     )
     p.append(row(lay, "Training"))
@@ -378,7 +378,7 @@ def run_overview() -> dict[str, Any]:
             stack=True,
             w=8,
             description="skipped / rolled-back / halted steps, bias corrections and LR cool-downs "
-            "started, per interval (guard/actions.py)",
+            "started, per interval (guard/core/actions.py)",
         )
     )
     p.append(row(lay, "Efficiency"))

@@ -10,7 +10,7 @@ import polars as pl
 import streamlit as st
 
 from dashboards import data, figures, ui
-from guard import actions, schema
+from guard.core import actions, schema
 
 cfg = data.app_config()
 st.title("Run health")
@@ -56,7 +56,7 @@ c[4].metric(
     "guard actions",
     summ["actions"],
     help="skipped / rolled-back / halted steps, bias corrections and LR "
-    f"cool-downs started (guard/actions.py): {actions.summary_text(summ['action_counts'])}",
+    f"cool-downs started (guard/core/actions.py): {actions.summary_text(summ['action_counts'])}",
 )
 c[5].metric("verdicts", summ["verdicts"])
 note = data.mfu_note(mfu, peak)

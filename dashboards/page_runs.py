@@ -86,7 +86,7 @@ st.dataframe(
             "'artefact' where MFU went above 100% (not physical). The run's health page shows the full source."
         ),
         "guard actions": st.column_config.NumberColumn(
-            help="skipped / rolled-back / halted steps, bias corrections and LR cool-downs started (guard/actions.py; "
+            help="skipped / rolled-back / halted steps, bias corrections and LR cool-downs started (guard/core/actions.py; "
             "the CLI summary and moeguard_guard_actions_total count the same)"
         ),
         "verdicts": st.column_config.NumberColumn(help="detector verdicts recorded in the events table"),

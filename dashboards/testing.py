@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from guard import schema
-from guard.events import Event, Verdict
-from guard.report import StepReport
-from guard.runstore import RunStore, atomic_write_json, polars_schema
+from guard.core import schema
+from guard.core.events import Event, Verdict
+from guard.core.report import StepReport
+from guard.store.runstore import RunStore, atomic_write_json, polars_schema
 
 T0 = 1_760_000_000.0  # a fixed epoch so stores are reproducible
 

@@ -7,7 +7,7 @@ import time
 import streamlit as st
 
 from dashboards import data
-from guard import schema
+from guard.core import schema
 
 # status -> (material icon, badge colour). Plain words in tables: emoji fonts are not a given.
 STATUS_STYLE: dict[str, tuple[str, str]] = {

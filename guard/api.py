@@ -33,15 +33,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from guard import schema
-from guard.config import GuardConfig, load_guard_config
-from guard.events import Event
-from guard.guard import Guard
+from guard.core import schema
+from guard.core.config import GuardConfig, load_guard_config
+from guard.core.events import Event
+from guard.core.policy import Decision
+from guard.core.report import StepReport
 from guard.integrations.base import MODE_NONE, Attachment
-from guard.policy import Decision
-from guard.probe import Probe
-from guard.report import StepReport
-from guard.runstore import RunStore
+from guard.runtime.guard import Guard
+from guard.runtime.probe import Probe
+from guard.store.runstore import RunStore
 
 T = TypeVar("T")
 
@@ -224,6 +224,6 @@ class GuardedStep:
 
 
 def _asdict(cfg: GuardConfig) -> dict[str, Any]:
-    from guard.tomlconf import to_dict
+    from guard.core.tomlconf import to_dict
 
     return to_dict(cfg)

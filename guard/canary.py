@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from guard.tomlconf import ConfigError, check, check_choice, from_dict, load_toml
+from guard.core.tomlconf import ConfigError, check, check_choice, from_dict, load_toml
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "configs" / "canary.toml"
@@ -517,8 +517,8 @@ def _torch_threads() -> int:
 
 def _annotate_run(run_dir: Path, spec: dict[str, Any], out: dict[str, Any]) -> None:
     """Mark the run store entry as a canary run (meta.json) and keep its samples (canary.json)."""
-    from guard import schema
-    from guard.runstore import atomic_write_json, read_meta
+    from guard.core import schema
+    from guard.store.runstore import atomic_write_json, read_meta
 
     meta = read_meta(run_dir)
     if meta is not None:
@@ -1030,7 +1030,7 @@ def profile_summary(run_dir: Path, top: int = 10) -> dict[str, Any]:
     """Top host ops (by self and by total time) and device kernels from runs/<id>/profile/."""
     import gzip
 
-    from guard import schema
+    from guard.core import schema
 
     files = sorted((run_dir / schema.PROFILE_DIR).glob("*.json*"), key=lambda p: p.stat().st_mtime)
     if not files:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from guard import canary
-from guard.tomlconf import ConfigError
+from guard.core.tomlconf import ConfigError
 
 SYNTAX = (
     "py:PATH (another Python interpreter, e.g. /opt/venv/bin/python) or set:KEY=VALUE[,KEY=VALUE...] "

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from guard.tomlconf import ConfigError
+from guard.core.tomlconf import ConfigError
 
 # name -> (module, one-line help). Order is the order --help lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -23,8 +23,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "guard.replay",
         "run the detectors and policy over a recorded run and print what they would do",
     ),
-    "collector": ("guard.collector", "HTTP service: ingest telemetry, server-side detectors, /metrics"),
-    "pager": ("guard.pager", "receive Alertmanager webhooks and guard events; page PagerDuty/Slack/webhooks"),
+    "collector": (
+        "guard.collector.service",
+        "HTTP service: ingest telemetry, server-side detectors, /metrics",
+    ),
+    "pager": (
+        "guard.pager.service",
+        "receive Alertmanager webhooks and guard events; page PagerDuty/Slack/webhooks",
+    ),
     "app": ("dashboards.launch", "start the Streamlit run-health app over a run store"),
     "canary": ("guard.canary", "MFU/throughput regression canary against a recorded history (CI gate)"),
     "grafana": ("dashboards.grafana", "push moeguard's Grafana dashboards with grafana-client"),

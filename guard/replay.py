@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from guard import schema
-from guard.config import GuardConfig, load_guard_config
-from guard.detectors import DetectorSuite
-from guard.lrbound import LRBoundDetector
-from guard.policy import Policy
-from guard.report import StepReport
-from guard.runstore import read_meta, scan_table
-from guard.tomlconf import ConfigError, from_dict
+from guard.core import schema
+from guard.core.config import GuardConfig, load_guard_config
+from guard.core.detectors import DetectorSuite
+from guard.core.lrbound import LRBoundDetector
+from guard.core.policy import Policy
+from guard.core.report import StepReport
+from guard.core.tomlconf import ConfigError, from_dict
+from guard.store.runstore import read_meta, scan_table
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from guard import pager as pg
+from guard.pager import service as pg
 from tests.helpers_http import RecordingSink, free_port, http_json, wait_http
 
 REPO = Path(__file__).resolve().parent.parent

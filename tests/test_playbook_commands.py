@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from guard import schema
+from guard.core import schema
 from tests.conftest import MICRO, REPO
 from tests.helpers_http import http_json, wait_http, wait_until
 

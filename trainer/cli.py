@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from guard import schema
-from guard.config import load_guard_config
-from guard.tomlconf import ConfigError
+from guard.core import schema
+from guard.core.config import load_guard_config
+from guard.core.tomlconf import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
 
@@ -140,7 +140,7 @@ def make_exporter(cfg: Any, run_id: str, run_dir: Path, rank: int) -> Any:
     url = cfg.telemetry.collector or os.environ.get(schema.ENV_COLLECTOR, "")
     if not url:
         return None
-    from guard.exporter import Exporter
+    from guard.runtime.exporter import Exporter
 
     never = 1e9
     return Exporter(
@@ -176,7 +176,7 @@ def default_run_dir(cfg: Any) -> Path:
 def held_run(run_dir: Path) -> str | None:
     """What says `run_dir` already holds a run ("meta.json: status finished, 300 steps"), or None.
     Under a torchrun restart, a run that this torchrun job wrote itself does not count."""
-    from guard.runstore import read_meta
+    from guard.store.runstore import read_meta
     from trainer.checkpoint import list_checkpoints
     from trainer.distributed import restart_count
     from trainer.loop import JOB_KEY
@@ -231,7 +231,7 @@ def check_injections(injections: list[Any], steps: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from guard.runstore import read_meta
+    from guard.store.runstore import read_meta
     from trainer.checkpoint import latest_checkpoint
     from trainer.distributed import restart_count
     from trainer.inject import parse_injection
@@ -286,8 +286,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(trainer: Any, run_dir: Path) -> None:
-    from guard import actions
-    from guard.runstore import read_meta
+    from guard.core import actions
+    from guard.store.runstore import read_meta
 
     c = trainer.counts
     gp = trainer.goodput()

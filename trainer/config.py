@@ -5,7 +5,7 @@
 [optim]      OptimConfig
 [train]      TrainLoopConfig
 [telemetry]  TelemetryConfig
-[guard]      guard.config.GuardConfig
+[guard]      guard.core.config.GuardConfig
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from guard.config import GuardConfig
-from guard.tomlconf import check, check_choice, from_dict, load_toml
+from guard.core.config import GuardConfig
+from guard.core.tomlconf import check, check_choice, from_dict, load_toml
 from trainer.data import DataConfig
 from trainer.model import ModelConfig
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from guard.tomlconf import ConfigError, check, check_choice
+from guard.core.tomlconf import ConfigError, check, check_choice
 
 
 @dataclass(kw_only=True, slots=True)

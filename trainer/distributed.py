@@ -42,12 +42,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from guard import schema
-from guard.events import Event
-from guard.heartbeat import PHASE_TRAIN
-from guard.policy import Decision
-from guard.straggler import StragglerConfig, StragglerDetector
-from guard.tomlconf import ConfigError
+from guard.core import schema
+from guard.core.events import Event
+from guard.core.heartbeat import PHASE_TRAIN
+from guard.core.policy import Decision
+from guard.core.straggler import StragglerConfig, StragglerDetector
+from guard.core.tomlconf import ConfigError
 
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: 0 first, then 1, 2, ... per restart
 ENV_DECISION_LOG = (
@@ -457,7 +457,7 @@ class HeartbeatPump:
     collector names it (HeartbeatLost{rank}). Its peers block in the next collective; this thread
     keeps them beating while they wait. If every rank is stuck inside a collective (a hung
     all-reduce), they beat without advancing: the collector's progress deadline pages RunStuck
-    naming the phase and the ranks (guard/progress.py); after `max_wait_s` they go silent and the
+    naming the phase and the ranks (guard/core/progress.py); after `max_wait_s` they go silent and the
     whole run shows as lost too. Runs on one rank as well, where only `--inject hang@S:SECONDS`
     enters a (simulated) collective."""
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from guard import schema
-from guard.tomlconf import ConfigError
+from guard.core import schema
+from guard.core.tomlconf import ConfigError
 
 _DEFAULT_ARG = {
     "gradspike": 100.0,

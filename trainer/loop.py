@@ -10,7 +10,7 @@ One step:
     -> every telemetry.straggler_every steps: ONE all_gather of each rank's timing summary
 
 Multi-rank details (parallel modes, why every rank decides the same, heartbeats) are in
-trainer/distributed.py; checkpoint layout in trainer/checkpoint.py; goodput in guard/goodput.py.
+trainer/distributed.py; checkpoint layout in trainer/checkpoint.py; goodput in guard/core/goodput.py.
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from guard import actions, schema
-from guard.events import Event
-from guard.goodput import Goodput
-from guard.guard import Guard
-from guard.heartbeat import PHASE_CHECKPOINT, PHASE_TRAIN
-from guard.policy import Decision
-from guard.probe import Probe
-from guard.report import StepReport
-from guard.runstore import RunStore, read_meta, truncate_after
-from guard.tomlconf import ConfigError, to_dict
+from guard.core import actions, schema
+from guard.core.events import Event
+from guard.core.goodput import Goodput
+from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_TRAIN
+from guard.core.policy import Decision
+from guard.core.report import StepReport
+from guard.core.tomlconf import ConfigError, to_dict
+from guard.runtime.guard import Guard
+from guard.runtime.probe import Probe
+from guard.store.runstore import RunStore, read_meta, truncate_after
 from trainer import checkpoint as ckpt
 from trainer.config import TrainConfig
 from trainer.data import DataLoader
@@ -252,7 +252,9 @@ class Trainer:
         self.peak, self.peak_source = peak_flops(self.device, self.dtype)
         self.aux_boosted: set[int] = set()
         self.counts = {a: 0 for a in schema.ACTIONS}  # step decisions, apply included
-        self.guard_actions = actions.zero()  # what guard/actions.py counts (the CLI, meta, app, /metrics)
+        self.guard_actions = (
+            actions.zero()
+        )  # what guard/core/actions.py counts (the CLI, meta, app, /metrics)
         self.gp = Goodput(started_at=self._t_start)
         self.probe_layer_ids = np.arange(len(self.model.blocks), dtype=np.int32)
         self.last_decision: Decision | None = None
@@ -830,7 +832,7 @@ class Trainer:
         return self.gp.split
 
     def goodput(self) -> dict[str, float]:
-        """meta.json["goodput"]: goodput, wall_s and the badput split (guard/goodput.py)."""
+        """meta.json["goodput"]: goodput, wall_s and the badput split (guard/core/goodput.py)."""
         return self.gp.report(time.time())
 
     def _finish(self, status: str, note: str = "") -> None:

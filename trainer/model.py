@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from guard.tomlconf import check, check_choice
+from guard.core.tomlconf import check, check_choice
 
 ATTENTION_CHOICES = ("auto", "math", "flash", "efficient", "cudnn")
 EXPERTS_KERNELS = ("loop", "bmm", "grouped_mm")

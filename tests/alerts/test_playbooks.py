@@ -21,7 +21,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from guard import schema
+from guard.core import schema
 from tests.alerts.conftest import PrometheusAPI
 from tests.alerts.promql import known_metric, metric_names
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from guard import schema
+from guard.core import schema
 from tests.alerts.conftest import PrometheusAPI
 from tests.alerts.promql import known_metric, label_values, metric_names
 
@@ -159,7 +159,7 @@ def test_exprs_and_annotation_queries_use_only_schema_metrics(prometheus: Promet
                 if "%" in q and "(" in q:
                     used |= metric_names(q.replace("%q", '"x"').replace("%s", "x"))
         unknown = {m for m in used if not known_metric(m, metrics)}
-        assert not unknown, f"{r['name']}: {unknown} not in guard/schema.py METRICS"
+        assert not unknown, f"{r['name']}: {unknown} not in guard/core/schema.py METRICS"
     assert all(":" in n for n in recorded), "recording rules follow level:metric:operations"
 
 

@@ -22,9 +22,9 @@ import httpx
 import pytest
 
 from dashboards.testing import CRASHED, GUARDED, STALE, UNGUARDED, SynthRun, write_run
-from guard import schema
-from guard.report import StepReport
-from guard.runstore import RunStore
+from guard.core import schema
+from guard.core.report import StepReport
+from guard.store.runstore import RunStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

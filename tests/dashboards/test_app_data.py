@@ -19,8 +19,8 @@ import pytest
 
 from dashboards import data, launch
 from dashboards import testing as synth
-from guard import schema
 from guard.cli import main as cli_main
+from guard.core import schema
 
 
 def test_downsample_keeps_spikes_nans_and_event_steps() -> None:
@@ -101,7 +101,7 @@ def test_summary_and_heatmaps_on_the_guarded_run(store: Path) -> None:
     path = str(store / synth.GUARDED)
     sig = data.run_signature(path)
     s = data.load_summary(path, sig)
-    # guard/actions.py: 4 skipped steps + 1 rolled back (step rows) + 2 bias corrections + 1 LR cool-down (events)
+    # guard/core/actions.py: 4 skipped steps + 1 rolled back (step rows) + 2 bias corrections + 1 LR cool-down (events)
     assert s["action_counts"] == {"skip": 4, "rollback": 1, "halt": 0, "bias_correct": 2, "lr_cooldown": 1}
     assert s["step"] == 599 and s["actions"] == 8 and s["verdicts"] == 7 and s["halts"] == 0
     heats = data.load_layer_heatmaps(path, sig, 0, 599, 100)

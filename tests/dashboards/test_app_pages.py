@@ -13,7 +13,7 @@ import pytest
 from app_helpers import chart_titled, charts, messages, traces
 
 from dashboards import testing as synth
-from guard import schema
+from guard.core import schema
 
 HEALTH_TITLE = "Loss and grad norm with guard verdicts and actions"
 

@@ -1,4 +1,4 @@
-"""Grafana dashboards as code: every queried metric exists in guard/schema.py, the PromQL
+"""Grafana dashboards as code: every queried metric exists in guard/core/schema.py, the PromQL
 parses (promtool), the committed JSON matches the builder, and `moeguard grafana push` makes
 the requests Grafana expects (against a local recording server standing in for Grafana)."""
 
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from dashboards import grafana
-from guard import schema
 from guard.cli import main as cli_main
+from guard.core import schema
 
 PROMQL_WORDS = {
     "by",

@@ -16,7 +16,7 @@ import pytest
 
 from dashboards import data, figures
 from dashboards import testing as synth
-from guard import schema
+from guard.core import schema
 from tests.dashboards.app_helpers import _decode, chart_titled, charts, messages, traces
 
 SELF_PEAK = "self-peak-cpu"  # an older CPU run that timed its own peak: MFU ~180%

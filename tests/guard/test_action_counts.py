@@ -1,4 +1,4 @@
-"""One count of guard actions (issue #17 item 2): guard/actions.py's definition, and a real
+"""One count of guard actions (issue #17 item 2): guard/core/actions.py's definition, and a real
 faulty training run streamed to a real collector on loopback, whose CLI summary, meta.json,
 run store, app data layer and /metrics all give the same counts."""
 
@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from guard import actions, schema
-from guard.events import Event
-from guard.runstore import read_meta
+from guard.core import actions, schema
+from guard.core.events import Event
+from guard.store.runstore import read_meta
 from tests.conftest import MICRO, REPO
 from tests.helpers_http import http_json, wait_http, wait_until
 
@@ -193,7 +193,13 @@ def test_run_store_app_and_metrics_count_the_same(faulty_run: dict) -> None:
 
     store = actions.count_run(faulty_run["run_dir"])
     assert all(store[a] > 0 for a in actions.GUARD_ACTIONS), f"the drill must exercise every action: {store}"
-    collector_store = actions.count_run(faulty_run["collector_run_dir"])
+    # The collector answers "halted" when the halt event is ingested; its run-store writer flushes the
+    # rows a moment later, so its copy is compared once it has caught up (or the wait times out).
+    collector_store = wait_until(
+        lambda: (c := actions.count_run(faulty_run["collector_run_dir"])) == store and c,
+        timeout=30,
+        what="the collector's run store to hold every action",
+    )
     path = str(faulty_run["run_dir"])
     app = data.load_summary(path, data.run_signature(path))
     m = faulty_run["metrics"]

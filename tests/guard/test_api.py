@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from guard import schema
 from guard.api import GuardedStep
-from guard.probes import RouterProbe
-from guard.runstore import read_table
+from guard.core import schema
+from guard.runtime.probes import RouterProbe
+from guard.store.runstore import read_table
 
 
 class ThirdPartyMoE(nn.Module):
@@ -100,7 +100,7 @@ def test_rollback_loses_at_most_one_snapshot_interval_and_the_lr_is_restored_exa
     lr = 3e-3  # not exactly representable: a divide-back cool-down would drift it
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     routers = [(i, RouterProbe(layer.gate, n_experts=4, top_k=2)) for i, layer in enumerate(model.layers)]
-    from guard.config import GuardConfig, PolicyConfig
+    from guard.core.config import GuardConfig, PolicyConfig
 
     cfg = GuardConfig(policy=PolicyConfig(rollback_skip_batches=2))
     guarded = GuardedStep(model, opt, run_dir=tmp_path / "run", routers=routers, max_lr=lr, config=cfg)

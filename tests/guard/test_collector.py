@@ -26,13 +26,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from guard import schema
-from guard.collector import BadRequest, parse_batch, report_frames
-from guard.events import Event
-from guard.exporter import Exporter
-from guard.metrics import CollectorMetrics
-from guard.report import StepReport
-from guard.runstore import read_meta, read_table
+from guard.collector.metrics import CollectorMetrics
+from guard.collector.service import BadRequest, parse_batch, report_frames
+from guard.core import schema
+from guard.core.events import Event
+from guard.core.report import StepReport
+from guard.runtime.exporter import Exporter
+from guard.store.runstore import read_meta, read_table
 
 TOKEN = "test-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -674,7 +674,7 @@ def beat(run: str, rank: int, seq: int, step: int = 0, **extra: Any) -> dict[str
 
 @pytest.fixture
 def inproc(tmp_path: Path) -> Iterator[Any]:
-    from guard.collector import Collector, CollectorConfig
+    from guard.collector.service import Collector, CollectorConfig
 
     made = []
 

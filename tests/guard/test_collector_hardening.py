@@ -20,10 +20,10 @@ from typing import Any
 import httpx
 import pytest
 
-from guard import schema
-from guard.collector import Collector, CollectorConfig, Wal
-from guard.exporter import Exporter
-from guard.runstore import part_name, read_meta, read_table
+from guard.collector.service import Collector, CollectorConfig, Wal
+from guard.core import schema
+from guard.runtime.exporter import Exporter
+from guard.store.runstore import part_name, read_meta, read_table
 from tests.guard.test_collector import TOKEN, CollectorProc, batch, make_report, wait_steps
 
 G1, G2 = 1_700_000_000 << 32, 1_700_000_100 << 32  # exporter generations (seconds << 32)

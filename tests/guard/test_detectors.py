@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guard import schema
-from guard.config import (
+from guard.core import schema
+from guard.core.config import (
     CollapseConfig,
     GuardConfig,
     SpikeConfig,
     StallConfig,
     ThroughputConfig,
 )
-from guard.detectors import (
+from guard.core.detectors import (
     CollapseDetector,
     DetectorSuite,
     LayerSpikeDetector,
@@ -29,8 +29,8 @@ from guard.detectors import (
     ThroughputDetector,
     median_of,
 )
-from guard.report import StepReport
-from guard.tomlconf import ConfigError
+from guard.core.report import StepReport
+from guard.core.tomlconf import ConfigError
 
 GRAD = GuardConfig().grad_spike
 LOSS = GuardConfig().loss_spike

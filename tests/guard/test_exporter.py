@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from guard import schema
-from guard.events import Event
-from guard.exporter import GEN_SHIFT, Exporter
-from guard.otel import OtelExporter
-from guard.runstore import read_table
+from guard.core import schema
+from guard.core.events import Event
+from guard.runtime.exporter import GEN_SHIFT, Exporter
+from guard.runtime.otel import OtelExporter
+from guard.store.runstore import read_table
 from tests.guard.test_collector import AUTH, TOKEN, CollectorProc, free_port, make_report
 
 

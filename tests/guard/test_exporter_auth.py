@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from guard.exporter import Exporter
+from guard.runtime.exporter import Exporter
 from tests.guard.test_collector import CollectorProc, make_report
 
 

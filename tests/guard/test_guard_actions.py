@@ -10,8 +10,8 @@ import polars as pl
 import pytest
 import torch
 
-from guard import schema
-from guard.runstore import read_meta, read_table
+from guard.core import schema
+from guard.store.runstore import read_meta, read_table
 from tests.conftest import MICRO, train_micro
 
 FAULT_STEP = 45  # after the spike detectors' warm-up (32 accepted values)
@@ -142,7 +142,7 @@ def test_repeated_spikes_escalate_to_rollback_then_halt(tmp_path: Path) -> None:
 
 
 def test_rollback_restores_the_snapshot_state_exactly(tmp_path: Path) -> None:
-    from guard.snapshot import SnapshotRing
+    from guard.runtime.snapshot import SnapshotRing
 
     t = _trainer_at(tmp_path, 10, [])
     ring = SnapshotRing(t.model, t.opt, size=2)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from guard.heartbeat import HeartbeatConfig, HeartbeatTracker
-from guard.tomlconf import ConfigError
+from guard.core.heartbeat import HeartbeatConfig, HeartbeatTracker
+from guard.core.tomlconf import ConfigError
 
 
 def beats(hb: HeartbeatTracker, rank: int, times: list[float], phase: str = "train") -> None:

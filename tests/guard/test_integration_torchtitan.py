@@ -27,11 +27,11 @@ pytest.importorskip(
     "torchtitan", reason="torchtitan (and triton) not installed: pip install torchtitan==0.3.0 triton"
 )
 
-from guard import schema  # noqa: E402
 from guard.api import GuardedStep  # noqa: E402
-from guard.config import CollapseConfig, GuardConfig  # noqa: E402
+from guard.core import schema  # noqa: E402
+from guard.core.config import CollapseConfig, GuardConfig  # noqa: E402
 from guard.integrations.torchtitan import attach, force_collapse  # noqa: E402
-from guard.runstore import read_table  # noqa: E402
+from guard.store.runstore import read_table  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -18,12 +18,12 @@ import torch
 pytest.importorskip("transformers")
 
 from bench.real_models import byte_batches, drill  # noqa: E402
-from guard import schema  # noqa: E402
 from guard.api import GuardedStep  # noqa: E402
-from guard.config import CollapseConfig, GuardConfig  # noqa: E402
+from guard.core import schema  # noqa: E402
+from guard.core.config import CollapseConfig, GuardConfig  # noqa: E402
 from guard.integrations.tiny import FAMILIES, build  # noqa: E402
 from guard.integrations.transformers import _router_of, attach, decoder_layers  # noqa: E402
-from guard.runstore import read_table  # noqa: E402
+from guard.store.runstore import read_table  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 

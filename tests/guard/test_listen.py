@@ -1,4 +1,4 @@
-"""The services' listening socket: connections it accepts have Nagle off (see guard/listen.py)."""
+"""The services' listening socket: connections it accepts have Nagle off (see guard/wire/listen.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from guard.listen import bind_tcp
+from guard.wire.listen import bind_tcp
 
 
 def test_accepted_connections_have_tcp_nodelay() -> None:

@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # bare `pytest` without an install puts only tests/guard on sys.path
     sys.path.insert(0, str(REPO))
 
-from guard import pager as pg  # noqa: E402
-from guard import schema  # noqa: E402
+from guard.core import schema  # noqa: E402
+from guard.pager import service as pg  # noqa: E402
 from tests.helpers_alerting import (  # noqa: E402
     ALERTMANAGER,
     HOOK,

@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # bare `pytest` without an install puts only tests/guard on sys.path
     sys.path.insert(0, str(REPO))
 
-from guard import pager as pg  # noqa: E402
-from guard.notify import redact_url, redact_urls  # noqa: E402
+from guard.pager import service as pg  # noqa: E402
+from guard.pager.notify import redact_url, redact_urls  # noqa: E402
 from tests.helpers_alerting import HOOK, PD, SLACK, PagerProc, start_pager  # noqa: E402
 from tests.helpers_http import RecordingSink, free_port, http_json, wait_until  # noqa: E402
 

@@ -11,11 +11,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from guard import schema
-from guard.heartbeat import HeartbeatConfig, HeartbeatTracker
-from guard.metrics import CollectorMetrics
-from guard.progress import ProgressConfig, ProgressTracker
-from guard.tomlconf import ConfigError
+from guard.collector.metrics import CollectorMetrics
+from guard.core import schema
+from guard.core.heartbeat import HeartbeatConfig, HeartbeatTracker
+from guard.core.progress import ProgressConfig, ProgressTracker
+from guard.core.tomlconf import ConfigError
 from tests.helpers_http import wait_until
 
 

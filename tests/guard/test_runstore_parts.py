@@ -14,9 +14,9 @@ import polars as pl
 import pytest
 
 from dashboards import data
-from guard import schema
-from guard.collector import report_frames
-from guard.runstore import (
+from guard.collector.service import report_frames
+from guard.core import schema
+from guard.store.runstore import (
     PartName,
     RunStore,
     next_part_seq,

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from guard import schema
-from guard.goodput import Goodput
-from guard.straggler import StragglerConfig, StragglerDetector
-from guard.tomlconf import ConfigError
+from guard.core import schema
+from guard.core.goodput import Goodput
+from guard.core.straggler import StragglerConfig, StragglerDetector
+from guard.core.tomlconf import ConfigError
 
 
 def test_relative_score_is_fastest_median_over_own() -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from guard import schema
+from guard.core import schema
 from tests.conftest import MICRO, REPO
 from tests.helpers_http import http_json, wait_http, wait_until
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from guard import schema
-from guard.runstore import read_meta, read_table
+from guard.core import schema
+from guard.store.runstore import read_meta, read_table
 from tests.conftest import MICRO, REPO
 
 

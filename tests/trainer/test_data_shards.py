@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from guard.tomlconf import ConfigError
+from guard.core.tomlconf import ConfigError
 from tests.conftest import MICRO, REPO
 from trainer import data
 from trainer.data import DataConfig, DataLoader, check_shards, load_shard

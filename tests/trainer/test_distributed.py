@@ -27,8 +27,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from guard import schema
-from guard.runstore import read_meta, read_table
+from guard.core import schema
+from guard.store.runstore import read_meta, read_table
 from tests.conftest import MICRO, REPO
 
 STEPS = 40  # the restart tests' run length (checkpoints every 10 steps in the micro config)
@@ -155,7 +155,7 @@ def test_data_position_does_not_depend_on_the_world_size() -> None:
 
 
 def test_decision_fingerprint_covers_what_changes_state() -> None:
-    from guard.policy import Decision
+    from guard.core.policy import Decision
     from trainer.distributed import decision_fingerprint
 
     a = Decision(step=5)

@@ -12,8 +12,8 @@ import polars as pl
 import pytest
 import torch
 
-from guard import schema
-from guard.runstore import read_meta, read_table
+from guard.core import schema
+from guard.store.runstore import read_meta, read_table
 from tests.conftest import MICRO, REPO, train_micro
 
 
@@ -119,7 +119,7 @@ def test_loss_falls_on_the_stdlib_corpus(tmp_path: Path) -> None:
 
 
 def test_bad_config_names_the_key(tmp_path: Path) -> None:
-    from guard.tomlconf import ConfigError
+    from guard.core.tomlconf import ConfigError
     from trainer.config import load_config
 
     with pytest.raises(ConfigError, match="model.experts_kernel"):
@@ -137,7 +137,7 @@ def test_bad_config_names_the_key(tmp_path: Path) -> None:
 
 
 def test_missing_shards_fail_clearly(tmp_path: Path) -> None:
-    from guard.tomlconf import ConfigError
+    from guard.core.tomlconf import ConfigError
 
     with pytest.raises(ConfigError, match="no .bin or .npy token shards"):
         train_micro(tmp_path / "r", overrides={"data.source": "shards", "data.path": str(tmp_path / "nope")})
@@ -154,7 +154,7 @@ def test_token_shards_train(tmp_path: Path) -> None:
     )
     assert t.step == 5
     np.save(tmp_path / "bad.npy", np.full(5000, 70000, dtype=np.uint32))
-    from guard.tomlconf import ConfigError
+    from guard.core.tomlconf import ConfigError
 
     with pytest.raises(ConfigError, match="token id 70000"):
         train_micro(

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from guard.tomlconf import ConfigError, from_dict
+from guard.core.tomlconf import ConfigError, from_dict
 from trainer.model import (
     ModelConfig,
     MoELayer,

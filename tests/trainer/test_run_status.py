@@ -16,8 +16,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from guard import schema
-from guard.runstore import read_meta, read_table
+from guard.core import schema
+from guard.store.runstore import read_meta, read_table
 from tests.conftest import MICRO, REPO
 from trainer.checkpoint import list_checkpoints
 from trainer.loop import (

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from guard import schema
+from guard.core import schema
 
 
 @dataclass(kw_only=True, slots=True)

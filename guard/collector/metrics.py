@@ -5,14 +5,14 @@ last rank-0 StepReport plus a few counters, O(1) per report; label sets and valu
 at scrape time. That keeps the hot path free of thousands of `.labels(...).set()` calls per
 report, and lets heartbeat age be computed at scrape time so it grows while a run is silent.
 
-Names come from guard/schema.py (alert rules are written against them); labels:
+Names come from guard/core/schema.py (alert rules are written against them); labels:
   run                      on every per-run metric
   layer                    moeguard_layer_* and moeguard_expert_load_share
   rank                     last report time, heartbeat age/timeout/lost, straggler score,
                            progress age/deadline, stuck
-  phase                    moeguard_rank_stuck, moeguard_run_stuck_ranks (guard/progress.py)
+  phase                    moeguard_rank_stuck, moeguard_run_stuck_ranks (guard/core/progress.py)
   detector                 verdict counter (counted from verdict events)
-  action                   moeguard_guard_actions_total: guard/actions.py's definition, the same count
+  action                   moeguard_guard_actions_total: guard/core/actions.py's definition, the same count
                            as the CLI, meta.json and the app (step decisions from rank 0's reports,
                            corrections from action events); every action starts at 0
   outcome                  moeguard_ingest_batches_total (a rejected batch may name no valid run)
@@ -21,10 +21,10 @@ Names come from guard/schema.py (alert rules are written against them); labels:
 Scrapes never block ingest: `collect()` copies one run at a time under the lock (a few fields
 and array copies) and builds its series after letting go, so an ingest waits at most for one
 run's copy, never for a whole render. Each run's series are capped at `max_series_per_run`
-(guard/limits.py): run-level series first, then per-rank, then per-layer; what does not fit is
+(guard/core/limits.py): run-level series first, then per-rank, then per-layer; what does not fit is
 left out and counted in moeguard_collector_series_dropped{run}.
 
-Evicted runs (guard/limits.py, max_hot_runs) keep a compact record here (`compact`): counters,
+Evicted runs (guard/core/limits.py, max_hot_runs) keep a compact record here (`compact`): counters,
 halt latch, heartbeats, the last step's scalars; the per-layer arrays, expert-share histograms
 and per-rank step-time windows go, and come back as the run reports again.
 
@@ -53,12 +53,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from guard import actions as guard_actions
-from guard import schema
-from guard.heartbeat import PHASES, HeartbeatConfig, HeartbeatTracker
-from guard.limits import CollectorLimits
-from guard.progress import ProgressConfig, ProgressTracker
-from guard.report import StepReport
+from guard.core import actions as guard_actions
+from guard.core import schema
+from guard.core.heartbeat import PHASES, HeartbeatConfig, HeartbeatTracker
+from guard.core.limits import CollectorLimits
+from guard.core.progress import ProgressConfig, ProgressTracker
+from guard.core.report import StepReport
 
 # 0, then 1/256 .. 1/2 by powers of two with 1.5/E between them, then 3/4 and 1: the uniform
 # share 1/E of E = 2..256 experts is a bound, and so are half and double it.
@@ -199,7 +199,7 @@ class CollectorMetrics(Collector):
             self._batches[outcome] += 1
 
     def refused(self, limit: str) -> None:
-        """Count a batch refused by a limit (guard/limits.py)."""
+        """Count a batch refused by a limit (guard/core/limits.py)."""
         with self._lock:
             self._refusals[limit] += 1
             self._batches["over_limit"] += 1
@@ -347,7 +347,7 @@ class CollectorMetrics(Collector):
 
     def observe_events(self, run: str, rows: Iterable[Mapping[str, Any]]) -> None:
         """Verdict events count by detector, correction events (bias_correct, lr_cooldown) by
-        action (step decisions are counted from reports: guard/actions.py); a halt sets halted,
+        action (step decisions are counted from reports: guard/core/actions.py); a halt sets halted,
         a resume clears it (in event order, so a batch may resume and halt again)."""
         with self._lock:
             r = self._run(run)
@@ -695,7 +695,7 @@ class CollectorMetrics(Collector):
                 schema.M_ACTIONS,
                 c,
                 ["run", "action"],
-                "guard actions (guard/actions.py): skipped, "
+                "guard actions (guard/core/actions.py): skipped, "
                 "rolled-back and halted steps, bias corrections and LR cool-downs started",
             ),
             (schema.M_NONFINITE, c, R, "rank-0 steps with a non-finite loss or gradient norm"),
@@ -706,7 +706,12 @@ class CollectorMetrics(Collector):
             (schema.M_HEARTBEAT_LOST, g, RK, "1 when heartbeat age exceeds the timeout"),
             (schema.M_STRAGGLER, g, RK, "fastest rank's median step time / this rank's (1 = fastest)"),
             (schema.M_PROGRESS_AGE, g, RK, "seconds since this rank last advanced (a new step or phase)"),
-            (schema.M_PROGRESS_DEADLINE, g, RK, "learned deadline of the rank's phase (guard/progress.py)"),
+            (
+                schema.M_PROGRESS_DEADLINE,
+                g,
+                RK,
+                "learned deadline of the rank's phase (guard/core/progress.py)",
+            ),
             (
                 schema.M_RANK_STUCK,
                 g,

@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 
 import polars as pl
 
-from guard import schema
-from guard.events import Event
-from guard.report import StepReport, expert_columns, layer_columns
+from guard.core import schema
+from guard.core.events import Event
+from guard.core.report import StepReport, expert_columns, layer_columns
 
 # Minimum widths of the two numbers (older stores have exactly these; larger numbers widen).
 PART_STEP_WIDTH = 10

@@ -16,7 +16,7 @@ Flags of `moeguard collector` and their defaults:
     --max-detectors 64           distinct detector names per run
     --max-series-per-run 100000  /metrics series per run (the rest dropped and counted)
     --max-body-bytes 8 MiB       request bodies on every endpoint (413, read no further;
-                                 guard/http_limits.py)
+                                 guard/wire/http_limits.py)
 
 Runs in memory: at most `max_hot_runs` runs keep their full state (write-ahead log, pending rows,
 detectors, the last report, the expert-share histograms); the least recently used beyond that

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from guard import schema
-from guard.events import Verdict
+from guard.core import schema
+from guard.core.events import Verdict
 
 
 class LRBoundDetector:

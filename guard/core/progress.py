@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from guard.heartbeat import PHASE_TRAIN, PHASES
-from guard.tomlconf import check
+from guard.core.heartbeat import PHASE_TRAIN, PHASES
+from guard.core.tomlconf import check
 
 
 @dataclass(kw_only=True, slots=True)

@@ -9,7 +9,7 @@ Endpoints
     GET  /v1/runs/{run}/commands?rank=R[&after=ID]   pending operator commands for rank R
     POST /v1/runs/{run}/commands    {"action": "rollback|halt|skip", "reason": str, "rank": int|null}
                                     an operator command; bearer token required
-    GET  /metrics                   Prometheus text (guard/metrics.py)
+    GET  /metrics                   Prometheus text (guard/collector/metrics.py)
     GET  /healthz                   {"ok": true}
 
 Batch payload (JSON object; NaN may be written as NaN or null)
@@ -22,12 +22,12 @@ Batch payload (JSON object; NaN may be written as NaN or null)
                collector's clock is refused (400).
     meta       object, optional: the run's meta.json (merged over what is stored)
     reports    list of StepReport.to_json() objects, optional; report.rank must equal rank
-    events     list of event rows (guard.events.Event.row()), optional: step and kind required;
+    events     list of event rows (guard.core.events.Event.row()), optional: step and kind required;
                detail may be a JSON string or an object
     heartbeat  {"time": float (trainer clock), "step": int, "phase": "train|checkpoint|eval"},
                optional (a batch with reports and no heartbeat beats at its last report).
                A higher step or another phase is progress: a rank that keeps beating without
-               it past its phase's learned deadline is stuck (guard/progress.py, RunStuck)
+               it past its phase's learned deadline is stuck (guard/core/progress.py, RunStuck)
     commands_ack  int, optional: the highest operator-command id this rank has taken up
     trainer_detectors  bool, optional: true when the trainer runs the DetectorSuite in-process
                (guard on, or --no-guard observing); the collector then runs none for the run
@@ -44,7 +44,7 @@ disk; 400 {"error": "..."} naming the bad field; 400 {"error": ..., "limit": {"n
 "max", "flag"}} for a batch over a limit (below); 401 without the token; 409 for a batch of a
 writer generation that no longer owns its (run, rank) (below); 413 for a body over
 --max-body-bytes (on every endpoint: refused from its Content-Length before it is read, or at the
-byte that passes the limit when it streams; guard/http_limits.py); 503 when the run's storage
+byte that passes the limit when it streams; guard/wire/http_limits.py); 503 when the run's storage
 failed or the run is quarantined (retry later). The whole batch is validated before anything is
 stored, so a rejected batch changes nothing.
 
@@ -62,7 +62,7 @@ runs/<run>/.collector/state.json, so a restarted collector still dedupes.
 Durability: rank 0's reports, and every batch's events, meta and command acks, are appended to
 a per-run write-ahead log (runs/<run>/.collector/wal-*.log, fdatasync'd) before the 200. Every
 --checkpoint-interval seconds the pending rows go to Parquet parts in the run store's own format
-(runs/<run>/<table>/part-<first step>-<seq>.parquet, named by guard.runstore.part_name) and
+(runs/<run>/<table>/part-<first step>-<seq>.parquet, named by guard.store.runstore.part_name) and
 state.json is replaced: that rename is
 the commit; the log segments it covers are then deleted. On start, parts newer than the commit
 are deleted and the log is replayed, so a SIGKILL at any point loses nothing that was answered
@@ -90,10 +90,10 @@ moeguard_run_halted{run} = 1 and the run's status "halted" in meta.json. The run
 --resume; the collector then records a resume event itself, detail.source = "collector"), so
 RunHalted resolves and a later halt pages again. After a collector restart the latch is rebuilt
 from meta.json and the events (a halt at or after the last resume). With --pager-url, each halt
-event is also posted to `moeguard pager` /v1/events in the background (guard/notify.py) once it
+event is also posted to `moeguard pager` /v1/events in the background (guard/pager/notify.py) once it
 is durable, so the page goes out in seconds; the pager files it under the RunHalted incident.
 
-Limits (guard/limits.py; flags --max-hot-runs, --max-ranks, --max-layers, --max-detectors,
+Limits (guard/core/limits.py; flags --max-hot-runs, --max-ranks, --max-layers, --max-detectors,
 --max-series-per-run): a batch with a rank >= max_ranks, a report with more than max_layers layer
 ids or a layer id >= max_layers, or events that would give the run more than max_detectors
 distinct detector names is refused whole (400, the limit named, counted in
@@ -115,7 +115,7 @@ to replay is loaded, and checkpointed, in full). A request for a run the scan ha
 loads it on the spot. /healthz says how many folders are left (pending_load).
 
 A /metrics scrape never blocks ingest: runs are copied one at a time under the metrics lock and
-rendered after it is released (guard/metrics.py).
+rendered after it is released (guard/collector/metrics.py).
 
 Server-side detectors: one DetectorSuite per run sees every rank-0 report, for runs that only
 stream telemetry (a run whose batches say trainer_detectors=true has its own verdicts, and the
@@ -150,19 +150,17 @@ import numpy as np
 import polars as pl
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from guard import schema
-from guard.config import GuardConfig, load_guard_config
-from guard.events import Event
-from guard.heartbeat import PHASE_TRAIN, PHASES, HeartbeatConfig
-from guard.http_limits import BodyLimit, BodyTooLarge
-from guard.limits import FLAGS as LIMIT_FLAGS
-from guard.limits import CollectorLimits, LimitExceeded, check_detectors, check_rank, check_report
-from guard.listen import bind_tcp
-from guard.metrics import CollectorMetrics
-from guard.notify import PagerNotifier
-from guard.progress import ProgressConfig
-from guard.report import StepReport
-from guard.runstore import (
+from guard.collector.metrics import CollectorMetrics
+from guard.core import schema
+from guard.core.config import GuardConfig, load_guard_config
+from guard.core.events import Event
+from guard.core.heartbeat import PHASE_TRAIN, PHASES, HeartbeatConfig
+from guard.core.limits import FLAGS as LIMIT_FLAGS
+from guard.core.limits import CollectorLimits, LimitExceeded, check_detectors, check_rank, check_report
+from guard.core.progress import ProgressConfig
+from guard.core.report import StepReport
+from guard.pager.notify import PagerNotifier
+from guard.store.runstore import (
     atomic_write_bytes,
     fsync_dir,
     next_part_seq,
@@ -174,6 +172,8 @@ from guard.runstore import (
     truncate_after,
     write_part_file,
 )
+from guard.wire.http_limits import BodyLimit, BodyTooLarge
+from guard.wire.listen import bind_tcp
 
 try:  # optional: 3-5x faster parsing of the numeric arrays; plain json otherwise
     import orjson as _orjson
@@ -216,7 +216,7 @@ class CollectorConfig:
     progress: ProgressConfig = field(default_factory=ProgressConfig)  # RunStuck deadlines
     pager_url: str | None = None  # `moeguard pager` base URL: halt events are posted to its /v1/events
     pager_token: str | None = None  # its bearer token (MOEGUARD_PAGER_TOKEN), if it wants one
-    limits: CollectorLimits = field(default_factory=CollectorLimits)  # guard/limits.py
+    limits: CollectorLimits = field(default_factory=CollectorLimits)  # guard/core/limits.py
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -704,7 +704,7 @@ class RunState:
             raise StorageFailed(f"run {self.run}: storage failed: {self.failed!r}")
 
     def _check_limits(self, b: Batch) -> None:
-        """Limits that depend on what the run holds already (guard/limits.py). Caller holds `lock`."""
+        """Limits that depend on what the run holds already (guard/core/limits.py). Caller holds `lock`."""
         names = {str(e.get("detector") or "unknown") for e in b.events if e["kind"] == schema.EV_VERDICT}
         if names:
             check_detectors(self.metrics.detectors(self.run), names, self.cfg.limits)
@@ -1287,7 +1287,7 @@ def _make_detectors(cfg: GuardConfig | None) -> Any:
     if cfg is None:
         return None
     try:
-        from guard.detectors import DetectorSuite  # lazy: written in parallel, optional here
+        from guard.core.detectors import DetectorSuite  # lazy: written in parallel, optional here
     except ImportError as e:
         log.warning("server-side detectors unavailable (%s)", e)
         return None
@@ -1297,7 +1297,7 @@ def _make_detectors(cfg: GuardConfig | None) -> Any:
 def scan_last_step(run_dir: Path) -> int:
     if not part_files(run_dir, schema.TABLE_STEPS):
         return -1
-    from guard.runstore import scan_table
+    from guard.store.runstore import scan_table
 
     v = scan_table(run_dir, schema.TABLE_STEPS).select(pl.col("step").max()).collect().item()
     return -1 if v is None else int(v)
@@ -1656,7 +1656,7 @@ def _restore_run_metrics(metrics: CollectorMetrics, run: str, run_dir: Path, met
     """Baselines and halted flag survive a collector restart (read back from the run store).
     Halted: meta.json says so, or a halt event at or after the last resume event (run stores
     written before the collector kept meta's status)."""
-    from guard.runstore import scan_table
+    from guard.store.runstore import scan_table
 
     metrics.set_halted(run, meta.get("status") == schema.STATUS_HALTED)
     try:
@@ -1861,7 +1861,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     d = CollectorLimits()
     lim = parser.add_argument_group(
-        "limits", "a batch over one is refused whole with 400 naming it; see guard/limits.py"
+        "limits", "a batch over one is refused whole with 400 naming it; see guard/core/limits.py"
     )
     lim.add_argument(
         "--max-hot-runs",
@@ -1908,7 +1908,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     guard_cfg = None if args.no_detectors else load_guard_config(args.guard) if args.guard else GuardConfig()
-    from guard.pager import ENV_PAGER_TOKEN
+    from guard.pager.service import ENV_PAGER_TOKEN
 
     try:
         limits = CollectorLimits(**{k: getattr(args, k) for k in LIMIT_FLAGS})

@@ -57,9 +57,9 @@ from typing import Any
 
 import httpx
 
-from guard.events import Event
-from guard.heartbeat import PHASE_TRAIN, PHASES
-from guard.report import StepReport
+from guard.core.events import Event
+from guard.core.heartbeat import PHASE_TRAIN, PHASES
+from guard.core.report import StepReport
 
 try:
     import orjson as _orjson
@@ -68,7 +68,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 log = logging.getLogger("moeguard.exporter")
 
-GEN_SHIFT = 32  # same as guard.collector.GEN_SHIFT (not imported: the trainer needs no starlette)
+GEN_SHIFT = 32  # same as guard.collector.service.GEN_SHIFT (not imported: the trainer needs no starlette)
 _STOP = object()
 _Encoded = tuple[bytes, list[dict[str, Any]], int]  # report JSON, its events, its step
 

@@ -60,7 +60,7 @@ class Probe:
     ) -> None:
         """`layers`: the modules whose gradient norms are reported per layer (default model.blocks).
         `routers`: (layer index, router) pairs; a router exposes tokens_per_expert_E, entropy_sum,
-        token_count, expert_bias_E and reset_stats() (moeguard's Router, or a guard.probes.RouterProbe
+        token_count, expert_bias_E and reset_stats() (moeguard's Router, or a guard.runtime.probes.RouterProbe
         attached to any third-party gate). Default: model.moe_layers()."""
         self.model = model
         self.dead_window = dead_window

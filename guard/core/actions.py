@@ -15,7 +15,7 @@ Not actions: verdict events (evidence; their `action` field repeats what their s
 own action, already counted once by its row), checkpoints, injections.
 
 Readers: the CLI summary, meta.json `guard_actions`, the app (dashboards/data.py), the
-collector's moeguard_guard_actions_total{action} (guard/metrics.py) and `moeguard demo`.
+collector's moeguard_guard_actions_total{action} (guard/collector/metrics.py) and `moeguard demo`.
 The collector counts what it receives, so a trainer resumed from a checkpoint re-sends the
 steps after it and the counter counts them again (Prometheus counters are for rates).
 """
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from guard import schema
+from guard.core import schema
 
 STEP_ACTIONS = (schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_HALT)  # one per step row
 EVENT_ACTIONS = (schema.ACT_BIAS_CORRECT, schema.ACT_LR_COOLDOWN)  # one per `action` event
@@ -71,7 +71,7 @@ def count_run(run_dir: str | Path) -> dict[str, int]:
     """Counts from a run store's `steps` and `events` tables."""
     import polars as pl
 
-    from guard.runstore import scan_table
+    from guard.store.runstore import scan_table
 
     steps = scan_table(run_dir, schema.TABLE_STEPS).select("action")
     per_step = steps.filter(pl.col("action").is_in(list(STEP_ACTIONS))).group_by("action").len().collect()

@@ -126,7 +126,7 @@ COLLAPSE_DETECTORS = (DET_DEAD_EXPERTS, DET_MAXVIO, DET_LOAD_ENTROPY, DET_ROUTER
 
 # Actions (steps.action, events.action). What counts as a *guard action* (skipped, rolled-back
 # and halted steps plus bias corrections and LR cool-downs started), and how it is counted for
-# the CLI, meta.json, the app and /metrics: guard/actions.py, once.
+# the CLI, meta.json, the app and /metrics: guard/core/actions.py, once.
 ACT_APPLY = "apply"
 ACT_SKIP = "skip"
 ACT_ROLLBACK = "rollback"
@@ -180,7 +180,7 @@ M_LAYER_ROUTER_ENTROPY = "moeguard_layer_router_entropy_nats"
 M_LAYER_BIAS_NORM = "moeguard_layer_bias_norm"
 M_EXPERT_LOAD_SHARE = "moeguard_expert_load_share"  # histogram per (run, layer) of expert shares
 M_VERDICTS = "moeguard_guard_verdicts_total"  # labels: run, detector
-M_ACTIONS = "moeguard_guard_actions_total"  # labels: run, action (guard/actions.py)
+M_ACTIONS = "moeguard_guard_actions_total"  # labels: run, action (guard/core/actions.py)
 M_NONFINITE = "moeguard_nonfinite_steps_total"
 M_HALTED = "moeguard_run_halted"  # 1 when the run halted itself
 M_LAST_SEEN = "moeguard_last_report_timestamp_seconds"  # labels: run, rank
@@ -188,7 +188,9 @@ M_HEARTBEAT_AGE = "moeguard_heartbeat_age_seconds"  # labels: run, rank
 M_HEARTBEAT_TIMEOUT = "moeguard_heartbeat_timeout_seconds"  # labels: run, rank
 M_HEARTBEAT_LOST = "moeguard_heartbeat_lost"  # labels: run, rank; 1 when age > timeout
 M_PROGRESS_AGE = "moeguard_progress_age_seconds"  # labels: run, rank; since the rank last advanced
-M_PROGRESS_DEADLINE = "moeguard_progress_deadline_seconds"  # labels: run, rank; learned (guard/progress.py)
+M_PROGRESS_DEADLINE = (
+    "moeguard_progress_deadline_seconds"  # labels: run, rank; learned (guard/core/progress.py)
+)
 M_RANK_STUCK = "moeguard_rank_stuck"  # labels: run, rank, phase; 1 when beating but not advancing
 M_RUN_STUCK_RANKS = "moeguard_run_stuck_ranks"  # labels: run, phase; how many ranks are stuck
 M_QUARANTINED_RUNS = "moeguard_collector_quarantined_runs"  # runs refused at load (damaged files)
@@ -268,7 +270,7 @@ INJECT_KINDS = ("gradspike", "lrspike", "nan", "badbatch", "collapse", "stall", 
 ENV_TOKEN = "MOEGUARD_TOKEN"
 ENV_COLLECTOR = "MOEGUARD_COLLECTOR"  # URL of the collector for the trainer's exporter
 
-# The collector's own health and limits (guard/limits.py); not run metrics, so not in METRICS.
+# The collector's own health and limits (guard/core/limits.py); not run metrics, so not in METRICS.
 M_COLLECTOR_HOT_RUNS = "moeguard_collector_hot_runs"  # runs with full state in memory
 M_COLLECTOR_KNOWN_RUNS = "moeguard_collector_known_runs"  # runs with a record (hot or evicted)
 M_COLLECTOR_PENDING_LOAD = "moeguard_collector_runs_pending_load"  # start-up: run folders not read yet

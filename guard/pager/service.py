@@ -55,11 +55,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from guard import schema
-from guard.http_limits import BodyLimit, BodyTooLarge, body_too_large_handler
-from guard.listen import bind_tcp
-from guard.notify import quiet_http_logs, redact_url, redact_urls
-from guard.tomlconf import check, check_choice
+from guard.core import schema
+from guard.core.tomlconf import check, check_choice
+from guard.pager.notify import quiet_http_logs, redact_url, redact_urls
+from guard.wire.http_limits import BodyLimit, BodyTooLarge, body_too_large_handler
+from guard.wire.listen import bind_tcp
 
 log = logging.getLogger("moeguard.pager")
 

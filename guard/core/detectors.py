@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from guard import schema
-from guard.config import CollapseConfig, GuardConfig, SpikeConfig, StallConfig, ThroughputConfig
-from guard.events import Verdict
-from guard.report import StepReport
+from guard.core import schema
+from guard.core.config import CollapseConfig, GuardConfig, SpikeConfig, StallConfig, ThroughputConfig
+from guard.core.events import Verdict
+from guard.core.report import StepReport
 
 # MAD x 1.4826 estimates the standard deviation of a normal distribution.
 MAD_TO_SIGMA = 1.4826

@@ -1,5 +1,5 @@
 """Optional OpenTelemetry export of the core step metrics (for shops that run an OTel collector
-instead of scraping Prometheus). Same names as the Prometheus metrics in guard/schema.py.
+instead of scraping Prometheus). Same names as the Prometheus metrics in guard/core/schema.py.
 
     otel = OtelExporter("http://otel-collector:4318/v1/metrics", run_id="run-42")
     otel.submit(report)     # every step: stores the report, no I/O
@@ -23,8 +23,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 
-from guard import schema
-from guard.report import StepReport
+from guard.core import schema
+from guard.core.report import StepReport
 
 _STEP_GAUGES: tuple[tuple[str, str], ...] = (
     (schema.M_STEP, "step"),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from guard.tomlconf import check
+from guard.core.tomlconf import check
 
 PHASE_TRAIN = "train"
 PHASE_CHECKPOINT = "checkpoint"

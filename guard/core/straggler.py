@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from guard import schema
-from guard.events import Event
-from guard.tomlconf import check
+from guard.core import schema
+from guard.core.events import Event
+from guard.core.tomlconf import check
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,7 +7,7 @@ import time as _time
 from dataclasses import dataclass, field
 from typing import Any
 
-from guard import schema
+from guard.core import schema
 
 
 @dataclass(kw_only=True, slots=True)

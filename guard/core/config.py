@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from guard.tomlconf import check, check_choice, from_dict, load_toml
+from guard.core.tomlconf import check, check_choice, from_dict, load_toml
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from guard import schema
-from guard.config import GuardConfig
-from guard.detectors import DetectorSuite
-from guard.events import Event
-from guard.lrbound import LRBoundDetector
-from guard.policy import Decision, Policy
-from guard.report import StepReport
-from guard.snapshot import SnapshotRing
+from guard.core import schema
+from guard.core.config import GuardConfig
+from guard.core.detectors import DetectorSuite
+from guard.core.events import Event
+from guard.core.lrbound import LRBoundDetector
+from guard.core.policy import Decision, Policy
+from guard.core.report import StepReport
+from guard.runtime.snapshot import SnapshotRing
 
 
 class Guard:

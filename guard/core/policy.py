@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from guard import schema
-from guard.config import GuardConfig
-from guard.events import Event, Verdict
+from guard.core import schema
+from guard.core.config import GuardConfig
+from guard.core.events import Event, Verdict
 
 CORRECT_BIAS, CORRECT_AUX, CORRECT_NONE = "bias", "aux_loss", "none"
 CORRECTIONS = (CORRECT_BIAS, CORRECT_AUX, CORRECT_NONE)
