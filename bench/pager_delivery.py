@@ -42,7 +42,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from guard.pager import service as pg
+from guard.pager.book import IncidentBook, delivery_needed
+from guard.pager.intake import FIRING, parse_alertmanager
+from guard.pager.sinks import SlackSink
 
 REPO = Path(__file__).resolve().parent.parent
 ATTACK_BYTES = 200 << 20
@@ -72,18 +74,18 @@ def bench_book(n: int, deliveries: int, workdir: Path) -> dict[str, float]:
     """Per-delivery cost (snapshot, render, record) with `n` incidents in a persisted book."""
     state = workdir / f"book-{n}" / "state.json"
     state.parent.mkdir(parents=True)
-    book = pg.IncidentBook(state)
+    book = IncidentBook(state)
     keys: list[str] = []
     for start in range(0, n, 100):  # Alertmanager groups of 100 incidents
         batch = [alert(f"run-{i}", r) for i in range(start, min(n, start + 100)) for r in range(4)]
-        keys += book.apply(pg.parse_alertmanager(payload(batch)), time.time())
-    sink = pg.SlackSink("http://slack.invalid/x", "")
+        keys += book.apply(parse_alertmanager(payload(batch)), time.time())
+    sink = SlackSink("http://slack.invalid/x", "")
     times = []
     for i in range(deliveries):
         key = keys[(i * 7919) % len(keys)]
         t0 = time.perf_counter()
         inc = book.snapshot(key)
-        status = pg.delivery_needed(inc, inc["sent"].get(f"s{i}")) or pg.FIRING
+        status = delivery_needed(inc, inc["sent"].get(f"s{i}")) or FIRING
         json.dumps(sink.body(inc, status))
         book.record(key, f"s{i % 3}", status if i % 5 else None, None if i % 5 else "HTTP 503")
         times.append(time.perf_counter() - t0)

@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "HTTP service: ingest telemetry, server-side detectors, /metrics",
     ),
     "pager": (
-        "guard.pager.service",
+        "guard.pager.main",
         "receive Alertmanager webhooks and guard events; page PagerDuty/Slack/webhooks",
     ),
     "app": ("dashboards.launch", "start the Streamlit run-health app over a run store"),

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from guard.pager import service as pg
+from guard.pager.config import ENV_PAGER_TOKEN, ENV_PAGERDUTY_ROUTING_KEY
 from tests.helpers_http import RecordingSink, free_port, http_json, wait_http
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,12 +101,12 @@ def start_pager(
     ]
     full_env = {
         **os.environ,
-        pg.ENV_PAGERDUTY_ROUTING_KEY: ROUTING_KEY,
+        ENV_PAGERDUTY_ROUTING_KEY: ROUTING_KEY,
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
-    if pg.ENV_PAGER_TOKEN not in (env or {}):
-        full_env.pop(pg.ENV_PAGER_TOKEN, None)
+    if ENV_PAGER_TOKEN not in (env or {}):
+        full_env.pop(ENV_PAGER_TOKEN, None)
     with open(log, "wb") as errf:
         proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=errf)
     line = _readline(proc, timeout=60)

@@ -1908,7 +1908,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     guard_cfg = None if args.no_detectors else load_guard_config(args.guard) if args.guard else GuardConfig()
-    from guard.pager.service import ENV_PAGER_TOKEN
+    from guard.pager.config import ENV_PAGER_TOKEN
 
     try:
         limits = CollectorLimits(**{k: getattr(args, k) for k in LIMIT_FLAGS})

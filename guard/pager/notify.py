@@ -12,15 +12,11 @@ stored. The pager files the event under the same incident (same dedup_key) as th
 alert that follows, so a human is paged once, seconds after the halt, and Alertmanager's
 resolve closes it.
 
-Delivery is best effort with bounded retries (connection errors, 429 and 5xx; a 4xx other than
-429 is final). The queue is bounded: past `max_queue` the oldest event is dropped (and logged),
-never the request that ingested it. Events are not persisted: after a collector crash the
-RunHalted alert is the page.
-
-Also here, for every process of moeguard that posts somewhere (this notifier, the pager's sinks):
-`quiet_http_logs()` and `redact_urls()`. Webhook URLs carry their secret in the path (Slack's
-/services/T.../B.../<secret>), and httpx logs every request's full URL at INFO, so under
-`logging.basicConfig(level=INFO)` the secret would land in the log.
+Delivery is best effort with guard/wire/retry.py's bounded retries (connection errors, 429 and
+5xx; a 4xx other than 429 is final; NOTIFY_RETRY below). The queue is bounded: past `max_queue`
+the oldest event is dropped (and logged), never the request that ingested it. Events are not
+persisted: after a collector crash the RunHalted alert is the page. No URL is logged past its
+scheme://host (guard/wire/redact.py).
 """
 
 from __future__ import annotations
@@ -30,52 +26,21 @@ import json
 import logging
 import math
 import queue
-import random
-import re
 import threading
 from typing import Any
 
 import httpx
 
+from guard.wire.redact import quiet_http_logs
+from guard.wire.retry import RetryPolicy, post_with_retry
+
 log = logging.getLogger("moeguard.notify")
 
 EVENTS_PATH = "/v1/events"
+# A halt is worth a page within seconds: short waits; the RunHalted alert is the fallback.
+# A pager that is down refuses at once; a lost host must not hold the queue for the whole timeout.
+NOTIFY_RETRY = RetryPolicy(max_attempts=5, base_s=0.5, max_delay_s=8.0, timeout_s=5.0, connect_timeout_s=3.0)
 _STOP = object()
-# scheme://[userinfo@]host[:port] then path, query, fragment: all but scheme and host go
-_URL = re.compile(r"(?i)\b(https?)://(?:[^/\s?#@'\"<>]*@)?([^/\s?#'\"<>]*)[^\s'\"<>]*")
-
-
-def redact_urls(text: str) -> str:
-    """Every http(s) URL in `text` cut down to scheme://host[:port]."""
-    return _URL.sub(lambda m: f"{m.group(1)}://{m.group(2)}", text)
-
-
-def redact_url(url: str) -> str:
-    """One URL (maybe malformed) as it may be shown: scheme://host, or what precedes its first '/'."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    host = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0].rsplit("@", 1)[-1]
-    return f"{scheme}{sep}{host}" + ("/..." if len(host) < len(rest) else "")
-
-
-class _RedactURLs(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if "://" in message:
-            record.msg, record.args = redact_urls(message), None
-        return True
-
-
-def quiet_http_logs() -> None:
-    """Keep httpx and httpcore at WARNING (their INFO and DEBUG lines name every URL) and redact
-    URLs in whatever they still log, should someone turn them back up. Idempotent."""
-    for name in ("httpx", "httpcore"):
-        logger = logging.getLogger(name)
-        if logger.level < logging.WARNING:  # NOTSET included: basicConfig(INFO) would reach it
-            logger.setLevel(logging.WARNING)
-        if not any(isinstance(f, _RedactURLs) for f in logger.filters):
-            logger.addFilter(_RedactURLs())
 
 
 def events_url(url: str) -> str:
@@ -104,25 +69,15 @@ def pager_body(run: str, row: dict[str, Any]) -> dict[str, Any]:
 
 class PagerNotifier:
     def __init__(
-        self,
-        url: str,
-        token: str | None = None,
-        *,
-        max_queue: int = 1000,
-        max_attempts: int = 5,
-        base_delay_s: float = 0.5,
-        max_delay_s: float = 8.0,
-        timeout_s: float = 5.0,
+        self, url: str, token: str | None = None, *, max_queue: int = 1000, retry: RetryPolicy = NOTIFY_RETRY
     ) -> None:
         quiet_http_logs()
         self.url = events_url(url)
-        self.max_attempts, self.base_delay_s, self.max_delay_s = max_attempts, base_delay_s, max_delay_s
+        self.retry = retry
         headers = {"content-type": "application/json", "user-agent": "moeguard-collector"}
         if token:
             headers["authorization"] = f"Bearer {token}"
-        self._client = httpx.Client(
-            headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
-        )
+        self._client = httpx.Client(headers=headers)  # the policy times each attempt
         self._q: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moeguard-pager-notify", daemon=True)
@@ -170,32 +125,17 @@ class PagerNotifier:
 
     def _send(self, body: dict[str, Any]) -> None:
         content = json.dumps(body, allow_nan=False).encode()
-        why = ""
-        for attempt in range(self.max_attempts):
-            try:
-                r = self._client.post(self.url, content=content)
-            except httpx.HTTPError as e:
-                why = redact_urls(f"{type(e).__name__}: {e}")
-            else:
-                if 200 <= r.status_code < 300:
-                    self.stats["sent"] += 1
-                    log.info(
-                        "pager: %s event of run %s at step %s delivered",
-                        body["kind"],
-                        body["run"],
-                        body["step"],
-                    )
-                    return
-                why = redact_urls(f"HTTP {r.status_code}: {r.text[:200]}")
-                if r.status_code != 429 and r.status_code < 500:
-                    break  # the request itself is wrong; retrying will not help
-            delay = min(self.max_delay_s, self.base_delay_s * 2**attempt) * random.uniform(0.5, 1.0)
-            if attempt + 1 < self.max_attempts and self._stop.wait(delay):
-                break
+        out = post_with_retry(self._client, self.url, content, self.retry, stop=self._stop)
+        if out.ok:
+            self.stats["sent"] += 1
+            log.info(
+                "pager: %s event of run %s at step %s delivered", body["kind"], body["run"], body["step"]
+            )
+            return
         self.stats["failed"] += 1
         log.error(
             "pager: could not deliver the %s event of run %s (%s); the RunHalted alert still pages",
             body["kind"],
             body["run"],
-            why,
+            out.why,
         )

@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import queue
-import random
 import sys
 import threading
 import time
@@ -60,6 +59,7 @@ import httpx
 from guard.core.events import Event
 from guard.core.heartbeat import PHASE_TRAIN, PHASES
 from guard.core.report import StepReport
+from guard.wire.retry import Backoff, RetryPolicy
 
 try:
     import orjson as _orjson
@@ -321,7 +321,7 @@ class Exporter:
 
     # ---- background thread --------------------------------------------------------------
     def _loop(self) -> None:
-        backoff, retry_at = 0.0, 0.0
+        retry, retry_at = self._retry_schedule(), 0.0
         next_poll = time.monotonic() + self.poll_s
         last_sent = time.monotonic()
         while True:
@@ -345,7 +345,7 @@ class Exporter:
                     with self._lock:
                         for seq, rest in batches[i:]:
                             self._spool_write(seq, rest)
-                    backoff, retry_at = self._backoff(backoff)
+                    retry_at = time.monotonic() + retry.failed()
                     break
                 last_sent = time.monotonic()
             if items:
@@ -353,10 +353,10 @@ class Exporter:
                     self._processed += len(items)
             if self._spool and time.monotonic() >= retry_at:
                 if self._replay():
-                    backoff = 0.0
+                    retry.succeeded()
                     last_sent = time.monotonic()
                 else:
-                    backoff, retry_at = self._backoff(backoff)
+                    retry_at = time.monotonic() + retry.failed()
             now = time.monotonic()
             if now >= next_poll:
                 self._poll()
@@ -395,9 +395,11 @@ class Exporter:
                 items.append(it)
         return items, stop
 
-    def _backoff(self, backoff: float) -> tuple[float, float]:
-        backoff = min(self.backoff_max_s, max(0.25, backoff * 2))
-        return backoff, time.monotonic() + backoff * random.uniform(0.8, 1.2)
+    def _retry_schedule(self) -> Backoff:
+        """Waits between tries of the spool (guard/wire/retry.py's policy): 0.25 s doubling up to
+        backoff_max_s, with jitter. No attempt limit: the batches wait on disk, nothing is lost."""
+        first = min(0.25, self.backoff_max_s)
+        return Backoff(RetryPolicy(max_attempts=None, base_s=first, max_delay_s=self.backoff_max_s))
 
     def _post(self, body: bytes, heartbeat_only: bool = False) -> bool:
         """POST one batch; True when the collector has it (200) or rejected it for good (4xx)."""

@@ -6,6 +6,7 @@ and talk to it with httpx.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -809,7 +810,7 @@ def test_halt_events_are_posted_to_the_pager_in_the_background(inproc: Any) -> N
     with RecordingSink() as pager:
         pager.fail_next(1, status=503)  # the pager is restarting: retried
         c = inproc(pager_url=pager.url)
-        c.notifier.base_delay_s = 0.05
+        c.notifier.retry = dataclasses.replace(c.notifier.retry, base_s=0.05)
         t0 = time.monotonic()
         payload = batch("ph", 0, G1 | 1, [make_report(s) for s in range(4)], [halt_row(3)])
         ingest(c, payload)
@@ -846,7 +847,7 @@ def test_pager_post_gives_up_after_bounded_retries(inproc: Any) -> None:
     with RecordingSink() as pager:
         pager.fail_next(100, status=500)
         c = inproc(pager_url=pager.url + "/v1/events")
-        c.notifier.base_delay_s, c.notifier.max_attempts = 0.01, 3
+        c.notifier.retry = dataclasses.replace(c.notifier.retry, base_s=0.01, max_attempts=3)
         ingest(c, batch("pg", 0, G1 | 1, [make_report(0)], [halt_row(0)]))
         pager.wait_for(lambda r: r.path == "/v1/events", count=3, timeout=20)
         c.close()

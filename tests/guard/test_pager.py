@@ -25,7 +25,18 @@ if str(REPO) not in sys.path:  # bare `pytest` without an install puts only test
     sys.path.insert(0, str(REPO))
 
 from guard.core import schema  # noqa: E402
-from guard.pager import service as pg  # noqa: E402
+from guard.pager.book import IncidentBook, delivery_needed  # noqa: E402
+from guard.pager.config import ENV_PAGER_TOKEN  # noqa: E402
+from guard.pager.intake import (  # noqa: E402
+    FIRING,
+    RESOLVED,
+    PayloadError,
+    dedup_key,
+    incident_identity,
+    parse_alertmanager,
+    parse_event,
+)
+from guard.pager.sinks import PagerDutySink, json_safe  # noqa: E402
 from tests.helpers_alerting import (  # noqa: E402
     ALERTMANAGER,
     HOOK,
@@ -159,7 +170,7 @@ def not_marker(r: Recorded) -> bool:
 # Pure pieces (in-process)
 # ---------------------------------------------------------------------------------------
 def test_dedup_key_is_stable_short_and_ignores_ranks_and_external_labels() -> None:
-    a = pg.incident_identity(
+    a = incident_identity(
         {
             "alertname": "HeartbeatLost",
             "run": "r1",
@@ -170,90 +181,79 @@ def test_dedup_key_is_stable_short_and_ignores_ranks_and_external_labels() -> No
             "cluster": "eu",
         }
     )
-    b = pg.incident_identity({"alertname": "HeartbeatLost", "run": "r1", "rank": "7", "severity": "critical"})
-    assert pg.dedup_key(a) == pg.dedup_key(b)
-    assert pg.dedup_key(a).startswith("moeguard-HeartbeatLost-")
-    huge = pg.dedup_key({"alertname": "X" * 1000, "run": "r" * 5000})
+    b = incident_identity({"alertname": "HeartbeatLost", "run": "r1", "rank": "7", "severity": "critical"})
+    assert dedup_key(a) == dedup_key(b)
+    assert dedup_key(a).startswith("moeguard-HeartbeatLost-")
+    huge = dedup_key({"alertname": "X" * 1000, "run": "r" * 5000})
     assert len(huge) <= 255
-    assert pg.dedup_key({"alertname": "HeartbeatLost", "run": "r2", "severity": "critical"}) != pg.dedup_key(
-        a
-    )
+    assert dedup_key({"alertname": "HeartbeatLost", "run": "r2", "severity": "critical"}) != dedup_key(a)
     # per-layer alerts are separate incidents per layer
     l3 = {"alertname": "ExpertCollapse", "run": "r1", "layer": "3", "severity": "critical"}
-    assert pg.dedup_key(l3) != pg.dedup_key(l3 | {"layer": "4"})
+    assert dedup_key(l3) != dedup_key(l3 | {"layer": "4"})
 
 
 def test_halt_event_and_runhalted_alert_share_an_incident() -> None:
-    ev = pg.parse_event(
+    ev = parse_event(
         {"run": "r1", "step": 9, "kind": schema.EV_HALT, "action": schema.ACT_HALT}, ttl_s=60, now=0
     )
-    [al] = pg.parse_alertmanager(am_payload(am_alert("RunHalted", run="r1")))
+    [al] = parse_alertmanager(am_payload(am_alert("RunHalted", run="r1")))
     assert ev.key == al.key
 
 
 def test_pagerduty_body_limits_and_nan_safety() -> None:
-    [u] = pg.parse_alertmanager(am_payload(am_alert("LossSpike", run="r1")))
+    [u] = parse_alertmanager(am_payload(am_alert("LossSpike", run="r1")))
     u.annotations["summary"] = "s" * 5000
-    book = pg.IncidentBook()
+    book = IncidentBook()
     book.apply([u], now=0)
     inc = book.snapshot(u.key)
-    sink = pg.PagerDutySink("http://x", "", ROUTING_KEY, "critical")
-    body = sink.body(inc, pg.FIRING)
+    sink = PagerDutySink("http://x", "", ROUTING_KEY, "critical")
+    body = sink.body(inc, FIRING)
     assert len(body["payload"]["summary"]) == 1024
     assert body["payload"]["severity"] == "critical" and body["routing_key"] == ROUTING_KEY
-    assert pg._json_safe({"v": float("nan"), "l": [float("inf")]}) == {"v": "nan", "l": ["inf"]}
-
-
-def test_retry_policy_backs_off_and_honours_retry_after() -> None:
-    pol = pg.RetryPolicy(base_s=1.0, max_delay_s=8.0)
-    assert 0.5 <= pol.delay(0) <= 1.0
-    assert 4.0 <= pol.delay(3) <= 8.0
-    assert pol.delay(10) <= 8.0
-    assert pol.delay(0, retry_after=5.0) == 5.0
-    assert pol.delay(0, retry_after=100.0) == 8.0  # capped: a hostile Retry-After cannot stall us
+    assert json_safe({"v": float("nan"), "l": [float("inf")]}) == {"v": "nan", "l": ["inf"]}
 
 
 def test_event_only_incident_is_forgotten_after_its_ttl_without_a_resolve() -> None:
-    book = pg.IncidentBook()
-    ev = pg.parse_event({"run": "r1", "kind": schema.EV_HALT}, ttl_s=60, now=0)
+    book = IncidentBook()
+    ev = parse_event({"run": "r1", "kind": schema.EV_HALT}, ttl_s=60, now=0)
     book.apply([ev], now=0)
-    assert pg.delivery_needed(book.snapshot(ev.key), None) == pg.FIRING
-    book.record(ev.key, "pagerduty", pg.FIRING, None)
+    assert delivery_needed(book.snapshot(ev.key), None) == FIRING
+    book.record(ev.key, "pagerduty", FIRING, None)
     assert book.expire_events(now=30) == 0
     assert book.expire_events(now=61) == 1
     assert book.snapshot(ev.key) is None  # forgotten, not resolved: a human closes the page
     # an incident Alertmanager knows about never expires that way
-    [al] = pg.parse_alertmanager(am_payload(am_alert("RunHalted", run="r2")))
+    [al] = parse_alertmanager(am_payload(am_alert("RunHalted", run="r2")))
     book.apply([al], now=0)
-    assert book.expire_events(now=10**9) == 0 and book.snapshot(al.key)["status"] == pg.FIRING
+    assert book.expire_events(now=10**9) == 0 and book.snapshot(al.key)["status"] == FIRING
 
 
 def test_alertmanager_takes_over_an_incident_opened_by_an_event() -> None:
-    book = pg.IncidentBook()
-    ev = pg.parse_event({"run": "r1", "kind": schema.EV_HALT}, ttl_s=3600, now=0)
+    book = IncidentBook()
+    ev = parse_event({"run": "r1", "kind": schema.EV_HALT}, ttl_s=3600, now=0)
     book.apply([ev], now=0)
-    book.record(ev.key, "pagerduty", pg.FIRING, None)
-    [firing] = pg.parse_alertmanager(am_payload(am_alert("RunHalted")))
+    book.record(ev.key, "pagerduty", FIRING, None)
+    [firing] = parse_alertmanager(am_payload(am_alert("RunHalted")))
     book.apply([firing], now=1)
     inc = book.snapshot(ev.key)
-    assert pg.delivery_needed(inc, inc["sent"]["pagerduty"]) is None  # same incident: no second page
-    [resolved] = pg.parse_alertmanager(am_payload(am_alert("RunHalted", "resolved")))
+    assert delivery_needed(inc, inc["sent"]["pagerduty"]) is None  # same incident: no second page
+    [resolved] = parse_alertmanager(am_payload(am_alert("RunHalted", "resolved")))
     book.apply([resolved], now=2)
     inc = book.snapshot(ev.key)
-    assert inc["members"] == {} and pg.delivery_needed(inc, pg.FIRING) == pg.RESOLVED
+    assert inc["members"] == {} and delivery_needed(inc, FIRING) == RESOLVED
 
 
 def test_state_file_round_trip(tmp_path: Path) -> None:
     state = tmp_path / "state.json"
-    book = pg.IncidentBook(state)
-    [u] = pg.parse_alertmanager(am_payload(am_alert("RunHalted")))
+    book = IncidentBook(state)
+    [u] = parse_alertmanager(am_payload(am_alert("RunHalted")))
     book.apply([u], now=time.time())
-    book.record(u.key, "pagerduty", pg.FIRING, None)
-    again = pg.IncidentBook(state)
-    assert again.snapshot(u.key)["sent"] == {"pagerduty": pg.FIRING}
+    book.record(u.key, "pagerduty", FIRING, None)
+    again = IncidentBook(state)
+    assert again.snapshot(u.key)["sent"] == {"pagerduty": FIRING}
     state.write_text('{"version": 99, "incidents": {}}')
     with pytest.raises(SystemExit, match="version 99"):
-        pg.IncidentBook(state)
+        IncidentBook(state)
 
 
 def test_port_in_use_is_a_clean_error(sink: RecordingSink, tmp_path: Path) -> None:
@@ -283,8 +283,8 @@ def test_port_in_use_is_a_clean_error(sink: RecordingSink, tmp_path: Path) -> No
     ],
 )
 def test_parse_alertmanager_rejects_malformed(body: Any, message: str) -> None:
-    with pytest.raises(pg.PayloadError, match=re.escape(message)):
-        pg.parse_alertmanager(body)
+    with pytest.raises(PayloadError, match=re.escape(message)):
+        parse_alertmanager(body)
 
 
 # ---------------------------------------------------------------------------------------
@@ -525,7 +525,7 @@ def test_undelivered_page_is_sent_after_a_restart(sink: RecordingSink, tmp_path:
 
 
 def test_bearer_token_is_enforced_when_configured(sink: RecordingSink, tmp_path: Path) -> None:
-    p = start_pager(sink, tmp_path, env={pg.ENV_PAGER_TOKEN: "s3cret"})
+    p = start_pager(sink, tmp_path, env={ENV_PAGER_TOKEN: "s3cret"})
     try:
         body = am_payload(am_alert("RunHalted"))
         assert p.post("/v1/alertmanager", body)[0] == 401

@@ -28,8 +28,12 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # bare `pytest` without an install puts only tests/guard on sys.path
     sys.path.insert(0, str(REPO))
 
-from guard.pager import service as pg  # noqa: E402
-from guard.pager.notify import redact_url, redact_urls  # noqa: E402
+from guard.pager import journal  # noqa: E402
+from guard.pager.book import PRUNE_AFTER_S, IncidentBook  # noqa: E402
+from guard.pager.config import PagerConfig, Receivers  # noqa: E402
+from guard.pager.intake import FIRING, MAX_JSON_DEPTH, parse_alertmanager  # noqa: E402
+from guard.pager.journal import COMPACT_FACTOR, STATE_VERSION, journal_path, read_state  # noqa: E402
+from guard.wire.redact import redact_url, redact_urls  # noqa: E402
 from tests.helpers_alerting import HOOK, PD, SLACK, PagerProc, start_pager  # noqa: E402
 from tests.helpers_http import RecordingSink, free_port, http_json, wait_until  # noqa: E402
 
@@ -132,8 +136,9 @@ def test_redact_urls_keeps_scheme_and_host_only() -> None:
     assert redact_url("hooks.slack.com/services/T0/B0/XyZ") == "hooks.slack.com/..."
     assert redact_url("ftp://u:pw@h/x") == "ftp://h/..."
     with pytest.raises(Exception, match=r"slack_url = 'hooks\.slack\.com/\.\.\.'"):
-        pg.PagerConfig(slack_url="hooks.slack.com/services/T0/B0/XyZ")
-    assert "XyZ" not in repr(pg.PagerConfig(slack_url="https://hooks.slack.com/services/T0/B0/XyZ"))
+        Receivers(slack_url="hooks.slack.com/services/T0/B0/XyZ")
+    receivers = Receivers(slack_url="https://hooks.slack.com/services/T0/B0/XyZ", routing_key="RKEY")
+    assert not {"XyZ", "RKEY"} & set(re.split(r"\W+", repr(PagerConfig(receivers=receivers))))
 
 
 def test_no_webhook_secret_in_logs_or_state_at_debug(sink: RecordingSink, tmp_path: Path) -> None:
@@ -202,38 +207,38 @@ def test_no_webhook_secret_in_logs_or_state_at_debug(sink: RecordingSink, tmp_pa
 # ---------------------------------------------------------------------------------------
 # 2. Incremental persistence: journal, compaction, crashes
 # ---------------------------------------------------------------------------------------
-def fill(book: pg.IncidentBook, runs: range) -> list[str]:
-    return book.apply(pg.parse_alertmanager(payload(*(alert(f"r{i}", rank="0") for i in runs))), time.time())
+def fill(book: IncidentBook, runs: range) -> list[str]:
+    return book.apply(parse_alertmanager(payload(*(alert(f"r{i}", rank="0") for i in runs))), time.time())
 
 
-def live(book: pg.IncidentBook) -> dict[str, Any]:
+def live(book: IncidentBook) -> dict[str, Any]:
     return {k: book.snapshot(k) for k in book.keys()}
 
 
 def test_journal_round_trips_and_compacts_at_start(tmp_path: Path) -> None:
     state = tmp_path / "state.json"
-    journal = pg.journal_path(state)
-    book = pg.IncidentBook(state)
+    journal = journal_path(state)
+    book = IncidentBook(state)
     assert (
         json.loads(journal.read_text()) == {"generation": 1}
         and json.loads(state.read_text())["incidents"] == {}
     )
     keys = fill(book, range(20))
     snapshot = state.stat()
-    book.record(keys[0], "slack", pg.FIRING, None)
+    book.record(keys[0], "slack", FIRING, None)
     book.record(keys[1], "pagerduty", None, "HTTP 503")
-    book.record(keys[1], "pagerduty", pg.FIRING, None)
-    assert book.expire_events(time.time() + 2 * pg.PRUNE_AFTER_S) == 0
+    book.record(keys[1], "pagerduty", FIRING, None)
+    assert book.expire_events(time.time() + 2 * PRUNE_AFTER_S) == 0
     # Changes went to the journal, one line per batch; the snapshot was not rewritten.
     assert (state.stat().st_ino, state.stat().st_mtime_ns) == (snapshot.st_ino, snapshot.st_mtime_ns)
     assert len(journal.read_bytes().splitlines()) == 1 + 1 + 3  # header, the apply, three records
-    assert pg.read_state(state) == (1, live(book))
-    assert live(book)[keys[1]]["sent"] == {"pagerduty": pg.FIRING} and live(book)[keys[1]]["errors"] == {}
+    assert read_state(state) == (1, live(book))
+    assert live(book)[keys[1]]["sent"] == {"pagerduty": FIRING} and live(book)[keys[1]]["errors"] == {}
 
-    again = pg.IncidentBook(state)  # a restart replays, then compacts into generation 2
+    again = IncidentBook(state)  # a restart replays, then compacts into generation 2
     assert live(again) == live(book)
     assert json.loads(journal.read_text()) == {"generation": 2}
-    assert json.loads(state.read_text())["generation"] == 2 and pg.read_state(state) == (2, live(book))
+    assert json.loads(state.read_text())["generation"] == 2 and read_state(state) == (2, live(book))
 
 
 def test_a_delivery_appends_the_same_bytes_whatever_the_book_size(tmp_path: Path) -> None:
@@ -242,31 +247,31 @@ def test_a_delivery_appends_the_same_bytes_whatever_the_book_size(tmp_path: Path
     for n in (10, 1000):
         state = tmp_path / f"{n}" / "state.json"
         state.parent.mkdir()
-        book = pg.IncidentBook(state)
+        book = IncidentBook(state)
         key = fill(book, range(n))[0]
-        before = pg.journal_path(state).stat().st_size
-        book.record(key, "slack", pg.FIRING, None)
-        grown.append(pg.journal_path(state).stat().st_size - before)
+        before = journal_path(state).stat().st_size
+        book.record(key, "slack", FIRING, None)
+        grown.append(journal_path(state).stat().st_size - before)
     assert grown[0] == grown[1] < 200, grown
 
 
 def test_journal_compacts_when_it_outgrows_the_snapshot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pg, "COMPACT_MIN_BYTES", 0)
+    monkeypatch.setattr(journal, "COMPACT_MIN_BYTES", 0)
     state = tmp_path / "state.json"
-    book = pg.IncidentBook(state)
+    book = IncidentBook(state)
     keys = fill(book, range(10))
     for i in range(500):
-        book.record(keys[i % 10], f"sink{i % 3}", pg.FIRING if i % 2 else None, f"HTTP 50{i % 4}")
-        assert pg.journal_path(state).stat().st_size <= pg.COMPACT_FACTOR * state.stat().st_size + 200
-    generation, incidents = pg.read_state(state)
+        book.record(keys[i % 10], f"sink{i % 3}", FIRING if i % 2 else None, f"HTTP 50{i % 4}")
+        assert journal_path(state).stat().st_size <= COMPACT_FACTOR * state.stat().st_size + 200
+    generation, incidents = read_state(state)
     assert generation >= 3 and incidents == live(book)  # two compactions by size
 
 
 def test_compact_if_idle_leaves_the_snapshot_current(tmp_path: Path) -> None:
     state = tmp_path / "state.json"
-    book = pg.IncidentBook(state)
+    book = IncidentBook(state)
     fill(book, range(3))
     assert not book.compact_if_idle(idle_s=3600)  # not idle yet
     wait_until(lambda: book.compact_if_idle(idle_s=0), timeout=5)  # after COMPACT_DUTY x the last one
@@ -276,50 +281,50 @@ def test_compact_if_idle_leaves_the_snapshot_current(tmp_path: Path) -> None:
 
 def test_torn_last_line_is_ignored_and_damage_elsewhere_is_refused(tmp_path: Path) -> None:
     state = tmp_path / "state.json"
-    book = pg.IncidentBook(state)
+    book = IncidentBook(state)
     keys = fill(book, range(5))
-    book.record(keys[0], "slack", pg.FIRING, None)
+    book.record(keys[0], "slack", FIRING, None)
     acknowledged = live(book)
-    journal = pg.journal_path(state)
+    journal = journal_path(state)
     intact = journal.read_bytes()
     journal.write_bytes(intact + b'{"ops":[["sent","' + keys[1].encode())  # kill -9 inside an append
-    assert pg.read_state(state)[1] == acknowledged
-    assert live(pg.IncidentBook(state)) == acknowledged
+    assert read_state(state)[1] == acknowledged
+    assert live(IncidentBook(state)) == acknowledged
 
-    book = pg.IncidentBook(state)
-    book.record(keys[2], "slack", pg.FIRING, None)
-    lines = pg.journal_path(state).read_bytes().splitlines(keepends=True)
-    pg.journal_path(state).write_bytes(lines[0] + b"garbage\n" + b"".join(lines[1:]))
+    book = IncidentBook(state)
+    book.record(keys[2], "slack", FIRING, None)
+    lines = journal_path(state).read_bytes().splitlines(keepends=True)
+    journal_path(state).write_bytes(lines[0] + b"garbage\n" + b"".join(lines[1:]))
     with pytest.raises(SystemExit, match="line 2 is damaged"):
-        pg.IncidentBook(state)
+        IncidentBook(state)
 
 
 def test_compaction_cut_short_and_a_replaced_snapshot(tmp_path: Path) -> None:
     state = tmp_path / "state.json"
-    journal = pg.journal_path(state)
-    book = pg.IncidentBook(state)
+    journal = journal_path(state)
+    book = IncidentBook(state)
     keys = fill(book, range(4))
-    book.record(keys[0], "slack", pg.FIRING, None)
+    book.record(keys[0], "slack", FIRING, None)
     old_snapshot, old_journal = state.read_bytes(), journal.read_bytes()  # generation 1
     book.checkpoint()  # snapshot 2, then journal 2
     acknowledged = live(book)
     journal.write_bytes(old_journal)  # killed between the snapshot and the new journal
-    assert pg.read_state(state) == (2, acknowledged)  # journal 1 is inside snapshot 2: not replayed
-    assert live(pg.IncidentBook(state)) == acknowledged
+    assert read_state(state) == (2, acknowledged)  # journal 1 is inside snapshot 2: not replayed
+    assert live(IncidentBook(state)) == acknowledged
 
     state.write_bytes(old_snapshot)  # generation 1 under journal 3: someone restored a backup
     with pytest.raises(SystemExit, match="replaced by hand"):
-        pg.IncidentBook(state)
+        IncidentBook(state)
 
 
 def test_version_1_state_file_is_read_and_rewritten(tmp_path: Path) -> None:
-    legacy = pg.IncidentBook()
+    legacy = IncidentBook()
     fill(legacy, range(3))
     state = tmp_path / "state.json"
     state.write_text(json.dumps({"version": 1, "incidents": live(legacy)}))
-    book = pg.IncidentBook(state)
+    book = IncidentBook(state)
     assert live(book) == live(legacy)
-    assert json.loads(state.read_text())["version"] == pg.STATE_VERSION
+    assert json.loads(state.read_text())["version"] == STATE_VERSION
 
 
 def test_kill_9_loses_nothing_acknowledged(sink: RecordingSink, tmp_path: Path) -> None:
@@ -330,10 +335,7 @@ def test_kill_9_loses_nothing_acknowledged(sink: RecordingSink, tmp_path: Path) 
         assert p.post("/v1/alertmanager", payload(alert(run)))[0] == 200
     sink.wait_for(lambda r: r.path == SLACK and r.status == 202, count=len(delivered))
     wait_until(  # Slack's deliveries are on disk (recorded right after each answer)
-        lambda: (
-            sum(i["sent"].get("slack") == pg.FIRING for i in pg.read_state(tmp_path / STATE)[1].values())
-            == 10
-        ),
+        lambda: sum(i["sent"].get("slack") == FIRING for i in read_state(tmp_path / STATE)[1].values()) == 10,
         timeout=10,
     )
     in_flight = [f"f{i}" for i in range(10)]
@@ -423,7 +425,7 @@ def test_chunked_body_past_the_limit_gets_413_while_streaming(limited: PagerProc
 
 def test_deeply_nested_json_gets_400_not_500(limited: PagerProc) -> None:
     status, reply = limited.post("/v1/alertmanager", b"[" * 100_000)
-    assert status == 400 and f"nested deeper than {pg.MAX_JSON_DEPTH} levels" in reply["error"]
+    assert status == 400 and f"nested deeper than {MAX_JSON_DEPTH} levels" in reply["error"]
     # Deep enough to pass json.loads, too deep for what the pager does with it (copies, dumps)
     detail: Any = {}
     for _ in range(300):
