@@ -133,6 +133,17 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def make_exporter(cfg: Any, run_id: str, run_dir: Path, rank: int) -> Any:
+    """The rank's telemetry link: the collector's exporter, with OTLP beside it on rank 0 when
+    telemetry.otlp_endpoint is set (guard/runtime/otel.py); None when neither is configured."""
+    collector = make_collector_exporter(cfg, run_id, run_dir, rank)
+    if not cfg.telemetry.otlp_endpoint or rank != 0:  # rank 0's reports carry the job's loss and norms
+        return collector
+    from guard.runtime.otel import OtelExporter, TeeExporter
+
+    return TeeExporter(collector, OtelExporter(cfg.telemetry.otlp_endpoint, run_id))
+
+
+def make_collector_exporter(cfg: Any, run_id: str, run_dir: Path, rank: int) -> Any:
     """One exporter per rank. No idle heartbeats: a beat goes out with each step's report (and
     from trainer.distributed.HeartbeatPump while the rank waits in a collective), so a rank that
     stops making progress goes silent even though its process is alive. Only rank 0 polls for

@@ -73,7 +73,7 @@ class TelemetryConfig:
     dead_window: int = 50  # steps without a token before an expert counts as dead
     flush_every: int = 50  # run-store chunk size in steps
     collector: str = ""  # collector URL ("" = env MOEGUARD_COLLECTOR or none)
-    otlp_endpoint: str = ""  # OpenTelemetry OTLP/HTTP metrics endpoint ("" = off)
+    otlp_endpoint: str = ""  # OTLP/HTTP receiver, base or /v1/metrics URL ("" = off; guard/runtime/otel.py)
     straggler_every: int = 20  # multi-rank: per-rank timing gathered every N steps
     straggler_threshold: float = 0.75
     profile: bool = True  # a short torch.profiler window each run (TensorBoard traces)
@@ -89,6 +89,13 @@ class TelemetryConfig:
             "telemetry.straggler_threshold",
             self.straggler_threshold,
             "must be in (0, 1)",
+        )
+        otlp = self.otlp_endpoint
+        check(
+            not otlp or otlp.startswith(("http://", "https://")),
+            "telemetry.otlp_endpoint",
+            otlp,
+            "must be http(s)",
         )
 
 

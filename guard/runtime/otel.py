@@ -1,9 +1,14 @@
 """Optional OpenTelemetry export of the core step metrics (for shops that run an OTel collector
 instead of scraping Prometheus). Same names as the Prometheus metrics in guard/core/schema.py.
 
-    otel = OtelExporter("http://otel-collector:4318/v1/metrics", run_id="run-42")
+    otel = OtelExporter("http://otel-collector:4318", run_id="run-42")   # or .../v1/metrics
     otel.submit(report)     # every step: stores the report, no I/O
     otel.close()
+
+`moeguard train` turns it on with `telemetry.otlp_endpoint` (rank 0 only: its reports carry the
+job's loss and gradient norm); `TeeExporter` hands it the steps beside the collector link, so the
+trainer still sees one exporter. Export cadence: OTEL_METRIC_EXPORT_INTERVAL (milliseconds, the
+SDK's own variable) or 10 s; headers (an auth token): OTEL_EXPORTER_OTLP_HEADERS, read by the SDK.
 
 Gauges are observable: the SDK's reader calls back at its own cadence (PeriodicExportingMetricReader,
 OTLP over HTTP) and reads the last report, so `submit` costs a reference swap and two counter
@@ -14,9 +19,11 @@ OTLP->Prometheus bridge appends unit suffixes, and the names already carry their
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
@@ -24,7 +31,11 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.resources import Resource
 
 from guard.core import schema
+from guard.core.events import Event
 from guard.core.report import StepReport
+
+OTLP_METRICS_PATH = "/v1/metrics"
+DEFAULT_EXPORT_INTERVAL_S = 10.0
 
 _STEP_GAUGES: tuple[tuple[str, str], ...] = (
     (schema.M_STEP, "step"),
@@ -53,16 +64,19 @@ class OtelExporter:
         run_id: str,
         *,
         reader: MetricReader | None = None,
-        export_interval_s: float = 10.0,
+        export_interval_s: float | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        """`endpoint`: OTLP/HTTP metrics URL; ignored when `reader` is given (tests, custom setups)."""
+        """`endpoint`: the OTLP/HTTP receiver (its base URL, or its full /v1/metrics URL); ignored
+        when `reader` is given (tests, custom setups). `export_interval_s`: None = the
+        environment's OTEL_METRIC_EXPORT_INTERVAL, else 10 s."""
         if reader is None:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
+            interval_s = export_interval_s if export_interval_s is not None else env_export_interval_s()
             reader = PeriodicExportingMetricReader(
-                OTLPMetricExporter(endpoint=endpoint, headers=headers),
-                export_interval_millis=export_interval_s * 1000,
+                OTLPMetricExporter(endpoint=metrics_url(endpoint) if endpoint else None, headers=headers),
+                export_interval_millis=interval_s * 1000,
             )
         self.run_id = run_id
         self.reader = reader
@@ -95,8 +109,9 @@ class OtelExporter:
     def flush(self, timeout_s: float = 10.0) -> bool:
         return bool(self.provider.force_flush(int(timeout_s * 1000)))
 
-    def close(self) -> None:
-        self.provider.shutdown()
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Export what the last step left (one final collection), then stop the reader."""
+        self.provider.shutdown(timeout_millis=timeout_s * 1000)
 
     # ---- callbacks (run on the reader's thread) ------------------------------------------
     def _scalar_cb(self, attr: str) -> Any:
@@ -131,3 +146,48 @@ class OtelExporter:
             ]
 
         return cb
+
+
+def metrics_url(endpoint: str) -> str:
+    """A receiver's base URL (http://otel:4318, as OTEL_EXPORTER_OTLP_ENDPOINT is written) gets
+    /v1/metrics; a URL with a path is taken as the full metrics URL."""
+    if urlsplit(endpoint).path in ("", "/"):
+        return endpoint.rstrip("/") + OTLP_METRICS_PATH
+    return endpoint
+
+
+def env_export_interval_s() -> float:
+    try:
+        return max(0.01, float(os.environ["OTEL_METRIC_EXPORT_INTERVAL"]) / 1000)
+    except (KeyError, ValueError):
+        return DEFAULT_EXPORT_INTERVAL_S
+
+
+class TeeExporter:
+    """The trainer's exporter protocol over the collector link (an Exporter, or None) and OTLP:
+    each step goes to both; heartbeats, meta, phases and operator commands are the collector's."""
+
+    def __init__(self, collector: Any | None, otel: OtelExporter) -> None:
+        self.collector, self.otel = collector, otel
+
+    def submit(self, report: StepReport, events: Iterable[Event | dict[str, Any]] = ()) -> None:
+        self.otel.submit(report)
+        if self.collector is not None:
+            self.collector.submit(report, events)
+
+    def set_meta(self, meta: dict[str, Any]) -> None:
+        if self.collector is not None:
+            self.collector.set_meta(meta)
+
+    def set_phase(self, phase: str) -> None:
+        if self.collector is not None:
+            self.collector.set_phase(phase)
+
+    def poll_commands(self) -> list[dict[str, Any]]:
+        return self.collector.poll_commands() if self.collector is not None else []
+
+    def close(self, timeout: float = 30.0, final: bool | None = None) -> bool:
+        """Close both; True when the collector got everything (OTLP is best effort)."""
+        ok = self.collector.close(timeout=timeout, final=final) if self.collector is not None else True
+        self.otel.close(timeout_s=timeout)
+        return ok
