@@ -63,7 +63,7 @@ from bench.traces import (
     synthetic_traces,
 )
 from guard.core.config import GuardConfig, SpikeConfig, load_guard_config
-from guard.core.detectors import SpikeDetector
+from guard.core.detectors.spike import SpikeDetector
 
 NAN = float("nan")
 SIZES: tuple[float, ...] = (1.5, 2.0, 3.0, 5.0, 10.0, 100.0, NAN)

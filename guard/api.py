@@ -18,12 +18,13 @@ optimizer state change (NaN included); on a rollback it restores the last snapsh
 incident and skips the next `skip_batches` batches (through `batches()`, or, when the loop does
 not use it, by skipping those updates); a collapse correction goes through the attachment's
 corrector (a selection-bias push or a per-layer balancing gradient) and is reported only when
-the model offers one.
+the model offers one. Operator commands (skip, rollback, halt) from `commands=` (an exporter
+talking to the collector, or a CommandFile an operator writes) are merged into the step's
+decision by the same engine the trainer runs.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -39,6 +40,8 @@ from guard.core.events import Event
 from guard.core.policy import Decision
 from guard.core.report import StepReport
 from guard.integrations.base import MODE_NONE, Attachment
+from guard.runtime.apply import DecisionApplier
+from guard.runtime.commands import CommandSource
 from guard.runtime.guard import Guard
 from guard.runtime.probe import Probe
 from guard.store.runstore import RunStore
@@ -70,17 +73,18 @@ class GuardedStep:
         max_lr: float | None = None,
         grad_clip: float = 0.0,
         dead_window: int = 50,
+        commands: CommandSource | None = None,
     ) -> None:
         """`attach`: what guard.integrations.<framework>.attach(model) found (layers, routers and
         the collapse corrector); `layers`/`routers` are the manual form of the same for a custom
-        model (routers observed, no correction applied)."""
+        model (routers observed, no correction applied). `commands`: where operator commands come
+        from (guard.runtime.commands.CommandFile, or an Exporter); each applies at the next step."""
         if isinstance(config, str | Path):
             config = load_guard_config(config)
         self.cfg = config or GuardConfig()
         self.model = model
         self.optimizer = optimizer
-        self.grad_clip = grad_clip
-        self.attachment = attach
+        self.commands = commands
         if attach is not None:
             layers, routers = attach.layers, attach.routers
         device = next(model.parameters()).device
@@ -92,9 +96,15 @@ class GuardedStep:
             routers=routers or [],
         )
         self.layer_ids = np.arange(self.probe.n_layers, dtype=np.int32)
-        self.corrector = attach.corrector if attach is not None else None
         mode = attach.correction_mode if attach is not None else MODE_NONE
         self.guard = Guard(self.cfg, model, optimizer, max_lr=max_lr, correction=mode)
+        self.applier = DecisionApplier(
+            optimizer,
+            self.guard,
+            grad_clip=grad_clip,
+            corrector=attach.corrector if attach is not None else None,
+            after_step=attach.after_step if attach is not None else None,
+        )
         self.store = RunStore(run_dir) if run_dir is not None else None
         if self.store is not None:
             self.store.write_meta(
@@ -147,7 +157,9 @@ class GuardedStep:
             load_ME=pr.load_ME,
             bias_ME=pr.bias_ME,
         )
-        d = self.guard.observe(rep, lr=planned[0])
+        if self.commands is not None:
+            self.guard.commands.offer(self.commands.poll_commands())
+        d = self.guard.observe(rep, lr=planned[0], command=self.guard.commands.next())
         if d.applies_update and self.pending_skip > 0:
             # A rollback asked to skip a data window and this loop does not drop batches through
             # batches(): skip the update of each batch of the window instead.
@@ -161,18 +173,10 @@ class GuardedStep:
                     detail={"reason": "data window after a rollback", "left": self.pending_skip},
                 )
             )
-        applied = d.applies_update
-        rep.lr = planned[0] * d.lr_scale if applied else planned[0]
-        if applied:
-            self._apply(pr.grad_norm, planned, d.lr_scale)
-        elif d.action == schema.ACT_ROLLBACK:
-            self.guard.rollback(d)
+        rep.lr = planned[0] * d.lr_scale if d.applies_update else planned[0]
+        done = self.applier.apply(d, grad_norm=pr.grad_norm, loads_ME=self.probe.loads_ME)
+        if done.restored_step is not None:
             self.pending_skip = d.skip_batches
-        if self.corrector is not None:
-            self.corrector.correct({**d.bias_boost, **d.aux_boost}, self.probe.loads_ME, applied)
-        if self.attachment is not None and self.attachment.after_step is not None:
-            self.attachment.after_step(applied)
-        self.optimizer.zero_grad(set_to_none=True)
         self.probe.reset_router_stats()
         now = time.perf_counter()
         rep.step_time_s, self._t_last = now - self._t_last, now
@@ -186,21 +190,6 @@ class GuardedStep:
         self.step_idx += 1
         self.guard.after_step(self.step_idx)
         return d
-
-    def _apply(self, grad_norm: float, planned: list[float], lr_scale: float) -> None:
-        """Clip, step with the cooled LR, then put back the exact planned LR (no drift)."""
-        if self.grad_clip and math.isfinite(grad_norm) and grad_norm > self.grad_clip:
-            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-            torch._foreach_mul_(grads, self.grad_clip / (grad_norm + 1e-6))
-        if lr_scale != 1.0:
-            for g, lr in zip(self.optimizer.param_groups, planned, strict=True):
-                g["lr"] = lr * lr_scale
-        try:
-            self.optimizer.step()
-        finally:
-            if lr_scale != 1.0:
-                for g, lr in zip(self.optimizer.param_groups, planned, strict=True):
-                    g["lr"] = lr
 
     def state_dict(self) -> dict[str, Any]:
         return {

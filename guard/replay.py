@@ -1,7 +1,7 @@
 """`moeguard replay RUN_DIR [--guard FILE.toml]`: run the detectors and policy over a recorded run.
 
-It rebuilds each step's StepReport from the run store and feeds the same DetectorSuite and
-Policy the trainer uses, then prints what they would have done next to what the run did. Use
+It rebuilds each step's StepReport from the run store and feeds the same engine (detectors,
+LR bound, policy: guard/core/engine.py) the trainer uses, then prints what they would have done next to what the run did. Use
 it to tune thresholds: a verdict on a step you know was healthy is a false alarm to fix.
 """
 
@@ -18,9 +18,7 @@ import polars as pl
 
 from guard.core import schema
 from guard.core.config import GuardConfig, load_guard_config
-from guard.core.detectors import DetectorSuite
-from guard.core.lrbound import LRBoundDetector
-from guard.core.policy import Policy
+from guard.core.engine import Engine
 from guard.core.report import StepReport
 from guard.core.tomlconf import ConfigError, from_dict
 from guard.store.runstore import read_meta, scan_table
@@ -79,15 +77,10 @@ class ReplayRow:
 
 
 def replay(run_dir: Path, cfg: GuardConfig, max_lr: float | None = None) -> list[ReplayRow]:
-    suite = DetectorSuite(cfg)
-    policy = Policy(cfg)
-    lr_bound = LRBoundDetector(max_lr) if max_lr else None
+    engine = Engine(cfg, max_lr=max_lr)
     rows: list[ReplayRow] = []
     for rep in reports_from_run(run_dir):
-        verdicts = suite.update(rep)
-        if lr_bound is not None and (v := lr_bound.update(rep.lr)).fired:
-            verdicts.append(v)
-        d = policy.decide(rep.step, verdicts, healthy=suite.healthy)
+        d = engine.decide(rep, rep.lr)
         for ev in d.events:
             if ev.kind != schema.EV_VERDICT:
                 continue

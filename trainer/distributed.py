@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from guard.core import schema
+from guard.core.commands import OPERATOR_ACTIONS, CommandInbox, OperatorCommand
 from guard.core.events import Event
 from guard.core.heartbeat import PHASE_TRAIN
 from guard.core.policy import Decision
@@ -200,9 +201,6 @@ def allreduce_grads(params: list[torch.nn.Parameter], world: int, comm: Comm | N
 # ---------------------------------------------------------------------------------------
 # Every rank agrees on the decision, and on the operator's command
 # ---------------------------------------------------------------------------------------
-COMMANDS = (schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_HALT)  # operator actions, code = index + 1
-
-
 def decision_fingerprint(d: Decision) -> int:
     """A 31-bit digest of everything in a decision that changes state on a rank."""
     key = (
@@ -227,10 +225,14 @@ class Agreement:
         self.comm = comm
         self.buf = torch.zeros(4, dtype=torch.int64, device=device)
 
-    def sync(self, decision: Decision, command: dict[str, Any] | None) -> Agreed:
+    def sync(self, decision: Decision, command: OperatorCommand | None) -> Agreed:
         fp = decision_fingerprint(decision)
-        code = COMMANDS.index(command["action"]) + 1 if command and command.get("action") in COMMANDS else 0
-        cid = int(command["id"]) if code else 0
+        code = (
+            OPERATOR_ACTIONS.index(command.action) + 1
+            if command and command.action in OPERATOR_ACTIONS
+            else 0
+        )
+        cid = command.id if code else 0
         host = torch.tensor([fp, -fp, code, cid], dtype=torch.int64)
         self.buf.copy_(host)
         self.comm.all_reduce(self.buf, op=dist.ReduceOp.MAX)
@@ -242,7 +244,7 @@ class Agreement:
                 [schema.ACTIONS.index(decision.action)], dtype=torch.int64, device=self.buf.device
             )
             actions = [schema.ACTIONS[int(i)] for i in self.comm.all_gather(mine).reshape(-1).tolist()]
-        return Agreed(same, COMMANDS[code_r - 1] if code_r else None, int(cid_r), actions)
+        return Agreed(same, OPERATOR_ACTIONS[code_r - 1] if code_r else None, int(cid_r), actions)
 
 
 class DecisionLog:
@@ -305,18 +307,17 @@ class RankWindow:
 # ---------------------------------------------------------------------------------------
 # The multi-rank and operator side of one step
 # ---------------------------------------------------------------------------------------
-_SEVERITY = {schema.ACT_SKIP: 1, schema.ACT_ROLLBACK: 2, schema.ACT_HALT: 3}  # the stronger action wins
-
-
 class StepSync:
     """What each step adds for multi-rank runs and operator commands, in step order:
 
-        apply_command(...)  the command agreed at the previous step (skip | rollback | halt)
+        take_pending()      the command agreed at the previous step, for the guard to merge
+                            (guard/core/commands.py) into this step's decision
         agree(...)          one MAX all-reduce: same decision everywhere (else halt); next command
         end_step(...)       busy time into the window; every N steps ONE all_gather -> scores
 
-    Operator commands are polled on rank 0 only and ride in the agreement's all-reduce (no extra
-    broadcast). In one process the same code runs without collectives."""
+    Operator commands are polled on rank 0 only (into the guard's inbox) and ride in the
+    agreement's all-reduce (no extra broadcast). In one process the same code runs without
+    collectives."""
 
     def __init__(
         self,
@@ -327,56 +328,29 @@ class StepSync:
         straggler_every: int,
         straggler_threshold: float,
         exporter: Any = None,
+        commands: CommandInbox | None = None,
     ) -> None:
         self.dist, self.comm, self.device, self.exporter = d, comm, device, exporter
+        self.inbox = commands if commands is not None else CommandInbox()  # the guard's
         multi = d.world > 1
         self.agreement = Agreement(comm, device) if multi else None
         self.window = RankWindow(straggler_every) if multi else None
         self.stragglers = StragglerDetector(StragglerConfig(threshold=straggler_threshold))
         self.straggler_score = float("nan")  # this rank's, from the last window
-        self.commands: list[dict[str, Any]] = []  # polled on rank 0, not yet agreed
-        self.pending: dict[str, Any] | None = None  # agreed; applied at the next step
-        self.applied_id = 0  # highest operator command id applied (checkpointed)
+        self.pending: OperatorCommand | None = None  # agreed; merged at the next step
         self.log = DecisionLog(d.rank)
 
-    def apply_command(
-        self, step: int, d: Decision, events: list[Event], *, can_roll_back: bool, skip_batches: int
-    ) -> None:
-        """Turn the pending operator command into this step's decision (the guard's own wins
-        when it is stronger) and record it as an operator event."""
+    def take_pending(self) -> OperatorCommand | None:
+        """The command every rank agreed on at the previous step (each is handed out once)."""
         cmd, self.pending = self.pending, None
-        if cmd is None:
-            return
-        action = cmd["action"]
-        self.applied_id = max(self.applied_id, int(cmd["id"]))
-        detail = {
-            "command": action,
-            "id": cmd["id"],
-            "reason": cmd.get("reason", ""),
-            "guard_action": d.action,
-        }
-        if action == schema.ACT_ROLLBACK and not can_roll_back:
-            action, detail["fallback"] = schema.ACT_SKIP, "no snapshot to roll back to; skipped instead"
-        if _SEVERITY.get(action, 0) > _SEVERITY.get(d.action, 0):
-            d.action = action
-            if action == schema.ACT_ROLLBACK:
-                d.rollback_before, d.skip_batches = step, skip_batches
-                ev = Event(
-                    step=step,
-                    kind=schema.EV_ACTION,
-                    action=action,
-                    detail={"reason": "operator command", "skip_batches": skip_batches},
-                )
-                d.events.append(ev)  # Guard.rollback writes the restored step into it
-                events.append(ev)
-        events.append(Event(step=step, kind=schema.EV_OPERATOR, action=action, detail=detail))
+        return cmd
 
-    def _next_command(self) -> dict[str, Any] | None:
+    def _next_command(self) -> OperatorCommand | None:
         if self.exporter is not None:
             polled = self.exporter.poll_commands()  # no network call; also acknowledges them
             if self.dist.main:  # data parallel: a command acts on the whole job or not at all
-                self.commands.extend(c for c in polled if int(c.get("id", 0)) > self.applied_id)
-        return self.commands.pop(0) if self.commands else None
+                self.inbox.offer(polled)
+        return self.inbox.next()
 
     def agree(self, step: int, d: Decision, events: list[Event]) -> Decision:
         """Every rank ends up with the same decision, or the run halts; the next command travels along."""
@@ -388,12 +362,8 @@ class StepSync:
             return d
         agreed = self.agreement.sync(d, cmd)
         self.log.write(f"{step} {d.action} {fp:08x}" + ("" if agreed.same else " DIVERGED"))
-        if agreed.command is not None and agreed.command_id > self.applied_id:
-            self.pending = {
-                "action": agreed.command,
-                "id": agreed.command_id,
-                **({"reason": cmd.get("reason", "")} if cmd else {}),
-            }
+        if agreed.command is not None and agreed.command_id > self.inbox.applied_id:
+            self.pending = OperatorCommand(agreed.command_id, agreed.command, cmd.reason if cmd else "")
         if agreed.same:
             return d
         # Different guard states on different ranks: applying anything could desynchronise the
@@ -439,11 +409,12 @@ class StepSync:
         return res.events
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stragglers": self.stragglers.state_dict(), "applied_command_id": self.applied_id}
+        return {"stragglers": self.stragglers.state_dict()}
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
         self.stragglers.load_state_dict(s.get("stragglers", {}))
-        self.applied_id = int(s.get("applied_command_id", 0))
+        if "applied_command_id" in s:  # a checkpoint from before the guard kept it
+            self.inbox.applied_id = max(self.inbox.applied_id, int(s["applied_command_id"]))
 
 
 # ---------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 One step:
     data (timed) -> forward/backward over micro-batches -> [gradient all-reduce (ddp)]
     -> Probe.collect: every statistic reduced across ranks in one all-reduce, one device->host copy
-    -> Guard.observe: detectors + policy -> Decision (+ a pending operator command)
+    -> Guard.observe: the engine (detectors + policy + the pending operator command) -> Decision
     -> [ranks agree: one tiny MAX all-reduce of the decision's fingerprint and the next command]
-    -> apply (clip, LR, optimizer.step, expert-bias update) | skip | roll back | halt
+    -> DecisionApplier (guard/runtime/apply.py): clip, LR, optimizer.step, expert-bias update
+       (trainer/correction.py) | skip | roll back | halt
     -> run store (rank 0) / exporter (every rank; background threads; never block the step)
     -> every telemetry.straggler_every steps: ONE all_gather of each rank's timing summary
 
@@ -37,11 +38,13 @@ from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_TRAIN
 from guard.core.policy import Decision
 from guard.core.report import StepReport
 from guard.core.tomlconf import ConfigError, to_dict
+from guard.runtime.apply import DecisionApplier
 from guard.runtime.guard import Guard
 from guard.runtime.probe import Probe
 from guard.store.runstore import RunStore, read_meta, truncate_after
 from trainer import checkpoint as ckpt
 from trainer.config import TrainConfig
+from trainer.correction import ModelCorrector
 from trainer.data import DataLoader
 from trainer.distributed import (
     Comm,
@@ -49,7 +52,6 @@ from trainer.distributed import (
     HeartbeatPump,
     StepSync,
     allreduce_grads,
-    local,
     resolve_parallel,
     restart_count,
     setup_distributed,
@@ -243,6 +245,16 @@ class Trainer:
         self.guard = Guard(
             cfg.guard, self.model, self.opt, max_lr=cfg.optim.lr, has_bias=cfg.model.bias_mode != "off"
         )
+        corrector = ModelCorrector(
+            self.model,
+            self.probe.routers,
+            bias=cfg.model.bias_mode != "off",
+            bias_max=cfg.guard.policy.bias_max,
+            aux_coef=cfg.model.aux_loss_coef,
+        )
+        self.applier = DecisionApplier(
+            self.opt, self.guard, grad_clip=cfg.optim.grad_clip, corrector=corrector
+        )
         self.injector = Injector(injections or [], rank=self.dist.rank, attempt=restart_count())
         self.opt_step = 0  # updates actually applied (drives the LR schedule; restored on rollback)
         self.step = 0  # iterations run (monotonic; the run store's key)
@@ -250,7 +262,6 @@ class Trainer:
         self.exporter = exporter
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak, self.peak_source = peak_flops(self.device, self.dtype)
-        self.aux_boosted: set[int] = set()
         self.counts = {a: 0 for a in schema.ACTIONS}  # step decisions, apply included
         self.guard_actions = (
             actions.zero()
@@ -272,6 +283,7 @@ class Trainer:
             straggler_every=cfg.telemetry.straggler_every,
             straggler_threshold=cfg.telemetry.straggler_threshold,
             exporter=exporter,
+            commands=self.guard.commands,
         )
         # one rank too: `--inject hang@S:SECONDS` blocks inside comm.timed() like a hung collective
         self.pump = HeartbeatPump(self.comm, exporter) if exporter is not None else None
@@ -450,31 +462,6 @@ class Trainer:
         if (inj := self.injector.due(self.step, "collapse")) is not None:
             Injector.collapse(self.model, int(inj.arg))
 
-    def _apply_update(self, grad_norm: float, lr: float, bias_boost: dict[int, float]) -> None:
-        clip = self.cfg.optim.grad_clip
-        if clip > 0 and math.isfinite(grad_norm) and grad_norm > clip:
-            torch._foreach_mul_(
-                [local(p.grad) for p in self.params if p.grad is not None], clip / (grad_norm + 1e-6)
-            )
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
-        self.opt_step += 1
-        if self.probe.loads_ME is not None:
-            bias_max = self.cfg.guard.policy.bias_max
-            for m, (layer_idx, router) in enumerate(self.probe.routers):
-                boost = bias_boost.get(layer_idx)
-                router.update_bias(
-                    self.probe.loads_ME[m], rate_scale=boost or 1.0, bias_max=bias_max if boost else None
-                )
-
-    def _set_aux_boost(self, aux_boost: dict[int, float]) -> None:
-        base = self.cfg.model.aux_loss_coef
-        for layer in set(aux_boost) | self.aux_boosted:
-            coef = max(base * aux_boost[layer], 1e-2) if layer in aux_boost else base
-            self.model.set_aux_loss_coef(layer, coef)
-        self.aux_boosted = set(aux_boost)
-
     def _reduce_grads(self) -> None:
         if self.parallel == "ddp":
             allreduce_grads(self.params, self.dist.world, self.comm)
@@ -575,29 +562,22 @@ class Trainer:
             # several ranks each would see its own clock, so there the collector watches throughput.
             elapsed = time.perf_counter() - t0
             rep.step_time_s, rep.tokens_per_s = elapsed, rep.tokens / elapsed
-        decision = self.guard.observe(rep, lr=planned_lr)
+        # the operator command agreed at the previous step is merged into this step's decision
+        decision = self.guard.observe(rep, lr=planned_lr, command=self.sync.take_pending())
         events = list(decision.events)
-        self.sync.apply_command(
-            self.step,
-            decision,
-            events,
-            can_roll_back=self._can_roll_back(),
-            skip_batches=self.cfg.guard.policy.rollback_skip_batches,
-        )
         decision = self.sync.agree(self.step, decision, events)
-        lr = planned_lr * decision.lr_scale
-        rep.lr = lr
-        self._set_aux_boost(decision.aux_boost)
+        rep.lr = planned_lr * decision.lr_scale
         for inj in self.injector.at(self.step):
             events.insert(0, Event(step=self.step, kind=schema.EV_INJECT, detail={"injection": str(inj)}))
-        if decision.applies_update:
-            self._apply_update(pr.grad_norm, lr, decision.bias_boost)
-        elif decision.action == schema.ACT_ROLLBACK:
-            restored, extra = self.guard.rollback(decision)
-            self.opt_step = extra["opt_step"]
+        done = self.applier.apply(
+            decision, grad_norm=pr.grad_norm, loads_ME=self.probe.loads_ME, lr=planned_lr
+        )
+        if done.updated:
+            self.opt_step += 1
+        elif done.restored_step is not None:
+            self.opt_step = done.restored_extra["opt_step"]
             self.data.skip(decision.skip_batches)
-            self.gp.rolled_back(restored)
-        self.opt.zero_grad(set_to_none=True)
+            self.gp.rolled_back(done.restored_step)
         self.probe.reset_router_stats()
         rep.action = decision.action
         rep.step_time_s = time.perf_counter() - t0
@@ -645,10 +625,6 @@ class Trainer:
             print(line, file=sys.stderr, flush=True)
 
     # ---- multi-rank pieces of the step ----------------------------------------------------
-    def _can_roll_back(self) -> bool:
-        ring = self.guard.ring
-        return ring is not None and any(s < self.step for s in ring.steps())
-
     def _emit(self, rep: StepReport, events: list[Event], own_wait: float, own_tokens: int) -> None:
         if self.store is not None:
             self.store.add_step(rep)

@@ -117,9 +117,9 @@ loads it on the spot. /healthz says how many folders are left (pending_load).
 A /metrics scrape never blocks ingest: runs are copied one at a time under the metrics lock and
 rendered after it is released (guard/collector/metrics.py).
 
-Server-side detectors: one DetectorSuite per run sees every rank-0 report, for runs that only
-stream telemetry (a run whose batches say trainer_detectors=true has its own verdicts, and the
-collector skips the duplicate work from then on). Rule against duplicate events: a collector verdict for
+Server-side detectors: the detectors of one guard engine (guard/core/engine.py) per run see
+every rank-0 report, for runs that only stream telemetry (a run whose batches say
+trainer_detectors=true has its own verdicts, and the collector skips the duplicate work from then on). Rule against duplicate events: a collector verdict for
 step S is written as an event (detail.source = "collector", action "none") only when the batch
 that carried step S had no verdict, action or halt event for S from the trainer (the exporter
 ships a step's events with its report). Detector state is not persisted: after a collector
@@ -153,6 +153,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from guard.collector.metrics import CollectorMetrics
 from guard.core import schema
 from guard.core.config import GuardConfig, load_guard_config
+from guard.core.engine import Engine
 from guard.core.events import Event
 from guard.core.heartbeat import PHASE_TRAIN, PHASES, HeartbeatConfig
 from guard.core.limits import FLAGS as LIMIT_FLAGS
@@ -922,7 +923,7 @@ class RunState:
         if self.detectors is None:
             return []
         try:
-            return [v for v in self.detectors.update(rep) if v.fired]
+            return self.detectors.verdicts(rep)
         except Exception:  # a detector bug must not take ingest down
             log.exception("run %s: server-side detectors failed; disabled for this run", self.run)
             self.detectors = None
@@ -1283,15 +1284,9 @@ def check_run_layout(run_dir: Path) -> None:
         raise RunDamaged(f"{schema.META_FILE}: expected a JSON object, found {type(meta).__name__}")
 
 
-def _make_detectors(cfg: GuardConfig | None) -> Any:
-    if cfg is None:
-        return None
-    try:
-        from guard.core.detectors import DetectorSuite  # lazy: written in parallel, optional here
-    except ImportError as e:
-        log.warning("server-side detectors unavailable (%s)", e)
-        return None
-    return DetectorSuite(cfg)
+def _make_detectors(cfg: GuardConfig | None) -> Engine | None:
+    """The guard engine, of which the collector runs the detectors (no policy: it acts on nothing)."""
+    return Engine(cfg) if cfg is not None else None
 
 
 def scan_last_step(run_dir: Path) -> int:

@@ -1,14 +1,14 @@
-"""Guard: detectors + policy + snapshot ring, the engine every training loop shares.
+"""Guard: the engine plus the snapshot ring, for every training loop that runs in-process.
 
-The caller owns the training step; the guard only answers "what should happen to this update?"
-and performs the state changes it alone knows how to do (snapshots and rollbacks):
+The caller owns the training step; the guard answers "what should happen to this update?" and
+performs the state changes it alone knows how to do (snapshots and rollbacks); the decision is
+applied by guard/runtime/apply.py:
 
-    decision = guard.observe(report, lr=planned_lr)      # before optimizer.step()
-    if decision.applies_update: optimizer.step()
-    elif decision.action == "rollback": guard.rollback(decision)
+    decision = guard.observe(report, lr=planned_lr, command=guard.commands.next())
+    applier.apply(decision, grad_norm=...)               # step, skip or roll back
     guard.after_step(step, extra={...})                  # maybe snapshot
 
-The same DetectorSuite and Policy run in `moeguard replay` and in the collector.
+The same Engine runs in `moeguard replay` and in the collector.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import torch
 from torch import nn
 
 from guard.core import schema
+from guard.core.commands import CommandInbox, OperatorCommand
 from guard.core.config import GuardConfig
-from guard.core.detectors import DetectorSuite
-from guard.core.events import Event
-from guard.core.lrbound import LRBoundDetector
+from guard.core.engine import Engine
 from guard.core.policy import Decision, Policy
 from guard.core.report import StepReport
 from guard.runtime.snapshot import SnapshotRing
@@ -41,39 +40,34 @@ class Guard:
         snapshot_device: torch.device | str | None = None,
     ) -> None:
         self.cfg = cfg
-        self.detectors = DetectorSuite(cfg)
-        self.lr_bound = LRBoundDetector(max_lr) if max_lr else None
-        self.policy = Policy(cfg, has_bias=has_bias, correction=correction)
+        self.engine = Engine(cfg, max_lr=max_lr, has_bias=has_bias, correction=correction)
         self.ring: SnapshotRing | None = None
         if model is not None and optimizer is not None and cfg.acting and cfg.policy.rollback:
             self.ring = SnapshotRing(model, optimizer, cfg.policy.ring_size, device=snapshot_device)
 
-    def observe(self, report: StepReport, lr: float | None = None) -> Decision:
-        """Run every detector on this step's statistics and decide. Pure host-side work."""
-        verdicts = self.detectors.update(report)
-        if self.lr_bound is not None and lr is not None:
-            v = self.lr_bound.update(lr)
-            if v.fired:
-                verdicts.append(v)
-        decision = self.policy.decide(report.step, verdicts, healthy=self._healthy)
-        if decision.action == schema.ACT_ROLLBACK and (
-            self.ring is None or not self._snapshot_before(decision)
-        ):
-            # Nothing to roll back to (too early in the run): skipping is the safe fallback.
-            decision.action = schema.ACT_SKIP
-            for ev in decision.events:
-                if ev.action == schema.ACT_ROLLBACK:
-                    ev.detail["fallback"] = "no snapshot before the incident; skipped instead"
-        return decision
+    @property
+    def policy(self) -> Policy:
+        return self.engine.policy
 
-    def _healthy(self, layer: int) -> bool:
-        return self.detectors.healthy(layer)
+    @property
+    def commands(self) -> CommandInbox:
+        """Operator commands waiting for their step (offer them here; `observe` merges one)."""
+        return self.engine.commands
+
+    def observe(
+        self, report: StepReport, lr: float | None = None, command: OperatorCommand | None = None
+    ) -> Decision:
+        """Run the engine on this step's statistics (and an operator command) and decide.
+        Pure host-side work; a rollback with no snapshot before the incident becomes a skip."""
+        return self.engine.decide(report, lr, command=command, snapshot_before=self.snapshot_before)
+
+    def snapshot_before(self, step: int) -> int | None:
+        """The newest snapshot held before `step`, or None (none held, or no ring)."""
+        held = [s for s in self.ring.steps() if s < step] if self.ring is not None else []
+        return held[-1] if held else None
 
     def _snapshot_before(self, d: Decision) -> int | None:
-        assert self.ring is not None
-        limit = d.rollback_before if d.rollback_before is not None else d.step
-        held = [s for s in self.ring.steps() if s < limit]
-        return held[-1] if held else None
+        return self.snapshot_before(d.rollback_before if d.rollback_before is not None else d.step)
 
     def rollback(self, d: Decision) -> tuple[int, dict[str, Any]]:
         """Restore the newest snapshot taken before the incident. Returns (its step, its extra)."""
@@ -108,12 +102,7 @@ class Guard:
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"detectors": self.detectors.state_dict(), "policy": self.policy.state_dict()}
+        return self.engine.state_dict()
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
-        self.detectors.load_state_dict(s["detectors"])
-        self.policy.load_state_dict(s["policy"])
-
-
-def events_of(d: Decision) -> list[Event]:
-    return d.events
+        self.engine.load_state_dict(s)

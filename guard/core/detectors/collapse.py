@@ -1,0 +1,186 @@
+"""MoE routing collapse: dead experts, sustained MaxVio, low load or router entropy, per layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from guard.core import schema
+from guard.core.config import CollapseConfig
+from guard.core.events import Verdict
+from guard.core.report import StepReport
+
+# Dead-expert evidence lists at most this many expert ids (a 256-expert layer stays readable).
+_MAX_IDS = 32
+
+
+@dataclass(slots=True)
+class _LayerRouting:
+    """Per-MoE-layer counters: how long each condition has held."""
+
+    since_token_E: np.ndarray  # steps since each expert last got a token
+    maxvio_for: int = 0
+    load_entropy_for: int = 0
+    router_entropy_for: int = 0
+
+    def dead(self, window: int) -> np.ndarray:
+        return np.flatnonzero(self.since_token_E >= window)
+
+
+class CollapseDetector:
+    """Routing health per MoE layer: dead experts, sustained MaxVio, low load/router entropy.
+
+    Verdicts are level-triggered: while a condition holds, every update returns its verdict,
+    so the policy sees an uncorrected collapse every step and `healthy()` agrees with them.
+    """
+
+    def __init__(self, cfg: CollapseConfig) -> None:
+        self.cfg = cfg
+        self.n_updates = 0
+        self.layers: dict[int, _LayerRouting] = {}
+
+    def update(self, report: StepReport) -> list[Verdict]:
+        """Fired verdicts for this step (layer set); none before `warmup` updates."""
+        cfg = self.cfg
+        self.n_updates += 1
+        ids = [int(i) for i in report.moe_layer_ids_M]
+        loads = report.load_ME
+        have_loads = loads.ndim == 2 and loads.shape[0] == len(ids) and loads.shape[1] > 0
+        out: list[Verdict] = []
+        for i, lid in enumerate(ids):
+            st = self.layers.get(lid)
+            if st is None:
+                n_exp = loads.shape[1] if have_loads else 0
+                st = self.layers[lid] = _LayerRouting(np.zeros(n_exp, dtype=np.int64))
+            if have_loads:
+                row = loads[i]
+                if st.since_token_E.shape != row.shape:  # expert count changed: start over
+                    st.since_token_E = np.zeros(row.shape, dtype=np.int64)
+                st.since_token_E = np.where(row > 0, 0, st.since_token_E + 1)
+            maxvio = float(report.maxvio_M[i])
+            load_h = float(report.load_entropy_M[i])
+            router_h = float(report.router_entropy_M[i])
+            # NaN compares False: an unknown value ends a run rather than extending it.
+            st.maxvio_for = st.maxvio_for + 1 if maxvio > cfg.maxvio else 0
+            st.load_entropy_for = st.load_entropy_for + 1 if load_h < cfg.load_entropy_floor else 0
+            low_router = cfg.router_entropy_floor > 0 and router_h < cfg.router_entropy_floor
+            st.router_entropy_for = st.router_entropy_for + 1 if low_router else 0
+            if self.n_updates <= cfg.warmup:
+                continue  # routing is chaotic at init; counters run, verdicts wait
+            fallback_dead = None if have_loads else int(report.dead_experts_M[i])
+            out.extend(self._verdicts(lid, st, maxvio, load_h, router_h, fallback_dead))
+        return out
+
+    def _verdicts(
+        self,
+        lid: int,
+        st: _LayerRouting,
+        maxvio: float,
+        load_h: float,
+        router_h: float,
+        fallback_dead: int | None,
+    ) -> list[Verdict]:
+        cfg = self.cfg
+        out = []
+        n_exp = st.since_token_E.size
+        if n_exp:
+            # Without per-expert loads this step, trust the reporter's own dead count.
+            dead_ids = st.dead(cfg.dead_window)
+            n_dead = len(dead_ids) if fallback_dead is None else fallback_dead
+            if n_dead / n_exp > cfg.max_dead_frac:
+                out.append(
+                    Verdict(
+                        detector=schema.DET_DEAD_EXPERTS,
+                        fired=True,
+                        value=n_dead / n_exp,
+                        threshold=cfg.max_dead_frac,
+                        layer=lid,
+                        evidence={
+                            "dead": n_dead,
+                            "experts": n_exp,
+                            "window": cfg.dead_window,
+                            "dead_ids": dead_ids[:_MAX_IDS].tolist(),
+                        },
+                    )
+                )
+        if st.maxvio_for >= cfg.maxvio_for:
+            out.append(
+                Verdict(
+                    detector=schema.DET_MAXVIO,
+                    fired=True,
+                    value=maxvio,
+                    threshold=cfg.maxvio,
+                    layer=lid,
+                    evidence={"for": st.maxvio_for},
+                )
+            )
+        if st.load_entropy_for >= cfg.entropy_for:
+            out.append(
+                Verdict(
+                    detector=schema.DET_LOAD_ENTROPY,
+                    fired=True,
+                    value=load_h,
+                    threshold=cfg.load_entropy_floor,
+                    layer=lid,
+                    evidence={"for": st.load_entropy_for},
+                )
+            )
+        if st.router_entropy_for >= cfg.entropy_for:
+            out.append(
+                Verdict(
+                    detector=schema.DET_ROUTER_ENTROPY,
+                    fired=True,
+                    value=router_h,
+                    threshold=cfg.router_entropy_floor,
+                    layer=lid,
+                    evidence={"for": st.router_entropy_for},
+                )
+            )
+        return out
+
+    def reset_layer(self, layer: int) -> None:
+        """Restart every window of `layer` (after a correction, so old evidence does not re-fire)."""
+        st = self.layers.get(int(layer))
+        if st is not None:
+            st.since_token_E = np.zeros_like(st.since_token_E)
+            st.maxvio_for = st.load_entropy_for = st.router_entropy_for = 0
+
+    def healthy(self, layer: int) -> bool:
+        """No condition holds now on `layer`: few enough dead experts, last MaxVio and entropies in bounds.
+
+        A layer never seen is healthy (nothing is known against it).
+        """
+        st = self.layers.get(int(layer))
+        if st is None:
+            return True
+        n_exp = st.since_token_E.size
+        dead_ok = n_exp == 0 or len(st.dead(self.cfg.dead_window)) / n_exp <= self.cfg.max_dead_frac
+        return dead_ok and st.maxvio_for == 0 and st.load_entropy_for == 0 and st.router_entropy_for == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "n_updates": self.n_updates,
+            "layers": {
+                str(k): {
+                    "since_token_E": st.since_token_E.tolist(),
+                    "maxvio_for": st.maxvio_for,
+                    "load_entropy_for": st.load_entropy_for,
+                    "router_entropy_for": st.router_entropy_for,
+                }
+                for k, st in sorted(self.layers.items())
+            },
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.n_updates = int(d.get("n_updates", 0))
+        self.layers = {
+            int(k): _LayerRouting(
+                np.asarray(s["since_token_E"], dtype=np.int64),
+                int(s["maxvio_for"]),
+                int(s["load_entropy_for"]),
+                int(s["router_entropy_for"]),
+            )
+            for k, s in d.get("layers", {}).items()
+        }
