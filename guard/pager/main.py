@@ -25,13 +25,13 @@ from pathlib import Path
 
 from guard.pager.app import build_app
 from guard.pager.config import (
+    DELIVERY_RETRY,
     ENV_PAGER_TOKEN,
     ENV_PAGERDUTY_ROUTING_KEY,
     ENV_SLACK_WEBHOOK_URL,
     MAX_BODY_BYTES,
     PAGERDUTY_EVENTS_URL,
     PD_SEVERITIES,
-    RETRY_DEADLINE_S,
     PagerConfig,
     Receivers,
 )
@@ -81,16 +81,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=PD_SEVERITIES,
         help="lowest severity sent to PagerDuty (default critical); Slack/webhooks get all",
     )
-    parser.add_argument("--max-attempts", type=int, default=5, help="delivery attempts per notification")
-    parser.add_argument("--retry-base", type=float, default=1.0, help="first retry delay, seconds (doubles)")
-    parser.add_argument("--retry-max-delay", type=float, default=30.0, help="longest retry delay, seconds")
-    parser.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout per attempt, seconds")
+    r = DELIVERY_RETRY
+    parser.add_argument(
+        "--max-attempts", type=int, default=r.max_attempts, help="delivery attempts per notification"
+    )
+    parser.add_argument(
+        "--retry-base", type=float, default=r.base_s, help="first retry delay, seconds (doubles)"
+    )
+    parser.add_argument(
+        "--retry-max-delay", type=float, default=r.max_delay_s, help="longest retry delay, seconds"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=r.timeout_s, help="HTTP timeout per attempt, seconds"
+    )
     parser.add_argument(
         "--retry-deadline",
         type=float,
-        default=RETRY_DEADLINE_S,
+        default=r.deadline_s,
         help="seconds one delivery may take, attempts and waits together; the reconcile loop "
-        f"re-drives it later (default {RETRY_DEADLINE_S:g})",
+        f"re-drives it later (default {r.deadline_s:g})",
     )
     parser.add_argument(
         "--event-ttl",

@@ -213,6 +213,20 @@ def test_pagerduty_body_limits_and_nan_safety() -> None:
     assert json_safe({"v": float("nan"), "l": [float("inf")]}) == {"v": "nan", "l": ["inf"]}
 
 
+def test_flags_and_environment_make_the_config() -> None:
+    import argparse
+
+    from guard.pager.main import config_from_args, configure
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    args = parser.parse_args(["--webhook-url", "http://h/x", "--max-attempts", "2", "--retry-deadline", "9"])
+    cfg = config_from_args(args, env={ENV_PAGER_TOKEN: "tok", "MOEGUARD_PAGERDUTY_ROUTING_KEY": "rk"})
+    assert cfg.token == "tok" and cfg.receivers.routing_key == "rk"
+    assert cfg.receivers.webhook_urls == ("http://h/x",) and cfg.receivers.slack_url is None
+    assert cfg.retry.max_attempts == 2 and cfg.retry.deadline_s == 9.0 and cfg.retry.base_s == 1.0
+
+
 def test_event_only_incident_is_forgotten_after_its_ttl_without_a_resolve() -> None:
     book = IncidentBook()
     ev = parse_event({"run": "r1", "kind": schema.EV_HALT}, ttl_s=60, now=0)
