@@ -44,7 +44,7 @@ from tqdm import tqdm
 from bench.real_models import drill
 from guard.core import schema
 from guard.core.config import CollapseConfig, GuardConfig
-from guard.store.runstore import read_table
+from guard.store.reader import read_table
 
 AUX_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 WINDOW = 10

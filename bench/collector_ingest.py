@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from guard.core import schema  # noqa: E402
 from guard.core.report import StepReport  # noqa: E402
-from guard.store.runstore import read_table  # noqa: E402
+from guard.store.reader import read_table  # noqa: E402
 
 TOKEN = "bench-token"
 

@@ -25,7 +25,7 @@ from guard.api import GuardedStep
 from guard.core.config import GuardConfig
 from guard.integrations.tiny import FAMILIES, build
 from guard.integrations.transformers import attach, force_collapse
-from guard.store.runstore import read_table
+from guard.store.reader import read_table
 
 
 def byte_batches(corpus: np.ndarray, *, batch: int, seq: int, seed: int) -> Iterator[torch.Tensor]:

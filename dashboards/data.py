@@ -17,7 +17,6 @@ Nothing here imports torch; nothing here draws.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -34,7 +33,9 @@ import polars as pl
 import streamlit as st
 
 from guard.core import actions, schema
-from guard.store.runstore import list_runs, parse_part_name, polars_schema, read_meta
+from guard.store import reader
+from guard.store.reader import list_runs, read_meta
+from guard.wire.runs import RunListing, parse_runs
 
 # Actions marked on the charts (every event that names one, evidence merged per step and action).
 # Counting them is guard/core/actions.py's job: one definition for the CLI, meta.json, app and /metrics.
@@ -168,21 +169,12 @@ def run_signature(run_dir: str | Path) -> tuple[int, ...]:
     return tuple(sig)
 
 
-def _has_part(run_dir: Path, table: str) -> bool:
-    d = run_dir / table
-    try:
-        with os.scandir(d) as it:
-            return any(parse_part_name(e.name) is not None and e.is_file() for e in it)
-    except OSError:
-        return False
-
-
 def run_info(
     run_dir: str | Path, *, stale_after_s: float = DEFAULT_STALE_S, now: float | None = None
 ) -> RunInfo:
     d = Path(run_dir)
     meta = read_meta(d)
-    tables = {t: _has_part(d, t) for t in schema.TABLES}
+    tables = {t: reader.has_part(d, t) for t in schema.TABLES}
     if meta is None or not isinstance(meta, dict):
         return RunInfo(
             run_id=d.name,
@@ -245,44 +237,9 @@ def stray_folders(runs_dir: str | Path) -> list[str]:
 # ---------------------------------------------------------------------------------------
 # Scans
 # ---------------------------------------------------------------------------------------
-def part_files(run_dir: str | Path, table: str) -> list[Path]:
-    """Same answer as guard.store.runstore.part_files (same filter, same order), for long runs:
-    a scandir plus a sort on parsed names, remembered until the table folder changes.
-    (Sorting thousands of Path objects costs more than reading their footers.)"""
-    d = os.path.join(run_dir, table)
-    try:
-        mtime = os.stat(d).st_mtime_ns
-    except OSError:
-        return []
-    return [Path(d, n) for n in _part_names(d, mtime)]
-
-
-@functools.lru_cache(maxsize=256)
-def _part_names(table_dir: str, mtime_ns: int) -> tuple[str, ...]:
-    del mtime_ns  # cache key only
-    with os.scandir(table_dir) as it:
-        named = [(pn, e.name) for e in it if (pn := parse_part_name(e.name)) is not None and e.is_file()]
-    return tuple(name for _, name in sorted(named))
-
-
-def scan(run_dir: str | Path, table: str, parts: list[Path] | None = None) -> pl.LazyFrame:
-    """Lazy scan that tolerates older writers: missing columns come back as nulls."""
-    parts = part_files(run_dir, table) if parts is None else parts
-    sch = polars_schema(table)
-    if not parts:
-        return pl.LazyFrame(schema=sch)
-    return pl.scan_parquet(
-        [str(p) for p in parts], schema=sch, missing_columns="insert", extra_columns="ignore"
-    )
-
-
-def missing_columns(run_dir: str | Path, table: str) -> list[str]:
-    """Columns of the current schema that the run's first part lacks (older writers)."""
-    parts = part_files(run_dir, table)
-    if not parts:
-        return []
-    have = set(pl.read_parquet_schema(parts[0]))
-    return [c for c in schema.TABLE_COLUMNS[table] if c not in have]
+# The run store is read through guard/store/reader.py (one listing, one part-name parser, one
+# tolerant scan); the app lists parts with its cache (`cached=True`): it re-lists long runs on
+# every rerun.
 
 
 def _finite_or_null(col: str) -> pl.Expr:
@@ -606,10 +563,10 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
         "verdicts": 0,
         "halts": 0,
     }
-    parts = part_files(path, schema.TABLE_STEPS)
+    parts = reader.cached_part_files(path, schema.TABLE_STEPS)
     if parts:
         tail = (
-            scan(path, schema.TABLE_STEPS, parts[-3:])
+            reader.scan_table(path, schema.TABLE_STEPS, parts[-3:])
             .select("step", "loss", "mfu", "tokens_per_s")
             .sort("step")
             .tail(100)
@@ -623,11 +580,15 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
                 vals = tail[c].filter(tail[c].is_finite())
                 out[c] = float(vals.median()) if len(vals) else None  # type: ignore[arg-type]
         out["mfu_over"] = (
-            scan(path, schema.TABLE_STEPS).select((pl.col("mfu") > MFU_LIMIT).sum()).collect().item() or 0
+            reader.scan_table(path, schema.TABLE_STEPS, cached=True)
+            .select((pl.col("mfu") > MFU_LIMIT).sum())
+            .collect()
+            .item()
+            or 0
         )
     out["action_counts"] = actions.count_run(path)
     out["actions"] = actions.total(out["action_counts"])
-    ev = scan(path, schema.TABLE_EVENTS).select("step", "kind", "action").collect()
+    ev = reader.scan_table(path, schema.TABLE_EVENTS, cached=True).select("step", "kind", "action").collect()
     if ev.height:
         out["verdicts"] = ev.filter(pl.col("kind") == schema.EV_VERDICT).height
         out["halts"] = ev.filter(pl.col("kind") == schema.EV_HALT).height
@@ -656,7 +617,7 @@ _STEP_COLS = [
 def load_steps(path: str, sig: tuple[int, ...]) -> pl.DataFrame:
     """The steps table (projected), sorted by step."""
     del sig
-    df = scan(path, schema.TABLE_STEPS).select(_STEP_COLS).collect()
+    df = reader.scan_table(path, schema.TABLE_STEPS, cached=True).select(_STEP_COLS).collect()
     # parts arrive in step order; only a resumed or rolled-back run needs the sort
     return df if df["step"].is_sorted() else df.sort("step", "time")
 
@@ -664,7 +625,7 @@ def load_steps(path: str, sig: tuple[int, ...]) -> pl.DataFrame:
 @st.cache_resource(max_entries=64, show_spinner=False)
 def load_events(path: str, sig: tuple[int, ...]) -> pl.DataFrame:
     del sig
-    return scan(path, schema.TABLE_EVENTS).sort("step", "time").collect()
+    return reader.scan_table(path, schema.TABLE_EVENTS, cached=True).sort("step", "time").collect()
 
 
 @st.cache_data(max_entries=32, show_spinner=False)
@@ -713,7 +674,7 @@ def load_layer_heatmaps(
     # where a non-finite step came from: keep where it happened
     aggs.append((~pl.col("grad_norm").is_finite()).any().alias("gn_nonfinite"))
     long = (
-        scan(path, schema.TABLE_LAYERS)
+        reader.scan_table(path, schema.TABLE_LAYERS, cached=True)
         .select("step", "layer", *LAYER_SIGNALS)
         .with_columns(b=((pl.col("step") - lo) // width) * width + lo)
         .group_by("b", "layer")
@@ -740,11 +701,11 @@ def load_layer_heatmaps(
 def load_layer_ids(path: str, sig: tuple[int, ...]) -> list[int]:
     """MoE layers (those with expert rows), read from the newest part only."""
     del sig
-    parts = part_files(path, schema.TABLE_EXPERTS)
+    parts = reader.cached_part_files(path, schema.TABLE_EXPERTS)
     if not parts:
         return []
     return sorted(
-        scan(path, schema.TABLE_EXPERTS, parts[-1:])
+        reader.scan_table(path, schema.TABLE_EXPERTS, parts[-1:])
         .select(pl.col("layer").unique())
         .collect()["layer"]
         .to_list()
@@ -767,11 +728,11 @@ def load_expert_share_over_time(
     spaced parts only and says so in "note" (load shares move slowly; spikes are in `layers`).
     """
     del sig
-    parts = part_files(path, schema.TABLE_EXPERTS)
+    parts = reader.cached_part_files(path, schema.TABLE_EXPERTS)
     if not parts:
         return {}
     note = ""
-    per_part = scan(path, schema.TABLE_EXPERTS, parts[-1:]).select(pl.len()).collect().item()
+    per_part = reader.scan_table(path, schema.TABLE_EXPERTS, parts[-1:]).select(pl.len()).collect().item()
     est = per_part * len(parts)
     if est > row_budget:
         stride = math.ceil(est / row_budget)
@@ -779,7 +740,7 @@ def load_expert_share_over_time(
         note = f"sampled: every {stride}th chunk of the experts table ({len(parts)} chunks, ~{100 / stride:.0f}% of steps)"
     width = bucket_grid(lo, hi, n_buckets)
     long = (
-        scan(path, schema.TABLE_EXPERTS, parts)
+        reader.scan_table(path, schema.TABLE_EXPERTS, parts)
         .select("step", "layer", "expert", "load")
         .filter(pl.col("layer") == layer)
         .with_columns(b=((pl.col("step") - lo) // width) * width + lo)
@@ -800,7 +761,7 @@ def load_expert_share_over_time(
 def load_expert_share_now(path: str, sig: tuple[int, ...], window: int = 100) -> dict[str, Any]:
     """layer x expert load share over the last `window` steps (newest parts only)."""
     del sig
-    parts = part_files(path, schema.TABLE_EXPERTS)
+    parts = reader.cached_part_files(path, schema.TABLE_EXPERTS)
     if not parts:
         return {}
     # parts are named by first step: walk back until the window is covered
@@ -810,11 +771,16 @@ def load_expert_share_now(path: str, sig: tuple[int, ...], window: int = 100) ->
         tail.append(p)
         first = int(p.name.split("-")[1])
         if last_step is None:
-            last_step = scan(path, schema.TABLE_EXPERTS, [p]).select(pl.col("step").max()).collect().item()
+            last_step = (
+                reader.scan_table(path, schema.TABLE_EXPERTS, [p])
+                .select(pl.col("step").max())
+                .collect()
+                .item()
+            )
         if last_step is not None and first <= last_step - window:
             break
     long = (
-        scan(path, schema.TABLE_EXPERTS, tail)
+        reader.scan_table(path, schema.TABLE_EXPERTS, tail)
         .select("step", "layer", "expert", "load")
         .filter(pl.col("step") > pl.col("step").max() - window)
         .group_by("layer", "expert")
@@ -1183,10 +1149,22 @@ def profile_top(entry_json: str | None) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------
 # Open alerts (optional): Alertmanager API v2, or the collector's /v1/runs
 # ---------------------------------------------------------------------------------------
+def fetch_collector_runs(url: str, timeout_s: float = 3.0) -> list[RunListing]:
+    """The collector's run listing (GET /v1/runs, guard/wire/runs.py). Raises httpx.HTTPError
+    or ValueError when the collector cannot be reached or answers something else."""
+    import httpx
+
+    r = httpx.get(url.rstrip("/") + "/v1/runs", timeout=timeout_s)
+    if r.status_code != 200:
+        raise ValueError(f"HTTP {r.status_code}")
+    return parse_runs(r.json())
+
+
 @st.cache_data(ttl=15, show_spinner=False)
 def fetch_open_alerts(url: str) -> tuple[dict[str, int], str | None]:
-    """run_id -> firing alerts. Tries Alertmanager `/api/v2/alerts`, then the collector's
-    `/v1/runs` (entries with run_id and open_alerts). Returns ({}, error) when both fail."""
+    """run id -> firing alerts. Tries Alertmanager `/api/v2/alerts`, then the collector's
+    `/v1/runs` (the alerts each run's entry implies: RunListing.open_alerts). Returns
+    ({}, error) when both fail."""
     import httpx
 
     base = url.rstrip("/")
@@ -1208,18 +1186,8 @@ def fetch_open_alerts(url: str) -> tuple[dict[str, int], str | None]:
     except (httpx.HTTPError, ValueError) as e:
         errors.append(f"/api/v2/alerts: {e}")
     try:
-        r = httpx.get(base + "/v1/runs", timeout=3.0)
-        body = r.json() if r.status_code == 200 else None
-        runs = body.get("runs", []) if isinstance(body, dict) else body
-        if isinstance(runs, list):
-            out = {}
-            for e in runs:
-                if isinstance(e, dict) and e.get("run_id"):
-                    a = e.get("open_alerts", e.get("alerts", 0))
-                    out[str(e["run_id"])] = len(a) if isinstance(a, list) else int(a or 0)
-            return out, None
-        errors.append(f"/v1/runs: HTTP {r.status_code}")
-    except (httpx.HTTPError, ValueError, TypeError) as e:
+        return {e.run: len(e.open_alerts()) for e in fetch_collector_runs(base)}, None
+    except (httpx.HTTPError, ValueError) as e:
         errors.append(f"/v1/runs: {e}")
     return {}, "; ".join(errors)
 
@@ -1227,4 +1195,4 @@ def fetch_open_alerts(url: str) -> tuple[dict[str, int], str | None]:
 def clear_caches() -> None:
     st.cache_data.clear()
     st.cache_resource.clear()
-    _part_names.cache_clear()
+    reader.clear_cache()

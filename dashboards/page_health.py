@@ -11,6 +11,7 @@ import streamlit as st
 
 from dashboards import data, figures, ui
 from guard.core import actions, schema
+from guard.store import reader
 
 cfg = data.app_config()
 st.title("Run health")
@@ -84,7 +85,7 @@ st.caption(
 if summ["halts"]:
     st.error(f"Run `{run_id}` halted itself ({summ['halts']} halt event(s)); see the events table for why.")
 if info.compat == data.COMPAT_OLDER:
-    miss = data.missing_columns(path, schema.TABLE_STEPS)
+    miss = reader.missing_columns(path, schema.TABLE_STEPS)
     if miss:
         st.caption(f"Not in this run's steps table (older writer): {', '.join(miss)}")
 

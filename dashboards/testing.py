@@ -31,7 +31,8 @@ import polars as pl
 from guard.core import schema
 from guard.core.events import Event, Verdict
 from guard.core.report import StepReport
-from guard.store.runstore import RunStore, atomic_write_json, polars_schema
+from guard.store.layout import atomic_write_json, polars_schema
+from guard.store.runstore import RunStore
 
 T0 = 1_760_000_000.0  # a fixed epoch so stores are reproducible
 

@@ -518,7 +518,8 @@ def _torch_threads() -> int:
 def _annotate_run(run_dir: Path, spec: dict[str, Any], out: dict[str, Any]) -> None:
     """Mark the run store entry as a canary run (meta.json) and keep its samples (canary.json)."""
     from guard.core import schema
-    from guard.store.runstore import atomic_write_json, read_meta
+    from guard.store.layout import atomic_write_json
+    from guard.store.reader import read_meta
 
     meta = read_meta(run_dir)
     if meta is not None:

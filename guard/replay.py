@@ -1,7 +1,8 @@
 """`moeguard replay RUN_DIR [--guard FILE.toml]`: run the detectors and policy over a recorded run.
 
-It rebuilds each step's StepReport from the run store and feeds the same engine (detectors,
-LR bound, policy: guard/core/engine.py) the trainer uses, then prints what they would have done next to what the run did. Use
+It rebuilds each step's StepReport from the run store (guard/store/reader.py) and feeds the same
+engine (detectors, LR bound, policy: guard/core/engine.py) the trainer uses, then prints what
+they would have done next to what the run did. Use
 it to tune thresholds: a verdict on a step you know was healthy is a false alarm to fix.
 """
 
@@ -9,19 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 
 from guard.core import schema
 from guard.core.config import GuardConfig, load_guard_config
 from guard.core.engine import Engine
-from guard.core.report import StepReport
 from guard.core.tomlconf import ConfigError, from_dict
-from guard.store.runstore import read_meta, scan_table
+from guard.store.reader import read_meta, read_reports, scan_table
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -34,35 +32,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--all", action="store_true", help="list every step with a verdict (default: first 50)")
     p.add_argument("--json", action="store_true", help="print the replayed events as JSON lines")
-
-
-def reports_from_run(run_dir: Path) -> Iterator[StepReport]:
-    """StepReports rebuilt from the steps, layers and experts tables, in step order."""
-    steps = scan_table(run_dir, schema.TABLE_STEPS).sort("step").collect()
-    layers = scan_table(run_dir, schema.TABLE_LAYERS).sort("step", "layer").collect()
-    experts = scan_table(run_dir, schema.TABLE_EXPERTS).sort("step", "layer", "expert").collect()
-    by_step_l = {k[0]: g for k, g in layers.group_by("step", maintain_order=True)} if layers.height else {}
-    by_step_e = {k[0]: g for k, g in experts.group_by("step", maintain_order=True)} if experts.height else {}
-    for row in steps.iter_rows(named=True):
-        s = row["step"]
-        rep = StepReport(**{k: (v if v is not None else float("nan")) for k, v in row.items()})
-        lg = by_step_l.get(s)
-        if lg is not None:
-            rep.layer_ids_L = lg["layer"].to_numpy().astype(np.int32)
-            rep.layer_grad_norm_L = lg["grad_norm"].to_numpy().astype(float)
-            moe = lg.filter(pl.col("router_entropy").is_not_nan())
-            rep.moe_layer_ids_M = moe["layer"].to_numpy().astype(np.int32)
-            rep.router_entropy_M = moe["router_entropy"].to_numpy()
-            rep.load_entropy_M = moe["load_entropy"].to_numpy()
-            rep.maxvio_M = moe["maxvio"].to_numpy()
-            rep.dead_experts_M = moe["dead_experts"].to_numpy().astype(np.int32)
-            rep.bias_norm_M = moe["bias_norm"].to_numpy()
-        eg = by_step_e.get(s)
-        if eg is not None and len(rep.moe_layer_ids_M):
-            m = len(rep.moe_layer_ids_M)
-            rep.load_ME = eg["load"].to_numpy().reshape(m, -1)
-            rep.bias_ME = eg["bias"].to_numpy().reshape(m, -1)
-        yield rep
 
 
 @dataclass(slots=True)
@@ -79,7 +48,7 @@ class ReplayRow:
 def replay(run_dir: Path, cfg: GuardConfig, max_lr: float | None = None) -> list[ReplayRow]:
     engine = Engine(cfg, max_lr=max_lr)
     rows: list[ReplayRow] = []
-    for rep in reports_from_run(run_dir):
+    for rep in read_reports(run_dir):
         d = engine.decide(rep, rep.lr)
         for ev in d.events:
             if ev.kind != schema.EV_VERDICT:

@@ -187,7 +187,7 @@ def default_run_dir(cfg: Any) -> Path:
 def held_run(run_dir: Path) -> str | None:
     """What says `run_dir` already holds a run ("meta.json: status finished, 300 steps"), or None.
     Under a torchrun restart, a run that this torchrun job wrote itself does not count."""
-    from guard.store.runstore import read_meta
+    from guard.store.reader import read_meta
     from trainer.checkpoint import list_checkpoints
     from trainer.distributed import restart_count
     from trainer.loop import JOB_KEY
@@ -242,7 +242,7 @@ def check_injections(injections: list[Any], steps: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from guard.store.runstore import read_meta
+    from guard.store.reader import read_meta
     from trainer.checkpoint import latest_checkpoint
     from trainer.distributed import restart_count
     from trainer.inject import parse_injection
@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
 
 def summarize(trainer: Any, run_dir: Path) -> None:
     from guard.core import actions
-    from guard.store.runstore import read_meta
+    from guard.store.reader import read_meta
 
     c = trainer.counts
     gp = trainer.goodput()

@@ -19,7 +19,7 @@ from typing import Any
 
 from guard.core import actions as guard_actions
 from guard.core import schema
-from guard.store.runstore import read_table
+from guard.store.reader import read_table
 
 DEFAULT_FAULTS = ["gradspike@100:100", "nan@140", "lrspike@180:100", "badbatch@220", "collapse@270:3"]
 
@@ -83,7 +83,7 @@ def run_one(
 def summarize_run(name: str, run_dir: Path, goodput: float) -> DrillResult:
     import polars as pl
 
-    from guard.store.runstore import read_meta
+    from guard.store.reader import read_meta
 
     steps = read_table(run_dir, schema.TABLE_STEPS).sort("step")
     events = read_table(run_dir, schema.TABLE_EVENTS)

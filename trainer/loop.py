@@ -41,7 +41,9 @@ from guard.core.tomlconf import ConfigError, to_dict
 from guard.runtime.apply import DecisionApplier
 from guard.runtime.guard import Guard
 from guard.runtime.probe import Probe
-from guard.store.runstore import RunStore, read_meta, truncate_after
+from guard.store.reader import read_meta
+from guard.store.runstore import RunStore
+from guard.store.writer import truncate_after
 from trainer import checkpoint as ckpt
 from trainer.config import TrainConfig
 from trainer.correction import ModelCorrector

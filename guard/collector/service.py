@@ -12,32 +12,18 @@ Endpoints
     GET  /metrics                   Prometheus text (guard/collector/metrics.py)
     GET  /healthz                   {"ok": true}
 
-Batch payload (JSON object; NaN may be written as NaN or null)
-    run        str, [A-Za-z0-9][A-Za-z0-9._-]{0,127} (it names a directory; nothing else passes)
-    rank       int >= 0
-    seq        int in [0, 2**63 - 1], strictly increasing per (run, rank). The exporter uses
-               seq = generation << 32 | counter, generation = the exporter start time in seconds
-               (kept increasing through a file in its spool dir), so a restarted trainer keeps
-               counting up; a generation more than MAX_GENERATION_AHEAD_S ahead of the
-               collector's clock is refused (400).
-    meta       object, optional: the run's meta.json (merged over what is stored)
-    reports    list of StepReport.to_json() objects, optional; report.rank must equal rank
-    events     list of event rows (guard.core.events.Event.row()), optional: step and kind required;
-               detail may be a JSON string or an object
-    heartbeat  {"time": float (trainer clock), "step": int, "phase": "train|checkpoint|eval"},
-               optional (a batch with reports and no heartbeat beats at its last report).
-               A higher step or another phase is progress: a rank that keeps beating without
-               it past its phase's learned deadline is stuck (guard/core/progress.py, RunStuck)
-    commands_ack  int, optional: the highest operator-command id this rank has taken up
-    trainer_detectors  bool, optional: true when the trainer runs the DetectorSuite in-process
-               (guard on, or --no-guard observing); the collector then runs none for the run
-    writer     str, optional ([A-Za-z0-9_-]{1,64}): a random id of the sending exporter instance;
-               two writers whose generations are equal (started in the same second) differ here
-    final      bool, optional: true on the last batch of a rank that stopped on purpose (the
-               exporter's close() after a finished, halted or --until run; not after a crash).
-               The rank's heartbeat is dropped (no HeartbeatLost for a run that ended), and
+Batch payload: guard/wire/batch.py (the one definition; the exporter encodes with it). What the
+collector does with its fields:
+    seq        dedupe per (run, rank), and the writer generation (seq >> GEN_SHIFT) that owns
+               the rank (below)
+    heartbeat  a batch with reports and no heartbeat beats at its last report. A higher step
+               or another phase is progress: a rank that keeps beating without it past its
+               phase's learned deadline is stuck (guard/core/progress.py, RunStuck)
+    trainer_detectors  true: the trainer runs the DetectorSuite in-process (guard on, or
+               --no-guard observing); the collector then runs none for the run
+    final      the rank's heartbeat is dropped (no HeartbeatLost for a run that ended), and
                rank 0's final sets the run's status to finished (halted if it halted)
-Unknown top-level keys are ignored (newer exporters may send more).
+The listing GET /v1/runs answers is guard/wire/runs.py.
 
 Answers: 200 {"ok": true, "duplicate": bool, "commands": [...]} once the batch is durably on
 disk; 400 {"error": "..."} naming the bad field; 400 {"error": ..., "limit": {"name", "value",
@@ -62,7 +48,7 @@ runs/<run>/.collector/state.json, so a restarted collector still dedupes.
 Durability: rank 0's reports, and every batch's events, meta and command acks, are appended to
 a per-run write-ahead log (runs/<run>/.collector/wal-*.log, fdatasync'd) before the 200. Every
 --checkpoint-interval seconds the pending rows go to Parquet parts in the run store's own format
-(runs/<run>/<table>/part-<first step>-<seq>.parquet, named by guard.store.runstore.part_name) and
+(runs/<run>/<table>/part-<first step>-<seq>.parquet, written by guard/store/writer.py) and
 state.json is replaced: that rename is
 the commit; the log segments it covers are then deleted. On start, parts newer than the commit
 are deleted and the log is replayed, so a SIGKILL at any point loses nothing that was answered
@@ -133,7 +119,6 @@ import errno
 import hmac
 import json
 import logging
-import math
 import os
 import re
 import struct
@@ -146,7 +131,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import polars as pl
 from prometheus_client.core import GaugeMetricFamily, Metric
 
@@ -157,47 +141,38 @@ from guard.core.engine import Engine
 from guard.core.events import Event
 from guard.core.heartbeat import PHASE_TRAIN, PHASES, HeartbeatConfig
 from guard.core.limits import FLAGS as LIMIT_FLAGS
-from guard.core.limits import CollectorLimits, LimitExceeded, check_detectors, check_rank, check_report
+from guard.core.limits import CollectorLimits, LimitExceeded, check_detectors
 from guard.core.progress import ProgressConfig
 from guard.core.report import StepReport
 from guard.pager.notify import PagerNotifier
-from guard.store.runstore import (
-    atomic_write_bytes,
-    fsync_dir,
-    next_part_seq,
-    parse_part_name,
-    part_files,
-    part_name,
-    polars_schema,
-    read_meta,
-    truncate_after,
-    write_part_file,
+from guard.store.layout import atomic_write_bytes, fsync_dir, next_part_seq, parse_part_name, part_files
+from guard.store.reader import last_step as scan_last_step
+from guard.store.reader import read_meta, scan_table
+from guard.store.writer import event_frame, report_frames, truncate_after, write_parts
+from guard.wire.batch import (
+    MAX_RANK,
+    BadRequest,
+    Batch,
+    check_generation,
+    dumps,
+    generation_of,
+    loads,
+    parse_batch,
+    parse_int,
+    valid_run_id,
 )
 from guard.wire.http_limits import BodyLimit, BodyTooLarge
 from guard.wire.listen import bind_tcp
-
-try:  # optional: 3-5x faster parsing of the numeric arrays; plain json otherwise
-    import orjson as _orjson
-except ImportError:  # pragma: no cover - depends on the environment
-    _orjson = None
+from guard.wire.runs import RankListing, RunListing, runs_body
 
 log = logging.getLogger("moeguard.collector")
 
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-WRITER_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-GEN_SHIFT = 32
-MAX_RANK = 1 << 20
-MAX_SEQ = (1 << 63) - 1
 COMMAND_ACTIONS = (schema.ACT_ROLLBACK, schema.ACT_HALT, schema.ACT_SKIP)
 STATE_DIR = ".collector"
 _REC_HDR = struct.Struct("<II")  # length, crc32
 _WAL_RE = re.compile(r"^wal-(\d{10})\.log$")
 SUPERSEDED_DIR = "superseded"  # in STATE_DIR: rows a new generation re-ran, kept
 RETIRED_GENERATIONS = 16  # superseded generations per rank whose late retries still dedupe
-# A generation is the exporter's start time in seconds (bumped by one per restart within a
-# second); one further ahead of this collector's clock is refused, or it would own the run
-# (every real batch answered 409) until the clock caught up.
-MAX_GENERATION_AHEAD_S = 3600
 SWITCH_INTERVAL_S = 0.001  # see run()
 STATE_FILE, COMMANDS_FILE, QUARANTINE_FILE = "state.json", "commands.json", "quarantine.json"
 M_QUARANTINED_RUNS = schema.M_QUARANTINED_RUNS  # runs refused at start-up or load (damaged files)
@@ -226,178 +201,6 @@ class CollectorConfig:
             raise ValueError(f"checkpoint_interval_s = {self.checkpoint_interval_s}: must be > 0")
         if self.pager_url is not None and not self.pager_url.startswith(("http://", "https://")):
             raise ValueError(f"pager_url = {self.pager_url!r}: must be an http(s) URL")
-
-
-# ---------------------------------------------------------------------------------------
-# Payload parsing: pure, all-or-nothing
-# ---------------------------------------------------------------------------------------
-class BadRequest(ValueError):
-    """The batch is malformed; the message names the field."""
-
-
-@dataclass(slots=True)
-class Batch:
-    run: str
-    rank: int
-    seq: int
-    meta: dict[str, Any] | None
-    reports: list[StepReport]
-    events: list[dict[str, Any]]
-    heartbeat: dict[str, Any] | None
-    commands_ack: int | None
-    trainer_detectors: bool = False
-    final: bool = False
-    writer: str | None = None  # the sending exporter instance (random), when it says
-
-    @property
-    def generation(self) -> int:
-        return self.seq >> GEN_SHIFT
-
-
-def loads(body: bytes) -> Any:
-    if _orjson is not None:
-        try:
-            return _orjson.loads(body)
-        except _orjson.JSONDecodeError:
-            pass  # NaN/Infinity literals (stdlib json.dumps) are not JSON to orjson
-    return json.loads(body)
-
-
-def dumps(obj: Any) -> bytes:
-    if _orjson is not None:
-        return _orjson.dumps(obj, option=_orjson.OPT_SERIALIZE_NUMPY)
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _int(v: Any, name: str, lo: int = 0, hi: int = MAX_SEQ) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise BadRequest(f"field {name!r}: expected an integer in [{lo}, {hi}], got {str(v)[:60]!r}")
-    return v
-
-
-def _float(v: Any, name: str) -> float:
-    if v is None:
-        return math.nan
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise BadRequest(f"field {name!r}: expected a number, got {str(v)[:60]!r}")
-    return float(v)
-
-
-def valid_run_id(run: Any) -> bool:
-    return isinstance(run, str) and RUN_ID_RE.fullmatch(run) is not None
-
-
-def parse_event(d: Any, where: str) -> dict[str, Any]:
-    if not isinstance(d, dict):
-        raise BadRequest(f"{where}: expected an object")
-    for req in ("step", "kind"):
-        if req not in d:
-            raise BadRequest(f"{where}: missing field {req!r}")
-    kind, action, detector = d["kind"], d.get("action", schema.ACT_NONE), d.get("detector", "")
-    if kind not in schema.EVENT_KINDS:
-        raise BadRequest(f"{where}.kind: {str(kind)[:60]!r} not one of {schema.EVENT_KINDS}")
-    if action not in schema.ACTIONS:
-        raise BadRequest(f"{where}.action: {str(action)[:60]!r} not one of {schema.ACTIONS}")
-    if not isinstance(detector, str) or len(detector) > 200:
-        raise BadRequest(f"{where}.detector: expected a short string")
-    detail = d.get("detail", "{}")
-    if isinstance(detail, dict):
-        detail = json.dumps(detail, sort_keys=True, default=str)
-    elif not isinstance(detail, str):
-        raise BadRequest(f"{where}.detail: expected a JSON string or an object")
-    t = _float(d.get("time"), f"{where}.time")
-    return {
-        "step": _int(d["step"], f"{where}.step"),
-        "time": t if math.isfinite(t) else time.time(),
-        "kind": kind,
-        "detector": detector,
-        "value": _float(d.get("value"), f"{where}.value"),
-        "threshold": _float(d.get("threshold"), f"{where}.threshold"),
-        "action": action,
-        "detail": detail,
-    }
-
-
-def parse_batch(body: bytes, limits: CollectorLimits | None = None) -> Batch:
-    """Validate a whole batch; raises BadRequest naming the first bad field, LimitExceeded
-    naming the first limit it goes over (`limits` None: no limits, for the log replay, so a
-    lowered limit never drops a batch that was already acknowledged)."""
-    try:
-        d = loads(body)
-    except (ValueError, RecursionError, UnicodeDecodeError) as e:
-        raise BadRequest(f"body is not valid JSON: {str(e)[:120]}") from None
-    if not isinstance(d, dict):
-        raise BadRequest("body: expected a JSON object")
-    for req in ("run", "rank", "seq"):
-        if req not in d:
-            raise BadRequest(f"missing field {req!r}")
-    if not valid_run_id(d["run"]):
-        raise BadRequest(f"field 'run': {str(d['run'])[:60]!r} is not a valid run id ({RUN_ID_RE.pattern})")
-    rank = _int(d["rank"], "rank", 0, MAX_RANK)
-    if limits is not None:
-        check_rank(rank, limits)
-    seq = _int(d["seq"], "seq")
-    meta = d.get("meta")
-    if meta is not None and not isinstance(meta, dict):
-        raise BadRequest("field 'meta': expected an object")
-    raw_reports, raw_events = d.get("reports") or [], d.get("events") or []
-    if not isinstance(raw_reports, list):
-        raise BadRequest("field 'reports': expected a list")
-    if not isinstance(raw_events, list):
-        raise BadRequest("field 'events': expected a list")
-    reports = []
-    for i, r in enumerate(raw_reports):
-        if not isinstance(r, dict):
-            raise BadRequest(f"reports[{i}]: expected an object")
-        if limits is not None:
-            check_report(r, f"reports[{i}]", limits)  # before any array is built
-        try:
-            rep = StepReport.from_json(r)
-        except BadRequest:
-            raise
-        except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as e:
-            raise BadRequest(f"reports[{i}]: {str(e)[:200]}") from None
-        if "rank" in r and rep.rank != rank:
-            raise BadRequest(f"reports[{i}].rank: {rep.rank} differs from the batch rank {rank}")
-        rep.rank = rank
-        reports.append(rep)
-    events = [parse_event(e, f"events[{i}]") for i, e in enumerate(raw_events)]
-    hb = d.get("heartbeat")
-    if hb is not None:
-        if not isinstance(hb, dict):
-            raise BadRequest("field 'heartbeat': expected an object")
-        phase = hb.get("phase", PHASE_TRAIN)
-        if phase not in PHASES:
-            raise BadRequest(f"heartbeat.phase: {str(phase)[:60]!r} not one of {PHASES}")
-        t = _float(hb.get("time"), "heartbeat.time")
-        if not math.isfinite(t):
-            raise BadRequest("heartbeat.time: must be a finite number")
-        hb = {"time": t, "step": _int(hb.get("step", 0), "heartbeat.step"), "phase": phase}
-    ack = d.get("commands_ack")
-    if ack is not None:
-        ack = _int(ack, "commands_ack")
-    td = d.get("trainer_detectors", False)
-    if not isinstance(td, bool):
-        raise BadRequest("field 'trainer_detectors': expected true or false")
-    final = d.get("final", False)
-    if not isinstance(final, bool):
-        raise BadRequest("field 'final': expected true or false")
-    writer = d.get("writer")
-    if writer is not None and not (isinstance(writer, str) and WRITER_RE.fullmatch(writer)):
-        raise BadRequest(f"field 'writer': expected {WRITER_RE.pattern}, got {str(writer)[:60]!r}")
-    return Batch(
-        run=d["run"],
-        rank=rank,
-        seq=seq,
-        meta=meta,
-        reports=reports,
-        events=events,
-        heartbeat=hb,
-        commands_ack=ack,
-        trainer_detectors=td,
-        final=final,
-        writer=writer,
-    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -492,66 +295,9 @@ class Wal:
             self._fd = None
 
 
-# ---------------------------------------------------------------------------------------
-# Parquet parts in the run store's format, columns built with numpy
-# ---------------------------------------------------------------------------------------
 def _part_seq(p: Path) -> int:
     pn = parse_part_name(p.name)
     return pn.seq if pn is not None else -1
-
-
-def report_frames(reports: list[StepReport]) -> dict[str, pl.DataFrame]:
-    """steps / layers / experts frames for rank-0 reports (no per-value Python loop)."""
-    out: dict[str, pl.DataFrame] = {}
-    if not reports:
-        return out
-    steps = {c: [getattr(r, c) for r in reports] for c in schema.STEPS_COLUMNS}
-    out[schema.TABLE_STEPS] = pl.DataFrame(steps, schema=polars_schema(schema.TABLE_STEPS), strict=False)
-    lay: dict[str, list[np.ndarray]] = {c: [] for c in schema.LAYERS_COLUMNS}
-    exp: dict[str, list[np.ndarray]] = {c: [] for c in schema.EXPERTS_COLUMNS}
-    for r in reports:
-        n_l = len(r.layer_ids_L)
-        if n_l:
-            lay["step"].append(np.full(n_l, r.step, np.int64))
-            lay["layer"].append(r.layer_ids_L.astype(np.int32))
-            lay["grad_norm"].append(r.layer_grad_norm_L.astype(np.float64))
-            # position of each layer in the MoE arrays, -1 for dense layers
-            moe = r.moe_layer_ids_M
-            order = np.argsort(moe, kind="stable")
-            pos = np.searchsorted(moe[order], r.layer_ids_L)
-            pos = np.minimum(pos, max(len(moe) - 1, 0))
-            hit = (len(moe) > 0) & (moe[order][pos] == r.layer_ids_L) if len(moe) else np.zeros(n_l, bool)
-            idx = order[pos] if len(moe) else pos
-            for name, arr, fill, dt in (
-                ("router_entropy", r.router_entropy_M, np.nan, np.float64),
-                ("load_entropy", r.load_entropy_M, np.nan, np.float64),
-                ("maxvio", r.maxvio_M, np.nan, np.float64),
-                ("dead_experts", r.dead_experts_M, 0, np.int32),
-                ("bias_norm", r.bias_norm_M, np.nan, np.float64),
-            ):
-                col = np.full(n_l, fill, dt)
-                if len(moe):
-                    col[hit] = arr[idx[hit]]
-                lay[name].append(col)
-        if r.load_ME.size:
-            m, e = r.load_ME.shape
-            exp["step"].append(np.full(m * e, r.step, np.int64))
-            exp["layer"].append(np.repeat(r.moe_layer_ids_M.astype(np.int32), e))
-            exp["expert"].append(np.tile(np.arange(e, dtype=np.int32), m))
-            exp["load"].append(r.load_ME.reshape(-1).astype(np.int64, copy=False))
-            exp["bias"].append(
-                r.bias_ME.reshape(-1).astype(np.float64) if r.bias_ME.size else np.zeros(m * e)
-            )
-    for table, cols in ((schema.TABLE_LAYERS, lay), (schema.TABLE_EXPERTS, exp)):
-        if cols["step"]:
-            data = {c: np.concatenate(v) for c, v in cols.items()}
-            out[table] = pl.DataFrame(data, schema=polars_schema(table))
-    return out
-
-
-def event_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
-    cols = {c: [r[c] for r in rows] for c in schema.EVENTS_COLUMNS}
-    return pl.DataFrame(cols, schema=polars_schema(schema.TABLE_EVENTS), strict=False)
 
 
 # ---------------------------------------------------------------------------------------
@@ -792,11 +538,8 @@ class RunState:
         stale_events = [e for e in self.pending_events if e["step"] >= first]
         if stale_events:
             frames[schema.TABLE_EVENTS] = event_frame(stale_events)
-        for table, df in frames.items():
-            (dest / table).mkdir(parents=True, exist_ok=True)
-            write_part_file(dest / table / part_name(int(df["step"].min()), self.next_part), df)  # type: ignore[arg-type]
-            fsync_dir(dest / table)
-            moved += df.height
+        write_parts(dest, frames, self.next_part)
+        moved += sum(df.height for df in frames.values())
         log.warning(
             "run %s: rank 0 generation %d re-runs steps from %d; %d rows after step %d moved to %s "
             "(kept, not deleted)",
@@ -815,16 +558,16 @@ class RunState:
         writer on this run id (or a superseded trainer) and is refused. Caller holds `lock`."""
         hwm = self.hwm.get(b.rank, -1)
         owner = self.writers.get(b.rank)
-        if b.generation == hwm >> GEN_SHIFT and None not in (b.writer, owner) and b.writer != owner:
+        if b.generation == generation_of(hwm) and None not in (b.writer, owner) and b.writer != owner:
             return "conflict"  # one generation, two processes (both started within the same second)
         if b.seq > hwm:
             return "new"
-        if b.generation == hwm >> GEN_SHIFT or b.seq <= self.retired.get(b.rank, {}).get(b.generation, -1):
+        if b.generation == generation_of(hwm) or b.seq <= self.retired.get(b.rank, {}).get(b.generation, -1):
             return "duplicate"
         return "conflict"
 
     def _conflict(self, b: Batch) -> GenerationConflict:
-        current = self.hwm[b.rank] >> GEN_SHIFT
+        current = generation_of(self.hwm[b.rank])
         key = (b.rank, b.generation)
         if key not in self._conflicts_logged and len(self._conflicts_logged) < 64:
             self._conflicts_logged.add(key)
@@ -841,9 +584,9 @@ class RunState:
     def _apply(self, b: Batch, now: float, truncated_from: int | None, live: bool) -> None:
         """The in-memory part of `_ingest` (no I/O)."""
         old = self.hwm.get(b.rank, -1)
-        if old >= 0 and b.generation > old >> GEN_SHIFT:  # a new writer generation takes over
+        if old >= 0 and b.generation > generation_of(old):  # a new writer generation takes over
             gens = self.retired.setdefault(b.rank, {})
-            gens[old >> GEN_SHIFT] = old
+            gens[generation_of(old)] = old
             for g in sorted(gens)[:-RETIRED_GENERATIONS]:
                 del gens[g]
             self.writers.pop(b.rank, None)
@@ -1060,16 +803,7 @@ class RunState:
         frames = report_frames(snap.reports)
         if snap.events:
             frames[schema.TABLE_EVENTS] = event_frame(snap.events)
-        seq = self.next_part
-        touched = []
-        for table, df in frames.items():
-            first = int(df["step"].min())  # type: ignore[arg-type]
-            path = self.dir / table / part_name(first, seq)
-            write_part_file(path, df)
-            touched.append(path.parent)
-            seq += 1
-        for d in touched:
-            fsync_dir(d)
+        seq = write_parts(self.dir, frames, self.next_part)
         st = {**snap.state, "segment_done": snap.segment, "next_part_seq": seq}
         self._commit_state(st)  # the commit point
         self.next_part, self.segment_done = seq, snap.segment
@@ -1190,7 +924,7 @@ def parse_state(st: Any) -> _State:
             },
             writers={_nonneg(int(r)): str(w) for r, w in st.get("writers", {}).items()},
             last_step=int(st["last_step"]),
-            report_gen=int(st.get("report_gen", (hwm[0] >> GEN_SHIFT) if 0 in hwm else -1)),
+            report_gen=int(st.get("report_gen", generation_of(hwm[0]) if 0 in hwm else -1)),
             trainer_detectors=bool(st.get("trainer_detectors", False)),
             ranks=[
                 (
@@ -1287,15 +1021,6 @@ def check_run_layout(run_dir: Path) -> None:
 def _make_detectors(cfg: GuardConfig | None) -> Engine | None:
     """The guard engine, of which the collector runs the detectors (no policy: it acts on nothing)."""
     return Engine(cfg) if cfg is not None else None
-
-
-def scan_last_step(run_dir: Path) -> int:
-    if not part_files(run_dir, schema.TABLE_STEPS):
-        return -1
-    from guard.store.runstore import scan_table
-
-    v = scan_table(run_dir, schema.TABLE_STEPS).select(pl.col("step").max()).collect().item()
-    return -1 if v is None else int(v)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1513,14 +1238,11 @@ class Collector:
             return 400, {"error": str(e)}
         except LimitExceeded as e:
             return self._over_limit(e)
-        ahead = batch.generation - (time.time() + MAX_GENERATION_AHEAD_S)
-        if ahead > 0:  # e.g. seq = 2**63 - 1: it would own the run, and block it, for decades
+        try:
+            check_generation(batch, time.time())
+        except BadRequest as e:
             self.metrics.batch("bad_request")
-            return 400, {
-                "error": f"field 'seq': generation {batch.generation} (seq >> {GEN_SHIFT}, the writer's "
-                f"start time in seconds) is {ahead + MAX_GENERATION_AHEAD_S:.0f} s ahead of this "
-                f"collector's clock (at most {MAX_GENERATION_AHEAD_S} s allowed)"
-            }
+            return 400, {"error": str(e)}
         try:
             ans = self._with_run(batch.run, lambda rs: rs.ingest(batch, body))
         except LimitExceeded as e:
@@ -1560,7 +1282,8 @@ class Collector:
             "limit": {"name": e.limit, "value": e.value, "max": e.maximum, "flag": LIMIT_FLAGS[e.limit]},
         }
 
-    def list_runs(self) -> list[dict[str, Any]]:
+    def list_runs(self) -> list[RunListing]:
+        """Every run this collector knows or has a folder of (GET /v1/runs, guard/wire/runs.py)."""
         now = time.time()
         names = (
             set(self.runs)
@@ -1571,36 +1294,24 @@ class Collector:
         for run in sorted(names):
             rs = self.runs.get(run)
             meta = (rs.meta if rs is not None else read_meta(self.cfg.runs_dir / run)) or {}
-            if run in self.quarantined:
-                out.append(
-                    {
-                        "run": run,
-                        "status": meta.get("status", schema.STATUS_RUNNING),
-                        "last_step": None,
-                        "ranks": {},
-                        "quarantined": self.quarantined[run],
-                    }
-                )
-                continue
-            ranks = self.metrics.rank_status(run, now)
             status = meta.get("status", schema.STATUS_RUNNING)
+            if run in self.quarantined:
+                out.append(RunListing(run=run, status=status, quarantined=self.quarantined[run]))
+                continue
+            ranks = {k: RankListing(**v) for k, v in self.metrics.rank_status(run, now).items()}
             if self.metrics.is_halted(run):
                 status = schema.STATUS_HALTED
-            elif status == schema.STATUS_RUNNING and ranks and all(r["lost"] for r in ranks.values()):
+            elif status == schema.STATUS_RUNNING and ranks and all(r.lost for r in ranks.values()):
                 status = schema.STATUS_STALE
             last = self.metrics.last_step(run)
             if last is None and rs is not None and rs.last_step >= 0:
                 last = rs.last_step
             out.append(
-                {
-                    "run": run,
-                    "status": status,
-                    "last_step": last,
-                    "ranks": {str(k): v for k, v in ranks.items()},
-                    "hot": rs is not None and not rs.evicted,
-                }
+                RunListing(
+                    run=run, status=status, last_step=last, ranks=ranks, hot=rs is not None and not rs.evicted
+                )
             )
-        return _finite(out)
+        return out
 
     def post_command(self, run: str, body: bytes) -> tuple[int, dict[str, Any]]:
         if not valid_run_id(run):
@@ -1618,7 +1329,7 @@ class Collector:
             return 400, {"error": "field 'reason': expected a string (<= 2000 chars)"}
         if rank is not None:
             try:
-                rank = _int(rank, "rank", 0, MAX_RANK)
+                rank = parse_int(rank, "rank", 0, MAX_RANK)
             except BadRequest as e:
                 return 400, {"error": str(e)}
         try:
@@ -1651,8 +1362,6 @@ def _restore_run_metrics(metrics: CollectorMetrics, run: str, run_dir: Path, met
     """Baselines and halted flag survive a collector restart (read back from the run store).
     Halted: meta.json says so, or a halt event at or after the last resume event (run stores
     written before the collector kept meta's status)."""
-    from guard.store.runstore import scan_table
-
     metrics.set_halted(run, meta.get("status") == schema.STATUS_HALTED)
     try:
         halt = pl.col("kind") == schema.EV_HALT
@@ -1690,16 +1399,6 @@ def _restore_run_metrics(metrics: CollectorMetrics, run: str, run_dir: Path, met
         log.exception("run %s: could not restore metrics from the run store", run)
 
 
-def _finite(o: Any) -> Any:
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, list):
-        return [_finite(v) for v in o]
-    return o
-
-
 # ---------------------------------------------------------------------------------------
 # HTTP
 # ---------------------------------------------------------------------------------------
@@ -1735,7 +1434,7 @@ def build_app(collector: Collector) -> Any:
         return answer(status, payload)
 
     async def runs(request: Request) -> Response:
-        return answer(200, {"runs": await run_in_threadpool(collector.list_runs)})
+        return answer(200, runs_body(await run_in_threadpool(collector.list_runs)))
 
     async def commands(request: Request) -> Response:
         run = request.path_params["run"]

@@ -71,7 +71,7 @@ def count_run(run_dir: str | Path) -> dict[str, int]:
     """Counts from a run store's `steps` and `events` tables."""
     import polars as pl
 
-    from guard.store.runstore import scan_table
+    from guard.store.reader import scan_table
 
     steps = scan_table(run_dir, schema.TABLE_STEPS).select("action")
     per_step = steps.filter(pl.col("action").is_in(list(STEP_ACTIONS))).group_by("action").len().collect()

@@ -3,6 +3,7 @@
 Shapes (suffix legend): L = transformer layers, M = MoE layers, E = experts per MoE layer.
 The trainer builds it from a single device->host transfer; the exporter ships it as JSON;
 the collector rebuilds it; detectors, the run store and replay all consume the same object.
+Its one mapping to and from run-store table rows is guard/core/rows.py.
 """
 
 from __future__ import annotations
@@ -64,17 +65,6 @@ class StepReport:
             + self.bias_ME.size
         )
 
-    # ---- run-store rows ------------------------------------------------------------
-    def steps_row(self) -> dict[str, Any]:
-        return {c: getattr(self, c) for c in schema.STEPS_COLUMNS}
-
-    def layer_rows(self) -> dict[str, list]:
-        """Columns for the `layers` table: one row per transformer layer (see layer_columns)."""
-        return {c: v.tolist() for c, v in layer_columns([self]).items()}
-
-    def expert_rows(self) -> dict[str, list]:
-        return {c: v.tolist() for c, v in expert_columns([self]).items()}
-
     # ---- wire format ---------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -133,80 +123,6 @@ class StepReport:
             raise ValueError(f"bias_ME has shape {self.bias_ME.shape}, expected {self.load_ME.shape}")
         if self.step < 0:
             raise ValueError(f"step must be >= 0, got {self.step}")
-
-
-# Per-MoE-layer statistics stored per layer row, with the value a dense layer (no router) gets.
-_ROUTING_STATS = (
-    ("router_entropy", "router_entropy_M", math.nan),
-    ("load_entropy", "load_entropy_M", math.nan),
-    ("maxvio", "maxvio_M", math.nan),
-    ("dead_experts", "dead_experts_M", 0),
-    ("bias_norm", "bias_norm_M", math.nan),
-)
-
-
-def layer_columns(reps: list[StepReport]) -> dict[str, np.ndarray]:
-    """Columns for the `layers` table from many reports at once: one row per (step, transformer
-    layer). Dense layers carry NaN routing statistics (0 dead experts). Reports that share one
-    layout (the usual case) are converted with a handful of array operations in total."""
-    reps = [r for r in reps if len(r.layer_ids_L)]
-    if not reps:
-        return {c: np.zeros(0) for c in schema.LAYERS_COLUMNS}
-    n = np.array([len(r.layer_ids_L) for r in reps])
-    cols: dict[str, np.ndarray] = {
-        "step": np.repeat(np.array([r.step for r in reps], dtype=np.int64), n),
-        "layer": np.concatenate([r.layer_ids_L for r in reps]).astype(np.int64),
-        "grad_norm": np.concatenate([r.layer_grad_norm_L for r in reps]).astype(np.float64),
-    }
-    first = reps[0]
-    same_layout = all(
-        np.array_equal(r.layer_ids_L, first.layer_ids_L)
-        and np.array_equal(r.moe_layer_ids_M, first.moe_layer_ids_M)
-        for r in reps
-    )
-    for col, attr, fill in _ROUTING_STATS:
-        if same_layout:
-            dst, src = _moe_positions(first)
-            out = np.full((len(reps), len(first.layer_ids_L)), fill, dtype=np.float64)
-            if dst.size:
-                out[:, dst] = np.stack([np.asarray(getattr(r, attr), dtype=np.float64) for r in reps])[:, src]
-            cols[col] = out.reshape(-1)
-        else:
-            parts = []
-            for r in reps:
-                dst, src = _moe_positions(r)
-                row = np.full(len(r.layer_ids_L), fill, dtype=np.float64)
-                row[dst] = np.asarray(getattr(r, attr), dtype=np.float64)[src]
-                parts.append(row)
-            cols[col] = np.concatenate(parts)
-    cols["dead_experts"] = cols["dead_experts"].astype(np.int64)
-    return cols
-
-
-def _moe_positions(r: StepReport) -> tuple[np.ndarray, np.ndarray]:
-    """(positions in layer_ids_L, positions in moe_layer_ids_M) of the MoE layers the report lists."""
-    where = {int(lid): i for i, lid in enumerate(r.layer_ids_L)}
-    pairs = [(where[int(lid)], j) for j, lid in enumerate(r.moe_layer_ids_M) if int(lid) in where]
-    return np.array([d for d, _ in pairs], dtype=np.int64), np.array([s for _, s in pairs], dtype=np.int64)
-
-
-def expert_columns(reps: list[StepReport]) -> dict[str, np.ndarray]:
-    """Columns for the `experts` table from many reports: one row per (step, MoE layer, expert)."""
-    reps = [r for r in reps if r.load_ME.ndim == 2 and r.load_ME.size]
-    if not reps:
-        return {c: np.zeros(0) for c in schema.EXPERTS_COLUMNS}
-    sizes = np.array([r.load_ME.size for r in reps])
-    return {
-        "step": np.repeat(np.array([r.step for r in reps], dtype=np.int64), sizes),
-        "layer": np.concatenate(
-            [np.repeat(r.moe_layer_ids_M.astype(np.int64), r.load_ME.shape[1]) for r in reps]
-        ),
-        "expert": np.concatenate([np.tile(np.arange(r.load_ME.shape[1]), r.load_ME.shape[0]) for r in reps]),
-        "load": np.concatenate([r.load_ME.reshape(-1) for r in reps]).astype(np.int64),
-        "bias": np.concatenate(
-            [r.bias_ME.reshape(-1) if r.bias_ME.size else np.zeros(r.load_ME.size) for r in reps]
-        ).astype(np.float64),
-    }
 
 
 _REQUIRED = ("step", "time", "loss", "grad_norm", "lr", "tokens")

@@ -17,6 +17,8 @@ the same run id, or a newer process of this one): the batch is set aside in spoo
 counted in stats["conflict"] as not delivered (flush() and close() return False), and the
 refusal is logged at ERROR once per run.
 
+The batch format (encoding, seq and generations) is guard/wire/batch.py, shared with the collector.
+
 Sequence numbers. The collector dedupes by (run, rank, seq) with a high-water mark, so a batch
 must never be sent after a batch with a larger seq was accepted, and a retried batch keeps its
 seq. seq = generation << 32 | counter: `generation` is this exporter's start time in whole
@@ -43,7 +45,6 @@ returned by `poll_commands()` once, and the highest id taken is acknowledged in 
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import os
 import queue
@@ -59,24 +60,13 @@ import httpx
 from guard.core.events import Event
 from guard.core.heartbeat import PHASE_TRAIN, PHASES
 from guard.core.report import StepReport
+from guard.wire.batch import Batch, encode_batch, encode_report, heartbeat, make_seq
 from guard.wire.retry import Backoff, RetryPolicy
-
-try:
-    import orjson as _orjson
-except ImportError:  # pragma: no cover - depends on the environment
-    _orjson = None
 
 log = logging.getLogger("moeguard.exporter")
 
-GEN_SHIFT = 32  # same as guard.collector.service.GEN_SHIFT (not imported: the trainer needs no starlette)
 _STOP = object()
 _Encoded = tuple[bytes, list[dict[str, Any]], int]  # report JSON, its events, its step
-
-
-def _dumps(obj: Any) -> bytes:
-    if _orjson is not None:  # writes NaN as null, which the collector reads back as NaN
-        return _orjson.dumps(obj, option=_orjson.OPT_SERIALIZE_NUMPY)
-    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 class Exporter:
@@ -262,12 +252,12 @@ class Exporter:
 
     def _next_seq(self) -> int:
         self._counter += 1
-        return self.generation << GEN_SHIFT | self._counter
+        return make_seq(self.generation, self._counter)
 
     @staticmethod
     def _encode_items(items: list[tuple[StepReport, list[dict[str, Any]]]]) -> list[_Encoded]:
         """Serialise reports outside any lock (the costly part of building a batch)."""
-        return [(_dumps(r.to_json()), evs, r.step) for r, evs in items]
+        return [(encode_report(r), evs, r.step) for r, evs in items]
 
     def _chunks(self, enc: list[_Encoded]) -> list[list[_Encoded]]:
         """Split so that no body exceeds max_body_bytes (64 KiB left for the envelope)."""
@@ -286,27 +276,24 @@ class Exporter:
         return out
 
     def _body(self, chunk: list[_Encoded], seq: int, final: bool = False) -> bytes:
-        """The batch body for `chunk` with sequence number `seq`. Holds _lock."""
-        d: dict[str, Any] = {
-            "run": self.run_id,
-            "rank": self.rank,
-            "seq": seq,
-            "writer": self.writer,
-            "events": [e for _, evs, _ in chunk for e in evs],
-        }
-        if final:
-            d["final"] = True
+        """The batch body for `chunk` with sequence number `seq` (guard/wire/batch.py). Holds _lock."""
         if chunk:
             self._last_step = max(self._last_step, max(step for _, _, step in chunk))
-        d["heartbeat"] = {"time": time.time(), "step": max(self._last_step, 0), "phase": self._phase}
-        if self._meta is not None:
-            d["meta"], self._meta = self._meta, None
-        if self.trainer_detectors:
-            d["trainer_detectors"] = True
-        if self._seen_cmd >= 0:  # every batch: a lost heartbeat must not lose the acknowledgement
-            d["commands_ack"] = self._seen_cmd
-        head = _dumps(d)
-        return head[:-1] + b',"reports":[' + b",".join(rb for rb, _, _ in chunk) + b"]}"
+        meta, self._meta = self._meta, None
+        b = Batch(
+            run=self.run_id,
+            rank=self.rank,
+            seq=seq,
+            writer=self.writer,
+            events=[e for _, evs, _ in chunk for e in evs],
+            final=final,
+            heartbeat=heartbeat(time.time(), max(self._last_step, 0), self._phase),
+            meta=meta,
+            trainer_detectors=self.trainer_detectors,
+            # every batch: a lost heartbeat must not lose the acknowledgement
+            commands_ack=self._seen_cmd if self._seen_cmd >= 0 else None,
+        )
+        return encode_batch(b, [rb for rb, _, _ in chunk])
 
     def _spool_write(self, seq: int, body: bytes) -> None:
         p = self.spool_dir / f"{self._prefix}{seq:020d}.json"

@@ -21,6 +21,7 @@ from dashboards import data, launch
 from dashboards import testing as synth
 from guard.cli import main as cli_main
 from guard.core import schema
+from guard.store import reader
 
 
 def test_downsample_keeps_spikes_nans_and_event_steps() -> None:
@@ -69,10 +70,10 @@ def test_action_marks_merge_verdict_and_action_and_pin_nonfinite() -> None:
 
 def test_scan_fills_columns_an_older_writer_lacked(store: Path) -> None:
     run = store / synth.OLD_SCHEMA
-    assert data.missing_columns(run, schema.TABLE_STEPS) == ["mfu", "mem_peak_bytes"]
-    df = data.scan(run, schema.TABLE_STEPS).collect()
+    assert reader.missing_columns(run, schema.TABLE_STEPS) == ["mfu", "mem_peak_bytes"]
+    df = reader.scan_table(run, schema.TABLE_STEPS).collect()
     assert df.columns == list(schema.STEPS_COLUMNS) and df["mfu"].null_count() == df.height
-    assert data.scan(store / synth.META_ONLY, schema.TABLE_STEPS).collect().height == 0
+    assert reader.scan_table(store / synth.META_ONLY, schema.TABLE_STEPS).collect().height == 0
 
 
 def test_run_info_status_and_compat(store: Path) -> None:
@@ -303,3 +304,26 @@ def test_app_command_runs_streamlit_headless(tmp_path: Path, monkeypatch) -> Non
 def test_launch_rejects_bad_port(tmp_path: Path, capsys) -> None:
     args = argparse.Namespace(runs=str(tmp_path), port=70000, host="127.0.0.1", history=None, collector=None)
     assert launch.run(args) == 2
+
+
+@pytest.mark.integration
+def test_collector_view_lists_a_live_collectors_runs(tmp_path: Path) -> None:
+    """The app reads /v1/runs through guard/wire/runs.py, the type the collector writes: a run
+    posted to a real collector shows up (it used to read keys the collector never sent)."""
+    from tests.guard.test_collector import CollectorProc, batch, make_report
+
+    c = CollectorProc(tmp_path / "runs").start()
+    try:
+        assert c.post(batch("live-1", 0, 1, [make_report(s) for s in range(3)])).status_code == 200
+        [run] = data.fetch_collector_runs(c.url)
+        assert (run.run, run.status, run.last_step, run.hot) == ("live-1", schema.STATUS_RUNNING, 2, True)
+        assert run.ranks[0].last_step == 2 and not run.ranks[0].lost and run.open_alerts() == []
+        halt = {"step": 3, "kind": schema.EV_HALT, "action": schema.ACT_HALT}
+        assert c.post(batch("live-1", 0, 2, [make_report(3)], [halt])).status_code == 200
+        [run] = data.fetch_collector_runs(c.url)
+        assert run.status == schema.STATUS_HALTED and run.open_alerts() == ["RunHalted"]
+        # the runs page's "open alerts" column: no Alertmanager there, so from /v1/runs
+        data.fetch_open_alerts.clear()
+        assert data.fetch_open_alerts(c.url) == ({"live-1": 1}, None)
+    finally:
+        c.stop()

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from dashboards import testing as synth
-from guard.store.runstore import atomic_write_json, list_runs
+from guard.store.layout import atomic_write_json
+from guard.store.reader import list_runs
 from tests.conftest import MICRO, REPO
 from tests.dashboards.test_app_browser import CHROMIUM, _chromium, _screenshot, serve
 

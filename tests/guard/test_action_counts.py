@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from guard.core import actions, schema
 from guard.core.events import Event
-from guard.store.runstore import read_meta
+from guard.store.reader import read_meta
 from tests.conftest import MICRO, REPO
 from tests.helpers_http import http_json, wait_http, wait_until
 

@@ -12,7 +12,7 @@ from torch import nn
 from guard.api import GuardedStep
 from guard.core import schema
 from guard.runtime.probes import RouterProbe
-from guard.store.runstore import read_table
+from guard.store.reader import read_table
 
 
 class ThirdPartyMoE(nn.Module):

@@ -28,12 +28,14 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from guard.collector.metrics import CollectorMetrics
-from guard.collector.service import BadRequest, parse_batch, report_frames
 from guard.core import schema
 from guard.core.events import Event
 from guard.core.report import StepReport
+from guard.core.rows import expert_columns, layer_columns
 from guard.runtime.exporter import Exporter
-from guard.store.runstore import read_meta, read_table
+from guard.store.reader import read_meta, read_table
+from guard.store.writer import report_frames
+from guard.wire.batch import BadRequest, parse_batch
 
 TOKEN = "test-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -244,8 +246,9 @@ def test_report_frames_match_runstore_rows() -> None:
     frames = report_frames(reps)
     lay = frames[schema.TABLE_LAYERS]
     exp = frames[schema.TABLE_EXPERTS]
-    want_l = {c: sum((r.layer_rows()[c] for r in reps), []) for c in schema.LAYERS_COLUMNS}
-    want_e = {c: sum((r.expert_rows()[c] for r in reps), []) for c in schema.EXPERTS_COLUMNS}
+    # one report at a time (the per-report path) gives the rows the batched frames hold
+    want_l = {c: sum((layer_columns([r])[c].tolist() for r in reps), []) for c in schema.LAYERS_COLUMNS}
+    want_e = {c: sum((expert_columns([r])[c].tolist() for r in reps), []) for c in schema.EXPERTS_COLUMNS}
     for c, v in want_l.items():
         np.testing.assert_array_equal(
             lay[c].to_numpy(), np.asarray(v, dtype=lay[c].to_numpy().dtype), err_msg=c
@@ -693,13 +696,13 @@ def inproc(tmp_path: Path) -> Iterator[Any]:
 def test_halt_latches_until_the_run_resumes_and_a_later_halt_latches_again(inproc: Any) -> None:
     c = inproc()
     ingest(c, batch("h", 0, G1 | 1, [make_report(s) for s in range(10)], [halt_row(9)]))
-    assert halted(c, "h") == 1 and c.list_runs()[0]["status"] == schema.STATUS_HALTED
+    assert halted(c, "h") == 1 and c.list_runs()[0].status == schema.STATUS_HALTED
     # the restarted exporter beats before its first step: not yet a resume (no reports)
     ingest(c, beat("h", 0, G2 | 1, step=9))
     assert halted(c, "h") == 1
     # `moeguard train --resume`: rank 0 reports of a new generation clear the latch
     ingest(c, batch("h", 0, G2 | 2, [make_report(s) for s in range(10, 15)]))
-    assert halted(c, "h") == 0 and c.list_runs()[0]["status"] == schema.STATUS_RUNNING
+    assert halted(c, "h") == 0 and c.list_runs()[0].status == schema.STATUS_RUNNING
     ingest(c, batch("h", 0, G2 | 3, [make_report(15)], [halt_row(15)]))
     assert halted(c, "h") == 1
     c.close()
@@ -715,7 +718,7 @@ def test_halt_latches_until_the_run_resumes_and_a_later_halt_latches_again(inpro
     assert json.loads(ev["detail"][1])["source"] == "collector"
     assert "source" not in json.loads(ev["detail"][3])
     c = inproc()
-    assert halted(c, "h") == 0 and c.list_runs()[0]["status"] == schema.STATUS_RUNNING
+    assert halted(c, "h") == 0 and c.list_runs()[0].status == schema.STATUS_RUNNING
 
 
 def test_a_resume_and_a_new_halt_in_one_batch_end_halted(inproc: Any) -> None:
@@ -742,14 +745,14 @@ def test_final_batch_ends_heartbeats_and_finishes_the_run(inproc: Any) -> None:
     ingest(c, beat("f", 0, G1 | 2, step=4, final=True))
     assert lost_series(c, "f") == {}
     [r] = c.list_runs()
-    assert r["status"] == schema.STATUS_FINISHED and r["ranks"] == {}
+    assert r.status == schema.STATUS_FINISHED and r.ranks == {}
     assert read_meta(c.cfg.runs_dir / "f")["status"] == schema.STATUS_FINISHED
     c.close()
     c = inproc()  # nothing comes back after a restart
-    assert lost_series(c, "f") == {} and c.list_runs()[0]["status"] == schema.STATUS_FINISHED
+    assert lost_series(c, "f") == {} and c.list_runs()[0].status == schema.STATUS_FINISHED
     # resumed later (e.g. it had stopped at --until): watched again, running again
     ingest(c, batch("f", 0, G2 | 1, [make_report(5)]))
-    assert lost_series(c, "f") == {"0": 0.0} and c.list_runs()[0]["status"] == schema.STATUS_RUNNING
+    assert lost_series(c, "f") == {"0": 0.0} and c.list_runs()[0].status == schema.STATUS_RUNNING
 
 
 def test_trainer_meta_status_ends_the_run_but_only_a_new_process_resumes_it(inproc: Any) -> None:
@@ -769,7 +772,7 @@ def test_trainer_meta_status_ends_the_run_but_only_a_new_process_resumes_it(inpr
     assert halted(c, "ms") == 0 and set(lost_series(c, "ms")) == {"0", "1"}
     # the end of the run, told by meta alone (no final flag): every rank stops being watched
     ingest(c, beat("ms", 0, G2 | 3, step=8, meta={"status": schema.STATUS_FINISHED}))
-    assert lost_series(c, "ms") == {} and c.list_runs()[0]["status"] == schema.STATUS_FINISHED
+    assert lost_series(c, "ms") == {} and c.list_runs()[0].status == schema.STATUS_FINISHED
     c.close()
     ev = read_table(c.cfg.runs_dir / "ms", schema.TABLE_EVENTS).sort("step")
     assert ev.select("step", "kind").rows() == [(4, "halt"), (5, "resume")]

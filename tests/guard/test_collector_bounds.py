@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from guard.collector.metrics import EXPERT_SHARE_BUCKETS, CollectorMetrics
 from guard.core import schema
 from guard.core.limits import CollectorLimits
-from guard.store.runstore import read_table
+from guard.store.reader import read_table
 from tests.guard.test_collector import AUTH, CollectorProc, batch, make_report, wait_steps
 
 G1 = 1_700_000_000 << 32

@@ -23,7 +23,8 @@ import pytest
 from guard.collector.service import Collector, CollectorConfig, Wal
 from guard.core import schema
 from guard.runtime.exporter import Exporter
-from guard.store.runstore import part_name, read_meta, read_table
+from guard.store.layout import part_name
+from guard.store.reader import read_meta, read_table
 from tests.guard.test_collector import TOKEN, CollectorProc, batch, make_report, wait_steps
 
 G1, G2 = 1_700_000_000 << 32, 1_700_000_100 << 32  # exporter generations (seconds << 32)
@@ -247,7 +248,7 @@ def test_meta_write_failure_after_the_commit_answers_stored_and_retries_are_dupl
     assert hits and r.status_code == 200 and r.json()["duplicate"] is False  # in the log: stored
     for _ in range(2):  # the answer was lost: the exporter sends it again
         assert _post(c, _eight_steps()).json()["duplicate"] is True
-    assert c.list_runs()[0]["status"] == schema.STATUS_HALTED
+    assert c.list_runs()[0].status == schema.STATUS_HALTED
     c.runs["io"].checkpoint()  # meta.json is written before the log is let go
     assert read_meta(run_dir)["owner"] == "team-a" and read_meta(run_dir)["status"] == schema.STATUS_HALTED
     assert _stored(run_dir) == (list(range(8)), [(7, schema.EV_HALT)])

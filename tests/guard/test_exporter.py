@@ -14,9 +14,10 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from guard.core import schema
 from guard.core.events import Event
-from guard.runtime.exporter import GEN_SHIFT, Exporter
+from guard.runtime.exporter import Exporter
 from guard.runtime.otel import OtelExporter
-from guard.store.runstore import read_table
+from guard.store.reader import read_table
+from guard.wire.batch import GEN_SHIFT
 from tests.guard.test_collector import AUTH, TOKEN, CollectorProc, free_port, make_report
 
 

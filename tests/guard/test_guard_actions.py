@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from guard.core import schema
-from guard.store.runstore import read_meta, read_table
+from guard.store.reader import read_meta, read_table
 from tests.conftest import MICRO, train_micro
 
 FAULT_STEP = 45  # after the spike detectors' warm-up (32 accepted values)

@@ -31,7 +31,7 @@ from guard.api import GuardedStep  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.core.config import CollapseConfig, GuardConfig  # noqa: E402
 from guard.integrations.torchtitan import attach, force_collapse  # noqa: E402
-from guard.store.runstore import read_table  # noqa: E402
+from guard.store.reader import read_table  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

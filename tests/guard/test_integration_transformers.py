@@ -23,7 +23,7 @@ from guard.core import schema  # noqa: E402
 from guard.core.config import CollapseConfig, GuardConfig  # noqa: E402
 from guard.integrations.tiny import FAMILIES, build  # noqa: E402
 from guard.integrations.transformers import _router_of, attach, decoder_layers  # noqa: E402
-from guard.store.runstore import read_table  # noqa: E402
+from guard.store.reader import read_table  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 

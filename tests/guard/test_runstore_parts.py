@@ -1,7 +1,7 @@
 """Part-file names (issue #13, item 2): one definition, no overflow past seq 999,999.
 
 A store whose parts run 999998, 999999, 1000000, 1000001, ... must read whole and in order
-through every reader: runstore.read_table, the README's glob, the app's loader, and the
+through every reader: reader.read_table, the README's glob, the app's loader, and the
 collector (recovery, resume truncation, next part number).
 """
 
@@ -14,20 +14,12 @@ import polars as pl
 import pytest
 
 from dashboards import data
-from guard.collector.service import report_frames
 from guard.core import schema
-from guard.store.runstore import (
-    PartName,
-    RunStore,
-    next_part_seq,
-    parse_part_name,
-    part_files,
-    part_name,
-    read_meta,
-    read_table,
-    truncate_after,
-    write_part_file,
-)
+from guard.store import reader
+from guard.store.layout import PartName, next_part_seq, parse_part_name, part_files, part_name
+from guard.store.reader import read_meta, read_table
+from guard.store.runstore import RunStore
+from guard.store.writer import report_frames, truncate_after, write_part_file
 from tests.guard.test_collector import CollectorProc, batch, make_report, wait_steps
 
 G1, G2 = 1_700_000_000 << 32, 1_700_000_100 << 32
@@ -71,12 +63,12 @@ def _seed(run: Path, seqs: list[int], steps_per_part: int = 5) -> None:
 
 def _readers(run: Path) -> dict[str, list[int]]:
     """Steps as each reader returns them (unsorted: the order is part of the contract)."""
-    data._part_names.cache_clear()
+    reader.clear_cache()
     return {
         "read_table": read_table(run, schema.TABLE_STEPS)["step"].to_list(),
         "readme_glob": pl.scan_parquet(str(run / "steps" / "*.parquet")).collect()["step"].to_list(),
         "app_loader": data.load_steps(str(run), data.run_signature(run))["step"].to_list(),
-        "app_scan": data.scan(run, schema.TABLE_STEPS).collect()["step"].to_list(),
+        "app_scan": reader.scan_table(run, schema.TABLE_STEPS, cached=True).collect()["step"].to_list(),
     }
 
 
@@ -90,9 +82,9 @@ def test_every_reader_reads_parts_past_999999_in_order(tmp_path: Path) -> None:
             1_000_000,
             1_000_001,
         ]
-        assert [p.name for p in data.part_files(run, t)] == [p.name for p in part_files(run, t)]
-    for reader, steps in _readers(run).items():
-        assert steps == list(range(20)), reader
+        assert [p.name for p in reader.cached_part_files(run, t)] == [p.name for p in part_files(run, t)]
+    for name, steps in _readers(run).items():
+        assert steps == list(range(20)), name
     assert read_table(run, schema.TABLE_EXPERTS).height == 20 * 2 * 8
     assert next_part_seq(run) == 1_000_002
     # the trainer's own writer continues from there, and a resume truncates the wide parts too
@@ -101,11 +93,11 @@ def test_every_reader_reads_parts_past_999999_in_order(tmp_path: Path) -> None:
         store.add_step(make_report(s))
     store.close()
     assert max(parse_part_name(p.name).seq for p in part_files(run, schema.TABLE_STEPS)) >= 1_000_002
-    for reader, steps in _readers(run).items():
-        assert steps == list(range(30)), reader
+    for name, steps in _readers(run).items():
+        assert steps == list(range(30)), name
     assert truncate_after(run, 17) == 12 + 12 * 4 + 12 * 2 * 8
-    for reader, steps in _readers(run).items():
-        assert steps == list(range(18)), reader
+    for name, steps in _readers(run).items():
+        assert steps == list(range(18)), name
 
 
 def test_readers_skip_what_is_not_a_part(tmp_path: Path) -> None:
@@ -115,8 +107,11 @@ def test_readers_skip_what_is_not_a_part(tmp_path: Path) -> None:
     (run / "steps" / ".part-0000000010-000002.parquet.tmp").write_bytes(b"half")
     (run / "steps" / "notes.txt").write_text("x")
     assert [p.name for p in part_files(run, schema.TABLE_STEPS)] == [part_name(0, 0), part_name(5, 1)]
-    data._part_names.cache_clear()
-    assert [p.name for p in data.part_files(run, schema.TABLE_STEPS)] == [part_name(0, 0), part_name(5, 1)]
+    reader.clear_cache()
+    assert [p.name for p in reader.cached_part_files(run, schema.TABLE_STEPS)] == [
+        part_name(0, 0),
+        part_name(5, 1),
+    ]
     assert read_table(run, schema.TABLE_STEPS)["step"].to_list() == list(range(10))
 
 
@@ -140,8 +135,8 @@ def test_collector_writes_recovers_and_resumes_past_part_999999(tmp_path: Path) 
         assert wait_steps(run, 30).height == 30
         seqs = sorted(parse_part_name(p.name).seq for t in schema.TABLES for p in part_files(run, t))
         assert seqs[0] == 999_998 and seqs[-1] == 1_000_005
-        for reader, steps in _readers(run).items():
-            assert steps == list(range(30)), reader
+        for name, steps in _readers(run).items():
+            assert steps == list(range(30)), name
         # SIGKILL and restart: no committed part is taken for uncommitted, the dedupe holds
         c.kill()
         c.start()
@@ -149,14 +144,14 @@ def test_collector_writes_recovers_and_resumes_past_part_999999(tmp_path: Path) 
             c.post(batch("big", 0, G1 | 2, [make_report(s) for s in range(20, 30)])).json()["duplicate"]
             is True
         )
-        for reader, steps in _readers(run).items():
-            assert steps == list(range(30)), reader
+        for name, steps in _readers(run).items():
+            assert steps == list(range(30)), name
         # a resumed trainer re-runs 25..34: the rows after 24 in the wide parts are replaced
         resumed = [make_report(s, loss=7.0) for s in range(25, 35)]
         assert c.post(batch("big", 0, G2 | 1, resumed)).status_code == 200
         c.stop()
-        for reader, steps in _readers(run).items():
-            assert steps == list(range(35)), reader
+        for name, steps in _readers(run).items():
+            assert steps == list(range(35)), name
         df = read_table(run, schema.TABLE_STEPS)
         assert df.filter(pl.col("step") >= 25)["loss"].to_list() == [7.0] * 10
         assert read_table(run, schema.TABLE_EXPERTS).height == 35 * 2 * 8

@@ -370,7 +370,7 @@ def test_guard_halt_pages_once_and_resume_resolves_it(stack: Stack) -> None:
 
 
 def _halt_event_time(run_dir: Path) -> float:
-    from guard.store.runstore import read_table
+    from guard.store.reader import read_table
 
     ev = read_table(run_dir, schema.TABLE_EVENTS)
     return float(ev.filter(ev["kind"] == schema.EV_HALT)["time"].min())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from guard.core import schema
-from guard.store.runstore import read_meta, read_table
+from guard.store.reader import read_meta, read_table
 from tests.conftest import MICRO, REPO
 
 

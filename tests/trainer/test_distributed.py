@@ -28,7 +28,7 @@ import polars as pl
 import pytest
 
 from guard.core import schema
-from guard.store.runstore import read_meta, read_table
+from guard.store.reader import read_meta, read_table
 from tests.conftest import MICRO, REPO
 
 STEPS = 40  # the restart tests' run length (checkpoints every 10 steps in the micro config)

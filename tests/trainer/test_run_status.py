@@ -17,7 +17,7 @@ import polars as pl
 import pytest
 
 from guard.core import schema
-from guard.store.runstore import read_meta, read_table
+from guard.store.reader import read_meta, read_table
 from tests.conftest import MICRO, REPO
 from trainer.checkpoint import list_checkpoints
 from trainer.loop import (

@@ -1,0 +1,105 @@
+"""The one run-store writer: table frames from reports and events, parts written durably.
+
+Both the in-process run store (guard/store/runstore.py, a background thread per run) and the
+collector (guard/collector/storage.py, at each checkpoint) turn rows into frames here and land
+them with `write_parts`, so there is one Parquet path: the same columns and types, the same
+part names (guard/store/layout.py), the same temp-name / fsync / rename / fsync-folder dance.
+`truncate_after` is the one way rows leave a store (a resumed run re-running steps).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from guard.core import schema
+from guard.core.report import StepReport
+from guard.core.rows import expert_columns, layer_columns, steps_columns
+from guard.store.layout import fsync_dir, part_files, part_name, polars_schema
+
+
+def table_frame(table: str, cols: Mapping[str, Any]) -> pl.DataFrame:
+    """A frame of the table's columns in the stored types."""
+    return pl.DataFrame(dict(cols), schema=polars_schema(table), strict=False)
+
+
+def report_frames(reports: Sequence[StepReport]) -> dict[str, pl.DataFrame]:
+    """steps / layers / experts frames for reports (tables with no row are left out)."""
+    if not reports:
+        return {}
+    out = {schema.TABLE_STEPS: table_frame(schema.TABLE_STEPS, steps_columns(reports))}
+    for table, columns in ((schema.TABLE_LAYERS, layer_columns), (schema.TABLE_EXPERTS, expert_columns)):
+        cols = columns(reports)
+        if len(cols["step"]):
+            out[table] = table_frame(table, cols)
+    return out
+
+
+def event_frame(rows: Sequence[Mapping[str, Any]]) -> pl.DataFrame:
+    """The `events` frame of event rows (guard.core.events.Event.row())."""
+    return table_frame(schema.TABLE_EVENTS, {c: [r[c] for r in rows] for c in schema.EVENTS_COLUMNS})
+
+
+def write_part_file(path: Path, df: pl.DataFrame) -> None:
+    """Write a part atomically: temp name, fsync, rename (a reader sees all of it or none)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    df.write_parquet(tmp, compression="zstd", statistics=True)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_parts(
+    run_dir: Path,
+    frames: Mapping[str, pl.DataFrame],
+    seq: int,
+    *,
+    first_steps: Mapping[str, int] | None = None,
+) -> int:
+    """Write each frame as a part of its table, named by its first step and seq, seq + 1, ...
+    (in the frames' order), then make the names durable. Returns the next free seq.
+    `first_steps`: the step each table's part is named by (default: its smallest step; the
+    in-process store names a part by the first step it buffered)."""
+    touched = set()
+    for table, df in frames.items():
+        d = run_dir / table
+        d.mkdir(parents=True, exist_ok=True)
+        first = first_steps[table] if first_steps is not None else int(df["step"].min())  # type: ignore[arg-type]
+        write_part_file(d / part_name(first, seq), df)
+        touched.add(d)
+        seq += 1
+    for d in sorted(touched):
+        fsync_dir(d)
+    return seq
+
+
+def truncate_after(run_dir: str | Path, step: int, *, archive_dir: str | Path | None = None) -> int:
+    """Drop rows with step > `step` from every table (used when resuming from a checkpoint,
+    so steps re-run after a crash are not stored twice). Returns the rows dropped.
+
+    With `archive_dir`, nothing is lost: the dropped rows of each part are first written,
+    fsynced, to `archive_dir/<table>/<the part's name>` (a store of the same layout), and only
+    then removed from the live part. Idempotent: a retry after a failure part-way rewrites the
+    same archive files and drops nothing twice."""
+    dropped = 0
+    for t in schema.TABLES:
+        for p in part_files(run_dir, t):
+            df = pl.read_parquet(p)
+            if df.height == 0 or df["step"].max() <= step:  # type: ignore[operator]
+                continue
+            keep = df.filter(pl.col("step") <= step)
+            dropped += df.height - keep.height
+            if archive_dir is not None:  # durable (file and name) before the live rows go
+                dest = Path(archive_dir) / t
+                dest.mkdir(parents=True, exist_ok=True)
+                write_part_file(dest / p.name, df.filter(pl.col("step") > step))
+                fsync_dir(dest)
+            if keep.height == 0:
+                p.unlink()
+            else:
+                write_part_file(p, keep)
+    return dropped

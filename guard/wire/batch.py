@@ -1,0 +1,298 @@
+"""The ingest batch: the one wire format between the exporter (encode) and the collector (parse).
+
+    POST /v1/ingest   body: one JSON object (NaN may be written as NaN or null)
+
+    run        str, [A-Za-z0-9][A-Za-z0-9._-]{0,127} (it names a directory; nothing else passes)
+    rank       int >= 0
+    seq        int in [0, 2**63 - 1], strictly increasing per (run, rank). seq = generation <<
+               GEN_SHIFT | counter, generation = the exporter's start time in seconds (kept
+               increasing through a file in its spool dir), so a restarted trainer keeps counting
+               up; a generation more than MAX_GENERATION_AHEAD_S ahead of the collector's clock is
+               refused (400, `check_generation`).
+    meta       object, optional: the run's meta.json (merged over what is stored)
+    reports    list of StepReport.to_json() objects, optional; report.rank must equal rank
+    events     list of event rows (guard.core.events.Event.row()), optional: step and kind
+               required; detail may be a JSON string or an object
+    heartbeat  {"time": float (trainer clock), "step": int, "phase": "train|checkpoint|eval"},
+               optional (a batch with reports and no heartbeat beats at its last report)
+    commands_ack  int, optional: the highest operator-command id this rank has taken up
+    trainer_detectors  bool, optional: true when the trainer runs the DetectorSuite in-process
+    writer     str, optional ([A-Za-z0-9_-]{1,64}): a random id of the sending exporter instance;
+               two writers whose generations are equal (started in the same second) differ here
+    final      bool, optional: true on the last batch of a rank that stopped on purpose
+Unknown top-level keys are ignored (newer exporters may send more).
+
+What the collector does with each field is in guard/collector/ (service.py's docstring). This
+module imports no web framework: the trainer side needs none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from guard.core import schema
+from guard.core.heartbeat import PHASE_TRAIN, PHASES
+from guard.core.limits import CollectorLimits, check_rank, check_report
+from guard.core.report import StepReport
+
+try:  # optional: 3-5x faster parsing of the numeric arrays; plain json otherwise
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson = None
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+WRITER_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+GEN_SHIFT = 32  # seq = generation << GEN_SHIFT | counter
+MAX_RANK = 1 << 20
+MAX_SEQ = (1 << 63) - 1
+# A generation is the exporter's start time in seconds (bumped by one per restart within a
+# second); one further ahead of the collector's clock is refused, or it would own the run
+# (every real batch answered 409) until the clock caught up.
+MAX_GENERATION_AHEAD_S = 3600
+
+
+class BadRequest(ValueError):
+    """The batch is malformed; the message names the field."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Batch:
+    run: str
+    rank: int
+    seq: int
+    meta: dict[str, Any] | None = None
+    reports: list[StepReport] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    heartbeat: dict[str, Any] | None = None
+    commands_ack: int | None = None
+    trainer_detectors: bool = False
+    final: bool = False
+    writer: str | None = None  # the sending exporter instance (random), when it says
+
+    @property
+    def generation(self) -> int:
+        return generation_of(self.seq)
+
+
+def make_seq(generation: int, counter: int) -> int:
+    return generation << GEN_SHIFT | counter
+
+
+def generation_of(seq: int) -> int:
+    return seq >> GEN_SHIFT
+
+
+def heartbeat(t: float, step: int, phase: str) -> dict[str, Any]:
+    """The batch's heartbeat field: the trainer's clock, its last step, what it is doing."""
+    return {"time": t, "step": step, "phase": phase}
+
+
+# ---------------------------------------------------------------------------------------
+# Encoding (the exporter)
+# ---------------------------------------------------------------------------------------
+def loads(body: bytes) -> Any:
+    if _orjson is not None:
+        try:
+            return _orjson.loads(body)
+        except _orjson.JSONDecodeError:
+            pass  # NaN/Infinity literals (stdlib json.dumps) are not JSON to orjson
+    return json.loads(body)
+
+
+def dumps(obj: Any) -> bytes:
+    if _orjson is not None:  # writes NaN as null, which the collector reads back as NaN
+        return _orjson.dumps(obj, option=_orjson.OPT_SERIALIZE_NUMPY)
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def encode_report(rep: StepReport) -> bytes:
+    """One report's JSON (the costly part of a batch: done outside any lock)."""
+    return dumps(rep.to_json())
+
+
+def encode_batch(b: Batch, reports_json: Sequence[bytes] | None = None) -> bytes:
+    """The request body of `b`. `reports_json`: its reports already encoded (`encode_report`),
+    spliced in as they are; None encodes `b.reports`. Optional fields at their default are
+    left out."""
+    d: dict[str, Any] = {"run": b.run, "rank": b.rank, "seq": b.seq}
+    if b.writer is not None:
+        d["writer"] = b.writer
+    d["events"] = b.events
+    if b.final:
+        d["final"] = True
+    if b.heartbeat is not None:
+        d["heartbeat"] = b.heartbeat
+    if b.meta is not None:
+        d["meta"] = b.meta
+    if b.trainer_detectors:
+        d["trainer_detectors"] = True
+    if b.commands_ack is not None:
+        d["commands_ack"] = b.commands_ack
+    if reports_json is None:
+        reports_json = [encode_report(r) for r in b.reports]
+    head = dumps(d)
+    return head[:-1] + b',"reports":[' + b",".join(reports_json) + b"]}"
+
+
+# ---------------------------------------------------------------------------------------
+# Parsing (the collector): pure, all-or-nothing
+# ---------------------------------------------------------------------------------------
+def parse_int(v: Any, name: str, lo: int = 0, hi: int = MAX_SEQ) -> int:
+    """An integer field in [lo, hi]; BadRequest naming it otherwise."""
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise BadRequest(f"field {name!r}: expected an integer in [{lo}, {hi}], got {str(v)[:60]!r}")
+    return v
+
+
+def _float(v: Any, name: str) -> float:
+    if v is None:
+        return math.nan
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise BadRequest(f"field {name!r}: expected a number, got {str(v)[:60]!r}")
+    return float(v)
+
+
+def valid_run_id(run: Any) -> bool:
+    return isinstance(run, str) and RUN_ID_RE.fullmatch(run) is not None
+
+
+def parse_event(d: Any, where: str) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise BadRequest(f"{where}: expected an object")
+    for req in ("step", "kind"):
+        if req not in d:
+            raise BadRequest(f"{where}: missing field {req!r}")
+    kind, action, detector = d["kind"], d.get("action", schema.ACT_NONE), d.get("detector", "")
+    if kind not in schema.EVENT_KINDS:
+        raise BadRequest(f"{where}.kind: {str(kind)[:60]!r} not one of {schema.EVENT_KINDS}")
+    if action not in schema.ACTIONS:
+        raise BadRequest(f"{where}.action: {str(action)[:60]!r} not one of {schema.ACTIONS}")
+    if not isinstance(detector, str) or len(detector) > 200:
+        raise BadRequest(f"{where}.detector: expected a short string")
+    detail = d.get("detail", "{}")
+    if isinstance(detail, dict):
+        detail = json.dumps(detail, sort_keys=True, default=str)
+    elif not isinstance(detail, str):
+        raise BadRequest(f"{where}.detail: expected a JSON string or an object")
+    t = _float(d.get("time"), f"{where}.time")
+    return {
+        "step": parse_int(d["step"], f"{where}.step"),
+        "time": t if math.isfinite(t) else time.time(),
+        "kind": kind,
+        "detector": detector,
+        "value": _float(d.get("value"), f"{where}.value"),
+        "threshold": _float(d.get("threshold"), f"{where}.threshold"),
+        "action": action,
+        "detail": detail,
+    }
+
+
+def _parse_reports(raw: Any, rank: int, limits: CollectorLimits | None) -> list[StepReport]:
+    if not isinstance(raw, list):
+        raise BadRequest("field 'reports': expected a list")
+    reports = []
+    for i, r in enumerate(raw):
+        if not isinstance(r, dict):
+            raise BadRequest(f"reports[{i}]: expected an object")
+        if limits is not None:
+            check_report(r, f"reports[{i}]", limits)  # before any array is built
+        try:
+            rep = StepReport.from_json(r)
+        except BadRequest:
+            raise
+        except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as e:
+            raise BadRequest(f"reports[{i}]: {str(e)[:200]}") from None
+        if "rank" in r and rep.rank != rank:
+            raise BadRequest(f"reports[{i}].rank: {rep.rank} differs from the batch rank {rank}")
+        rep.rank = rank
+        reports.append(rep)
+    return reports
+
+
+def _parse_heartbeat(hb: Any) -> dict[str, Any] | None:
+    if hb is None:
+        return None
+    if not isinstance(hb, dict):
+        raise BadRequest("field 'heartbeat': expected an object")
+    phase = hb.get("phase", PHASE_TRAIN)
+    if phase not in PHASES:
+        raise BadRequest(f"heartbeat.phase: {str(phase)[:60]!r} not one of {PHASES}")
+    t = _float(hb.get("time"), "heartbeat.time")
+    if not math.isfinite(t):
+        raise BadRequest("heartbeat.time: must be a finite number")
+    return heartbeat(t, parse_int(hb.get("step", 0), "heartbeat.step"), phase)
+
+
+def _parse_bool(d: dict[str, Any], name: str) -> bool:
+    v = d.get(name, False)
+    if not isinstance(v, bool):
+        raise BadRequest(f"field {name!r}: expected true or false")
+    return v
+
+
+def parse_batch(body: bytes, limits: CollectorLimits | None = None) -> Batch:
+    """Validate a whole batch; raises BadRequest naming the first bad field, LimitExceeded
+    naming the first limit it goes over (`limits` None: no limits, for the log replay, so a
+    lowered limit never drops a batch that was already acknowledged)."""
+    try:
+        d = loads(body)
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise BadRequest(f"body is not valid JSON: {str(e)[:120]}") from None
+    if not isinstance(d, dict):
+        raise BadRequest("body: expected a JSON object")
+    for req in ("run", "rank", "seq"):
+        if req not in d:
+            raise BadRequest(f"missing field {req!r}")
+    if not valid_run_id(d["run"]):
+        raise BadRequest(f"field 'run': {str(d['run'])[:60]!r} is not a valid run id ({RUN_ID_RE.pattern})")
+    rank = parse_int(d["rank"], "rank", 0, MAX_RANK)
+    if limits is not None:
+        check_rank(rank, limits)
+    seq = parse_int(d["seq"], "seq")
+    meta = d.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise BadRequest("field 'meta': expected an object")
+    reports = _parse_reports(d.get("reports") or [], rank, limits)
+    raw_events = d.get("events") or []
+    if not isinstance(raw_events, list):
+        raise BadRequest("field 'events': expected a list")
+    events = [parse_event(e, f"events[{i}]") for i, e in enumerate(raw_events)]
+    hb = _parse_heartbeat(d.get("heartbeat"))
+    ack = d.get("commands_ack")
+    if ack is not None:
+        ack = parse_int(ack, "commands_ack")
+    td, final = _parse_bool(d, "trainer_detectors"), _parse_bool(d, "final")
+    writer = d.get("writer")
+    if writer is not None and not (isinstance(writer, str) and WRITER_RE.fullmatch(writer)):
+        raise BadRequest(f"field 'writer': expected {WRITER_RE.pattern}, got {str(writer)[:60]!r}")
+    return Batch(
+        run=d["run"],
+        rank=rank,
+        seq=seq,
+        meta=meta,
+        reports=reports,
+        events=events,
+        heartbeat=hb,
+        commands_ack=ack,
+        trainer_detectors=td,
+        final=final,
+        writer=writer,
+    )
+
+
+def check_generation(b: Batch, now: float) -> None:
+    """BadRequest when the batch's generation is too far ahead of `now` (e.g. seq = 2**63 - 1:
+    it would own the run, and block it, for decades)."""
+    ahead = b.generation - (now + MAX_GENERATION_AHEAD_S)
+    if ahead > 0:
+        raise BadRequest(
+            f"field 'seq': generation {b.generation} (seq >> {GEN_SHIFT}, the writer's "
+            f"start time in seconds) is {ahead + MAX_GENERATION_AHEAD_S:.0f} s ahead of this "
+            f"collector's clock (at most {MAX_GENERATION_AHEAD_S} s allowed)"
+        )
