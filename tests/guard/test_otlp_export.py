@@ -24,7 +24,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 
 from guard.core import schema
 from guard.runtime.otel import metrics_url
-from guard.store.runstore import read_table
+from guard.store.reader import read_table
 from tests.conftest import MICRO, REPO
 
 STEPS = 40
