@@ -140,3 +140,54 @@ def test_rollback_loses_at_most_one_snapshot_interval_and_the_lr_is_restored_exa
     )
     window = steps.filter((pl.col("step") > 62) & (pl.col("action") == schema.ACT_SKIP))
     assert window.height == 2  # the data window, skipped (this loop does not use batches())
+
+
+def test_operator_commands_from_a_command_file_are_honoured(tmp_path: Path) -> None:
+    import json
+
+    from guard.core.config import GuardConfig, PolicyConfig
+    from guard.runtime.commands import CommandFile
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cmd_file = tmp_path / "commands.json"
+    cfg = GuardConfig(policy=PolicyConfig(snapshot_every=5, rollback_skip_batches=0))
+    guarded = GuardedStep(model, opt, run_dir=tmp_path / "run", config=cfg, commands=CommandFile(cmd_file))
+    x, y = torch.randn(64, 16), torch.randn(64)
+    written = []  # the operator appends to the file, as the collector's commands.json grows
+    script = {3: ("skip", "bad shard"), 12: ("rollback", "loss looked off"), 20: ("halt", "done looking")}
+    decisions = []
+    for step in range(30):
+        if step in script:
+            action, reason = script[step]
+            written.append({"id": len(written) + 1, "action": action, "reason": reason})
+            cmd_file.write_text(json.dumps(written))
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        if step == 3:
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+        d = guarded.step(loss, tokens=64)
+        decisions.append(d)
+        if step == 3:  # a skip commanded by an operator changes no weight either
+            assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        if d.halt:
+            break
+    guarded.close()
+    assert [(i, d.action) for i, d in enumerate(decisions) if d.action != schema.ACT_APPLY] == [
+        (3, schema.ACT_SKIP),
+        (12, schema.ACT_ROLLBACK),
+        (20, schema.ACT_HALT),
+    ]
+    ev = read_table(tmp_path / "run", "events")
+    ops = ev.filter(pl.col("kind") == schema.EV_OPERATOR).sort("step")
+    assert ops["step"].to_list() == [3, 12, 20] and ops["action"].to_list() == ["skip", "rollback", "halt"]
+    assert [json.loads(d)["reason"] for d in ops["detail"]] == [
+        "bad shard",
+        "loss looked off",
+        "done looking",
+    ]
+    rb = ev.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_ROLLBACK))
+    assert json.loads(rb["detail"].item())["restored_step"] == 10  # the newest snapshot before step 12
+    # each command applies once, also after a resume from the guard's state
+    assert guarded.state_dict()["guard"]["commands"]["applied_id"] == 3
