@@ -6,34 +6,139 @@ Layout (one directory per checkpoint, the newest `keep` kept):
         .metadata, __<rank>_0.distcp   DCP: model + optimizer state, keyed by parameter name
                                        (get_state_dict), so a checkpoint written by W ranks, with
                                        ddp or fsdp, loads on W' ranks with either, or on one process
-        host.pt                        rank 0: step, optimizer step, data position (global, so it
-                                       does not depend on W), guard, probe, straggler and goodput
-                                       state, counters, config, world size, save time
+        host.pt                        rank 0: the TrainState (step, optimizer step, counters), each
+                                       stateful part's state_dict() under its own key (data position,
+                                       global so it does not depend on W; guard, probe, straggler,
+                                       goodput, callbacks), config, world size, save time
         rng-r<rank>.pt                 each rank's RNG state (a rank missing on resume takes rank 0's)
 
 One format for every world size: DCP runs without a process group (no_dist) in one process, so
 single-process runs write the same layout. Written into `.step-XXXXXXXXX.tmp/`; after every rank
 has finished, rank 0 fsyncs and renames it, so a crash mid-save leaves the previous checkpoint
 as the newest. Single-file `step-XXXXXXXXX.pt` checkpoints written before DCP still load.
+
+The trainer saves with `save_checkpoint(..., host_state(state, parts, ...))` and resumes with
+`restore(path, model, optimizer, parts)`: what a part is and how it saves itself is its own
+business (a `state_dict()` / `load_state_dict()` pair).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
+from guard.core import actions, schema
+
 _CKPT_RE = re.compile(r"step-(\d{9})(\.pt)?$")
 HOST_FILE = "host.pt"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(slots=True)
+class TrainState:
+    """What the loop itself carries from step to step (everything else is a part's own state)."""
+
+    step: int = 0  # iterations run (monotonic; the run store's key)
+    opt_step: int = 0  # updates actually applied (drives the LR schedule; restored on rollback)
+    counts: dict[str, int] = field(default_factory=lambda: {a: 0 for a in schema.ACTIONS})  # step decisions
+    guard_actions: dict[str, int] = field(default_factory=actions.zero)  # guard/core/actions.py's count
+    nonfinite_steps: int = 0  # updates applied with a non-finite loss or gradient
+    nonfinite_since: int | None = None  # first such update since the weights were last finite
+
+    def track_finite(self, loss: float, grad_norm: float, *, applied: bool) -> bool:
+        """Count an update applied with a non-finite loss or gradient (the guard was off or only
+        observing); True when this step's loss and gradient were finite."""
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            self.nonfinite_since = None  # finite again (e.g. a rollback restored finite weights)
+        elif applied:
+            self.nonfinite_steps += 1
+            if self.nonfinite_since is None:
+                self.nonfinite_since = self.step
+        return finite
+
+    def to_host(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "opt_step": self.opt_step,
+            "counts": dict(self.counts),
+            "guard_actions": dict(self.guard_actions),
+            "nonfinite": {"steps": self.nonfinite_steps, "since": self.nonfinite_since},
+        }
+
+    def load_host(self, host: dict[str, Any]) -> None:
+        self.step, self.opt_step = host["step"], host["opt_step"]
+        self.counts.update(host.get("counts", {}))
+        self.guard_actions.update(host.get("guard_actions", {}))
+        nf = host.get("nonfinite", {})
+        self.nonfinite_steps, self.nonfinite_since = int(nf.get("steps", 0)), nf.get("since")
+
+
+def host_state(state: TrainState, parts: dict[str, Stateful], **extra: Any) -> dict[str, Any]:
+    """host.pt's content: the TrainState, each part's state under its key, and `extra` (config,
+    world size, ...). Identical on every rank; only rank 0 writes it."""
+    return {
+        **state.to_host(),
+        **{k: p.state_dict() for k, p in parts.items()},
+        **extra,
+        "saved_at": time.time(),
+    }
+
+
+@dataclass(slots=True)
+class Restored:
+    path: Path
+    host: dict[str, Any]  # the whole host state (a legacy checkpoint: its one dict)
+    legacy: bool  # a single-file checkpoint from before DCP
+
+
+def restore(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    parts: dict[str, Stateful],
+    *,
+    rank: int = 0,
+    world: int = 1,
+) -> Restored:
+    """Load checkpoint `path` into the model, optimizer, `state` and every part it holds a state
+    for, and set this rank's RNG state (rank 0's when this rank has none): exactly where the run
+    was when it saved."""
+    legacy = is_legacy(path)
+    if legacy:
+        host = load_checkpoint(path)
+        model.load_state_dict(host["model"])
+        optimizer.load_state_dict(host["optimizer"])
+        rng = host["rng"]
+    else:
+        load_sharded(path, model, optimizer, world=world)
+        host, rng = load_host_state(path, rank)
+    for key, part in parts.items():
+        if key in host:
+            part.load_state_dict(host[key])
+    state.load_host(host)
+    if rng is not None:
+        set_rng_state(rng)
+    return Restored(path, host, legacy)
 
 
 def rng_state() -> dict[str, Any]:

@@ -190,7 +190,7 @@ def held_run(run_dir: Path) -> str | None:
     from guard.store.reader import read_meta
     from trainer.checkpoint import list_checkpoints
     from trainer.distributed import restart_count
-    from trainer.loop import JOB_KEY
+    from trainer.record import JOB_KEY
 
     meta = read_meta(run_dir) if (run_dir / schema.META_FILE).is_file() else None
     if restart_count() > 0:  # this job's first attempt may have written here: resume or restart it
@@ -246,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
     from trainer.checkpoint import latest_checkpoint
     from trainer.distributed import restart_count
     from trainer.inject import parse_injection
-    from trainer.loop import EXIT_HALTED, Trainer
+    from trainer.loop import Trainer
+    from trainer.outcome import EXIT_HALTED
 
     cfg = build_config(args)
     if args.collector:

@@ -22,17 +22,14 @@ The other faults replay when their step is re-run, like the data or hardware tha
 Multi-rank: a `/rRANK` suffix (or `@rankRANK`) targets one rank, e.g. `nan@45/r1`,
 `gradspike@45:50@rank1`; without it every rank injects. Gradient faults are injected into the
 rank's local gradients before the cross-rank reduction, as a real faulty rank would produce them.
+
+This module is the spec (what `--inject` accepts); trainer/callbacks/fault_injection.py injects.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import time
 from dataclasses import dataclass
-
-import torch
 
 from guard.core import schema
 from guard.core.tomlconf import ConfigError
@@ -48,7 +45,6 @@ _DEFAULT_ARG = {
     "slowrank": 0.05,
     "hang": 0.0,
 }
-COLLAPSE_LOGIT_OFFSET = 8.0
 # What ARG means for each kind (`moeguard train --help` lists these; every kind has a line).
 INJECT_HELP = {
     "gradspike": "ARG = factor every gradient is scaled by after backward (default 100)",
@@ -103,77 +99,3 @@ def parse_injection(spec: str) -> Injection:
     except ValueError:
         raise ConfigError(f"--inject {spec!r}: ARG {arg_s!r} is not a number") from None
     return Injection(kind, step, arg, rank)
-
-
-def _local(g: torch.Tensor) -> torch.Tensor:
-    """The rank-local part of a gradient (an FSDP2 DTensor's shard, or the tensor itself)."""
-    return g.to_local() if hasattr(g, "to_local") else g
-
-
-class Injector:
-    """Applies the injections due at each step on this rank. Each one is also recorded as an event."""
-
-    def __init__(self, injections: list[Injection], rank: int = 0, attempt: int = 0) -> None:
-        self.by_step: dict[int, list[Injection]] = {}
-        if attempt > 0:  # a torchrun restart: the process-killing drill already happened
-            injections = [i for i in injections if i.kind not in ("crash", "hang")]
-        self.slow = sorted(
-            (i for i in injections if i.kind == "slowrank" and i.rank in (None, rank)), key=lambda i: i.step
-        )
-        for inj in injections:
-            if inj.rank in (None, rank):
-                self.by_step.setdefault(inj.step, []).append(inj)
-
-    def due(self, step: int, kind: str) -> Injection | None:
-        return next((i for i in self.by_step.get(step, []) if i.kind == kind), None)
-
-    def at(self, step: int) -> list[Injection]:
-        return self.by_step.get(step, [])
-
-    def slow_s(self, step: int) -> float:
-        """Extra compute seconds this rank spends at `step` (the latest slowrank in force)."""
-        active = [i for i in self.slow if i.step <= step]
-        return active[-1].arg if active else 0.0
-
-    # ---- the faults ---------------------------------------------------------------------
-    @staticmethod
-    def garbage_batch(batch: torch.Tensor, vocab_size: int, step: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1_000_003 + step)
-        return torch.randint(0, vocab_size, batch.shape, generator=g, dtype=batch.dtype)
-
-    @staticmethod
-    def scale_grads(params: list[torch.nn.Parameter], factor: float) -> None:
-        grads = [_local(p.grad) for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor)
-
-    @staticmethod
-    def poison_grad(model: torch.nn.Module) -> None:
-        last = list(model.blocks)[-1]
-        for p in last.parameters():
-            if p.grad is not None and _local(p.grad).numel():
-                _local(p.grad).view(-1)[0] = float("nan")
-                return
-
-    @staticmethod
-    def collapse(model: torch.nn.Module, layer: int) -> None:
-        moe = dict(model.moe_layers())
-        if layer not in moe:
-            raise ConfigError(
-                f"--inject collapse: layer {layer} is not an MoE layer; MoE layers: {sorted(moe)}"
-            )
-        moe[layer].router.logit_offset_E[0] += COLLAPSE_LOGIT_OFFSET
-
-    @staticmethod
-    def crash() -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    @staticmethod
-    def hang() -> None:
-        while True:  # a wedged rank: alive, holding its sockets, making no progress
-            time.sleep(3600)
-
-    @staticmethod
-    def block(seconds: float) -> None:
-        """A hung collective that comes back after `seconds` (the caller marks it as one)."""
-        time.sleep(seconds)

@@ -1,7 +1,7 @@
 """A decoder-only Mixture-of-Experts transformer in plain PyTorch.
 
-Reads top to bottom: config -> backend resolution -> norm/RoPE/attention -> router -> experts
--> MoE layer -> block -> model. Router math is fp32 even under autocast; router load and
+Reads top to bottom: config -> norm/RoPE/attention -> router -> experts -> MoE layer -> block
+-> model; which attention backend and experts kernel run here is trainer/kernels.py's. Router math is fp32 even under autocast; router load and
 entropy counters are buffers accumulated without a host sync and read outside `forward`
 (the trainer's probe reads them once per step and calls `reset_stats()`).
 
@@ -24,9 +24,16 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from guard.core.tomlconf import check, check_choice
+from trainer.kernels import (
+    ATTENTION_CHOICES,
+    EXPERTS_KERNELS,
+    default_compute_dtype,
+    grouped_mm,
+    resolve_attention_backend,
+    resolve_experts_kernel,
+    sdpa_backend,
+)
 
-ATTENTION_CHOICES = ("auto", "math", "flash", "efficient", "cudnn")
-EXPERTS_KERNELS = ("loop", "bmm", "grouped_mm")
 SCORE_FUNCS = ("softmax", "sigmoid")
 BIAS_MODES = ("off", "sign", "smebu")
 
@@ -105,123 +112,6 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
-
-
-# ---------------------------------------------------------------------------------------------
-# Backend resolution: decide once per (device, dtype) what will actually run, and fail early.
-
-_SDPA_BACKENDS = {
-    "math": SDPBackend.MATH,
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-}
-_SDPA_NAMES = {int(v.value): k for k, v in _SDPA_BACKENDS.items()}
-
-
-def default_compute_dtype(device: torch.device | str) -> torch.dtype:
-    """The dtype activations have in attention and experts: bf16 autocast on GPU, fp32 on CPU."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-
-
-def _probe_qkv(
-    device: torch.device, dtype: torch.dtype, n_heads: int, head_dim: int, seq_len: int
-) -> torch.Tensor:
-    return torch.randn(1, n_heads, seq_len, head_dim, device=device, dtype=dtype)
-
-
-def resolve_attention_backend(
-    cfg_value: str,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    *,
-    n_heads: int = 4,
-    head_dim: int = 32,
-    seq_len: int = 64,
-) -> str:
-    """Name of the SDPA backend that causal attention uses for `cfg_value` on `device`/`dtype`.
-
-    "auto" asks SDPA's own dispatcher (`torch._fused_sdp_choice`, the function
-    `scaled_dot_product_attention` calls) for a representative shape; a forced backend is
-    probed with a tiny forward+backward and raises ValueError when it cannot run there.
-    """
-    check_choice("attention", cfg_value, ATTENTION_CHOICES)
-    device = torch.device(device)
-    # requires_grad: training inputs; on CUDA the choice can depend on backward support.
-    q = _probe_qkv(device, dtype, n_heads, head_dim, min(seq_len, 64)).requires_grad_(True)
-    if cfg_value == "auto":
-        try:
-            choice = int(torch._fused_sdp_choice(q, q, q, None, 0.0, True))
-        except (AttributeError, RuntimeError, TypeError):
-            choice = -1
-        if choice in _SDPA_NAMES:
-            return _SDPA_NAMES[choice]
-        # Dispatcher not introspectable here: the first backend that runs, in SDPA's order.
-        order = ("cudnn", "flash", "efficient", "math") if device.type == "cuda" else ("flash", "math")
-        for name in order:
-            if _sdpa_runs(name, q):
-                return name
-        raise ValueError(f"attention='auto': no SDPA backend runs on {device} with {dtype}")
-    if not _sdpa_runs(cfg_value, q):
-        raise ValueError(
-            f"attention={cfg_value!r} is not available on {device} with {dtype} (torch {torch.__version__})"
-        )
-    return cfg_value
-
-
-def _sdpa_runs(name: str, q: torch.Tensor) -> bool:
-    q = q.detach().requires_grad_(True)
-    try:
-        with sdpa_kernel(_SDPA_BACKENDS[name]):
-            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-    except RuntimeError:
-        return False
-    return True
-
-
-def resolve_experts_kernel(
-    cfg_value: str, device: torch.device | str, dtype: torch.dtype, *, d_model: int = 16, d_expert: int = 32
-) -> str:
-    """Check that the experts kernel can run on `device`/`dtype`; ValueError when it cannot.
-
-    grouped_mm is probed (forward + backward against per-group matmuls, with an empty group)
-    at the model's own D and F: CUDA kernels also constrain strides (16-byte alignment).
-    """
-    check_choice("experts_kernel", cfg_value, EXPERTS_KERNELS)
-    device = torch.device(device)
-    if cfg_value == "grouped_mm" and not _grouped_mm_runs(device, dtype, d_model, d_expert):
-        raise ValueError(
-            f"experts_kernel='grouped_mm' is not available on {device} with torch {torch.__version__}"
-            f" (dtype {dtype}, D={d_model}, F={d_expert}); use 'bmm' or 'loop'"
-        )
-    return cfg_value
-
-
-_GROUPED_MM_OK: dict[tuple[torch.device, torch.dtype, int, int], bool] = {}
-
-
-def _grouped_mm_runs(device: torch.device, dtype: torch.dtype, d_model: int = 16, d_expert: int = 32) -> bool:
-    key = (device, dtype, d_model, d_expert)
-    if key not in _GROUPED_MM_OK:
-        _GROUPED_MM_OK[key] = _probe_grouped_mm(device, dtype, d_model, d_expert)
-    return _GROUPED_MM_OK[key]
-
-
-def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, D: int, Fh: int) -> bool:
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(32, D, generator=gen).to(device, dtype).requires_grad_(True)
-        w = torch.randn(3, D, Fh, generator=gen).to(device, dtype).requires_grad_(True)
-        offs = torch.tensor([16, 16, 32], device=device, dtype=torch.int32)
-        y = grouped_mm(x, w, offs)
-        (y * y.detach()).sum().backward()
-        ref = torch.cat([x[:16] @ w[0], x[16:] @ w[2]])
-        ok = torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * D**0.5)
-        return bool(ok and w.grad is not None and torch.isfinite(w.grad).all())
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,47 +270,6 @@ class Router(nn.Module):
 
 # ---------------------------------------------------------------------------------------------
 # Routed experts: SwiGLU per expert, three interchangeable kernels with the same math.
-
-
-def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """Row-grouped matmul: rows offs[e-1]:offs[e] of x_MK times w_EKN[e] -> [M, N].
-
-    CUDA bf16 calls `torch._grouped_mm` directly (autograd and inductor know it). Elsewhere it
-    goes through a custom op, because in torch 2.13 the fake (meta) kernel of `_grouped_mm`
-    accepts only bf16, so the fp32 CPU kernel that runs eagerly would not trace under compile.
-    """
-    if x_MK.is_cuda and x_MK.dtype == torch.bfloat16:
-        return torch._grouped_mm(x_MK, w_EKN, offs=offs_E)
-    return _grouped_mm_op(x_MK, w_EKN, offs_E)
-
-
-@torch.library.custom_op("moeguard::grouped_mm", mutates_args=())
-def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    # 2D x 3D: groups of rows of a; 2D x 2D: groups along the shared K dim -> [E, M, N].
-    return torch._grouped_mm(a, b, offs=offs)
-
-
-@_grouped_mm_op.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if b.dim() == 3:
-        return a.new_empty(a.shape[0], b.shape[-1])
-    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
-
-
-def _grouped_mm_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    a, b, offs = inputs
-    ctx.save_for_backward(a, b, offs)
-
-
-def _grouped_mm_backward(ctx, grad_MN: torch.Tensor):  # type: ignore[no-untyped-def]
-    x_MK, w_EKN, offs = ctx.saved_tensors
-    grad_MN = grad_MN.contiguous()  # the kernel rejects expanded (stride 0) gradients
-    grad_x = _grouped_mm_op(grad_MN, w_EKN.transpose(-2, -1).contiguous(), offs)
-    grad_w = _grouped_mm_op(x_MK.t(), grad_MN, offs)  # empty groups give zeros
-    return grad_x, grad_w, None
-
-
-_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
 class GroupedExperts(nn.Module):
@@ -641,7 +490,7 @@ class MoETransformer(nn.Module):
         kernel = resolve_experts_kernel(
             self.cfg.experts_kernel, p.device, cd, d_model=self.cfg.d_model, d_expert=self.cfg.d_expert
         )
-        forced = None if self.cfg.attention == "auto" else _SDPA_BACKENDS[attn]
+        forced = None if self.cfg.attention == "auto" else sdpa_backend(attn)
         for block in self.blocks:
             block.attn.sdpa_backend = forced
             if isinstance(block.ffn, MoELayer):

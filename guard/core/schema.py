@@ -83,13 +83,25 @@ META_FILE = "meta.json"
 CHECKPOINT_DIR = "checkpoints"
 PROFILE_DIR = "profile"
 
-# Run status, kept in meta.json["status"].
+# Run status, kept in meta.json["status"] (meta.json["status_note"] says what happened in words).
 STATUS_RUNNING = "running"
 STATUS_FINISHED = "finished"
 STATUS_HALTED = "halted"
 STATUS_CRASHED = "crashed"
 STATUS_STALE = "stale"  # derived by readers: "running" but no update for a while
-RUN_STATUSES = (STATUS_RUNNING, STATUS_FINISHED, STATUS_HALTED, STATUS_CRASHED, STATUS_STALE)
+STATUS_PREEMPTED = "preempted"  # SIGTERM: checkpointed at a step boundary, resumable
+STATUS_INTERRUPTED = "interrupted"  # Ctrl-C / SIGINT: stopped where it was, no new checkpoint
+STATUS_FINISHED_NONFINITE = "finished_nonfinite"  # ran to the end, but its loss/gradient ended non-finite
+RUN_STATUSES = (
+    STATUS_RUNNING,
+    STATUS_FINISHED,
+    STATUS_HALTED,
+    STATUS_CRASHED,
+    STATUS_STALE,
+    STATUS_PREEMPTED,
+    STATUS_INTERRUPTED,
+    STATUS_FINISHED_NONFINITE,
+)
 
 # ---------------------------------------------------------------------------------------
 # Guard vocabulary

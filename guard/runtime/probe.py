@@ -57,11 +57,14 @@ class Probe:
         device: torch.device,
         layers: list[nn.Module] | None = None,
         routers: list[tuple[int, Any]] | None = None,
+        all_reduce: Callable[..., Any] | None = None,
     ) -> None:
         """`layers`: the modules whose gradient norms are reported per layer (default model.blocks).
         `routers`: (layer index, router) pairs; a router exposes tokens_per_expert_E, entropy_sum,
         token_count, expert_bias_E and reset_stats() (moeguard's Router, or a guard.runtime.probes.RouterProbe
-        attached to any third-party gate). Default: model.moe_layers()."""
+        attached to any third-party gate). Default: model.moe_layers().
+        `all_reduce(tensor)`: sums a tensor across ranks in place (default torch.distributed's; the
+        trainer passes its timed one, so time waiting for peers stays out of a rank's busy time)."""
         self.model = model
         self.dead_window = dead_window
         blocks = layers if layers is not None else model.blocks
@@ -89,7 +92,7 @@ class Probe:
         self.loads_ME: torch.Tensor | None = None  # reduced loads of the last collect (for bias updates)
         # FSDP2: gradients are DTensor shards; their squared norms must be summed across ranks.
         self.sharded = any(_is_shard(p) for p in self.params)
-        self.all_reduce: Callable[..., Any] = dist.all_reduce  # the trainer swaps in a timed one
+        self.all_reduce: Callable[..., Any] = all_reduce if all_reduce is not None else dist.all_reduce
 
     # ---- device-side pieces ----------------------------------------------------------
     def _grads(self) -> list[torch.Tensor]:

@@ -108,7 +108,8 @@ def events_of(run_dir: Path) -> pl.DataFrame:
 # fast: parsing, data position, fingerprints, operator commands in one process
 # ---------------------------------------------------------------------------------------
 def test_injections_target_one_rank() -> None:
-    from trainer.inject import Injection, Injector, parse_injection
+    from trainer.callbacks.fault_injection import FaultInjection
+    from trainer.inject import Injection, parse_injection
 
     assert parse_injection("nan@45/r1") == Injection("nan", 45, 0.0, 1)
     assert parse_injection("gradspike@45:50@rank1") == Injection("gradspike", 45, 50.0, 1)
@@ -117,11 +118,11 @@ def test_injections_target_one_rank() -> None:
     injs = [
         parse_injection(s) for s in ("nan@45/r1", "stall@3:2", "slowrank@10:0.2/r0", "crash@50", "hang@60/r0")
     ]
-    r0, r1 = Injector(injs, rank=0), Injector(injs, rank=1)
+    r0, r1 = FaultInjection(injs, rank=0), FaultInjection(injs, rank=1)
     assert r0.due(45, "nan") is None and r1.due(45, "nan") is not None
     assert r0.due(3, "stall") and r1.due(3, "stall")
     assert (r0.slow_s(9), r0.slow_s(10), r0.slow_s(500), r1.slow_s(500)) == (0.0, 0.2, 0.2, 0.0)
-    restarted = Injector(injs, rank=0, attempt=1)  # a torchrun restart replays the command line
+    restarted = FaultInjection(injs, rank=0, attempt=1)  # a torchrun restart replays the command line
     assert restarted.due(50, "crash") is None and restarted.due(60, "hang") is None
     assert restarted.due(3, "stall") is not None
 
@@ -195,7 +196,8 @@ class FakeExporter:
 
 def test_operator_commands_apply_at_the_next_step(tmp_path: Path) -> None:
     from trainer.config import load_config
-    from trainer.loop import EXIT_HALTED, Trainer
+    from trainer.loop import Trainer
+    from trainer.outcome import EXIT_HALTED
 
     # poll k happens during step k-1; its command applies at step k
     script = {

@@ -10,14 +10,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from guard.core.tomlconf import ConfigError, from_dict
-from trainer.model import (
-    ModelConfig,
-    MoELayer,
-    MoETransformer,
-    Router,
-    resolve_attention_backend,
-    resolve_experts_kernel,
-)
+from trainer.kernels import resolve_attention_backend, resolve_experts_kernel
+from trainer.model import ModelConfig, MoELayer, MoETransformer, Router
 
 
 def small_cfg(**kw) -> ModelConfig:
@@ -161,9 +155,9 @@ def test_kernels_handle_an_expert_with_no_tokens() -> None:
 
 
 def test_unavailable_grouped_mm_raises_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer.model as m
+    import trainer.kernels as kernels
 
-    monkeypatch.setattr(m, "_grouped_mm_runs", lambda *args: False)
+    monkeypatch.setattr(kernels, "_grouped_mm_runs", lambda *args: False)
     with pytest.raises(ValueError, match=r"experts_kernel='grouped_mm' is not available on cpu with torch"):
         build(experts_kernel="grouped_mm")
 

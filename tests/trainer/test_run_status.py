@@ -20,13 +20,7 @@ from guard.core import schema
 from guard.store.reader import read_meta, read_table
 from tests.conftest import MICRO, REPO
 from trainer.checkpoint import list_checkpoints
-from trainer.loop import (
-    EXIT_INTERRUPTED,
-    EXIT_PREEMPTED,
-    STATUS_FINISHED_NONFINITE,
-    STATUS_INTERRUPTED,
-    STATUS_PREEMPTED,
-)
+from trainer.outcome import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 
 def train_cmd(run: Path, *args: str) -> list[str]:
@@ -72,7 +66,7 @@ def test_sigterm_checkpoints_marks_preempted_and_resume_continues(tmp_path: Path
     assert p.returncode == EXIT_PREEMPTED == 143, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     meta = read_meta(run)
-    assert meta["status"] == STATUS_PREEMPTED
+    assert meta["status"] == schema.STATUS_PREEMPTED
     stopped = meta["final_step"]  # steps run: 0 .. stopped - 1
     assert 7 <= stopped < 5000
     [ckpt] = list_checkpoints(run / schema.CHECKPOINT_DIR)  # none was due before step 1000
@@ -82,7 +76,7 @@ def test_sigterm_checkpoints_marks_preempted_and_resume_continues(tmp_path: Path
         and ckpt.name in meta["status_note"]
         and "--resume" in meta["status_note"]
     )
-    assert f"status {STATUS_PREEMPTED}" in out and "SIGTERM" in err
+    assert f"status {schema.STATUS_PREEMPTED}" in out and "SIGTERM" in err
     assert read_table(run, schema.TABLE_STEPS)["step"].sort().to_list() == list(range(stopped))
 
     r = subprocess.run(
@@ -114,7 +108,7 @@ def test_ctrl_c_marks_interrupted_with_a_note(tmp_path: Path) -> None:
     assert p.returncode == EXIT_INTERRUPTED == 130, err[-3000:]
     assert "Traceback" not in err and "interrupted" in err, err[-3000:]
     meta = read_meta(run)
-    assert meta["status"] == STATUS_INTERRUPTED
+    assert meta["status"] == schema.STATUS_INTERRUPTED
     assert "Ctrl-C" in meta["status_note"] and f"step {meta['final_step']}" in meta["status_note"]
 
 
@@ -129,10 +123,10 @@ def test_a_run_that_ended_nonfinite_is_marked_and_its_nan_steps_are_badput(tmp_p
     )
     assert p.returncode == 0, p.stderr[-3000:]
     meta = read_meta(run)
-    assert meta["status"] == STATUS_FINISHED_NONFINITE
+    assert meta["status"] == schema.STATUS_FINISHED_NONFINITE
     assert meta["nonfinite_steps"] == 7  # steps 5..11: the NaN update, then NaN weights
     assert "step 5" in meta["status_note"]
-    assert f"status {STATUS_FINISHED_NONFINITE}" in p.stdout
+    assert f"status {schema.STATUS_FINISHED_NONFINITE}" in p.stdout
     assert "step 5:" in p.stderr and "non-finite" in p.stderr
     gp = meta["goodput"]
     steps = read_table(run, schema.TABLE_STEPS).sort("step")
@@ -206,7 +200,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_the_same_step_with_one_checkpoi
                 pass
         p.wait(timeout=30)
     meta = read_meta(run)
-    assert meta["status"] == STATUS_PREEMPTED, err[-3000:]
+    assert meta["status"] == schema.STATUS_PREEMPTED, err[-3000:]
     stopped = meta["final_step"]
     [ckpt] = list_checkpoints(run / schema.CHECKPOINT_DIR)
     assert ckpt.name == f"step-{stopped:09d}" and ckpt.name in meta["status_note"]

@@ -1,0 +1,106 @@
+"""What the user sees on stderr while a run trains: one line per thing the guard did, and the
+progress bar (rank 0). Lines go above the bar, so the bar stays whole."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+from guard.core import actions, schema
+from guard.core.events import Event
+from guard.core.report import StepReport
+
+
+def _evidence(ev: Event) -> str:
+    """'grad_norm_spike = 45.3 (threshold 3.1)', 'nonfinite grad_norm layers [1]': a verdict in a few words."""
+    d = ev.detail
+    where = f" layer {d['layer']}" if "layer" in d else (f" layers {d['layers']}" if d.get("layers") else "")
+    if ev.detector == schema.DET_NONFINITE:
+        return f"{ev.detector} {'/'.join(d.get('signals') or [])}{where}".replace("  ", " ")
+    value = f" = {ev.value:.4g}" if math.isfinite(ev.value) else ""
+    limit = f" (threshold {ev.threshold:.4g})" if math.isfinite(ev.threshold) else ""
+    return f"{ev.detector}{where}{value}{limit}"
+
+
+def action_lines(step: int, action: str, events: list[Event]) -> list[str]:
+    """One concise line per thing the guard did at `step`: the action, the detector and its evidence."""
+    out = []
+    if action in (schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_HALT):
+        why = [_evidence(e) for e in events if e.kind == schema.EV_VERDICT and e.action == action]
+        what = action
+        for e in events:
+            if e.kind == schema.EV_ACTION and e.action == schema.ACT_ROLLBACK:
+                what = (
+                    f"rollback to the snapshot of step {e.detail.get('restored_step', '?')}, "
+                    f"{e.detail.get('skip_batches', 0)} batches skipped"
+                )
+                why = why or [str(e.detail.get("reason", ""))]
+            elif e.kind == schema.EV_ACTION and e.action == schema.ACT_LR_COOLDOWN:
+                what += f", LR x{e.value:g} for {e.detail.get('steps')} steps"
+            elif e.kind == schema.EV_HALT:
+                what, why = "halt", [str(e.detail.get("reason", ""))]
+            elif e.kind == schema.EV_OPERATOR:
+                why = why or [f"operator command ({e.detail.get('reason') or 'no reason given'})"]
+        out.append(f"guard step {step}: {what} <- {'; '.join(w for w in why if w) or 'policy'}")
+    for e in events:
+        if e.kind == schema.EV_ACTION and e.action == schema.ACT_BIAS_CORRECT:
+            d = e.detail
+            out.append(
+                f"guard step {step}: {e.action} layer {d.get('layer')} ({d.get('mode')} boost x{d.get('boost', 0):g} "
+                f"until step {d.get('until')}) <- {_evidence(e)}"
+            )
+        elif e.kind == schema.EV_RECOVERED:
+            out.append(
+                f"guard step {step}: layer {e.detail.get('layer')} recovered from {e.detector} "
+                f"after {e.detail.get('corrected_for')} steps"
+            )
+    return out
+
+
+class Console:
+    """stderr for one rank: `say` prints a line (above the bar when there is one); `progress`
+    opens the bar, `advance` moves it, `close` ends it."""
+
+    def __init__(self, desc: str, total: int) -> None:
+        self.desc, self.total = desc, total
+        self.bar: Any = None
+
+    def say(self, line: str) -> None:
+        """A line for the user on stderr, above the progress bar (tqdm.write keeps the bar whole)."""
+        if self.bar is not None:
+            type(self.bar).write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def progress(self, initial: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=self.total,
+            initial=initial,
+            desc=self.desc,
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=0.5,
+        )
+
+    def advance(self, step: int, rep: StepReport, guard_actions: dict[str, int]) -> None:
+        """After step `step` - 1 ran: the bar moves one; every 5 steps (and at the end) the postfix."""
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        if step % 5 == 0 or step == self.total:
+            self.bar.set_postfix_str(postfix(rep, guard_actions), refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.bar = None
+
+
+def postfix(rep: StepReport, guard_actions: dict[str, int]) -> str:
+    mfu = f"{rep.mfu * 100:.2f}%" if math.isfinite(rep.mfu) else "n/a"
+    acts = actions.total(guard_actions)
+    return f"loss {rep.loss:.3f} | {rep.tokens_per_s:,.0f} tok/s | MFU {mfu} | guard actions {acts}"
