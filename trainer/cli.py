@@ -301,11 +301,11 @@ def summarize(trainer: Any, run_dir: Path) -> None:
     from guard.core import actions
     from guard.store.reader import read_meta
 
-    c = trainer.counts
+    c = trainer.state.counts
     gp = trainer.goodput()
     print(
         f"run {run_dir.name}: {trainer.step} steps, {c.get(schema.ACT_APPLY, 0)} updates applied; "
-        f"guard actions: {actions.summary_text(trainer.guard_actions)}; goodput {gp['goodput']:.1%}"
+        f"guard actions: {actions.summary_text(trainer.state.guard_actions)}; goodput {gp['goodput']:.1%}"
     )
     meta = read_meta(run_dir) or {}
     if meta.get("status") != schema.STATUS_FINISHED:

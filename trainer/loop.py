@@ -151,6 +151,23 @@ def step_report(step: int, pr: ProbeResult, probe: Probe, layer_ids: np.ndarray,
     )
 
 
+def builtin_callbacks(
+    cfg: TrainConfig, run_dir: Path, device: torch.device, *, rank: int, injections: list[Injection]
+) -> list[Callback]:
+    """Fault injection (every rank; the plain loop takes only the data faults) and, when
+    telemetry.profile is on, the profiler (rank 0 of a guarded run)."""
+    t = cfg.telemetry
+    out: list[Callback] = [
+        FaultInjection(injections, rank=rank, attempt=restart_count(), data_faults_only=not t.enabled)
+    ]
+    if t.profile and rank == 0 and t.enabled:
+        trace_dir = run_dir / schema.PROFILE_DIR
+        out.append(
+            Profiler(trace_dir, device, wait=t.profile_wait, warmup=t.profile_warmup, active=t.profile_active)
+        )
+    return out
+
+
 class Trainer:
     def __init__(
         self,
@@ -245,33 +262,16 @@ class Trainer:
             world_size=self.dist.world,
         )
         self.env["parallel"] = self.parallel
-        self.callbacks = Callbacks(self, [*(callbacks or []), *self._builtin_callbacks(injections or [])])
+        builtin = builtin_callbacks(
+            cfg, self.run_dir, self.device, rank=self.dist.rank, injections=injections or []
+        )
+        self.callbacks = Callbacks(self, [*(callbacks or []), *builtin])
         if resume:
             self._resume()
         else:
             self.record.started(self._meta(schema.STATUS_RUNNING), restarted=restart_count() > 0)
         if exporter is not None:
             self.record.announce(lambda: self._meta(schema.STATUS_RUNNING))
-
-    def _builtin_callbacks(self, injections: list[Injection]) -> list[Callback]:
-        t = self.cfg.telemetry
-        out: list[Callback] = [
-            FaultInjection(
-                injections, rank=self.dist.rank, attempt=restart_count(), data_faults_only=not self.telemetry
-            )
-        ]
-        if t.profile and self.dist.main and self.telemetry:
-            trace_dir = self.run_dir / schema.PROFILE_DIR
-            out.append(
-                Profiler(
-                    trace_dir,
-                    self.device,
-                    wait=t.profile_wait,
-                    warmup=t.profile_warmup,
-                    active=t.profile_active,
-                )
-            )
-        return out
 
     def _meta(self, status: str) -> dict[str, Any]:
         return {
@@ -306,14 +306,6 @@ class Trainer:
     @opt_step.setter
     def opt_step(self, value: int) -> None:
         self.state.opt_step = value
-
-    @property
-    def counts(self) -> dict[str, int]:
-        return self.state.counts
-
-    @property
-    def guard_actions(self) -> dict[str, int]:
-        return self.state.guard_actions
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _stateful(self) -> dict[str, ckpt.Stateful]:
@@ -441,8 +433,8 @@ class Trainer:
         rep.tokens_per_s = rep.tokens / rep.step_time_s
         rep.mfu = self.flops_per_token * rep.tokens_per_s / (self.peak * world) if self.peak else float("nan")
         rep.mem_peak_bytes = peak_memory_bytes(self.device)
-        self.counts[decision.action] = self.counts.get(decision.action, 0) + 1
-        actions.tally(self.guard_actions, decision.action, events)
+        self.state.counts[decision.action] = self.state.counts.get(decision.action, 0) + 1
+        actions.tally(self.state.guard_actions, decision.action, events)
         finite = self._track_finite(rep.loss, rep.grad_norm, applied=decision.applies_update)
         self.gp.step(decision.applies_update, rep.step_time_s, rep.data_wait_s, finite=finite)
         if self.dist.main:
@@ -591,7 +583,7 @@ class Trainer:
         every = self.cfg.train.checkpoint_every
         if every and self.step % every == 0 and self.step < self.cfg.train.steps:
             self.save_checkpoint()
-        self.console.advance(self.step, rep, self.guard_actions)
+        self.console.advance(self.step, rep, self.state.guard_actions)
 
     def _ran_to_stop(self) -> outcome.Ending:
         if self.step < self.cfg.train.steps:
@@ -612,8 +604,8 @@ class Trainer:
             end.status,
             end.note,
             final_step=self.step,
-            counts=self.counts,
-            guard_actions=self.guard_actions,
+            counts=self.state.counts,
+            guard_actions=self.state.guard_actions,
             goodput=self.goodput(),
             nonfinite_steps=self.state.nonfinite_steps,
         )
