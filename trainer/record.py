@@ -15,7 +15,9 @@ from guard.core import schema
 from guard.core.events import Event
 from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_TRAIN
 from guard.core.report import StepReport
-from guard.store.runstore import RunStore, read_meta, truncate_after
+from guard.store.reader import read_meta
+from guard.store.runstore import RunStore
+from guard.store.writer import truncate_after
 
 JOB_KEY = "torchelastic_run_id"  # meta.json: the torchrun job that started the run (kept across its restarts)
 
