@@ -15,7 +15,7 @@
 A clean run that fails is a false alarm (a warn is counted but is exit 0); an injected run
 that fails is a detection. The smallest slowdown detected in every trial is the canary's power.
 
-`--ab`: the same arms for the A/B canary (`moeguard canary --ab set: set:`, guard/canary_ab.py),
+`--ab`: the same arms for the A/B canary (`moeguard canary --ab set: set:`, guard/canary/ab.py),
 no history: `--clean` A = B canaries (false alarms) and `--trials` canaries per slowdown with B
 slowed (`--inject slow:PCT` slows B), interleaved. Its table (printed, kept in OUT/ab_power.json)
 is appended to docs/BENCHMARKS.md by hand; `--rejudge OUT --ab` re-analyses a kept bench.
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from guard import canary
+from guard.canary import config, gate, keys, stats
 
 
 def _run_canary(argv: list[str]) -> dict[str, Any]:
@@ -60,15 +60,13 @@ def _first_delta(rep: dict[str, Any], run: int = 0) -> float | None:
     runs = rep.get("runs", [])
     if run >= len(runs):
         return None
-    row = next(
-        (r for r in runs[run]["comparison"] if r["metric"] in canary.MFU_METRICS), None
-    )  # the gated MFU
+    row = next((r for r in runs[run]["comparison"] if r["metric"] in keys.MFU_METRICS), None)  # the gated MFU
     return row["delta"] if row else None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", type=Path, default=canary.DEFAULT_CONFIG)
+    p.add_argument("--config", type=Path, default=config.DEFAULT_CONFIG)
     p.add_argument("--baselines", type=int, default=5, help="clean runs recorded as the baseline (M)")
     p.add_argument("--clean", type=int, default=10, help="clean runs judged against it (N)")
     p.add_argument("--slowdowns", default="2,3,5,10", help="injected slowdowns in percent")
@@ -215,7 +213,7 @@ def rejudge(args: argparse.Namespace) -> int:
 
 def _entry_pairs(rep: dict[str, Any]) -> list[tuple[float, float]]:
     """(MFU, ref ms) of every worker process of a report's runs: what its history entry would hold."""
-    return [p for run in rep["runs"] for p in canary.process_pairs(run["summary"])]
+    return [p for run in rep["runs"] for p in stats.process_pairs(run["summary"])]
 
 
 def spanning(
@@ -228,7 +226,7 @@ def spanning(
     The live gate's baseline is the `--baselines` runs recorded back to back at the start: one host
     state. A history kept over days holds the host's other states too. Leave-one-out over the
     bench's clean measurements stands in for that: each measurement is judged against a baseline
-    and a host fit (`guard.canary.fit_host`) made of every OTHER clean measurement (baseline runs
+    and a host fit (`guard.canary.gate.fit_host`) made of every OTHER clean measurement (baseline runs
     and clean arm, re-runs included; a clean measurement never sees itself), with the gate's
     own rule (a re-run only where the live gate re-ran; a run past warn with no re-run is counted
     as unjudged). Injected runs never enter a baseline.
@@ -238,10 +236,10 @@ def spanning(
     for arm, reps in arms.items():
         for rep in reps:
             others = [p for p in pool if p is not rep]
-            fit = canary.fit_host([pr for o in others for pr in _entry_pairs(o)])
-            base = statistics.median(canary.adjusted_median(_entry_pairs(o), fit) for o in others)
+            fit = gate.fit_host([pr for o in others for pr in _entry_pairs(o)])
+            base = statistics.median(gate.adjusted_median(_entry_pairs(o), fit) for o in others)
             deltas = [
-                100 * (canary.adjusted_median(canary.process_pairs(run["summary"]), fit) / base - 1)
+                100 * (gate.adjusted_median(stats.process_pairs(run["summary"]), fit) / base - 1)
                 for run in rep["runs"]
             ]
             results.setdefault(arm, []).append({"deltas": deltas, "slope": fit.slope, "r": fit.r})
@@ -284,9 +282,9 @@ def summarize(
             {
                 "arm": arm,
                 "runs": len(reps),
-                "fail": sum(r["verdict"] == canary.FAIL for r in reps),
-                "warn": sum(r["verdict"] == canary.WARN for r in reps),
-                "pass": sum(r["verdict"] == canary.PASS for r in reps),
+                "fail": sum(r["verdict"] == gate.FAIL for r in reps),
+                "warn": sum(r["verdict"] == gate.WARN for r in reps),
+                "pass": sum(r["verdict"] == gate.PASS for r in reps),
                 "reruns": sum(len(r["runs"]) > 1 for r in reps),
                 "delta_median": statistics.median(deltas) if deltas else None,
                 "delta_min": min(deltas, default=None),
@@ -299,7 +297,7 @@ def summarize(
         if (row := next(r for r in rows if r["arm"] == f"{s:g}%"))["runs"] and row["fail"] == row["runs"]
     ]
     every = min((s for s in caught if all(c in caught for c in slowdowns if c >= s)), default=None)
-    base_mfu = [r["runs"][0]["summary"][canary.MFU] for r in baseline_reps]
+    base_mfu = [r["runs"][0]["summary"][keys.MFU] for r in baseline_reps]
     any_rep = next(iter([*baseline_reps, *(r for reps in arms.values() for r in reps)]), {})
     gates = any_rep.get("gates", {})
     judged = next((r for r in arms.get("clean", []) if r.get("baseline", {}).get("n")), {})
@@ -313,7 +311,7 @@ def summarize(
             "delta_run1": _first_delta(r, 0),
             "delta_run2": _first_delta(r, 1),
             "delta_pooled": next(
-                (p["delta"] for p in r.get("pooled", []) if p["metric"] in canary.MFU_METRICS), None
+                (p["delta"] for p in r.get("pooled", []) if p["metric"] in keys.MFU_METRICS), None
             ),
             "load": r["runs"][0].get("loadavg"),
         }
@@ -353,7 +351,7 @@ def summarize(
 
 
 def _confirmed_fail(d1: float, d2: float, pooled: float, warn: float, fail: float) -> bool:
-    """The gate's rule (`guard.canary.decide`) on MFU deltas in percent: the first run past the
+    """The gate's rule (`guard.canary.gate.decide`) on MFU deltas in percent: the first run past the
     warn line (so it was re-run), the mean of both past the fail line, the re-run alone past warn."""
     return d1 <= -warn and pooled <= -fail and d2 <= -warn
 
@@ -404,7 +402,7 @@ def render(res: dict[str, Any]) -> str:
         base + f" Gate: MFU warn at -{g['mfu_warn_pct']:g}%, "
         f"fail at -{g['mfu_fail_pct']:g}% of the baseline median; a run past a line is re-run once and fails only "
         f"if the mean of both runs is past the fail line and the re-run past the warn line (confirm = {g['confirm']}). "
-        f"Timing: {res['timing']} (CPU: the gated MFU is host-adjusted, `guard.canary.HostFit`). "
+        f"Timing: {res['timing']} (CPU: the gated MFU is host-adjusted, `guard.canary.gate.HostFit`). "
         "Arms interleaved (clean, 2%, 3%, 5%, 10%, clean, ...); deltas below are the gated MFU's.",
         "",
         "| arm | runs | fail | warn | pass | re-runs | first-run MFU delta: median [min, max] |",
@@ -555,10 +553,10 @@ def _ab_reload(out: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def ab_rejudge(ratios: list[float], first: int, most: int, c: Any) -> str:
-    """The A/B rule (canary_ab.run_ab) replayed on recorded pairs under other settings `c`: start
+    """The A/B rule (guard.canary.ab.run_ab) replayed on recorded pairs under other settings `c`: start
     with `first` pairs, add two while undecided, up to `most`; 'unjudged' when it would need more
     pairs than were measured."""
-    from guard.canary_ab import paired_statistic
+    from guard.canary.ab import paired_statistic
 
     if first > len(ratios):
         return "unjudged"
@@ -597,8 +595,8 @@ def ab_finish(
     raw_pairs = [p["ratio"]["tokens_per_s"] for r in arms.get("A=B", []) for p in r["pairs"]]
     any_rep = next(r for reps in arms.values() for r in reps)
     g = any_rep["gates"]
-    base = canary.CanaryConfig(
-        **{k: v for k, v in g.items() if k in {f.name for f in dc.fields(canary.CanaryConfig)}}
+    base = config.CanaryConfig(
+        **{k: v for k, v in g.items() if k in {f.name for f in dc.fields(config.CanaryConfig)}}
     )
     sweep = []
     for fail_pct in (0.0, 0.5, 1.0, 2.0, 3.0):
@@ -644,7 +642,7 @@ def ab_resample(arms: dict[str, list[dict[str, Any]]], c: Any) -> dict[str, Any]
     real canaries: it keeps the pairs' real spread and tails, not the drift within one canary."""
     import random
 
-    from guard.canary_ab import paired_statistic
+    from guard.canary.ab import paired_statistic
 
     rng = random.Random(0)
     out: dict[str, Any] = {}
@@ -660,7 +658,7 @@ def ab_resample(arms: dict[str, list[dict[str, Any]]], c: Any) -> dict[str, Any]
                 if not st["undecided"] or len(xs) >= c.ab_max_pairs:
                     break
                 xs += [rng.choice(pool) for _ in range(min(2, c.ab_max_pairs - len(xs)))]
-            fails += st["verdict"] == canary.FAIL
+            fails += st["verdict"] == gate.FAIL
             pairs += len(xs)
         out[arm] = {"pool": len(pool), "fail_rate": fails / RESAMPLES, "pairs_mean": pairs / RESAMPLES}
     return out

@@ -32,6 +32,10 @@ import numpy as np
 import polars as pl
 import streamlit as st
 
+from guard.canary import keys as ck
+from guard.canary.config import CanaryConfig
+from guard.canary.gate import baseline_median, line_value, relative_delta
+from guard.canary.history import baseline_before, entry_time, is_number, parse_history
 from guard.core import actions, schema
 from guard.store import reader
 from guard.store.reader import list_runs, read_meta
@@ -941,95 +945,68 @@ def profiler_trace(path: str | Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------
-# Canary history (JSONL, one object per canary run; written by `moeguard canary`)
+# Canary history (JSONL, one object per canary run; written by `moeguard canary`). Parsed and
+# judged with guard/canary's own parser, baseline rule and deltas, so the page's baseline is the
+# one the gate used: the last `history_window` baseline entries recorded before the judged one
+# with its fingerprint and config hash.
 # ---------------------------------------------------------------------------------------
 CANARY_COLUMNS = {
-    "time": pl.Datetime("us", "UTC"),
-    "git_sha": pl.String,
-    "torch": pl.String,
-    "fingerprint": pl.String,
-    "config": pl.String,
-    "mfu_p50": pl.Float64,
-    "tokens_per_s_p50": pl.Float64,
-    "verdict": pl.String,
-    "baseline": pl.Boolean,
+    ck.H_TIME: pl.Datetime("us", "UTC"),
+    ck.H_SHA: pl.String,
+    ck.H_TORCH: pl.String,
+    ck.H_FP: pl.String,
+    ck.H_CFG_HASH: pl.String,
+    ck.H_CFG: pl.String,
+    ck.MFU: pl.Float64,
+    ck.TPS: pl.Float64,
+    ck.H_VERDICT: pl.String,
+    ck.H_BASELINE: pl.Boolean,
+    ck.H_WARN_PCT: pl.Float64,
+    ck.H_FAIL_PCT: pl.Float64,
+    ck.H_PROFILE_TOP: pl.String,
 }
 CANARY_VERDICTS = ("pass", "warn", "fail")
+CANARY_WINDOW = CanaryConfig().history_window  # `moeguard canary`'s default canary.history_window
 
 
-def _parse_time(v: Any) -> datetime | None:
-    """Unix seconds or ISO 8601 (naive means UTC) -> aware UTC datetime."""
-    if isinstance(v, int | float) and not isinstance(v, bool):
-        return datetime.fromtimestamp(float(v), tz=UTC)
-    if isinstance(v, str):
-        try:
-            t = datetime.fromisoformat(v.replace("Z", "+00:00"))
-        except ValueError:
-            return None
-        return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
-    return None
+def _canary_row(e: dict[str, Any]) -> dict[str, Any]:
+    """One history entry as a table row: strings for the labels, None for what it lacks."""
+    t = entry_time(e.get(ck.H_TIME))
+    cfg = e.get(ck.H_CFG)
+    verdict = str(e.get(ck.H_VERDICT, "")).lower()
+    prof = e.get(ck.H_PROFILE_TOP)
+    return {
+        ck.H_TIME: datetime.fromtimestamp(t, tz=UTC) if t is not None else None,
+        ck.H_SHA: str(e.get(ck.H_SHA) or "?"),
+        ck.H_TORCH: str(e.get(ck.H_TORCH) or "?"),
+        ck.H_FP: str(e.get(ck.H_FP) or "default"),
+        ck.H_CFG_HASH: e.get(ck.H_CFG_HASH) if isinstance(e.get(ck.H_CFG_HASH), str) else None,
+        ck.H_CFG: cfg if isinstance(cfg, str) else json.dumps(cfg, sort_keys=True) if cfg is not None else "",
+        ck.MFU: float(e[ck.MFU]),
+        ck.TPS: _num(e.get(ck.TPS)),
+        ck.H_VERDICT: verdict if verdict in CANARY_VERDICTS else "unknown",
+        ck.H_BASELINE: e.get(ck.H_BASELINE) is True,
+        ck.H_WARN_PCT: _num(e.get(ck.H_WARN_PCT)),
+        ck.H_FAIL_PCT: _num(e.get(ck.H_FAIL_PCT)),
+        ck.H_PROFILE_TOP: json.dumps(prof) if isinstance(prof, dict) else None,
+    }
 
 
 def parse_canary_history(text: str) -> tuple[pl.DataFrame, list[str]]:
-    """Rows in file order plus a list of problems ("line 3: not JSON"), never raising.
-
-    Accepted per line: {"time": unix s or ISO 8601, "git_sha", "torch", "fingerprint",
-    "config" (str or object), "mfu_p50" (ratio 0..1), "tokens_per_s_p50",
-    "verdict": "pass"|"warn"|"fail", "baseline": bool}; optional "warn_pct"/"fail_pct"
-    (gate thresholds in percent) are kept when present. Unknown keys are ignored.
-    """
-    rows: list[dict[str, Any]] = []
-    problems: list[str] = []
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            problems.append(f"line {n}: not JSON")
-            continue
-        if not isinstance(obj, dict):
-            problems.append(f"line {n}: not an object")
-            continue
-        mfu = obj.get("mfu_p50")
-        if not isinstance(mfu, int | float) or isinstance(mfu, bool):
-            problems.append(f"line {n}: no numeric mfu_p50")
-            continue
-        cfg = obj.get("config")
-        tps = obj.get("tokens_per_s_p50")
-        verdict = str(obj.get("verdict", "")).lower()
-        rows.append(
-            {
-                "time": _parse_time(obj.get("time")),
-                "git_sha": str(obj.get("git_sha") or "?"),
-                "torch": str(obj.get("torch") or "?"),
-                "fingerprint": str(obj.get("fingerprint") or "default"),
-                "config": cfg
-                if isinstance(cfg, str)
-                else json.dumps(cfg, sort_keys=True)
-                if cfg is not None
-                else "",
-                "mfu_p50": float(mfu),
-                "tokens_per_s_p50": float(tps)
-                if isinstance(tps, int | float) and not isinstance(tps, bool)
-                else None,
-                "verdict": verdict if verdict in CANARY_VERDICTS else "unknown",
-                "baseline": bool(obj.get("baseline", False)),
-                "warn_pct": _num(obj.get("warn_pct")),
-                "fail_pct": _num(obj.get("fail_pct")),
-                "profile_top": json.dumps(obj["profile_top"])
-                if isinstance(obj.get("profile_top"), dict)
-                else None,
-            }
-        )
-    sch = {**CANARY_COLUMNS, "warn_pct": pl.Float64, "fail_pct": pl.Float64, "profile_top": pl.String}
-    df = pl.DataFrame(rows, schema=sch, strict=False) if rows else pl.DataFrame(schema=sch)
+    """Rows in file order (with their index "n") plus the lines skipped ("line 3: not JSON"),
+    never raising: guard.canary.history.parse_history, as a table."""
+    entries, problems = parse_history(text)
+    rows = [_canary_row(e) for e in entries]
+    df = (
+        pl.DataFrame(rows, schema=CANARY_COLUMNS, strict=False)
+        if rows
+        else pl.DataFrame(schema=CANARY_COLUMNS)
+    )
     return df.with_row_index("n"), problems
 
 
 def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+    return float(v) if is_number(v) else None
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
@@ -1038,18 +1015,15 @@ def load_canary_history(path: str, mtime_ns: int) -> tuple[pl.DataFrame, list[st
     return parse_canary_history(Path(path).read_text(errors="replace"))
 
 
-CANARY_WINDOW = 10  # `moeguard canary`'s default canary.history_window
-
-
 def canary_baseline_rows(df: pl.DataFrame, judged: int, window: int = CANARY_WINDOW) -> pl.DataFrame:
-    """The entries entry `judged` (its "n") is compared with, as `moeguard canary` picks them:
-    the last `window` baseline entries recorded BEFORE it. An entry is never part of its own
-    baseline. A history with no baseline flags at all (older format): the earlier entries."""
-    earlier = df.filter(pl.col("n") < judged)
-    base = earlier.filter(pl.col("baseline"))
-    if base.height == 0 and not df["baseline"].any():
-        base = earlier
-    return base.tail(window)
+    """The entries entry `judged` (its "n") is compared with, as `moeguard canary` picks them
+    (guard.canary.history.baseline_before): never the entry itself."""
+    earlier = df.filter(pl.col("n") <= judged)
+    if earlier.height == 0 or earlier["n"][-1] != judged:
+        return df.clear()
+    rows = earlier.to_dicts()
+    picked = [b["n"] for b in baseline_before(rows, len(rows) - 1, window)]
+    return df.filter(pl.col("n").is_in(picked))
 
 
 def canary_gate(
@@ -1061,30 +1035,29 @@ def canary_gate(
     window: int = CANARY_WINDOW,
 ) -> dict[str, float | None]:
     """Gate lines for the judged entry (default: the latest): baseline = median MFU of its
-    baseline rows (canary_baseline_rows)."""
+    baseline rows (canary_baseline_rows), the lines where the gate's warn / fail levels begin."""
     if df.height == 0:
         return {"baseline": None}
     judged = int(df["n"][-1]) if judged is None else judged
-    src = canary_baseline_rows(df, judged, window)
-    if src.height == 0:
+    med, n = baseline_median(canary_baseline_rows(df, judged, window).to_dicts(), ck.MFU)
+    if med is None:
         return {"baseline": None, "n_baseline": 0.0}
-    med = statistics.median(src["mfu_p50"].to_list())
     return {
         "baseline": med,
-        "warn_lo": med * (1 - warn_pct / 100),
-        "warn_hi": med * (1 + warn_pct / 100),
-        "fail_lo": med * (1 - fail_pct / 100),
-        "n_baseline": float(src.height),
+        "warn_lo": line_value(med, warn_pct),
+        "warn_hi": line_value(med, warn_pct, higher_is_better=False),
+        "fail_lo": line_value(med, fail_pct),
+        "n_baseline": float(n),
     }
 
 
 def canary_deltas(df: pl.DataFrame, window: int = CANARY_WINDOW) -> pl.Series:
     """Each entry's MFU p50 vs its own baseline (the baseline entries before it), in %."""
+    rows = df.to_dicts()
     out: list[float | None] = []
-    for n, mfu in zip(df["n"].to_list(), df["mfu_p50"].to_list(), strict=True):
-        base = canary_baseline_rows(df, n, window)
-        med = statistics.median(base["mfu_p50"].to_list()) if base.height else None
-        out.append(100 * (mfu / med - 1) if med else None)
+    for i, row in enumerate(rows):
+        med, _ = baseline_median(baseline_before(rows, i, window), ck.MFU)
+        out.append(relative_delta(row[ck.MFU], med) if med else None)
     return pl.Series("vs baseline %", out, dtype=pl.Float64)
 
 

@@ -1,4 +1,4 @@
-"""Canaries: MFU history over commits from `moeguard canary`'s JSONL history, with the gate."""
+"""Canaries: MFU history over commits from `moeguard canary`'s JSONL history, with the gate's baseline."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ m[0].metric(
     "baseline MFU (median)",
     f"{100 * base:.2f}%" if base else "—",
     help=f"median MFU p50 of the {int(gate.get('n_baseline') or 0)} baseline entries recorded before the "
-    f"latest one (the last {data.CANARY_WINDOW}, as `moeguard canary` picks them); the latest entry "
-    "is never part of its own baseline",
+    f"latest one with its fingerprint and config hash (the last {data.CANARY_WINDOW}: the rule `moeguard "
+    "canary` judges by, guard/canary/history.py); the latest entry is never part of its own baseline",
 )
 m[1].metric(
     "latest MFU p50",

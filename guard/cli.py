@@ -32,7 +32,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "receive Alertmanager webhooks and guard events; page PagerDuty/Slack/webhooks",
     ),
     "app": ("dashboards.launch", "start the Streamlit run-health app over a run store"),
-    "canary": ("guard.canary", "MFU/throughput regression canary against a recorded history (CI gate)"),
+    # The canary's gate, history and reports are guard/canary/; the worker that runs the model is the
+    # trainer's, so the command enters through trainer/canary_cli.py (guard never imports trainer).
+    "canary": (
+        "trainer.canary_cli",
+        "MFU/throughput regression canary against a recorded history (CI gate)",
+    ),
     "grafana": ("dashboards.grafana", "push moeguard's Grafana dashboards with grafana-client"),
 }
 

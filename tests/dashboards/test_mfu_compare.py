@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 
 from dashboards import data, figures
 from dashboards import testing as synth
+from guard.canary import history
 from guard.core import schema
 from tests.dashboards.app_helpers import _decode, chart_titled, charts, messages, traces
 
@@ -290,6 +292,25 @@ def test_judged_entry_is_not_in_its_own_baseline(tmp_path: Path, mfu_store: Path
     assert not at.exception
     latest = next(m for m in at.metric if m.label == "latest MFU p50")
     assert latest.delta == "-23.1% vs baseline"
+
+
+def test_the_page_and_the_gate_pick_the_same_baseline() -> None:
+    """One baseline rule (guard.canary.history): baseline entries only, with the judged entry's
+    fingerprint AND config hash, the last history_window of them, recorded before it."""
+    rows = [{**_entry(i, 0.40 + 0.001 * i, baseline=True), "config_hash": "a"} for i in range(12)]
+    rows.insert(9, {**_entry(90, 0.10, baseline=True), "config_hash": "b"})  # another config: never in
+    rows.insert(10, {**_entry(91, 0.90, baseline=False), "config_hash": "a"})  # a trend entry: never in
+    rows.append({**_entry(50, 0.30, baseline=False), "config_hash": "a"})  # the judged entry
+    text = "\n".join(json.dumps(r) for r in rows) + "\n"
+    entries, _ = history.parse_history(text)
+    want = history.select_baseline(entries[:-1], "fp", "a", data.CANARY_WINDOW)
+    assert len(want) == data.CANARY_WINDOW and all(e["config_hash"] == "a" and e["baseline"] for e in want)
+    df, _ = data.parse_canary_history(text)
+    got = data.canary_baseline_rows(df, int(df["n"][-1]))
+    assert got["git_sha"].to_list() == [e["git_sha"] for e in want]
+    base = statistics.median(e["mfu_p50"] for e in want)
+    assert data.canary_gate(df, warn_pct=2, fail_pct=3)["baseline"] == pytest.approx(base)
+    assert data.canary_deltas(df)[-1] == pytest.approx(100 * (0.30 / base - 1))
 
 
 def test_uniform_slowdown_blames_no_single_kernel() -> None:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from guard import canary
+from guard.canary import config, gate, history, keys, matrix, profile, report, stats
 from guard.cli import main
+from guard.core.tomlconf import ConfigError
 
 # A canary small enough for tests: ~60 steps of a few ms each, profiler window at steps 3-5.
 TINY = [
@@ -129,7 +130,7 @@ def test_clean_run_passes_and_injected_slowdown_fails(
     slow = json.loads((recorded / "rep-slow" / "canary.json").read_text())
     assert slow["verdict"] == "fail" and slow["exit_code"] == 1
     assert slow["baseline"]["n"] == 1  # the --append'ed entry is not part of the baseline
-    gated = canary.MFU_ADJ if slow["timing"] == "cpu" else canary.MFU  # CPU: the host-adjusted MFU
+    gated = keys.MFU_ADJ if slow["timing"] == "cpu" else keys.MFU  # CPU: the host-adjusted MFU
     assert gated in slow["regressed_metrics"]
     assert len(slow["runs"]) == 2  # the regression was re-run once and repeated
     mfu_decision = next(d for d in slow["decision"] if d["metric"] == gated)
@@ -149,7 +150,7 @@ def test_clean_run_passes_and_injected_slowdown_fails(
 @pytest.mark.slow
 def test_a_baseline_from_one_sitting_widens_the_mfu_line(recorded: Path) -> None:
     """The shipped config's rule: a CPU baseline that spans less than baseline_min_span_h widens the
-    MFU fail line (canary.young_fail_line) instead of disarming it; a 40% slowdown still fails."""
+    MFU fail line (gate.young_fail_line) instead of disarming it; a 40% slowdown still fails."""
     code = _canary(
         recorded,
         "--inject",
@@ -170,12 +171,12 @@ def test_a_baseline_from_one_sitting_widens_the_mfu_line(recorded: Path) -> None
         # (young_fail_line is unit-tested for that). Forcing timing=cpu would change the config hash
         # and leave this module's recorded baseline unmatched. CI (CPU) always runs this test.
         pytest.skip("auto timing is wall clock on this host; the span rule is for CPU timing")
-    gate = rep["mfu_gate"]
-    assert gate["widened"] and 10 <= gate["fail_pct"] <= 20 and gate["configured_fail_pct"] == 3
-    assert gate["baseline_span_h"] < 1 and "baseline_min_span_h = 24 h" in gate["reason"]
-    assert code == 1 and rep["verdict"] == "fail" and canary.MFU_ADJ in rep["regressed_metrics"]
-    mfu = next(r for r in rep["runs"][0]["comparison"] if r["metric"] == canary.MFU_ADJ)
-    assert mfu["fail"] == pytest.approx(gate["fail_pct"]) and mfu["delta"] < -gate["fail_pct"]
+    mfu_gate = rep["mfu_gate"]
+    assert mfu_gate["widened"] and 10 <= mfu_gate["fail_pct"] <= 20 and mfu_gate["configured_fail_pct"] == 3
+    assert mfu_gate["baseline_span_h"] < 1 and "baseline_min_span_h = 24 h" in mfu_gate["reason"]
+    assert code == 1 and rep["verdict"] == "fail" and keys.MFU_ADJ in rep["regressed_metrics"]
+    mfu = next(r for r in rep["runs"][0]["comparison"] if r["metric"] == keys.MFU_ADJ)
+    assert mfu["fail"] == pytest.approx(mfu_gate["fail_pct"]) and mfu["delta"] < -mfu_gate["fail_pct"]
     assert rep["notice"].startswith("young baseline: ")
     assert "- MFU gate: the 1 baseline entries span" in (recorded / "rep-young" / "canary.md").read_text()
 
@@ -204,7 +205,7 @@ def test_a_fresh_three_entry_history_fails_a_30pct_slowdown_from_the_first_day(t
     slow = json.loads((tmp_path / "slow" / "canary.json").read_text())
     if slow["timing"] == "cpu":
         assert slow["baseline"]["n"] == 3 and slow["mfu_gate"]["widened"]
-        assert canary.MFU_ADJ in slow["regressed_metrics"]
+        assert keys.MFU_ADJ in slow["regressed_metrics"]
     assert _canary(tmp_path, *young, report="clean", sets=SHORT) == 0
     clean = json.loads((tmp_path / "clean" / "canary.json").read_text())
     assert clean["verdict"] in ("pass", "warn") and clean["baseline"]["n"] == 3
@@ -286,27 +287,21 @@ def _entry(
 
 
 def test_compare_levels_against_the_median() -> None:
-    c = canary.CanaryConfig(mfu_warn_pct=3, mfu_fail_pct=5)
+    c = config.CanaryConfig(mfu_warn_pct=3, mfu_fail_pct=5)
     base = [_entry(0.20), _entry(0.21), _entry(0.19), _entry(0.50)]  # median 0.205; one outlier
-    for timing, key in (("cpu", canary.MFU_ADJ), ("wall", canary.MFU)):  # CPU gates the host-adjusted MFU
-        rows = {r["metric"]: r for r in canary.compare(_entry(0.200), base, c, timing)}
+    for timing, key in (("cpu", keys.MFU_ADJ), ("wall", keys.MFU)):  # CPU gates the host-adjusted MFU
+        rows = {r["metric"]: r for r in gate.compare(_entry(0.200), base, c, timing)}
         assert rows[key]["baseline"] == pytest.approx(0.205) and rows[key]["level"] == "pass"
-        assert {r["metric"]: r for r in canary.compare(_entry(0.197), base, c, timing)}[key][
-            "level"
-        ] == "warn"
-        assert {r["metric"]: r for r in canary.compare(_entry(0.190), base, c, timing)}[key][
-            "level"
-        ] == "fail"
-        assert {r["metric"]: r for r in canary.compare(_entry(0.300), base, c, timing)}[key][
-            "level"
-        ] == "pass"
+        assert {r["metric"]: r for r in gate.compare(_entry(0.197), base, c, timing)}[key]["level"] == "warn"
+        assert {r["metric"]: r for r in gate.compare(_entry(0.190), base, c, timing)}[key]["level"] == "fail"
+        assert {r["metric"]: r for r in gate.compare(_entry(0.300), base, c, timing)}[key]["level"] == "pass"
     worse = _entry(0.205, final_loss=2.2, mem_peak_bytes=1.3e9, data_wait_share=0.2)
-    rows = {r["metric"]: r for r in canary.compare(worse, base, c, "cpu")}
+    rows = {r["metric"]: r for r in gate.compare(worse, base, c, "cpu")}
     assert rows["final_loss"]["level"] == "fail" and rows["mem_peak_bytes"]["level"] == "fail"
     assert rows["data_wait_share"]["level"] == "fail" and rows["data_wait_share"]["delta"] == pytest.approx(
         19
     )
-    assert canary.worst(["pass", "warn", "pass"]) == "warn" and canary.worst([]) == "pass"
+    assert gate.worst(["pass", "warn", "pass"]) == "warn" and gate.worst([]) == "pass"
 
 
 def test_baseline_selection_and_history_parsing(tmp_path: Path) -> None:
@@ -314,34 +309,34 @@ def test_baseline_selection_and_history_parsing(tmp_path: Path) -> None:
     entries = [_entry(0.1 + i / 100) for i in range(12)]
     entries += [_entry(0.9, fp="other | cfg abc"), _entry(0.9, h="zzz"), _entry(0.9, baseline=False)]
     p.write_text("\n".join(json.dumps(e) for e in entries) + '\nnot json\n{"x": 1}\n\n')
-    got, problems = canary.read_history(p)
+    got, problems = history.read_history(p)
     assert len(got) == 15 and problems == ["line 16: not JSON", "line 17: not a canary entry"]
-    sel = canary.select_baseline(got, "hw | cfg abc", "abc", 10)
+    sel = history.select_baseline(got, "hw | cfg abc", "abc", 10)
     assert [e["mfu_p50"] for e in sel] == pytest.approx([0.1 + i / 100 for i in range(2, 12)])
-    assert canary.select_baseline(got, "new hw | cfg abc", "abc", 10) == []
-    assert canary.read_history(tmp_path / "missing.jsonl") == ([], [])
+    assert history.select_baseline(got, "new hw | cfg abc", "abc", 10) == []
+    assert history.read_history(tmp_path / "missing.jsonl") == ([], [])
 
 
 def test_parse_slow_and_matrix() -> None:
     assert (
-        canary.parse_slow([]) == 0
-        and canary.parse_slow(["slow:7.5"]) == 7.5
-        and canary.parse_slow(["slow:5%"]) == 5
+        config.parse_slow([]) == 0
+        and config.parse_slow(["slow:7.5"]) == 7.5
+        and config.parse_slow(["slow:5%"]) == 5
     )
     for bad in ("slow", "slow:x", "slow:0", "gradspike@3:2"):
-        with pytest.raises(canary.ConfigError):
-            canary.parse_slow([bad])
-    v = canary.parse_matrix(["attention=math,flash", "experts=loop,bmm,grouped_mm", "compile=off,on"])
+        with pytest.raises(ConfigError):
+            config.parse_slow([bad])
+    v = matrix.parse_matrix(["attention=math,flash", "experts=loop,bmm,grouped_mm", "compile=off,on"])
     assert len(v) == 12
     assert v[0] == (
         "attention=math experts=loop compile=off",
         {"model.attention": "math", "model.experts_kernel": "loop", "train.compile": False},
     )
     assert v[-1][1]["train.compile"] is True
-    assert canary.parse_matrix(["model.top_k=1,2"])[1] == ("model.top_k=2", {"model.top_k": 2})
+    assert matrix.parse_matrix(["model.top_k=1,2"])[1] == ("model.top_k=2", {"model.top_k": 2})
     for bad in ("attention", "colour=red", "compile=maybe"):
-        with pytest.raises(canary.ConfigError):
-            canary.parse_matrix([bad])
+        with pytest.raises(ConfigError):
+            matrix.parse_matrix([bad])
 
 
 def test_profile_summary_self_time_from_a_chrome_trace(tmp_path: Path) -> None:
@@ -364,7 +359,7 @@ def test_profile_summary_self_time_from_a_chrome_trace(tmp_path: Path) -> None:
     ]
     (tmp_path / "profile").mkdir()
     (tmp_path / "profile" / "host.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
-    s = canary.profile_summary(tmp_path)
+    s = profile.profile_summary(tmp_path)
     assert s["profiled_steps"] == 1
     total = {r["op"]: r for r in s["top_total"]}
     assert total["aten::linear"]["total_ms"] == pytest.approx(0.050)
@@ -372,7 +367,7 @@ def test_profile_summary_self_time_from_a_chrome_trace(tmp_path: Path) -> None:
     assert total["aten::addmm"]["self_ms"] == pytest.approx(0.030)  # 40 - copy_ 10
     assert [r["op"] for r in s["top_self"][:2]] == ["aten::add", "aten::addmm"]  # 35 us, 30 us self
     assert s["device_top"][0]["op"] == "gemm_kernel"
-    assert canary.profile_summary(tmp_path / "nowhere")["file"] is None
+    assert profile.profile_summary(tmp_path / "nowhere")["file"] is None
 
 
 def test_env_differences_name_what_changed() -> None:
@@ -380,7 +375,7 @@ def test_env_differences_name_what_changed() -> None:
         _entry(0.2, env={"torch": "2.12.0", "expert_kernel": "bmm"}),
         _entry(0.2, env={"torch": "2.12.0", "expert_kernel": "bmm"}),
     ]
-    diff = canary.env_differences({"torch": "2.13.0", "expert_kernel": "bmm"}, base)
+    diff = report.env_differences({"torch": "2.13.0", "expert_kernel": "bmm"}, base)
     assert [d["key"] for d in diff if d["key"] in ("torch", "expert_kernel")] == ["torch"]
     assert diff[0]["baseline"] == {"2.12.0": 2}
 
@@ -391,50 +386,50 @@ def _rows(**levels: tuple[str, float]) -> list[dict]:
 
 def test_a_regression_must_repeat() -> None:
     first = _rows(mfu_p50=("fail", -6.0), final_loss=("pass", 0.0))
-    assert canary.needs_confirmation(first)
-    assert canary.needs_confirmation(_rows(mfu_p50=("warn", -3.0)))  # MFU past its warn line: re-run
-    assert canary.needs_confirmation(_rows(mfu_host_adj_p50=("warn", -3.0)))
-    assert not canary.needs_confirmation(_rows(mfu_p50=("pass", -1.0), final_loss=("warn", 3.0)))
+    assert gate.needs_confirmation(first)
+    assert gate.needs_confirmation(_rows(mfu_p50=("warn", -3.0)))  # MFU past its warn line: re-run
+    assert gate.needs_confirmation(_rows(mfu_host_adj_p50=("warn", -3.0)))
+    assert not gate.needs_confirmation(_rows(mfu_p50=("pass", -1.0), final_loss=("warn", 3.0)))
     # Repeated: the mean of both runs fails and the re-run alone is at least a warn -> fail.
-    d = canary.decide(
+    d = gate.decide(
         [first, _rows(mfu_p50=("warn", -3.5), final_loss=("pass", 0.0))],
         _rows(mfu_p50=("fail", -4.8), final_loss=("pass", 0.0)),
     )
     assert [x["final"] for x in d] == ["fail", "pass"] and d[0]["pooled_delta"] == -4.8
     # Not repeated: the re-run passes -> warn, even though the mean is still past the fail line.
-    d = canary.decide(
+    d = gate.decide(
         [first, _rows(mfu_p50=("pass", -1.0), final_loss=("pass", 0.0))],
         _rows(mfu_p50=("fail", -3.5), final_loss=("pass", 0.0)),
     )
     assert d[0]["final"] == "warn"
     # One run only: its own levels.
-    assert [x["final"] for x in canary.decide([first], [])] == ["fail", "pass"]
-    pooled = canary.pool_summaries([{"mfu_p50": 0.2, "final_loss": 2.0}, {"mfu_p50": 0.3, "final_loss": 2.0}])
+    assert [x["final"] for x in gate.decide([first], [])] == ["fail", "pass"]
+    pooled = stats.pool_summaries([{"mfu_p50": 0.2, "final_loss": 2.0}, {"mfu_p50": 0.3, "final_loss": 2.0}])
     assert pooled["mfu_p50"] == pytest.approx(0.25)
 
 
 def test_processes_pool_by_median_and_keep_each_processs_mfu() -> None:
     def one(mfu: float, mem: int) -> dict:
         return {
-            canary.MFU: mfu,
-            canary.TPS: 1000 * mfu,
-            canary.MEM: mem,
-            canary.DATA_WAIT: 0.01,
-            canary.LOSS: 2.0,
-            canary.REF: 7.0,
+            keys.MFU: mfu,
+            keys.TPS: 1000 * mfu,
+            keys.MEM: mem,
+            keys.DATA_WAIT: 0.01,
+            keys.LOSS: 2.0,
+            keys.REF: 7.0,
             "window_steps": 160,
             "steps": 200,
         }
 
-    pooled = canary.pool_processes([one(0.20, 5), one(0.10, 9), one(0.21, 7)])  # one odd, slow process
-    assert pooled[canary.MFU] == pytest.approx(0.20) and pooled[canary.TPS] == pytest.approx(200)
-    assert pooled[canary.MEM] == 9 and pooled["window_steps"] == 480 and pooled["steps"] == 600
+    pooled = stats.pool_processes([one(0.20, 5), one(0.10, 9), one(0.21, 7)])  # one odd, slow process
+    assert pooled[keys.MFU] == pytest.approx(0.20) and pooled[keys.TPS] == pytest.approx(200)
+    assert pooled[keys.MEM] == 9 and pooled["window_steps"] == 480 and pooled["steps"] == 600
     assert pooled["process_mfu"] == [0.20, 0.10, 0.21] and pooled["process_ref_ms"] == [7.0, 7.0, 7.0]
-    assert canary.pool_processes([one(0.3, 1)])["process_mfu"] == [0.3]
+    assert stats.pool_processes([one(0.3, 1)])["process_mfu"] == [0.3]
     # Two confirmed runs: the gate metrics are averaged, the processes of both kept for the history.
-    a, b = canary.pool_processes([one(0.2, 1)] * 2), canary.pool_processes([one(0.1, 1)] * 3)
-    both = canary.pool_summaries([a, b])
-    assert both[canary.MFU] == pytest.approx(0.15) and both["process_mfu"] == [0.2, 0.2, 0.1, 0.1, 0.1]
+    a, b = stats.pool_processes([one(0.2, 1)] * 2), stats.pool_processes([one(0.1, 1)] * 3)
+    both = stats.pool_summaries([a, b])
+    assert both[keys.MFU] == pytest.approx(0.15) and both["process_mfu"] == [0.2, 0.2, 0.1, 0.1, 0.1]
 
 
 # ---- the host adjustment ------------------------------------------------------------------------
@@ -447,7 +442,7 @@ SLOW_PHASES = [9.5, 9.8, 10.0, 10.1, 10.3, 10.6, 10.9, 11.2, 9.7, 10.0, 10.4, 10
 
 
 def test_host_fit_removes_the_hosts_slow_phases_but_not_a_regression() -> None:
-    fit = canary.fit_host(_host(SLOW_PHASES, b=3.0))
+    fit = gate.fit_host(_host(SLOW_PHASES, b=3.0))
     assert fit.n == 12 and fit.slope == pytest.approx(-2.0, abs=0.05) and fit.r == pytest.approx(-1.0)
     # Plain normalisation reads the host's slow phase (ref 11 ms) as -17%; adjusted it is level.
     ((plain, ref),) = _host([11.0], b=3.0)
@@ -457,79 +452,79 @@ def test_host_fit_removes_the_hosts_slow_phases_but_not_a_regression() -> None:
     assert fit.adjust(0.95 * plain, ref) / fit.adjust(plain, ref) == pytest.approx(0.95)
     # Baseline and current go through the same fit: with_host_adjusted takes each entry's processes.
     base = [
-        canary.with_host_adjusted({canary.MFU: 0.2, canary.PROC_MFU: [m], canary.PROC_REF: [r]}, fit)
+        gate.with_host_adjusted({keys.MFU: 0.2, keys.PROC_MFU: [m], keys.PROC_REF: [r]}, fit)
         for m, r in _host(SLOW_PHASES, b=3.0)
     ]
-    assert max(e[canary.MFU_ADJ] for e in base) / min(e[canary.MFU_ADJ] for e in base) < 1.01
+    assert max(e[keys.MFU_ADJ] for e in base) / min(e[keys.MFU_ADJ] for e in base) < 1.01
 
 
 def test_a_young_baseline_widens_the_mfu_fail_line() -> None:
     def entries(*times: str, mfu: tuple[float, ...] = (0.20, 0.21, 0.205)) -> list[dict[str, object]]:
-        return [{"time": t, canary.MFU: m, canary.MFU_ADJ: m} for t, m in zip(times, mfu, strict=False)]
+        return [{"time": t, keys.MFU: m, keys.MFU_ADJ: m} for t, m in zip(times, mfu, strict=False)]
 
-    c = canary.CanaryConfig(mfu_warn_pct=2, mfu_fail_pct=3, baseline_min_span_h=24)
+    c = config.CanaryConfig(mfu_warn_pct=2, mfu_fail_pct=3, baseline_min_span_h=24)
     day = entries("2026-11-22T10:00:00Z", "2026-11-22T22:00:00Z", "2026-11-23T10:30:00Z")
-    assert canary.baseline_span_h(day) == pytest.approx(24.5)
-    assert canary.baseline_span_h(entries("2026-11-22T10:00:00Z")) == 0
+    assert history.baseline_span_h(day) == pytest.approx(24.5)
+    assert history.baseline_span_h(entries("2026-11-22T10:00:00Z")) == 0
     assert (
-        canary.baseline_span_h(entries("garbage", "2026-11-22T10:00:00Z")) == 0
+        history.baseline_span_h(entries("garbage", "2026-11-22T10:00:00Z")) == 0
     )  # unreadable times are skipped
-    line = canary.young_fail_line(day, canary.TIMING_CPU, c)  # spans a day: the configured line
+    line = gate.young_fail_line(day, config.TIMING_CPU, c)  # spans a day: the configured line
     assert line["fail_pct"] == 3 and not line["widened"] and line["reason"] == ""
     # One sitting, spread (0.21 - 0.20) / 0.205 = 4.9%: 3 x 4.9 = 14.6% (above the 10% floor).
     sitting = entries("2026-11-23T10:00:00Z", "2026-11-23T10:03:00Z", "2026-11-23T10:06:00Z")
-    line = canary.young_fail_line(sitting, canary.TIMING_CPU, c)
+    line = gate.young_fail_line(sitting, config.TIMING_CPU, c)
     assert line["widened"] and line["fail_pct"] == pytest.approx(3 * 100 * 0.01 / 0.205)
     assert line["spread_pct"] == pytest.approx(100 * 0.01 / 0.205)
     assert "span 0.1 h" in line["reason"] and "baseline_min_span_h = 24 h" in line["reason"]
     # A tight baseline: the floor; a wild one: the cap (a 30% slowdown, -23% MFU, still fails).
     tight = entries(*[f"2026-11-23T10:0{i}:00Z" for i in range(3)], mfu=(0.200, 0.201, 0.2005))
-    assert canary.young_fail_line(tight, canary.TIMING_CPU, c)["fail_pct"] == 10
+    assert gate.young_fail_line(tight, config.TIMING_CPU, c)["fail_pct"] == 10
     wild = entries(*[f"2026-11-23T10:0{i}:00Z" for i in range(3)], mfu=(0.18, 0.22, 0.20))
-    assert canary.young_fail_line(wild, canary.TIMING_CPU, c)["fail_pct"] == 20
+    assert gate.young_fail_line(wild, config.TIMING_CPU, c)["fail_pct"] == 20
     # One entry: its worker processes' spread.
     one = [
         {
             "time": "2026-11-23T10:00:00Z",
-            canary.MFU_ADJ: 0.2,
-            canary.PROC_MFU: [0.19, 0.21, 0.2],
-            canary.PROC_REF: [5.0, 5.0, 5.0],
+            keys.MFU_ADJ: 0.2,
+            keys.PROC_MFU: [0.19, 0.21, 0.2],
+            keys.PROC_REF: [5.0, 5.0, 5.0],
         }
     ]
-    assert canary.young_fail_line(one, canary.TIMING_CPU, c)["spread_pct"] == pytest.approx(10)
+    assert gate.young_fail_line(one, config.TIMING_CPU, c)["spread_pct"] == pytest.approx(10)
     # Configured lines wider than the widening stay; the rule is off on GPUs (wall clock) and at 0 h.
     assert (
-        canary.young_fail_line(
+        gate.young_fail_line(
             sitting,
-            canary.TIMING_CPU,
-            canary.CanaryConfig(mfu_warn_pct=20, mfu_fail_pct=25, baseline_min_span_h=24),
+            config.TIMING_CPU,
+            config.CanaryConfig(mfu_warn_pct=20, mfu_fail_pct=25, baseline_min_span_h=24),
         )["fail_pct"]
         == 25
     )
-    assert not canary.young_fail_line(sitting, canary.TIMING_WALL, c)["widened"]
-    assert not canary.young_fail_line(sitting, canary.TIMING_CPU, canary.CanaryConfig(baseline_min_span_h=0))[
+    assert not gate.young_fail_line(sitting, config.TIMING_WALL, c)["widened"]
+    assert not gate.young_fail_line(sitting, config.TIMING_CPU, config.CanaryConfig(baseline_min_span_h=0))[
         "widened"
     ]
-    with pytest.raises(canary.ConfigError):
-        canary.CanaryConfig(young_fail_floor_pct=30, young_fail_cap_pct=20)
+    with pytest.raises(ConfigError):
+        config.CanaryConfig(young_fail_floor_pct=30, young_fail_cap_pct=20)
 
 
 def test_host_fit_does_not_extrapolate_or_overfit() -> None:
-    fit = canary.fit_host(_host(SLOW_PHASES, b=3.0))
+    fit = gate.fit_host(_host(SLOW_PHASES, b=3.0))
     # A host far slower than any baseline process is corrected only up to the slowest one seen.
     ((far, ref),) = _host([14.0], b=3.0)
     edge = fit.adjust(*_host([max(SLOW_PHASES)], b=3.0)[0])
     assert fit.adjust(far, ref) == pytest.approx(edge * far / _host([max(SLOW_PHASES)], b=3.0)[0][0])
     # A baseline that saw (almost) no host variation: the slope shrinks towards plain normalisation.
-    quiet = canary.fit_host(_host([10.0 + 0.01 * (i % 3) for i in range(12)], b=3.0))
+    quiet = gate.fit_host(_host([10.0 + 0.01 * (i % 3) for i in range(12)], b=3.0))
     assert abs(quiet.slope) < 0.1
     # Too few processes: no fit, MFU unchanged; entries without per-process pairs keep their MFU.
-    few = canary.fit_host(_host(SLOW_PHASES[:5], b=3.0))
+    few = gate.fit_host(_host(SLOW_PHASES[:5], b=3.0))
     assert few.n == 0 and few.adjust(0.2, 12.0) == 0.2
-    assert canary.with_host_adjusted({canary.MFU: 0.3}, fit)[canary.MFU_ADJ] == 0.3
+    assert gate.with_host_adjusted({keys.MFU: 0.3}, fit)[keys.MFU_ADJ] == 0.3
     # The slope is clamped: a wild fit cannot blow the correction up.
-    wild = canary.fit_host(_host(SLOW_PHASES, b=40.0))
-    assert wild.slope == canary.HOST_FIT_SLOPE_RANGE[0]
+    wild = gate.fit_host(_host(SLOW_PHASES, b=40.0))
+    assert wild.slope == gate.HOST_FIT_SLOPE_RANGE[0]
 
 
 def test_power_bench_judges_against_every_other_clean_measurement() -> None:
@@ -543,8 +538,8 @@ def test_power_bench_judges_against_every_other_clean_measurement() -> None:
             "runs": [
                 {
                     "summary": {
-                        canary.PROC_MFU: [m * (1 + 0.002 * i) for i in range(5)],
-                        canary.PROC_REF: [r * (1 + 0.01 * i) for i in range(5)],
+                        keys.PROC_MFU: [m * (1 + 0.002 * i) for i in range(5)],
+                        keys.PROC_REF: [r * (1 + 0.01 * i) for i in range(5)],
                     }
                 }
                 for m, r in runs

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from guard import canary, canary_ab
+from guard.canary import ab, config
 from guard.cli import main
+from guard.core.tomlconf import ConfigError
 from tests.guard.test_canary import SHORT, _sets
+from trainer.cli import parse_overrides
 
 AB_SHORT = [*SHORT, "canary.ab_fail_pct=10"]
 
@@ -143,56 +145,79 @@ def test_ab_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 # ---- the pieces ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("worker_module", "expected"),
+    [
+        ("trainer/canary_worker.py", ("-m", "trainer.canary_worker")),
+        (None, ("-m", "guard.canary", "--worker")),  # an install from before guard/canary/ was a package
+    ],
+)
+def test_a_py_interpreter_with_its_own_moeguard_runs_its_own_worker(
+    tmp_path: Path, worker_module: str | None, expected: tuple[str, ...]
+) -> None:
+    install = tmp_path / "site"
+    for pkg in ("guard", "trainer"):
+        (install / pkg).mkdir(parents=True)
+        (install / pkg / "__init__.py").write_text("")
+    if worker_module:
+        (install / worker_module).write_text("")
+    python = tmp_path / "python"  # that venv's interpreter: this one, seeing only its own install
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={install} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    side = ab.parse_side(f"py:{python}", "B", parse_overrides)
+    ab.probe_interpreter(side, tmp_path)
+    assert side.probe["moeguard"] == f"its own install ({install})" and side.worker == expected
+    assert "PYTHONPATH" not in side.extra_env
+
+
 def test_parse_side_and_inject() -> None:
-    s = canary_ab.parse_side("set:model.attention=math,train.compile=true, model.top_k=1", "B")
+    s = ab.parse_side("set:model.attention=math,train.compile=true, model.top_k=1", "B", parse_overrides)
     assert s.python is None and s.overrides == {
         "model.attention": "math",
         "train.compile": True,
         "model.top_k": 1,
     }
-    assert canary_ab.parse_side("set:", "A").overrides == {}
-    p = canary_ab.parse_side(f"py:{sys.executable}", "A")
+    assert ab.parse_side("set:", "A", parse_overrides).overrides == {}
+    p = ab.parse_side(f"py:{sys.executable}", "A", parse_overrides)
     assert p.python == str(Path(sys.executable).absolute()) and p.overrides == {}  # a venv symlink is kept
-    assert canary_ab.parse_inject([]) == (0.0, 0.0)
-    assert canary_ab.parse_inject(["slow:5"]) == (0.0, 5.0)  # plain slow: B
-    assert canary_ab.parse_inject(["a:slow:3", "B:slow:7"]) == (3.0, 7.0)
-    with pytest.raises(canary.ConfigError):
-        canary_ab.parse_inject(["b:fast:3"])
+    assert ab.parse_inject([]) == (0.0, 0.0)
+    assert ab.parse_inject(["slow:5"]) == (0.0, 5.0)  # plain slow: B
+    assert ab.parse_inject(["a:slow:3", "B:slow:7"]) == (3.0, 7.0)
+    with pytest.raises(ConfigError):
+        ab.parse_inject(["b:fast:3"])
 
 
 def test_abba_and_seeded_random_orders() -> None:
-    assert canary_ab.pair_orders(5, "abba", random.Random(0)) == ["AB", "BA", "AB", "BA", "AB"]
-    assert canary_ab.pair_orders(2, "abba", random.Random(0), start=5) == ["BA", "AB"]  # continues the blocks
-    one = canary_ab.pair_orders(40, "random", random.Random(7))
-    assert one == canary_ab.pair_orders(40, "random", random.Random(7))  # seeded: reproducible
+    assert ab.pair_orders(5, "abba", random.Random(0)) == ["AB", "BA", "AB", "BA", "AB"]
+    assert ab.pair_orders(2, "abba", random.Random(0), start=5) == ["BA", "AB"]  # continues the blocks
+    one = ab.pair_orders(40, "random", random.Random(7))
+    assert one == ab.pair_orders(40, "random", random.Random(7))  # seeded: reproducible
     assert set(one) == {"AB", "BA"} and 10 < one.count("AB") < 30
 
 
 def test_sign_test_interval_coverage() -> None:
     xs = [0.90, 0.95, 0.97, 0.98, 0.99, 1.00, 1.01, 1.02, 1.03, 1.05, 1.06, 1.10]
-    lo, hi, cov = canary_ab.sign_test_interval(xs[:6], 0.95)  # n = 6: only the range reaches 95%
+    lo, hi, cov = ab.sign_test_interval(xs[:6], 0.95)  # n = 6: only the range reaches 95%
     assert (lo, hi) == (0.90, 1.00) and cov == pytest.approx(1 - 2 / 64)
-    lo, hi, cov = canary_ab.sign_test_interval(xs[:10], 0.95)  # n = 10: [x(2), x(9)], 97.9%
+    lo, hi, cov = ab.sign_test_interval(xs[:10], 0.95)  # n = 10: [x(2), x(9)], 97.9%
     assert (lo, hi) == (0.95, 1.03) and cov == pytest.approx(1 - 2 * 11 / 1024)
-    lo, hi, cov = canary_ab.sign_test_interval(list(reversed(xs)), 0.95)  # n = 12: [x(3), x(10)], 96.1%
+    lo, hi, cov = ab.sign_test_interval(list(reversed(xs)), 0.95)  # n = 12: [x(3), x(10)], 96.1%
     assert (lo, hi) == (0.97, 1.05) and cov == pytest.approx(1 - 2 * 79 / 4096)
-    assert canary_ab.sign_test_interval([1.0, 2.0], 0.95)[2] == pytest.approx(
-        0.5
-    )  # too few: the range, said so
+    assert ab.sign_test_interval([1.0, 2.0], 0.95)[2] == pytest.approx(0.5)  # too few: the range, said so
 
 
 def test_paired_verdicts() -> None:
-    c = canary.CanaryConfig(ab_fail_pct=2.0, ab_confidence=0.95)
+    c = config.CanaryConfig(ab_fail_pct=2.0, ab_confidence=0.95)
 
     def verdict(*xs: float) -> tuple[str, bool]:
-        s = canary_ab.paired_statistic(list(xs), c)
+        s = ab.paired_statistic(list(xs), c)
         return s["verdict"], s["undecided"]
 
     assert verdict(0.95, 0.96, 0.94, 0.97, 0.95, 0.96) == ("fail", False)  # all below 0.98
     assert verdict(0.95, 0.96, 0.94, 0.97, 0.95, 0.99) == ("warn", True)  # median below, the range reaches it
     assert verdict(0.985, 0.99, 0.995, 0.99, 0.985, 0.99) == ("warn", False)  # slower, within the line
     assert verdict(0.99, 1.01, 1.0, 0.98, 1.02, 1.0) == ("pass", False)
-    s = canary_ab.paired_statistic([1.03, 1.05, 1.04, 1.02, 1.06, 1.05], c)
+    s = ab.paired_statistic([1.03, 1.05, 1.04, 1.02, 1.06, 1.05], c)
     assert s["verdict"] == "pass" and "faster" in s["state"] and s["b_faster_pairs"] == 6
 
 
@@ -201,7 +226,7 @@ def test_power_bench_replays_the_ab_rule_on_recorded_pairs() -> None:
     rule, on the pairs that were measured; a replay that would need more pairs is 'unjudged'."""
     from bench.canary_power import ab_rejudge
 
-    c = canary.CanaryConfig(ab_fail_pct=1.0)
+    c = config.CanaryConfig(ab_fail_pct=1.0)
     slow = [0.95, 0.96, 0.94, 0.97, 0.95, 0.96]
     assert ab_rejudge(slow, 6, 12, c) == "fail" and ab_rejudge(slow, 4, 12, c) == "fail"
     assert ab_rejudge(slow, 8, 12, c) == "unjudged"  # only 6 pairs were measured
@@ -211,4 +236,4 @@ def test_power_bench_replays_the_ab_rule_on_recorded_pairs() -> None:
     assert ab_rejudge(mixed, 6, 6, c) == "warn" and ab_rejudge(mixed, 6, 12, c) == "fail"
     assert ab_rejudge(mixed[:8], 6, 12, c) == "unjudged"
     assert ab_rejudge([1.0, 0.99, 1.01, 1.02, 0.995, 1.0], 6, 12, c) == "pass"
-    assert ab_rejudge(slow, 6, 12, canary.CanaryConfig(ab_fail_pct=10.0)) == "warn"  # slower, within 10%
+    assert ab_rejudge(slow, 6, 12, config.CanaryConfig(ab_fail_pct=10.0)) == "warn"  # slower, within 10%

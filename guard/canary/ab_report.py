@@ -1,15 +1,18 @@
-"""The A/B canary's report (guard/canary_ab.py): JSON + Markdown, environment and profile diffs."""
+"""The A/B canary's report (guard/canary/ab.py): JSON + Markdown, environment and profile diffs."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from guard import canary
-from guard.canary_ab import ENV_DIFF_KEYS, MFU_R, RATIO_LABELS, SPEED, Side, paired_statistic
+from guard.canary.ab import ENV_DIFF_KEYS, MFU_R, RATIO_LABELS, SPEED, Side, paired_statistic
+from guard.canary.config import EXIT_FAIL, EXIT_PASS, Setup
+from guard.canary.gate import FAIL
+from guard.canary.history import finite
+from guard.canary.profile import profile_summary
+from guard.canary.report import write_json_and_markdown
 
 TOP_CHANGED = 10
 
@@ -42,7 +45,7 @@ def profile_diff(rows: list[dict[str, Any]], top: int = TOP_CHANGED) -> dict[str
     }
     profiled = {"A": 0, "B": 0}
     for r in rows:
-        prof = canary.profile_summary(Path(r["run_dir"]), top=500) if r.get("run_dir") else {}
+        prof = profile_summary(Path(r["run_dir"]), top=500) if r.get("run_dir") else {}
         if not prof.get("file"):
             continue
         profiled[r["side"]] += 1
@@ -73,7 +76,7 @@ def profile_diff(rows: list[dict[str, Any]], top: int = TOP_CHANGED) -> dict[str
 
 def build_report(
     *,
-    setup: canary.Setup,
+    setup: Setup,
     sides: list[Side],
     rows: list[dict[str, Any]],
     pairs: list[dict[str, Any]],
@@ -110,11 +113,11 @@ def build_report(
             },
         }
     c = setup.canary
-    return canary._finite(
+    return finite(
         {
             "kind": "ab",
             "verdict": stat["verdict"],
-            "exit_code": canary.EXIT_FAIL if stat["verdict"] == canary.FAIL else canary.EXIT_PASS,
+            "exit_code": EXIT_FAIL if stat["verdict"] == FAIL else EXIT_PASS,
             "state": stat["state"],
             "statistic": {
                 **stat,
@@ -141,12 +144,7 @@ def build_report(
 
 
 def write_reports(rep: dict[str, Any], report_dir: Path) -> tuple[Path, Path]:
-    report_dir.mkdir(parents=True, exist_ok=True)
-    md, js = report_dir / "ab.md", report_dir / "ab.json"
-    rep["report_md"], rep["report_json"] = str(md), str(js)
-    js.write_text(json.dumps(rep, indent=2, default=canary._json_default) + "\n")
-    md.write_text(render_markdown(rep))
-    return md, js
+    return write_json_and_markdown(rep, report_dir, "ab", render_markdown)
 
 
 def _r(v: Any) -> str:
@@ -206,8 +204,12 @@ def render_markdown(rep: dict[str, Any]) -> str:
         "final_loss_median",
     ):
         out.append(f"| {k.removesuffix('_median')} | {_fmt(k, sides['A'][k])} | {_fmt(k, sides['B'][k])} |")
-    prof = rep["profile_diff"]
-    out += ["", "## Ops that changed most (profiler window, median over each side's workers)", ""]
+    out += _ops_markdown(rep["profile_diff"])
+    return "\n".join(out) + "\n"
+
+
+def _ops_markdown(prof: dict[str, Any]) -> list[str]:
+    out = ["", "## Ops that changed most (profiler window, median over each side's workers)", ""]
     for kind, title, col in (
         ("host", "Host ops, self time per step", "self ms"),
         ("device", "Device kernels, total time per step", "total ms"),
@@ -233,7 +235,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
             f"Profiled workers: A {prof['workers_profiled']['A']}, B {prof['workers_profiled']['B']}; a few "
             "steps each on a shared host: read only large changes or ops that appear or vanish."
         )
-    return "\n".join(out) + "\n"
+    return out
 
 
 def _fmt(key: str, v: Any) -> str:

@@ -7,14 +7,16 @@
 An environment is `py:PATH` (another Python interpreter, e.g. a venv's bin/python: it runs its own
 moeguard if it has one installed, else this checkout's, with its own torch) or `set:KEY=VALUE[,...]`
 (this interpreter, the config with those overrides, as `--set` takes them; `set:` alone = the
-config unchanged).
+config unchanged). A `py:` interpreter with its own moeguard runs its own worker: this one's
+(`python -m trainer.canary_worker`) or, for an install from before guard/canary/ was a package,
+`python -m guard.canary --worker`; the spec and result it exchanges are the same.
 
 Why paired. The history gate compares today's run with runs recorded hours or days ago, and a
 shared host drifts in between (+-5% MFU on the 2-vCPU CI VM within an hour). Here A and B run as
 alternating worker processes on the same host in the same minutes, in ABBA order (A B, B A, A B,
 ...; or a seeded random order per pair): a drift that is slow next to two worker processes hits both
 sides of every pair alike, and each ABBA block cancels a linear trend. Each worker is the history
-canary's (guard.canary: fresh process, steady window, on CPU thread CPU time and the paired numpy
+canary's (guard/canary/measure.py: fresh process, steady window, on CPU thread CPU time and the paired numpy
 reference); a pair is one A worker and the B worker next to it.
 
 Statistic. Per pair r = speed_B / speed_A, where speed is the steady window's tokens/s: on CPU per
@@ -41,11 +43,25 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from guard import canary
+from guard.canary.config import (
+    EXIT_FAIL,
+    EXIT_PASS,
+    EXIT_USAGE,
+    REPO,
+    TIMING_CPU,
+    CanaryConfig,
+    Setup,
+    parse_slow,
+)
+from guard.canary.gate import FAIL, PASS, WARN
+from guard.canary.keys import LOSS, MEM, MFU, REF, TPS
+from guard.canary.measure import new_run_dir, progress, spawn_measurement, stamp, worker_spec
+from guard.canary.stats import profiled_steps, summarize
 from guard.core.tomlconf import ConfigError
 
 SYNTAX = (
@@ -94,10 +110,12 @@ class Side:
     probe: dict[str, Any] = field(default_factory=dict)  # py: what the interpreter says about itself
     extra_env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    worker: tuple[str, ...] | None = None  # py: with its own moeguard: its worker; None: this one's
 
 
-def parse_side(spec: str, name: str) -> Side:
-    """`py:PATH` or `set:K=V[,K=V...]` -> Side; a ConfigError names the bad value and the syntax."""
+def parse_side(spec: str, name: str, parse_overrides: Callable[[list[str]], dict[str, Any]]) -> Side:
+    """`py:PATH` or `set:K=V[,K=V...]` -> Side; a ConfigError names the bad value and the syntax.
+    parse_overrides: the parser `--set` uses (TrainerSide.parse_overrides)."""
     kind, sep, rest = spec.partition(":")
     where = f"--ab {name} = {spec!r}"
     if not sep or kind not in ("py", "set"):
@@ -113,8 +131,6 @@ def parse_side(spec: str, name: str) -> Side:
         # abspath, not resolve(): a venv's bin/python is a symlink, and the resolved target is the
         # base interpreter without the venv's packages.
         return Side(name=name, spec=spec, python=os.path.abspath(path))
-    from trainer.cli import parse_overrides  # the parser --set uses (guard.canary.run imports it too)
-
     items = [x.strip() for x in rest.split(",") if x.strip()]
     for item in items:
         if "=" not in item or not item.partition("=")[0].strip():
@@ -126,9 +142,7 @@ def parse_side(spec: str, name: str) -> Side:
                 f"{where}: {key} is a measurement setting and must be the same on both sides; "
                 "give it once with --set"
             )
-    return Side(
-        name=name, spec=spec, overrides=overrides, probe={"moeguard": f"this checkout ({canary.REPO})"}
-    )
+    return Side(name=name, spec=spec, overrides=overrides, probe={"moeguard": f"this checkout ({REPO})"})
 
 
 _PROBE = r"""
@@ -140,10 +154,16 @@ for mod in ("torch", "numpy"):
     except Exception as e:
         d["missing"].append(f"{mod} ({type(e).__name__}: {e})")
 try:
-    import guard.canary as g
+    import guard as g
     d["moeguard"] = os.path.dirname(os.path.dirname(os.path.abspath(g.__file__)))
 except Exception:
     d["moeguard"] = None
+try:
+    import importlib.util
+    new = importlib.util.find_spec("trainer.canary_worker") is not None
+except Exception:
+    new = False
+d["worker"] = ["-m", "trainer.canary_worker"] if new else ["-m", "guard.canary", "--worker"]
 print(json.dumps(d))
 """
 
@@ -169,15 +189,16 @@ def probe_interpreter(side: Side, neutral_dir: Path) -> None:
     if side.probe.get("missing"):
         raise ConfigError(f"{where}: the interpreter cannot import " + ", ".join(side.probe["missing"]))
     side.cwd = str(neutral_dir)
-    if side.probe.get("moeguard") == str(canary.REPO):  # e.g. this venv (an editable install)
-        side.probe["moeguard"] = f"this checkout ({canary.REPO})"
+    if side.probe.get("moeguard") == str(REPO):  # e.g. this venv (an editable install)
+        side.probe["moeguard"] = f"this checkout ({REPO})"
     elif side.probe.get("moeguard"):
         side.probe["moeguard"] = f"its own install ({side.probe['moeguard']})"
+        side.worker = tuple(side.probe["worker"])
     else:  # this checkout's moeguard with that interpreter's torch
         side.extra_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(canary.REPO), os.environ.get("PYTHONPATH")) if p
+            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
         )
-        side.probe["moeguard"] = f"this checkout ({canary.REPO}), on PYTHONPATH"
+        side.probe["moeguard"] = f"this checkout ({REPO}), on PYTHONPATH"
 
 
 def parse_inject(specs: list[str]) -> tuple[float, float]:
@@ -186,9 +207,9 @@ def parse_inject(specs: list[str]) -> tuple[float, float]:
     for spec in specs:
         side, sep, rest = spec.partition(":")
         if sep and side.lower() in slow:
-            slow[side.lower()] = canary.parse_slow([rest])
+            slow[side.lower()] = parse_slow([rest])
         else:
-            slow["b"] = canary.parse_slow([spec])
+            slow["b"] = parse_slow([spec])
     return slow["a"], slow["b"]
 
 
@@ -221,30 +242,30 @@ def sign_test_interval(xs: list[float], confidence: float) -> tuple[float, float
     return xs[k - 1], xs[n - k], coverage(k)
 
 
-def paired_statistic(ratios: list[float], c: canary.CanaryConfig) -> dict[str, Any]:
+def paired_statistic(ratios: list[float], c: CanaryConfig) -> dict[str, Any]:
     """Median B/A ratio, its sign-test interval and the verdict (see the module docstring)."""
     lo, hi, cov = sign_test_interval(ratios, c.ab_confidence)
     med = statistics.median(ratios) if ratios else float("nan")
     line = 1 - c.ab_fail_pct / 100
     if hi < line:
         verdict, state = (
-            canary.FAIL,
+            FAIL,
             f"B is slower than A by more than {c.ab_fail_pct:g}%: the whole interval is below {line:.3f}",
         )
     elif med < line:
         verdict, state = (
-            canary.WARN,
+            WARN,
             (
                 f"undecided: the median is below {line:.3f} but the interval reaches it "
                 f"(B may be slower by more than {c.ab_fail_pct:g}%)"
             ),
         )
     elif hi < 1:
-        verdict, state = canary.WARN, f"B is slower than A, by less than the {c.ab_fail_pct:g}% line"
+        verdict, state = WARN, f"B is slower than A, by less than the {c.ab_fail_pct:g}% line"
     elif lo > 1:
-        verdict, state = canary.PASS, "B is faster than A (the whole interval is above 1)"
+        verdict, state = PASS, "B is faster than A (the whole interval is above 1)"
     else:
-        verdict, state = canary.PASS, f"no slowdown beyond {c.ab_fail_pct:g}% (the interval reaches 1)"
+        verdict, state = PASS, f"no slowdown beyond {c.ab_fail_pct:g}% (the interval reaches 1)"
     return {
         "median": med,
         "ci": [lo, hi],
@@ -263,11 +284,11 @@ def paired_statistic(ratios: list[float], c: canary.CanaryConfig) -> dict[str, A
 # Measuring.
 
 
-def measure_side(setup: canary.Setup, side: Side, runs: Path, pair: int, stamp: str) -> dict[str, Any]:
+def measure_side(setup: Setup, side: Side, runs: Path, pair: int, started: str) -> dict[str, Any]:
     """One worker process of one side: the history canary's worker and summary, per-worker metrics."""
     cfg = setup.train_config(side.overrides)
-    run_dir = canary._new_run_dir(runs, f"canary-ab-{stamp}-p{pair + 1:02d}{side.name}")
-    spec = canary.worker_spec(
+    run_dir = new_run_dir(runs, f"canary-ab-{started}-p{pair + 1:02d}{side.name}")
+    spec = worker_spec(
         setup,
         run_dir,
         name=f"canary-ab[{side.name}]",
@@ -276,30 +297,31 @@ def measure_side(setup: canary.Setup, side: Side, runs: Path, pair: int, stamp: 
         slow_pct=side.slow_pct,
         attempt=pair + 1,
     )
-    result = canary.spawn_measurement(
+    result = spawn_measurement(
         spec,
         setup.canary.timeout_s,
         cfg.train.threads,
         setup.canary.stable_layout,
+        worker=side.worker or setup.trainer.worker,
         python=side.python,
         extra_env=side.extra_env,
         cwd=side.cwd,
     )
     if result.get("status") != "ok":
         return result
-    s = canary.summarize(result, setup.canary.warmup_steps, canary.profiled_steps(cfg))
-    cpu = result["timing"] == canary.TIMING_CPU
-    tps = s[canary.TPS]
+    s = summarize(result, setup.canary.warmup_steps, profiled_steps(cfg))
+    cpu = result["timing"] == TIMING_CPU
+    tps = s[TPS]
     result["metrics"] = {
-        SPEED: tps * s[canary.REF] / 1e3 if cpu else tps,  # CPU: tokens per CPU-second x reference seconds
+        SPEED: tps * s[REF] / 1e3 if cpu else tps,  # CPU: tokens per CPU-second x reference seconds
         TPS_RAW: tps,
-        MFU_R: s[canary.MFU],
+        MFU_R: s[MFU],
         TPS_WALL: s["tokens_per_s_wall_p50"],
-        "ref_cpu_ms": s[canary.REF],
+        "ref_cpu_ms": s[REF],
         "step_cpu_ms": s["step_cpu_ms_p50"],
         "step_wall_ms": s["step_wall_ms_p50"],
-        "mem_peak_bytes": s[canary.MEM],
-        "final_loss": s[canary.LOSS],
+        "mem_peak_bytes": s[MEM],
+        "final_loss": s[LOSS],
         "window_steps": s["window_steps"],
     }
     return result
@@ -331,59 +353,89 @@ def pair_ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]
     return out
 
 
-def run_ab(args: argparse.Namespace, setup: canary.Setup) -> int:
-    from guard.canary_ab_report import build_report, print_summary, write_reports
+class WorkerFailed(Exception):
+    """A worker of one side could not measure; `code` is the canary's exit code for it."""
 
-    c = setup.canary
-    sides = [parse_side(spec, name) for spec, name in zip(args.ab, "AB", strict=True)]
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def prepare_sides(args: argparse.Namespace, setup: Setup, runs: Path) -> list[Side]:
+    """A and B from the command line, their injected slowdowns, each config validated and each `py:`
+    interpreter probed now (from `runs`, created here): a bad key fails named, not after minutes
+    of measuring."""
+    sides = [
+        parse_side(spec, name, setup.trainer.parse_overrides)
+        for spec, name in zip(args.ab, "AB", strict=True)
+    ]
     sides[0].slow_pct, sides[1].slow_pct = parse_inject(args.inject)
-    for side in sides:  # a bad key fails now, named, not after minutes of measuring
+    for side in sides:
         try:
             setup.train_config(side.overrides)
         except ConfigError as e:
             raise ConfigError(f"--ab {side.name} = {side.spec!r}: {e}") from None
-    runs = Path(args.runs).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     for side in sides:
         if side.python is not None:
             probe_interpreter(side, runs)
+    return sides
+
+
+def measure_pair(
+    setup: Setup, sides: list[Side], runs: Path, i: int, order: str, started: str
+) -> dict[str, dict[str, Any]]:
+    """Pair i: one worker of each side, in `order` ('AB' or 'BA'); side name -> its worker row."""
+    got: dict[str, dict[str, Any]] = {}
+    for name in order:
+        side = sides["AB".index(name)]
+        r = measure_side(setup, side, runs, i, started)
+        if r.get("status") == "unavailable":
+            print(
+                f"moeguard canary: --ab {name} = {side.spec!r} cannot run here: {r.get('reason')}",
+                file=sys.stderr,
+            )
+            raise WorkerFailed(EXIT_USAGE)
+        if r.get("status") != "ok":
+            print(
+                f"moeguard canary: --ab {name} ({side.spec}) measurement failed: {r.get('reason')}",
+                file=sys.stderr,
+            )
+            for line in r.get("stderr_tail", []):
+                print(f"  {line}", file=sys.stderr)
+            raise WorkerFailed(EXIT_FAIL)
+        got[name] = _worker_row(side, i, r)
+        got[name]["env"] = {
+            **side.probe,
+            **r.get("env", {}),
+            **{k: r[k] for k in ("python_executable", "numpy") if r.get(k)},
+        }
+    return got
+
+
+def run_ab(args: argparse.Namespace, setup: Setup) -> int:
+    from guard.canary.ab_report import build_report, print_summary, write_reports
+
+    c = setup.canary
+    runs = Path(args.runs).resolve()
+    sides = prepare_sides(args, setup, runs)
     t0 = time.perf_counter()
     rng = random.Random(c.ab_seed)
-    stamp = canary._stamp()
+    started = stamp()
     rows: list[dict[str, Any]] = []
     pairs: list[dict[str, Any]] = []
     orders = pair_orders(c.ab_pairs, c.ab_order, rng)
     stat: dict[str, Any] = {}
-    canary._progress(
+    progress(
         f"A/B: A = {sides[0].spec}, B = {sides[1].spec}; {c.ab_pairs} pairs ({c.ab_order} order)"
         f"{'' if c.ab_max_pairs == c.ab_pairs else f', up to {c.ab_max_pairs} if undecided'} ..."
     )
     while True:
         for i in range(len(pairs), len(orders)):
-            got: dict[str, dict[str, Any]] = {}
-            for name in orders[i]:
-                side = sides["AB".index(name)]
-                r = measure_side(setup, side, runs, i, stamp)
-                if r.get("status") == "unavailable":
-                    print(
-                        f"moeguard canary: --ab {name} = {side.spec!r} cannot run here: {r.get('reason')}",
-                        file=sys.stderr,
-                    )
-                    return canary.EXIT_USAGE
-                if r.get("status") != "ok":
-                    print(
-                        f"moeguard canary: --ab {name} ({side.spec}) measurement failed: {r.get('reason')}",
-                        file=sys.stderr,
-                    )
-                    for line in r.get("stderr_tail", []):
-                        print(f"  {line}", file=sys.stderr)
-                    return canary.EXIT_FAIL
-                got[name] = _worker_row(side, i, r)
-                got[name]["env"] = {
-                    **side.probe,
-                    **r.get("env", {}),
-                    **{k: r[k] for k in ("python_executable", "numpy") if r.get(k)},
-                }
+            try:
+                got = measure_pair(setup, sides, runs, i, orders[i], started)
+            except WorkerFailed as e:
+                return e.code
             rows += [got[name] for name in orders[i]]  # in the order they ran
             ratios = pair_ratios(got["A"], got["B"])
             pairs.append(
@@ -396,7 +448,7 @@ def run_ab(args: argparse.Namespace, setup: canary.Setup) -> int:
                     "load": os.getloadavg()[0],
                 }
             )
-            canary._progress(
+            progress(
                 f"  pair {i + 1}/{len(orders)} ({orders[i]}): B/A {ratios[SPEED]:.4f} "
                 f"(A {got['A'][SPEED]:,.1f}, B {got['B'][SPEED]:,.1f}), load {pairs[-1]['load']:.1f}, "
                 f"{time.perf_counter() - t0:.0f} s"
@@ -405,7 +457,7 @@ def run_ab(args: argparse.Namespace, setup: canary.Setup) -> int:
         if not stat["undecided"] or len(orders) >= c.ab_max_pairs:
             break
         more = min(2, c.ab_max_pairs - len(orders))
-        canary._progress(
+        progress(
             f"  undecided (median {stat['median']:.4f}, interval up to {stat['ci'][1]:.4f}): "
             f"{more} more pair(s) ..."
         )
@@ -415,4 +467,4 @@ def run_ab(args: argparse.Namespace, setup: canary.Setup) -> int:
     )
     write_reports(rep, Path(args.report_dir))
     print_summary(rep)
-    return canary.EXIT_FAIL if rep["verdict"] == canary.FAIL else canary.EXIT_PASS
+    return EXIT_FAIL if rep["verdict"] == FAIL else EXIT_PASS

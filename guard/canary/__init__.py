@@ -1,0 +1,19 @@
+"""The MFU / throughput canary (`moeguard canary`): the gate, its statistics, history and reports.
+
+Pure pieces, one job each (no torch at module level; the model runs in a worker process):
+  keys.py       metric and history-entry names, once (the history is read by the app too)
+  config.py     CanaryConfig ([canary] table), Setup (config + overrides + hash), TrainerSide
+  stats.py      one measurement's numbers: steady window, p50s, pooling worker processes
+  gate.py       compare with a baseline, HostFit, the young-baseline line, the re-run decision
+  history.py    the JSONL history: parse, the baseline rule, append (dashboards use it too)
+  profile.py    top ops from a run's torch.profiler trace, and their change vs the baseline
+  measure.py    spawn worker processes and pool them into one Measurement
+  report.py     canary.md / canary.json; matrix.py the kernel-choice matrix
+  run.py        one history-gated canary: measure, compare, confirm, report, record
+  ab.py, ab_report.py   `--ab A B`: two environments, paired, no history
+  cli.py        `moeguard canary`'s arguments and dispatch
+
+The measuring worker (a Trainer that times each step) lives in trainer/canary_worker.py and
+trainer/canary_cli.py hands guard what it needs from the trainer (config schema, `--set` parser,
+worker command): guard never imports trainer.
+"""

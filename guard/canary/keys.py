@@ -1,0 +1,41 @@
+"""The canary's metric and history-entry names, defined once.
+
+A summary (one measurement), a history entry (one JSONL line) and the reports share these keys;
+the app's Canaries page reads the history through guard/canary/history.py with the same names.
+"""
+
+from __future__ import annotations
+
+# History entry keys (JSONL, one object per line). The app's Canaries page reads time, git_sha,
+# torch, fingerprint, config, mfu_p50, tokens_per_s_p50, verdict, baseline (and warn_pct/fail_pct).
+H_TIME, H_SHA, H_TORCH, H_FP, H_HW = "time", "git_sha", "torch", "fingerprint", "hardware"
+H_CFG_HASH, H_CFG, H_VERDICT, H_BASELINE = "config_hash", "config", "verdict", "baseline"
+H_WARN_PCT, H_FAIL_PCT, H_PROFILE_TOP = "warn_pct", "fail_pct", "profile_top"
+H_TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # what `moeguard canary` writes (UTC)
+
+# Gated metrics of a measurement (a summary) and of a history entry.
+MFU, TPS, MEM, DATA_WAIT, LOSS = (
+    "mfu_p50",
+    "tokens_per_s_p50",
+    "mem_peak_bytes",
+    "data_wait_share",
+    "final_loss",
+)
+REF = "ref_cpu_ms_p50"  # the paired reference's p50 CPU time (CPU timing): how contended the core was
+MFU_ADJ = "mfu_host_adj_p50"  # CPU timing: MFU corrected for the host's speed (HostFit); the gated MFU
+PROC_MFU, PROC_REF = "process_mfu", "process_ref_ms"  # per worker process: MFU p50 and reference p50
+MFU_METRICS = (MFU, MFU_ADJ)
+
+# The environment keys a history entry keeps and the report compares with the baseline's.
+ENV_KEYS = (
+    "torch",
+    "cuda",
+    "python",
+    "device",
+    "attention_backend",
+    "expert_kernel",
+    "compile",
+    "dtype",
+    "peak_flops_source",
+    "world_size",
+)

@@ -1,0 +1,262 @@
+"""The canary's measuring worker: one short training run of the canary config, timed step by step.
+
+    python -m trainer.canary_worker SPEC.json OUT.json
+
+guard/canary/measure.py starts it (fresh process, stable memory layout) and reads OUT: the
+per-step samples, the environment and the hardware class. Everything that runs the model lives
+here, in trainer/; guard only reads the result (guard never imports trainer).
+
+On CPU each step is timed in the main thread's CPU time and followed by a fixed numpy reference
+matmul timed the same way, so MFU's peak is measured in the same process, interleaved with the
+very steps it normalises (guard/canary/cli.py's help says why, with the measurements).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from guard.canary.config import TIMING_CPU, TIMING_WALL, load_setup
+from guard.core import schema
+from guard.store.layout import atomic_write_json
+from guard.store.reader import read_meta
+from trainer.canary_cli import TRAINER
+from trainer.envinfo import hardware_key
+from trainer.loop import Trainer
+
+
+class _Reference:
+    """A fixed matmul workload (x_ND @ w_DF -> silu -> @ w_DF^T) in numpy, timed in thread CPU time.
+
+    numpy, not torch, on purpose: the reference is the machine's yardstick, so it must not share
+    code with what the canary tests. With a torch matmul as the reference, a torch upgrade that
+    slows its CPU GEMM slows the yardstick too and cancels out of MFU. numpy's own BLAS
+    (OpenBLAS, one thread in the worker) does not change with torch.
+
+    ~10 ms, working set ~1.5 MB (beyond L2, like the canary model's). Chosen over torch's matmul,
+    a memory stream, many small numpy matmuls and a pure-Python workload: under the other core's
+    load (31 processes, docs/NOTES.md) the numpy matmul and torch's tracked the model about equally
+    (run-to-run sd of the ratio 3.0-3.2% at raw 8.6%), the stream worse (5.2%), the small-op and
+    Python workloads far worse unless fitted.
+    """
+
+    N, D, F, REPS = 512, 128, 512, 4
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(0)
+        self.x_ND = rng.standard_normal((self.N, self.D)).astype(np.float32)
+        self.w_DF = (rng.standard_normal((self.D, self.F)) * 0.1).astype(np.float32)
+        self.w_FD = np.ascontiguousarray(self.w_DF.T)
+        self.flops = float(self.REPS * 2 * (2 * self.N * self.D * self.F))
+        self()  # warm-up
+
+    def __call__(self) -> float:
+        c0 = time.thread_time()
+        for _ in range(self.REPS):
+            h_NF = self.x_ND @ self.w_DF
+            h_NF = h_NF / (1.0 + np.exp(-h_NF))  # silu
+            float((h_NF @ self.w_FD).sum())
+        return time.thread_time() - c0
+
+
+def _burn_cpu(seconds: float) -> None:
+    """Busy work for `seconds` of this thread's CPU time (a kernel that got slower)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class CanaryTrainer(Trainer):
+    """A Trainer that records each step's CPU time and paired reference time, and can slow itself.
+
+    Subclassing keeps the loop untouched: `train_step` is wrapped for timing, `_forward_backward`
+    for the injected slowdown (inside the step, so the run store's step_time_s includes it).
+    """
+
+    def __init__(self, *args: Any, slow_pct: float, **kwargs: Any) -> None:
+        self.samples: list[dict[str, Any]] = []
+        self.reference: _Reference | None = None
+        self.slow_pct = slow_pct
+        self._c0 = self._w0 = 0.0
+        self._burned_cpu = self._slept = 0.0
+        self._last_cpu: float | None = None
+        self._last_wall: float | None = None
+        super().__init__(*args, **kwargs)
+
+    def train_step(self) -> Any:
+        self._burned_cpu = self._slept = 0.0
+        self._c0, self._w0 = time.thread_time(), time.perf_counter()
+        rep = super().train_step()
+        cpu = time.thread_time() - self._c0
+        ref = self.reference() if self.reference is not None else float("nan")
+        self._last_cpu, self._last_wall = cpu - self._burned_cpu, rep.step_time_s - self._slept
+        self.samples.append(
+            {
+                "step": rep.step,
+                "action": rep.action,
+                "tokens": rep.tokens,
+                "cpu_s": cpu,
+                "ref_cpu_s": ref,
+                "step_time_s": rep.step_time_s,
+                "data_wait_s": rep.data_wait_s,
+                "mfu": rep.mfu,
+                "tokens_per_s": rep.tokens_per_s,
+                "mem_peak_bytes": rep.mem_peak_bytes,
+                "loss": rep.loss,
+            }
+        )
+        return rep
+
+    def _forward_backward(self, batches: list[torch.Tensor]) -> torch.Tensor:
+        loss = super()._forward_backward(batches)
+        if self.slow_pct > 0:
+            frac = self.slow_pct / 100
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                base = self._last_wall if self._last_wall is not None else time.perf_counter() - self._w0
+                self._slept = base * frac
+                time.sleep(self._slept)
+            else:
+                base = self._last_cpu if self._last_cpu is not None else time.thread_time() - self._c0
+                self._burned_cpu = base * frac
+                _burn_cpu(self._burned_cpu)
+        return loss
+
+
+def hardware_id(env: dict[str, Any]) -> str:
+    """The hardware class a baseline is valid for: device model; on CPU the microarchitecture
+    (vendor/family/model/stepping, L2 size, a hash of the ISA flags), logical CPUs and memory;
+    torch threads, world size, dtype. Software (torch, CUDA) is deliberately not in
+    it: a torch upgrade is exactly the regression the canary must compare across."""
+    if env.get("device_type") != "cpu":
+        return hardware_key(env)
+    info: dict[str, str] = {}
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            k, v = k.strip(), v.strip()
+            if (
+                k in ("vendor_id", "cpu family", "model", "stepping", "model name", "cache size")
+                and k not in info
+            ):
+                info[k] = v
+            elif k == "flags" and not flags:
+                flags = v
+    except OSError:
+        pass
+    cpu = info.get("model name") or platform.processor() or platform.machine()
+    arch = "/".join(info.get(k, "?") for k in ("vendor_id", "cpu family", "model", "stepping"))
+    fl = hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:6] if flags else "noflags"
+    cache = info.get("cache size", "?").replace(" ", "")
+    return f"{cpu} ({arch} L2:{cache} flags:{fl}) x{os.cpu_count()}cpu {_mem_gib()}GiB|{hardware_key(env)}"
+
+
+def _mem_gib() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def measure_in_process(spec: dict[str, Any]) -> dict[str, Any]:
+    """One measurement, in this process. Returns per-step samples and the environment."""
+    setup = load_setup(spec["config"], spec.get("overrides"), TRAINER)
+    cfg = setup.train_config(spec.get("variant"))
+    cfg.name = spec["name"]
+    run_dir = Path(spec["run_dir"])
+    try:
+        trainer = CanaryTrainer(cfg, run_dir, progress=False, slow_pct=float(spec.get("slow_pct", 0.0)))
+    except ValueError as e:  # a forced kernel or device this build cannot run (ConfigError too)
+        return {"status": "unavailable", "reason": str(e)}
+    timing = setup.canary.timing
+    if timing == "auto":
+        timing = TIMING_CPU if trainer.device.type == "cpu" else TIMING_WALL
+    if timing == TIMING_CPU:
+        trainer.reference = _Reference()
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    code = trainer.run()
+    wall = time.perf_counter() - t0
+    out = {
+        "status": "ok" if code == 0 else "error",
+        "reason": "" if code == 0 else f"the guard halted the run (exit {code})",
+        "run_dir": str(run_dir),
+        "run_id": run_dir.name,
+        "timing": timing,
+        "env": trainer.env,
+        "hardware": hardware_id(trainer.env),
+        "flops_per_token": trainer.flops_per_token,
+        "reference_flops": trainer.reference.flops if trainer.reference is not None else None,
+        "peak_flops": trainer.peak,
+        "torch_threads": _torch_threads(),
+        "wall_s": wall,
+        "loadavg": [load0[0], os.getloadavg()[0]],
+        "slow_pct": trainer.slow_pct,
+        "python_executable": sys.executable,
+        "numpy": _numpy_version(),
+        "aslr_off": _aslr_off(),
+        "hash_seed": os.environ.get("PYTHONHASHSEED"),
+        "samples": trainer.samples,
+    }
+    _annotate_run(run_dir, spec, out)
+    return out
+
+
+def _numpy_version() -> str:
+    return np.__version__
+
+
+def _aslr_off() -> bool | None:
+    try:
+        return bool(int(Path("/proc/self/personality").read_text(), 16) & 0x0040000)
+    except (OSError, ValueError):
+        return None
+
+
+def _torch_threads() -> int:
+    return torch.get_num_threads()
+
+
+def _annotate_run(run_dir: Path, spec: dict[str, Any], out: dict[str, Any]) -> None:
+    """Mark the run store entry as a canary run (meta.json) and keep its samples (canary.json)."""
+    meta = read_meta(run_dir)
+    if meta is not None:
+        meta["canary"] = {
+            "variant": spec.get("variant_label", ""),
+            "slow_pct": out["slow_pct"],
+            "timing": out["timing"],
+            "attempt": spec.get("attempt", 1),
+        }
+        atomic_write_json(run_dir / schema.META_FILE, meta)
+    atomic_write_json(run_dir / "canary.json", {k: v for k, v in out.items() if k != "env"})
+
+
+def _worker_main(argv: list[str]) -> int:
+    spec_path, out_path = Path(argv[0]), Path(argv[1])
+    spec = json.loads(spec_path.read_text())
+    try:
+        result = measure_in_process(spec)
+    except Exception as e:  # reported to the parent with its type; the traceback goes to stderr
+        traceback.print_exc()
+        result = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
+    tmp = out_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, default=str))
+    os.replace(tmp, out_path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker_main(sys.argv[1:]))
