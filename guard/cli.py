@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "run the detectors and policy over a recorded run and print what they would do",
     ),
     "collector": (
-        "guard.collector.service",
+        "guard.collector.main",
         "HTTP service: ingest telemetry, server-side detectors, /metrics",
     ),
     "pager": (

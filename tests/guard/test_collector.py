@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from guard.collector.book import HealthBook
 from guard.collector.metrics import CollectorMetrics
 from guard.core import schema
 from guard.core.events import Event
@@ -260,11 +261,12 @@ def test_report_frames_match_runstore_rows() -> None:
 
 def test_metrics_expert_share_histogram_and_heartbeat_age_at_scrape() -> None:
     clock = [1000.0]
-    m = CollectorMetrics(clock=lambda: clock[0])
+    book = HealthBook(clock=lambda: clock[0])
+    m = CollectorMetrics(book)
     rep = make_report(1, n_experts=4)
     rep.load_ME = np.array([[0, 0, 0, 100], [25, 25, 25, 25]])
-    m.observe_report("r", rep)
-    m.beat("r", 0, 1000.0, 1, "train")
+    book.observe_report("r", rep)
+    book.beat("r", 0, 1000.0, 1, "train")
     text = m.render().decode()
     s = {
         (x.name, tuple(sorted(x.labels.items()))): x.value
@@ -678,7 +680,8 @@ def beat(run: str, rank: int, seq: int, step: int = 0, **extra: Any) -> dict[str
 
 @pytest.fixture
 def inproc(tmp_path: Path) -> Iterator[Any]:
-    from guard.collector.service import Collector, CollectorConfig
+    from guard.collector.config import CollectorConfig
+    from guard.collector.service import Collector
 
     made = []
 

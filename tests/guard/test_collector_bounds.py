@@ -19,7 +19,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from guard.collector.metrics import EXPERT_SHARE_BUCKETS, CollectorMetrics
+from guard.collector.book import HealthBook
+from guard.collector.health import EXPERT_SHARE_BUCKETS
+from guard.collector.metrics import CollectorMetrics
 from guard.core import schema
 from guard.core.limits import CollectorLimits
 from guard.store.reader import read_table
@@ -134,11 +136,12 @@ def test_over_limit_inputs_are_refused_with_the_named_limit(tmp_path: Path) -> N
 
 def test_series_cap_keeps_run_level_series_and_counts_the_rest() -> None:
     cap = 60
-    m = CollectorMetrics(registry=CollectorRegistry(), limits=CollectorLimits(max_series_per_run=cap))
-    m.observe_report("r", make_report(5, n_layers=16))
-    m.beat("r", 0, time.time(), 5, "train")
-    m.observe_events("r", [{"kind": schema.EV_HALT, "action": schema.ACT_HALT, "step": 5}])
-    m.observe_report("small", make_report(5, n_layers=2))
+    book = HealthBook()
+    m = CollectorMetrics(book, registry=CollectorRegistry(), limits=CollectorLimits(max_series_per_run=cap))
+    book.observe_report("r", make_report(5, n_layers=16))
+    book.beat("r", 0, time.time(), 5, "train")
+    book.observe_events("r", [{"kind": schema.EV_HALT, "action": schema.ACT_HALT, "step": 5}])
+    book.observe_report("small", make_report(5, n_layers=2))
     text = m.render().decode()
     samples = [(s.name, s.labels) for f in text_string_to_metric_families(text) for s in f.samples]
     of_r = [s for s in samples if s[1].get("run") == "r" and not s[0].startswith("moeguard_collector_")]
@@ -154,10 +157,11 @@ def test_series_cap_keeps_run_level_series_and_counts_the_rest() -> None:
     }
     assert set(dropped) == {"r"}  # the small run fits
     # uncapped, the same run has exactly kept + dropped series
-    full = CollectorMetrics(registry=CollectorRegistry())
-    full.observe_report("r", make_report(5, n_layers=16))
-    full.beat("r", 0, time.time(), 5, "train")
-    full.observe_events("r", [{"kind": schema.EV_HALT, "action": schema.ACT_HALT, "step": 5}])
+    full_book = HealthBook()
+    full = CollectorMetrics(full_book, registry=CollectorRegistry())
+    full_book.observe_report("r", make_report(5, n_layers=16))
+    full_book.beat("r", 0, time.time(), 5, "train")
+    full_book.observe_events("r", [{"kind": schema.EV_HALT, "action": schema.ACT_HALT, "step": 5}])
     n_full = sum(
         1
         for f in text_string_to_metric_families(full.render().decode())
@@ -171,18 +175,19 @@ def test_fast_render_is_byte_identical_to_prometheus_client() -> None:
     """render() writes this collector's series as text itself; generate_latest over collect()
     (prometheus_client's own Metric objects) must give the same bytes, escaping included."""
     reg = CollectorRegistry()
-    m = CollectorMetrics(registry=reg, clock=lambda: 1.8e9)
+    book = HealthBook(clock=lambda: 1.8e9)
+    m = CollectorMetrics(book, registry=reg)
     for run in ("a", "b.2"):
-        m.observe_report(run, make_report(130, n_layers=6))
-        m.beat(run, 0, 1.8e9 - 5, 130, "train")
-        m.beat(run, 3, 1.8e9 - 50, 129, "checkpoint")
-        m.set_meta(run, {"torch": 'we"ird\\ver\nsion', "device_name": "cpu", "compile": True})
-        m.observe_events(
+        book.observe_report(run, make_report(130, n_layers=6))
+        book.beat(run, 0, 1.8e9 - 5, 130, "train")
+        book.beat(run, 3, 1.8e9 - 50, 129, "checkpoint")
+        book.set_meta(run, {"torch": 'we"ird\\ver\nsion', "device_name": "cpu", "compile": True})
+        book.observe_events(
             run, [verdict(1, 'det "quoted" \\ back'), {"kind": schema.EV_ACTION, "action": "skip"}]
         )
-    m.set_baselines("a", 0.4, None)
-    m.batch("ok")
-    m.refused("max_layers")
+    book.set_baselines("a", 0.4, None)
+    book.batch("ok")
+    book.refused("max_layers")
     fast = m.render()
     assert b'det \\"quoted\\" \\\\ back' in fast
     assert fast == generate_latest(reg)  # collect() is the reference path

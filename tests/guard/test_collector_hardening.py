@@ -20,7 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from guard.collector.service import Collector, CollectorConfig, Wal
+from guard.collector.config import CollectorConfig
+from guard.collector.service import Collector
+from guard.collector.wal import Wal
 from guard.core import schema
 from guard.runtime.exporter import Exporter
 from guard.store.layout import part_name
@@ -229,7 +231,7 @@ def test_log_write_failure_stores_nothing_and_the_retry_stores_once(
     rs = c.runs["io"]
     assert [r.step for r in rs.pending_reports] == list(range(8)) and len(rs.pending_events) == 1
     # a SIGKILL now (no checkpoint): the log alone must give one copy of everything
-    c._stop.set()
+    c.stop_event.set()
     for state in c.runs.values():
         state.wal.close()
     c2 = app()

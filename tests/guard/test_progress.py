@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from guard.collector.book import HealthBook
 from guard.collector.metrics import CollectorMetrics
 from guard.core import schema
 from guard.core.heartbeat import HeartbeatConfig, HeartbeatTracker
@@ -120,7 +121,8 @@ def test_quiet_phase_timeout_is_learned_after_the_first_checkpoint() -> None:
     assert hb.timeout(0) == pytest.approx(500)
 
 
-def scrape(m: CollectorMetrics) -> dict[tuple[str, tuple], float]:
+def scrape(book: HealthBook) -> dict[tuple[str, tuple], float]:
+    m = CollectorMetrics(book, registry=CollectorRegistry())
     out = {}
     for fam in text_string_to_metric_families(m.render().decode()):
         for s in fam.samples:
@@ -130,8 +132,7 @@ def scrape(m: CollectorMetrics) -> dict[tuple[str, tuple], float]:
 
 def test_collector_metrics_name_the_stuck_rank_and_phase_and_clear_when_it_moves() -> None:
     clock = [0.0]
-    m = CollectorMetrics(
-        registry=CollectorRegistry(),
+    m = HealthBook(
         clock=lambda: clock[0],
         heartbeat=HeartbeatConfig(floor_s=30, min_intervals=1),
         progress=ProgressConfig(safety_factor=2, floor_s=1, first_deadline_s=100),
@@ -160,8 +161,7 @@ def test_collector_metrics_name_the_stuck_rank_and_phase_and_clear_when_it_moves
 
 def test_a_silent_rank_is_lost_not_stuck_and_an_ended_rank_is_neither() -> None:
     clock = [0.0]
-    m = CollectorMetrics(
-        registry=CollectorRegistry(),
+    m = HealthBook(
         clock=lambda: clock[0],
         heartbeat=HeartbeatConfig(floor_s=5, min_intervals=1),
         progress=ProgressConfig(safety_factor=2, floor_s=1, first_deadline_s=100),

@@ -1,0 +1,41 @@
+"""The collector's settings (`moeguard collector` flags become a CollectorConfig) and the names of
+its own files inside a run folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from guard.core import schema
+from guard.core.config import GuardConfig
+from guard.core.heartbeat import HeartbeatConfig
+from guard.core.limits import CollectorLimits
+from guard.core.progress import ProgressConfig
+
+STATE_DIR = ".collector"  # in each run folder: the log, state.json, commands.json
+STATE_FILE, COMMANDS_FILE, QUARANTINE_FILE = "state.json", "commands.json", "quarantine.json"
+SUPERSEDED_DIR = "superseded"  # in STATE_DIR: rows a new generation re-ran, kept
+RETIRED_GENERATIONS = 16  # superseded generations per rank whose late retries still dedupe
+COMMAND_ACTIONS = (schema.ACT_ROLLBACK, schema.ACT_HALT, schema.ACT_SKIP)
+
+
+@dataclass(kw_only=True, slots=True)
+class CollectorConfig:
+    runs_dir: Path
+    token: str | None  # None: no auth (only with --insecure-no-auth)
+    max_body_bytes: int = 8 << 20
+    checkpoint_interval_s: float = 1.0
+    guard: GuardConfig | None = field(default_factory=GuardConfig)  # None: no server-side detectors
+    heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    progress: ProgressConfig = field(default_factory=ProgressConfig)  # RunStuck deadlines
+    pager_url: str | None = None  # `moeguard pager` base URL: halt events are posted to its /v1/events
+    pager_token: str | None = None  # its bearer token (MOEGUARD_PAGER_TOKEN), if it wants one
+    limits: CollectorLimits = field(default_factory=CollectorLimits)  # guard/core/limits.py
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes = {self.max_body_bytes}: must be >= 1024")
+        if not self.checkpoint_interval_s > 0:
+            raise ValueError(f"checkpoint_interval_s = {self.checkpoint_interval_s}: must be > 0")
+        if self.pager_url is not None and not self.pager_url.startswith(("http://", "https://")):
+            raise ValueError(f"pager_url = {self.pager_url!r}: must be an http(s) URL")

@@ -1,0 +1,185 @@
+"""`moeguard collector`: flags, then the HTTP service (see service.py for what it does).
+
+MOEGUARD_TOKEN=... moeguard collector --host 127.0.0.1 --port 9090 --runs runs/
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from guard.collector.app import build_app
+from guard.collector.config import CollectorConfig
+from guard.collector.service import Collector
+from guard.core import schema
+from guard.core.config import GuardConfig, load_guard_config
+from guard.core.heartbeat import HeartbeatConfig
+from guard.core.limits import FLAGS as LIMIT_FLAGS
+from guard.core.limits import CollectorLimits
+from guard.core.progress import ProgressConfig
+from guard.store.layout import atomic_write_bytes
+from guard.wire.listen import bind_tcp
+
+log = logging.getLogger("moeguard.collector")
+
+SWITCH_INTERVAL_S = 0.001  # see run()
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9090, help="0 picks a free port (see --port-file)")
+    parser.add_argument("--runs", default="runs", help="run store directory (runs/<run_id>/...)")
+    parser.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help=f"accept writes without a bearer token (otherwise ${schema.ENV_TOKEN} is required)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 << 20,
+        help="a larger request body on any endpoint gets 413, read no further",
+    )
+    parser.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=1.0,
+        help="seconds between moves of logged rows into Parquet parts",
+    )
+    parser.add_argument(
+        "--guard", default=None, help="guard TOML for the server-side detectors (default config)"
+    )
+    parser.add_argument("--no-detectors", action="store_true", help="do not run detectors server-side")
+    parser.add_argument(
+        "--heartbeat-floor", type=float, default=30.0, help="minimum heartbeat timeout, seconds"
+    )
+    pc = ProgressConfig()
+    parser.add_argument(
+        "--progress-safety",
+        type=float,
+        default=pc.safety_factor,
+        metavar="X",
+        help="RunStuck: a phase's deadline is X times the longest duration seen for it "
+        f"(default {pc.safety_factor:g})",
+    )
+    parser.add_argument(
+        "--progress-floor",
+        type=float,
+        default=pc.floor_s,
+        metavar="SECONDS",
+        help=f"RunStuck: no deadline is shorter than this (default {pc.floor_s:g})",
+    )
+    parser.add_argument(
+        "--progress-first-deadline",
+        type=float,
+        default=pc.first_deadline_s,
+        metavar="SECONDS",
+        help="RunStuck: the deadline of a phase never seen to complete, and of a rank's start-up "
+        f"(default {pc.first_deadline_s:g})",
+    )
+    parser.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    parser.add_argument(
+        "--pager-url",
+        default=None,
+        metavar="URL",
+        help="`moeguard pager` base URL (e.g. http://127.0.0.1:9095): halt events are posted to its "
+        "/v1/events in the background, so a halt pages in seconds (bearer token from $MOEGUARD_PAGER_TOKEN)",
+    )
+    d = CollectorLimits()
+    lim = parser.add_argument_group(
+        "limits", "a batch over one is refused whole with 400 naming it; see guard/core/limits.py"
+    )
+    lim.add_argument(
+        "--max-hot-runs",
+        type=int,
+        default=d.max_hot_runs,
+        help="runs held in full in memory; the least recently used beyond are checkpointed and evicted, "
+        "and reload on their next batch (default %(default)s)",
+    )
+    lim.add_argument(
+        "--max-ranks", type=int, default=d.max_ranks, help="rank ids must be below this (default %(default)s)"
+    )
+    lim.add_argument(
+        "--max-layers",
+        type=int,
+        default=d.max_layers,
+        help="layer ids per report, and every layer id must be below this (default %(default)s)",
+    )
+    lim.add_argument(
+        "--max-detectors",
+        type=int,
+        default=d.max_detectors,
+        help="distinct detector names per run (default %(default)s)",
+    )
+    lim.add_argument(
+        "--max-series-per-run",
+        type=int,
+        default=d.max_series_per_run,
+        help="/metrics series per run; the rest are left out and counted in "
+        f"{schema.M_COLLECTOR_SERIES_DROPPED} (default %(default)s)",
+    )
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    token = os.environ.get(schema.ENV_TOKEN) or None
+    if token is None and not args.insecure_no_auth:
+        print(
+            f"moeguard collector: set {schema.ENV_TOKEN} (writes need a bearer token), "
+            "or pass --insecure-no-auth to accept unauthenticated writes",
+            flush=True,
+        )
+        return 2
+    guard_cfg = None if args.no_detectors else load_guard_config(args.guard) if args.guard else GuardConfig()
+    from guard.pager.config import ENV_PAGER_TOKEN
+
+    try:
+        limits = CollectorLimits(**{k: getattr(args, k) for k in LIMIT_FLAGS})
+    except ValueError as e:
+        print(f"moeguard collector: {e}", flush=True)
+        return 2
+    cfg = CollectorConfig(
+        runs_dir=Path(args.runs),
+        token=token,
+        max_body_bytes=args.max_body_bytes,
+        limits=limits,
+        checkpoint_interval_s=args.checkpoint_interval,
+        guard=guard_cfg,
+        heartbeat=HeartbeatConfig(floor_s=args.heartbeat_floor),
+        pager_url=args.pager_url,
+        progress=ProgressConfig(
+            safety_factor=args.progress_safety,
+            floor_s=args.progress_floor,
+            first_deadline_s=args.progress_first_deadline,
+        ),
+        pager_token=os.environ.get(ENV_PAGER_TOKEN) or None,
+    )
+    # A /metrics render is seconds of pure Python at 10k runs; with the default 5 ms GIL switch
+    # interval every hand-off an ingest request needs (event loop, worker thread, after each
+    # fdatasync) waits up to 5 ms behind it. 1 ms keeps ingest p99 low while a scrape renders.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    collector = Collector(cfg)  # started by the app's lifespan, so it listens before the runs are scanned
+    sock = bind_tcp(args.host, args.port)
+    port = sock.getsockname()[1]
+    if args.port_file:
+        atomic_write_bytes(Path(args.port_file), str(port).encode())
+    log.info(
+        "collector listening on http://%s:%d, runs in %s%s",
+        args.host,
+        port,
+        cfg.runs_dir,
+        "" if token else " (NO AUTH)",
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(collector), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=10
+        )
+    )
+    server.run(sockets=[sock])
+    return 0
