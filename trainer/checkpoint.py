@@ -17,9 +17,9 @@ single-process runs write the same layout. Written into `.step-XXXXXXXXX.tmp/`; 
 has finished, rank 0 fsyncs and renames it, so a crash mid-save leaves the previous checkpoint
 as the newest. Single-file `step-XXXXXXXXX.pt` checkpoints written before DCP still load.
 
-The trainer saves with `save_checkpoint(..., host_state(state, parts, ...))` and resumes with
-`restore(path, model, optimizer, parts)`: what a part is and how it saves itself is its own
-business (a `state_dict()` / `load_state_dict()` pair).
+The trainer saves and resumes through a `Checkpointer` over its TrainState and its stateful parts:
+what a part is and how it saves itself is its own business (a `state_dict()` / `load_state_dict()`
+pair).
 """
 
 from __future__ import annotations
@@ -92,17 +92,6 @@ class TrainState:
         self.nonfinite_steps, self.nonfinite_since = int(nf.get("steps", 0)), nf.get("since")
 
 
-def host_state(state: TrainState, parts: dict[str, Stateful], **extra: Any) -> dict[str, Any]:
-    """host.pt's content: the TrainState, each part's state under its key, and `extra` (config,
-    world size, ...). Identical on every rank; only rank 0 writes it."""
-    return {
-        **state.to_host(),
-        **{k: p.state_dict() for k, p in parts.items()},
-        **extra,
-        "saved_at": time.time(),
-    }
-
-
 @dataclass(slots=True)
 class Restored:
     path: Path
@@ -110,35 +99,73 @@ class Restored:
     legacy: bool  # a single-file checkpoint from before DCP
 
 
-def restore(
-    path: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: TrainState,
-    parts: dict[str, Stateful],
-    *,
-    rank: int = 0,
-    world: int = 1,
-) -> Restored:
-    """Load checkpoint `path` into the model, optimizer, `state` and every part it holds a state
-    for, and set this rank's RNG state (rank 0's when this rank has none): exactly where the run
-    was when it saved."""
-    legacy = is_legacy(path)
-    if legacy:
-        host = load_checkpoint(path)
-        model.load_state_dict(host["model"])
-        optimizer.load_state_dict(host["optimizer"])
-        rng = host["rng"]
-    else:
-        load_sharded(path, model, optimizer, world=world)
-        host, rng = load_host_state(path, rank)
-    for key, part in parts.items():
-        if key in host:
-            part.load_state_dict(host[key])
-    state.load_host(host)
-    if rng is not None:
-        set_rng_state(rng)
-    return Restored(path, host, legacy)
+class Checkpointer:
+    """Saves and restores one run: the model and optimizer as DCP, the TrainState and each part's
+    state_dict() under its key in host.pt, each rank's RNG. Collective when world > 1 (every rank
+    calls save and restore)."""
+
+    def __init__(
+        self,
+        ckpt_dir: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainState,
+        parts: dict[str, Stateful],
+        *,
+        dist: Any,
+        keep: int,
+        barrier: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`parts`: everything else with state, by host.pt key; `dist`: this rank's rank and world."""
+        self.dir, self.model, self.optimizer = ckpt_dir, model, optimizer
+        self.state, self.parts = state, parts
+        self.rank, self.world = dist.rank, dist.world
+        self.keep, self.barrier = keep, barrier
+
+    def save(self, **extra: Any) -> Path:
+        """Checkpoint the TrainState's step; `extra` goes into host.pt beside it (config, world size)."""
+        host = None
+        if self.rank == 0:  # identical on every rank; rank 0 writes it
+            parts = {k: p.state_dict() for k, p in self.parts.items()}
+            host = {**self.state.to_host(), **parts, **extra, "saved_at": time.time()}
+        return save_checkpoint(
+            self.dir,
+            self.state.step,
+            self.model,
+            self.optimizer,
+            host,
+            rank=self.rank,
+            world=self.world,
+            keep=self.keep,
+            barrier=self.barrier,
+        )
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.dir)
+
+    def path(self, step: int) -> Path:
+        return checkpoint_path(self.dir, step)
+
+    def restore(self, path: Path) -> Restored:
+        """Load checkpoint `path` into the model, optimizer, TrainState and every part it holds a
+        state for, and set this rank's RNG state (rank 0's when this rank has none): exactly where
+        the run was when it saved."""
+        legacy = is_legacy(path)
+        if legacy:
+            host = load_checkpoint(path)
+            self.model.load_state_dict(host["model"])
+            self.optimizer.load_state_dict(host["optimizer"])
+            rng = host["rng"]
+        else:
+            load_sharded(path, self.model, self.optimizer, world=self.world)
+            host, rng = load_host_state(path, self.rank)
+        for key, part in self.parts.items():
+            if key in host:
+                part.load_state_dict(host[key])
+        self.state.load_host(host)
+        if rng is not None:
+            set_rng_state(rng)
+        return Restored(path, host, legacy)
 
 
 def rng_state() -> dict[str, Any]:

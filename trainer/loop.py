@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from guard.core import actions, schema
 from guard.core.goodput import Goodput
@@ -54,18 +53,15 @@ from trainer.distributed import (
     Comm,
     HeartbeatPump,
     StepSync,
-    allreduce_grads,
-    resolve_parallel,
     restart_count,
     setup_distributed,
-    shard_fsdp,
 )
 from trainer.envinfo import fingerprint
 from trainer.flops import flops_per_token, peak_flops
 from trainer.inject import Injection
-from trainer.kernels import unavailable_backend
 from trainer.model import MoETransformer
 from trainer.record import JOB_KEY, RunRecord
+from trainer.train_module import TrainModule, set_deterministic
 
 
 def lr_at(opt_step: int, cfg: TrainConfig) -> float:
@@ -78,56 +74,10 @@ def lr_at(opt_step: int, cfg: TrainConfig) -> float:
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    # Decay matrices only (norm gains and embeddings' rows are left alone, as in nanoGPT).
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2 and "embed" not in n]
-    rest = [
-        p for n, p in model.named_parameters() if p.requires_grad and not (p.ndim >= 2 and "embed" not in n)
-    ]
-    o = cfg.optim
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-        lr=o.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        foreach=True,
-    )
-
-
-def build_model(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> MoETransformer:
-    """The model on `device`; a kernel choice this device, dtype or torch build cannot run is a
-    ConfigError that lists what does run here."""
-    try:
-        return MoETransformer(cfg.model, device=device, compute_dtype=dtype)
-    except ValueError as e:
-        if not str(e).startswith(("attention=", "experts_kernel=")):
-            raise
-        m = cfg.model
-        raise ConfigError(
-            unavailable_backend(
-                e, device, dtype, n_heads=m.n_heads, head_dim=m.head_dim, seq_len=m.max_seq_len
-            )
-        ) from None
-
-
-def compute_dtype(want: str, device: torch.device) -> torch.dtype:
-    if want == "bf16" or (want == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
-
-
-def set_deterministic(compile: bool) -> None:
-    if compile:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    else:
-        # The same switch without importing torch._inductor (4 s per process) to set its flag.
-        torch._C._set_deterministic_algorithms(True, warn_only=True)
 
 
 def step_report(step: int, pr: ProbeResult, probe: Probe, layer_ids: np.ndarray, **fields: Any) -> StepReport:
@@ -148,6 +98,35 @@ def step_report(step: int, pr: ProbeResult, probe: Probe, layer_ids: np.ndarray,
         load_ME=pr.load_ME,
         bias_ME=pr.bias_ME,
         **fields,
+    )
+
+
+def build_applier(
+    cfg: TrainConfig, model: MoETransformer, opt: torch.optim.Optimizer, guard: Guard, routers: list[Any]
+) -> DecisionApplier:
+    """How a decision reaches this model: clip and step, and collapse corrections through the
+    routers' selection bias (bias_mode sign/smebu) or the aux-loss weight (trainer/correction.py)."""
+    corrector = ModelCorrector(
+        model,
+        routers,
+        bias=cfg.model.bias_mode != "off",
+        bias_max=cfg.guard.policy.bias_max,
+        aux_coef=cfg.model.aux_loss_coef,
+    )
+    return DecisionApplier(opt, guard, grad_clip=cfg.optim.grad_clip, corrector=corrector)
+
+
+def run_environment(t: Trainer) -> dict[str, Any]:
+    """meta.json["env"]: what this run ran on and with (trainer/envinfo.py)."""
+    return fingerprint(
+        device=t.device,
+        dtype="bf16-autocast" if t.dtype == torch.bfloat16 else "fp32",
+        peak_flops=t.peak,
+        peak_source=t.peak_source,
+        attention_backend=t.model.attention_backend,
+        expert_kernel=t.model.experts_kernel,
+        compile=t.cfg.train.compile,
+        world_size=t.dist.world,
     )
 
 
@@ -182,96 +161,78 @@ class Trainer:
     ) -> None:
         """`callbacks` run before the built-in ones (fault injection, profiler) at every hook."""
         self._t_start = time.time()
-        self.cfg = cfg
-        self.run_dir = Path(run_dir)
+        self.cfg, self.run_dir, self.exporter = cfg, Path(run_dir), exporter
         self.dist, self.device = setup_distributed(cfg.train.device)
-        self.parallel = resolve_parallel(cfg.train.parallel, self.dist.world)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         if cfg.train.deterministic and self.device.type == "cpu":
             set_deterministic(cfg.train.compile)
-        self.dtype = compute_dtype(cfg.train.dtype, self.device)
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg, self.device, self.dtype)
-        if self.parallel == "fsdp":
-            shard_fsdp(self.model)  # before anything holds parameter references
-        self.fwd = torch.compile(self.model) if cfg.train.compile else self.model
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = build_optimizer(self.model, cfg)
+        self.comm = Comm(self.dist.world)
+        self.module = TrainModule(cfg, self.dist, self.device, self.comm)
+        self.model, self.opt, self.params = self.module.model, self.module.opt, self.module.params
+        self.dtype, self.parallel = self.module.dtype, self.module.parallel
+        d = self.dist
         self.data = DataLoader(
-            cfg.data,
-            vocab_size=cfg.model.vocab_size,
-            seed=cfg.train.seed,
-            rank=self.dist.rank,
-            world_size=self.dist.world,
+            cfg.data, vocab_size=cfg.model.vocab_size, seed=cfg.train.seed, rank=d.rank, world_size=d.world
         )
         self.telemetry = cfg.telemetry.enabled
-        self.comm = Comm(self.dist.world)
-        self.probe = Probe(
-            self.model,
-            dead_window=cfg.telemetry.dead_window,
-            device=self.device,
-            all_reduce=self.comm.all_reduce,
-        )
-        self.probe_layer_ids = np.arange(len(self.model.blocks), dtype=np.int32)
-        self.guard = Guard(
-            cfg.guard, self.model, self.opt, max_lr=cfg.optim.lr, has_bias=cfg.model.bias_mode != "off"
-        )
-        corrector = ModelCorrector(
-            self.model,
-            self.probe.routers,
-            bias=cfg.model.bias_mode != "off",
-            bias_max=cfg.guard.policy.bias_max,
-            aux_coef=cfg.model.aux_loss_coef,
-        )
-        self.applier = DecisionApplier(
-            self.opt, self.guard, grad_clip=cfg.optim.grad_clip, corrector=corrector
-        )
+        self._build_guard()
         self.state = ckpt.TrainState()
-        self.exporter = exporter
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak, self.peak_source = peak_flops(self.device, self.dtype)
+        self.env = {**run_environment(self), "parallel": self.parallel}
         self.gp = Goodput(started_at=self._t_start)
         self.last_decision: Decision | None = None
         self.last_checkpoint: Path | None = None
         self.preemption = outcome.Preemption()
-        self.progress = progress and self.dist.main
+        self.progress = progress and d.main
         self.console = Console(self.run_dir.name, cfg.train.steps)
-        # multi-rank: decision agreement, operator commands, straggler windows, heartbeats
-        self.sync = StepSync(
-            self.dist,
-            self.comm,
-            self.device,
-            straggler_every=cfg.telemetry.straggler_every,
-            straggler_threshold=cfg.telemetry.straggler_threshold,
-            exporter=exporter,
-            commands=self.guard.commands,
-        )
-        # one rank too: `--inject hang@S:SECONDS` blocks inside comm.timed() like a hung collective
-        self.pump = HeartbeatPump(self.comm, exporter) if exporter is not None else None
-        self.store = RunStore(self.run_dir, flush_every=cfg.telemetry.flush_every) if self.dist.main else None
-        self.record = RunRecord(self.run_dir, self.store, exporter, rank=self.dist.rank)
-        self.env = fingerprint(
-            device=self.device,
-            dtype="bf16-autocast" if self.dtype == torch.bfloat16 else "fp32",
-            peak_flops=self.peak,
-            peak_source=self.peak_source,
-            attention_backend=self.model.attention_backend,
-            expert_kernel=self.model.experts_kernel,
-            compile=cfg.train.compile,
-            world_size=self.dist.world,
-        )
-        self.env["parallel"] = self.parallel
-        builtin = builtin_callbacks(
-            cfg, self.run_dir, self.device, rank=self.dist.rank, injections=injections or []
-        )
+        self.store = RunStore(self.run_dir, flush_every=cfg.telemetry.flush_every) if d.main else None
+        self.record = RunRecord(self.run_dir, self.store, exporter, rank=d.rank)
+        builtin = builtin_callbacks(cfg, self.run_dir, self.device, rank=d.rank, injections=injections or [])
         self.callbacks = Callbacks(self, [*(callbacks or []), *builtin])
+        # everything with its own state in host.pt, by key (the model and optimizer go to DCP)
+        parts = {"data": self.data, "guard": self.guard, "probe": self.probe, "sync": self.sync}
+        self.checkpoints = ckpt.Checkpointer(
+            self.run_dir / schema.CHECKPOINT_DIR,
+            self.model,
+            self.opt,
+            self.state,
+            {**parts, "goodput": self.gp, "callbacks": self.callbacks},
+            dist=d,
+            keep=cfg.train.keep_checkpoints,
+            barrier=self.comm.barrier if d.world > 1 else lambda: None,
+        )
         if resume:
             self._resume()
         else:
             self.record.started(self._meta(schema.STATUS_RUNNING), restarted=restart_count() > 0)
         if exporter is not None:
             self.record.announce(lambda: self._meta(schema.STATUS_RUNNING))
+
+    def _build_guard(self) -> None:
+        """The probe, the guard and how its decisions are applied; the multi-rank agreement."""
+        cfg, t = self.cfg, self.cfg.telemetry
+        self.probe = Probe(
+            self.model, dead_window=t.dead_window, device=self.device, all_reduce=self.comm.all_reduce
+        )
+        self.probe_layer_ids = np.arange(len(self.model.blocks), dtype=np.int32)
+        has_bias = cfg.model.bias_mode != "off"
+        self.guard = Guard(cfg.guard, self.model, self.opt, max_lr=cfg.optim.lr, has_bias=has_bias)
+        self.applier = build_applier(cfg, self.model, self.opt, self.guard, self.probe.routers)
+        # multi-rank: decision agreement, operator commands, straggler windows, heartbeats
+        self.sync = StepSync(
+            self.dist,
+            self.comm,
+            self.device,
+            straggler_every=t.straggler_every,
+            straggler_threshold=t.straggler_threshold,
+            exporter=self.exporter,
+            commands=self.guard.commands,
+        )
+        # one rank too: `--inject hang@S:SECONDS` blocks inside comm.timed() like a hung collective
+        self.pump = HeartbeatPump(self.comm, self.exporter) if self.exporter is not None else None
 
     def _meta(self, status: str) -> dict[str, Any]:
         return {
@@ -308,34 +269,11 @@ class Trainer:
         self.state.opt_step = value
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def _stateful(self) -> dict[str, ckpt.Stateful]:
-        """Every part with its own state in host.pt, by key (the model and optimizer go to DCP)."""
-        return {
-            "data": self.data,
-            "guard": self.guard,
-            "probe": self.probe,
-            "sync": self.sync,
-            "goodput": self.gp,
-            "callbacks": self.callbacks,
-        }
-
     def save_checkpoint(self) -> Path:
         t0 = time.perf_counter()
         self.record.checkpoint_starts()
-        host = None
-        if self.dist.main:
-            extra = {"config": to_dict(self.cfg), "world_size": self.dist.world, "parallel": self.parallel}
-            host = ckpt.host_state(self.state, self._stateful(), **extra)
-        path = ckpt.save_checkpoint(
-            self.run_dir / schema.CHECKPOINT_DIR,
-            self.step,
-            self.model,
-            self.opt,
-            host,
-            rank=self.dist.rank,
-            world=self.dist.world,
-            keep=self.cfg.train.keep_checkpoints,
-            barrier=self.comm.barrier if self.dist.world > 1 else lambda: None,
+        path = self.checkpoints.save(
+            config=to_dict(self.cfg), world_size=self.dist.world, parallel=self.parallel
         )
         self.gp.add("checkpoint_s", time.perf_counter() - t0)
         self.last_checkpoint = path
@@ -343,19 +281,11 @@ class Trainer:
         return path
 
     def _resume(self) -> None:
-        path = ckpt.latest_checkpoint(self.run_dir / schema.CHECKPOINT_DIR)
+        path = self.checkpoints.latest()
         if path is None:
-            raise ConfigError(f"--resume: no checkpoint in {self.run_dir / schema.CHECKPOINT_DIR}")
+            raise ConfigError(f"--resume: no checkpoint in {self.checkpoints.dir}")
         self.last_checkpoint = path
-        r = ckpt.restore(
-            path,
-            self.model,
-            self.opt,
-            self.state,
-            self._stateful(),
-            rank=self.dist.rank,
-            world=self.dist.world,
-        )
+        r = self.checkpoints.restore(path)
         if r.legacy:  # one torch.save file from before DCP kept only the time split
             self.gp.split.update(r.host.get("time_split", {}))
         else:
@@ -383,7 +313,7 @@ class Trainer:
         batches, data_wait = self._batches()
         loss_sum = self._forward_backward(batches)
         self.callbacks.post_backward(self.step)  # this rank's gradients, before the reduction spreads them
-        self._reduce_grads()
+        self.module.reduce_grads()
         planned_lr = self.callbacks.adjust_lr(self.step, lr_at(self.opt_step, self.cfg))
         world, rank = self.dist.world, self.dist.rank
         # each rank's data wait rides in the probe's all-reduce as a one-hot; the guard sees the
@@ -453,19 +383,10 @@ class Trainer:
         batches, data_wait = self._batches()
         loss_sum = self._forward_backward(batches)
         self.callbacks.post_backward(self.step)
-        self._reduce_grads()
-        if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip, foreach=True)
+        self.module.reduce_grads()
         lr = lr_at(self.opt_step, self.cfg)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
+        self.module.plain_update(lr, self.probe)
         self.opt_step += 1
-        if self.probe.routers and self.cfg.model.bias_mode != "off":
-            loads, _, _ = self.probe.reduced_router_stats()
-            for m, (_, router) in enumerate(self.probe.routers):
-                router.update_bias(loads[m])
-        self.opt.zero_grad(set_to_none=True)
         self.probe.reset_router_stats()
         loss = loss_sum.item() / len(batches)
         dt = time.perf_counter() - t0
@@ -492,22 +413,7 @@ class Trainer:
         return [b.to(self.device, non_blocking=True) for b in batches], wait
 
     def _forward_backward(self, batches: list[torch.Tensor]) -> torch.Tensor:
-        self.model.train()
-        loss_sum = torch.zeros((), device=self.device)
-        n = len(batches)
-        for b in batches:
-            x, y = b[:, :-1], b[:, 1:]
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
-                logits, aux = self.fwd(x)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
-            ((loss + aux) / n).backward()
-            loss_sum += loss.detach()
-        return loss_sum
-
-    def _reduce_grads(self) -> None:
-        if self.parallel == "ddp":
-            allreduce_grads(self.params, self.dist.world, self.comm)
-        # fsdp: reduce-scattered inside backward; none: nothing to do
+        return self.module.forward_backward(batches)
 
     def _track_finite(self, loss: float, grad_norm: float, *, applied: bool) -> bool:
         """TrainState.track_finite, and a line for the user at the first non-finite update applied."""
@@ -568,7 +474,7 @@ class Trainer:
             )
             return outcome.halted(self.step - 1, why, self.last_checkpoint)
         if self.preemption.agreed if self.dist.world > 1 else self.preemption.requested:
-            if self.last_checkpoint != ckpt.checkpoint_path(self.run_dir / schema.CHECKPOINT_DIR, self.step):
+            if self.last_checkpoint != self.checkpoints.path(self.step):
                 self.save_checkpoint()
             end = outcome.preempted(self.step - 1, self.last_checkpoint)
             if self.dist.main:
