@@ -9,6 +9,8 @@ here, in trainer/; guard only reads the result (guard never imports trainer).
 On CPU each step is timed in the main thread's CPU time and followed by a fixed numpy reference
 matmul timed the same way, so MFU's peak is measured in the same process, interleaved with the
 very steps it normalises (guard/canary/cli.py's help says why, with the measurements).
+The timing itself is a trainer callback (trainer/callbacks/canary_timing.py); this module runs
+the trainer with it and writes what it measured.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from guard.canary.config import TIMING_CPU, TIMING_WALL, load_setup
 from guard.core import schema
 from guard.store.layout import atomic_write_json
 from guard.store.reader import read_meta
+from trainer.callbacks.canary_timing import CanaryTiming
 from trainer.canary_cli import TRAINER
 from trainer.envinfo import hardware_key
 from trainer.loop import Trainer
@@ -67,70 +70,6 @@ class _Reference:
             h_NF = h_NF / (1.0 + np.exp(-h_NF))  # silu
             float((h_NF @ self.w_FD).sum())
         return time.thread_time() - c0
-
-
-def _burn_cpu(seconds: float) -> None:
-    """Busy work for `seconds` of this thread's CPU time (a kernel that got slower)."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
-
-
-class CanaryTrainer(Trainer):
-    """A Trainer that records each step's CPU time and paired reference time, and can slow itself.
-
-    Subclassing keeps the loop untouched: `train_step` is wrapped for timing, `_forward_backward`
-    for the injected slowdown (inside the step, so the run store's step_time_s includes it).
-    """
-
-    def __init__(self, *args: Any, slow_pct: float, **kwargs: Any) -> None:
-        self.samples: list[dict[str, Any]] = []
-        self.reference: _Reference | None = None
-        self.slow_pct = slow_pct
-        self._c0 = self._w0 = 0.0
-        self._burned_cpu = self._slept = 0.0
-        self._last_cpu: float | None = None
-        self._last_wall: float | None = None
-        super().__init__(*args, **kwargs)
-
-    def train_step(self) -> Any:
-        self._burned_cpu = self._slept = 0.0
-        self._c0, self._w0 = time.thread_time(), time.perf_counter()
-        rep = super().train_step()
-        cpu = time.thread_time() - self._c0
-        ref = self.reference() if self.reference is not None else float("nan")
-        self._last_cpu, self._last_wall = cpu - self._burned_cpu, rep.step_time_s - self._slept
-        self.samples.append(
-            {
-                "step": rep.step,
-                "action": rep.action,
-                "tokens": rep.tokens,
-                "cpu_s": cpu,
-                "ref_cpu_s": ref,
-                "step_time_s": rep.step_time_s,
-                "data_wait_s": rep.data_wait_s,
-                "mfu": rep.mfu,
-                "tokens_per_s": rep.tokens_per_s,
-                "mem_peak_bytes": rep.mem_peak_bytes,
-                "loss": rep.loss,
-            }
-        )
-        return rep
-
-    def _forward_backward(self, batches: list[torch.Tensor]) -> torch.Tensor:
-        loss = super()._forward_backward(batches)
-        if self.slow_pct > 0:
-            frac = self.slow_pct / 100
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                base = self._last_wall if self._last_wall is not None else time.perf_counter() - self._w0
-                self._slept = base * frac
-                time.sleep(self._slept)
-            else:
-                base = self._last_cpu if self._last_cpu is not None else time.thread_time() - self._c0
-                self._burned_cpu = base * frac
-                _burn_cpu(self._burned_cpu)
-        return loss
 
 
 def hardware_id(env: dict[str, Any]) -> str:
@@ -178,15 +117,16 @@ def measure_in_process(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = setup.train_config(spec.get("variant"))
     cfg.name = spec["name"]
     run_dir = Path(spec["run_dir"])
+    timer = CanaryTiming(slow_pct=float(spec.get("slow_pct", 0.0)))
     try:
-        trainer = CanaryTrainer(cfg, run_dir, progress=False, slow_pct=float(spec.get("slow_pct", 0.0)))
+        trainer = Trainer(cfg, run_dir, progress=False, callbacks=[timer])
     except ValueError as e:  # a forced kernel or device this build cannot run (ConfigError too)
         return {"status": "unavailable", "reason": str(e)}
     timing = setup.canary.timing
     if timing == "auto":
         timing = TIMING_CPU if trainer.device.type == "cpu" else TIMING_WALL
-    if timing == TIMING_CPU:
-        trainer.reference = _Reference()
+    reference = _Reference() if timing == TIMING_CPU else None
+    timer.reference = reference
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     code = trainer.run()
@@ -200,17 +140,17 @@ def measure_in_process(spec: dict[str, Any]) -> dict[str, Any]:
         "env": trainer.env,
         "hardware": hardware_id(trainer.env),
         "flops_per_token": trainer.flops_per_token,
-        "reference_flops": trainer.reference.flops if trainer.reference is not None else None,
+        "reference_flops": reference.flops if reference is not None else None,
         "peak_flops": trainer.peak,
         "torch_threads": _torch_threads(),
         "wall_s": wall,
         "loadavg": [load0[0], os.getloadavg()[0]],
-        "slow_pct": trainer.slow_pct,
+        "slow_pct": timer.slow_pct,
         "python_executable": sys.executable,
         "numpy": _numpy_version(),
         "aslr_off": _aslr_off(),
         "hash_seed": os.environ.get("PYTHONHASHSEED"),
-        "samples": trainer.samples,
+        "samples": timer.samples,
     }
     _annotate_run(run_dir, spec, out)
     return out

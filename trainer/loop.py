@@ -311,7 +311,7 @@ class Trainer:
 
     def _guarded_step(self, t0: float) -> StepReport:
         batches, data_wait = self._batches()
-        loss_sum = self._forward_backward(batches)
+        loss_sum = self.module.forward_backward(batches)
         self.callbacks.post_backward(self.step)  # this rank's gradients, before the reduction spreads them
         self.module.reduce_grads()
         planned_lr = self.callbacks.adjust_lr(self.step, lr_at(self.opt_step, self.cfg))
@@ -381,7 +381,7 @@ class Trainer:
     def _plain_step(self, t0: float) -> StepReport:
         """Telemetry off: the loop any PyTorch user writes (the overhead benchmark's baseline)."""
         batches, data_wait = self._batches()
-        loss_sum = self._forward_backward(batches)
+        loss_sum = self.module.forward_backward(batches)
         self.callbacks.post_backward(self.step)
         self.module.reduce_grads()
         lr = lr_at(self.opt_step, self.cfg)
@@ -411,9 +411,6 @@ class Trainer:
         wait = time.perf_counter() - t0
         self.callbacks.post_load_batch(self.step, batches)
         return [b.to(self.device, non_blocking=True) for b in batches], wait
-
-    def _forward_backward(self, batches: list[torch.Tensor]) -> torch.Tensor:
-        return self.module.forward_backward(batches)
 
     def _track_finite(self, loss: float, grad_norm: float, *, applied: bool) -> bool:
         """TrainState.track_finite, and a line for the user at the first non-finite update applied."""
