@@ -38,7 +38,7 @@ from guard.canary.gate import baseline_median, line_value, relative_delta
 from guard.canary.history import baseline_before, entry_time, is_number, parse_history
 from guard.core import actions, schema
 from guard.store import reader
-from guard.store.reader import list_runs, read_meta
+from guard.store.reader import count_actions, list_runs, read_meta
 from guard.wire.runs import RunListing, parse_runs
 
 # Actions marked on the charts (every event that names one, evidence merged per step and action).
@@ -590,7 +590,7 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
             .item()
             or 0
         )
-    out["action_counts"] = actions.count_run(path)
+    out["action_counts"] = count_actions(path)
     out["actions"] = actions.total(out["action_counts"])
     ev = reader.scan_table(path, schema.TABLE_EVENTS, cached=True).select("step", "kind", "action").collect()
     if ev.height:

@@ -42,11 +42,6 @@ NOT_FROM_CORE = (
 # Core imports known to break the rule on main, owned by the helper reshaping guard/core (issue #14):
 # while only these remain the core test reports them as an expected failure; any other fails it.
 # Delete an entry when its import moves out of core.
-KNOWN_CORE_VIOLATIONS = frozenset(
-    {
-        "guard/core/actions.py imports polars",  # count_run reads the run store's tables
-    }
-)
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -85,10 +80,7 @@ def test_guard_never_imports_trainer_or_dashboards() -> None:
 
 def test_guard_core_imports_neither_torch_nor_io() -> None:
     bad = violations(CORE, NOT_FROM_CORE)
-    new = {k: v for k, v in bad.items() if k not in KNOWN_CORE_VIOLATIONS}
-    assert not new, "guard/core must stay pure (no torch, no I/O modules):\n" + _listing(new)
-    if bad:
-        pytest.xfail("known, owned by the core helper:\n" + _listing(bad))
+    assert not bad, "guard/core must stay pure (no torch, no I/O modules):\n" + _listing(bad)
 
 
 @pytest.mark.parametrize(

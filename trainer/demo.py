@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from guard.core import actions as guard_actions
 from guard.core import schema
-from guard.store.reader import read_table
+from guard.store.reader import count_actions, read_table
 
 DEFAULT_FAULTS = ["gradspike@100:100", "nan@140", "lrspike@180:100", "badbatch@220", "collapse@270:3"]
 
@@ -94,7 +93,7 @@ def summarize_run(name: str, run_dir: Path, goodput: float) -> DrillResult:
     verdicts = events.filter(pl.col("kind") == schema.EV_VERDICT)
     spikes = verdicts.filter(pl.col("detector").is_in(list(schema.STEP_DETECTORS))).height
     collapse = verdicts.filter(pl.col("detector").is_in(list(schema.COLLAPSE_DETECTORS))).height
-    actions = guard_actions.count_run(run_dir)  # the one definition (guard/core/actions.py)
+    actions = count_actions(run_dir)  # the one definition (guard/core/actions.py)
     last = layers.filter(pl.col("step") >= steps["step"].max() - max(1, n // 10))
     worst = float(last.group_by("layer").agg(pl.col("maxvio").mean())["maxvio"].max() or float("nan"))
     status = (read_meta(run_dir) or {}).get("status", "?")

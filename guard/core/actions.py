@@ -23,7 +23,6 @@ steps after it and the counter counts them again (Prometheus counters are for ra
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from guard.core import schema
@@ -64,28 +63,6 @@ def count(step_actions: Iterable[str | None], events: Iterable[Mapping[str, Any]
     for a in step_actions:
         tally(out, a)
     tally(out, None, events)
-    return out
-
-
-def count_run(run_dir: str | Path) -> dict[str, int]:
-    """Counts from a run store's `steps` and `events` tables."""
-    import polars as pl
-
-    from guard.store.reader import scan_table
-
-    steps = scan_table(run_dir, schema.TABLE_STEPS).select("action")
-    per_step = steps.filter(pl.col("action").is_in(list(STEP_ACTIONS))).group_by("action").len().collect()
-    ev = scan_table(run_dir, schema.TABLE_EVENTS).select("kind", "action")
-    per_event = (
-        ev.filter((pl.col("kind") == schema.EV_ACTION) & pl.col("action").is_in(list(EVENT_ACTIONS)))
-        .group_by("action")
-        .len()
-        .collect()
-    )
-    out = zero()
-    for df in (per_step, per_event):
-        for a, n in df.iter_rows():
-            out[a] += int(n)
     return out
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import polars as pl
 
-from guard.core import schema
+from guard.core import actions, schema
 from guard.core.report import StepReport
 from guard.core.rows import reports_from_columns
 from guard.store.layout import parse_part_name, part_files, polars_schema, sorted_part_names
@@ -125,3 +125,23 @@ def read_reports(run_dir: str | Path) -> Iterator[StepReport]:
         {c: layers[c].to_numpy() for c in layers.columns},
         {c: experts[c].to_numpy() for c in experts.columns},
     )
+
+
+def count_actions(run_dir: str | Path) -> dict[str, int]:
+    """Guard actions of a stored run, counted from its `steps` and `events` tables by the one
+    definition of what counts (guard/core/actions.py)."""
+    steps = scan_table(run_dir, schema.TABLE_STEPS).select("action")
+    step_actions = list(actions.STEP_ACTIONS)
+    per_step = steps.filter(pl.col("action").is_in(step_actions)).group_by("action").len().collect()
+    ev = scan_table(run_dir, schema.TABLE_EVENTS).select("kind", "action")
+    per_event = (
+        ev.filter((pl.col("kind") == schema.EV_ACTION) & pl.col("action").is_in(list(actions.EVENT_ACTIONS)))
+        .group_by("action")
+        .len()
+        .collect()
+    )
+    out = actions.zero()
+    for df in (per_step, per_event):
+        for a, n in df.iter_rows():
+            out[a] += int(n)
+    return out

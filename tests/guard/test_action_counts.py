@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from guard.core import actions, schema
 from guard.core.events import Event
-from guard.store.reader import read_meta
+from guard.store.reader import count_actions, read_meta
 from tests.conftest import MICRO, REPO
 from tests.helpers_http import http_json, wait_http, wait_until
 
@@ -191,12 +191,12 @@ def _cli_counts(stdout: str) -> dict[str, int]:
 def test_run_store_app_and_metrics_count_the_same(faulty_run: dict) -> None:
     from dashboards import data
 
-    store = actions.count_run(faulty_run["run_dir"])
+    store = count_actions(faulty_run["run_dir"])
     assert all(store[a] > 0 for a in actions.GUARD_ACTIONS), f"the drill must exercise every action: {store}"
     # The collector answers "halted" when the halt event is ingested; its run-store writer flushes the
     # rows a moment later, so its copy is compared once it has caught up (or the wait times out).
     collector_store = wait_until(
-        lambda: (c := actions.count_run(faulty_run["collector_run_dir"])) == store and c,
+        lambda: (c := count_actions(faulty_run["collector_run_dir"])) == store and c,
         timeout=30,
         what="the collector's run store to hold every action",
     )
@@ -215,7 +215,7 @@ def test_run_store_app_and_metrics_count_the_same(faulty_run: dict) -> None:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_cli_summary_and_meta_count_the_same(faulty_run: dict) -> None:
-    store = actions.count_run(faulty_run["run_dir"])
+    store = count_actions(faulty_run["run_dir"])
     assert _cli_counts(faulty_run["stdout"]) == store, faulty_run["stdout"]
     meta = read_meta(faulty_run["run_dir"]) or {}
     assert meta.get("guard_actions") == store, json.dumps(meta.get("counts"))
