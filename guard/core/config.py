@@ -49,8 +49,28 @@ class SpikeConfig:
     # with 127x in a single layer (step 95) without a fault.
     early_rel_max: float | None = None
     early_rel_floor: float | None = None
+    # Self-calibrating mode (guard/core/calibrated.py): the setting is a false-alarm budget per
+    # step (1e-5 = one false alarm per 100k clean steps); the threshold is the run's own
+    # (1 - budget) residual quantile from a tail fit over the last `tail_memory` accepted values,
+    # refitted every `refit_every`; z, rel_max and tail_margin are then unused (rel_min stays the
+    # minimum effect size, early_rel_max the cap before `tail_warmup`). None: the fixed-z rule.
+    budget: float | None = None
+    tail_memory: int = 4096
+    refit_every: int = 32
+    # Level-shift re-admission (budget mode): `shift_steps` consecutive flagged values within a
+    # log range of `shift_band` are a new plateau, not a spike: they become the baseline (with the
+    # default policy that is after two rollbacks, before the third would halt).
+    shift_steps: int | None = 8
+    shift_band: float = 0.25
 
     def __post_init__(self) -> None:
+        check(self.budget is None or 0 < self.budget < 0.1, "budget", self.budget, "must be in (0, 0.1)")
+        check(self.tail_memory >= 64, "tail_memory", self.tail_memory, "must be >= 64")
+        check(self.refit_every >= 1, "refit_every", self.refit_every, "must be >= 1")
+        check(
+            self.shift_steps is None or self.shift_steps >= 2, "shift_steps", self.shift_steps, "must be >= 2"
+        )
+        check(self.shift_band > 0, "shift_band", self.shift_band, "must be > 0")
         check(self.window >= 8, "window", self.window, "must be >= 8")
         check(0 < self.warmup <= self.window, "warmup", self.warmup, "must be in 1..window")
         check(self.z > 0, "z", self.z, "must be > 0")
@@ -69,7 +89,12 @@ class SpikeConfig:
             self.tail_margin,
             "must be >= 1",
         )
-        check(0 <= self.tail_warmup <= self.window, "tail_warmup", self.tail_warmup, "must be in 0..window")
+        check(
+            0 <= self.tail_warmup <= max(self.window, self.tail_memory),
+            "tail_warmup",
+            self.tail_warmup,
+            "must be in 0..max(window, tail_memory)",
+        )
         check(
             self.early_rel_max is None or (self.rel_max is not None and self.early_rel_max >= self.rel_max),
             "early_rel_max",

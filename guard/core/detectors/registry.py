@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from guard.core import schema
 from guard.core.config import GuardConfig
+from guard.core.detectors.calibrated import CalibratedSpikeDetector
 from guard.core.detectors.collapse import CollapseDetector
 from guard.core.detectors.nonfinite import NonFiniteDetector
 from guard.core.detectors.spike import LayerSpikeDetector, SpikeDetector
@@ -122,6 +123,20 @@ class SeriesSpike(_Fired):
         self.det.accept(getattr(report, self.field))
 
 
+class CalibratedSeries(SeriesSpike):
+    """A CalibratedSpikeDetector (SpikeConfig.budget set) on one float field of the report: it also
+    hears how each step ended (its clock, its run of flagged values for the level-shift rule)."""
+
+    def settle(self, report: StepReport, accepted: bool) -> None:
+        self.det.settle(getattr(report, self.field), accepted)
+
+
+def _series(c: Any, name: str, field: str) -> SeriesSpike:
+    if c.budget is not None:
+        return CalibratedSeries(CalibratedSpikeDetector(c, name), field)
+    return SeriesSpike(SpikeDetector(c, name), field)
+
+
 class LayerSpikes(_Fired):
     """A LayerSpikeDetector on the per-layer grad norms (nothing to judge when none are reported)."""
 
@@ -133,6 +148,10 @@ class LayerSpikes(_Fired):
     def accept(self, report: StepReport) -> None:
         if len(report.layer_grad_norm_L):
             self.det.accept(report.layer_ids_L, report.layer_grad_norm_L)
+
+    def settle(self, report: StepReport, accepted: bool) -> None:
+        if len(report.layer_grad_norm_L):
+            self.det.settle(report.layer_ids_L, report.layer_grad_norm_L, accepted)
 
 
 class SeriesObserver(_Fired):
@@ -157,13 +176,13 @@ def _nonfinite(cfg: GuardConfig) -> NonFiniteStep | None:
 @register("grad_spike", STAGE_STEP)
 def _grad_spike(cfg: GuardConfig) -> SeriesSpike | None:
     c = cfg.grad_spike
-    return SeriesSpike(SpikeDetector(c, schema.DET_GRAD_SPIKE), "grad_norm") if c.enabled else None
+    return _series(c, schema.DET_GRAD_SPIKE, "grad_norm") if c.enabled else None
 
 
 @register("loss_spike", STAGE_STEP)
 def _loss_spike(cfg: GuardConfig) -> SeriesSpike | None:
     c = cfg.loss_spike
-    return SeriesSpike(SpikeDetector(c, schema.DET_LOSS_SPIKE), "loss") if c.enabled else None
+    return _series(c, schema.DET_LOSS_SPIKE, "loss") if c.enabled else None
 
 
 @register("layer_grad_spike", STAGE_STEP)

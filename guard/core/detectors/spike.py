@@ -18,6 +18,7 @@ import numpy as np
 
 from guard.core import schema
 from guard.core.config import SpikeConfig
+from guard.core.detectors.calibrated import CalibratedSpikeDetector
 from guard.core.detectors.robust import MAD_TO_SIGMA, NAN, RingBuffer, is_finite, median_of
 from guard.core.events import Verdict
 
@@ -171,13 +172,15 @@ class SpikeDetector:
 
 
 class LayerSpikeDetector:
-    """One SpikeDetector per layer id (per-layer grad norms), created on first sight."""
+    """One spike detector per layer id (per-layer grad norms), created on first sight: a
+    SpikeDetector, or a CalibratedSpikeDetector when the config sets a false-alarm budget."""
 
     def __init__(self, cfg: SpikeConfig, name: str = schema.DET_LAYER_GRAD_SPIKE) -> None:
         self.cfg = cfg
         self.name = name
-        self.layers: dict[int, SpikeDetector] = {}
-        self._empty = SpikeDetector(cfg, name)  # judges unseen layers without creating state
+        self._make: Any = CalibratedSpikeDetector if cfg.budget is not None else SpikeDetector
+        self.layers: dict[int, Any] = {}
+        self._empty = self._make(cfg, name)  # judges unseen layers without creating state
 
     def peek(self, layer_ids: Any, values: Any) -> list[Verdict]:
         """Fired verdicts (layer set) without changing any window."""
@@ -204,7 +207,16 @@ class LayerSpikeDetector:
                 det.accept(x)
             else:
                 out.append(v)
+            if self.cfg.budget is not None:
+                det.settle(x, accepted=v is None)
         return out
+
+    def settle(self, layer_ids: Any, values: Any, accepted: bool) -> None:
+        """End of the step for budget-mode layers (their clock and level-shift runs); else nothing."""
+        if self.cfg.budget is None:
+            return
+        for lid, x in self._pairs(layer_ids, values):
+            self._det(lid).settle(x, accepted)
 
     def _fired(self, det: SpikeDetector, lid: int, x: float) -> Verdict | None:
         """The verdict of one layer if it fired, else None (no Verdict built for a quiet layer)."""
@@ -219,7 +231,8 @@ class LayerSpikeDetector:
         vals = [float(v) for v in np.asarray(values, dtype=np.float64).reshape(-1)]
         if len(ids) != len(vals):
             raise ValueError(f"{len(ids)} layer ids but {len(vals)} values")
-        self._refresh([self.layers[i] for i in ids if i in self.layers])
+        if self.cfg.budget is None:
+            self._refresh([self.layers[i] for i in ids if i in self.layers])
         return list(zip(ids, vals, strict=True))
 
     @staticmethod
@@ -250,7 +263,7 @@ class LayerSpikeDetector:
     def _det(self, lid: int) -> SpikeDetector:
         det = self.layers.get(lid)
         if det is None:
-            det = self.layers[lid] = SpikeDetector(self.cfg, self.name)
+            det = self.layers[lid] = self._make(self.cfg, self.name)
         return det
 
     def state_dict(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ class DetectorSuite:
         built = {key: (r.stage, r.build(cfg)) for key, r in (registry or REGISTRY).items()}
         self.detectors: dict[str, Any] = {key: det for key, (_, det) in built.items() if det is not None}
         self._step = [det for _, (stage, det) in built.items() if det is not None and stage == STAGE_STEP]
+        self._settling = [det for det in self._step if hasattr(det, "settle")]
         self._observers = [
             det for _, (stage, det) in built.items() if det is not None and stage != STAGE_STEP
         ]
@@ -35,9 +36,12 @@ class DetectorSuite:
     def update(self, report: StepReport) -> list[Verdict]:
         """All fired verdicts for this step; only a clean step feeds the spike baselines."""
         out = self.peek_step(report)
-        if not out and report.finite:
+        accepted = not out and report.finite
+        if accepted:
             for det in self._step:
                 det.accept(report)
+        for det in self._settling:  # detectors that hear how every step ended
+            det.settle(report, accepted)
         # Routing and timing describe the step whatever its gradients were: always observed.
         for det in self._observers:
             out.extend(det.update(report))

@@ -1,0 +1,423 @@
+"""Held-out detector evaluation at matched false-alarm rates: ours (self-calibrating, a false-alarm
+budget) vs the peers, each tuned on a calibration split to the same budget, scored on traces none
+of them was tuned on.
+
+    python bench/detector_heldout.py                         # the full evaluation (~10 min, 2 cores)
+    python bench/detector_heldout.py --quick                 # a smoke run (tests)
+    python bench/detector_heldout.py --write-docs            # also update docs/BENCHMARKS.md
+
+Splits (bench/trace_families.py):
+  calibration  families lognormal, student_t3, lr_schedule; seeds 0..7 (each a grad-norm and a
+               loss trace of --steps steps). Used for ONE thing: each detector's sensitivity knob
+               is set to the most sensitive grid value whose false-alarm rate on these clean
+               traces is at most --target per step (ours: the budget; OLMo-core: sigma_factor;
+               ZClip: z_thresh; Lightning: rtol; Megatron: factor).
+  test         every family (stable and drift never seen in calibration), seeds 100..107.
+Faults: single-step multiplicative spikes of one size per copy (x1.5 .. x100), every 250 steps
+after step 300; a fault is detected when its step or one of the next 3 is flagged; other flags are
+false positives. FA/1k counts flags per 1,000 steps of the clean test copies. NaN is left out: every
+system here catches NaN/Inf with a separate check (ours, Megatron, Lightning's finite_only), so it
+would measure nothing but that check.
+
+The peers run as re-implementations (bench/detector_quality.py, fast enough for the grid search);
+`--agreement` drives the peers' real code (ai2-olmo-core's SkipStepOptimizer.get_step_factor,
+zclip's ZClip.step, lightning's SpikeDetection._is_spike/_update_stats as its
+on_train_batch_end calls them) on test traces at the tuned settings and counts differing flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bench.detector_quality import Lightning, Megatron, OlmoCore, ZClip, run_detector
+from bench.trace_families import FAMILIES, family_traces
+from bench.traces import GRAD_NORM, LOSS, Trace, fault_positions, inject
+from guard.core.config import SpikeConfig
+from guard.core.detectors.calibrated import CalibratedSpikeDetector
+
+SIZES = (1.5, 2.0, 3.0, 5.0, 10.0, 100.0)
+CALIBRATION_FAMILIES = ("lognormal", "student_t3", "lr_schedule")
+TOLERANCE = 3
+FAULT_START, FAULT_GAP = 300, 250
+
+
+def ours_config(budget: float) -> SpikeConfig:
+    """The budget-mode spike rule as the guard ships it for this budget."""
+    return SpikeConfig(budget=budget, tail_warmup=200, rel_min=1.2, rel_max=20.0, early_rel_max=20.0)
+
+
+class Ours:
+    def __init__(self, budget: float) -> None:
+        self.det = CalibratedSpikeDetector(ours_config(budget))
+
+    def step(self, x: float) -> bool:
+        if not math.isfinite(x):
+            return True
+        return self.det.update(x).fired
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A detector and its sensitivity knob: the grid runs from most to least sensitive."""
+
+    name: str
+    knob: str
+    grid: tuple[float, ...]
+    make: Callable[[float], Any]
+
+
+KNOBS = (
+    Knob("ours (budget)", "budget", tuple(10.0**e for e in np.arange(-2.0, -8.01, -0.25)), Ours),
+    Knob(
+        "OLMo-core",
+        "sigma_factor",
+        tuple(np.round(np.arange(2.0, 40.01, 0.5), 2)),
+        lambda v: OlmoCore(sigma_factor=v),
+    ),
+    Knob("ZClip", "z_thresh", tuple(np.round(np.arange(1.5, 40.01, 0.5), 2)), lambda v: ZClip(z_thresh=v)),
+    Knob("Lightning", "rtol", tuple(np.round(np.arange(0.1, 20.01, 0.1), 2)), lambda v: Lightning(rtol=v)),
+    Knob("Megatron", "factor", tuple(np.round(np.arange(1.1, 40.01, 0.1), 2)), lambda v: Megatron(factor=v)),
+)
+
+
+# ---------------------------------------------------------------------------------------
+# Calibration: the most sensitive setting within the false-alarm target
+# ---------------------------------------------------------------------------------------
+def fa_rate(knob: Knob, value: float, traces: Sequence[Trace]) -> float:
+    flags = sum(int(run_detector(knob.make(value), t.values)[FAULT_START:].sum()) for t in traces)
+    steps = sum(len(t.values) - FAULT_START for t in traces)
+    return flags / steps
+
+
+def calibrate(knob: Knob, traces: Sequence[Trace], target: float) -> tuple[float, float]:
+    """(setting, its calibration FA rate): bisection over the grid (FA falls as the knob loosens)."""
+    lo, hi = 0, len(knob.grid) - 1
+    if fa_rate(knob, knob.grid[hi], traces) > target:
+        return knob.grid[hi], fa_rate(knob, knob.grid[hi], traces)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fa_rate(knob, knob.grid[mid], traces) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return knob.grid[lo], fa_rate(knob, knob.grid[lo], traces)
+
+
+# ---------------------------------------------------------------------------------------
+# Scoring on the test split
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Tally:
+    faults: int = 0
+    hits: int = 0
+    false_pos: int = 0
+    clean_flags: int = 0
+    clean_steps: int = 0
+    per_trace_recall: list[float] | None = None
+
+    @property
+    def recall(self) -> float:
+        return self.hits / self.faults if self.faults else math.nan
+
+    @property
+    def precision(self) -> float:
+        n = self.hits + self.false_pos
+        return self.hits / n if n else math.nan
+
+    @property
+    def f1(self) -> float:
+        p, r = self.precision, self.recall
+        return 2 * p * r / (p + r) if p + r > 0 else 0.0
+
+    @property
+    def fa_per_1k(self) -> float:
+        return 1000.0 * self.clean_flags / self.clean_steps if self.clean_steps else math.nan
+
+
+def score_copy(flags: np.ndarray, positions: np.ndarray) -> tuple[int, int]:
+    """(faults detected, false positives) of one faulty copy."""
+    near = np.zeros(len(flags), dtype=bool)
+    hits = 0
+    for p in positions:
+        window = slice(p, min(p + TOLERANCE + 1, len(flags)))
+        near[window] = True
+        hits += bool(flags[window].any())
+    return hits, int((flags & ~near).sum())
+
+
+def evaluate(knob: Knob, value: float, traces: Sequence[Trace]) -> dict[tuple[str, str, float], Tally]:
+    """Tallies keyed by (family, series, size); size 0.0 holds the clean copies' false alarms."""
+    out: dict[tuple[str, str, float], Tally] = {}
+    for t in traces:
+        family = t.name.rsplit("-", 1)[0]
+        clean = run_detector(knob.make(value), t.values)
+        ct = out.setdefault((family, t.series, 0.0), Tally())
+        ct.clean_flags += int(clean[FAULT_START:].sum())
+        ct.clean_steps += len(t.values) - FAULT_START
+        rng = np.random.default_rng(zlib.crc32(f"{t.name}/{t.series}".encode()))
+        pos = fault_positions(len(t.values), 10**6, rng, FAULT_START, FAULT_GAP)
+        for size in SIZES:
+            flags = run_detector(knob.make(value), inject(t.values, pos, [size] * len(pos)))
+            hits, fp = score_copy(flags, pos)
+            tl = out.setdefault((family, t.series, size), Tally(per_trace_recall=[]))
+            tl.faults += len(pos)
+            tl.hits += hits
+            tl.false_pos += fp
+            assert tl.per_trace_recall is not None
+            tl.per_trace_recall.append(hits / len(pos))
+    return out
+
+
+def pooled(
+    tallies: dict[tuple[str, str, float], Tally], series: str, size: float, families=FAMILIES
+) -> Tally:
+    agg = Tally(per_trace_recall=[])
+    for (fam, ser, sz), t in tallies.items():
+        if ser == series and sz == size and fam in families:
+            agg.faults += t.faults
+            agg.hits += t.hits
+            agg.false_pos += t.false_pos
+            agg.clean_flags += t.clean_flags
+            agg.clean_steps += t.clean_steps
+            if t.per_trace_recall and agg.per_trace_recall is not None:
+                agg.per_trace_recall.extend(t.per_trace_recall)
+    return agg
+
+
+# ---------------------------------------------------------------------------------------
+# The peers' real code, flag for flag
+# ---------------------------------------------------------------------------------------
+def real_flags(name: str, value: float, values: np.ndarray) -> np.ndarray | None:
+    """Flags from the peer's installed package at this setting (None: no real package here)."""
+    import torch
+
+    out = np.zeros(len(values), dtype=bool)
+    if name == "OLMo-core":
+        from olmo_core.optim.skip_step_optimizer import SkipStepOptimizer
+
+        opt = SkipStepOptimizer([torch.zeros(1, requires_grad=True)], {}, sigma_factor=value)
+        for i, x in enumerate(values):
+            opt.latest_loss = torch.tensor(float(x))  # one series: judged on its own (no grad norms)
+            out[i] = float(opt.get_step_factor()) == 0.0
+        return out
+    if name == "ZClip":
+        from zclip import ZClip as RealZClip
+
+        class Recording(RealZClip):
+            def _compute_clip_val(self, grad_norm):  # noqa: ANN001, ANN202 - upstream's signature
+                self.flagged = (v := super()._compute_clip_val(grad_norm)) is not None
+                return v
+
+        zc = Recording(z_thresh=value, max_grad_norm=None)
+        lin = torch.nn.Linear(1, 1, bias=False)
+        for i, x in enumerate(values):
+            zc.flagged = False
+            lin.weight.grad = torch.full((1, 1), float(x))
+            zc.step(lin)
+            out[i] = zc.flagged
+        return out
+    if name == "Lightning":
+        from lightning.fabric.utilities.spike import SpikeDetection
+
+        sd = SpikeDetection(rtol=value)
+        for i, x in enumerate(values):
+            loss = torch.tensor(float(x))
+            # on_train_batch_end without a Fabric: the spike test, then the update of an unflagged value
+            spike = bool(i >= sd.warmup and sd._is_spike(loss))
+            if not spike:
+                sd._update_stats(loss)
+            out[i] = spike
+        return out
+    return None
+
+
+def agreement(settings: dict[str, float], traces: Sequence[Trace], steps: int) -> list[str]:
+    """Markdown rows: per peer, flags compared and how many differ (re-implementation vs real code)."""
+    rows = []
+    for knob in KNOBS:
+        if knob.name.startswith("ours"):
+            continue
+        compared = differ = 0
+        for t in traces:
+            rng = np.random.default_rng(zlib.crc32(f"agree/{t.name}/{t.series}".encode()))
+            pos = fault_positions(steps, 10**6, rng, FAULT_START, FAULT_GAP)
+            vals = inject(t.values[:steps], pos, rng.choice(SIZES, size=len(pos)))
+            for value in sorted({settings[knob.name], default_of(knob)}):
+                real = real_flags(knob.name, value, vals)
+                if real is None:
+                    break
+                mine = run_detector(knob.make(value), vals)
+                compared += len(vals)
+                differ += int((real != mine).sum())
+        if compared:
+            rows.append(f"| {knob.name} | {compared:,} | {differ} |")
+        else:
+            rows.append(f"| {knob.name} | not installed here (re-implementation only) | - |")
+    return rows
+
+
+def default_of(knob: Knob) -> float:
+    """The peer's published default for its knob."""
+    return {"OLMo-core": 6.0, "ZClip": 2.5, "Lightning": 2.0, "Megatron": 10.0}[knob.name]
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------
+def _f(x: float, d: int = 3) -> str:
+    return "-" if x != x else f"{x:.{d}f}"
+
+
+def size_table(results: dict[str, dict], series: str, families: Sequence[str]) -> list[str]:
+    head = (
+        "| detector | FA/1k clean | "
+        + " | ".join(f"x{s:g}" for s in SIZES)
+        + " | x2 recall, min..max over traces |"
+    )
+    rows = [head, "|" + "---|" * (len(SIZES) + 3)]
+    for name, tallies in results.items():
+        fa = pooled(tallies, series, 0.0, families).fa_per_1k
+        f1s = [pooled(tallies, series, s, families).f1 for s in SIZES]
+        spread = pooled(tallies, series, 2.0, families).per_trace_recall or [math.nan]
+        rows.append(
+            f"| {name} | {_f(fa, 2)} | "
+            + " | ".join(_f(v) for v in f1s)
+            + f" | {_f(min(spread), 2)}..{_f(max(spread), 2)} |"
+        )
+    return rows
+
+
+def family_table(results: dict[str, dict], series: str) -> list[str]:
+    rows = ["| detector | " + " | ".join(FAMILIES) + " |", "|" + "---|" * (len(FAMILIES) + 1)]
+    for name, tallies in results.items():
+        cells = []
+        for fam in FAMILIES:
+            f1 = pooled(tallies, series, 2.0, (fam,)).f1
+            fa = pooled(tallies, series, 0.0, (fam,)).fa_per_1k
+            cells.append(f"{_f(f1)} / {_f(fa, 2)}")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def not_ahead(results: dict[str, dict]) -> list[str]:
+    """Every (series, size) where a peer's F1 beats ours, or its FA/1k is lower."""
+    ours = next(n for n in results if n.startswith("ours"))
+    lines = []
+    for series in (GRAD_NORM, LOSS):
+        fa_ours = pooled(results[ours], series, 0.0).fa_per_1k
+        for name, tallies in results.items():
+            if name == ours:
+                continue
+            fa = pooled(tallies, series, 0.0).fa_per_1k
+            if fa < fa_ours:
+                lines.append(
+                    f"- {series}: {name} has fewer false alarms ({_f(fa, 3)} vs {_f(fa_ours, 3)} per 1k)"
+                )
+            for s in SIZES:
+                a, b = pooled(results[ours], series, s).f1, pooled(tallies, series, s).f1
+                if b > a:
+                    lines.append(f"- {series} x{s:g}: {name} F1 {_f(b)} > ours {_f(a)}")
+    return lines or [
+        "- nowhere: ours has the highest F1 at every size and no more false alarms than any peer"
+    ]
+
+
+def report(args: argparse.Namespace, settings, calib_fa, results, agree_rows, seconds: float) -> str:
+    from bench._docs import machine_line
+
+    cmd = "python bench/detector_heldout.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    out = [
+        "## Detection on held-out traces at matched false-alarm rates",
+        "",
+        f"`{cmd.strip()}` ({machine_line()}; {seconds / 60:.1f} min)",
+        "",
+        f"Every detector's sensitivity knob set on the calibration split ({', '.join(CALIBRATION_FAMILIES)}, "
+        f"seeds 0..{args.calib_seeds - 1}, {args.steps} steps, grad norm and loss pooled) to the most "
+        f"sensitive grid value with at most {args.target:g} false alarms per clean step; then scored on "
+        f"the test split (all of {', '.join(FAMILIES)}, seeds 100..{99 + args.test_seeds}: stable and "
+        "drift never seen in calibration). Single-step spikes every 250 steps after step 300, detected "
+        "within 3 steps; NaN left out (every system has a separate non-finite check). Trace families: "
+        "bench/trace_families.py.",
+        "",
+        "| detector | knob | set on calibration | calibration FA/1k | published default |",
+        "|---|---|---|---|---|",
+    ]
+    for k in KNOBS:
+        default = "budget (no default z)" if k.name.startswith("ours") else f"{default_of(k):g}"
+        out.append(
+            f"| {k.name} | {k.knob} | {settings[k.name]:.3g} | {1000 * calib_fa[k.name]:.3f} | {default} |"
+        )
+    for series in (GRAD_NORM, LOSS):
+        out += ["", f"F1 per spike size, {series}, test split (all families pooled):", ""]
+        out += size_table(results, series, FAMILIES)
+    out += ["", "Per family, grad norm: F1 at x2 / FA per 1k clean steps:", ""]
+    out += family_table(results, GRAD_NORM)
+    out += ["", "Where ours is not ahead:", ""] + not_ahead(results)
+    if agree_rows:
+        out += [
+            "",
+            f"Re-implementations vs the peers' real code (flags on {args.agreement_traces} test traces x "
+            f"{args.agreement_steps} steps with mixed-size spikes, at the tuned and the published setting):",
+            "",
+            "| peer | flags compared | differing |",
+            "|---|---|---|",
+        ] + agree_rows
+    return "\n".join(out) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3000, help="steps per trace (default 3000)")
+    ap.add_argument("--calib-seeds", type=int, default=8, help="calibration seeds per family (default 8)")
+    ap.add_argument("--test-seeds", type=int, default=8, help="test seeds per family (default 8)")
+    ap.add_argument("--target", type=float, default=1e-4, help="false alarms per clean step (default 1e-4)")
+    ap.add_argument("--agreement", action="store_true", help="also compare with the peers' real code")
+    ap.add_argument("--agreement-traces", type=int, default=4)
+    ap.add_argument("--agreement-steps", type=int, default=1500)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 1,200 steps, 2 seeds")
+    ap.add_argument("--write-docs", action="store_true", help="write the section of docs/BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.calib_seeds, args.test_seeds = 1200, 2, 2
+        args.agreement_steps, args.agreement_traces = min(args.agreement_steps, 600), 1
+    if args.steps < FAULT_START + FAULT_GAP:
+        ap.error(f"--steps {args.steps}: must be at least {FAULT_START + FAULT_GAP} (room for a fault)")
+    if not 0 < args.target < 0.1:
+        ap.error(f"--target {args.target}: must be in (0, 0.1)")
+    t0 = time.time()
+    calib = [t for f in CALIBRATION_FAMILIES for t in family_traces(f, range(args.calib_seeds), args.steps)]
+    test = [t for f in FAMILIES for t in family_traces(f, range(100, 100 + args.test_seeds), args.steps)]
+    settings, calib_fa, results = {}, {}, {}
+    for knob in KNOBS:
+        settings[knob.name], calib_fa[knob.name] = calibrate(knob, calib, args.target)
+        print(
+            f"{knob.name}: {knob.knob} = {settings[knob.name]:.3g} (calibration FA {calib_fa[knob.name]:.2e}/step)",
+            file=sys.stderr,
+            flush=True,
+        )
+        results[knob.name] = evaluate(knob, settings[knob.name], test)
+    agree_rows = []
+    if args.agreement:
+        picked = test[:: max(1, len(test) // args.agreement_traces)][: args.agreement_traces]
+        agree_rows = agreement(settings, picked, args.agreement_steps)
+    text = report(args, settings, calib_fa, results, agree_rows, time.time() - t0)
+    print(text)
+    if args.write_docs:
+        from bench._docs import write_section
+
+        write_section("detector_heldout", text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,240 @@
+"""A spike detector whose setting is a false-alarm budget, not a z: the threshold is the run's own
+(1 - budget) residual quantile, from a generalized Pareto fit of its tail (guard/core/detectors/tail.py).
+
+Same baseline as SpikeDetector (guard/core/detectors/spike.py), on the log scale, accepted values only:
+  level     median of the last `level_window` accepted log values;
+  residual  log x - level (the level before x), centred by the median and scaled by the MAD
+            (x 1.4826, floored at `mad_floor`) of the last `window` accepted residuals: a
+            standardized residual s, so a change of the run's noise level re-scales at once;
+  tail      the s of the last `tail_memory` accepted values; every `refit_every` accepted values
+            their upper tail is fitted again (peaks over the 0.9 quantile, GPD by PWM) and the
+            threshold becomes s_p, the value one clean step in 1/budget exceeds.
+It fires when x > abs_max (any time); while fewer than `tail_warmup` values were accepted (no tail
+to fit yet) when x > level x early_rel_max; after that when s > s_p AND x > level x rel_min (a
+minimum effect size: a very steady series does not page on a 3% blip however rare).
+
+Level shifts (a data-mixture change moves the grad norm to a new plateau): flagged values never
+enter the baseline, so a real shift would be flagged for ever and escalate to a halt. Rule: the
+`shift_steps`-th consecutive flagged value (counting across rollbacks: the guard's detector state
+is not rolled back) that sits on one plateau with the flagged values before it (log range within
+`shift_band`: max/min <= exp(shift_band)) is not flagged: its verdict says rule "level_shift",
+and those values become the level. With the default policy (a rollback after 3 skips, a halt
+after 3 rollbacks) and shift_steps 8, a persistent new level costs two rollbacks, then training
+goes on at it; a bad data window shorter than that is skipped. A rise that keeps growing (a
+divergence) is no plateau and keeps firing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from guard.core import schema
+from guard.core.config import SpikeConfig
+from guard.core.detectors.robust import MAD_TO_SIGMA, RingBuffer, median_of
+from guard.core.detectors.tail import TailFit, fit_tail
+from guard.core.events import Verdict
+
+_NAN = float("nan")
+
+
+class CalibratedSpikeDetector:
+    """Upward spikes of one positive series at a false-alarm budget per step (cfg.budget)."""
+
+    def __init__(self, cfg: SpikeConfig, name: str = schema.DET_GRAD_SPIKE) -> None:
+        if cfg.budget is None:
+            raise ValueError("CalibratedSpikeDetector needs SpikeConfig.budget (a false-alarm rate per step)")
+        self.cfg = cfg
+        self.name = name
+        self.n_accepted = 0
+        self._recent = RingBuffer(cfg.level_window)
+        self._recent_t = RingBuffer(cfg.level_window)  # the step (call count) of each of them
+        self._t = 0  # values seen (update() calls): the clock of the trend
+        self._quiet_until = 0  # no residual joins the tail before this step (after a re-base)
+        self._resid = RingBuffer(cfg.window)
+        self._tail = RingBuffer(cfg.tail_memory)
+        self._fit: TailFit | None = None
+        self._since_fit = 0
+        self._flagged_run: list[float] = []  # log values of the current run of flagged steps
+        self._stats: tuple[float, float, float] | None = None
+
+    # ---- baseline ------------------------------------------------------------------
+    def _baseline(self) -> tuple[float, float, float]:
+        """(level now, residual median, residual scale) of the accepted values."""
+        if self._stats is None:
+            level = self._trend_level()
+            r = self._resid.values()
+            med_r = median_of(r) if r.size else 0.0
+            mad = median_of(np.abs(r - med_r)) * MAD_TO_SIGMA if r.size else 0.0
+            self._stats = (level, med_r, max(mad, self.cfg.mad_floor))
+        return self._stats
+
+    def _trend_level(self) -> float:
+        """The level at the current step: the median of the newer half of the level window moved
+        along the slope between the medians of its older and newer halves.
+
+        A plain median lags a trend by half its window, and since flagged values never join the
+        baseline, a fast smooth rise (an LR warm restart, the end of warm-up) that gets flagged
+        once would be judged against an ever staler level: every later step flagged. Following
+        the slope keeps the level on the trend; a one-step spike moves neither half's median."""
+        y, ts = self._recent.ordered(), self._recent_t.ordered()
+        n = len(y)
+        if n < 4:
+            return median_of(np.asarray(y))
+        h = n // 2
+        old_y, new_y = float(np.median(y[:h])), float(np.median(y[h:]))
+        old_t, new_t = float(np.median(ts[:h])), float(np.median(ts[h:]))
+        slope = (new_y - old_y) / max(new_t - old_t, 1.0)
+        return new_y + slope * (self._t - new_t)
+
+    @property
+    def threshold_z(self) -> float:
+        """The current standardized-residual threshold s_p (inf before the tail is fitted)."""
+        if self._fit is None:
+            return math.inf
+        return self._fit.threshold(self.cfg.budget or 0.0)
+
+    # ---- judging -------------------------------------------------------------------
+    def judge(self, x: float) -> tuple[bool, str | None, float | None, float | None]:
+        """(fired, rule, threshold in the series' units, standardized residual) for a finite x."""
+        cfg = self.cfg
+        if cfg.abs_max is not None and x > cfg.abs_max:
+            return True, "abs_max", cfg.abs_max, None
+        if x <= 0 or self.n_accepted < cfg.warmup or not len(self._recent):
+            return False, None, None, None
+        level, med_r, scale = self._baseline()
+        s = (math.log(x) - level - med_r) / scale
+        if self.n_accepted < cfg.tail_warmup or self._fit is None:
+            cap = cfg.early_rel_max if cfg.early_rel_max is not None else cfg.rel_max
+            if cap is not None and x > math.exp(level) * cap:
+                return True, "rel_max", math.exp(level) * cap, s
+            return False, "tail_warmup", None, s
+        log_thr = max(level + math.log(cfg.rel_min), level + med_r + self.threshold_z * scale)
+        threshold = math.exp(min(log_thr, 700.0))  # a budget far below the fit's reach: inf-like
+        return x > threshold, "budget", threshold, s
+
+    def peek(self, x: float) -> Verdict:
+        """The verdict for x against the current baseline; changes no state."""
+        if not (isinstance(x, (int, float)) and math.isfinite(x)):
+            return Verdict(detector=self.name, fired=False, value=float(x), evidence={"skipped": "nonfinite"})
+        x = float(x)
+        fired, rule, threshold, s = self.judge(x)
+        if fired and self._completes_plateau(x):
+            fired, rule = False, "level_shift"
+        evidence: dict[str, Any] = {"n": self.n_accepted}
+        if len(self._recent):
+            level, _, scale = self._baseline()
+            evidence.update(median=math.exp(level), mad=scale)
+        if s is not None:
+            evidence["z"] = s
+            evidence["z_threshold"] = self.threshold_z
+        if rule is not None:
+            evidence["rule"] = rule
+        return Verdict(
+            detector=self.name,
+            fired=fired,
+            value=x,
+            threshold=_NAN if threshold is None else threshold,
+            evidence=evidence,
+        )
+
+    def update(self, x: float) -> Verdict:
+        """Judge x; an unflagged value joins the baseline; then the clock advances."""
+        v = self.peek(x)
+        if not v.fired:
+            self.accept(x)
+        self.settle(x, accepted=not v.fired)
+        return v
+
+    def settle(self, x: float, accepted: bool) -> None:
+        """End of the step (the suite calls it whatever it decided): a value this detector flagged
+        and nobody accepted extends the current run of flagged values; the clock advances."""
+        if not accepted and x > 0 and math.isfinite(x) and self.judge(x)[0]:
+            self._flagged_run.append(math.log(x))
+        self._t += 1
+        self._stats = None  # the trend level moves with the clock
+
+    def _completes_plateau(self, x: float) -> bool:
+        """Would x complete `shift_steps` flagged values on one plateau (log range <= shift_band)?"""
+        cfg = self.cfg
+        if cfg.shift_steps is None or len(self._flagged_run) < cfg.shift_steps - 1:
+            return False
+        run = [*self._flagged_run[-(cfg.shift_steps - 1) :], math.log(x)]
+        return max(run) - min(run) <= cfg.shift_band
+
+    def _rebase(self, x: float) -> None:
+        """The flagged plateau (x its last value) becomes the level."""
+        run = [*self._flagged_run[-(self.cfg.shift_steps or 1) + 1 :], math.log(x)]
+        keep = run[-self._recent.capacity :]
+        self._recent.load(keep)
+        self._recent_t.load([float(self._t - len(keep) + 1 + i) for i in range(len(keep))])
+        # The residuals of the next few steps are measured against a level still settling on the
+        # new plateau: they stay out of the tail (they would fatten it for tail_memory steps).
+        self._quiet_until = self._t + self.cfg.level_window
+        self._stats = None
+
+    def accept(self, x: float) -> None:
+        """Add x to the baseline (ignored when not finite or <= 0)."""
+        if not (math.isfinite(x) and x > 0):
+            return
+        if self._flagged_run and self._completes_plateau(x):
+            self._rebase(x)
+            self.n_accepted += 1
+            self._flagged_run.clear()
+            return
+        self._flagged_run.clear()
+        lx = math.log(x)
+        if len(self._recent):
+            level, med_r, scale = self._baseline()
+            self._resid.push(lx - level)
+            if self.n_accepted >= self.cfg.warmup and self._t >= self._quiet_until:
+                self._tail.push((lx - level - med_r) / scale)
+                self._since_fit += 1
+        self._recent.push(lx)
+        self._recent_t.push(float(self._t))
+        self.n_accepted += 1
+        self._stats = None
+        if self._since_fit >= self.cfg.refit_every or (self._fit is None and self._since_fit):
+            self._refit()
+
+    def _refit(self) -> None:
+        self._since_fit = 0
+        if self.n_accepted >= self.cfg.tail_warmup:
+            self._fit = fit_tail(self._tail.values())
+
+    # ---- state ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "n_accepted": self.n_accepted,
+            "recent_log": self._recent.ordered(),
+            "recent_t": self._recent_t.ordered(),
+            "t": self._t,
+            "resid_log": self._resid.ordered(),
+            "tail_z": self._tail.ordered(),
+            "flagged_run": list(self._flagged_run),
+            "since_fit": self._since_fit,
+            "quiet_until": self._quiet_until,
+            "fit": None
+            if self._fit is None
+            else [self._fit.u, self._fit.xi, self._fit.sigma, self._fit.n, self._fit.n_u],
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.n_accepted = int(d.get("n_accepted", 0))
+        self._recent.load(list(d.get("recent_log", [])))
+        self._recent_t.load(list(d.get("recent_t", [])))
+        self._t = int(d.get("t", 0))
+        self._resid.load(list(d.get("resid_log", [])))
+        self._tail.load(list(d.get("tail_z", [])))
+        self._flagged_run = list(d.get("flagged_run", []))
+        self._since_fit = int(d.get("since_fit", 0))
+        self._quiet_until = int(d.get("quiet_until", 0))
+        fit = d.get("fit")
+        self._fit = (
+            None
+            if fit is None
+            else TailFit(float(fit[0]), float(fit[1]), float(fit[2]), int(fit[3]), int(fit[4]))
+        )
+        self._stats = None

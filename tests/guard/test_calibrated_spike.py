@@ -1,0 +1,150 @@
+"""The self-calibrating spike rule (issue #16): a false-alarm budget instead of a z."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from guard.core import schema
+from guard.core.config import GuardConfig, SpikeConfig
+from guard.core.detectors.calibrated import CalibratedSpikeDetector
+from guard.core.detectors.registry import CalibratedSeries
+from guard.core.detectors.suite import DetectorSuite
+from guard.core.detectors.tail import fit_tail
+from guard.core.report import StepReport
+from guard.core.tomlconf import ConfigError
+
+
+def _cfg(**kw) -> SpikeConfig:
+    return SpikeConfig(**{"budget": 1e-5, "tail_warmup": 200, "rel_min": 1.2, **kw})
+
+
+def _clean(n: int, seed: int, sigma: float = 0.1, t_df: float | None = None) -> np.ndarray:
+    """A decaying positive series with AR(1) log noise (Student-t innovations when t_df is set)."""
+    rng = np.random.default_rng(seed)
+    e = rng.standard_t(t_df, n) * sigma / math.sqrt(t_df / (t_df - 2)) if t_df else rng.normal(0, sigma, n)
+    noise = np.zeros(n)
+    for i in range(1, n):
+        noise[i] = 0.4 * noise[i - 1] + e[i] * math.sqrt(1 - 0.16)
+    t = np.arange(n)
+    return (0.3 + 1.7 * np.exp(-t / 600)) * np.exp(noise)
+
+
+def _run(det: CalibratedSpikeDetector, values: np.ndarray) -> list:
+    return [det.update(float(x)) for x in values]
+
+
+def test_tail_fit_recovers_known_quantiles():
+    rng = np.random.default_rng(0)
+    expo = fit_tail(rng.exponential(size=8192))
+    assert expo is not None and expo.xi < 0.08
+    # exponential(1): P(X > x) = exp(-x); the 1e-3 quantile is 6.91
+    assert abs(expo.threshold(1e-3) - math.log(1e3)) < 0.6
+    heavy = fit_tail(rng.standard_t(3, size=8192))
+    assert heavy is not None and heavy.xi > 0.15, "Student-t(3) has a heavy (xi = 1/3) tail"
+    light = fit_tail(rng.normal(size=8192))
+    assert light is not None and light.xi < 0.05
+    # clamped at xi = 0 a normal tail is over-estimated, never under: fewer false alarms than asked
+    assert light.threshold(1e-5) > 4.26
+    assert fit_tail(rng.normal(size=50)) is None  # fewer than 10 excesses: no fit
+
+
+@pytest.mark.parametrize("t_df", [None, 3.0])
+def test_clean_runs_raise_nothing_and_spikes_after_warmup_are_caught(t_df):
+    for seed in range(3):
+        values = _clean(3000, seed, t_df=t_df)
+        flags = [v.fired for v in _run(CalibratedSpikeDetector(_cfg()), values)]
+        assert not any(flags), f"seed {seed}: clean steps flagged at {np.flatnonzero(flags)}"
+    values = _clean(3000, 7, t_df=t_df)
+    values[1500] *= 8.0
+    verdicts = _run(CalibratedSpikeDetector(_cfg()), values)
+    assert verdicts[1500].fired and verdicts[1500].evidence["rule"] == "budget"
+    assert sum(v.fired for v in verdicts) == 1
+
+
+def test_threshold_follows_the_runs_own_noise():
+    quiet = CalibratedSpikeDetector(_cfg())
+    noisy = CalibratedSpikeDetector(_cfg())
+    _run(quiet, _clean(1500, 1, sigma=0.05))
+    _run(noisy, _clean(1500, 1, sigma=0.05, t_df=3.0))
+    assert noisy.threshold_z > quiet.threshold_z, "a heavier tail must raise the standardized threshold"
+    # and a 2x spike is caught on the quiet series
+    assert quiet.peek(2.0 * math.exp(quiet._baseline()[0])).fired
+
+
+def test_level_shift_is_readmitted_and_a_divergence_is_not():
+    values = _clean(2000, 3, sigma=0.05)
+    values[1000:] *= 3.0  # a data-mixture change: a new plateau
+    verdicts = _run(CalibratedSpikeDetector(_cfg()), values)
+    fired = [i for i, v in enumerate(verdicts) if v.fired]
+    assert fired == list(range(1000, 1007)), fired  # shift_steps 8: the 8th is re-admitted
+    assert verdicts[1007].evidence["rule"] == "level_shift"
+
+    diverging = _clean(1200, 4, sigma=0.05)
+    diverging[1000:] *= np.exp(0.15 * np.arange(1, 201))  # +16% a step: no plateau
+    verdicts = _run(CalibratedSpikeDetector(_cfg()), diverging)
+    # its first steps (+16%, +35%) sit in the noise; from the fourth on it is flagged, every step
+    assert all(v.fired for v in verdicts[1003:1100])
+
+
+def test_smooth_ramp_is_followed_not_flagged():
+    """An LR warm restart lifts the grad norm 2.3x over 20 steps: a trend, not a spike."""
+    values = _clean(2000, 5, sigma=0.05)
+    ramp = np.ones(2000)
+    ramp[1000:1020] = np.linspace(1.0, 2.3, 20)
+    ramp[1020:] = 2.3
+    verdicts = _run(CalibratedSpikeDetector(_cfg()), values * ramp)
+    assert not any(v.fired for v in verdicts)
+
+
+def test_state_round_trip_gives_identical_verdicts():
+    values = _clean(1500, 6, t_df=3.0)
+    values[1200] *= 10
+    a = CalibratedSpikeDetector(_cfg())
+    _run(a, values[:900])
+    b = CalibratedSpikeDetector(_cfg())
+    b.load_state_dict(a.state_dict())
+    va, vb = _run(a, values[900:]), _run(b, values[900:])
+    assert [(v.fired, v.threshold) for v in va] == [(v.fired, v.threshold) for v in vb]
+    assert va[300].fired
+
+
+def test_suite_uses_the_budget_rule_when_a_budget_is_set():
+    cfg = GuardConfig(grad_spike=_cfg(), loss_spike=_cfg())
+    suite = DetectorSuite(cfg)
+    assert isinstance(suite.detectors["grad_spike"], CalibratedSeries)
+    values = _clean(1200, 8)
+    values[1100] *= 10
+    fired_steps = []
+    for i, g in enumerate(values):
+        rep = StepReport(
+            step=i, time=0.0, loss=2.0 + 1e-3 * math.sin(i), grad_norm=float(g), lr=1e-3, tokens=0
+        )
+        if any(v.detector == schema.DET_GRAD_SPIKE for v in suite.update(rep)):
+            fired_steps.append(i)
+    assert fired_steps == [1100]
+    assert suite.detectors["grad_spike"].det._t == 1200  # the suite ticked its clock every step
+
+
+def test_bad_budget_is_refused_naming_the_value():
+    with pytest.raises(ConfigError, match="budget"):
+        SpikeConfig(budget=0.5)
+    with pytest.raises(ValueError, match="budget"):
+        CalibratedSpikeDetector(SpikeConfig())
+
+
+def test_per_layer_budget_mode_flags_only_the_spiking_layer():
+    from guard.core.detectors.spike import LayerSpikeDetector
+
+    det = LayerSpikeDetector(_cfg())
+    series = np.stack([_clean(1000, 20 + i) for i in range(4)], axis=1)
+    series[900, 2] *= 12
+    fired = {}
+    for i, row in enumerate(series):
+        for v in det.update([0, 1, 2, 3], row):
+            fired.setdefault(i, []).append(v.layer)
+    assert fired == {900: [2]}
+    assert isinstance(det.layers[0], CalibratedSpikeDetector)
+    assert det.layers[3]._t == 1000
