@@ -94,6 +94,8 @@ class GuardedStep:
             device=device,
             layers=layers if layers is not None else _default_layers(model),
             routers=routers or [],
+            optimizer=optimizer,
+            precursor=self.cfg.precursor,
         )
         self.layer_ids = np.arange(self.probe.n_layers, dtype=np.int32)
         mode = attach.correction_mode if attach is not None else MODE_NONE
@@ -156,6 +158,7 @@ class GuardedStep:
             bias_norm_M=pr.bias_norm_M,
             load_ME=pr.load_ME,
             bias_ME=pr.bias_ME,
+            **pr.precursors,
         )
         if self.commands is not None:
             self.guard.commands.offer(self.commands.poll_commands())

@@ -97,6 +97,7 @@ def step_report(step: int, pr: ProbeResult, probe: Probe, layer_ids: np.ndarray,
         bias_norm_M=pr.bias_norm_M,
         load_ME=pr.load_ME,
         bias_ME=pr.bias_ME,
+        **pr.precursors,
         **fields,
     )
 
@@ -215,7 +216,12 @@ class Trainer:
         """The probe, the guard and how its decisions are applied; the multi-rank agreement."""
         cfg, t = self.cfg, self.cfg.telemetry
         self.probe = Probe(
-            self.model, dead_window=t.dead_window, device=self.device, all_reduce=self.comm.all_reduce
+            self.model,
+            dead_window=t.dead_window,
+            device=self.device,
+            all_reduce=self.comm.all_reduce,
+            optimizer=self.opt,
+            precursor=cfg.guard.precursor,
         )
         self.probe_layer_ids = np.arange(len(self.model.blocks), dtype=np.int32)
         has_bias = cfg.model.bias_mode != "off"

@@ -178,6 +178,43 @@ class ThroughputConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PrecursorConfig:
+    """Precursor signals (guard/runtime/precursor.py measures them; guard/core/detectors/precursor.py
+    judges them): numbers that move BEFORE a loss spike, recorded as warning events, never acted on
+    unless `act` is set.
+
+    Measured on the device and shipped in the probe's one host copy per step:
+      update ratio  ||W_t - W_{t-1}|| / ||W_{t-1}|| per layer, per optimizer group and in total,
+                    i.e. the relative size of the update that produced this step's weights. From a
+                    fixed strided sample (one weight in `update_sample_every`; tensors of at most
+                    `full_below` elements whole) copied just before optimizer.step(): no full copy.
+      group grad    grad norm per optimizer parameter group (from the per-parameter norms the probe
+                    already has; host-side sums only).
+      adam v ratio  max over parameters of mean(exp_avg_sq) / its running median (off by default:
+                    one extra pass over the optimizer's second moments per step).
+    """
+
+    enabled: bool = True  # measure the update ratio and per-group grad norms
+    update_sample_every: int = 61  # a prime: the sample walks across every column of 2^k-wide matrices
+    full_below: int = 4096  # tensors this small are sampled whole
+    adam_v_ratio: bool = False  # Adam second-moment spike ratio (an extra pass over exp_avg_sq)
+    adam_v_window: int = 32  # steps in the running median of each parameter's mean(exp_avg_sq)
+    # The update-ratio spike detector (per layer; one warning verdict per step, naming the layers).
+    # Marin saw 2x update-norm spikes ahead of loss and grad-norm spikes: rel_min 2 is that effect size.
+    detect: bool = True
+    update_spike: SpikeConfig = field(
+        default_factory=lambda: SpikeConfig(z=6.0, rel_min=2.0, rel_max=None, warmup=16, level_window=8)
+    )
+    act: bool = False  # True: a precursor verdict skips the update like a step verdict (the policy)
+
+    def __post_init__(self) -> None:
+        check(self.update_sample_every >= 1, "update_sample_every", self.update_sample_every, "must be >= 1")
+        check(self.full_below >= 0, "full_below", self.full_below, "must be >= 0")
+        check(self.adam_v_window >= 4, "adam_v_window", self.adam_v_window, "must be >= 4")
+        check(not self.act or self.detect, "act", self.act, "needs detect = true")
+
+
+@dataclass(kw_only=True, slots=True)
 class PolicyConfig:
     """What the guard does about verdicts, and when it escalates."""
 
@@ -253,6 +290,7 @@ class GuardConfig:
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
     stall: StallConfig = field(default_factory=StallConfig)
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    precursor: PrecursorConfig = field(default_factory=PrecursorConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     mode: str = "act"  # act | observe (observe == enabled=False)
 

@@ -86,7 +86,12 @@ class Policy:
         """One Decision for this step. `healthy(layer)` says whether a layer's routing is fine now."""
         d = Decision(step=step, verdicts=list(verdicts))
         acting = self.cfg.acting
-        step_v = [v for v in verdicts if v.detector in schema.STEP_DETECTORS]
+        step_v = [
+            v
+            for v in verdicts
+            if v.detector in schema.STEP_DETECTORS
+            or (self.cfg.precursor.act and v.detector in schema.PRECURSOR_DETECTORS)
+        ]
         collapse_v = [v for v in verdicts if v.detector in schema.COLLAPSE_DETECTORS]
         other_v = [v for v in verdicts if v not in step_v and v not in collapse_v]
         if step_v or collapse_v:  # informational verdicts (stalls, throughput) never change state

@@ -1,6 +1,7 @@
 """StepReport: everything one training step tells moeguard, host-side, after ONE copy.
 
-Shapes (suffix legend): L = transformer layers, M = MoE layers, E = experts per MoE layer.
+Shapes (suffix legend): L = transformer layers, M = MoE layers, E = experts per MoE layer,
+G = optimizer parameter groups.
 The trainer builds it from a single device->host transfer; the exporter ships it as JSON;
 the collector rebuilds it; detectors, the run store and replay all consume the same object.
 Its one mapping to and from run-store table rows is guard/core/rows.py.
@@ -35,9 +36,15 @@ class StepReport:
     # this rank's straggler score (fastest rank's median busy step time / this rank's) from the
     # trainer's last straggler window; NaN when unknown (single rank, or before the first window)
     straggler_score: float = float("nan")
+    # precursors (guard/runtime/precursor.py): the relative size of the update that produced this
+    # step's weights, ||W_t - W_{t-1}|| / ||W_{t-1}||, in total; NaN when no update was applied or
+    # measured. Adam's second-moment spike ratio (NaN when off).
+    update_ratio: float = float("nan")
+    adam_v_ratio: float = float("nan")
     # per layer (L): index into the model's blocks
     layer_ids_L: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     layer_grad_norm_L: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    update_ratio_L: np.ndarray = field(default_factory=lambda: np.zeros(0))  # empty: not measured
     # per MoE layer (M), aligned with moe_layer_ids_M
     moe_layer_ids_M: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     router_entropy_M: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -47,6 +54,9 @@ class StepReport:
     bias_norm_M: np.ndarray = field(default_factory=lambda: np.zeros(0))
     load_ME: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
     bias_ME: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    # per optimizer parameter group (G, index into optimizer.param_groups); empty: not measured
+    group_grad_norm_G: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    group_update_ratio_G: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     # ---- derived -------------------------------------------------------------------
     @property
@@ -58,8 +68,10 @@ class StepReport:
     def n_values(self) -> int:
         """Numeric values carried (for ingest accounting)."""
         return (
-            11
+            13
             + 2 * self.layer_grad_norm_L.size
+            + self.update_ratio_L.size
+            + 2 * self.group_grad_norm_G.size
             + 6 * self.router_entropy_M.size
             + self.load_ME.size
             + self.bias_ME.size
@@ -112,6 +124,15 @@ class StepReport:
         n_l = len(self.layer_ids_L)
         if self.layer_grad_norm_L.shape != (n_l,):
             raise ValueError(f"layer_grad_norm_L has shape {self.layer_grad_norm_L.shape}, expected ({n_l},)")
+        if self.update_ratio_L.size and self.update_ratio_L.shape != (n_l,):
+            raise ValueError(
+                f"update_ratio_L has shape {self.update_ratio_L.shape}, expected ({n_l},) or (0,)"
+            )
+        n_g = self.group_grad_norm_G.size
+        if self.group_update_ratio_G.size and self.group_update_ratio_G.shape != (n_g,):
+            raise ValueError(
+                f"group_update_ratio_G has shape {self.group_update_ratio_G.shape}, expected ({n_g},) or (0,)"
+            )
         m = len(self.moe_layer_ids_M)
         for name in ("router_entropy_M", "load_entropy_M", "maxvio_M", "dead_experts_M", "bias_norm_M"):
             arr = getattr(self, name)
@@ -129,6 +150,7 @@ _REQUIRED = ("step", "time", "loss", "grad_norm", "lr", "tokens")
 _ARRAY_DTYPES = {
     "layer_ids_L": np.int32,
     "layer_grad_norm_L": np.float64,
+    "update_ratio_L": np.float64,
     "moe_layer_ids_M": np.int32,
     "router_entropy_M": np.float64,
     "load_entropy_M": np.float64,
@@ -137,4 +159,6 @@ _ARRAY_DTYPES = {
     "bias_norm_M": np.float64,
     "load_ME": np.int64,
     "bias_ME": np.float64,
+    "group_grad_norm_G": np.float64,
+    "group_update_ratio_G": np.float64,
 }

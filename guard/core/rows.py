@@ -1,7 +1,7 @@
 """StepReport <-> run-store table rows: the one mapping, both ways.
 
-report -> rows: `steps_columns`, `layer_columns`, `expert_columns` turn many reports into the
-columns of the `steps`, `layers` and `experts` tables at once (the in-process run store and
+report -> rows: `steps_columns`, `layer_columns`, `expert_columns`, `group_columns` turn many
+reports into the columns of the `steps`, `layers`, `experts` and `groups` tables at once (the in-process run store and
 the collector both write through them, guard/store/writer.py). rows -> report:
 `reports_from_columns` rebuilds the reports from those tables (`moeguard replay`, through
 guard/store/reader.py). Pure numpy: the store turns columns into Parquet.
@@ -69,6 +69,7 @@ def layer_columns(reps: Sequence[StepReport]) -> dict[str, np.ndarray]:
         "step": np.repeat(np.array([r.step for r in reps], dtype=np.int64), n),
         "layer": np.concatenate([r.layer_ids_L for r in reps]),
         "grad_norm": np.concatenate([r.layer_grad_norm_L for r in reps]),
+        "update_ratio": np.concatenate([_per_layer(r.update_ratio_L, len(r.layer_ids_L)) for r in reps]),
     }
     first = reps[0]
     same_layout = all(
@@ -92,6 +93,11 @@ def layer_columns(reps: Sequence[StepReport]) -> dict[str, np.ndarray]:
                 parts.append(row)
             cols[col] = np.concatenate(parts)
     return _typed(schema.TABLE_LAYERS, cols)
+
+
+def _per_layer(values: np.ndarray, n: int) -> np.ndarray:
+    """A per-layer array, or NaN per layer where it was not measured (empty)."""
+    return values if values.size == n else np.full(n, math.nan)
 
 
 def _moe_positions(r: StepReport) -> tuple[np.ndarray, np.ndarray]:
@@ -119,6 +125,23 @@ def expert_columns(reps: Sequence[StepReport]) -> dict[str, np.ndarray]:
     return _typed(schema.TABLE_EXPERTS, cols)
 
 
+def group_columns(reps: Sequence[StepReport]) -> dict[str, np.ndarray]:
+    """Columns for the `groups` table: one row per (step, optimizer parameter group)."""
+    reps = [r for r in reps if r.group_grad_norm_G.size]
+    if not reps:
+        return _empty(schema.TABLE_GROUPS)
+    sizes = np.array([r.group_grad_norm_G.size for r in reps])
+    cols = {
+        "step": np.repeat(np.array([r.step for r in reps], dtype=np.int64), sizes),
+        "group": np.concatenate([np.arange(n) for n in sizes]),
+        "grad_norm": np.concatenate([r.group_grad_norm_G for r in reps]),
+        "update_ratio": np.concatenate(
+            [_per_layer(r.group_update_ratio_G, r.group_grad_norm_G.size) for r in reps]
+        ),
+    }
+    return _typed(schema.TABLE_GROUPS, cols)
+
+
 # ---------------------------------------------------------------------------------------
 # rows -> report
 # ---------------------------------------------------------------------------------------
@@ -126,12 +149,15 @@ def reports_from_columns(
     steps: Mapping[str, Sequence[Any]],
     layers: Mapping[str, np.ndarray],
     experts: Mapping[str, np.ndarray],
+    groups: Mapping[str, np.ndarray] | None = None,
 ) -> Iterator[StepReport]:
-    """StepReports rebuilt from the three tables' columns, one per `steps` row in its order.
-    `layers` must be sorted by (step, layer) and `experts` by (step, layer, expert); a missing
-    value (None) in `steps` reads as NaN. MoE layers are the layer rows with a router entropy."""
+    """StepReports rebuilt from the tables' columns, one per `steps` row in its order.
+    `layers` must be sorted by (step, layer), `experts` by (step, layer, expert) and `groups` by
+    (step, group); a missing value (None) in `steps` reads as NaN. MoE layers are the layer rows
+    with a router entropy."""
     by_step_l = _row_ranges(layers)
     by_step_e = _row_ranges(experts)
+    by_step_g = _row_ranges(groups or {})
     names = [c for c in schema.STEPS_COLUMNS if c in steps]
     for i in range(len(steps["step"])):
         rep = StepReport(**{c: (v if (v := steps[c][i]) is not None else math.nan) for c in names})
@@ -141,6 +167,9 @@ def reports_from_columns(
             moe = ~np.isnan(np.asarray(layers["router_entropy"][sl], dtype=np.float64))
             rep.layer_ids_L = np.asarray(layers["layer"][sl], dtype=np.int32)
             rep.layer_grad_norm_L = np.asarray(layers["grad_norm"][sl], dtype=np.float64)
+            if "update_ratio" in layers:
+                ratio = np.asarray(layers["update_ratio"][sl], dtype=np.float64)
+                rep.update_ratio_L = ratio if not np.isnan(ratio).all() else np.zeros(0)
             rep.moe_layer_ids_M = rep.layer_ids_L[moe]
             rep.router_entropy_M = np.asarray(layers["router_entropy"][sl])[moe]
             rep.load_entropy_M = np.asarray(layers["load_entropy"][sl])[moe]
@@ -152,6 +181,11 @@ def reports_from_columns(
             sl, m = slice(*lo_hi), len(rep.moe_layer_ids_M)
             rep.load_ME = np.asarray(experts["load"][sl]).reshape(m, -1)
             rep.bias_ME = np.asarray(experts["bias"][sl]).reshape(m, -1)
+        lo_hi = by_step_g.get(rep.step)
+        if lo_hi is not None and groups is not None:
+            sl = slice(*lo_hi)
+            rep.group_grad_norm_G = np.asarray(groups["grad_norm"][sl], dtype=np.float64)
+            rep.group_update_ratio_G = np.asarray(groups["update_ratio"][sl], dtype=np.float64)
         yield rep
 
 

@@ -7,7 +7,7 @@ checked against them by tests) so a rename cannot silently break a panel or an a
 from __future__ import annotations
 
 # Bumped when a run-store table changes shape; readers refuse newer, migrate older.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: precursor columns (update_ratio, adam_v_ratio) and the groups table
 
 # ---------------------------------------------------------------------------------------
 # Run store tables: runs/<run_id>/<table>/part-*.parquet, plus meta.json.
@@ -18,7 +18,8 @@ TABLE_LAYERS = "layers"
 TABLE_EXPERTS = "experts"
 TABLE_EVENTS = "events"
 TABLE_RANKS = "ranks"
-TABLES = (TABLE_STEPS, TABLE_LAYERS, TABLE_EXPERTS, TABLE_EVENTS, TABLE_RANKS)
+TABLE_GROUPS = "groups"
+TABLES = (TABLE_STEPS, TABLE_LAYERS, TABLE_EXPERTS, TABLE_EVENTS, TABLE_RANKS, TABLE_GROUPS)
 
 # name -> polars dtype name (kept as strings so this module imports without polars)
 STEPS_COLUMNS: dict[str, str] = {
@@ -34,6 +35,10 @@ STEPS_COLUMNS: dict[str, str] = {
     "mfu": "Float64",  # ratio 0..1, NaN when the peak is unknown
     "mem_peak_bytes": "Int64",
     "action": "String",  # the guard's decision for this step (ACTIONS)
+    # Precursors (guard/core/config.py PrecursorConfig). update_ratio: ||W_t - W_{t-1}|| / ||W_{t-1}||
+    # over every parameter, the update that produced this step's weights (NaN: none applied/measured)
+    "update_ratio": "Float64",
+    "adam_v_ratio": "Float64",  # max over params of mean(exp_avg_sq) / its running median (NaN: off)
 }
 LAYERS_COLUMNS: dict[str, str] = {
     "step": "Int64",
@@ -44,6 +49,7 @@ LAYERS_COLUMNS: dict[str, str] = {
     "maxvio": "Float64",  # (max load - mean load) / mean load
     "dead_experts": "Int32",  # experts that got no token over the dead-expert window
     "bias_norm": "Float64",  # L2 norm of the expert-selection bias
+    "update_ratio": "Float64",  # this layer's ||W_t - W_{t-1}|| / ||W_{t-1}|| (see steps.update_ratio)
 }
 EXPERTS_COLUMNS: dict[str, str] = {
     "step": "Int64",
@@ -71,12 +77,21 @@ RANKS_COLUMNS: dict[str, str] = {
     "straggler_score": "Float64",
     "tokens": "Int64",
 }
+# Per optimizer parameter group (index into optimizer.param_groups): Muon and AdamW groups differ
+# by orders of magnitude, so one total grad norm hides either.
+GROUPS_COLUMNS: dict[str, str] = {
+    "step": "Int64",
+    "group": "Int32",
+    "grad_norm": "Float64",
+    "update_ratio": "Float64",
+}
 TABLE_COLUMNS: dict[str, dict[str, str]] = {
     TABLE_STEPS: STEPS_COLUMNS,
     TABLE_LAYERS: LAYERS_COLUMNS,
     TABLE_EXPERTS: EXPERTS_COLUMNS,
     TABLE_EVENTS: EVENTS_COLUMNS,
     TABLE_RANKS: RANKS_COLUMNS,
+    TABLE_GROUPS: GROUPS_COLUMNS,
 }
 
 META_FILE = "meta.json"
@@ -118,6 +133,7 @@ DET_ROUTER_ENTROPY = "router_entropy"
 DET_STALL = "data_stall"
 DET_THROUGHPUT = "throughput_drop"
 DET_LR = "lr_spike"  # the LR about to be applied exceeds the schedule's bound
+DET_UPDATE_RATIO = "update_ratio_spike"  # precursor: a layer's update/weight ratio jumped
 DETECTORS = (
     DET_NONFINITE,
     DET_GRAD_SPIKE,
@@ -130,9 +146,13 @@ DETECTORS = (
     DET_STALL,
     DET_THROUGHPUT,
     DET_LR,
+    DET_UPDATE_RATIO,
 )
 # Detectors whose verdict means "this update is bad, do not apply it".
 STEP_DETECTORS = (DET_NONFINITE, DET_GRAD_SPIKE, DET_LOSS_SPIKE, DET_LAYER_GRAD_SPIKE, DET_LR)
+# Precursors: warnings that move before a loss spike; they record an event and act only when
+# configured (guard.precursor.act).
+PRECURSOR_DETECTORS = (DET_UPDATE_RATIO,)
 # Detectors that watch a single MoE layer's routing.
 COLLAPSE_DETECTORS = (DET_DEAD_EXPERTS, DET_MAXVIO, DET_LOAD_ENTROPY, DET_ROUTER_ENTROPY)
 

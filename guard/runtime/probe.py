@@ -12,6 +12,11 @@ so every rank derives identical statistics and therefore identical guard decisio
 gradients are already synchronised; with FSDP2 (DTensor gradients sharded on dim 0) each rank
 holds only its shard, so the per-layer sums of squares ride in the same all-reduce and every rank
 gets the full norms. Still one device->host copy per step.
+
+Given the optimizer, the probe also carries the precursor signals (guard/runtime/precursor.py):
+the update ratio of the update that produced this step's weights (sampled around
+optimizer.step() by hooks, shipped at the next collect), per optimizer group grad norms, and
+optionally Adam's second-moment spike ratio; in the same copy and the same all-reduce.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from guard.core.config import PrecursorConfig
 from guard.integrations.base import count_pending
+from guard.runtime.precursor import Precursors
 
 
 @dataclass(slots=True)
@@ -44,6 +51,9 @@ class ProbeResult:
     load_ME: np.ndarray
     bias_ME: np.ndarray
     extra: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the caller's values, summed over ranks
+    # StepReport fields of the precursor signals (update_ratio, update_ratio_L, group_grad_norm_G,
+    # group_update_ratio_G, adam_v_ratio); empty when the probe has no optimizer or they are off
+    precursors: dict[str, Any] = field(default_factory=dict)
 
 
 class Probe:
@@ -58,13 +68,17 @@ class Probe:
         layers: list[nn.Module] | None = None,
         routers: list[tuple[int, Any]] | None = None,
         all_reduce: Callable[..., Any] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        precursor: PrecursorConfig | None = None,
     ) -> None:
         """`layers`: the modules whose gradient norms are reported per layer (default model.blocks).
         `routers`: (layer index, router) pairs; a router exposes tokens_per_expert_E, entropy_sum,
         token_count, expert_bias_E and reset_stats() (moeguard's Router, or a guard.runtime.probes.RouterProbe
         attached to any third-party gate). Default: model.moe_layers().
         `all_reduce(tensor)`: sums a tensor across ranks in place (default torch.distributed's; the
-        trainer passes its timed one, so time waiting for peers stays out of a rank's busy time)."""
+        trainer passes its timed one, so time waiting for peers stays out of a rank's busy time).
+        `optimizer` (with `precursor` enabled, the default): measure the precursor signals; the
+        probe hooks optimizer.step() to sample each update (guard/runtime/precursor.py)."""
         self.model = model
         self.dead_window = dead_window
         blocks = layers if layers is not None else model.blocks
@@ -93,6 +107,12 @@ class Probe:
         # FSDP2: gradients are DTensor shards; their squared norms must be summed across ranks.
         self.sharded = any(_is_shard(p) for p in self.params)
         self.all_reduce: Callable[..., Any] = all_reduce if all_reduce is not None else dist.all_reduce
+        precursor = precursor if precursor is not None else PrecursorConfig()
+        self.precursors = (
+            Precursors(self.params, self._segments, self.n_layers, optimizer, precursor)
+            if optimizer is not None and precursor.enabled
+            else None
+        )
 
     # ---- device-side pieces ----------------------------------------------------------
     def _grads(self) -> list[torch.Tensor]:
@@ -163,15 +183,26 @@ class Probe:
             ex,
         ]
         biases = [r.expert_bias_E.reshape(-1) for r in sources]
+        # precursor numbers: sums over this rank's shard when sharded (then reduced), else replicated
+        pre = self.precursors.device_part(loss) if self.precursors is not None else loss.new_zeros(0)
         n_ex = ex.numel()
         if _multi_rank():
-            flat = torch.cat([(norms**2 if self.sharded else norms[:0]), *summed]).float()
+            own = [norms**2, pre] if self.sharded else [norms[:0], pre[:0]]
+            flat = torch.cat([own[0], *summed, own[1]]).float()
             self.all_reduce(flat)
-            n_sq = len(self.params) if self.sharded else 0
-            flat = torch.cat([flat[:n_sq] if self.sharded else norms**2, flat[n_sq:], *biases])
+            n_sq, n_pre = own[0].numel(), own[1].numel()
+            end = flat.numel() - n_pre
+            flat = torch.cat(
+                [
+                    flat[:n_sq] if self.sharded else norms**2,
+                    flat[n_sq:end],
+                    *biases,
+                    flat[end:] if self.sharded else pre,
+                ]
+            )
             world = dist.get_world_size()
         else:
-            flat = torch.cat([norms**2, *summed, *biases])
+            flat = torch.cat([norms**2, *summed, *biases, pre])
             world = 1
         n_p = len(self.params)
         # This step's loads stay a device tensor for bias updates (a view of the gathered vector).
@@ -181,7 +212,7 @@ class Probe:
 
     def _derive(self, h: np.ndarray, m: int, e: int, n_extra: int, world: int, n_micro: int) -> ProbeResult:
         """Host-side statistics from the gathered vector [sq norms P, loss, loads M*E, entropy sums M,
-        token counts M, extra, biases M*E]."""
+        token counts M, extra, biases M*E, precursors]."""
         n_p = len(self.params)
         sq_L1 = np.bincount(self._segments, weights=h[:n_p], minlength=self.n_layers + 1)  # NaN-propagating
         i = n_p
@@ -194,6 +225,8 @@ class Probe:
         extra = h[i : i + n_extra].copy()
         i += n_extra
         bias = h[i : i + m * e].reshape(m, e)
+        i += m * e
+        precursors = self.precursors.derive(h[i:], h[:n_p]) if self.precursors is not None else {}
         if m:
             with np.errstate(invalid="ignore", divide="ignore"):
                 mean = np.maximum(loads.mean(axis=1), 1e-9)
@@ -219,6 +252,7 @@ class Probe:
             load_ME=np.rint(loads).astype(np.int64),
             bias_ME=bias.copy(),
             extra=extra,
+            precursors=precursors,
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:

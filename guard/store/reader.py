@@ -115,15 +115,17 @@ def last_step(run_dir: str | Path) -> int:
 
 
 def read_reports(run_dir: str | Path) -> Iterator[StepReport]:
-    """StepReports rebuilt from the steps, layers and experts tables, in step order
+    """StepReports rebuilt from the steps, layers, experts and groups tables, in step order
     (guard/core/rows.py is the mapping)."""
     steps = scan_table(run_dir, schema.TABLE_STEPS).sort("step").collect()
     layers = scan_table(run_dir, schema.TABLE_LAYERS).sort("step", "layer").collect()
     experts = scan_table(run_dir, schema.TABLE_EXPERTS).sort("step", "layer", "expert").collect()
+    groups = scan_table(run_dir, schema.TABLE_GROUPS).sort("step", "group").collect()
     yield from reports_from_columns(
         steps.to_dict(as_series=False),
         {c: layers[c].to_numpy() for c in layers.columns},
         {c: experts[c].to_numpy() for c in experts.columns},
+        {c: groups[c].to_numpy() for c in groups.columns},
     )
 
 

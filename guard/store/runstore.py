@@ -22,13 +22,17 @@ import polars as pl
 from guard.core import schema
 from guard.core.events import Event
 from guard.core.report import StepReport
-from guard.core.rows import expert_columns, layer_columns, steps_row
+from guard.core.rows import expert_columns, group_columns, layer_columns, steps_row
 from guard.store.layout import atomic_write_json, next_part_seq
 from guard.store.reader import read_meta
 from guard.store.writer import table_frame, write_parts
 
 # Tables whose rows are built in bulk from the buffered reports at flush time.
-_BULK_TABLES = {schema.TABLE_LAYERS: layer_columns, schema.TABLE_EXPERTS: expert_columns}
+_BULK_TABLES = {
+    schema.TABLE_LAYERS: layer_columns,
+    schema.TABLE_EXPERTS: expert_columns,
+    schema.TABLE_GROUPS: group_columns,
+}
 
 
 def _bulk_frame(table: str, reps: list[StepReport]) -> pl.DataFrame:
@@ -113,7 +117,9 @@ class RunStore:
             self._note_first(schema.TABLE_LAYERS, rep.step)
         if rep.load_ME.size:
             self._note_first(schema.TABLE_EXPERTS, rep.step)
-        if len(rep.layer_ids_L) or rep.load_ME.size:
+        if rep.group_grad_norm_G.size:
+            self._note_first(schema.TABLE_GROUPS, rep.step)
+        if len(rep.layer_ids_L) or rep.load_ME.size or rep.group_grad_norm_G.size:
             self._reports.append(rep)
         self._since_flush += 1
         if self._since_flush >= self.flush_every or self._events_pending:

@@ -18,7 +18,7 @@ import polars as pl
 
 from guard.core import schema
 from guard.core.report import StepReport
-from guard.core.rows import expert_columns, layer_columns, steps_columns
+from guard.core.rows import expert_columns, group_columns, layer_columns, steps_columns
 from guard.store.layout import fsync_dir, part_files, part_name, polars_schema
 
 
@@ -28,11 +28,15 @@ def table_frame(table: str, cols: Mapping[str, Any]) -> pl.DataFrame:
 
 
 def report_frames(reports: Sequence[StepReport]) -> dict[str, pl.DataFrame]:
-    """steps / layers / experts frames for reports (tables with no row are left out)."""
+    """steps / layers / experts / groups frames for reports (tables with no row are left out)."""
     if not reports:
         return {}
     out = {schema.TABLE_STEPS: table_frame(schema.TABLE_STEPS, steps_columns(reports))}
-    for table, columns in ((schema.TABLE_LAYERS, layer_columns), (schema.TABLE_EXPERTS, expert_columns)):
+    for table, columns in (
+        (schema.TABLE_LAYERS, layer_columns),
+        (schema.TABLE_EXPERTS, expert_columns),
+        (schema.TABLE_GROUPS, group_columns),
+    ):
         cols = columns(reports)
         if len(cols["step"]):
             out[table] = table_frame(table, cols)

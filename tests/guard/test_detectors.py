@@ -15,6 +15,7 @@ from guard.core import schema
 from guard.core.config import (
     CollapseConfig,
     GuardConfig,
+    PrecursorConfig,
     SpikeConfig,
     StallConfig,
     ThroughputConfig,
@@ -495,9 +496,10 @@ def test_suite_returns_only_fired_and_honors_enabled_flags() -> None:
         collapse=CollapseConfig(enabled=False),
         stall=StallConfig(enabled=False),
         throughput=ThroughputConfig(enabled=False),
+        precursor=PrecursorConfig(detect=False),
     )
     suite = DetectorSuite(cfg)
-    assert not {"nonfinite", "grad_spike", "collapse"} & set(suite.detectors)
+    assert not {"nonfinite", "grad_spike", "collapse", "update_ratio"} & set(suite.detectors)
     assert suite.healthy(0)
     for s in range(100):
         assert suite.update(make_report(s, grad=1.0 if s < 99 else 1e6)) == []

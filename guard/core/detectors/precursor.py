@@ -1,0 +1,70 @@
+"""Precursor detectors: signals that move BEFORE a loss spike, recorded as warnings.
+
+A precursor verdict does not judge this step's update (the policy records it as an event with
+no action, schema.PRECURSOR_DETECTORS; `guard.precursor.act = true` makes it skip like a step
+verdict). It runs as an observer, so it never holds back the step detectors' baselines.
+
+    update ratio  ||W_t - W_{t-1}|| / ||W_{t-1}|| per layer (guard/runtime/precursor.py measures
+                  it): the relative size of the update that produced this step's weights. Marin saw
+                  2x update-norm spikes ahead of their loss and grad-norm spikes; an LR ramp or an
+                  optimizer state gone bad shows here one step after the update lands, while the
+                  loss may take several more steps to blow up. Log-scale robust spike rule per
+                  layer (spike.py), ONE verdict per step naming every layer that fired.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from guard.core import schema
+from guard.core.config import GuardConfig, SpikeConfig
+from guard.core.detectors.registry import STAGE_OBSERVE, register
+from guard.core.detectors.spike import LayerSpikeDetector
+from guard.core.events import Verdict
+from guard.core.report import StepReport
+
+
+class UpdateRatioDetector:
+    """Per-layer update-ratio spikes; one warning verdict per step (the layer furthest above its
+    threshold, with every fired layer in the evidence), so a spike over several steps opens one
+    episode in the policy, whatever the layer count."""
+
+    def __init__(self, cfg: SpikeConfig) -> None:
+        self.layers = LayerSpikeDetector(cfg, schema.DET_UPDATE_RATIO)
+
+    def update(self, report: StepReport) -> list[Verdict]:
+        ratio_L = report.update_ratio_L
+        if not ratio_L.size or ratio_L.size != len(report.layer_ids_L):
+            return []  # not measured (no optimizer given to the probe, or precursors off)
+        fired = self.layers.update(report.layer_ids_L, ratio_L)  # NaN (no update) is skipped
+        if not fired:
+            return []
+        top = max(fired, key=lambda v: v.value / v.threshold)
+        return [
+            Verdict(
+                detector=schema.DET_UPDATE_RATIO,
+                fired=True,
+                value=top.value,
+                threshold=top.threshold,
+                severity="warning",
+                evidence={
+                    **top.evidence,
+                    "layer": top.layer,
+                    "layers": [v.layer for v in fired],
+                    "update_ratio": report.update_ratio,
+                    "precursor": True,
+                },
+            )
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.layers.state_dict()
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.layers.load_state_dict(d)
+
+
+@register("update_ratio", STAGE_OBSERVE)
+def _update_ratio(cfg: GuardConfig) -> UpdateRatioDetector | None:
+    c = cfg.precursor
+    return UpdateRatioDetector(c.update_spike) if c.enabled and c.detect and c.update_spike.enabled else None

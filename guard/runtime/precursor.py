@@ -1,0 +1,241 @@
+"""Precursor signals on the device: how big each optimizer update was, per optimizer group grad
+norms, and (optionally) Adam's second-moment spikes. They ride in the probe's one host copy.
+
+Shapes: P parameters (the probe's order), L blocks, G optimizer parameter groups, S sampled
+weights (about N / update_sample_every of the N weights).
+
+Update ratio ||W_t - W_{t-1}|| / ||W_{t-1}||. The update is only known after optimizer.step(),
+and a copy of every weight per step to diff against would cost as much memory and bandwidth as
+the weights themselves. So the sampler keeps a FIXED strided sample of every parameter (one
+weight in `update_sample_every`, a prime so the sample walks across all columns of 2^k-wide
+matrices; tensors of at most `full_below` elements whole): one gather of S weights just before
+the step (an optimizer step pre-hook) and one just after (a post-hook), then, on the device,
+sums per parameter of (W_new - W_old)^2 and W_old^2 scaled by numel / samples: 2P numbers held
+until the next `collect()` ships them with everything else. Host: per-layer, per-group and total
+ratios are bincounts over P. The same positions every step, so the sampling error is a fixed
+bias of a few percent (it cancels in a ratio against the run's own baseline), not step noise.
+Cost per applied update, default settings: memory S floats (1.6% of the weights), two strided
+gathers of S elements, ~6 small kernels; nothing when the step is skipped.
+
+Adam second moments (off by default): one _foreach_norm(ord=1) over every `exp_avg_sq` at
+collect time (a full read of the second moments: as costly as the gradient-norm pass), and on
+the host each parameter's mean(v) against its running median over `adam_v_window` steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from guard.core.config import PrecursorConfig
+
+
+def next_prime(n: int) -> int:
+    """The smallest prime >= n (n >= 1; 1 counts as 'every weight')."""
+    if n <= 2:
+        return max(n, 1)
+    while any(n % d == 0 for d in range(2, math.isqrt(n) + 1)):
+        n += 1
+    return n
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (an FSDP2 shard), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class UpdateSampler:
+    """A fixed strided sample of every parameter, diffed across each optimizer.step()."""
+
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, cfg: PrecursorConfig):
+        stride = next_prime(cfg.update_sample_every)
+        self.views: list[torch.Tensor] = []
+        n_P = []
+        numel_P = []
+        for p in params:
+            t = _local(p).detach()
+            # A non-contiguous parameter has no flat view (reshape would copy, and a copy goes
+            # stale): it is left out of the sample (n = 0). Parameters are contiguous in practice.
+            if t.numel() == 0 or not t.is_contiguous():
+                n_P.append(0)
+                numel_P.append(t.numel())
+                continue
+            flat = t.view(-1)
+            v = flat if t.numel() <= cfg.full_below else flat[::stride]
+            self.views.append(v)
+            n_P.append(v.numel())
+            numel_P.append(t.numel())
+        self.n_params = len(params)
+        device = params[0].device if params else torch.device("cpu")
+        n = torch.tensor(n_P, dtype=torch.int64)
+        self.index_S = torch.repeat_interleave(torch.arange(self.n_params), n).to(device)
+        # numel / samples per parameter: the sums estimate the whole tensor's
+        scale = np.where(np.array(n_P) > 0, np.array(numel_P) / np.maximum(n_P, 1), 0.0)
+        self.scale_P = torch.tensor(scale, dtype=torch.float32, device=device)
+        self.n_sampled = int(n.sum())
+        self.armed = False  # set by collect(): only updates the probe reports on are sampled
+        self.pending: torch.Tensor | None = None  # [2, P] (sum dW^2, sum W_old^2) of the last update
+        self._old: torch.Tensor | None = None
+        self._hooks = [
+            optimizer.register_step_pre_hook(self._before),
+            optimizer.register_step_post_hook(self._after),
+        ]
+
+    def _sample(self) -> torch.Tensor:
+        return torch.cat(self.views).float() if self.views else self.scale_P.new_zeros(0)
+
+    def _before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.armed:
+            self._old = self._sample()
+
+    def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        old, self._old = self._old, None
+        if old is None:
+            return
+        d = self._sample().sub_(old)
+        sums = self.scale_P.new_zeros(2, self.n_params)
+        sums[0].index_add_(0, self.index_S, d.square_())
+        sums[1].index_add_(0, self.index_S, old.square_())
+        self.pending = sums.mul_(self.scale_P)
+        self.armed = False
+
+    def take(self) -> torch.Tensor | None:
+        """The last update's [2, P] sums (once), or None when no update was sampled since."""
+        out, self.pending = self.pending, None
+        return out
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+class SecondMoments:
+    """Adam's exp_avg_sq per parameter: its bias-corrected mean now against its running median.
+    Bias-corrected (v / (1 - beta2^t)) because v starts at zero and grows for its first ~1/(1-beta2)
+    steps: against a raw running median every early step would look like a spike."""
+
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, window: int) -> None:
+        self.params = params
+        self.optimizer = optimizer
+        self.numel_P = np.array([max(p.numel(), 1) for p in params], dtype=np.float64)
+        where = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        self.beta2_P = np.array(
+            [where[id(p)].get("betas", (0.9, 0.999))[1] if id(p) in where else 0.999 for p in params]
+        )
+        self.history = np.full((window, len(params)), np.nan)  # ring of per-parameter means
+        self.filled = 0
+        self.steps = 0  # optimizer steps seen by this probe (the state's own count when on the host)
+        self._hook = optimizer.register_step_post_hook(self._count)
+
+    def _count(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+
+    def _t(self) -> int:
+        """Adam's step count t: the state's own (a resumed run) when it is a host tensor; reading a
+        device tensor would be a sync, so then the steps this probe counted."""
+        for p in self.params:
+            st = self.optimizer.state.get(p, {}).get("step")
+            if st is not None:
+                return int(st) if not isinstance(st, torch.Tensor) or st.device.type == "cpu" else self.steps
+        return self.steps
+
+    def device_sums(self) -> torch.Tensor | None:
+        """sum(exp_avg_sq) per parameter [P], or None before the optimizer has any."""
+        state = self.optimizer.state
+        vs = [state[p].get("exp_avg_sq") if p in state else None for p in self.params]
+        if not any(v is not None for v in vs):
+            return None
+        zero = next(v for v in vs if v is not None).new_zeros(())
+        return torch.stack(torch._foreach_norm([_local(v) if v is not None else zero for v in vs], 1)).float()
+
+    def ratio(self, sums_P: np.ndarray) -> float:
+        """max over parameters of mean(v_hat) / median of its recent means; NaN while warming up."""
+        t = max(self._t(), 1)
+        mean_P = sums_P / self.numel_P / (1.0 - self.beta2_P**t)
+        w = len(self.history)
+        out = math.nan
+        if self.filled >= w:  # a full window: early training moves v by 10x in a few steps
+            with np.errstate(invalid="ignore", divide="ignore"):
+                med = np.nanmedian(self.history[: min(self.filled, w)], axis=0)
+                r = np.where(med > 0, mean_P / med, np.nan)
+            out = float(np.nanmax(r)) if np.isfinite(r).any() else math.nan
+        self.history[self.filled % w] = mean_P
+        self.filled += 1
+        return out
+
+
+class Precursors:
+    """What the probe adds to its transfer for the precursor signals, and what it derives from it."""
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        segments_P: np.ndarray,
+        n_layers: int,
+        optimizer: torch.optim.Optimizer,
+        cfg: PrecursorConfig,
+    ) -> None:
+        self.n_params = len(params)
+        self.segments_P = segments_P  # block index per parameter (n_layers: outside every block)
+        self.n_layers = n_layers
+        where = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
+        self.group_P = np.array([where.get(id(p), -1) for p in params], dtype=np.int64)
+        self.n_groups = len(optimizer.param_groups)
+        self.updates = UpdateSampler(params, optimizer, cfg)
+        self.moments = SecondMoments(params, optimizer, cfg.adam_v_window) if cfg.adam_v_ratio else None
+        self._layout = (0, 0)  # (update sums, second-moment sums) in the last device_part
+
+    def device_part(self, like: torch.Tensor) -> torch.Tensor:
+        """This step's precursor numbers as one flat device vector (goes into the probe's single
+        copy, and its all-reduce when gradients are sharded), and arms the sampler for this
+        step's update."""
+        parts = []
+        upd = self.updates.take()
+        if upd is not None:
+            parts.append(upd.reshape(-1))
+        v = self.moments.device_sums() if self.moments is not None else None
+        if v is not None:
+            parts.append(v)
+        self._layout = (0 if upd is None else 2 * self.n_params, 0 if v is None else self.n_params)
+        self.updates.armed = True
+        return torch.cat(parts).to(like.device) if parts else like.new_zeros(0)
+
+    def derive(self, h: np.ndarray, sq_grad_P: np.ndarray) -> dict[str, Any]:
+        """StepReport fields from the host copy of device_part (`h`) and the squared grad norms."""
+        n_u, n_v = self._layout
+        g, n_l = self.n_groups, self.n_layers
+        in_group = self.group_P >= 0
+        gsq = np.bincount(self.group_P[in_group], weights=sq_grad_P[in_group], minlength=g)
+        out: dict[str, Any] = {
+            "group_grad_norm_G": np.sqrt(gsq),
+            "update_ratio": math.nan,
+            "update_ratio_L": np.full(n_l, math.nan),
+            "group_update_ratio_G": np.full(g, math.nan),
+        }
+        if n_u:
+            d2, w2 = h[: self.n_params], h[self.n_params : 2 * self.n_params]
+            d_L = np.bincount(self.segments_P, weights=d2, minlength=n_l + 1)
+            w_L = np.bincount(self.segments_P, weights=w2, minlength=n_l + 1)
+            d_G = np.bincount(self.group_P[in_group], weights=d2[in_group], minlength=g)
+            w_G = np.bincount(self.group_P[in_group], weights=w2[in_group], minlength=g)
+            out["update_ratio"] = float(_ratio(np.array([d_L.sum()]), np.array([w_L.sum()]))[0])
+            out["update_ratio_L"] = _ratio(d_L[:n_l], w_L[:n_l])
+            out["group_update_ratio_G"] = _ratio(d_G, w_G)
+        out["adam_v_ratio"] = (
+            self.moments.ratio(h[n_u : n_u + n_v]) if self.moments is not None and n_v else math.nan
+        )
+        return out
+
+    def close(self) -> None:
+        self.updates.close()
+        if self.moments is not None:
+            self.moments._hook.remove()
+
+
+def _ratio(d_sq: np.ndarray, w_sq: np.ndarray) -> np.ndarray:
+    """sqrt(sum dW^2 / sum W^2), NaN where the weights are all zero (nothing to be relative to)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(w_sq > 0, np.sqrt(d_sq / np.where(w_sq > 0, w_sq, 1.0)), math.nan)
