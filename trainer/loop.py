@@ -21,7 +21,6 @@ trainer/outcome.py; goodput in guard/core/goodput.py.
 from __future__ import annotations
 
 import math
-import os
 import resource
 import time
 from pathlib import Path
@@ -56,11 +55,10 @@ from trainer.distributed import (
     restart_count,
     setup_distributed,
 )
-from trainer.envinfo import fingerprint
 from trainer.flops import flops_per_token, peak_flops
 from trainer.inject import Injection
 from trainer.model import MoETransformer
-from trainer.record import JOB_KEY, RunRecord
+from trainer.record import RunRecord, run_environment, run_meta
 from trainer.train_module import TrainModule, set_deterministic
 
 
@@ -115,20 +113,6 @@ def build_applier(
         aux_coef=cfg.model.aux_loss_coef,
     )
     return DecisionApplier(opt, guard, grad_clip=cfg.optim.grad_clip, corrector=corrector)
-
-
-def run_environment(t: Trainer) -> dict[str, Any]:
-    """meta.json["env"]: what this run ran on and with (trainer/envinfo.py)."""
-    return fingerprint(
-        device=t.device,
-        dtype="bf16-autocast" if t.dtype == torch.bfloat16 else "fp32",
-        peak_flops=t.peak,
-        peak_source=t.peak_source,
-        attention_backend=t.model.attention_backend,
-        expert_kernel=t.model.experts_kernel,
-        compile=t.cfg.train.compile,
-        world_size=t.dist.world,
-    )
 
 
 def builtin_callbacks(
@@ -208,9 +192,9 @@ class Trainer:
         if resume:
             self._resume()
         else:
-            self.record.started(self._meta(schema.STATUS_RUNNING), restarted=restart_count() > 0)
+            self.record.started(run_meta(self, schema.STATUS_RUNNING), restarted=restart_count() > 0)
         if exporter is not None:
-            self.record.announce(lambda: self._meta(schema.STATUS_RUNNING))
+            self.record.announce(lambda: run_meta(self, schema.STATUS_RUNNING))
 
     def _build_guard(self) -> None:
         """The probe, the guard and how its decisions are applied; the multi-rank agreement."""
@@ -239,21 +223,6 @@ class Trainer:
         )
         # one rank too: `--inject hang@S:SECONDS` blocks inside comm.timed() like a hung collective
         self.pump = HeartbeatPump(self.comm, self.exporter) if self.exporter is not None else None
-
-    def _meta(self, status: str) -> dict[str, Any]:
-        return {
-            "run_id": self.run_dir.name,
-            "name": self.cfg.name,
-            "status": status,
-            "started_at": self.gp.started_at,
-            "config": to_dict(self.cfg),
-            "env": self.env,
-            "flops_per_token": self.flops_per_token,
-            "model_params": self.model.n_params(),
-            "active_params": self.model.n_params(active=True),
-            **self.callbacks.meta(),
-            JOB_KEY: os.environ.get("TORCHELASTIC_RUN_ID", ""),
-        }
 
     # ---- the TrainState, read through -------------------------------------------------------
     @property
@@ -300,7 +269,7 @@ class Trainer:
             self.step,
             path,
             self.env,
-            lambda: self._meta(schema.STATUS_RUNNING),
+            lambda: run_meta(self, schema.STATUS_RUNNING),
             world_size=self.dist.world,
             saved_world_size=r.host.get("world_size", 1),
         )

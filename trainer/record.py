@@ -1,4 +1,4 @@
-"""Where a run's rows, events and meta.json go: the run store on rank 0 and the exporter on every
+"""What meta.json says of a run, and where its rows, events and meta.json go: the run store on rank 0 and the exporter on every
 rank (both write from background threads and never block a step).
 
 A non-zero rank has no run store; what its exporter sends is its own timing (its heartbeat and
@@ -7,19 +7,58 @@ its straggler score at the collector), not the job's report.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from guard.core import schema
 from guard.core.events import Event
 from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_TRAIN
 from guard.core.report import StepReport
+from guard.core.tomlconf import to_dict
 from guard.store.reader import read_meta
 from guard.store.runstore import RunStore
 from guard.store.writer import truncate_after
+from trainer.envinfo import fingerprint
+
+if TYPE_CHECKING:
+    from trainer.loop import Trainer
 
 JOB_KEY = "torchelastic_run_id"  # meta.json: the torchrun job that started the run (kept across its restarts)
+
+
+def run_meta(t: Trainer, status: str) -> dict[str, Any]:
+    """meta.json of a run that starts now (the run store adds how it ended)."""
+    return {
+        "run_id": t.run_dir.name,
+        "name": t.cfg.name,
+        "status": status,
+        "started_at": t.gp.started_at,
+        "config": to_dict(t.cfg),
+        "env": t.env,
+        "flops_per_token": t.flops_per_token,
+        "model_params": t.model.n_params(),
+        "active_params": t.model.n_params(active=True),
+        **t.callbacks.meta(),
+        JOB_KEY: os.environ.get("TORCHELASTIC_RUN_ID", ""),
+    }
+
+
+def run_environment(t: Trainer) -> dict[str, Any]:
+    """meta.json["env"]: what this run ran on and with (trainer/envinfo.py)."""
+    return fingerprint(
+        device=t.device,
+        dtype="bf16-autocast" if t.dtype == torch.bfloat16 else "fp32",
+        peak_flops=t.peak,
+        peak_source=t.peak_source,
+        attention_backend=t.model.attention_backend,
+        expert_kernel=t.model.experts_kernel,
+        compile=t.cfg.train.compile,
+        world_size=t.dist.world,
+    )
 
 
 class RunRecord:
