@@ -158,11 +158,9 @@ try:
     d["moeguard"] = os.path.dirname(os.path.dirname(os.path.abspath(g.__file__)))
 except Exception:
     d["moeguard"] = None
-try:
-    import importlib.util
-    new = importlib.util.find_spec("trainer.canary_worker") is not None
-except Exception:
-    new = False
+# guard/ and trainer/ of one install sit side by side; a file check, not an import, so another
+# install's import hooks (an editable one) cannot answer for this one
+new = bool(d["moeguard"]) and os.path.isfile(os.path.join(d["moeguard"], "trainer", "canary_worker.py"))
 d["worker"] = ["-m", "trainer.canary_worker"] if new else ["-m", "guard.canary", "--worker"]
 print(json.dumps(d))
 """
