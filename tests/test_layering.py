@@ -39,9 +39,6 @@ NOT_FROM_CORE = (
     "opentelemetry",
     "streamlit",
 )
-# Core imports known to break the rule on main, owned by the helper reshaping guard/core (issue #14):
-# while only these remain the core test reports them as an expected failure; any other fails it.
-# Delete an entry when its import moves out of core.
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
