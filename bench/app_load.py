@@ -38,7 +38,7 @@ TARGET_S = 3.0
 
 
 def ensure_run(root: Path, steps: int, layers: int, experts: int) -> Path:
-    from dashboards.testing import write_big_run
+    from bench.big_run import write_big_run
 
     run = root / RUN_ID
     shape = {"steps": steps, "layers": layers, "experts": experts, "part_steps": 50}

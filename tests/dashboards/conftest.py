@@ -12,7 +12,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboards import data
-from dashboards.testing import make_store, write_canary_history
+from tests.dashboards.synth_store import make_store, write_canary_history
 
 APP = Path(__file__).resolve().parents[2] / "dashboards" / "app.py"
 

@@ -21,10 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dashboards.testing import CRASHED, GUARDED, STALE, UNGUARDED, SynthRun, write_run
 from guard.core import schema
 from guard.core.report import StepReport
 from guard.store.runstore import RunStore
+from tests.dashboards.synth_run import SynthRun, write_run
+from tests.dashboards.synth_store import CRASHED, GUARDED, STALE, UNGUARDED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

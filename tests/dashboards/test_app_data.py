@@ -18,10 +18,11 @@ import polars as pl
 import pytest
 
 from dashboards import data, launch
-from dashboards import testing as synth
 from guard.cli import main as cli_main
 from guard.core import schema
 from guard.store import reader
+from tests.dashboards import synth_store as synth
+from tests.dashboards.synth_run import SynthRun, write_run
 
 
 def test_downsample_keeps_spikes_nans_and_event_steps() -> None:
@@ -90,7 +91,7 @@ def test_run_info_status_and_compat(store: Path) -> None:
 
 
 def test_signature_moves_when_a_part_lands(tmp_path: Path) -> None:
-    run = synth.write_run(tmp_path, synth.SynthRun(run_id="r", steps=60, faults=[]))
+    run = write_run(tmp_path, SynthRun(run_id="r", steps=60, faults=[]))
     before = data.run_signature(run)
     time.sleep(0.01)
     src = sorted((run / "steps").glob("part-*.parquet"))[-1]

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from app_helpers import chart_titled, charts, messages, traces
 
-from dashboards import testing as synth
 from guard.core import schema
+from tests.dashboards import synth_store as synth
+from tests.dashboards.synth_run import SynthRun, write_run
 
 HEALTH_TITLE = "Loss and grad norm with guard verdicts and actions"
 
@@ -234,7 +235,7 @@ def test_compare_groups_by_environment(store: Path, open_page, group: str) -> No
 def test_compare_with_nothing_readable(tmp_path: Path, open_page) -> None:
     root = tmp_path / "runs"
     root.mkdir()
-    synth.write_run(root, synth.SynthRun(run_id="only", steps=30, faults=[]))
+    write_run(root, SynthRun(run_id="only", steps=30, faults=[]))
     synth.set_meta(root / "only", schema_version=99)
     at = open_page("compare", root)
     no_exception(at)
@@ -292,7 +293,7 @@ def test_missing_runs_folder_is_explained(tmp_path: Path, open_page, page: str) 
 
 def test_unreadable_meta_json(tmp_path: Path, open_page) -> None:
     root = tmp_path / "runs"
-    synth.write_run(root, synth.SynthRun(run_id="torn", steps=30, faults=[]))
+    write_run(root, SynthRun(run_id="torn", steps=30, faults=[]))
     (root / "torn" / "meta.json").write_text("{ half a json")
     at = open_page("health", root, run="torn")
     no_exception(at)

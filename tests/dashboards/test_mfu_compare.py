@@ -16,17 +16,18 @@ import polars as pl
 import pytest
 
 from dashboards import data, figures
-from dashboards import testing as synth
 from guard.canary import history
 from guard.core import schema
+from tests.dashboards import synth_store as synth
 from tests.dashboards.app_helpers import _decode, chart_titled, charts, messages, traces
+from tests.dashboards.synth_run import ENV_A, SynthRun, write_run
 
 SELF_PEAK = "self-peak-cpu"  # an older CPU run that timed its own peak: MFU ~180%
 PINNED = "pinned-cpu"
 FAST = "fast-kernel"  # ENV_A with 10% higher throughput than GUARDED
 
 CPU_ENV = {
-    **synth.ENV_A,
+    **ENV_A,
     "device": "cpu:x86_64:2threads",
     "peak_flops": 1.6e10,
     "world_size": 1,
@@ -43,18 +44,12 @@ PINNED_ENV = {
 @pytest.fixture(scope="module")
 def mfu_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("mfu-runs")
-    synth.write_run(root, synth.SynthRun(run_id=synth.GUARDED, seed=1))
-    synth.write_run(
-        root, synth.SynthRun(run_id=SELF_PEAK, steps=300, faults=[], env=CPU_ENV, mfu=1.8, seed=2)
-    )
-    synth.write_run(
-        root, synth.SynthRun(run_id=PINNED, steps=300, faults=[], env=PINNED_ENV, mfu=0.08, seed=3)
-    )
-    synth.write_run(
+    write_run(root, SynthRun(run_id=synth.GUARDED, seed=1))
+    write_run(root, SynthRun(run_id=SELF_PEAK, steps=300, faults=[], env=CPU_ENV, mfu=1.8, seed=2))
+    write_run(root, SynthRun(run_id=PINNED, steps=300, faults=[], env=PINNED_ENV, mfu=0.08, seed=3))
+    write_run(
         root,
-        synth.SynthRun(
-            run_id=FAST, faults=[], env={**synth.ENV_A, "expert_kernel": "bmm"}, mfu=0.42 * 1.10, seed=4
-        ),
+        SynthRun(run_id=FAST, faults=[], env={**ENV_A, "expert_kernel": "bmm"}, mfu=0.42 * 1.10, seed=4),
     )
     trace = root / FAST / schema.PROFILE_DIR / "host_1.123.pt.trace.json"
     trace.parent.mkdir()
@@ -168,9 +163,7 @@ def test_a_run_with_no_peak_reads_tokens_per_s(tmp_path: Path, open_page) -> Non
         "peak_flops_source": "no pinned fp32 peak for CPU class cpu-x-2c in "
         "configs/cpu_peaks.toml: MFU not computed, tokens/s is the measure",
     }
-    run = synth.write_run(
-        tmp_path, synth.SynthRun(run_id="no-peak", steps=100, faults=[], env=env, peak_known=False)
-    )
+    run = write_run(tmp_path, SynthRun(run_id="no-peak", steps=100, faults=[], env=env, peak_known=False))
     at = open_page("health", tmp_path, run=run.name)
     assert not at.exception
     assert next(m for m in at.metric if m.label == "MFU").value == "—"

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from dashboards import testing as synth
 from guard.store.layout import atomic_write_json
 from guard.store.reader import list_runs
 from tests.conftest import MICRO, REPO
+from tests.dashboards import synth_run as synth
 from tests.dashboards.test_app_browser import CHROMIUM, _chromium, _screenshot, serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
