@@ -612,6 +612,8 @@ _STEP_COLS = [
     "data_wait_s",
     "mem_peak_bytes",
     "action",
+    "update_ratio",
+    "adam_v_ratio",
 ]
 
 
@@ -660,6 +662,7 @@ LAYER_SIGNALS: dict[str, tuple[str, str]] = {
     "router_entropy": ("min", "Router entropy per layer (bucket min, nats)"),
     "load_entropy": ("min", "Load entropy per layer (bucket min, 0..1)"),
     "bias_norm": ("max", "Expert-bias L2 norm per layer (bucket max)"),
+    "update_ratio": ("max", "Update ratio ||ΔW|| / ||W|| per layer (bucket max)"),
 }
 
 
@@ -699,6 +702,19 @@ def load_layer_heatmaps(
         bad = long.filter(pl.col("gn_nonfinite").fill_null(False)).sort("b", "layer")
         out["grad_norm"]["marks"] = (bad["b"].to_list(), bad["layer"].to_list(), "non-finite grad norm")
     return out
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def load_group_series(
+    path: str, sig: tuple[int, ...], column: str, max_points: int = MAX_LINE_POINTS
+) -> dict[int, pl.DataFrame]:
+    """optimizer group -> downsampled (step, `column`) rows of the `groups` table."""
+    del sig
+    df = reader.scan_table(path, schema.TABLE_GROUPS, cached=True).select("step", "group", column).collect()
+    return {
+        int(g): downsample(df.filter(pl.col("group") == g), column, max_points=max_points)
+        for g in sorted(df["group"].unique().to_list())
+    }
 
 
 @st.cache_data(max_entries=16, show_spinner=False)

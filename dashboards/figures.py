@@ -661,3 +661,112 @@ def canary_figure(df: pl.DataFrame, gate: dict[str, float | None], *, fingerprin
         margin={**_MARGIN, "t": 100, "b": 80},
     )
     return fig
+
+
+PRECURSOR_COLOR = "#e377c2"
+GROUP_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#17becf"]
+
+
+def precursor_figure(
+    series: dict[str, pl.DataFrame], groups: dict[int, pl.DataFrame], events: pl.DataFrame
+) -> go.Figure:
+    """The precursor signals on a shared step axis: the update ratio ||ΔW|| / ||W|| (log) with
+    every precursor verdict and, as dotted lines, the loss spikes they may precede; the grad norm
+    per optimizer group (log); Adam's second-moment ratio when the run measured it."""
+    has_v = "adam_v_ratio" in series and series["adam_v_ratio"]["adam_v_ratio"].is_finite().any()
+    titles = ["Update ratio ||ΔW|| / ||W|| (all parameters; markers: precursor verdicts)"]
+    titles.append("Grad norm per optimizer parameter group")
+    if has_v:
+        titles.append("Adam second moments: max over parameters of mean(v) / its running median")
+    fig = make_subplots(
+        rows=len(titles), cols=1, shared_xaxes=True, vertical_spacing=0.1, subplot_titles=titles
+    )
+    if "update_ratio" in series and series["update_ratio"].height:
+        x, y = _series_xy(series["update_ratio"], "update_ratio")
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                name="update ratio",
+                line={"color": "#555555", "width": 1.2},
+                hovertemplate="step %{x}<br>update ratio %{y:.3g}<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
+    verdicts = events.filter(pl.col("kind") == schema.EV_VERDICT) if events.height else events
+    pre = verdicts.filter(pl.col("detector") == schema.DET_UPDATE_RATIO) if verdicts.height else verdicts
+    if pre.height:
+        layers = [data.parse_detail(d).get("layers", []) for d in pre["detail"].to_list()]
+        fig.add_trace(
+            go.Scatter(
+                x=_col(pre, "step"),
+                y=_col(pre, "value"),
+                mode="markers",
+                name="precursor: update ratio spike",
+                marker={"symbol": "triangle-up", "size": 11, "color": PRECURSOR_COLOR},
+                customdata=[", ".join(map(str, ls)) for ls in layers],
+                hovertemplate="step %{x}<br>layer update ratio %{y:.3g}<br>layers %{customdata}<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
+    loss_steps = (
+        verdicts.filter(pl.col("detector") == schema.DET_LOSS_SPIKE)["step"].to_list()
+        if verdicts.height
+        else []
+    )
+    for i, s in enumerate(sorted(set(loss_steps))[:50]):  # lines, not a wall: the first 50 spikes
+        fig.add_vline(x=s, line={"color": LOSS_COLOR, "dash": "dot", "width": 1}, row=1, col=1, opacity=0.7)
+        if i == 0:
+            fig.add_trace(
+                go.Scatter(
+                    x=[None],
+                    y=[None],
+                    mode="lines",
+                    name="loss spike verdict",
+                    line={"color": LOSS_COLOR, "dash": "dot"},
+                ),
+                row=1,
+                col=1,
+            )
+    for k, (g, df) in enumerate(groups.items()):
+        x, y = _series_xy(df, "grad_norm")
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                name=f"group {g} grad norm",
+                line={"color": GROUP_COLORS[k % len(GROUP_COLORS)], "width": 1.2},
+                hovertemplate=f"step %{{x}}<br>group {g} grad norm %{{y:.3g}}<extra></extra>",
+            ),
+            row=2,
+            col=1,
+        )
+    if has_v:
+        x, y = _series_xy(series["adam_v_ratio"], "adam_v_ratio")
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                name="Adam v ratio",
+                line={"color": "#bcbd22", "width": 1.2},
+                hovertemplate="step %{x}<br>v ratio %{y:.3g}<extra></extra>",
+            ),
+            row=3,
+            col=1,
+        )
+        fig.update_yaxes(type="log", title_text="ratio", row=3, col=1)
+    fig.update_yaxes(type="log", title_text="||ΔW|| / ||W||", row=1, col=1)
+    fig.update_yaxes(type="log", title_text="grad norm", row=2, col=1)
+    fig.update_xaxes(title_text="step", row=len(titles), col=1)
+    fig.update_layout(
+        title={"text": "Precursors: signals that move before a loss spike", "x": 0, "xanchor": "left"},
+        height=260 * len(titles) + 80,
+        legend=_LEGEND_RIGHT,
+        margin={**_MARGIN, "t": 80},
+    )
+    return fig

@@ -1,5 +1,5 @@
-"""Run health: one run's loss and grad norm with every guard verdict and action, per-layer
-signals, expert load, throughput, and the events table."""
+"""Run health: one run's loss and grad norm with every guard verdict and action, the precursor
+signals, per-layer signals, expert load, throughput, and the events table."""
 
 from __future__ import annotations
 
@@ -99,9 +99,30 @@ if steps.height > data.MAX_LINE_POINTS:
         "last, min and max step, plus every non-finite step and every step with an event."
     )
 
+events = data.load_events(path, sig)
+
+# ---- precursors -----------------------------------------------------------------------
+st.subheader("Precursors")
+pre_series = data.load_step_series(path, sig, ("update_ratio", "adam_v_ratio"))
+groups = data.load_group_series(path, sig, "grad_norm") if info.tables.get(schema.TABLE_GROUPS) else {}
+if not pre_series["update_ratio"]["update_ratio"].is_finite().any() and not groups:
+    st.info(
+        "No precursor signals in this run: it was written before they existed, its loop gave the "
+        "probe no optimizer, or `[guard.precursor] enabled = false`."
+    )
+else:
+    st.plotly_chart(figures.precursor_figure(pre_series, groups, events), key="precursors")
+    n_pre = events.filter(
+        (pl.col("kind") == schema.EV_VERDICT) & (pl.col("detector") == schema.DET_UPDATE_RATIO)
+    ).height
+    st.caption(
+        "Update ratio at step t: ||W_t − W_t−1|| / ||W_t−1||, the update that produced the weights step t "
+        "computed its loss on (from a fixed 1-in-61 sample of the weights). A precursor verdict "
+        f"({n_pre} in this run) is a warning: recorded, never acted on unless `[guard.precursor] act = true`."
+    )
+
 # ---- events ---------------------------------------------------------------------------
 st.subheader("Guard events")
-events = data.load_events(path, sig)
 if events.height == 0:
     st.info("No events recorded for this run (no verdicts, actions, checkpoints or injections).")
 else:
@@ -149,6 +170,7 @@ else:
         ("router_entropy", "nats", "Viridis_r", False, (None, None)),
         ("load_entropy", "load entropy", "Viridis_r", False, (None, None)),
         ("bias_norm", "bias L2", "Cividis", False, (None, None)),
+        ("update_ratio", "ΔW/W", "Magma", True, (None, None)),
     ]
     specs = [s for s in specs if s[0] in heats]
     for i in range(0, len(specs), 2):

@@ -196,7 +196,7 @@ class PrecursorConfig:
 
     enabled: bool = True  # measure the update ratio and per-group grad norms
     update_sample_every: int = 61  # a prime: the sample walks across every column of 2^k-wide matrices
-    full_below: int = 4096  # tensors this small are sampled whole
+    full_below: int = 1024  # tensors this small are sampled whole (norm gains, biases)
     adam_v_ratio: bool = False  # Adam second-moment spike ratio (an extra pass over exp_avg_sq)
     adam_v_window: int = 32  # steps in the running median of each parameter's mean(exp_avg_sq)
     # The update-ratio spike detector (per layer; one warning verdict per step, naming the layers).

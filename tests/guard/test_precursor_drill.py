@@ -4,13 +4,15 @@ time on configs/tiny.toml)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import polars as pl
+import pytest
 
 from guard.core import schema
 from guard.store.reader import read_table
-from tests.conftest import train_micro
+from tests.conftest import REPO, train_micro
 
 RAMP_FROM = 40
 # LR x2, x4, ... x4096 over 12 steps (each lrspike multiplies one step's LR)
@@ -22,9 +24,15 @@ def first_verdict(events: pl.DataFrame, detector: str) -> int | None:
     return int(hits["step"].min()) if hits.height else None  # type: ignore[arg-type]
 
 
-def test_update_ratio_precursor_fires_before_the_loss_spike_of_an_lr_ramp(tmp_path: Path) -> None:
-    run = tmp_path / "r"
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("runs") / "ramp"
     train_micro(run, injections=RAMP, guard_mode="observe", overrides={"train.steps": 64})
+    return run
+
+
+def test_update_ratio_precursor_fires_before_the_loss_spike_of_an_lr_ramp(drill: Path) -> None:
+    run = drill
     events = read_table(run, schema.TABLE_EVENTS)
     precursor = first_verdict(events, schema.DET_UPDATE_RATIO)
     loss_spike = first_verdict(events, schema.DET_LOSS_SPIKE)
@@ -39,3 +47,28 @@ def test_update_ratio_precursor_fires_before_the_loss_spike_of_an_lr_ramp(tmp_pa
     assert ratio[precursor] > 2 * ratio[RAMP_FROM]
     assert read_table(run, schema.TABLE_LAYERS)["update_ratio"].is_not_nan().sum() > 0
     assert read_table(run, schema.TABLE_GROUPS).height == 2 * 64  # two AdamW groups per step
+
+
+def test_the_health_page_shows_the_precursors_of_the_drill(
+    drill: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    from dashboards import data
+
+    monkeypatch.setenv(data.ENV_RUNS, str(drill.parent))
+    monkeypatch.delenv(data.ENV_HISTORY, raising=False)
+    at = AppTest.from_file(str(REPO / "dashboards" / "app.py"), default_timeout=60).run()
+    at.switch_page("page_health.py")
+    at.query_params["run"] = drill.name
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    figs = {
+        str(f["layout"]["title"]["text"]): f
+        for f in (json.loads(el.proto.spec) for el in at.get("plotly_chart"))
+    }
+    pre = next(f for t, f in figs.items() if t.startswith("Precursors"))
+    names = {t.get("name") for t in pre["data"]}
+    assert {"update ratio", "precursor: update ratio spike", "loss spike verdict"} <= names, names
+    assert {"group 0 grad norm", "group 1 grad norm"} <= names, names
+    assert any(t.startswith("Update ratio ||ΔW|| / ||W|| per layer") for t in figs), list(figs)
