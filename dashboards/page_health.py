@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 import streamlit as st
 
-from dashboards import data, figures, ui
+from dashboards import data, figures, figures_precursors, ui
 from guard.core import actions, schema
 from guard.store import reader
 
@@ -111,7 +111,7 @@ if not pre_series["update_ratio"]["update_ratio"].is_finite().any() and not grou
         "probe no optimizer, or `[guard.precursor] enabled = false`."
     )
 else:
-    st.plotly_chart(figures.precursor_figure(pre_series, groups, events), key="precursors")
+    st.plotly_chart(figures_precursors.precursor_figure(pre_series, groups, events), key="precursors")
     n_pre = events.filter(
         (pl.col("kind") == schema.EV_VERDICT) & (pl.col("detector") == schema.DET_UPDATE_RATIO)
     ).height
