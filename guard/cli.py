@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "trainer.canary_cli",
         "MFU/throughput regression canary against a recorded history (CI gate)",
     ),
-    "grafana": ("dashboards.grafana", "push moeguard's Grafana dashboards with grafana-client"),
+    "grafana": ("dashboards.grafana.cli", "push moeguard's Grafana dashboards with grafana-client"),
 }
 
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from dashboards import grafana
+from dashboards.grafana import boards, panels
+from dashboards.grafana import cli as grafana_cli
 from guard.cli import main as cli_main
 from guard.core import schema
 
@@ -90,7 +91,7 @@ def test_metric_name_parser_itself() -> None:
     assert metric_names('time() - max by (rank) (moeguard_x{a="b"})') == {"moeguard_x"}
 
 
-@pytest.mark.parametrize("dash", grafana.build_all(), ids=lambda d: d["uid"])
+@pytest.mark.parametrize("dash", boards.build_all(), ids=lambda d: d["uid"])
 def test_every_queried_metric_is_in_schema(dash: dict[str, Any]) -> None:
     seen = 0
     for where, expr in all_exprs(dash):
@@ -102,7 +103,7 @@ def test_every_queried_metric_is_in_schema(dash: dict[str, Any]) -> None:
     assert seen >= 5
 
 
-@pytest.mark.parametrize("dash", grafana.build_all(), ids=lambda d: d["uid"])
+@pytest.mark.parametrize("dash", boards.build_all(), ids=lambda d: d["uid"])
 def test_panels_are_well_formed(dash: dict[str, Any]) -> None:
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "duplicate panel ids"
@@ -117,24 +118,24 @@ def test_panels_are_well_formed(dash: dict[str, Any]) -> None:
 
 
 def test_committed_json_matches_the_builder() -> None:
-    for d in grafana.build_all():
-        p = grafana.GRAFANA_DIR / f"{d['uid']}.json"
+    for d in boards.build_all():
+        p = grafana_cli.GRAFANA_DIR / f"{d['uid']}.json"
         assert p.is_file(), f"{p} missing: run `python -m dashboards.grafana`"
         assert json.loads(p.read_text()) == d, f"{p.name} is stale: run `python -m dashboards.grafana`"
 
 
 def test_datasource_provisioning_matches_dashboards() -> None:
-    text = (grafana.GRAFANA_DIR / "datasource.yml").read_text()
-    assert f"uid: {grafana.DATASOURCE_UID}" in text and "type: prometheus" in text
-    for d in grafana.build_all():
+    text = (grafana_cli.GRAFANA_DIR / "datasource.yml").read_text()
+    assert f"uid: {panels.DATASOURCE_UID}" in text and "type: prometheus" in text
+    for d in boards.build_all():
         ds_var = next(v for v in d["templating"]["list"] if v["name"] == "datasource")
-        assert ds_var["current"]["value"] == grafana.DATASOURCE_UID
+        assert ds_var["current"]["value"] == panels.DATASOURCE_UID
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_promql_parses_with_promtool(tmp_path: Path) -> None:
     rules = []
-    for d in grafana.build_all():
+    for d in boards.build_all():
         for i, (_, expr) in enumerate(all_exprs(d)):
             e = expr.replace("$__rate_interval", "5m").replace("$run", "r").replace("$layer", ".*")
             rules.append(
@@ -228,7 +229,7 @@ def fake_grafana() -> Iterator[tuple[str, type[_Recorder]]]:
 
 def test_push_posts_every_dashboard_with_overwrite(fake_grafana, monkeypatch, capsys) -> None:
     url, rec = fake_grafana
-    monkeypatch.setenv(grafana.TOKEN_ENV, "s3cret")
+    monkeypatch.setenv(grafana_cli.TOKEN_ENV, "s3cret")
     assert cli_main(["grafana", "push", "--url", url, "--folder", "ML training"]) == 0
     posts = [r for r in rec.requests if r["method"] == "POST" and r["path"] == "/api/dashboards/db"]
     assert [p["json"]["dashboard"]["uid"] for p in posts] == [
@@ -257,7 +258,7 @@ def test_push_posts_every_dashboard_with_overwrite(fake_grafana, monkeypatch, ca
 
 def test_push_without_folder_and_unreachable_grafana(fake_grafana, monkeypatch, capsys) -> None:
     url, rec = fake_grafana
-    monkeypatch.delenv(grafana.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(grafana_cli.TOKEN_ENV, raising=False)
     assert cli_main(["grafana", "push", "--url", url]) == 0
     posts = [r for r in rec.requests if r["path"] == "/api/dashboards/db"]
     assert len(posts) == 3 and all("folderUid" not in p["json"] for p in posts)
