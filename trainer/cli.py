@@ -151,7 +151,7 @@ def make_collector_exporter(cfg: Any, run_id: str, run_dir: Path, rank: int) -> 
     url = cfg.telemetry.collector or os.environ.get(schema.ENV_COLLECTOR, "")
     if not url:
         return None
-    from guard.runtime.exporter import Exporter
+    from guard.runtime.exporter import Exporter, ExporterConfig
 
     never = 1e9
     return Exporter(
@@ -160,9 +160,9 @@ def make_collector_exporter(cfg: Any, run_id: str, run_dir: Path, rank: int) -> 
         run_id,
         rank,
         spool_dir=run_dir / "spool",
-        heartbeat_s=never,
-        poll_s=2.0 if rank == 0 else never,
-        trainer_detectors=cfg.telemetry.enabled,
+        config=ExporterConfig(
+            heartbeat_s=never, poll_s=2.0 if rank == 0 else never, trainer_detectors=cfg.telemetry.enabled
+        ),
     )
 
 

@@ -33,7 +33,7 @@ from guard.core import schema
 from guard.core.events import Event
 from guard.core.report import StepReport
 from guard.core.rows import expert_columns, layer_columns
-from guard.runtime.exporter import Exporter
+from guard.runtime.exporter import Exporter, ExporterConfig
 from guard.store.reader import read_meta, read_table
 from guard.store.writer import report_frames
 from guard.wire.batch import BadRequest, parse_batch
@@ -585,7 +585,9 @@ def test_resumed_trainer_replaces_rerun_steps(collector: CollectorProc, tmp_path
 def test_kill_collector_mid_stream_loses_nothing(tmp_path: Path) -> None:
     n = 400
     c = CollectorProc(tmp_path / "runs", "--checkpoint-interval", "0.3").start()
-    exp = Exporter(c.url, TOKEN, "k1", 0, tmp_path / "spool", batch_max=8, backoff_max_s=0.3, timeout_s=2)
+    exp = Exporter(
+        c.url, TOKEN, "k1", 0, tmp_path / "spool", ExporterConfig(batch_max=8, backoff_max_s=0.3, timeout_s=2)
+    )
     try:
         for s in range(n):
             exp.submit(make_report(s))

@@ -24,7 +24,7 @@ from guard.collector.config import CollectorConfig
 from guard.collector.service import Collector
 from guard.collector.wal import Wal
 from guard.core import schema
-from guard.runtime.exporter import Exporter
+from guard.runtime.exporter import Exporter, ExporterConfig
 from guard.store.layout import part_name
 from guard.store.reader import read_meta, read_table
 from tests.guard.test_collector import TOKEN, CollectorProc, batch, make_report, wait_steps
@@ -355,14 +355,14 @@ def test_a_second_writer_is_refused_loudly_and_no_stored_row_is_lost(
     c = CollectorProc(tmp_path / "runs", "--checkpoint-interval", "0.2").start()
     run_dir = c.runs / "two"
     try:
-        a = Exporter(c.url, TOKEN, "two", 0, tmp_path / "spool-a", batch_max=5, poll_s=60)
+        a = Exporter(c.url, TOKEN, "two", 0, tmp_path / "spool-a", ExporterConfig(batch_max=5, poll_s=60))
         for s in range(50):
             a.submit(make_report(s, loss=1.0))
         assert a.flush(20)
         assert wait_steps(run_dir, 50).height == 50
         # a second trainer, started later with the same run id, from step 0 (another experiment)
         _force_generation(tmp_path / "spool-b", "two", a.generation + 10)
-        b = Exporter(c.url, TOKEN, "two", 0, tmp_path / "spool-b", batch_max=5, poll_s=60)
+        b = Exporter(c.url, TOKEN, "two", 0, tmp_path / "spool-b", ExporterConfig(batch_max=5, poll_s=60))
         for s in range(10):
             b.submit(make_report(s, loss=2.0))
         assert b.flush(20)

@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from guard.core import schema
 from guard.core.events import Event
-from guard.runtime.exporter import Exporter
+from guard.runtime.exporter import Exporter, ExporterConfig
 from guard.runtime.otel import OtelExporter
 from guard.store.reader import read_table
 from guard.wire.batch import GEN_SHIFT
@@ -24,7 +24,12 @@ from tests.guard.test_collector import AUTH, TOKEN, CollectorProc, free_port, ma
 def test_submit_never_blocks_and_spills_when_the_queue_is_full(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nobody listens
     exp = Exporter(
-        url, TOKEN, "sp", 0, tmp_path / "spool", max_queue=4, batch_max=2, backoff_max_s=0.2, timeout_s=0.5
+        url,
+        TOKEN,
+        "sp",
+        0,
+        tmp_path / "spool",
+        ExporterConfig(max_queue=4, batch_max=2, backoff_max_s=0.2, timeout_s=0.5),
     )
     t0 = time.perf_counter()
     for s in range(200):
@@ -52,13 +57,15 @@ def test_generation_keeps_counting_up(tmp_path: Path) -> None:
 def test_spool_is_replayed_in_order_by_a_restarted_trainer(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    exp = Exporter(url, TOKEN, "rp", 0, tmp_path / "spool", max_queue=8, batch_max=4, timeout_s=0.5)
+    exp = Exporter(
+        url, TOKEN, "rp", 0, tmp_path / "spool", ExporterConfig(max_queue=8, batch_max=4, timeout_s=0.5)
+    )
     for s in range(40):
         exp.submit(make_report(s), [Event(step=s, kind=schema.EV_CHECKPOINT)] if s % 10 == 0 else [])
     assert exp.close(timeout=0.5) is False  # collector down: everything stays on disk
     c = CollectorProc(tmp_path / "runs", port=port).start()
     try:
-        exp2 = Exporter(url, TOKEN, "rp", 0, tmp_path / "spool", backoff_max_s=0.2)
+        exp2 = Exporter(url, TOKEN, "rp", 0, tmp_path / "spool", ExporterConfig(backoff_max_s=0.2))
         for s in range(40, 50):
             exp2.submit(make_report(s))
         assert exp2.close(timeout=30), exp2.stats
@@ -75,7 +82,7 @@ def test_spool_is_replayed_in_order_by_a_restarted_trainer(tmp_path: Path) -> No
 def test_rejected_batch_is_set_aside_and_does_not_block(tmp_path: Path) -> None:
     c = CollectorProc(tmp_path / "runs").start()
     try:
-        exp = Exporter(c.url, TOKEN, "rj", 0, tmp_path / "spool", batch_max=1)
+        exp = Exporter(c.url, TOKEN, "rj", 0, tmp_path / "spool", ExporterConfig(batch_max=1))
         bad = make_report(0)
         bad.load_ME = np.zeros((5, 3), np.int64)  # wrong shape: the collector answers 400
         exp.submit(bad)
@@ -95,7 +102,7 @@ def test_rejected_batch_is_set_aside_and_does_not_block(tmp_path: Path) -> None:
 def test_commands_reach_poll_commands_once_and_are_acknowledged(tmp_path: Path) -> None:
     c = CollectorProc(tmp_path / "runs").start()
     try:
-        exp = Exporter(c.url, TOKEN, "cm", 0, tmp_path / "spool", poll_s=0.1)
+        exp = Exporter(c.url, TOKEN, "cm", 0, tmp_path / "spool", ExporterConfig(poll_s=0.1))
         exp.submit(make_report(0))
         assert exp.flush(10)
         r = httpx.post(
@@ -146,7 +153,7 @@ def test_close_ends_with_one_final_batch_unless_the_trainer_crashed(tmp_path: Pa
 
 def test_final_batch_is_spooled_behind_unsent_batches(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"  # collector down
-    exp = Exporter(url, TOKEN, "fs", 0, tmp_path, timeout_s=0.5, backoff_max_s=0.2)
+    exp = Exporter(url, TOKEN, "fs", 0, tmp_path, ExporterConfig(timeout_s=0.5, backoff_max_s=0.2))
     for s in range(3):
         exp.submit(make_report(s))
     assert exp.close(timeout=0.5) is False

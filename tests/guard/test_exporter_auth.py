@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from guard.runtime.exporter import Exporter
+from guard.runtime.exporter import Exporter, ExporterConfig
 from tests.guard.test_collector import CollectorProc, make_report
 
 
@@ -24,9 +24,7 @@ def test_repeated_401_is_logged_once_with_a_token_hint(
             "auth",
             0,
             tmp_path / "spool",
-            backoff_max_s=0.2,
-            heartbeat_s=1e9,
-            poll_s=1e9,
+            ExporterConfig(backoff_max_s=0.2, heartbeat_s=1e9, poll_s=1e9),
         )
         for s in range(5):
             exp.submit(make_report(s, n_layers=2, n_experts=2))

@@ -1,0 +1,108 @@
+"""Building the exporter's batches: sequence numbers, the envelope (guard/wire/batch.py) and
+size-capped chunks. The costly part, serialising reports, runs outside any lock.
+
+`BatchAssembler.lock` is the exporter's ordering lock: whoever assigns a seq and then either
+sends or spools the batch holds it across both, so once anything is spooled, everything newer
+is spooled behind it (see guard/runtime/exporter.py, "Sequence numbers").
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from guard.core.heartbeat import PHASE_TRAIN, PHASES
+from guard.core.report import StepReport
+from guard.runtime.export_commands import CommandInbox
+from guard.wire.batch import Batch, encode_batch, encode_report, heartbeat, make_seq
+
+Item = tuple[StepReport, list[dict[str, Any]]]  # one submitted step: its report and event rows
+Encoded = tuple[bytes, list[dict[str, Any]], int]  # report JSON, its events, its step
+ENVELOPE_BYTES = 64 << 10  # room kept in a body for everything but the reports
+EVENT_BYTES = 200  # an event row's size, as counted against a body's cap
+
+
+def encode_items(items: list[Item]) -> list[Encoded]:
+    """Serialise reports outside any lock (the costly part of building a batch)."""
+    return [(encode_report(r), evs, r.step) for r, evs in items]
+
+
+def chunks(enc: list[Encoded], max_body_bytes: int) -> list[list[Encoded]]:
+    """Split so that no body exceeds max_body_bytes (ENVELOPE_BYTES left for the envelope)."""
+    out: list[list[Encoded]] = []
+    cur: list[Encoded] = []
+    size, cap = 0, max(1, max_body_bytes - ENVELOPE_BYTES)
+    for e in enc:
+        n = len(e[0]) + EVENT_BYTES * len(e[1])
+        if cur and size + n > cap:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(e)
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+class BatchAssembler:
+    """Seq numbers and batch bodies for one run and rank, with what rides on the next batch:
+    the run's meta (once), the phase, the last step, the commands acknowledged."""
+
+    def __init__(
+        self, run_id: str, rank: int, generation: int, trainer_detectors: bool, inbox: CommandInbox
+    ) -> None:
+        self.run_id, self.rank, self.generation = run_id, rank, generation
+        self.trainer_detectors = trainer_detectors
+        self.writer = os.urandom(8).hex()  # tells this process from another started in the same second
+        self.lock = threading.Lock()  # seq order and spool order together (module docstring)
+        self._inbox = inbox
+        self._counter = 0
+        self._meta: dict[str, Any] | None = None
+        self._phase = PHASE_TRAIN
+        self._phase_changed = False
+        self._last_step = -1
+
+    def set_meta(self, meta: dict[str, Any]) -> None:
+        with self.lock:
+            self._meta = dict(meta)
+
+    def set_phase(self, phase: str) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} not one of {PHASES}")
+        with self.lock:
+            self._phase, self._phase_changed = phase, True
+
+    def take_news(self) -> bool:
+        """Whether meta or a phase change waits for a batch (then one goes out even with no
+        reports); the phase change counts as sent. Caller holds `lock`."""
+        news = self._meta is not None or self._phase_changed
+        self._phase_changed = False
+        return news
+
+    def next_seq(self) -> int:
+        """Caller holds `lock`."""
+        self._counter += 1
+        return make_seq(self.generation, self._counter)
+
+    def body(self, chunk: list[Encoded], seq: int, final: bool = False) -> bytes:
+        """The batch body for `chunk` with sequence number `seq`. Caller holds `lock`."""
+        if chunk:
+            self._last_step = max(self._last_step, max(step for _, _, step in chunk))
+        meta, self._meta = self._meta, None
+        acked = self._inbox.acknowledged
+        b = Batch(
+            run=self.run_id,
+            rank=self.rank,
+            seq=seq,
+            writer=self.writer,
+            events=[e for _, evs, _ in chunk for e in evs],
+            final=final,
+            heartbeat=heartbeat(time.time(), max(self._last_step, 0), self._phase),
+            meta=meta,
+            trainer_detectors=self.trainer_detectors,
+            # every batch: a lost heartbeat must not lose the acknowledgement
+            commands_ack=acked if acked >= 0 else None,
+        )
+        return encode_batch(b, [rb for rb, _, _ in chunk])
