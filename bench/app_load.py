@@ -60,7 +60,8 @@ def page_data_path(run: Path) -> dict[str, float]:
     """Everything page_health.py computes for one run, timed by stage (seconds)."""
     import plotly.io as pio
 
-    from dashboards import data, figures
+    from dashboards import figures
+    from dashboards.data import heatmaps, loaders, runs
     from guard.core import schema
 
     times: dict[str, float] = {}
@@ -73,19 +74,19 @@ def page_data_path(run: Path) -> dict[str, float]:
         times[name] = times.get(name, 0.0) + now - t
         t = now
 
-    info = data.run_info(run)
-    path, sig = info.path, data.run_signature(info.path)
-    steps = data.load_steps(path, sig)
-    data.load_summary(path, sig)
+    info = runs.run_info(run)
+    path, sig = info.path, runs.run_signature(info.path)
+    steps = loaders.load_steps(path, sig)
+    loaders.load_summary(path, sig)
     lap("steps + summary")
-    series = data.load_step_series(path, sig, ("loss", "grad_norm"))
-    marks, timeline = data.load_marks(path, sig)
-    data.load_events(path, sig)
+    series = loaders.load_step_series(path, sig, ("loss", "grad_norm"))
+    marks, timeline = loaders.load_marks(path, sig)
+    loaders.load_events(path, sig)
     lap("downsample + events")
     figs.append(figures.health_timeline(series, marks, timeline))
     lap("figures")
     lo, hi = int(steps["step"].min()), int(steps["step"].max())
-    heats = data.load_layer_heatmaps(path, sig, lo, hi)
+    heats = heatmaps.load_layer_heatmaps(path, sig, lo, hi)
     lap("layer heatmaps")
     for name, h in heats.items():
         figs.append(
@@ -94,9 +95,9 @@ def page_data_path(run: Path) -> dict[str, float]:
             )
         )
     lap("figures")
-    layer_ids = data.load_layer_ids(path, sig) if info.tables.get(schema.TABLE_EXPERTS) else []
-    h = data.load_expert_share_over_time(path, sig, int(layer_ids[0]), lo, hi)
-    now = data.load_expert_share_now(path, sig, 100)
+    layer_ids = heatmaps.load_layer_ids(path, sig) if info.tables.get(schema.TABLE_EXPERTS) else []
+    h = heatmaps.load_expert_share_over_time(path, sig, int(layer_ids[0]), lo, hi)
+    now = heatmaps.load_expert_share_now(path, sig, 100)
     lap("expert heatmaps")
     figs.append(
         figures.heatmap(h, title="e", x_title="step", y_title="expert", z_title="share %", z_scale=100)
@@ -104,7 +105,7 @@ def page_data_path(run: Path) -> dict[str, float]:
     figs.append(
         figures.heatmap(now, title="n", x_title="expert", y_title="layer", z_title="share %", z_scale=100)
     )
-    perf = data.load_step_series(
+    perf = loaders.load_step_series(
         path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes")
     )
     lap("downsample + events")
@@ -115,7 +116,7 @@ def page_data_path(run: Path) -> dict[str, float]:
     times["total"] = time.perf_counter() - t0
     # not part of opening the page: the "every step" toggle of the expert heatmap
     t = time.perf_counter()
-    data.load_expert_share_over_time(path, sig, int(layer_ids[0]), lo, hi, row_budget=10**15)
+    heatmaps.load_expert_share_over_time(path, sig, int(layer_ids[0]), lo, hi, row_budget=10**15)
     times["expert_exact_s"] = time.perf_counter() - t
     times["figure_json_bytes"] = float(size)
     times["expert_heatmap_sampled"] = float(bool(h.get("note")))
@@ -157,9 +158,9 @@ def _child(args: argparse.Namespace) -> None:
     if args.phase == "data":
         fresh = page_data_path(root / RUN_ID)  # first page a fresh server process draws
         warm = page_data_path(root / RUN_ID)  # the same page again: cache hits
-        from dashboards import data
+        from dashboards.data import loaders
 
-        data.clear_caches()  # a run opened for the first time in a server already warmed up
+        loaders.clear_caches()  # a run opened for the first time in a server already warmed up
         cold = page_data_path(root / RUN_ID)
         print(json.dumps({"fresh": fresh, "cold": cold, "warm": warm}))
     else:

@@ -4,7 +4,7 @@
     streamlit run dashboards/app.py -- --runs DIR          (the same thing, by hand)
 
 The entry script only sets up navigation and the shared sidebar; each page is a thin
-script (page_*.py) over the cached loaders in dashboards/data.py.
+script (page_*.py) over the cached loaders in dashboards/data/.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ if str(_ROOT) not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from dashboards import data  # noqa: E402
+from dashboards.data import config, loaders, runs  # noqa: E402
 
 LIVE_EVERY_S = float(os.environ.get("MOEGUARD_APP_LIVE_S", "30"))
 
 st.set_page_config(page_title="moeguard", page_icon=":material/shield:", layout="wide")
-cfg = data.app_config()
+cfg = config.app_config()
 
 RUNS = st.Page("page_runs.py", title="Runs", icon=":material/list:", url_path="runs")
 
@@ -51,7 +51,7 @@ with st.sidebar:
     st.number_input(
         "Stale after (s)",
         min_value=10,
-        value=int(data.DEFAULT_STALE_S),
+        value=int(runs.DEFAULT_STALE_S),
         step=60,
         key="stale_after_s",
         help="A run still marked running whose last write is older than this shows as stale.",
@@ -62,7 +62,7 @@ with st.sidebar:
     if st.button(
         "Reload data", help="Drop cached tables (they also refresh by themselves when a run writes)"
     ):
-        data.clear_caches()
+        loaders.clear_caches()
 
 if live:
     # A timer fragment that reruns the whole app. Cached loaders are keyed by each run's

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 import polars as pl
 from plotly.subplots import make_subplots
 
-from dashboards import data
+from dashboards.data import compare, mfu_peak
 from guard.core import schema
 
 # action -> (marker symbol, colour); distinct shapes so they read in grey-scale too
@@ -96,7 +96,7 @@ def mark_mfu_artefacts(
     and never without this marker. Returns the number of points marked."""
     yv = np.asarray(y_pct, dtype=float)
     xv = np.asarray(x, dtype=object)
-    over = np.isfinite(yv) & (yv > 100.0 * data.MFU_LIMIT)
+    over = np.isfinite(yv) & (yv > 100.0 * mfu_peak.MFU_LIMIT)
     n = int(over.sum())
     if n == 0:
         return 0
@@ -116,7 +116,7 @@ def mark_mfu_artefacts(
     )
     if first:
         fig.add_hline(
-            y=100.0 * data.MFU_LIMIT,
+            y=100.0 * mfu_peak.MFU_LIMIT,
             line={"color": "#d62728", "dash": "dash", "width": 1},
             annotation_text="100%: physical limit; points above it are measurement artefacts",
             annotation_position="top left",
@@ -281,7 +281,7 @@ def heatmap(
     zmin: float | None = None,
     zmax: float | None = None,
 ) -> go.Figure:
-    """A heatmap from {"x", "y", "z"} (dashboards.data.long_to_heat); `log` plots log10(z)."""
+    """A heatmap from {"x", "y", "z"} (dashboards.data.shaping.long_to_heat); `log` plots log10(z)."""
     z = np.asarray(h["z"], dtype=float) * z_scale
     if log:
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -337,7 +337,7 @@ def heatmap(
     return fig
 
 
-def perf_figure(series: dict[str, pl.DataFrame], peak: data.Peak | None = None) -> go.Figure:
+def perf_figure(series: dict[str, pl.DataFrame], peak: mfu_peak.Peak | None = None) -> go.Figure:
     """MFU, tokens/s, step time vs data wait, peak memory: 2 x 2, shared step axis. The MFU
     panel names the peak it divides by; points above 100% are marked as artefacts."""
     mfu_title = "MFU (%)"
@@ -405,9 +405,9 @@ def compare_overlay(
     per_run: dict[str, pl.DataFrame], *, metric: str, x_axis: str, window: int = 1
 ) -> go.Figure:
     """One metric of several runs overlaid (one colour per run) against step, tokens or wall
-    time; `per_run` maps run -> (step, x, y) from data.overlay_series."""
-    label, scale, fmt = data.OVERLAY_METRICS[metric]
-    x_title = data.X_AXES[x_axis]
+    time; `per_run` maps run -> (step, x, y) from compare.overlay_series."""
+    label, scale, fmt = compare.OVERLAY_METRICS[metric]
+    x_title = compare.X_AXES[x_axis]
     fig = go.Figure()
     first = True
     ys: list[np.ndarray] = []

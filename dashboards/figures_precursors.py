@@ -7,7 +7,7 @@ import plotly.graph_objects as go
 import polars as pl
 from plotly.subplots import make_subplots
 
-from dashboards import data
+from dashboards.data import guard_events
 from dashboards.figures import _LEGEND_RIGHT, _MARGIN, LOSS_COLOR, _col, _series_xy
 from guard.core import schema
 
@@ -76,7 +76,7 @@ def _update_ratio_panel(fig: go.Figure, ratio: pl.DataFrame | None, verdicts: pl
         return
     pre = verdicts.filter(pl.col("detector") == schema.DET_UPDATE_RATIO)
     if pre.height:
-        layers = [data.parse_detail(d).get("layers", []) for d in pre["detail"].to_list()]
+        layers = [guard_events.parse_detail(d).get("layers", []) for d in pre["detail"].to_list()]
         fig.add_trace(
             go.Scatter(
                 x=_col(pre, "step"),

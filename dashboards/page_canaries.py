@@ -5,9 +5,10 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from dashboards import data, figures
+from dashboards import figures
+from dashboards.data import canaries, config
 
-cfg = data.app_config()
+cfg = config.app_config()
 st.title("Canaries")
 if cfg.history is None:
     st.info(
@@ -22,7 +23,7 @@ if not cfg.history.is_file():
     )
     st.stop()
 
-hist, problems = data.load_canary_history(str(cfg.history), cfg.history.stat().st_mtime_ns)
+hist, problems = canaries.load_canary_history(str(cfg.history), cfg.history.stat().st_mtime_ns)
 if problems:
     st.warning(
         f"{len(problems)} line(s) of `{cfg.history}` skipped: "
@@ -45,17 +46,17 @@ warn = c1.number_input(
 fail = c2.number_input(
     "Fail below baseline by (%)", 0.5, 50.0, float(last_fail[-1]) if len(last_fail) else 10.0, 0.5
 )
-gate = data.canary_gate(sub, warn_pct=warn, fail_pct=fail)  # for the latest entry: baseline before it
+gate = canaries.canary_gate(sub, warn_pct=warn, fail_pct=fail)  # for the latest entry: baseline before it
 
 latest = sub.row(-1, named=True)
-deltas = data.canary_deltas(sub)
+deltas = canaries.canary_deltas(sub)
 m = st.columns(4)
 base = gate["baseline"]
 m[0].metric(
     "baseline MFU (median)",
     f"{100 * base:.2f}%" if base else "—",
     help=f"median MFU p50 of the {int(gate.get('n_baseline') or 0)} baseline entries recorded before the "
-    f"latest one with its fingerprint and config hash (the last {data.CANARY_WINDOW}: the rule `moeguard "
+    f"latest one with its fingerprint and config hash (the last {canaries.CANARY_WINDOW}: the rule `moeguard "
     "canary` judges by, guard/canary/history.py); the latest entry is never part of its own baseline",
 )
 m[1].metric(
@@ -101,10 +102,10 @@ st.dataframe(
 )
 
 st.subheader("Top kernels: latest vs its baseline")
-base_rows = data.canary_baseline_rows(sub, int(latest["n"]))
-kern = data.kernel_deltas(
-    data.profile_top(latest.get("profile_top")),
-    [data.profile_top(j) for j in base_rows["profile_top"].to_list()] if base_rows.height else [],
+base_rows = canaries.canary_baseline_rows(sub, int(latest["n"]))
+kern = canaries.kernel_deltas(
+    canaries.profile_top(latest.get("profile_top")),
+    [canaries.profile_top(j) for j in base_rows["profile_top"].to_list()] if base_rows.height else [],
 )
 if kern.height == 0:
     st.info("No per-op profile to compare (the latest entry or its baseline has no `profile_top`).")

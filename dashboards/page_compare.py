@@ -7,9 +7,10 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from dashboards import data, figures, ui
+from dashboards import figures, ui
+from dashboards.data import compare, config, loaders, mfu_peak, runs
 
-cfg = data.app_config()
+cfg = config.app_config()
 st.title("Compare runs")
 infos = [i for i in ui.runs_or_stop(cfg) if i.readable and i.has_steps]
 if not infos:
@@ -21,18 +22,18 @@ if not chosen:
     st.info("Pick at least one run.")
     st.stop()
 sel = [by_id[r] for r in chosen]
-sigs = {i.run_id: data.run_signature(i.path) for i in sel}
-perf = {i.run_id: data.load_steady_perf(i.path, sigs[i.run_id]) for i in sel}
+sigs = {i.run_id: runs.run_signature(i.path) for i in sel}
+perf = {i.run_id: loaders.load_steady_perf(i.path, sigs[i.run_id]) for i in sel}
 
 # ---- the runs side by side --------------------------------------------------------------
 rows = []
 for i in sel:
     p = perf[i.run_id]
-    env, peak = i.env, data.run_peak(i.env)
+    env, peak = i.env, mfu_peak.run_peak(i.env)
     tps = p["tokens_per_s"].filter(p["tokens_per_s"].is_finite()) if p.height else p["tokens_per_s"]
     mfu = p["mfu"].filter(p["mfu"].is_finite()) if p.height else p["mfu"]
     mfu_p50 = float(mfu.median()) if len(mfu) else None  # type: ignore[arg-type]
-    trace = data.profiler_trace(i.path)
+    trace = compare.profiler_trace(i.path)
     rows.append(
         {
             "run": i.run_id,
@@ -60,7 +61,7 @@ st.dataframe(
         "MFU peak": st.column_config.TextColumn(help="the peak FLOP/s MFU divides by, and its source"),
     },
 )
-traces = [(i, t) for i in sel if (t := data.profiler_trace(i.path)) is not None]
+traces = [(i, t) for i in sel if (t := compare.profiler_trace(i.path)) is not None]
 if traces:
     st.caption(
         "Profiler traces (torch.profiler, Chrome trace format): open them in https://ui.perfetto.dev "
@@ -78,8 +79,8 @@ if traces:
             on_click="ignore",
             help=f"{t} ({t.stat().st_size / 2**20:.1f} MiB)",
         )
-peaks = {(p.kind, p.flops) for p in (data.run_peak(i.env) for i in sel)}
-if len(sel) > 1 and (len(peaks) > 1 or not all(data.run_peak(i.env).trusted for i in sel)):
+peaks = {(p.kind, p.flops) for p in (mfu_peak.run_peak(i.env) for i in sel)}
+if len(sel) > 1 and (len(peaks) > 1 or not all(mfu_peak.run_peak(i.env).trusted for i in sel)):
     st.caption(
         "MFU is not comparable across these runs: they divide by different peaks, or by a peak a run measured "
         "for itself. tokens/s is the measure here."
@@ -93,15 +94,15 @@ else:
     a_col, b_col = st.columns(2)
     run_a = a_col.selectbox("A (reference)", chosen, index=0, key="run_a")
     run_b = b_col.selectbox("B", [r for r in chosen if r != run_a], index=0, key="run_b")
-    r = data.speedup(perf[run_a]["tokens_per_s"].to_numpy(), perf[run_b]["tokens_per_s"].to_numpy())
+    r = compare.speedup(perf[run_a]["tokens_per_s"].to_numpy(), perf[run_b]["tokens_per_s"].to_numpy())
     if r is None:
         st.info("Not enough steady-state steps (10 per run) to compare throughput.")
     else:
-        st.markdown(data.speedup_sentence(f"A ({run_a})", f"B ({run_b})", r))
+        st.markdown(compare.speedup_sentence(f"A ({run_a})", f"B ({run_b})", r))
         ea, eb = by_id[run_a].env, by_id[run_b].env
         what = "; ".join(
             f"{k} {ea.get(k)} → {eb.get(k)}"
-            for k in (*data.ENV_KEYS, "device", "dtype")
+            for k in (*compare.ENV_KEYS, "device", "dtype")
             if ea.get(k) != eb.get(k)
         )
         st.caption(
@@ -114,7 +115,7 @@ else:
             )
             + (
                 ""
-                if data.same_model(by_id[run_a].meta, by_id[run_b].meta)
+                if compare.same_model(by_id[run_a].meta, by_id[run_b].meta)
                 else "**The model configs differ: tokens/s compares throughput, not the same work.**"
             )
         )
@@ -122,17 +123,17 @@ else:
 # ---- any metric overlaid ------------------------------------------------------------------
 st.subheader("Overlay")
 c1, c2, c3 = st.columns([2, 2, 3])
-metric = data.METRIC_CHOICES[
-    c1.selectbox("Metric", list(data.METRIC_CHOICES), key="metric", bind="query-params")
+metric = compare.METRIC_CHOICES[
+    c1.selectbox("Metric", list(compare.METRIC_CHOICES), key="metric", bind="query-params")
 ]
 x_label = c2.segmented_control(
-    "x-axis", list(data.X_CHOICES), default="steps", key="x_axis", bind="query-params"
+    "x-axis", list(compare.X_CHOICES), default="steps", key="x_axis", bind="query-params"
 )
-x_axis = data.X_CHOICES[x_label or "steps"]
+x_axis = compare.X_CHOICES[x_label or "steps"]
 window = c3.select_slider(
     "Smoothing (rolling median, steps)", [1, 5, 10, 25, 50, 100, 250], value=10, key="smooth"
 )
-series = {i.run_id: data.load_overlay(i.path, sigs[i.run_id], metric, x_axis, int(window)) for i in sel}
+series = {i.run_id: compare.load_overlay(i.path, sigs[i.run_id], metric, x_axis, int(window)) for i in sel}
 st.plotly_chart(
     figures.compare_overlay(series, metric=metric, x_axis=x_axis, window=int(window)), key="overlay"
 )
@@ -192,7 +193,9 @@ st.subheader("Environment and config differences")
 if len(sel) < 2:
     st.info("Pick two or more runs to see what differs.")
 else:
-    diff = data.env_differences({i.run_id: {"env": i.env, "config": i.meta.get("config") or {}} for i in sel})
+    diff = compare.env_differences(
+        {i.run_id: {"env": i.env, "config": i.meta.get("config") or {}} for i in sel}
+    )
     if diff.height == 0:
         st.success("Environment and config are identical across the chosen runs.")
     else:

@@ -9,11 +9,12 @@ import numpy as np
 import polars as pl
 import streamlit as st
 
-from dashboards import data, figures, figures_precursors, ui
+from dashboards import figures, figures_precursors, ui
+from dashboards.data import config, guard_events, heatmaps, loaders, mfu_peak, runs, shaping
 from guard.core import actions, schema
 from guard.store import reader
 
-cfg = data.app_config()
+cfg = config.app_config()
 st.title("Run health")
 infos = ui.runs_or_stop(cfg)
 # runs that can be shown first, so the default pick is useful
@@ -24,17 +25,17 @@ ui.show_problem(info)
 if not info.readable or not info.has_steps:
     st.stop()
 
-path, sig = info.path, data.run_signature(info.path)
-steps = data.load_steps(path, sig)
+path, sig = info.path, runs.run_signature(info.path)
+steps = loaders.load_steps(path, sig)
 if steps.height == 0:
     st.info(f"Run `{run_id}` has step files but no rows yet.")
     st.stop()
-summ = data.load_summary(path, sig)
+summ = loaders.load_summary(path, sig)
 env = info.env
 
 # ---- headline -------------------------------------------------------------------------
 ui.status_badge(info.status, help=f"last write {ui.age(info.updated_at)}")
-peak = data.run_peak(env)
+peak = mfu_peak.run_peak(env)
 mfu = summ["mfu"]
 c = st.columns(6)
 c[0].metric("step", f"{summ['step']:,}" if summ["step"] is not None else "—")
@@ -49,7 +50,7 @@ c[2].metric(
     help="median, last 100 steps",
 )
 c[3].metric(
-    "MFU" + (" (artefact)" if mfu is not None and mfu > data.MFU_LIMIT else ""),
+    "MFU" + (" (artefact)" if mfu is not None and mfu > mfu_peak.MFU_LIMIT else ""),
     f"{100 * mfu:.1f}%" if mfu is not None else "—",
     help=f"median, last 100 steps, of peak {peak.label()}. Peak source: {peak.source}",
 )
@@ -60,7 +61,7 @@ c[4].metric(
     f"cool-downs started (guard/core/actions.py): {actions.summary_text(summ['action_counts'])}",
 )
 c[5].metric("verdicts", summ["verdicts"])
-note = data.mfu_note(mfu, peak)
+note = mfu_peak.mfu_note(mfu, peak)
 st.caption(
     f"MFU peak: **{peak.short()}** — {peak.source}"
     + (f". **{note}**" if note else "")
@@ -84,27 +85,27 @@ st.caption(
 )
 if summ["halts"]:
     st.error(f"Run `{run_id}` halted itself ({summ['halts']} halt event(s)); see the events table for why.")
-if info.compat == data.COMPAT_OLDER:
+if info.compat == runs.COMPAT_OLDER:
     miss = reader.missing_columns(path, schema.TABLE_STEPS)
     if miss:
         st.caption(f"Not in this run's steps table (older writer): {', '.join(miss)}")
 
 # ---- loss / grad norm with guard marks ------------------------------------------------
-series = data.load_step_series(path, sig, ("loss", "grad_norm"))
-marks, timeline = data.load_marks(path, sig)
+series = loaders.load_step_series(path, sig, ("loss", "grad_norm"))
+marks, timeline = loaders.load_marks(path, sig)
 st.plotly_chart(figures.health_timeline(series, marks, timeline), key="timeline")
-if steps.height > data.MAX_LINE_POINTS:
+if steps.height > shaping.MAX_LINE_POINTS:
     st.caption(
-        f"{steps.height:,} steps drawn as ≤{data.MAX_LINE_POINTS:,} points per line: each bucket keeps its first, "
+        f"{steps.height:,} steps drawn as ≤{shaping.MAX_LINE_POINTS:,} points per line: each bucket keeps its first, "
         "last, min and max step, plus every non-finite step and every step with an event."
     )
 
-events = data.load_events(path, sig)
+events = loaders.load_events(path, sig)
 
 # ---- precursors -----------------------------------------------------------------------
 st.subheader("Precursors")
-pre_series = data.load_step_series(path, sig, ("update_ratio", "adam_v_ratio"))
-groups = data.load_group_series(path, sig, "grad_norm") if info.tables.get(schema.TABLE_GROUPS) else {}
+pre_series = loaders.load_step_series(path, sig, ("update_ratio", "adam_v_ratio"))
+groups = loaders.load_group_series(path, sig, "grad_norm") if info.tables.get(schema.TABLE_GROUPS) else {}
 if not pre_series["update_ratio"]["update_ratio"].is_finite().any() and not groups:
     st.info(
         "No precursor signals in this run: it was written before they existed, its loop gave the "
@@ -131,7 +132,7 @@ else:
     shown = st.multiselect("Event kinds", kinds, default=default, key="event_kinds")
     ev = events.filter(pl.col("kind").is_in(shown))
     evidence = [
-        "; ".join(f"{k}={data.fmt_value(v)}" for k, v in data.parse_detail(d).items())
+        "; ".join(f"{k}={guard_events.fmt_value(v)}" for k, v in guard_events.parse_detail(d).items())
         for d in ev["detail"].to_list()
     ]
     st.dataframe(
@@ -160,7 +161,7 @@ if not info.tables.get(schema.TABLE_LAYERS):
         "This run has no `layers` table (yet): per-layer grad norms and routing statistics are not available."
     )
 else:
-    heats = data.load_layer_heatmaps(path, sig, lo, hi)
+    heats = heatmaps.load_layer_heatmaps(path, sig, lo, hi)
     # (signal, colour-bar title, colour scale, log10, fixed range)
     dead_max = float(np.nanmax(heats["dead_experts"]["z"])) if "dead_experts" in heats else 0.0
     specs = [
@@ -178,7 +179,7 @@ else:
         for col, (name, ztitle, scale, log, (zmin, zmax)) in zip(cols, specs[i : i + 2], strict=False):
             fig = figures.heatmap(
                 heats[name],
-                title=data.LAYER_SIGNALS[name][1],
+                title=heatmaps.LAYER_SIGNALS[name][1],
                 x_title="step",
                 y_title="layer",
                 z_title=ztitle,
@@ -199,7 +200,7 @@ else:
 @st.fragment
 def expert_load() -> None:
     st.subheader("Expert load")
-    layer_ids = data.load_layer_ids(path, sig) if info.tables.get(schema.TABLE_EXPERTS) else []
+    layer_ids = heatmaps.load_layer_ids(path, sig) if info.tables.get(schema.TABLE_EXPERTS) else []
     if not layer_ids:
         st.info("This run has no `experts` table (yet): expert load shares are not available.")
     else:
@@ -211,10 +212,10 @@ def expert_load() -> None:
                 "every step",
                 key="expert_exact",
                 help="Read every step of the experts table (slower on long runs); off: a sample of "
-                f"chunks once the table passes {data.EXPERT_ROW_BUDGET / 1e6:.0f}M rows.",
+                f"chunks once the table passes {heatmaps.EXPERT_ROW_BUDGET / 1e6:.0f}M rows.",
             )
-            h = data.load_expert_share_over_time(
-                path, sig, int(layer), lo, hi, row_budget=10**15 if exact else data.EXPERT_ROW_BUDGET
+            h = heatmaps.load_expert_share_over_time(
+                path, sig, int(layer), lo, hi, row_budget=10**15 if exact else heatmaps.EXPERT_ROW_BUDGET
             )
             if h:
                 n_exp = len(h["y"])
@@ -240,7 +241,7 @@ def expert_load() -> None:
             window = st.select_slider(
                 "Window (steps)", [10, 50, 100, 500, 1000], value=100, key="expert_window"
             )
-            now = data.load_expert_share_now(path, sig, int(window))
+            now = heatmaps.load_expert_share_now(path, sig, int(window))
             if now:
                 n_exp = len(now["x"])
                 st.plotly_chart(
@@ -263,7 +264,7 @@ expert_load()
 
 # ---- throughput -----------------------------------------------------------------------
 st.subheader("Throughput and memory")
-perf = data.load_step_series(
+perf = loaders.load_step_series(
     path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes")
 )
 st.plotly_chart(figures.perf_figure(perf, peak), key="perf")

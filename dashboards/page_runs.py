@@ -5,27 +5,28 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from dashboards import data, ui
+from dashboards import ui
+from dashboards.data import config, loaders, mfu_peak, open_alerts, runs
 
-cfg = data.app_config()
+cfg = config.app_config()
 st.title("Runs")
 infos = ui.runs_or_stop(cfg)
 
 alerts: dict[str, int] = {}
 alert_error = None
 if cfg.collector:
-    alerts, alert_error = data.fetch_open_alerts(cfg.collector)
+    alerts, alert_error = open_alerts.fetch_open_alerts(cfg.collector)
     if alert_error:
         st.warning(f"Open alerts unavailable from `{cfg.collector}`: {alert_error}")
 
 rows = []
 notes: list[str] = []
 for info in infos:
-    summ = data.load_summary(info.path, data.run_signature(info.path)) if info.readable else {}
+    summ = loaders.load_summary(info.path, runs.run_signature(info.path)) if info.readable else {}
     env = info.env
-    peak = data.run_peak(env)
+    peak = mfu_peak.run_peak(env)
     mfu = summ.get("mfu")
-    if summ.get("mfu_over") or data.mfu_note(mfu, peak):
+    if summ.get("mfu_over") or mfu_peak.mfu_note(mfu, peak):
         over = (
             f"{summ['mfu_over']:,} step(s) with MFU above 100% (measurement artefacts); "
             if summ.get("mfu_over")
@@ -34,8 +35,8 @@ for info in infos:
         notes.append(f"`{info.run_id}`: {over}MFU of peak {peak.label()}")
     note = (
         "artefact"
-        if (mfu or 0) > data.MFU_LIMIT or summ.get("mfu_over")
-        else data.mfu_note(mfu, peak, short=True)
+        if (mfu or 0) > mfu_peak.MFU_LIMIT or summ.get("mfu_over")
+        else mfu_peak.mfu_note(mfu, peak, short=True)
     )
     # config first (it is what runs are compared by), then progress, efficiency, guard activity
     rows.append(
@@ -103,6 +104,6 @@ if notes:
     st.caption("MFU: " + " · ".join(notes))
 for info in infos:
     ui.show_problem(info)
-stray = data.stray_folders(cfg.runs_dir)
+stray = runs.stray_folders(cfg.runs_dir)
 if stray:
     st.caption(f"Ignored (no meta.json): {', '.join(stray)}")

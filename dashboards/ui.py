@@ -6,7 +6,7 @@ import time
 
 import streamlit as st
 
-from dashboards import data
+from dashboards.data import config, runs
 from guard.core import schema
 
 # status -> (material icon, badge colour). Plain words in tables: emoji fonts are not a given.
@@ -35,17 +35,17 @@ def age(ts: float | None) -> str:
 
 
 def stale_after() -> float:
-    return float(st.session_state.get("stale_after_s", data.DEFAULT_STALE_S))
+    return float(st.session_state.get("stale_after_s", runs.DEFAULT_STALE_S))
 
 
-def show_problem(info: data.RunInfo) -> None:
+def show_problem(info: runs.RunInfo) -> None:
     p = info.problem()
     if p is not None:
         level, msg = p
         (st.warning if level == "warning" else st.info)(msg)
 
 
-def runs_or_stop(cfg: data.AppConfig) -> list[data.RunInfo]:
+def runs_or_stop(cfg: config.AppConfig) -> list[runs.RunInfo]:
     """All runs under the configured folder, or a clear message and st.stop()."""
     if not cfg.runs_dir.is_dir():
         st.warning(
@@ -53,9 +53,9 @@ def runs_or_stop(cfg: data.AppConfig) -> list[data.RunInfo]:
             "`moeguard app --runs DIR`, where DIR holds one folder per run (runs/<run_id>/meta.json)."
         )
         st.stop()
-    infos = data.discover(cfg.runs_dir, stale_after_s=stale_after())
+    infos = runs.discover(cfg.runs_dir, stale_after_s=stale_after())
     if not infos:
-        stray = data.stray_folders(cfg.runs_dir)
+        stray = runs.stray_folders(cfg.runs_dir)
         extra = (
             f" ({len(stray)} folder(s) without meta.json ignored: {', '.join(stray[:5])})" if stray else ""
         )

@@ -14,7 +14,7 @@ Not actions: verdict events (evidence; their `action` field repeats what their s
 `recovered` events (a correction ended), rollback and halt events (they describe the step's
 own action, already counted once by its row), checkpoints, injections.
 
-Readers: the CLI summary, meta.json `guard_actions`, the app (dashboards/data.py), the
+Readers: the CLI summary, meta.json `guard_actions`, the app (dashboards/data/loaders.py), the
 collector's moeguard_guard_actions_total{action} (guard/collector/metrics.py) and `moeguard demo`.
 The collector counts what it receives, so a trainer resumed from a checkpoint re-sends the
 steps after it and the counter counts them again (Prometheus counters are for rates).

@@ -1,5 +1,5 @@
 """`GET /v1/runs`: the collector's run listing, one type for the collector (which writes it) and
-the app (which reads it, dashboards/data.py).
+the app (which reads it, dashboards/data/open_alerts.py).
 
     {"runs": [RunListing.to_json(), ...]}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboards import data
+from dashboards.data import config
 from tests.dashboards.synth_store import make_store, write_canary_history
 
 APP = Path(__file__).resolve().parents[2] / "dashboards" / "app.py"
@@ -36,11 +36,11 @@ def open_page(monkeypatch: pytest.MonkeyPatch):
     def _open(
         page: str, runs_dir: Path, *, run: str | None = None, history: Path | None = None, timeout: float = 60
     ) -> AppTest:
-        monkeypatch.setenv(data.ENV_RUNS, str(runs_dir))
+        monkeypatch.setenv(config.ENV_RUNS, str(runs_dir))
         if history is not None:
-            monkeypatch.setenv(data.ENV_HISTORY, str(history))
+            monkeypatch.setenv(config.ENV_HISTORY, str(history))
         else:
-            monkeypatch.delenv(data.ENV_HISTORY, raising=False)
+            monkeypatch.delenv(config.ENV_HISTORY, raising=False)
         at = AppTest.from_file(str(APP), default_timeout=timeout).run()
         if page != "runs":
             at.switch_page(f"page_{page}.py")

@@ -17,7 +17,18 @@ import numpy as np
 import polars as pl
 import pytest
 
-from dashboards import data, launch
+from dashboards import launch
+from dashboards.data import (
+    canaries,
+    compare,
+    config,
+    guard_events,
+    heatmaps,
+    loaders,
+    open_alerts,
+    runs,
+    shaping,
+)
 from guard.cli import main as cli_main
 from guard.core import schema
 from guard.store import reader
@@ -32,13 +43,13 @@ def test_downsample_keeps_spikes_nans_and_event_steps() -> None:
     y[77_001] = float("nan")
     y[5] = -9.0
     df = pl.DataFrame({"step": np.arange(n), "loss": y})
-    out = data.downsample(df, "loss", max_points=2000, keep_steps=[12_345, 99_999])
+    out = shaping.downsample(df, "loss", max_points=2000, keep_steps=[12_345, 99_999])
     assert out.height <= 2000 + 3
     steps = set(out["step"].to_list())
     assert {31_337, 77_001, 5, 12_345, 99_999, 0} <= steps
     assert out["step"].is_sorted()
     small = df.head(500)
-    assert data.downsample(small, "loss", max_points=2000).height == 500
+    assert shaping.downsample(small, "loss", max_points=2000).height == 500
 
 
 def test_action_marks_merge_verdict_and_action_and_pin_nonfinite() -> None:
@@ -57,16 +68,16 @@ def test_action_marks_merge_verdict_and_action_and_pin_nonfinite() -> None:
             "detail": [json.dumps({"where": "loss"}), "{}", json.dumps({"layer": 4}), "{}"],
         }
     )
-    marks = data.action_marks(ev, steps)
+    marks = guard_events.action_marks(ev, steps)
     assert marks.select("step", "action").rows() == [(2, "skip"), (3, "bias_correct")]
     skip = marks.row(0, named=True)
     assert skip["nonfinite"] and skip["y_loss"] == 3.0 and skip["y_grad_norm"] == 9.0  # pinned to finite max
     assert "where: loss" in skip["hover"] and "value non-finite" in skip["hover"]
     bias = marks.row(1, named=True)
     assert "layer: 4" in bias["hover"] and "value 3 vs threshold 1.5" in bias["hover"]
-    lanes = data.timeline_rows(ev)["lane"].to_list()
+    lanes = guard_events.timeline_rows(ev)["lane"].to_list()
     assert lanes == ["nonfinite", "action", "maxvio", "inject"]
-    assert data.action_marks(ev.head(0), steps).height == 0
+    assert guard_events.action_marks(ev.head(0), steps).height == 0
 
 
 def test_scan_fills_columns_an_older_writer_lacked(store: Path) -> None:
@@ -78,13 +89,13 @@ def test_scan_fills_columns_an_older_writer_lacked(store: Path) -> None:
 
 
 def test_run_info_status_and_compat(store: Path) -> None:
-    infos = {i.run_id: i for i in data.discover(store)}
-    assert "not-a-run" not in infos and data.stray_folders(store) == ["not-a-run"]
+    infos = {i.run_id: i for i in runs.discover(store)}
+    assert "not-a-run" not in infos and runs.stray_folders(store) == ["not-a-run"]
     assert infos[synth.STALE].status == schema.STATUS_STALE
-    assert data.run_info(store / synth.STALE, stale_after_s=10**6).status == schema.STATUS_RUNNING
+    assert runs.run_info(store / synth.STALE, stale_after_s=10**6).status == schema.STATUS_RUNNING
     assert infos[synth.LIVE].status == schema.STATUS_RUNNING
-    assert infos[synth.NEW_SCHEMA].compat == data.COMPAT_NEWER and not infos[synth.NEW_SCHEMA].readable
-    assert infos[synth.OLD_SCHEMA].compat == data.COMPAT_OLDER and infos[synth.OLD_SCHEMA].readable
+    assert infos[synth.NEW_SCHEMA].compat == runs.COMPAT_NEWER and not infos[synth.NEW_SCHEMA].readable
+    assert infos[synth.OLD_SCHEMA].compat == runs.COMPAT_OLDER and infos[synth.OLD_SCHEMA].readable
     assert not infos[synth.META_ONLY].has_steps and "meta.json only" in infos[synth.META_ONLY].note
     assert infos[synth.NO_LAYERS].note == "no layers/experts table"
     assert infos[synth.GUARDED].problem() is None
@@ -92,37 +103,37 @@ def test_run_info_status_and_compat(store: Path) -> None:
 
 def test_signature_moves_when_a_part_lands(tmp_path: Path) -> None:
     run = write_run(tmp_path, SynthRun(run_id="r", steps=60, faults=[]))
-    before = data.run_signature(run)
+    before = runs.run_signature(run)
     time.sleep(0.01)
     src = sorted((run / "steps").glob("part-*.parquet"))[-1]
     (run / "steps" / "part-0000000060-000099.parquet").write_bytes(src.read_bytes())
-    assert data.run_signature(run) != before
+    assert runs.run_signature(run) != before
 
 
 def test_summary_and_heatmaps_on_the_guarded_run(store: Path) -> None:
     path = str(store / synth.GUARDED)
-    sig = data.run_signature(path)
-    s = data.load_summary(path, sig)
+    sig = runs.run_signature(path)
+    s = loaders.load_summary(path, sig)
     # guard/core/actions.py: 4 skipped steps + 1 rolled back (step rows) + 2 bias corrections + 1 LR cool-down (events)
     assert s["action_counts"] == {"skip": 4, "rollback": 1, "halt": 0, "bias_correct": 2, "lr_cooldown": 1}
     assert s["step"] == 599 and s["actions"] == 8 and s["verdicts"] == 7 and s["halts"] == 0
-    heats = data.load_layer_heatmaps(path, sig, 0, 599, 100)
+    heats = heatmaps.load_layer_heatmaps(path, sig, 0, 599, 100)
     mv = heats["maxvio"]
     assert mv["z"].shape == (4, 100)
     assert np.isnan(mv["z"][0]).all(), "dense layer 0 has no routing stats"
     col = np.searchsorted(mv["x"], 300, side="right") - 1
     assert mv["z"][mv["y"].index(2), col] > 3, "the collapse at step 300 on layer 2 survives bucketing"
-    share = data.load_expert_share_over_time(path, sig, 2, 0, 599, 60)
+    share = heatmaps.load_expert_share_over_time(path, sig, 2, 0, 599, 60)
     assert np.allclose(np.nansum(share["z"], axis=0), 1.0)
-    now = data.load_expert_share_now(path, sig, 100)
+    now = heatmaps.load_expert_share_now(path, sig, 100)
     assert (now["from"], now["to"]) == (500, 599) and np.allclose(np.nansum(now["z"], axis=1), 1.0)
 
 
 def test_expert_heatmap_samples_past_the_row_budget(store: Path) -> None:
     path = str(store / synth.GUARDED)
-    sig = data.run_signature(path)
-    full = data.load_expert_share_over_time(path, sig, 2, 0, 599, 60)
-    sampled = data.load_expert_share_over_time(path, sig, 2, 0, 599, 60, row_budget=5000)
+    sig = runs.run_signature(path)
+    full = heatmaps.load_expert_share_over_time(path, sig, 2, 0, 599, 60)
+    sampled = heatmaps.load_expert_share_over_time(path, sig, 2, 0, 599, 60, row_budget=5000)
     assert full["note"] == "" and sampled["note"].startswith("sampled")
 
 
@@ -130,9 +141,9 @@ def test_steady_state_and_env_differences() -> None:
     steps = pl.DataFrame(
         {"step": range(200), "action": ["apply"] * 150 + ["skip"] + ["apply"] * 49, "mfu": [0.4] * 200}
     )
-    ss = data.steady_state(steps)
+    ss = shaping.steady_state(steps)
     assert ss["step"].min() == 20 and 150 not in ss["step"].to_list() and ss.height == 179
-    diff = data.env_differences(
+    diff = compare.env_differences(
         {
             "a": {"env": {"torch": "1", "dev": "h"}},
             "b": {"env": {"torch": "2", "dev": "h"}},
@@ -173,25 +184,25 @@ def test_canary_reader_accepts_the_canary_format() -> None:
         },
     ]
     text = "\n".join(json.dumps(x) for x in lines) + '\n[1,2]\n{"mfu_p50": "fast"}\nnope\n'
-    df, problems = data.parse_canary_history(text)
+    df, problems = canaries.parse_canary_history(text)
     assert df.height == 2 and len(problems) == 3
     assert df["verdict"].to_list() == ["pass", "fail"]
     assert df["config"][1] == '{"model": "x"}' and df["fail_pct"][1] == 8
     assert df["time"][0].year == 2025 and df["time"][1].tzinfo is not None
-    gate = data.canary_gate(df, warn_pct=5, fail_pct=10)
+    gate = canaries.canary_gate(df, warn_pct=5, fail_pct=10)
     assert gate["baseline"] == 0.41 and gate["fail_lo"] == pytest.approx(0.369)
-    empty, probs = data.parse_canary_history("")
+    empty, probs = canaries.parse_canary_history("")
     assert empty.height == 0 and probs == []
 
 
 def test_app_config_from_argv_then_env(monkeypatch) -> None:
-    monkeypatch.setenv(data.ENV_RUNS, "/env/runs")
-    monkeypatch.delenv(data.ENV_HISTORY, raising=False)
-    cfg = data.app_config(["--runs", "/cli/runs", "--history", "h.jsonl", "--collector", "http://am:9093"])
-    assert cfg == data.AppConfig(
+    monkeypatch.setenv(config.ENV_RUNS, "/env/runs")
+    monkeypatch.delenv(config.ENV_HISTORY, raising=False)
+    cfg = config.app_config(["--runs", "/cli/runs", "--history", "h.jsonl", "--collector", "http://am:9093"])
+    assert cfg == config.AppConfig(
         runs_dir=Path("/cli/runs"), history=Path("h.jsonl"), collector="http://am:9093"
     )
-    assert data.app_config(["--runxfail"]).runs_dir == Path("/env/runs")
+    assert config.app_config(["--runxfail"]).runs_dir == Path("/env/runs")
 
 
 # ---- open alerts ------------------------------------------------------------------------
@@ -232,14 +243,14 @@ def alertmanager() -> Iterator[str]:
 
 
 def test_open_alerts_from_alertmanager(alertmanager: str, store: Path, open_page, monkeypatch) -> None:
-    alerts, err = data.fetch_open_alerts(alertmanager)
+    alerts, err = open_alerts.fetch_open_alerts(alertmanager)
     assert err is None and alerts == {synth.GUARDED: 2}
-    monkeypatch.setenv(data.ENV_COLLECTOR, alertmanager)
+    monkeypatch.setenv(config.ENV_COLLECTOR, alertmanager)
     at = open_page("runs", store)
     assert not at.exception
     df = at.dataframe[0].value
     assert df[df["run"] == synth.GUARDED]["open alerts"].iloc[0] == 2
-    monkeypatch.setenv(data.ENV_COLLECTOR, "http://127.0.0.1:9")
+    monkeypatch.setenv(config.ENV_COLLECTOR, "http://127.0.0.1:9")
     at = open_page("runs", store)
     assert not at.exception and any("Open alerts unavailable" in w.value for w in at.warning)
 
@@ -298,7 +309,7 @@ def test_app_command_runs_streamlit_headless(tmp_path: Path, monkeypatch) -> Non
         "http://c:8080",
     ]
     # what the app parses out of that command line is what was asked for
-    cfg = data.app_config(cmd[i + 1 :])
+    cfg = config.app_config(cmd[i + 1 :])
     assert cfg.runs_dir == tmp_path.resolve() and cfg.history == hist.resolve()
 
 
@@ -316,15 +327,15 @@ def test_collector_view_lists_a_live_collectors_runs(tmp_path: Path) -> None:
     c = CollectorProc(tmp_path / "runs").start()
     try:
         assert c.post(batch("live-1", 0, 1, [make_report(s) for s in range(3)])).status_code == 200
-        [run] = data.fetch_collector_runs(c.url)
+        [run] = open_alerts.fetch_collector_runs(c.url)
         assert (run.run, run.status, run.last_step, run.hot) == ("live-1", schema.STATUS_RUNNING, 2, True)
         assert run.ranks[0].last_step == 2 and not run.ranks[0].lost and run.open_alerts() == []
         halt = {"step": 3, "kind": schema.EV_HALT, "action": schema.ACT_HALT}
         assert c.post(batch("live-1", 0, 2, [make_report(3)], [halt])).status_code == 200
-        [run] = data.fetch_collector_runs(c.url)
+        [run] = open_alerts.fetch_collector_runs(c.url)
         assert run.status == schema.STATUS_HALTED and run.open_alerts() == ["RunHalted"]
         # the runs page's "open alerts" column: no Alertmanager there, so from /v1/runs
-        data.fetch_open_alerts.clear()
-        assert data.fetch_open_alerts(c.url) == ({"live-1": 1}, None)
+        open_alerts.fetch_open_alerts.clear()
+        assert open_alerts.fetch_open_alerts(c.url) == ({"live-1": 1}, None)
     finally:
         c.stop()

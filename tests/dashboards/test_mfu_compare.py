@@ -15,7 +15,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from dashboards import data, figures
+from dashboards import figures
+from dashboards.data import canaries, compare
 from guard.canary import history
 from guard.core import schema
 from tests.dashboards import synth_store as synth
@@ -244,13 +245,13 @@ def test_speedup_interval_and_no_clear_difference() -> None:
     rng = np.random.default_rng(0)
     a = 1000 * (1 + 0.03 * rng.standard_normal(400))
     b = 1000 * (1 + 0.03 * rng.standard_normal(400))
-    r = data.speedup(a, b)
+    r = compare.speedup(a, b)
     assert r is not None and r["lo"] < 0 < r["hi"]
-    assert data.speedup_sentence("A", "B", r).startswith("No clear difference")
-    r = data.speedup(a, a * 1.055)
+    assert compare.speedup_sentence("A", "B", r).startswith("No clear difference")
+    r = compare.speedup(a, a * 1.055)
     assert r is not None and r["pct"] == pytest.approx(5.5) and 0 < r["lo"] < 5.5 < r["hi"]
-    assert "**B** is **5.5% faster** than **A**" in data.speedup_sentence("A", "B", r)
-    assert data.speedup(a[:5], b) is None
+    assert "**B** is **5.5% faster** than **A**" in compare.speedup_sentence("A", "B", r)
+    assert compare.speedup(a[:5], b) is None
 
 
 # ---- Canaries page --------------------------------------------------------------------------
@@ -276,11 +277,11 @@ def test_judged_entry_is_not_in_its_own_baseline(tmp_path: Path, mfu_store: Path
     hist = tmp_path / "h.jsonl"
     rows = [_entry(0, 0.40, baseline=True), _entry(1, 0.38, baseline=True), _entry(2, 0.30, baseline=True)]
     hist.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    df, _ = data.parse_canary_history(hist.read_text())
-    gate = data.canary_gate(df, warn_pct=5, fail_pct=10)
+    df, _ = canaries.parse_canary_history(hist.read_text())
+    gate = canaries.canary_gate(df, warn_pct=5, fail_pct=10)
     assert gate["baseline"] == pytest.approx(0.39) and gate["n_baseline"] == 2  # not median(0.40, 0.38, 0.30)
-    assert data.canary_deltas(df).to_list()[0] is None  # the first entry has nothing before it
-    assert data.canary_deltas(df)[2] == pytest.approx(100 * (0.30 / 0.39 - 1))
+    assert canaries.canary_deltas(df).to_list()[0] is None  # the first entry has nothing before it
+    assert canaries.canary_deltas(df)[2] == pytest.approx(100 * (0.30 / 0.39 - 1))
     at = open_page("canaries", mfu_store, history=hist)
     assert not at.exception
     latest = next(m for m in at.metric if m.label == "latest MFU p50")
@@ -296,24 +297,26 @@ def test_the_page_and_the_gate_pick_the_same_baseline() -> None:
     rows.append({**_entry(50, 0.30, baseline=False), "config_hash": "a"})  # the judged entry
     text = "\n".join(json.dumps(r) for r in rows) + "\n"
     entries, _ = history.parse_history(text)
-    want = history.select_baseline(entries[:-1], "fp", "a", data.CANARY_WINDOW)
-    assert len(want) == data.CANARY_WINDOW and all(e["config_hash"] == "a" and e["baseline"] for e in want)
-    df, _ = data.parse_canary_history(text)
-    got = data.canary_baseline_rows(df, int(df["n"][-1]))
+    want = history.select_baseline(entries[:-1], "fp", "a", canaries.CANARY_WINDOW)
+    assert len(want) == canaries.CANARY_WINDOW and all(
+        e["config_hash"] == "a" and e["baseline"] for e in want
+    )
+    df, _ = canaries.parse_canary_history(text)
+    got = canaries.canary_baseline_rows(df, int(df["n"][-1]))
     assert got["git_sha"].to_list() == [e["git_sha"] for e in want]
     base = statistics.median(e["mfu_p50"] for e in want)
-    assert data.canary_gate(df, warn_pct=2, fail_pct=3)["baseline"] == pytest.approx(base)
-    assert data.canary_deltas(df)[-1] == pytest.approx(100 * (0.30 / base - 1))
+    assert canaries.canary_gate(df, warn_pct=2, fail_pct=3)["baseline"] == pytest.approx(base)
+    assert canaries.canary_deltas(df)[-1] == pytest.approx(100 * (0.30 / base - 1))
 
 
 def test_uniform_slowdown_blames_no_single_kernel() -> None:
     rng = np.random.default_rng(1)
     slow = {op: ms * 1.3 * (1 + 0.02 * rng.standard_normal()) for op, ms in BASE_PROF.items()}
-    k = data.kernel_deltas(slow, [BASE_PROF, BASE_PROF])
+    k = canaries.kernel_deltas(slow, [BASE_PROF, BASE_PROF])
     assert (k["raw change %"] > 24).all(), "every op is slower in raw time"
     assert (k["vs overall %"].abs() < 6).all() and (k["share change (pts)"].abs() < 1).all(), k
     silu = dict(BASE_PROF, **{"aten::silu": 1.9 * 4})  # one op really regressed
-    k = data.kernel_deltas(silu, [BASE_PROF])
+    k = canaries.kernel_deltas(silu, [BASE_PROF])
     assert k["op"][0] == "aten::silu" and k["vs overall %"][0] > 150
 
 

@@ -189,7 +189,7 @@ def _cli_counts(stdout: str) -> dict[str, int]:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_run_store_app_and_metrics_count_the_same(faulty_run: dict) -> None:
-    from dashboards import data
+    from dashboards.data import loaders, runs
 
     store = count_actions(faulty_run["run_dir"])
     assert all(store[a] > 0 for a in actions.GUARD_ACTIONS), f"the drill must exercise every action: {store}"
@@ -201,7 +201,7 @@ def test_run_store_app_and_metrics_count_the_same(faulty_run: dict) -> None:
         what="the collector's run store to hold every action",
     )
     path = str(faulty_run["run_dir"])
-    app = data.load_summary(path, data.run_signature(path))
+    app = loaders.load_summary(path, runs.run_signature(path))
     m = faulty_run["metrics"]
     prom = {
         a: int(m[("moeguard_guard_actions_total", (("action", a), ("run", RUN)))])

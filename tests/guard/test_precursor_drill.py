@@ -54,10 +54,10 @@ def test_the_health_page_shows_the_precursors_of_the_drill(
 ) -> None:
     from streamlit.testing.v1 import AppTest
 
-    from dashboards import data
+    from dashboards.data import config
 
-    monkeypatch.setenv(data.ENV_RUNS, str(drill.parent))
-    monkeypatch.delenv(data.ENV_HISTORY, raising=False)
+    monkeypatch.setenv(config.ENV_RUNS, str(drill.parent))
+    monkeypatch.delenv(config.ENV_HISTORY, raising=False)
     at = AppTest.from_file(str(REPO / "dashboards" / "app.py"), default_timeout=60).run()
     at.switch_page("page_health.py")
     at.query_params["run"] = drill.name

@@ -13,7 +13,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from dashboards import data
+from dashboards.data import loaders, runs
 from guard.core import schema
 from guard.store import reader
 from guard.store.layout import PartName, next_part_seq, parse_part_name, part_files, part_name
@@ -67,7 +67,7 @@ def _readers(run: Path) -> dict[str, list[int]]:
     return {
         "read_table": read_table(run, schema.TABLE_STEPS)["step"].to_list(),
         "readme_glob": pl.scan_parquet(str(run / "steps" / "*.parquet")).collect()["step"].to_list(),
-        "app_loader": data.load_steps(str(run), data.run_signature(run))["step"].to_list(),
+        "app_loader": loaders.load_steps(str(run), runs.run_signature(run))["step"].to_list(),
         "app_scan": reader.scan_table(run, schema.TABLE_STEPS, cached=True).collect()["step"].to_list(),
     }
 

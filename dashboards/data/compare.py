@@ -1,0 +1,182 @@
+"""The Compare page's data: overlays on a chosen x-axis, "is B faster than A", whether two runs
+train the same model, what differs between their environments, profiler traces."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import streamlit as st
+
+from dashboards.data.loaders import load_steps
+from dashboards.data.shaping import MAX_LINE_POINTS, downsample
+from guard.core import schema
+
+ENV_KEYS = ("torch", "attention_backend", "expert_kernel", "compile")
+
+
+# metric -> (label, unit scale for display, hover format)
+OVERLAY_METRICS: dict[str, tuple[str, float, str]] = {
+    "tokens_per_s": ("throughput (tokens/s)", 1.0, ",.0f"),
+    "mfu": ("MFU (%)", 100.0, ".1f"),
+    "loss": ("loss (nats/token)", 1.0, ".4f"),
+    "grad_norm": ("grad norm", 1.0, ".4g"),
+    "step_time_s": ("step time (s)", 1.0, ".3f"),
+    "data_wait_s": ("data-loader wait (s)", 1.0, ".3f"),
+    "lr": ("learning rate", 1.0, ".3g"),
+    "mem_peak_bytes": ("peak memory (GiB)", 1 / 2**30, ".2f"),
+}
+
+
+X_AXES = {"step": "step", "tokens": "tokens consumed", "wall": "wall time since the first step (min)"}
+
+
+# what the Compare page offers (labels are also what its URL carries: ?metric=MFU&x_axis=wall+time)
+METRIC_CHOICES = {
+    "tokens/s": "tokens_per_s",
+    "MFU": "mfu",
+    "loss": "loss",
+    "grad norm": "grad_norm",
+    "step time": "step_time_s",
+    "data wait": "data_wait_s",
+    "LR": "lr",
+    "peak memory": "mem_peak_bytes",
+}
+
+
+X_CHOICES = {"steps": "step", "tokens": "tokens", "wall time": "wall"}
+
+
+def smooth(y: pl.Series, window: int) -> pl.Series:
+    """Centred rolling median over `window` steps (1 = raw): robust to the one-step spikes a
+    guard run has, and it keeps level shifts where they happen (a mean smears them)."""
+    if window <= 1:
+        return y
+    return y.rolling_median(window_size=window, min_samples=1, center=True)
+
+
+def overlay_series(
+    steps: pl.DataFrame, metric: str, x_axis: str, window: int = 1, max_points: int = MAX_LINE_POINTS
+) -> pl.DataFrame:
+    """(step, x, y) for one run: y smoothed over finite values, downsampled, x in the chosen unit."""
+    if steps.height == 0:
+        return pl.DataFrame(schema={"step": pl.Int64, "x": pl.Float64, "y": pl.Float64})
+    df = steps.select("step", "time", "tokens", metric).sort("step")
+    y = df[metric].cast(pl.Float64)
+    y = y.set(~y.is_finite().fill_null(False), None)  # a NaN step is a gap, not part of a median
+    df = df.with_columns(smooth(y, window).alias(metric))
+    if x_axis == "tokens":
+        x = pl.col("tokens").fill_null(0).cum_sum().cast(pl.Float64)
+    elif x_axis == "wall":
+        x = (pl.col("time") - pl.col("time").min()) / 60.0
+    else:
+        x = pl.col("step").cast(pl.Float64)
+    df = df.with_columns(x=x)
+    keep = downsample(df, metric, max_points=max_points)
+    return keep.join(df.select("step", "x"), on="step", how="left").select(
+        "step", "x", pl.col(metric).alias("y")
+    )
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def load_overlay(path: str, sig: tuple[int, ...], metric: str, x_axis: str, window: int = 1) -> pl.DataFrame:
+    """One run's `metric` against `x_axis` (X_AXES), smoothed over `window` steps, downsampled."""
+    return overlay_series(load_steps(path, sig), metric, x_axis, window)
+
+
+def speedup(a: np.ndarray, b: np.ndarray, *, n_boot: int = 400, seed: int = 0) -> dict[str, float] | None:
+    """How much faster B is than A from steady-state tokens/s samples (one per step).
+
+    ratio = median(B) / median(A) - 1, with a 90% interval from a block bootstrap: steps are
+    resampled in blocks of consecutive steps (throughput drifts, so neighbouring steps are not
+    independent and a per-step bootstrap would be too narrow)."""
+    a = np.asarray(a, dtype=float)
+    b = np.asarray(b, dtype=float)
+    a, b = a[np.isfinite(a) & (a > 0)], b[np.isfinite(b) & (b > 0)]
+    if a.size < 10 or b.size < 10:
+        return None
+    rng = np.random.default_rng(seed)
+
+    def boot_medians(x: np.ndarray) -> np.ndarray:
+        block = max(5, x.size // 20)
+        n_blocks = math.ceil(x.size / block)
+        starts = rng.integers(0, x.size - block + 1, size=(n_boot, n_blocks))
+        idx = (starts[:, :, None] + np.arange(block)).reshape(n_boot, -1)[:, : x.size]
+        return np.median(x[idx], axis=1)
+
+    ratios = boot_medians(b) / boot_medians(a) - 1
+    med_a, med_b = float(np.median(a)), float(np.median(b))
+    return {
+        "pct": 100 * (med_b / med_a - 1),
+        "lo": 100 * float(np.quantile(ratios, 0.05)),
+        "hi": 100 * float(np.quantile(ratios, 0.95)),
+        "a": med_a,
+        "b": med_b,
+        "n_a": float(a.size),
+        "n_b": float(b.size),
+    }
+
+
+def speedup_sentence(name_a: str, name_b: str, r: dict[str, float]) -> str:
+    """'B is 5.5% faster than A (90% interval +3.1% .. +7.8%)', or that no difference is clear."""
+    span = f"90% interval {r['lo']:+.1f}% .. {r['hi']:+.1f}%"
+    tps = f"steady-state tokens/s p50 {r['b']:,.0f} vs {r['a']:,.0f}"
+    if r["lo"] > 0:
+        return f"**{name_b}** is **{r['pct']:.1f}% faster** than **{name_a}** ({span}; {tps})."
+    if r["hi"] < 0:
+        return f"**{name_b}** is **{-r['pct']:.1f}% slower** than **{name_a}** ({span}; {tps})."
+    return f"No clear difference: **{name_b}** vs **{name_a}** {r['pct']:+.1f}% ({span} includes 0; {tps})."
+
+
+# [model] keys that say how the model runs, not what it computes: a kernel or backend change
+# leaves the FLOPs per token alone, so tokens/s compares the same work
+IMPL_KEYS = ("experts_kernel", "attention", "compile", "attention_backend")
+
+
+def same_model(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> bool:
+    """Whether two runs train the same model (config [model] equal up to IMPL_KEYS)."""
+
+    def model(meta: dict[str, Any]) -> dict[str, Any]:
+        cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+        m = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+        return {k: v for k, v in m.items() if k not in IMPL_KEYS}
+
+    return model(meta_a) == model(meta_b)
+
+
+def env_differences(envs: dict[str, dict[str, Any]]) -> pl.DataFrame:
+    """Rows = keys whose value differs between runs; columns = key + one per run."""
+    flat = {run: _flatten(e) for run, e in envs.items()}
+    keys = sorted({k for f in flat.values() for k in f})
+    diff = [
+        k for k in keys if len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flat.values()}) > 1
+    ]
+    data: dict[str, list[str]] = {"key": diff}
+    for run, f in flat.items():
+        data[run] = ["—" if f.get(k) is None else str(f.get(k)) for k in diff]
+    return pl.DataFrame(data, schema=dict.fromkeys(data, pl.String))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def profiler_trace(path: str | Path) -> Path | None:
+    """The newest torch.profiler trace a run wrote (runs/<id>/profile/*.pt.trace.json[.gz])."""
+    d = Path(path) / schema.PROFILE_DIR
+    try:
+        found = [p for p in d.iterdir() if p.is_file() and ".pt.trace.json" in p.name]
+    except OSError:
+        return None
+    return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None

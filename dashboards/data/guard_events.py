@@ -1,0 +1,139 @@
+"""The guard's events as the charts show them: the actions marked on the loss and grad-norm
+lines, the timeline strip's rows, and the evidence as hover text. Pure: no streamlit, no I/O."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import polars as pl
+
+from guard.core import schema
+
+# Actions marked on the charts (every event that names one, evidence merged per step and action).
+# Counting them is guard/core/actions.py's job: one definition for the CLI, meta.json, app and /metrics.
+ACTIVE_ACTIONS = (
+    schema.ACT_SKIP,
+    schema.ACT_ROLLBACK,
+    schema.ACT_BIAS_CORRECT,
+    schema.ACT_LR_COOLDOWN,
+    schema.ACT_HALT,
+)
+
+
+def parse_detail(detail: str | None) -> dict[str, Any]:
+    if not detail:
+        return {}
+    try:
+        out = json.loads(detail)
+    except (json.JSONDecodeError, TypeError):
+        return {"detail": str(detail)[:200]}
+    return out if isinstance(out, dict) else {"detail": out}
+
+
+def fmt_value(v: Any) -> str:
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.4g}"
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(fmt_value(x) for x in v[:12]) + (", ..." if len(v) > 12 else "") + "]"
+    return str(v)
+
+
+def evidence_text(row: dict[str, Any]) -> str:
+    """One event as hover HTML: what fired, value vs threshold, then the JSON evidence."""
+    head = row.get("kind", "")
+    if row.get("detector"):
+        head += f" {row['detector']}"
+    parts = [f"<b>{head}</b>"]
+    v, t = row.get("value"), row.get("threshold")
+    if v is not None and isinstance(v, float) and (math.isfinite(v) or (t is not None and math.isfinite(t))):
+        parts.append(f"value {fmt_value(v)} vs threshold {fmt_value(t)}")
+    elif isinstance(v, float) and math.isnan(v) and row.get("detector") == schema.DET_NONFINITE:
+        parts.append("value non-finite")
+    for k, val in parse_detail(row.get("detail")).items():
+        parts.append(f"{k}: {fmt_value(val)}")
+    return "<br>".join(parts)
+
+
+def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
+    """One row per (step, action) the guard took, with y positions and the evidence as hover.
+
+    A verdict and the action event it caused are merged into one mark (same step, same
+    action). `y_loss` / `y_grad_norm` are the series values at that step; where the value is
+    non-finite (the NaN that was skipped) the mark is pinned to the series' finite maximum and
+    `nf_loss` / `nf_grad_norm` say so (`nonfinite`: either), so the chart can label it.
+    """
+    sch = {
+        "step": pl.Int64,
+        "action": pl.String,
+        "hover": pl.String,
+        "y_loss": pl.Float64,
+        "y_grad_norm": pl.Float64,
+        "nf_loss": pl.Boolean,
+        "nf_grad_norm": pl.Boolean,
+        "nonfinite": pl.Boolean,
+    }
+    cols = list(sch)
+    if events.height == 0:
+        return pl.DataFrame(schema=sch)
+    ev = events.filter(pl.col("action").is_in(ACTIVE_ACTIONS))
+    rows: dict[tuple[int, str], list[str]] = {}
+    for r in ev.iter_rows(named=True):
+        rows.setdefault((int(r["step"]), r["action"]), []).append(evidence_text(r))
+    if not rows:
+        return pl.DataFrame(schema=sch)
+    marks = pl.DataFrame(
+        {
+            "step": [k[0] for k in rows],
+            "action": [k[1] for k in rows],
+            "hover": [
+                f"<b>{k[1].upper()}</b> at step {k[0]}<br>" + "<br>—<br>".join(dict.fromkeys(v))
+                for k, v in rows.items()
+            ],
+        },
+        schema={"step": pl.Int64, "action": pl.String, "hover": pl.String},
+    )
+    s = steps.select("step", "loss", "grad_norm").unique("step", keep="last")
+    out = marks.join(s, on="step", how="left")
+    lmax = steps["loss"].filter(steps["loss"].is_finite()).max() if steps.height else None
+    gmax = steps["grad_norm"].filter(steps["grad_norm"].is_finite()).max() if steps.height else None
+    return (
+        out.with_columns(
+            nf_loss=~pl.col("loss").is_finite().fill_null(False),
+            nf_grad_norm=~pl.col("grad_norm").is_finite().fill_null(False),
+            nonfinite=~(pl.col("loss").is_finite() & pl.col("grad_norm").is_finite()).fill_null(False),
+            y_loss=pl.when(pl.col("loss").is_finite())
+            .then(pl.col("loss"))
+            .otherwise(pl.lit(lmax, pl.Float64)),
+            y_grad_norm=pl.when(pl.col("grad_norm").is_finite())
+            .then(pl.col("grad_norm"))
+            .otherwise(pl.lit(gmax, pl.Float64)),
+        )
+        .select(cols)
+        .sort("step")
+    )
+
+
+def timeline_rows(events: pl.DataFrame) -> pl.DataFrame:
+    """Events for the timeline strip: one row each, lane = detector for verdicts else kind."""
+    if events.height == 0:
+        return pl.DataFrame(
+            schema={"step": pl.Int64, "lane": pl.String, "kind": pl.String, "hover": pl.String}
+        )
+    hover = [
+        f"step {r['step']}<br>"
+        + evidence_text(r)
+        + (f"<br>action: {r['action']}" if r["action"] not in (schema.ACT_NONE, "") else "")
+        for r in events.iter_rows(named=True)
+    ]
+    return events.select(
+        "step",
+        pl.when(pl.col("kind") == schema.EV_VERDICT)
+        .then(pl.col("detector"))
+        .otherwise(pl.col("kind"))
+        .alias("lane"),
+        "kind",
+    ).with_columns(hover=pl.Series(hover, dtype=pl.String))
