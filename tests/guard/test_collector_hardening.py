@@ -233,7 +233,7 @@ def test_log_write_failure_stores_nothing_and_the_retry_stores_once(
     # a SIGKILL now (no checkpoint): the log alone must give one copy of everything
     c.stop_event.set()
     for state in c.runs.values():
-        state.wal.close()
+        state.journal.close()
     c2 = app()
     c2.close()
     assert _stored(c.cfg.runs_dir / "io") == (list(range(8)), [(7, schema.EV_HALT)])
@@ -276,7 +276,7 @@ def test_meta_failure_at_checkpoint_postpones_it_and_loses_nothing(
     monkeypatch.setattr(os, "replace", flaky)
     assert _post(c, _eight_steps()).status_code == 200
     rs.checkpoint()  # postponed: nothing committed, the run still serves
-    assert rs.failed is None and rs.segment_done == 0 and len(rs.pending_reports) == 8
+    assert rs.failed is None and rs.journal.segment_done == 0 and len(rs.pending_reports) == 8
     more = batch("io", 0, G1 | 2, [make_report(s) for s in range(8, 12)])
     assert _post(c, json.dumps(more).encode()).json()["duplicate"] is False
     rs.checkpoint()
