@@ -60,8 +60,9 @@ def page_data_path(run: Path) -> dict[str, float]:
     """Everything page_health.py computes for one run, timed by stage (seconds)."""
     import plotly.io as pio
 
-    from dashboards import figures
     from dashboards.data import heatmaps, loaders, runs
+    from dashboards.figures.health import health_timeline, perf_figure
+    from dashboards.figures.heatmap import heatmap
     from guard.core import schema
 
     times: dict[str, float] = {}
@@ -83,33 +84,27 @@ def page_data_path(run: Path) -> dict[str, float]:
     marks, timeline = loaders.load_marks(path, sig)
     loaders.load_events(path, sig)
     lap("downsample + events")
-    figs.append(figures.health_timeline(series, marks, timeline))
+    figs.append(health_timeline(series, marks, timeline))
     lap("figures")
     lo, hi = int(steps["step"].min()), int(steps["step"].max())
     heats = heatmaps.load_layer_heatmaps(path, sig, lo, hi)
     lap("layer heatmaps")
     for name, h in heats.items():
         figs.append(
-            figures.heatmap(
-                h, title=name, x_title="step", y_title="layer", z_title=name, log=name == "grad_norm"
-            )
+            heatmap(h, title=name, x_title="step", y_title="layer", z_title=name, log=name == "grad_norm")
         )
     lap("figures")
     layer_ids = heatmaps.load_layer_ids(path, sig) if info.tables.get(schema.TABLE_EXPERTS) else []
     h = heatmaps.load_expert_share_over_time(path, sig, int(layer_ids[0]), lo, hi)
     now = heatmaps.load_expert_share_now(path, sig, 100)
     lap("expert heatmaps")
-    figs.append(
-        figures.heatmap(h, title="e", x_title="step", y_title="expert", z_title="share %", z_scale=100)
-    )
-    figs.append(
-        figures.heatmap(now, title="n", x_title="expert", y_title="layer", z_title="share %", z_scale=100)
-    )
+    figs.append(heatmap(h, title="e", x_title="step", y_title="expert", z_title="share %", z_scale=100))
+    figs.append(heatmap(now, title="n", x_title="expert", y_title="layer", z_title="share %", z_scale=100))
     perf = loaders.load_step_series(
         path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes")
     )
     lap("downsample + events")
-    figs.append(figures.perf_figure(perf))
+    figs.append(perf_figure(perf))
     lap("figures")
     size = sum(len(pio.to_json(f, validate=False)) for f in figs)  # what st.plotly_chart serialises
     lap("figure JSON")

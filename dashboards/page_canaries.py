@@ -5,8 +5,8 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from dashboards import figures
 from dashboards.data import canaries, config
+from dashboards.figures.canaries import canary_figure
 
 cfg = config.app_config()
 st.title("Canaries")
@@ -71,7 +71,7 @@ if base is None:
         "The latest entry has no baseline before it (the first `--record` makes one); nothing to judge it by."
     )
 
-st.plotly_chart(figures.canary_figure(sub, gate, fingerprint=fp), key="canary")
+st.plotly_chart(canary_figure(sub, gate, fingerprint=fp), key="canary")
 st.caption(
     "Band: the latest entry's baseline ± warn %. Dashed red: fail threshold. Verdicts are the canary's own "
     "(recorded at the time with its thresholds; on CPU it gates host-adjusted MFU, so its delta can differ "

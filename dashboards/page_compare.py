@@ -7,8 +7,9 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from dashboards import figures, ui
+from dashboards import ui
 from dashboards.data import compare, config, loaders, mfu_peak, runs
+from dashboards.figures.compare import compare_distributions, compare_overlay
 
 cfg = config.app_config()
 st.title("Compare runs")
@@ -134,9 +135,7 @@ window = c3.select_slider(
     "Smoothing (rolling median, steps)", [1, 5, 10, 25, 50, 100, 250], value=10, key="smooth"
 )
 series = {i.run_id: compare.load_overlay(i.path, sigs[i.run_id], metric, x_axis, int(window)) for i in sel}
-st.plotly_chart(
-    figures.compare_overlay(series, metric=metric, x_axis=x_axis, window=int(window)), key="overlay"
-)
+st.plotly_chart(compare_overlay(series, metric=metric, x_axis=x_axis, window=int(window)), key="overlay")
 
 # ---- distributions by environment ---------------------------------------------------------
 st.subheader("Efficiency by environment")
@@ -163,7 +162,7 @@ if dist.height == 0:
         "acted on are left out)."
     )
 else:
-    st.plotly_chart(figures.compare_distributions(dist, label), key="dist")
+    st.plotly_chart(compare_distributions(dist, label), key="dist")
     grouped = (
         dist.group_by("group")
         .agg(

@@ -9,8 +9,11 @@ import numpy as np
 import polars as pl
 import streamlit as st
 
-from dashboards import figures, figures_precursors, ui
+from dashboards import ui
 from dashboards.data import config, guard_events, heatmaps, loaders, mfu_peak, runs, shaping
+from dashboards.figures.health import health_timeline, perf_figure
+from dashboards.figures.heatmap import heatmap
+from dashboards.figures.precursors import precursor_figure
 from guard.core import actions, schema
 from guard.store import reader
 
@@ -93,7 +96,7 @@ if info.compat == runs.COMPAT_OLDER:
 # ---- loss / grad norm with guard marks ------------------------------------------------
 series = loaders.load_step_series(path, sig, ("loss", "grad_norm"))
 marks, timeline = loaders.load_marks(path, sig)
-st.plotly_chart(figures.health_timeline(series, marks, timeline), key="timeline")
+st.plotly_chart(health_timeline(series, marks, timeline), key="timeline")
 if steps.height > shaping.MAX_LINE_POINTS:
     st.caption(
         f"{steps.height:,} steps drawn as ≤{shaping.MAX_LINE_POINTS:,} points per line: each bucket keeps its first, "
@@ -112,7 +115,7 @@ if not pre_series["update_ratio"]["update_ratio"].is_finite().any() and not grou
         "probe no optimizer, or `[guard.precursor] enabled = false`."
     )
 else:
-    st.plotly_chart(figures_precursors.precursor_figure(pre_series, groups, events), key="precursors")
+    st.plotly_chart(precursor_figure(pre_series, groups, events), key="precursors")
     n_pre = events.filter(
         (pl.col("kind") == schema.EV_VERDICT) & (pl.col("detector") == schema.DET_UPDATE_RATIO)
     ).height
@@ -177,7 +180,7 @@ else:
     for i in range(0, len(specs), 2):
         cols = st.columns(2)
         for col, (name, ztitle, scale, log, (zmin, zmax)) in zip(cols, specs[i : i + 2], strict=False):
-            fig = figures.heatmap(
+            fig = heatmap(
                 heats[name],
                 title=heatmaps.LAYER_SIGNALS[name][1],
                 x_title="step",
@@ -220,7 +223,7 @@ def expert_load() -> None:
             if h:
                 n_exp = len(h["y"])
                 st.plotly_chart(
-                    figures.heatmap(
+                    heatmap(
                         h,
                         title=f"Layer {layer}: load share per expert over time",
                         x_title="step",
@@ -245,7 +248,7 @@ def expert_load() -> None:
             if now:
                 n_exp = len(now["x"])
                 st.plotly_chart(
-                    figures.heatmap(
+                    heatmap(
                         now,
                         title=f"Current load share, steps {now['from']:,}..{now['to']:,}",
                         x_title="expert",
@@ -267,7 +270,7 @@ st.subheader("Throughput and memory")
 perf = loaders.load_step_series(
     path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes")
 )
-st.plotly_chart(figures.perf_figure(perf, peak), key="perf")
+st.plotly_chart(perf_figure(perf, peak), key="perf")
 st.caption(f"MFU = analytic training FLOPs x tokens/s / (peak x ranks); peak {peak.label()} ({peak.source}).")
 
 with st.expander("Run metadata (meta.json)"):

@@ -15,8 +15,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from dashboards import figures
 from dashboards.data import canaries, compare
+from dashboards.figures.compare import compare_overlay
+from dashboards.figures.mfu_marks import MFU_ARTEFACT, MFU_META
 from guard.canary import history
 from guard.core import schema
 from tests.dashboards import synth_store as synth
@@ -73,13 +74,13 @@ def unmarked_mfu_points(fig: dict[str, Any]) -> tuple[int, list[tuple[Any, float
     axes = _mfu_axes(fig)
     marked: dict[str, set[tuple[str, float]]] = {}
     for t in fig["data"]:
-        if t.get("name") == figures.MFU_ARTEFACT:
+        if t.get("name") == MFU_ARTEFACT:
             pts = {(str(x), round(float(y), 6)) for x, y in zip(t["x"], t["y"], strict=True)}
             marked.setdefault(t.get("yaxis", "y"), set()).update(pts)
     over, missing = 0, []
     for t in fig["data"]:
         ax = t.get("yaxis", "y")
-        if t.get("name") == figures.MFU_ARTEFACT or not (ax in axes or t.get("meta") == figures.MFU_META):
+        if t.get("name") == MFU_ARTEFACT or not (ax in axes or t.get("meta") == MFU_META):
             continue
         ys = t.get("y") or []
         xs = t.get("x") or [t.get("name")] * len(ys)  # a violin's points sit at its category
@@ -119,7 +120,7 @@ def test_no_plotted_mfu_above_100_percent_without_a_marker(mfu_store: Path, open
 def test_the_checker_catches_an_unmarked_point() -> None:
     fig = _decode(
         json.loads(
-            figures.compare_overlay(
+            compare_overlay(
                 {"r": pl.DataFrame({"step": [0, 1], "x": [0.0, 1.0], "y": [0.5, 1.5]})},
                 metric="mfu",
                 x_axis="step",
@@ -127,7 +128,7 @@ def test_the_checker_catches_an_unmarked_point() -> None:
         )
     )
     assert unmarked_mfu_points(fig) == (1, [])
-    fig["data"] = [t for t in fig["data"] if t.get("name") != figures.MFU_ARTEFACT]
+    fig["data"] = [t for t in fig["data"] if t.get("name") != MFU_ARTEFACT]
     assert unmarked_mfu_points(fig) == (1, [(1.0, 150.0)])
 
 

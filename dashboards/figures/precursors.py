@@ -1,5 +1,5 @@
 """The health page's precursor chart (guard/runtime/precursor.py measures the signals): pure, data
-in (from dashboards.data), figure out, in dashboards/figures.py's conventions."""
+in (from dashboards.data), figure out, in dashboards/figures/style.py's conventions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import polars as pl
 from plotly.subplots import make_subplots
 
 from dashboards.data import guard_events
-from dashboards.figures import _LEGEND_RIGHT, _MARGIN, LOSS_COLOR, _col, _series_xy
+from dashboards.figures.style import LEGEND_RIGHT, LOSS_COLOR, MARGIN, column_values, series_xy
 from guard.core import schema
 
 PRECURSOR_COLOR = "#e377c2"
@@ -45,14 +45,14 @@ def precursor_figure(
     fig.update_layout(
         title={"text": "Precursors: signals that move before a loss spike", "x": 0, "xanchor": "left"},
         height=260 * len(titles) + 80,
-        legend=_LEGEND_RIGHT,
-        margin={**_MARGIN, "t": 80},
+        legend=LEGEND_RIGHT,
+        margin={**MARGIN, "t": 80},
     )
     return fig
 
 
 def _line(fig: go.Figure, df: pl.DataFrame, col: str, name: str, color: str, *, row: int) -> None:
-    x, y = _series_xy(df, col)
+    x, y = series_xy(df, col)
     fig.add_trace(
         go.Scatter(
             x=x,
@@ -79,8 +79,8 @@ def _update_ratio_panel(fig: go.Figure, ratio: pl.DataFrame | None, verdicts: pl
         layers = [guard_events.parse_detail(d).get("layers", []) for d in pre["detail"].to_list()]
         fig.add_trace(
             go.Scatter(
-                x=_col(pre, "step"),
-                y=_col(pre, "value"),
+                x=column_values(pre, "step"),
+                y=column_values(pre, "value"),
                 mode="markers",
                 name="precursor: update ratio spike",
                 marker={"symbol": "triangle-up", "size": 11, "color": PRECURSOR_COLOR},

@@ -1,0 +1,120 @@
+"""The Compare page's charts: one metric of several runs overlaid, and steady-state MFU and
+throughput distributions by environment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+import polars as pl
+from plotly.subplots import make_subplots
+
+from dashboards.data import compare
+from dashboards.figures.mfu_marks import MFU_META, mark_mfu_artefacts
+from dashboards.figures.style import (
+    LEGEND_RIGHT,
+    MARGIN,
+    RUN_COLORS,
+    log_ticks,
+)
+
+
+def compare_overlay(
+    per_run: dict[str, pl.DataFrame], *, metric: str, x_axis: str, window: int = 1
+) -> go.Figure:
+    """One metric of several runs overlaid (one colour per run) against step, tokens or wall
+    time; `per_run` maps run -> (step, x, y) from compare.overlay_series."""
+    label, scale, fmt = compare.OVERLAY_METRICS[metric]
+    x_title = compare.X_AXES[x_axis]
+    fig = go.Figure()
+    first = True
+    ys: list[np.ndarray] = []
+    for i, (run, df) in enumerate(per_run.items()):
+        color = RUN_COLORS[i % len(RUN_COLORS)]
+        x = df["x"].to_numpy()
+        y = df["y"].cast(pl.Float64).fill_null(float("nan")).to_numpy() * scale
+        y = np.where(np.isfinite(y), y, np.nan)
+        ys.append(y)
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                name=run,
+                line={"color": color, "width": 1.3},
+                customdata=df["step"].to_numpy(),
+                meta=MFU_META if metric == "mfu" else None,
+                hovertemplate=f"{run}<br>{x_title} %{{x:,.4g}} (step %{{customdata}})<br>"
+                f"{label} %{{y:{fmt}}}<extra></extra>",
+            )
+        )
+        if metric == "mfu":
+            first = not mark_mfu_artefacts(fig, x, y, first=first) and first
+    smooth = f", rolling median over {window} steps" if window > 1 else ""
+    fig.update_xaxes(title_text=x_title)
+    ytitle: dict[str, Any] = {"title_text": label}
+    if metric == "grad_norm":
+        ytitle.update(type="log", **log_ticks(np.concatenate(ys) if ys else []))
+    fig.update_yaxes(**ytitle)
+    title = f"{label[:1].upper()}{label[1:]} by {x_title}, runs overlaid{smooth}"
+    fig.update_layout(
+        title={"text": title, "x": 0, "xanchor": "left"},
+        height=460,
+        legend={**LEGEND_RIGHT, "title": {"text": "run"}},
+        margin={**MARGIN, "t": 60},
+        hovermode="closest",
+    )
+    return fig
+
+
+def compare_distributions(df: pl.DataFrame, group_key: str) -> go.Figure:
+    """Violins (with box) of steady-state MFU and tokens/s per value of `group_key`.
+
+    `df` has columns group, run, mfu, tokens_per_s (one row per steady-state step)."""
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        horizontal_spacing=0.1,
+        subplot_titles=("MFU (%), steady state", "Throughput (tokens/s), steady state"),
+    )
+    groups = sorted(set(df["group"].to_list())) if df.height else []
+    artefacts = False
+    for i, g in enumerate(groups):
+        sub = df.filter(pl.col("group") == g)
+        color = RUN_COLORS[i % len(RUN_COLORS)]
+        runs = ", ".join(sorted(set(sub["run"].to_list())))
+        for k, (c, scale) in enumerate((("mfu", 100.0), ("tokens_per_s", 1.0)), 1):
+            y = sub[c].cast(pl.Float64).fill_null(float("nan")).to_numpy() * scale
+            fig.add_trace(
+                go.Violin(
+                    y=y,
+                    name=str(g),
+                    legendgroup=str(g),
+                    showlegend=k == 1,
+                    box_visible=True,
+                    meanline_visible=True,
+                    points=False,
+                    line_color=color,
+                    spanmode="hard",
+                    meta=MFU_META if c == "mfu" else None,
+                    hovertemplate=f"{group_key}={g}<br>runs: {runs}<br>%{{y:.4g}}<extra></extra>",
+                ),
+                row=1,
+                col=k,
+            )
+            if c == "mfu":
+                marked = mark_mfu_artefacts(fig, [str(g)] * len(y), y, row=1, col=1, first=not artefacts)
+                artefacts = artefacts or marked > 0
+    fig.update_yaxes(title_text="MFU (%)", row=1, col=1)
+    fig.update_yaxes(title_text="tokens/s", row=1, col=2)
+    fig.update_xaxes(title_text=group_key, row=1, col=1)
+    fig.update_xaxes(title_text=group_key, row=1, col=2)
+    fig.update_layout(
+        title={"text": f"Steady-state MFU and throughput by {group_key}", "x": 0, "xanchor": "left"},
+        height=460,
+        legend={**LEGEND_RIGHT, "title": {"text": group_key}},
+        margin={**MARGIN, "t": 80},
+        violinmode="group",
+    )
+    return fig

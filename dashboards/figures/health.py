@@ -1,0 +1,246 @@
+"""The Run health page's line charts: loss and grad norm with the guard's marks and timeline,
+and throughput, efficiency and memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+import polars as pl
+from plotly.subplots import make_subplots
+
+from dashboards.data import mfu_peak
+from dashboards.figures.mfu_marks import MFU_META, mark_mfu_artefacts
+from dashboards.figures.style import (
+    ACTION_STYLE,
+    EVENT_STYLE,
+    GRAD_COLOR,
+    LEGEND_RIGHT,
+    LOSS_COLOR,
+    MARGIN,
+    column_values,
+    log_ticks,
+    series_xy,
+)
+from guard.core import schema
+
+
+def health_timeline(
+    series: dict[str, pl.DataFrame],
+    marks: pl.DataFrame,
+    timeline: pl.DataFrame,
+    *,
+    title: str = "Loss and grad norm with guard verdicts and actions",
+) -> go.Figure:
+    """Loss (top), grad norm (middle, log) with a mark per guard action on both, and a
+    timeline lane per detector / event kind (bottom). Hover on a mark shows its evidence."""
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.07,
+        row_heights=[0.38, 0.38, 0.24],
+        subplot_titles=(
+            "Loss",
+            "Grad norm (total L2 before clipping, log scale)",
+            "Guard timeline: verdicts by detector, other events by kind",
+        ),
+    )
+    gn_ticks = _add_lines(fig, series)
+    _add_action_marks(fig, marks)
+    _add_timeline(fig, timeline)
+    fig.update_yaxes(title_text="loss (nats/token)", row=1, col=1)
+    fig.update_yaxes(title_text="grad norm", type="log", row=2, col=1, **gn_ticks)
+    fig.update_yaxes(title_text="lane", row=3, col=1)
+    fig.update_xaxes(title_text="step", row=3, col=1)
+    fig.update_layout(
+        title={"text": title, "x": 0, "xanchor": "left"},
+        height=820,
+        legend={**LEGEND_RIGHT, "title": {"text": "marks (hover for evidence)"}},
+        margin={**MARGIN, "t": 80},
+        hovermode="closest",
+    )
+    return fig
+
+
+def _add_lines(fig: go.Figure, series: dict[str, pl.DataFrame]) -> dict[str, Any]:
+    """Loss (row 1) and grad norm (row 2) as lines; returns the grad-norm axis' log ticks."""
+    if "loss" in series:
+        x, y = series_xy(series["loss"], "loss")
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                name="loss",
+                line={"color": LOSS_COLOR, "width": 1.2},
+                hovertemplate="step %{x}<br>loss %{y:.4f}<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
+    gn_ticks: dict[str, Any] = {}
+    if "grad_norm" in series:
+        x, y = series_xy(series["grad_norm"], "grad_norm")
+        gn_ticks = log_ticks(y)
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                name="grad norm",
+                line={"color": GRAD_COLOR, "width": 1.2},
+                hovertemplate="step %{x}<br>grad norm %{y:.4g}<extra></extra>",
+            ),
+            row=2,
+            col=1,
+        )
+    return gn_ticks
+
+
+def _add_action_marks(fig: go.Figure, marks: pl.DataFrame) -> None:
+    """A mark per guard action on both lines; a mark on a non-finite step floats at the top, labelled."""
+    for action, (symbol, color) in ACTION_STYLE.items():
+        m = marks.filter(pl.col("action") == action) if marks.height else marks
+        if m.height == 0:
+            continue
+        marker = {"symbol": symbol, "color": color, "size": 13, "line": {"width": 1.5, "color": color}}
+        for row, ycol, nfcol, what in (
+            (1, "y_loss", "nf_loss", "loss"),
+            (2, "y_grad_norm", "nf_grad_norm", "grad norm"),
+        ):
+            hover = [
+                h + (f"<br><i>{what} non-finite at this step: mark pinned to the top</i>" if nf else "")
+                for h, nf in zip(m["hover"].to_list(), m[nfcol].to_list(), strict=True)
+            ]
+            fig.add_trace(
+                go.Scatter(
+                    x=column_values(m, "step"),
+                    y=column_values(m, ycol),
+                    mode="markers",
+                    name=f"action: {action}",
+                    legendgroup=action,
+                    showlegend=row == 1,
+                    marker=marker,
+                    hovertext=hover,
+                    hoverinfo="text",
+                ),
+                row=row,
+                col=1,
+            )
+            nf = m.filter(pl.col(nfcol))
+            if nf.height:  # the series has a gap there; say why the mark floats
+                fig.add_trace(
+                    go.Scatter(
+                        x=column_values(nf, "step"),
+                        y=column_values(nf, ycol),
+                        mode="markers+text",
+                        text=["non-finite"] * nf.height,
+                        marker={"size": 16, "opacity": 0},
+                        textposition="top center",
+                        textfont={"color": color, "size": 11},
+                        showlegend=False,
+                        legendgroup=action,
+                        hoverinfo="skip",
+                        name=f"label: {action}",
+                    ),
+                    row=row,
+                    col=1,
+                )
+
+
+def _add_timeline(fig: go.Figure, timeline: pl.DataFrame) -> None:
+    """A lane per detector / event kind (row 3), and a dashed line at every halt."""
+    if timeline.height == 0:
+        return
+    lanes = sorted(set(timeline["lane"].to_list()))
+    for kind, (symbol, color) in EVENT_STYLE.items():
+        t = timeline.filter(pl.col("kind") == kind)
+        if t.height == 0:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=column_values(t, "step"),
+                y=column_values(t, "lane"),
+                mode="markers",
+                name=f"event: {kind}",
+                marker={
+                    "symbol": symbol,
+                    "color": color,
+                    "size": 10,
+                    "line": {"width": 1.5, "color": color},
+                },
+                hovertext=column_values(t, "hover"),
+                hoverinfo="text",
+            ),
+            row=3,
+            col=1,
+        )
+    fig.update_yaxes(categoryorder="array", categoryarray=lanes, row=3, col=1)
+    for s in timeline.filter(pl.col("kind") == schema.EV_HALT)["step"].to_list():
+        fig.add_vline(x=s, line={"color": "#111111", "dash": "dash", "width": 1})
+
+
+def perf_figure(series: dict[str, pl.DataFrame], peak: mfu_peak.Peak | None = None) -> go.Figure:
+    """MFU, tokens/s, step time vs data wait, peak memory: 2 x 2, shared step axis. The MFU
+    panel names the peak it divides by; points above 100% are marked as artefacts."""
+    mfu_title = "MFU (%)"
+    if peak is not None:
+        mfu_title = (
+            f"MFU (%) of peak {peak.label()}" if peak.flops else "MFU: no peak (tokens/s is the measure)"
+        )
+    fig = make_subplots(
+        rows=2,
+        cols=2,
+        shared_xaxes=True,
+        vertical_spacing=0.14,
+        horizontal_spacing=0.08,
+        subplot_titles=(
+            mfu_title,
+            "Throughput (tokens/s, all ranks)",
+            "Step time and data-loader wait (s)",
+            "Peak memory (GiB, rank 0)",
+        ),
+    )
+    specs = [
+        ("mfu", 1, 1, 100.0, "MFU", "%{y:.1f}%", "#1f77b4"),
+        ("tokens_per_s", 1, 2, 1.0, "tokens/s", "%{y:,.0f}", "#2ca02c"),
+        ("step_time_s", 2, 1, 1.0, "step time", "%{y:.3f} s", "#555555"),
+        ("data_wait_s", 2, 1, 1.0, "data wait", "%{y:.3f} s", "#ff7f0e"),
+        ("mem_peak_bytes", 2, 2, 1 / 2**30, "peak memory", "%{y:.2f} GiB", "#9467bd"),
+    ]
+    for c, r, k, scale, name, fmt, color in specs:
+        if c not in series or series[c].height == 0 or series[c][c].null_count() == series[c].height:
+            continue
+        x, y = series_xy(series[c], c, scale)
+        if c == "mfu" and not np.isfinite(y).any():
+            continue  # no peak: nothing to draw (a NaN line reads as a broken chart)
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                name=name,
+                line={"color": color, "width": 1.2},
+                meta=MFU_META if c == "mfu" else None,
+                hovertemplate=f"step %{{x}}<br>{name} {fmt}<extra></extra>",
+            ),
+            row=r,
+            col=k,
+        )
+        if c == "mfu":
+            mark_mfu_artefacts(fig, x, y, row=r, col=k)
+    fig.update_yaxes(title_text="MFU (%)", row=1, col=1, rangemode="tozero")
+    fig.update_yaxes(title_text="tokens/s", row=1, col=2, rangemode="tozero")
+    fig.update_yaxes(title_text="seconds", row=2, col=1, rangemode="tozero")
+    fig.update_yaxes(title_text="GiB", row=2, col=2, rangemode="tozero")
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    fig.update_xaxes(title_text="step", row=2, col=2)
+    fig.update_layout(
+        title={"text": "Throughput, efficiency and memory", "x": 0, "xanchor": "left"},
+        height=560,
+        legend=LEGEND_RIGHT,
+        margin={**MARGIN, "t": 80},
+    )
+    return fig

@@ -1,0 +1,78 @@
+"""What every chart shares: the guard's action and event symbols (learned once, the same on
+every chart), colours, legend and margin layout, and the column helpers that hand plotly numpy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from guard.core import schema
+
+# action -> (marker symbol, colour); distinct shapes so they read in grey-scale too
+ACTION_STYLE: dict[str, tuple[str, str]] = {
+    schema.ACT_SKIP: ("x", "#d62728"),
+    schema.ACT_ROLLBACK: ("diamond", "#9467bd"),
+    schema.ACT_BIAS_CORRECT: ("square", "#2ca02c"),
+    schema.ACT_LR_COOLDOWN: ("triangle-down", "#ff7f0e"),
+    schema.ACT_HALT: ("star", "#111111"),
+}
+
+
+EVENT_STYLE: dict[str, tuple[str, str]] = {
+    schema.EV_VERDICT: ("circle", "#d62728"),
+    schema.EV_ACTION: ("circle-open", "#9467bd"),
+    schema.EV_INJECT: ("bowtie", "#8c564b"),
+    schema.EV_RECOVERED: ("circle-open", "#2ca02c"),
+    schema.EV_CHECKPOINT: ("line-ns-open", "#7f7f7f"),
+    schema.EV_RESUME: ("triangle-right", "#17becf"),
+    schema.EV_HALT: ("star", "#111111"),
+    schema.EV_OPERATOR: ("hexagon", "#bcbd22"),
+    schema.EV_STRAGGLER: ("hourglass", "#e377c2"),
+}
+
+
+LOSS_COLOR = "#1f77b4"
+
+
+GRAD_COLOR = "#555555"
+
+
+RUN_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+
+
+LEGEND = {"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "left", "x": 0}
+
+
+LEGEND_RIGHT = {"orientation": "v", "yanchor": "top", "y": 1.0, "xanchor": "left", "x": 1.01}
+
+
+MARGIN = {"l": 60, "r": 20, "t": 70, "b": 50}
+
+
+def column_values(df: pl.DataFrame, c: str) -> np.ndarray | list[Any]:
+    """A column for plotly: numeric columns as numpy (validated and serialised as one typed
+    array, orders of magnitude faster than lists), strings as lists."""
+    s = df[c]
+    return s.to_numpy() if s.dtype.is_numeric() else s.to_list()
+
+
+def series_xy(df: pl.DataFrame, c: str, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    y = df[c].cast(pl.Float64).fill_null(float("nan")).to_numpy() * scale
+    # inf becomes a gap like NaN instead of breaking the axis range
+    y = np.where(np.isfinite(y), y, np.nan)
+    return df["step"].to_numpy(), y
+
+
+def log_ticks(values: np.ndarray | list[Any]) -> dict[str, Any]:
+    """1-2-5 tick values spanning the finite positive values (plotly's own log ticks print
+    bare mantissas like "2 5 10 2 5 100", which read as nonsense)."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v) & (v > 0)]
+    if v.size == 0:
+        return {}
+    lo, hi = np.floor(np.log10(v.min())), np.ceil(np.log10(v.max()))
+    ticks = [m * 10.0**e for e in range(int(lo), int(hi) + 1) for m in (1, 2, 5)]
+    ticks = [t for t in ticks if v.min() / 2.5 <= t <= v.max() * 2.5]
+    return {"tickvals": ticks, "ticktext": [f"{t:g}" for t in ticks]}
