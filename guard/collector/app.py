@@ -7,7 +7,17 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from guard.collector.config import COMMAND_ACTIONS, STATE_DIR
 from guard.collector.errors import StorageFailed
@@ -19,92 +29,95 @@ from guard.wire.runs import runs_body
 log = logging.getLogger("moeguard.collector")
 
 
-def build_app(collector: Collector) -> Any:
-    from contextlib import asynccontextmanager
+def build_app(collector: Collector) -> Starlette:
+    """The collector's routes, behind the body limit; the app's lifespan starts and closes it."""
+    api = _Endpoints(collector)
+    return Starlette(
+        routes=[
+            Route("/v1/ingest", api.ingest, methods=["POST"]),
+            Route("/v1/runs", api.runs, methods=["GET"]),
+            Route("/v1/runs/{run}/commands", api.commands, methods=["GET", "POST"]),
+            Route("/metrics", api.metrics, methods=["GET"]),
+            Route("/healthz", api.healthz, methods=["GET"]),
+        ],
+        middleware=[Middleware(BodyLimit, limit=collector.cfg.max_body_bytes, on_refused=api.refused)],
+        exception_handlers={BodyTooLarge: _body_too_large},
+        lifespan=api.lifespan,
+    )
 
-    from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
-    from starlette.middleware import Middleware
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
 
-    cfg = collector.cfg
-    token = cfg.token.encode() if cfg.token else None
+def _answer(status: int, payload: dict[str, Any]) -> Response:
+    return Response(dumps(payload), status_code=status, media_type="application/json")
 
-    def authorized(request: Request) -> bool:
-        if token is None:
+
+async def _body_too_large(request: Request, exc: Exception) -> Response:
+    return _answer(413, {"error": str(exc)})
+
+
+class _Endpoints:
+    """The route handlers over one Collector; the blocking work runs in the thread pool."""
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+        self.token = collector.cfg.token.encode() if collector.cfg.token else None
+
+    def authorized(self, request: Request) -> bool:
+        if self.token is None:
             return True
         h = request.headers.get("authorization", "")
         scheme, _, cred = h.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(cred.strip().encode(), token)
+        return scheme.lower() == "bearer" and hmac.compare_digest(cred.strip().encode(), self.token)
 
-    def answer(status: int, payload: dict[str, Any]) -> Response:
-        return Response(dumps(payload), status_code=status, media_type="application/json")
-
-    async def ingest(request: Request) -> Response:
-        if not authorized(request):
-            collector.health.batch("unauthorized")
-            return answer(401, {"error": "missing or wrong bearer token"})
+    async def ingest(self, request: Request) -> Response:
+        if not self.authorized(request):
+            self.collector.health.batch("unauthorized")
+            return _answer(401, {"error": "missing or wrong bearer token"})
         body = await request.body()  # bounded by BodyLimit (413 past --max-body-bytes)
-        status, payload = await run_in_threadpool(collector.ingest, body)
-        return answer(status, payload)
+        status, payload = await run_in_threadpool(self.collector.ingest, body)
+        return _answer(status, payload)
 
-    async def runs(request: Request) -> Response:
-        return answer(200, runs_body(await run_in_threadpool(collector.list_runs)))
+    async def runs(self, request: Request) -> Response:
+        return _answer(200, runs_body(await run_in_threadpool(self.collector.list_runs)))
 
-    async def commands(request: Request) -> Response:
+    async def commands(self, request: Request) -> Response:
         run = request.path_params["run"]
         if request.method == "POST":
-            if not authorized(request):
-                return answer(401, {"error": "missing or wrong bearer token"})
+            if not self.authorized(request):
+                return _answer(401, {"error": "missing or wrong bearer token"})
             body = await request.body()  # bounded by BodyLimit
-            return answer(*(await run_in_threadpool(post_command, collector, run, body)))
+            return _answer(*(await run_in_threadpool(post_command, self.collector, run, body)))
         q = request.query_params
-        return answer(*(await run_in_threadpool(get_commands, collector, run, q.get("rank"), q.get("after"))))
+        got = await run_in_threadpool(get_commands, self.collector, run, q.get("rank"), q.get("after"))
+        return _answer(*got)
 
-    async def metrics(request: Request) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
+    async def metrics(self, request: Request) -> Response:
+        return Response(
+            await run_in_threadpool(self.collector.metrics.render), media_type=CONTENT_TYPE_LATEST
+        )
 
-        return Response(await run_in_threadpool(collector.metrics.render), media_type=CONTENT_TYPE_LATEST)
-
-    async def healthz(request: Request) -> Response:
+    async def healthz(self, request: Request) -> Response:
+        c = self.collector
         return JSONResponse(
             {
                 "ok": True,
-                "runs": len(collector.runs),
-                "quarantined": len(collector.quarantined),
-                "known_runs": len(collector.health.runs()),
-                "pending_load": collector.pending_load,
+                "runs": len(c.runs),
+                "quarantined": len(c.quarantined),
+                "known_runs": len(c.health.runs()),
+                "pending_load": c.pending_load,
             }
         )
 
-    def refused(path: str) -> None:
+    def refused(self, path: str) -> None:
+        """BodyLimit refused a request's body (413)."""
         if path == "/v1/ingest":
-            collector.health.batch("too_large")
-
-    async def body_too_large(request: Request, exc: Exception) -> Response:
-        return answer(413, {"error": str(exc)})
+            self.collector.health.batch("too_large")
 
     @asynccontextmanager
-    async def lifespan(app: Any) -> Any:
-        if not collector.started:  # `moeguard collector`: scan the runs while already listening
-            collector.start(background=True)
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        if not self.collector.started:  # `moeguard collector`: scan the runs while already listening
+            self.collector.start(background=True)
         yield
-        await run_in_threadpool(collector.close)
-
-    return Starlette(
-        routes=[
-            Route("/v1/ingest", ingest, methods=["POST"]),
-            Route("/v1/runs", runs, methods=["GET"]),
-            Route("/v1/runs/{run}/commands", commands, methods=["GET", "POST"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/healthz", healthz, methods=["GET"]),
-        ],
-        middleware=[Middleware(BodyLimit, limit=cfg.max_body_bytes, on_refused=refused)],
-        exception_handlers={BodyTooLarge: body_too_large},
-        lifespan=lifespan,
-    )
+        await run_in_threadpool(self.collector.close)
 
 
 def post_command(collector: Collector, run: str, body: bytes) -> tuple[int, dict[str, Any]]:

@@ -29,6 +29,16 @@ SWITCH_INTERVAL_S = 0.001  # see run()
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    _service_flags(parser)
+    _detection_flags(parser)
+    _progress_flags(parser)
+    _peer_flags(parser)
+    _limit_flags(parser)
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _service_flags(parser: argparse.ArgumentParser) -> None:
+    """Where it listens, where runs are stored, who may write, how often rows move to Parquet."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9090, help="0 picks a free port (see --port-file)")
     parser.add_argument("--runs", default="runs", help="run store directory (runs/<run_id>/...)")
@@ -49,6 +59,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="seconds between moves of logged rows into Parquet parts",
     )
+
+
+def _detection_flags(parser: argparse.ArgumentParser) -> None:
+    """The server-side detectors and the heartbeat floor."""
     parser.add_argument(
         "--guard", default=None, help="guard TOML for the server-side detectors (default config)"
     )
@@ -56,6 +70,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--heartbeat-floor", type=float, default=30.0, help="minimum heartbeat timeout, seconds"
     )
+
+
+def _progress_flags(parser: argparse.ArgumentParser) -> None:
+    """RunStuck's learned deadlines (guard/core/progress.py)."""
     pc = ProgressConfig()
     parser.add_argument(
         "--progress-safety",
@@ -80,6 +98,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="RunStuck: the deadline of a phase never seen to complete, and of a rank's start-up "
         f"(default {pc.first_deadline_s:g})",
     )
+
+
+def _peer_flags(parser: argparse.ArgumentParser) -> None:
+    """What the collector tells others: its port (to a launcher), halts (to the pager)."""
     parser.add_argument("--port-file", default=None, help="write the bound port here once listening")
     parser.add_argument(
         "--pager-url",
@@ -88,6 +110,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="`moeguard pager` base URL (e.g. http://127.0.0.1:9095): halt events are posted to its "
         "/v1/events in the background, so a halt pages in seconds (bearer token from $MOEGUARD_PAGER_TOKEN)",
     )
+
+
+def _limit_flags(parser: argparse.ArgumentParser) -> None:
+    """guard/core/limits.py's CollectorLimits, one flag each (LIMIT_FLAGS names them)."""
     d = CollectorLimits()
     lim = parser.add_argument_group(
         "limits", "a batch over one is refused whole with 400 naming it; see guard/core/limits.py"
@@ -121,7 +147,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="/metrics series per run; the rest are left out and counted in "
         f"{schema.M_COLLECTOR_SERIES_DROPPED} (default %(default)s)",
     )
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
 def run(args: argparse.Namespace) -> int:

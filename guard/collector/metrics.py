@@ -105,197 +105,224 @@ class CollectorMetrics(Collector):
     def _collect_run(self, fam: dict[str, Metric], v: RunView) -> int:
         """Add one run's series, at most max_series_per_run of them; returns how many were left
         out. Order of priority: run-level (alerts and the runs table), ranks, layers."""
-        run = v.run
-        left = self.limits.max_series_per_run
-        dropped = 0
-
-        def fits(n: int) -> bool:
-            nonlocal left, dropped
-            if n <= left:
-                left -= n
-                return True
-            dropped += n
-            return False
-
-        rep = v.last
-        scalars = list(v.scalars.items())
-        if rep is not None:
-            scalars += [
-                (schema.M_STEP, rep.step),
-                (schema.M_LOSS, rep.loss),
-                (schema.M_GRAD_NORM, rep.grad_norm),
-                (schema.M_LR, rep.lr),
-                (schema.M_TOKENS_PER_S, rep.tokens_per_s),
-                (schema.M_MFU, rep.mfu),
-                (schema.M_STEP_TIME, rep.step_time_s),
-                (schema.M_DATA_WAIT, rep.data_wait_s),
-                (schema.M_MEM_PEAK, rep.mem_peak_bytes),
-            ]
-        for name, val in scalars:
-            if fits(1):
-                fam[name].add_metric([run], float(val))
-        info = v.info
-        if info is not None and fits(1):
-            fam[schema.M_RUN_INFO].add_metric([run, *(info[k] for k in RUN_INFO_LABELS)], 1.0)
-        for det, n in sorted(v.verdicts.items()):
-            if fits(1):
-                fam[schema.M_VERDICTS].add_metric([run, det], n)
-        for act, n in sorted(v.actions.items()):
-            if fits(1):
-                fam[schema.M_ACTIONS].add_metric([run, act], n)
-        if v.beats and fits(len(PHASES)):  # RunStuck's count, per phase (0 when none is stuck)
-            stuck_ranks = dict.fromkeys(PHASES, 0)
-            for _, phase, _, _, stuck in v.progress:
-                stuck_ranks[phase] += stuck
-            for phase, n in stuck_ranks.items():
-                fam[schema.M_RUN_STUCK_RANKS].add_metric([run, phase], n)
-        for rank, phase, age, deadline, stuck in v.progress:
-            if fits(3):
-                labels = [run, str(rank)]
-                fam[schema.M_PROGRESS_AGE].add_metric(labels, age)
-                fam[schema.M_PROGRESS_DEADLINE].add_metric(labels, deadline)
-                fam[schema.M_RANK_STUCK].add_metric([*labels, phase], 1.0 if stuck else 0.0)
-        for rank, seen, age, timeout in v.beats:
-            if fits(4):
-                labels = [run, str(rank)]
-                fam[schema.M_LAST_SEEN].add_metric(labels, seen)
-                fam[schema.M_HEARTBEAT_AGE].add_metric(labels, age)
-                fam[schema.M_HEARTBEAT_TIMEOUT].add_metric(labels, timeout)
-                fam[schema.M_HEARTBEAT_LOST].add_metric(labels, 1.0 if age > timeout else 0.0)
-        if rep is not None:
-            for lid, val in zip(rep.layer_ids_L.tolist(), rep.layer_grad_norm_L.tolist(), strict=True):
-                if fits(1):
-                    fam[schema.M_LAYER_GRAD_NORM].add_metric([run, str(lid)], val)
-            moe = rep.moe_layer_ids_M.tolist()
-            for name, arr in (
-                (schema.M_LAYER_MAXVIO, rep.maxvio_M),
-                (schema.M_LAYER_DEAD, rep.dead_experts_M),
-                (schema.M_LAYER_LOAD_ENTROPY, rep.load_entropy_M),
-                (schema.M_LAYER_ROUTER_ENTROPY, rep.router_entropy_M),
-                (schema.M_LAYER_BIAS_NORM, rep.bias_norm_M),
-            ):
-                for lid, val in zip(moe, arr.tolist(), strict=True):
-                    if fits(1):
-                        fam[name].add_metric([run, str(lid)], float(val))
-        for lid, row in sorted(v.hist_rows.items()):
-            if not fits(N_BUCKETS + 2):  # buckets (+Inf included), _sum, _count
-                continue
-            cum = np.cumsum(v.hist_counts[row]).tolist()
-            buckets = [(_le(b), c) for b, c in zip(EXPERT_SHARE_BUCKETS, cum, strict=False)] + [
-                ("+Inf", cum[-1])
-            ]
-            fam[schema.M_EXPERT_LOAD_SHARE].add_metric([run, str(lid)], buckets, float(v.hist_sum[row]))
-        medians = {rank: float(np.median(ts)) for rank, ts in v.step_times.items()}
-        fastest = min(medians.values(), default=math.nan)
-        for rank in sorted(set(medians) | set(v.rank_scores)):
-            # nvidia-resiliency-ext's relative score: fastest rank's median / this rank's (1 = fastest).
-            # A trainer that reports scores measured them on time outside collectives (in synchronous
-            # training every rank's wall step time is the same); otherwise: from reported step times.
-            med = medians.get(rank, math.nan)
-            score = v.rank_scores.get(rank, fastest / med if med > 0 else math.nan)
-            if fits(1):
-                fam[schema.M_STRAGGLER].add_metric([run, str(rank)], score)
-        return dropped
+        budget = _Budget(self.limits.max_series_per_run)
+        _run_series(fam, v, budget)
+        _rank_series(fam, v, budget)
+        _layer_series(fam, v, budget)
+        _straggler_series(fam, v, budget)
+        return budget.dropped
 
     @staticmethod
     def _families(text: bool = False) -> dict[str, Any]:
         """name -> a Metric family (for collect()), or a _TextFamily of the same shape (render)."""
-        g, c = ("gauge", "counter") if text else (GaugeMetricFamily, CounterMetricFamily)
-        R, RL, RK = ["run"], ["run", "layer"], ["run", "rank"]
-        specs: list[tuple[str, type, list[str], str]] = [
-            (schema.M_STEP, g, R, "last step reported by rank 0"),
-            (schema.M_LOSS, g, R, "training loss of the last step"),
-            (schema.M_GRAD_NORM, g, R, "total gradient L2 norm before clipping, last step"),
-            (schema.M_LR, g, R, "learning rate of the last step"),
-            (schema.M_TOKENS, c, R, "tokens consumed (all ranks), as reported by rank 0"),
-            (schema.M_TOKENS_PER_S, g, R, "tokens per second, last step"),
-            (schema.M_MFU, g, R, "model FLOPs utilisation (0..1), last step; NaN when the peak is unknown"),
-            (schema.M_STEP_TIME, g, R, "wall time of the last step"),
-            (schema.M_DATA_WAIT, g, R, "time the last step waited for data"),
-            (schema.M_MEM_PEAK, g, R, "peak accelerator memory of the last step"),
-            (schema.M_LAYER_GRAD_NORM, g, RL, "per-layer gradient L2 norm, last step"),
-            (schema.M_LAYER_MAXVIO, g, RL, "MaxVio = (max load - mean load) / mean load, last step"),
-            (schema.M_LAYER_DEAD, g, RL, "experts with no token over the dead-expert window"),
-            (schema.M_LAYER_LOAD_ENTROPY, g, RL, "entropy of the expert load histogram / log(E)"),
-            (schema.M_LAYER_ROUTER_ENTROPY, g, RL, "mean per-token router entropy"),
-            (schema.M_LAYER_BIAS_NORM, g, RL, "L2 norm of the expert-selection bias"),
-            (
-                schema.M_VERDICTS,
-                c,
-                ["run", "detector"],
-                "detector verdicts (trainer events and collector-side)",
-            ),
-            (
-                schema.M_ACTIONS,
-                c,
-                ["run", "action"],
-                "guard actions (guard/core/actions.py): skipped, "
-                "rolled-back and halted steps, bias corrections and LR cool-downs started",
-            ),
-            (schema.M_NONFINITE, c, R, "rank-0 steps with a non-finite loss or gradient norm"),
-            (schema.M_HALTED, g, R, "1 when the run halted itself (a halt event arrived), until it resumes"),
-            (schema.M_LAST_SEEN, g, RK, "unix time the collector last heard from this rank"),
-            (schema.M_HEARTBEAT_AGE, g, RK, "seconds since the collector last heard from this rank"),
-            (schema.M_HEARTBEAT_TIMEOUT, g, RK, "learned heartbeat timeout (5 x max interval, floored)"),
-            (schema.M_HEARTBEAT_LOST, g, RK, "1 when heartbeat age exceeds the timeout"),
-            (schema.M_STRAGGLER, g, RK, "fastest rank's median step time / this rank's (1 = fastest)"),
-            (schema.M_PROGRESS_AGE, g, RK, "seconds since this rank last advanced (a new step or phase)"),
-            (
-                schema.M_PROGRESS_DEADLINE,
-                g,
-                RK,
-                "learned deadline of the rank's phase (guard/core/progress.py)",
-            ),
-            (
-                schema.M_RANK_STUCK,
-                g,
-                ["run", "rank", "phase"],
-                "1 when the rank has not advanced within its phase's deadline while its heartbeat goes on",
-            ),
-            (
-                schema.M_RUN_STUCK_RANKS,
-                g,
-                ["run", "phase"],
-                "ranks of the run stuck in each phase (RunStuck)",
-            ),
-            (schema.M_GOODPUT, g, R, "productive (applied) step time / wall time since the first step"),
-            (schema.M_MFU_BASELINE, g, R, "median MFU over the run's baseline window (frozen)"),
-            (schema.M_TPS_BASELINE, g, R, "median tokens/s over the run's baseline window (frozen)"),
-            (schema.M_INGEST_BATCHES, c, ["outcome"], "ingest batches by outcome"),
-            (schema.M_INGEST_VALUES, c, R, "numeric values ingested (StepReport.n_values)"),
-            (schema.M_RUN_INFO, g, ["run", *RUN_INFO_LABELS], "1, labelled with the run's environment"),
-            (schema.M_COLLECTOR_HOT_RUNS, g, [], "runs with full state in memory (at most --max-hot-runs)"),
-            (schema.M_COLLECTOR_KNOWN_RUNS, g, [], "runs with a record in memory, hot or evicted (compact)"),
-            (schema.M_COLLECTOR_PENDING_LOAD, g, [], "run folders the start-up scan has not read yet"),
-            (
-                schema.M_COLLECTOR_EVICTIONS,
-                c,
-                [],
-                "idle runs evicted from memory (least recently used first)",
-            ),
-            (schema.M_COLLECTOR_LIMIT_REFUSALS, c, ["limit"], "batches refused (400) for going over a limit"),
-            (schema.M_QUARANTINED_RUNS, g, [], "runs not served because their files are damaged"),
-            (
-                schema.M_COLLECTOR_SERIES_DROPPED,
-                g,
-                R,
-                "series of the run left out of the last render (--max-series-per-run)",
-            ),
-        ]
-        hist_doc = "per-expert share of a layer's routed tokens, one observation per expert per step"
         if text:
             fams: dict[str, Any] = {
-                name: _TextFamily(name, kind, labels, doc) for name, kind, labels, doc in specs
+                name: _TextFamily(name, kind, labels, doc) for name, kind, labels, doc in _SPECS
             }
             fams[schema.M_EXPERT_LOAD_SHARE] = _TextFamily(
-                schema.M_EXPERT_LOAD_SHARE, "histogram", RL, hist_doc
+                schema.M_EXPERT_LOAD_SHARE, "histogram", _RL, _HIST_DOC
             )
             return fams
-        fams = {name: cls(name, doc, labels=labels) for name, cls, labels, doc in specs}
+        fams = {name: _FAMILY_CLASS[kind](name, doc, labels=labels) for name, kind, labels, doc in _SPECS}
         fams[schema.M_EXPERT_LOAD_SHARE] = HistogramMetricFamily(
-            schema.M_EXPERT_LOAD_SHARE, hist_doc, labels=RL
+            schema.M_EXPERT_LOAD_SHARE, _HIST_DOC, labels=_RL
         )
         return fams
+
+
+class _Budget:
+    """The series one run may still add (max_series_per_run); what does not fit is counted."""
+
+    __slots__ = ("dropped", "left")
+
+    def __init__(self, left: int) -> None:
+        self.left, self.dropped = left, 0
+
+    def fits(self, n: int) -> bool:
+        if n <= self.left:
+            self.left -= n
+            return True
+        self.dropped += n
+        return False
+
+
+def _run_series(fam: dict[str, Metric], v: RunView, budget: _Budget) -> None:
+    """The last step's scalars, the run's info, its verdict and action counts, stuck ranks."""
+    run, rep, fits = v.run, v.last, budget.fits
+    scalars = list(v.scalars.items())
+    if rep is not None:
+        scalars += [
+            (schema.M_STEP, rep.step),
+            (schema.M_LOSS, rep.loss),
+            (schema.M_GRAD_NORM, rep.grad_norm),
+            (schema.M_LR, rep.lr),
+            (schema.M_TOKENS_PER_S, rep.tokens_per_s),
+            (schema.M_MFU, rep.mfu),
+            (schema.M_STEP_TIME, rep.step_time_s),
+            (schema.M_DATA_WAIT, rep.data_wait_s),
+            (schema.M_MEM_PEAK, rep.mem_peak_bytes),
+        ]
+    for name, val in scalars:
+        if fits(1):
+            fam[name].add_metric([run], float(val))
+    info = v.info
+    if info is not None and fits(1):
+        fam[schema.M_RUN_INFO].add_metric([run, *(info[k] for k in RUN_INFO_LABELS)], 1.0)
+    for det, n in sorted(v.verdicts.items()):
+        if fits(1):
+            fam[schema.M_VERDICTS].add_metric([run, det], n)
+    for act, n in sorted(v.actions.items()):
+        if fits(1):
+            fam[schema.M_ACTIONS].add_metric([run, act], n)
+    if v.beats and fits(len(PHASES)):  # RunStuck's count, per phase (0 when none is stuck)
+        stuck_ranks = dict.fromkeys(PHASES, 0)
+        for _, phase, _, _, stuck in v.progress:
+            stuck_ranks[phase] += stuck
+        for phase, n in stuck_ranks.items():
+            fam[schema.M_RUN_STUCK_RANKS].add_metric([run, phase], n)
+
+
+def _rank_series(fam: dict[str, Metric], v: RunView, budget: _Budget) -> None:
+    """Each rank's progress (age, deadline, stuck) and heartbeat (seen, age, timeout, lost)."""
+    run, fits = v.run, budget.fits
+    for rank, phase, age, deadline, stuck in v.progress:
+        if fits(3):
+            labels = [run, str(rank)]
+            fam[schema.M_PROGRESS_AGE].add_metric(labels, age)
+            fam[schema.M_PROGRESS_DEADLINE].add_metric(labels, deadline)
+            fam[schema.M_RANK_STUCK].add_metric([*labels, phase], 1.0 if stuck else 0.0)
+    for rank, seen, age, timeout in v.beats:
+        if fits(4):
+            labels = [run, str(rank)]
+            fam[schema.M_LAST_SEEN].add_metric(labels, seen)
+            fam[schema.M_HEARTBEAT_AGE].add_metric(labels, age)
+            fam[schema.M_HEARTBEAT_TIMEOUT].add_metric(labels, timeout)
+            fam[schema.M_HEARTBEAT_LOST].add_metric(labels, 1.0 if age > timeout else 0.0)
+
+
+def _layer_series(fam: dict[str, Metric], v: RunView, budget: _Budget) -> None:
+    """The last step's per-layer values, then each layer's expert-share histogram."""
+    run, rep, fits = v.run, v.last, budget.fits
+    if rep is not None:
+        for lid, val in zip(rep.layer_ids_L.tolist(), rep.layer_grad_norm_L.tolist(), strict=True):
+            if fits(1):
+                fam[schema.M_LAYER_GRAD_NORM].add_metric([run, str(lid)], val)
+        moe = rep.moe_layer_ids_M.tolist()
+        for name, arr in (
+            (schema.M_LAYER_MAXVIO, rep.maxvio_M),
+            (schema.M_LAYER_DEAD, rep.dead_experts_M),
+            (schema.M_LAYER_LOAD_ENTROPY, rep.load_entropy_M),
+            (schema.M_LAYER_ROUTER_ENTROPY, rep.router_entropy_M),
+            (schema.M_LAYER_BIAS_NORM, rep.bias_norm_M),
+        ):
+            for lid, val in zip(moe, arr.tolist(), strict=True):
+                if fits(1):
+                    fam[name].add_metric([run, str(lid)], float(val))
+    for lid, row in sorted(v.hist_rows.items()):
+        if not fits(N_BUCKETS + 2):  # buckets (+Inf included), _sum, _count
+            continue
+        cum = np.cumsum(v.hist_counts[row]).tolist()
+        buckets = [(_le(b), c) for b, c in zip(EXPERT_SHARE_BUCKETS, cum, strict=False)] + [("+Inf", cum[-1])]
+        fam[schema.M_EXPERT_LOAD_SHARE].add_metric([run, str(lid)], buckets, float(v.hist_sum[row]))
+
+
+def _straggler_series(fam: dict[str, Metric], v: RunView, budget: _Budget) -> None:
+    medians = {rank: float(np.median(ts)) for rank, ts in v.step_times.items()}
+    fastest = min(medians.values(), default=math.nan)
+    for rank in sorted(set(medians) | set(v.rank_scores)):
+        # nvidia-resiliency-ext's relative score: fastest rank's median / this rank's (1 = fastest).
+        # A trainer that reports scores measured them on time outside collectives (in synchronous
+        # training every rank's wall step time is the same); otherwise: from reported step times.
+        med = medians.get(rank, math.nan)
+        score = v.rank_scores.get(rank, fastest / med if med > 0 else math.nan)
+        if budget.fits(1):
+            fam[schema.M_STRAGGLER].add_metric([v.run, str(rank)], score)
+
+
+_R, _RL, _RK = ["run"], ["run", "layer"], ["run", "rank"]
+_FAMILY_CLASS = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+_HIST_DOC = "per-expert share of a layer's routed tokens, one observation per expert per step"
+# name, kind, labels, help: every family but the expert-share histogram
+_SPECS: list[tuple[str, str, list[str], str]] = [
+    (schema.M_STEP, "gauge", _R, "last step reported by rank 0"),
+    (schema.M_LOSS, "gauge", _R, "training loss of the last step"),
+    (schema.M_GRAD_NORM, "gauge", _R, "total gradient L2 norm before clipping, last step"),
+    (schema.M_LR, "gauge", _R, "learning rate of the last step"),
+    (schema.M_TOKENS, "counter", _R, "tokens consumed (all ranks), as reported by rank 0"),
+    (schema.M_TOKENS_PER_S, "gauge", _R, "tokens per second, last step"),
+    (schema.M_MFU, "gauge", _R, "model FLOPs utilisation (0..1), last step; NaN when the peak is unknown"),
+    (schema.M_STEP_TIME, "gauge", _R, "wall time of the last step"),
+    (schema.M_DATA_WAIT, "gauge", _R, "time the last step waited for data"),
+    (schema.M_MEM_PEAK, "gauge", _R, "peak accelerator memory of the last step"),
+    (schema.M_LAYER_GRAD_NORM, "gauge", _RL, "per-layer gradient L2 norm, last step"),
+    (schema.M_LAYER_MAXVIO, "gauge", _RL, "MaxVio = (max load - mean load) / mean load, last step"),
+    (schema.M_LAYER_DEAD, "gauge", _RL, "experts with no token over the dead-expert window"),
+    (schema.M_LAYER_LOAD_ENTROPY, "gauge", _RL, "entropy of the expert load histogram / log(E)"),
+    (schema.M_LAYER_ROUTER_ENTROPY, "gauge", _RL, "mean per-token router entropy"),
+    (schema.M_LAYER_BIAS_NORM, "gauge", _RL, "L2 norm of the expert-selection bias"),
+    (
+        schema.M_VERDICTS,
+        "counter",
+        ["run", "detector"],
+        "detector verdicts (trainer events and collector-side)",
+    ),
+    (
+        schema.M_ACTIONS,
+        "counter",
+        ["run", "action"],
+        "guard actions (guard/core/actions.py): skipped, "
+        "rolled-back and halted steps, bias corrections and LR cool-downs started",
+    ),
+    (schema.M_NONFINITE, "counter", _R, "rank-0 steps with a non-finite loss or gradient norm"),
+    (schema.M_HALTED, "gauge", _R, "1 when the run halted itself (a halt event arrived), until it resumes"),
+    (schema.M_LAST_SEEN, "gauge", _RK, "unix time the collector last heard from this rank"),
+    (schema.M_HEARTBEAT_AGE, "gauge", _RK, "seconds since the collector last heard from this rank"),
+    (schema.M_HEARTBEAT_TIMEOUT, "gauge", _RK, "learned heartbeat timeout (5 x max interval, floored)"),
+    (schema.M_HEARTBEAT_LOST, "gauge", _RK, "1 when heartbeat age exceeds the timeout"),
+    (schema.M_STRAGGLER, "gauge", _RK, "fastest rank's median step time / this rank's (1 = fastest)"),
+    (schema.M_PROGRESS_AGE, "gauge", _RK, "seconds since this rank last advanced (a new step or phase)"),
+    (
+        schema.M_PROGRESS_DEADLINE,
+        "gauge",
+        _RK,
+        "learned deadline of the rank's phase (guard/core/progress.py)",
+    ),
+    (
+        schema.M_RANK_STUCK,
+        "gauge",
+        ["run", "rank", "phase"],
+        "1 when the rank has not advanced within its phase's deadline while its heartbeat goes on",
+    ),
+    (
+        schema.M_RUN_STUCK_RANKS,
+        "gauge",
+        ["run", "phase"],
+        "ranks of the run stuck in each phase (RunStuck)",
+    ),
+    (schema.M_GOODPUT, "gauge", _R, "productive (applied) step time / wall time since the first step"),
+    (schema.M_MFU_BASELINE, "gauge", _R, "median MFU over the run's baseline window (frozen)"),
+    (schema.M_TPS_BASELINE, "gauge", _R, "median tokens/s over the run's baseline window (frozen)"),
+    (schema.M_INGEST_BATCHES, "counter", ["outcome"], "ingest batches by outcome"),
+    (schema.M_INGEST_VALUES, "counter", _R, "numeric values ingested (StepReport.n_values)"),
+    (schema.M_RUN_INFO, "gauge", ["run", *RUN_INFO_LABELS], "1, labelled with the run's environment"),
+    (schema.M_COLLECTOR_HOT_RUNS, "gauge", [], "runs with full state in memory (at most --max-hot-runs)"),
+    (schema.M_COLLECTOR_KNOWN_RUNS, "gauge", [], "runs with a record in memory, hot or evicted (compact)"),
+    (schema.M_COLLECTOR_PENDING_LOAD, "gauge", [], "run folders the start-up scan has not read yet"),
+    (
+        schema.M_COLLECTOR_EVICTIONS,
+        "counter",
+        [],
+        "idle runs evicted from memory (least recently used first)",
+    ),
+    (schema.M_COLLECTOR_LIMIT_REFUSALS, "counter", ["limit"], "batches refused (400) for going over a limit"),
+    (schema.M_QUARANTINED_RUNS, "gauge", [], "runs not served because their files are damaged"),
+    (
+        schema.M_COLLECTOR_SERIES_DROPPED,
+        "gauge",
+        _R,
+        "series of the run left out of the last render (--max-series-per-run)",
+    ),
+]
 
 
 _RENDERING = threading.local()
