@@ -51,9 +51,13 @@ TOLERANCE = 3
 FAULT_START, FAULT_GAP = 300, 250
 
 
+OURS_EXTRA: dict = {}  # SpikeConfig overrides for experiments (--ours-set KEY=VALUE)
+
+
 def ours_config(budget: float) -> SpikeConfig:
     """The budget-mode spike rule as the guard ships it for this budget."""
-    return SpikeConfig(budget=budget, tail_warmup=200, rel_min=1.2, rel_max=20.0, early_rel_max=20.0)
+    kw = {"tail_warmup": 200, "rel_min": 1.2, "rel_max": 20.0, "early_rel_max": 20.0, **OURS_EXTRA}
+    return SpikeConfig(budget=budget, **kw)
 
 
 class Ours:
@@ -388,8 +392,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--agreement-steps", type=int, default=1500)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1,200 steps, 2 seeds")
     ap.add_argument("--detectors", default="", help="comma-separated subset of the detector names")
+    ap.add_argument(
+        "--ours-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a SpikeConfig field of ours (experiments), e.g. xi_max=0.8",
+    )
     ap.add_argument("--write-docs", action="store_true", help="write the section of docs/BENCHMARKS.md")
     args = ap.parse_args(argv)
+    for kv in args.ours_set:
+        key, _, value = kv.partition("=")
+        OURS_EXTRA[key] = float(value)
     if args.quick:
         args.steps, args.calib_seeds, args.test_seeds = 1200, 2, 2
         args.agreement_steps, args.agreement_traces = min(args.agreement_steps, 600), 1

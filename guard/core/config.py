@@ -57,6 +57,10 @@ class SpikeConfig:
     budget: float | None = None
     tail_memory: int = 4096
     refit_every: int = 32
+    # Values above the threshold of a `tail_guard` x looser budget are accepted but kept out of the
+    # tail fit (a spike that slipped through must not raise the threshold for the next one).
+    tail_guard: float = 30.0
+    xi_max: float = 0.6  # the heaviest tail shape the fit may report (alpha-stable 1.8 is 0.56)
     # Level-shift re-admission (budget mode): `shift_steps` consecutive flagged values within a
     # log range of `shift_band` are a new plateau, not a spike: they become the baseline (with the
     # default policy that is after two rollbacks, before the third would halt).
@@ -67,6 +71,8 @@ class SpikeConfig:
         check(self.budget is None or 0 < self.budget < 0.1, "budget", self.budget, "must be in (0, 0.1)")
         check(self.tail_memory >= 64, "tail_memory", self.tail_memory, "must be >= 64")
         check(self.refit_every >= 1, "refit_every", self.refit_every, "must be >= 1")
+        check(self.tail_guard >= 1, "tail_guard", self.tail_guard, "must be >= 1")
+        check(0 < self.xi_max < 1, "xi_max", self.xi_max, "must be in (0, 1)")
         check(
             self.shift_steps is None or self.shift_steps >= 2, "shift_steps", self.shift_steps, "must be >= 2"
         )

@@ -191,11 +191,13 @@ class CalibratedSpikeDetector:
             self._resid.push(lx - level)
             if self.n_accepted >= self.cfg.warmup and self._t >= self._quiet_until:
                 s = (lx - level - med_r) / scale
-                # A value above the threshold of a 30x looser budget is accepted (it was not
+                # A value above the threshold of a tail_guard x looser budget is accepted (it was not
                 # flagged) but kept out of the tail: a spike just under the threshold that got
                 # through would otherwise fatten the fit, raise the threshold and let the next
                 # one through (measured: x3 spikes every 250 steps blinded the rule for good).
-                if self._fit is None or s <= self._fit.threshold(min(0.5, 30.0 * (self.cfg.budget or 0.0))):
+                if self._fit is None or s <= self._fit.threshold(
+                    min(0.5, self.cfg.tail_guard * (self.cfg.budget or 0.0))
+                ):
                     self._tail.push(s)
                     self._since_fit += 1
         self._recent.push(lx)
@@ -208,7 +210,7 @@ class CalibratedSpikeDetector:
     def _refit(self) -> None:
         self._since_fit = 0
         if self.n_accepted >= self.cfg.tail_warmup:
-            self._fit = fit_tail(self._tail.values())
+            self._fit = fit_tail(self._tail.values(), xi_max=self.cfg.xi_max)
 
     # ---- state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
