@@ -14,10 +14,15 @@
     hang@S:ARG       step S blocks for ARG seconds as if inside a hung collective: the rank's
                      heartbeat goes on (trainer.distributed.HeartbeatPump) while its step does not
                      advance (RunStuck), then the run carries on (RunStuck resolves)
+    flip@S:ARG       a transient fault, like a flipped bit: this rank's gradients of step S's first
+                     pass only are multiplied by ARG (default nan: they become NaN); data and state
+                     are untouched, so a recompute of the step (guard.rerun) comes out clean
 
 `crash` and `hang` fire in the first attempt of a torchrun job only: a job restarted by
 `torchrun --max-restarts` replays the same command line, and a drill's node loss happens once.
-The other faults replay when their step is re-run, like the data or hardware that caused them.
+`flip` fires once per process: a recompute (guard.rerun) or a re-run after a rollback is clean.
+The other faults replay when their step is re-run, like the data or hardware that caused them
+(with guard.rerun on, `badbatch`, `nan` and `gradspike` reproduce in the recompute).
 
 Multi-rank: a `/rRANK` suffix (or `@rankRANK`) targets one rank, e.g. `nan@45/r1`,
 `gradspike@45:50@rank1`; without it every rank injects. Gradient faults are injected into the
@@ -28,6 +33,7 @@ This module is the spec (what `--inject` accepts); trainer/callbacks/fault_injec
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -44,6 +50,7 @@ _DEFAULT_ARG = {
     "crash": 0.0,
     "slowrank": 0.05,
     "hang": 0.0,
+    "flip": math.nan,
 }
 # What ARG means for each kind (`moeguard train --help` lists these; every kind has a line).
 INJECT_HELP = {
@@ -58,6 +65,9 @@ INJECT_HELP = {
     "hang": "no ARG: the process stops making progress at STEP for good, its heartbeat too (first torchrun "
     "attempt only); ARG = seconds STEP blocks as if in a hung collective while the heartbeat goes on, "
     "then the run carries on (a RunStuck drill)",
+    "flip": "ARG = factor this rank's gradients of STEP's first pass only are multiplied by (default nan: "
+    "they become NaN), like a flipped bit; a recompute of the step (guard.rerun) is clean: a suspected "
+    "hardware fault",
 }
 _RANK_RE = re.compile(r"(?:/r|@rank)(\d+)$")
 

@@ -5,6 +5,8 @@ One step (`train_step`, top to bottom):
     -> Probe.collect: every statistic reduced across ranks in one all-reduce, one device->host copy
     -> Guard.observe: the engine (detectors + policy + the pending operator command) -> Decision
     -> [ranks agree: one tiny MAX all-reduce of the decision's fingerprint and the next command]
+    -> [guard.rerun, off by default: a flagged step is recomputed once from the same state;
+        a clean recompute is a suspected hardware fault and is applied instead (trainer/rerun.py)]
     -> DecisionApplier (guard/runtime/apply.py): clip, LR, optimizer.step, expert-bias update
        (trainer/correction.py) | skip | roll back | halt
     -> run store (rank 0) / exporter (every rank; background threads; never block the step)
@@ -59,6 +61,7 @@ from trainer.flops import flops_per_token, peak_flops
 from trainer.inject import Injection
 from trainer.model import MoETransformer
 from trainer.record import RunRecord, run_environment, run_meta
+from trainer.rerun import RerunCheck
 from trainer.train_module import TrainModule, set_deterministic
 
 
@@ -221,6 +224,16 @@ class Trainer:
             exporter=self.exporter,
             commands=self.guard.commands,
         )
+        self.rerun = RerunCheck(
+            cfg.guard.rerun,
+            guard=self.guard,
+            probe=self.probe,
+            optimizer=self.opt,
+            comm=self.comm,
+            rank=self.dist.rank,
+            world=self.dist.world,
+            local_grads=self.parallel == "ddp",
+        )
         # one rank too: `--inject hang@S:SECONDS` blocks inside comm.timed() like a hung collective
         self.pump = HeartbeatPump(self.comm, self.exporter) if self.exporter is not None else None
 
@@ -286,9 +299,8 @@ class Trainer:
 
     def _guarded_step(self, t0: float) -> StepReport:
         batches, data_wait = self._batches()
-        loss_sum = self.module.forward_backward(batches)
-        self.callbacks.post_backward(self.step)  # this rank's gradients, before the reduction spreads them
-        self.module.reduce_grads()
+        self.rerun.remember()
+        loss_sum = self._forward_backward(batches)
         planned_lr = self.callbacks.adjust_lr(self.step, lr_at(self.opt_step, self.cfg))
         world, rank = self.dist.world, self.dist.rank
         # each rank's data wait rides in the probe's all-reduce as a one-hot; the guard sees the
@@ -302,25 +314,25 @@ class Trainer:
         job_wait = float(pr.extra[:world].max()) if world > 1 else data_wait
         self.preemption.agreed = bool(pr.extra[world] > 0) if world > 1 else self.preemption.requested
         own_tokens = sum(b.numel() - b.size(0) for b in batches)
-        rep = step_report(
-            self.step,
-            pr,
-            self.probe,
-            self.probe_layer_ids,
-            lr=planned_lr,
-            tokens=own_tokens * world,
-            data_wait_s=job_wait,
-            rank=rank,
-        )
-        if world == 1:
-            # Provisional throughput (time so far) so the throughput detector sees this step; with
-            # several ranks each would see its own clock, so there the collector watches throughput.
-            elapsed = time.perf_counter() - t0
-            rep.step_time_s, rep.tokens_per_s = elapsed, rep.tokens / elapsed
+        fields = {"lr": planned_lr, "tokens": own_tokens * world, "data_wait_s": job_wait, "rank": rank}
+        rep = self._report(pr, t0, fields)
         # the operator command agreed at the previous step is merged into this step's decision
-        decision = self.guard.observe(rep, lr=planned_lr, command=self.sync.take_pending())
+        command = self.sync.take_pending()
+        decision = self.guard.observe(rep, lr=planned_lr, command=command)
         events = list(decision.events)
         decision = self.sync.agree(self.step, decision, events)
+        if self.rerun.wanted(decision):  # guard.rerun: recompute once; transient or reproducible?
+            redo = self.rerun.check(
+                decision,
+                events,
+                (pr, rep),
+                lambda: self.probe.collect(self._forward_backward(batches), len(batches), extra=onehot),
+                lambda p: self._report(p, t0, fields),
+                lambda r: self.guard.observe(r, lr=planned_lr, command=command),
+            )
+            decision, events, pr, rep = redo.decision, redo.events, redo.probe, redo.report
+            if self.dist.main:
+                self.console.say(redo.line)
         rep.lr = planned_lr * decision.lr_scale
         self.callbacks.pre_record(self.step, events)
         done = self.applier.apply(
@@ -352,6 +364,23 @@ class Trainer:
         self.record.step(rep, events, data_wait, own_tokens)
         self.last_decision = decision
         return rep
+
+    def _report(self, pr: ProbeResult, t0: float, fields: dict[str, Any]) -> StepReport:
+        rep = step_report(self.step, pr, self.probe, self.probe_layer_ids, **fields)
+        if self.dist.world == 1:
+            # Provisional throughput (time so far) so the throughput detector sees this step; with
+            # several ranks each would see its own clock, so there the collector watches throughput.
+            elapsed = time.perf_counter() - t0
+            rep.step_time_s, rep.tokens_per_s = elapsed, rep.tokens / elapsed
+        return rep
+
+    def _forward_backward(self, batches: list[torch.Tensor]) -> torch.Tensor:
+        """Forward/backward, the post_backward hook, then the gradient reduction across ranks."""
+        loss_sum = self.module.forward_backward(batches)
+        self.callbacks.post_backward(self.step)  # this rank's gradients, before the reduction spreads them
+        self.rerun.note_local(loss_sum, self.params)  # what names a rank whose pass diverged
+        self.module.reduce_grads()
+        return loss_sum
 
     def _plain_step(self, t0: float) -> StepReport:
         """Telemetry off: the loop any PyTorch user writes (the overhead benchmark's baseline)."""

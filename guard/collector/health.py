@@ -21,6 +21,7 @@ of vanishing into a 0.1-0.2 bucket that also held shares 60% above the uniform o
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
@@ -96,6 +97,7 @@ class RunView:
     progress: list[tuple[int, str, float, float, bool]]  # rank, phase, progress age, deadline, stuck
     step_times: dict[int, list[float]]
     rank_scores: dict[int, float]
+    hw_faults: dict[str, int] = field(default_factory=dict)  # rank ("-1": unknown) -> count
 
 
 @dataclass(slots=True)
@@ -109,6 +111,7 @@ class RunHealth:
     nonfinite_total: int = 0
     values_total: int = 0
     verdicts: Counter = field(default_factory=Counter)
+    hw_faults: Counter = field(default_factory=Counter)  # by rank: transient reruns (trainer/rerun.py)
     actions: Counter = field(default_factory=lambda: Counter(guard_actions.zero()))
     halted: bool = False
     info: dict[str, str] | None = None
@@ -212,6 +215,9 @@ class RunHealth:
         for ev in rows:
             if ev.get("kind") == schema.EV_VERDICT:
                 self.verdicts[str(ev.get("detector") or "unknown")] += 1
+            elif ev.get("kind") == schema.EV_RERUN and ev.get("detector") == schema.RERUN_TRANSIENT:
+                for rank in rerun_ranks(ev):
+                    self.hw_faults[rank] += 1
             guard_actions.tally(self.actions, None, [ev])
             if is_halt(ev):
                 self.halted = True
@@ -290,6 +296,7 @@ class RunHealth:
             ],
             step_times={rank: list(dq) for rank, dq in self.rank_step_times.items() if dq},
             rank_scores=dict(self.rank_scores),
+            hw_faults=dict(self.hw_faults),
         )
 
     def _scalars(self) -> dict[str, float]:
@@ -308,6 +315,17 @@ class RunHealth:
         elif self.first_time is not None and self.last_time is not None and self.last_time > self.first_time:
             out[schema.M_GOODPUT] = min(1.0, self.productive_s / (self.last_time - self.first_time))
         return out
+
+
+def rerun_ranks(ev: Mapping[str, Any]) -> list[str]:
+    """The ranks a transient `rerun` event names (its detail's "ranks"), or ["-1"]: unknown."""
+    detail = ev.get("detail")
+    try:
+        d = json.loads(detail) if isinstance(detail, str) else dict(detail or {})
+        ranks = [str(int(r)) for r in d.get("ranks", [])]
+    except (ValueError, TypeError, AttributeError):
+        ranks = []
+    return ranks or ["-1"]
 
 
 def _find_key(meta: Any, keys: tuple[str, ...]) -> str:

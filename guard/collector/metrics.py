@@ -9,6 +9,8 @@ Names come from guard/core/schema.py (alert rules are written against them); lab
                            progress age/deadline, stuck
   phase                    moeguard_rank_stuck, moeguard_run_stuck_ranks (guard/core/progress.py)
   detector                 verdict counter (counted from verdict events)
+  rank (hardware faults)   moeguard_suspected_hardware_faults_total, from transient `rerun` events
+                           (rank -1: the trainer could not tell which)
   action                   moeguard_guard_actions_total: guard/core/actions.py's definition, the same count
                            as the CLI, meta.json and the app (step decisions from rank 0's reports,
                            corrections from action events); every action starts at 0
@@ -174,6 +176,9 @@ def _run_series(fam: dict[str, Metric], v: RunView, budget: _Budget) -> None:
     for act, n in sorted(v.actions.items()):
         if fits(1):
             fam[schema.M_ACTIONS].add_metric([run, act], n)
+    for rank, n in sorted(v.hw_faults.items()):
+        if fits(1):
+            fam[schema.M_HW_FAULTS].add_metric([run, rank], n)
     if v.beats and fits(len(PHASES)):  # RunStuck's count, per phase (0 when none is stuck)
         stuck_ranks = dict.fromkeys(PHASES, 0)
         for _, phase, _, _, stuck in v.progress:
@@ -274,6 +279,12 @@ _SPECS: list[tuple[str, str, list[str], str]] = [
         "rolled-back and halted steps, bias corrections and LR cool-downs started",
     ),
     (schema.M_NONFINITE, "counter", _R, "rank-0 steps with a non-finite loss or gradient norm"),
+    (
+        schema.M_HW_FAULTS,
+        "counter",
+        _RK,
+        "flagged steps whose recompute came out clean (guard.rerun), by rank",
+    ),
     (schema.M_HALTED, "gauge", _R, "1 when the run halted itself (a halt event arrived), until it resumes"),
     (schema.M_LAST_SEEN, "gauge", _RK, "unix time the collector last heard from this rank"),
     (schema.M_HEARTBEAT_AGE, "gauge", _RK, "seconds since the collector last heard from this rank"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from guard.core import schema
 from guard.core.tomlconf import check, check_choice, from_dict, load_toml
 
 
@@ -221,6 +222,32 @@ class PrecursorConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RerunConfig:
+    """Transient vs reproducible faults (trainer/rerun.py; Megatron-LM's rerun state machine, in-job).
+
+    When a step's verdicts include a detector in `on`, the trainer recomputes the step once, before
+    the optimizer step: the same micro-batches from the same weights, gradients from zero, the RNG
+    as the first pass found it. Loss and grad norm that differ (finite vs not, or by more than
+    `rel_tol` relative) mean a one-off corruption: a suspected hardware fault is recorded (a `rerun`
+    event naming the rank, a metric, the SuspectedHardwareFault page) and the clean recompute is
+    judged and applied as if the first pass never happened. Values that agree mean the data or the
+    optimisation: the guard's decision stands (skip, rollback). Off by default: a flagged step
+    costs a second forward/backward, every other step a copy of the guard's state.
+    """
+
+    enabled: bool = False
+    on: tuple[str, ...] = (schema.DET_NONFINITE, schema.DET_GRAD_SPIKE, schema.DET_LOSS_SPIKE)
+    # Deterministic CPU runs recompute bit for bit; GPU reductions (atomics, bf16) differ by ~1e-4
+    # relative. A fault worth a verdict moves the value by 25% (loss) to 50% (grad norm) or more.
+    rel_tol: float = 1e-2
+
+    def __post_init__(self) -> None:
+        bad = [d for d in self.on if d not in schema.STEP_DETECTORS]
+        check(not bad, "on", list(self.on), f"must name step detectors ({', '.join(schema.STEP_DETECTORS)})")
+        check(0 <= self.rel_tol < 1, "rel_tol", self.rel_tol, "must be in [0, 1)")
+
+
+@dataclass(kw_only=True, slots=True)
 class PolicyConfig:
     """What the guard does about verdicts, and when it escalates."""
 
@@ -297,6 +324,7 @@ class GuardConfig:
     stall: StallConfig = field(default_factory=StallConfig)
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
     precursor: PrecursorConfig = field(default_factory=PrecursorConfig)
+    rerun: RerunConfig = field(default_factory=RerunConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     mode: str = "act"  # act | observe (observe == enabled=False)
 

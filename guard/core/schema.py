@@ -178,6 +178,9 @@ EV_RESUME = "resume"
 EV_HALT = "halt"  # critical: the run stopped itself; pages a human
 EV_OPERATOR = "operator"  # a command from the collector (operator) was applied
 EV_STRAGGLER = "straggler"
+# A flagged step recomputed from the same state (guard.rerun, trainer/rerun.py); its `detector`
+# says what the recompute showed, its detail names the rank(s) and both passes' loss and grad norm.
+EV_RERUN = "rerun"
 EVENT_KINDS = (
     EV_VERDICT,
     EV_ACTION,
@@ -188,7 +191,14 @@ EVENT_KINDS = (
     EV_HALT,
     EV_OPERATOR,
     EV_STRAGGLER,
+    EV_RERUN,
 )
+# What a rerun showed (events.detector of a `rerun` event): the recompute disagreed with the first
+# pass (a one-off corruption: a suspected hardware fault, which pages), or agreed (the data or the
+# optimisation: the guard's decision stands).
+RERUN_TRANSIENT = "suspected_hardware_fault"
+RERUN_REPRODUCIBLE = "reproducible"
+RERUN_CLASSES = (RERUN_TRANSIENT, RERUN_REPRODUCIBLE)
 
 # ---------------------------------------------------------------------------------------
 # Prometheus metrics (collector /metrics). Base units, counters end in _total.
@@ -233,6 +243,7 @@ M_TPS_BASELINE = "moeguard_tokens_per_second_baseline"
 M_INGEST_BATCHES = "moeguard_ingest_batches_total"  # labels: outcome
 M_INGEST_VALUES = "moeguard_ingest_values_total"
 M_RUN_INFO = "moeguard_run_info"  # labels: run, torch, device, attention, expert_kernel, compile
+M_HW_FAULTS = "moeguard_suspected_hardware_faults_total"  # labels: run, rank (from transient reruns)
 
 METRICS = (
     M_STEP,
@@ -272,6 +283,7 @@ METRICS = (
     M_RANK_STUCK,
     M_RUN_STUCK_RANKS,
     M_QUARANTINED_RUNS,
+    M_HW_FAULTS,
 )
 
 # Alert names (alerts/moeguard.rules.yml); each has playbooks/<Alert>.md.
@@ -292,11 +304,23 @@ ALERTS = (
     "RunStuck",
     "RunQuarantined",
     "Straggler",
+    "SuspectedHardwareFault",
     "Watchdog",
 )
 
 # Fault-injection kinds (moeguard train --inject KIND@STEP[:ARG]); canary adds slow:PCT.
-INJECT_KINDS = ("gradspike", "lrspike", "nan", "badbatch", "collapse", "stall", "crash", "slowrank", "hang")
+INJECT_KINDS = (
+    "gradspike",
+    "lrspike",
+    "nan",
+    "badbatch",
+    "collapse",
+    "stall",
+    "crash",
+    "slowrank",
+    "hang",
+    "flip",
+)
 
 # Environment variables
 ENV_TOKEN = "MOEGUARD_TOKEN"

@@ -5,8 +5,9 @@ their ARG in trainer/inject.py): each fault at its place in the step, each one r
     pre_step         crash (SIGKILL, like a node loss), hang (forever, or ARG s inside a collective)
     pre_load_batch   stall (the data loader sleeps ARG s before the batch)
     post_load_batch  badbatch (uniformly random garbage tokens)
-    post_backward    slowrank (sleeps ARG s more every step), gradspike, nan, collapse: into this
-                     rank's gradients and router, before the cross-rank reduction spreads them
+    post_backward    slowrank (sleeps ARG s more every step), gradspike, nan, collapse, flip: into
+                     this rank's gradients and router, before the cross-rank reduction spreads them;
+                     flip once per process (a recompute of the step, guard.rerun, is clean)
     adjust_lr        lrspike (the LR x ARG for one step)
 
 The plain loop (telemetry off, the overhead benchmark's baseline) takes only the data faults, as
@@ -46,6 +47,7 @@ class FaultInjection(Callback):
         for inj in mine:
             self.by_step.setdefault(inj.step, []).append(inj)
         self.data_faults_only = data_faults_only
+        self.flipped: set[int] = set()  # steps flipped: a transient fault happens once, not in a recompute
 
     def due(self, step: int, kind: str) -> Injection | None:
         return next((i for i in self.by_step.get(step, []) if i.kind == kind), None)
@@ -91,6 +93,9 @@ class FaultInjection(Callback):
             poison_grad(self.trainer.model)
         if (inj := self.due(step, "collapse")) is not None:
             collapse(self.trainer.model, int(inj.arg))
+        if (inj := self.due(step, "flip")) is not None and step not in self.flipped:
+            self.flipped.add(step)
+            scale_grads(self.trainer.params, inj.arg)
 
     def adjust_lr(self, step: int, lr: float) -> float:
         if (inj := self.due(step, "lrspike")) is not None:
