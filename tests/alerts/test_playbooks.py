@@ -70,6 +70,8 @@ def test_playbook_structure(alert: str) -> None:
 # ---------------------------------------------------------------------------------------
 def write_table(run: Path, table: str, rows: dict[str, list]) -> None:
     dtypes = {c: getattr(pl, t)() for c, t in schema.TABLE_COLUMNS[table].items()}
+    n = len(next(iter(rows.values())))
+    rows = {c: rows[c] if c in rows else [None] * n for c in dtypes}  # newer columns (precursors): empty
     df = pl.DataFrame(rows, schema=dtypes)
     (run / table).mkdir(parents=True, exist_ok=True)
     df.write_parquet(run / table / "part-0000000000-000000.parquet")
@@ -79,7 +81,7 @@ def write_table(run: Path, table: str, rows: dict[str, list]) -> None:
 def run_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """300 steps, 4 MoE layers x 8 experts, 8 ranks, with every incident the playbooks look for:
     grad/loss spikes, an LR-spike drill, two NaN steps, stalls, layer 3 collapsing, rollbacks,
-    a halt, a straggler."""
+    a halt, a straggler, a suspected hardware fault on rank 3."""
     run = tmp_path_factory.mktemp("runs") / "r1"
     rng = np.random.default_rng(0)
     n, n_layers, n_exp = 300, 4, 8
@@ -182,6 +184,15 @@ def run_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "snapshot_before": 200,
                 "skip_batches": 20,
             },
+        ),
+        (
+            175,
+            "rerun",
+            "suspected_hardware_fault",
+            math.inf,
+            0.01,
+            "apply",
+            {"rank": 3, "ranks": [3], "first": {"grad_norm": math.nan}, "recompute": {"grad_norm": 1.0}},
         ),
         (260, "straggler", "", 0.6, 0.75, "none", {"rank": 5}),
         (

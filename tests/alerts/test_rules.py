@@ -35,6 +35,7 @@ PAGING = {
     "HeartbeatLost",
     "RunStuck",
     "RunQuarantined",
+    "SuspectedHardwareFault",
 }
 
 needs_promtool = pytest.mark.skipif(

@@ -463,11 +463,12 @@ def test_metrics_expose_every_schema_name(collector: CollectorProc) -> None:
     halt = Event(step=129, kind=schema.EV_HALT, action=schema.ACT_HALT).row()
     act = Event(step=128, kind=schema.EV_ACTION, action=schema.ACT_ROLLBACK).row()
     meta = {"torch": "2.5.1", "device_name": "cpu", "attention": "sdpa", "n_experts": 8, "compile": False}
+    rerun = Event(step=60, kind=schema.EV_RERUN, detector=schema.RERUN_TRANSIENT, detail={"ranks": [1]}).row()
     for i in range(0, 130, 10):
         verdict = Event(
             step=i, kind=schema.EV_VERDICT, detector=schema.DET_MAXVIO, action=schema.ACT_BIAS_CORRECT
         )
-        evs = [act, halt] if i == 120 else [verdict.row()] if i == 50 else []
+        evs = [act, halt] if i == 120 else [verdict.row()] if i == 50 else [rerun] if i == 60 else []
         assert (
             collector.post(
                 batch("m1", 0, i + 1, reps[i : i + 10], evs, meta=meta if i == 0 else None)
@@ -482,6 +483,7 @@ def test_metrics_expose_every_schema_name(collector: CollectorProc) -> None:
     assert not missing
     m = collector.metrics()
     assert m[("moeguard_run_halted", (("run", "m1"),))] == 1
+    assert m[("moeguard_suspected_hardware_faults_total", (("rank", "1"), ("run", "m1")))] == 1
     assert m[("moeguard_guard_actions_total", (("action", "rollback"), ("run", "m1")))] == 1
     assert m[("moeguard_guard_actions_total", (("action", "halt"), ("run", "m1")))] == 1
     assert (
