@@ -211,6 +211,7 @@ class GuardedStep:
         self.counts = dict(s.get("counts", {}))
 
     def close(self) -> None:
+        self.probe.close()
         if self.store is not None:
             self.store.close(status=schema.STATUS_FINISHED, final_step=self.step_idx, counts=self.counts)
 

@@ -255,6 +255,11 @@ class Probe:
             precursors=precursors,
         )
 
+    def close(self) -> None:
+        """Remove the optimizer hooks the precursor sampler installed."""
+        if self.precursors is not None:
+            self.precursors.close()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"steps_since_token_ME": torch.from_numpy(self._since_token_ME.astype(np.float32))}
 

@@ -224,3 +224,11 @@ def test_a_precursor_records_an_event_and_acts_only_when_configured(act: bool) -
         assert actions[60] == schema.ACT_SKIP and events[0].action == schema.ACT_SKIP
     else:
         assert set(actions.values()) == {schema.ACT_APPLY} and events[0].action == schema.ACT_NONE
+
+
+def test_close_removes_the_optimizer_hooks() -> None:
+    model, opt, probe = _setup()
+    probe.collect(_backward(model), 1)
+    probe.close()
+    opt.step()
+    assert probe.precursors.updates.take() is None  # type: ignore[union-attr]
