@@ -22,9 +22,10 @@ sum, one multiply (6 kernels, none as large as the weights); nothing when the st
 On a CPU tiny model (guard/integrations/tiny.py mixtral, 0.87M weights) that is ~0.1 ms of the
 hooks plus ~0.02 ms of host bincounts per step (bench/precursor_overhead.py measures the total).
 
-Adam second moments (off by default): one _foreach_norm(ord=1) over every `exp_avg_sq` at
-collect time (a full read of the second moments: as costly as the gradient-norm pass), and on
-the host each parameter's mean(v) against its running median over `adam_v_window` steps.
+Adam second moments (off by default): at collect time, a gather of `exp_avg_sq` at the same
+sampled positions and one segmented sum (~0.1 ms on the CPU tiny model), and on the host each
+parameter's bias-corrected mean(v) against its running median over `adam_v_window` steps
+(~0.03 ms of numpy medians over window x P).
 """
 
 from __future__ import annotations
@@ -52,24 +53,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def strided_views(tensors: list[torch.Tensor], cfg: PrecursorConfig) -> list[torch.Tensor]:
+    """A fixed sample of each tensor as a view (so a gather reads its current values): whole when
+    it has at most `full_below` elements, else one element in next_prime(update_sample_every).
+    A non-contiguous tensor has no flat view (reshape would copy, and a copy goes stale): it is
+    left out (an empty view). Parameters and optimizer states are contiguous in practice."""
+    stride = next_prime(cfg.update_sample_every)
+    out = []
+    for t in tensors:
+        t = _local(t).detach()
+        if t.numel() == 0 or not t.is_contiguous():
+            out.append(t.new_zeros(0))
+        else:
+            flat = t.view(-1)
+            out.append(flat if t.numel() <= cfg.full_below else flat[::stride])
+    return out
+
+
 class UpdateSampler:
     """A fixed strided sample of every parameter, diffed across each optimizer.step()."""
 
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, cfg: PrecursorConfig):
-        stride = next_prime(cfg.update_sample_every)
-        self.views: list[torch.Tensor] = []  # one per parameter (empty when left out)
-        for p in params:
-            t = _local(p).detach()
-            # A non-contiguous parameter has no flat view (reshape would copy, and a copy goes
-            # stale): it is left out of the sample. Parameters are contiguous in practice.
-            if t.numel() == 0 or not t.is_contiguous():
-                self.views.append(t.new_zeros(0))
-                continue
-            flat = t.view(-1)
-            self.views.append(flat if t.numel() <= cfg.full_below else flat[::stride])
+        self.views = strided_views(params, cfg)  # one per parameter (empty when left out)
         self.n_P = [v.numel() for v in self.views]
         self.n_sampled = sum(self.n_P)
-        numel = np.array([p.numel() for p in params], dtype=np.float64)
+        numel = np.array([_local(p).numel() for p in params], dtype=np.float64)
         # numel / samples per parameter: the sums estimate the whole tensor's (for both rows)
         scale = np.where(np.array(self.n_P) > 0, numel / np.maximum(self.n_P, 1), 0.0)
         device = params[0].device if params else torch.device("cpu")
@@ -114,11 +122,17 @@ class UpdateSampler:
 class SecondMoments:
     """Adam's exp_avg_sq per parameter: its bias-corrected mean now against its running median.
     Bias-corrected (v / (1 - beta2^t)) because v starts at zero and grows for its first ~1/(1-beta2)
-    steps: against a raw running median every early step would look like a spike."""
+    steps: against a raw running median every early step would look like a spike. The mean is
+    estimated from the same strided sample positions as the update ratio (views into the
+    optimizer's state, rebuilt when the optimizer replaces a state tensor, e.g. on a resume)."""
 
-    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, window: int) -> None:
+    def __init__(
+        self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, cfg: PrecursorConfig
+    ) -> None:
         self.params = params
         self.optimizer = optimizer
+        self.cfg = cfg
+        window = cfg.adam_v_window
         self.numel_P = np.array([max(p.numel(), 1) for p in params], dtype=np.float64)
         where = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self.beta2_P = np.array(
@@ -128,6 +142,8 @@ class SecondMoments:
         self.filled = 0
         self.steps = 0  # optimizer steps seen by this probe (the state's own count when on the host)
         self._hook = optimizer.register_step_post_hook(self._count)
+        self._src: list[Any] = []  # the state tensors the views below look into
+        self._views: list[torch.Tensor] = []
 
     def _count(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
@@ -142,13 +158,28 @@ class SecondMoments:
         return self.steps
 
     def device_sums(self) -> torch.Tensor | None:
-        """sum(exp_avg_sq) per parameter [P], or None before the optimizer has any."""
+        """sum(exp_avg_sq) per parameter [P] (estimated from the sample), or None before the
+        optimizer has any."""
         state = self.optimizer.state
         vs = [state[p].get("exp_avg_sq") if p in state else None for p in self.params]
         if not any(v is not None for v in vs):
             return None
-        zero = next(v for v in vs if v is not None).new_zeros(())
-        return torch.stack(torch._foreach_norm([_local(v) if v is not None else zero for v in vs], 1)).float()
+        if len(vs) != len(self._src) or any(a is not b for a, b in zip(vs, self._src, strict=True)):
+            self._rebuild(vs)
+        torch.cat(self._views, out=self._buf)
+        return torch.segment_reduce(self._buf, "sum", lengths=self._lengths, axis=0).mul_(self._scale)
+
+    def _rebuild(self, vs: list[torch.Tensor | None]) -> None:
+        some = next(v for v in vs if v is not None)
+        self._src = vs
+        self._views = strided_views([v if v is not None else some.new_zeros(0) for v in vs], self.cfg)
+        n = np.array([v.numel() for v in self._views])
+        numel = np.array([_local(v).numel() if v is not None else 0 for v in vs], dtype=np.float64)
+        self._lengths = torch.tensor(n, device=some.device)
+        self._scale = torch.tensor(
+            np.where(n > 0, numel / np.maximum(n, 1), 0.0), dtype=torch.float32, device=some.device
+        )
+        self._buf = torch.empty(int(n.sum()), device=some.device)
 
     def ratio(self, sums_P: np.ndarray) -> float:
         """max over parameters of mean(v_hat) / median of its recent means; NaN while warming up."""
@@ -158,7 +189,7 @@ class SecondMoments:
         out = math.nan
         if self.filled >= w:  # a full window: early training moves v by 10x in a few steps
             with np.errstate(invalid="ignore", divide="ignore"):
-                med = np.nanmedian(self.history[: min(self.filled, w)], axis=0)
+                med = np.median(self.history, axis=0)  # full window: no NaN rows left
                 r = np.where(med > 0, mean_P / med, np.nan)
             out = float(np.nanmax(r)) if np.isfinite(r).any() else math.nan
         self.history[self.filled % w] = mean_P
@@ -184,7 +215,7 @@ class Precursors:
         self.group_P = np.array([where.get(id(p), -1) for p in params], dtype=np.int64)
         self.n_groups = len(optimizer.param_groups)
         self.updates = UpdateSampler(params, optimizer, cfg)
-        self.moments = SecondMoments(params, optimizer, cfg.adam_v_window) if cfg.adam_v_ratio else None
+        self.moments = SecondMoments(params, optimizer, cfg) if cfg.adam_v_ratio else None
         self._layout = (0, 0)  # (update sums, second-moment sums) in the last device_part
 
     def device_part(self, like: torch.Tensor) -> torch.Tensor:
