@@ -1,0 +1,4 @@
+"""Attacks on the real `moeguard collector` and `moeguard pager` (issue #13), run by
+bench/collector_attacks.py: kit.py (processes, clients, the ledger of acknowledged rows),
+store.py (run folders, part names, I/O faults, replay), writers.py (generations and seqs),
+abuse.py (bodies, slow clients, run ids, labels, tokens, limits), pager.py (the pager's)."""
