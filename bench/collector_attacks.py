@@ -86,7 +86,7 @@ def markdown(rows: list[Row], command: str, machine: str, wall_s: float) -> str:
     lines = [
         "## Collector and pager under attack (issue #13, `bench/collector_attacks.py`)",
         "",
-        f"`{command}` ({machine}; {len(rows)} attacks in {wall_s:.0f} s)",
+        f"`{command}` ({machine}, the cores shared with other work; {len(rows)} attacks in {wall_s:.0f} s)",
         "",
         "Each attack runs against its own real service process on loopback (the module docstring says",
         "how). Rows lost: acknowledged rows (rank-0 steps and events answered 200) missing from the run",
