@@ -3,17 +3,18 @@ in (from dashboards.data), figure out, in dashboards/figures/style.py's conventi
 
 from __future__ import annotations
 
+import numpy as np
 import plotly.graph_objects as go
 import polars as pl
 from plotly.subplots import make_subplots
 
 from dashboards.data import guard_events
-from dashboards.figures.style import LEGEND_RIGHT, LOSS_COLOR, MARGIN, column_values, series_xy
+from dashboards.figures.style import LEGEND_RIGHT, LOSS_COLOR, MARGIN, column_values, log_ticks, series_xy
 from guard.core import schema
 
 PRECURSOR_COLOR = "#e377c2"
 GROUP_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#17becf"]
-MAX_SPIKE_LINES = 50  # dotted lines for the first loss spikes, not a wall of them
+MAX_SPIKE_LINES = 50  # dotted lines at the first loss-spike episodes, not a wall of them
 
 
 def precursor_figure(
@@ -36,11 +37,13 @@ def precursor_figure(
     _update_ratio_panel(fig, series.get("update_ratio"), verdicts)
     for k, (g, df) in enumerate(groups.items()):
         _line(fig, df, "grad_norm", f"group {g} grad norm", GROUP_COLORS[k % len(GROUP_COLORS)], row=2)
-    fig.update_yaxes(type="log", title_text="||ΔW|| / ||W||", row=1, col=1)
-    fig.update_yaxes(type="log", title_text="grad norm", row=2, col=1)
+    ratio = series.get("update_ratio")
+    fig.update_yaxes(type="log", title_text="||ΔW|| / ||W||", row=1, col=1, **_ticks([ratio], "update_ratio"))
+    fig.update_yaxes(type="log", title_text="grad norm", row=2, col=1, **_ticks(groups.values(), "grad_norm"))
     if has_v:
         _line(fig, series["adam_v_ratio"], "adam_v_ratio", "Adam v ratio", "#bcbd22", row=3)
-        fig.update_yaxes(type="log", title_text="ratio", row=3, col=1)
+        v_ticks = _ticks([series["adam_v_ratio"]], "adam_v_ratio")
+        fig.update_yaxes(type="log", title_text="ratio", row=3, col=1, **v_ticks)
     fig.update_xaxes(title_text="step", row=len(titles), col=1)
     fig.update_layout(
         title={"text": "Precursors: signals that move before a loss spike", "x": 0, "xanchor": "left"},
@@ -49,6 +52,12 @@ def precursor_figure(
         margin={**MARGIN, "t": 80},
     )
     return fig
+
+
+def _ticks(frames: object, col: str) -> dict[str, object]:
+    """1-2-5 log ticks over a column of several frames (plotly's own print bare mantissas)."""
+    vals = [f[col].cast(pl.Float64).to_numpy() for f in frames if f is not None and f.height]  # type: ignore[attr-defined]
+    return log_ticks(np.concatenate(vals) if vals else [])
 
 
 def _line(fig: go.Figure, df: pl.DataFrame, col: str, name: str, color: str, *, row: int) -> None:
@@ -69,7 +78,8 @@ def _line(fig: go.Figure, df: pl.DataFrame, col: str, name: str, color: str, *, 
 
 def _update_ratio_panel(fig: go.Figure, ratio: pl.DataFrame | None, verdicts: pl.DataFrame) -> None:
     """The total update ratio, a marker per precursor verdict (at the layer ratio that fired, the
-    layers in the hover) and a dotted line per loss-spike verdict: the lead time is the gap."""
+    layers in the hover) and a dotted line where each loss-spike episode starts (a verdict with
+    none the step before): the lead time is the gap."""
     if ratio is not None and ratio.height:
         _line(fig, ratio, "update_ratio", "update ratio", "#555555", row=1)
     if not verdicts.height:
@@ -90,7 +100,8 @@ def _update_ratio_panel(fig: go.Figure, ratio: pl.DataFrame | None, verdicts: pl
             row=1,
             col=1,
         )
-    spikes = sorted(set(verdicts.filter(pl.col("detector") == schema.DET_LOSS_SPIKE)["step"].to_list()))
+    flagged = set(verdicts.filter(pl.col("detector") == schema.DET_LOSS_SPIKE)["step"].to_list())
+    spikes = sorted(s for s in flagged if s - 1 not in flagged)
     for s in spikes[:MAX_SPIKE_LINES]:
         fig.add_vline(x=s, line={"color": LOSS_COLOR, "dash": "dot", "width": 1}, opacity=0.7, row=1, col=1)
     if spikes:  # the lines' legend entry
@@ -99,7 +110,7 @@ def _update_ratio_panel(fig: go.Figure, ratio: pl.DataFrame | None, verdicts: pl
                 x=[None],
                 y=[None],
                 mode="lines",
-                name="loss spike verdict",
+                name="loss spike (episode start)",
                 line={"color": LOSS_COLOR, "dash": "dot"},
             ),
             row=1,

@@ -69,6 +69,6 @@ def test_the_health_page_shows_the_precursors_of_the_drill(
     }
     pre = next(f for t, f in figs.items() if t.startswith("Precursors"))
     names = {t.get("name") for t in pre["data"]}
-    assert {"update ratio", "precursor: update ratio spike", "loss spike verdict"} <= names, names
+    assert {"update ratio", "precursor: update ratio spike", "loss spike (episode start)"} <= names, names
     assert {"group 0 grad norm", "group 1 grad norm"} <= names, names
     assert any(t.startswith("Update ratio ||ΔW|| / ||W|| per layer") for t in figs), list(figs)
