@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.attacks import abuse, liveness, pager, store, writers
-from bench.attacks.kit import Row
+from bench.attacks.kit import Row, stop_all
 
 ATTACKS: dict[str, Callable[[Path], Row]] = {
     "clean": store.clean,
@@ -79,6 +79,8 @@ def run_one(name: str, work: Path) -> Row:
             answer=f"the attack failed: {type(e).__name__}: {e}"[:160],
             lost=-1,
         )
+    finally:
+        stop_all()  # whatever a failed attack left running
 
 
 def markdown(rows: list[Row], command: str, machine: str, wall_s: float) -> str:

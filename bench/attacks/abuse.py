@@ -224,8 +224,9 @@ def _tree(d: Path) -> set[str]:
 def path_traversal(work: Path) -> Row:
     """Run ids that name something outside the run store, in batches and in the commands URL.
     The store is work/a/b/runs, so an escape of up to three levels lands inside `work`."""
-    ledger, c = Ledger(), CollectorProc(work / "a" / "b").start()
+    ledger, c = Ledger(), CollectorProc(work / "a" / "b")
     before, absolute = _tree(work), Path("/abs").exists()
+    c.start()
     try:
         ingest = [c.ingest(batch(rid, G1 | 1, [0])) for rid in RUN_IDS]
         urls = []
@@ -240,7 +241,7 @@ def path_traversal(work: Path) -> Row:
     finally:
         c.stop()
     lost, twice = ledger.check(c.runs)
-    mine = {"a/b/collector.log", "a/b/collector.port"}
+    mine = {"a/b/collector.log", "a/b/collector.port", "a/b/runs"}  # the service's own
     created = {p for p in _tree(work) - before if not p.startswith("a/b/runs/fine") and p not in mine}
     created |= {"/abs"} if Path("/abs").exists() and not absolute else set()
     refused = sum(r.status_code == 400 for r in ingest)
@@ -399,10 +400,10 @@ def malformed_fields(work: Path) -> Row:
 
 def cardinality(work: Path) -> Row:
     """One report of 50,000 layers, a rank of 10**6, 70 detector names; then a scrape."""
-    ledger, c = Ledger(), CollectorProc(work).start()
     wide = batch("wide", G1 | 1, [])
     wide["reports"] = [report(0, layers=50_000).to_json()]
     names = [{"step": 1, "kind": schema.EV_VERDICT, "detector": f"det{i}", "value": 1.0} for i in range(70)]
+    ledger, c = Ledger(), CollectorProc(work).start()
     try:
         t0 = time.perf_counter()
         layers = c.ingest(wide)

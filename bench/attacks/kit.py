@@ -171,6 +171,35 @@ def _service_env(extra: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
+_STARTED: list[subprocess.Popen[bytes]] = []  # every service process started, for stop_all()
+
+
+def _spawn(cmd: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, **kw)
+    _STARTED.append(proc)
+    return proc
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
+    """SIGTERM, then SIGKILL after `timeout` seconds."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def stop_all() -> int:
+    """Stop every service process an attack left running (one that failed half-way); how many."""
+    left = [p for p in _STARTED if p.poll() is None]
+    for p in left:
+        _stop(p, 30)
+    _STARTED.clear()
+    return len(left)
+
+
 def _copy(src: IO[bytes], dst: Path) -> None:
     """The service's output into its log file, written by this process: a file-size limit
     put on the service (the I/O attacks) must not cut its log short."""
@@ -196,7 +225,7 @@ class CollectorProc:
         cmd = [sys.executable, "-m", "guard", "collector", "--port", "0", "--port-file", str(self._port_file)]
         cmd += ["--runs", str(self.runs), "--log-level", "info", *self.flags]
         env = _service_env({schema.ENV_TOKEN: self.token} if self.token else {})
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.proc = _spawn(cmd, env, stderr=subprocess.STDOUT)
         assert self.proc.stdout is not None
         threading.Thread(target=_copy, args=(self.proc.stdout, self.log), daemon=True).start()
         deadline = time.monotonic() + timeout
@@ -212,6 +241,7 @@ class CollectorProc:
                 except httpx.HTTPError:
                     pass
             time.sleep(0.05)
+        _stop(self.proc, 5)
         raise Down(f"collector did not come up within {timeout:.0f} s")
 
     @property
@@ -234,13 +264,7 @@ class CollectorProc:
 
     def stop(self) -> None:
         """SIGTERM: the collector checkpoints every run on the way out."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        _stop(self.proc, 60)
 
     def kill(self) -> None:
         """SIGKILL: nothing checkpointed; the write-ahead log must hold every acknowledged batch."""
@@ -281,19 +305,18 @@ class PagerProc:
     def start(self) -> PagerProc:
         cmd = [sys.executable, "-m", "guard", "pager", "--port", "0", "--state", str(self.state), *self.flags]
         with open(self.log, "ab") as err:
-            self.proc = subprocess.Popen(
-                cmd, cwd=REPO, env=_service_env(self.env), stdout=subprocess.PIPE, stderr=err
-            )
+            self.proc = _spawn(cmd, _service_env(self.env), stderr=err)
         assert self.proc.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
         line = self.proc.stdout.readline().decode(errors="replace") if sel.select(90) else ""
         m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-        if m is None:
-            self.proc.kill()
-            raise Down(f"pager did not start: {line!r}")
-        self.url = f"http://127.0.0.1:{m.group(1)}"
-        wait_until(lambda: self.alive(), 60, "the pager to answer /healthz")
+        self.url = f"http://127.0.0.1:{m.group(1)}" if m else ""
+        try:
+            wait_until(lambda: m is not None and self.alive(), 60, "the pager to answer /healthz")
+        except TimeoutError:
+            _stop(self.proc, 5)
+            raise Down(f"pager did not start: {line!r}") from None
         return self
 
     @property
@@ -321,13 +344,7 @@ class PagerProc:
         return httpx.post(f"{self.url}{path}", content=content, timeout=120)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        _stop(self.proc, 30)
 
     def __enter__(self) -> PagerProc:
         return self.start()

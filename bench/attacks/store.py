@@ -298,10 +298,10 @@ def io_error_at_checkpoint(work: Path) -> Row:
 def idempotent_replay(work: Path) -> Row:
     """Every acknowledged batch sent again, in and out of order, then again after a kill -9 and
     a restart (the exporter's retries after a lost answer)."""
-    ledger, c = Ledger(), CollectorProc(work, "--checkpoint-interval", "3600").start()
     bodies = [
         batch("rp", G1 | (i + 1), range(10 * i, 10 * i + 10), [_checkpoint_event(10 * i)]) for i in range(5)
     ]
+    ledger, c = Ledger(), CollectorProc(work, "--checkpoint-interval", "3600").start()
     try:
         first = [ledger.post(c, b) for b in bodies]
         repeats = [c.ingest(b) for b in [*reversed(bodies), *bodies]]

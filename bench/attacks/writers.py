@@ -24,10 +24,10 @@ def _conflict(r: httpx.Response) -> bool:
 def second_writer(work: Path) -> Row:
     """Trainer A stores 50 steps; trainer B, started later with the same run id, writes from
     step 0; A goes on. Before the fix A's batches were answered "duplicate" and lost."""
-    ledger, c = Ledger(), CollectorProc(work, "--checkpoint-interval", "0.2").start()
     a_bodies = [
         batch("two", G1 | (i + 1), range(10 * i, 10 * i + 10), loss=1.0, writer="trainerA") for i in range(5)
     ]
+    ledger, c = Ledger(), CollectorProc(work, "--checkpoint-interval", "0.2").start()
     try:
         a = [ledger.post(c, b) for b in a_bodies]
         b = ledger.post(c, batch("two", G2 | 1, range(10), loss=2.0, writer="trainerB"))

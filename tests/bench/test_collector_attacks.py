@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.attacks.kit import Ledger, Row, batch, halt, report
-from bench.collector_attacks import ATTACKS, main, markdown
+from bench.attacks.kit import CollectorProc, Ledger, Row, batch, halt, report
+from bench.collector_attacks import ATTACKS, main, markdown, run_one
 from guard.collector.config import STATE_DIR, SUPERSEDED_DIR
 from guard.store.writer import event_frame, report_frames, write_parts
 from guard.wire.batch import parse_event
@@ -75,3 +75,21 @@ def test_ledger_counts_rows_lost_and_stored_twice(tmp_path: Path) -> None:
     }
     write_parts(aside, frames, 0)
     assert ledger.check(tmp_path) == (0, 2)
+
+
+@pytest.mark.integration
+def test_a_failed_attack_is_a_row_and_leaves_no_service_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started = []
+
+    def broken(work: Path) -> Row:
+        """An attack that dies half-way."""
+        started.append(CollectorProc(work).start())
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(ATTACKS, "broken", broken)
+    row = run_one("broken", tmp_path)
+    assert (row.held, row.lost, row.what) == (False, -1, "An attack that dies half-way.")
+    assert row.answer == "the attack failed: RuntimeError: boom"
+    assert started[0].proc is not None and started[0].proc.poll() is not None
