@@ -164,7 +164,7 @@ def reports_from_columns(
         lo_hi = by_step_l.get(rep.step)
         if lo_hi is not None:
             sl = slice(*lo_hi)
-            moe = ~np.isnan(np.asarray(layers["router_entropy"][sl], dtype=np.float64))
+            moe = _moe_rows(layers, sl, experts, by_step_e.get(rep.step))
             rep.layer_ids_L = np.asarray(layers["layer"][sl], dtype=np.int32)
             rep.layer_grad_norm_L = np.asarray(layers["grad_norm"][sl], dtype=np.float64)
             if "update_ratio" in layers:
@@ -187,6 +187,21 @@ def reports_from_columns(
             rep.group_grad_norm_G = np.asarray(groups["grad_norm"][sl], dtype=np.float64)
             rep.group_update_ratio_G = np.asarray(groups["update_ratio"][sl], dtype=np.float64)
         yield rep
+
+
+def _moe_rows(
+    layers: Mapping[str, np.ndarray],
+    sl: slice,
+    experts: Mapping[str, np.ndarray],
+    expert_rows: tuple[int, int] | None,
+) -> np.ndarray:
+    """Which of a step's layer rows are MoE layers: those with expert rows that step. (A router
+    entropy is not enough: after a divergence it is NaN on every layer.) Without expert rows,
+    the layers that report a router entropy."""
+    layer_ids = np.asarray(layers["layer"][sl])
+    if expert_rows is not None and "layer" in experts:
+        return np.isin(layer_ids, np.asarray(experts["layer"][slice(*expert_rows)]))
+    return ~np.isnan(np.asarray(layers["router_entropy"][sl], dtype=np.float64))
 
 
 def _row_ranges(cols: Mapping[str, np.ndarray]) -> dict[int, tuple[int, int]]:

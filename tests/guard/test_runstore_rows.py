@@ -80,3 +80,16 @@ def test_written_by_either_path_and_read_back(tmp_path: Path) -> None:
     frames = report_frames(reps)
     for table, df in frames.items():
         assert df.equals(read_table(tmp_path / "inproc", table).sort(df.columns[:3])), table
+
+
+def test_a_diverged_step_with_nan_router_entropy_reads_back() -> None:
+    """After a divergence every router entropy is NaN; the step's MoE layers are still the ones
+    with expert rows (moeguard replay crashed on such runs: 'cannot reshape array of size 32')."""
+    reps = [make_report(s, n_layers=4, n_experts=8) for s in range(3)]
+    reps[2].router_entropy_M = np.full_like(reps[2].router_entropy_M, np.nan)
+    reps[2].loss = float("nan")
+    back = list(reports_from_columns(steps_columns(reps), layer_columns(reps), expert_columns(reps)))
+    assert len(back) == 3
+    np.testing.assert_array_equal(back[2].moe_layer_ids_M, reps[2].moe_layer_ids_M)
+    assert back[2].load_ME.shape == reps[2].load_ME.shape
+    assert np.isnan(back[2].router_entropy_M).all()
