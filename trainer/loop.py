@@ -224,16 +224,7 @@ class Trainer:
             exporter=self.exporter,
             commands=self.guard.commands,
         )
-        self.rerun = RerunCheck(
-            cfg.guard.rerun,
-            guard=self.guard,
-            probe=self.probe,
-            optimizer=self.opt,
-            comm=self.comm,
-            rank=self.dist.rank,
-            world=self.dist.world,
-            local_grads=self.parallel == "ddp",
-        )
+        self.rerun = RerunCheck(cfg.guard.rerun, self.guard, self.probe, self.module, rank=self.dist.rank)
         # one rank too: `--inject hang@S:SECONDS` blocks inside comm.timed() like a hung collective
         self.pump = HeartbeatPump(self.comm, self.exporter) if self.exporter is not None else None
 
@@ -378,7 +369,7 @@ class Trainer:
         """Forward/backward, the post_backward hook, then the gradient reduction across ranks."""
         loss_sum = self.module.forward_backward(batches)
         self.callbacks.post_backward(self.step)  # this rank's gradients, before the reduction spreads them
-        self.rerun.note_local(loss_sum, self.params)  # what names a rank whose pass diverged
+        self.rerun.note_local(loss_sum)  # what names a rank whose pass diverged
         self.module.reduce_grads()
         return loss_sum
 

@@ -52,7 +52,8 @@ from guard.core.policy import Decision
 from guard.core.report import StepReport
 from guard.runtime.guard import Guard
 from guard.runtime.probe import Probe, ProbeResult
-from trainer.distributed import Comm, decision_fingerprint, local
+from trainer.distributed import decision_fingerprint, local
+from trainer.train_module import TrainModule
 
 # Precursor fields measured from the previous update, not from this step's gradients: the
 # recompute cannot measure them again (the sampler hands its sums out once), so it carries them.
@@ -98,21 +99,14 @@ class RerunCheck:
     """The trainer's rerun check; every method is a no-op (or False) when `cfg.enabled` is off."""
 
     def __init__(
-        self,
-        cfg: RerunConfig,
-        *,
-        guard: Guard,
-        probe: Probe,
-        optimizer: torch.optim.Optimizer,
-        comm: Comm,
-        rank: int,
-        world: int,
-        local_grads: bool,
+        self, cfg: RerunConfig, guard: Guard, probe: Probe, module: TrainModule, *, rank: int
     ) -> None:
-        """`local_grads`: this rank's gradients exist apart from its peers' before the reduction
-        (ddp; under fsdp they are reduced inside backward)."""
-        self.cfg, self.guard, self.probe, self.optimizer, self.comm = cfg, guard, probe, optimizer, comm
-        self.rank, self.world, self.local_grads = rank, world, local_grads
+        """`module`: the model side (its optimizer, parameters, collectives and parallel mode)."""
+        self.cfg, self.guard, self.probe, self.module = cfg, guard, probe, module
+        self.rank, self.world = rank, module.world
+        # this rank's gradients exist apart from its peers' before the reduction under ddp only
+        # (fsdp reduce-scatters them inside backward)
+        self.local_grads = module.parallel == "ddp"
         self.enabled = cfg.enabled
         self._guard_state: dict[str, Any] = {}
         self._probe_state: dict[str, Any] = {}
@@ -129,14 +123,14 @@ class RerunCheck:
         self._rng = (torch.get_rng_state(), cuda)
         self._local = []
 
-    def note_local(self, loss_sum: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+    def note_local(self, loss_sum: torch.Tensor) -> None:
         """After backward and before the reduction: this rank's own numbers (several ranks only;
         kept on the device, read on a rerun step only)."""
         if not self.enabled or self.world == 1:
             return
         gn = loss_sum.new_zeros(())
         if self.local_grads:
-            grads = [local(p.grad) for p in params if p.grad is not None]
+            grads = [local(p.grad) for p in self.module.params if p.grad is not None]
             if grads:
                 gn = torch.stack(torch._foreach_norm(grads)).float().norm()
         self._local.append(torch.stack([loss_sum.detach().float().reshape(()), gn]))
@@ -149,7 +143,7 @@ class RerunCheck:
         if self.world == 1:
             return mine
         flag = torch.tensor([float(mine)], device=self.probe.device)
-        self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.module.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
     def check(
@@ -213,7 +207,7 @@ class RerunCheck:
     # ---- the pieces ---------------------------------------------------------------------------
     def _reset(self) -> None:
         """Back to the state the first pass started from (the weights never changed)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.module.opt.zero_grad(set_to_none=True)
         self.probe.reset_router_stats()
         self.probe.load_state_dict(self._probe_state)
         if self._rng is not None:
@@ -232,7 +226,7 @@ class RerunCheck:
         mine = any(rel_diff(x, y) > self.cfg.rel_tol for x, y in zip(a, b, strict=True))
         onehot = torch.zeros(self.world, device=self.probe.device)
         onehot[self.rank] = float(mine)
-        self.comm.all_reduce(onehot)
+        self.module.comm.all_reduce(onehot)
         return [int(r) for r in torch.nonzero(onehot > 0).reshape(-1).tolist()]
 
     def _same_everywhere(self, d: Decision) -> bool:
@@ -242,7 +236,7 @@ class RerunCheck:
             return True
         fp = decision_fingerprint(d)
         buf = torch.tensor([fp, -fp], dtype=torch.int64, device=self.probe.device)
-        self.comm.all_reduce(buf, op=dist.ReduceOp.MAX)
+        self.module.comm.all_reduce(buf, op=dist.ReduceOp.MAX)
         mx, neg_mn = buf.cpu().tolist()
         return mx == -neg_mn
 

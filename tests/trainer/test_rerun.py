@@ -163,3 +163,22 @@ def test_config_and_injection_spec() -> None:
         RerunConfig(rel_tol=-1)
     assert math.isnan(parse_injection("flip@5").arg)
     assert parse_injection("flip@5:1000/r1").arg == 1000 and parse_injection("flip@5/r1").rank == 1
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize(("parallel", "rank"), [("ddp", 1), ("fsdp", -1)])
+def test_two_ranks_rerun_together_and_name_the_rank(tmp_path: Path, parallel: str, rank: int) -> None:
+    """A flip on rank 1 only: both ranks recompute (or the collectives would hang), the event names
+    rank 1 under ddp (its own gradient norm moved) and -1 under fsdp (gradients are reduced inside
+    backward); a bad batch on every rank reproduces."""
+    from tests.trainer.test_distributed import run, torchrun_cmd
+
+    args = ["--set", "guard.rerun.enabled=true", "--set", f"train.parallel={parallel}", "--steps", "48"]
+    injections = ["--inject", f"flip@{FAULT_STEP}:1000/r1", "--inject", f"badbatch@{FAULT_STEP + 1}"]
+    p = run(torchrun_cmd(tmp_path, *args, *injections))
+    assert p.returncode == 0, p.stderr[-3000:]
+    ev = read_table(tmp_path, "events").filter(pl.col("kind") == schema.EV_RERUN).sort("step")
+    assert ev["detector"].to_list() == [schema.RERUN_TRANSIENT, schema.RERUN_REPRODUCIBLE]
+    assert ev["action"].to_list() == [schema.ACT_APPLY, schema.ACT_SKIP]
+    assert json.loads(ev["detail"][0])["rank"] == rank
