@@ -27,17 +27,18 @@ reduce-scattered inside backward, so only a divergence of the forward (the loss)
 otherwise the event says rank -1 (unknown). The recompute's decision is checked across ranks
 (fingerprints, one all-reduce); if it differed, the first pass's agreed decision stands.
 
-Cost: a flagged step runs its forward/backward and the probe twice (about twice its time); every
-step, when enabled, copies the guard's state (to put it back) and, with several ranks, adds the
-flag's all-reduce and (ddp) one norm over this rank's gradients. `bench/rerun_overhead.py` measures it.
+Cost: a flagged step runs its forward/backward, the probe and the guard twice (2.2-2.3x that step);
+every step, when enabled, pickles the guard's state (to put it back; 0.05-0.5 ms of host time) and,
+with several ranks, adds the flag's all-reduce and (ddp) one norm over this rank's gradients
+(bench/rerun_overhead.py, docs/BENCHMARKS.md).
 Known approximation: with `guard.precursor.adam_v_ratio` on, a rerun step's second-moment ratio
 enters its running median twice.
 """
 
 from __future__ import annotations
 
-import copy
 import math
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -108,7 +109,7 @@ class RerunCheck:
         # (fsdp reduce-scatters them inside backward)
         self.local_grads = module.parallel == "ddp"
         self.enabled = cfg.enabled
-        self._guard_state: dict[str, Any] = {}
+        self._guard_state = b""
         self._probe_state: dict[str, Any] = {}
         self._rng: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self._local: list[torch.Tensor] = []  # [loss, grad norm] of this rank, per pass (several ranks)
@@ -117,7 +118,8 @@ class RerunCheck:
         """At the start of a step: what a recompute must start from."""
         if not self.enabled:
             return
-        self._guard_state = copy.deepcopy(self.guard.state_dict())
+        # pickled, not deep-copied: 10x cheaper for the calibrated detectors' tail memories
+        self._guard_state = pickle.dumps(self.guard.state_dict(), protocol=pickle.HIGHEST_PROTOCOL)
         self._probe_state = self.probe.state_dict()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
         self._rng = (torch.get_rng_state(), cuda)
@@ -174,7 +176,7 @@ class RerunCheck:
         }
         out = Rerun(d, events, pr, rep, "")
         if kind == schema.RERUN_TRANSIENT:
-            self.guard.load_state_dict(copy.deepcopy(self._guard_state))  # as if the first pass never ran
+            self.guard.load_state_dict(pickle.loads(self._guard_state))  # as if the first pass never ran
             d2 = observe(rep2)
             if not self._same_everywhere(d2):  # guard states differ across ranks: stop, as StepSync does
                 d2 = _diverged(d2)
