@@ -63,6 +63,7 @@ class RunState:
         self.pending_events: list[dict[str, Any]] = []
         self.dirty = False
         self.failed: BaseException | None = None
+        self.failed_at = 0.0  # monotonic time of the failure (or of the last reload attempt)
         self.detectors = _make_detectors(cfg.guard)
         self.trainer_detectors = False
         commands_file = self.journal.state_dir / COMMANDS_FILE
@@ -183,7 +184,7 @@ class RunState:
         except BaseException as e:
             if body is None:
                 raise  # replay at start: the run is quarantined
-            self.failed = e
+            self.failed, self.failed_at = e, time.monotonic()
             log.exception(
                 "run %s: applying a logged batch failed; run refuses ingest until restart", self.run
             )
@@ -298,8 +299,8 @@ class RunState:
             except BaseException as e:
                 # Acknowledged rows are still in the log; a restart replays them. Until then
                 # this run answers 503 so exporters keep their data.
-                self.failed = e
-                log.exception("run %s: checkpoint failed; run refuses ingest until restart", self.run)
+                self.failed, self.failed_at = e, time.monotonic()
+                log.exception("run %s: checkpoint failed; 503 until its storage works again", self.run)
                 raise
 
     def _take_checkpoint(self) -> Checkpoint | None:

@@ -239,11 +239,13 @@ class Collector:
         RunQuarantined for a run whose files are damaged, StorageFailed when its folder cannot
         be set up right now."""
         rs = self.runs.get(run)
-        if rs is not None and not rs.evicted:
+        if rs is not None and not rs.evicted and rs.failed is None:
             rs.last_touch = time.monotonic()
             return rs
         with self.runs_lock:
             rs = self.runs.get(run)
+            if rs is not None and rs.failed is not None:
+                return self._reload_failed(rs)
             if rs is not None and not rs.evicted:
                 return rs
             why = self.quarantined.get(run)
@@ -271,6 +273,25 @@ class Collector:
             if len(self.runs) > self.cfg.limits.max_hot_runs:
                 self._evict_wake.set()
             return rs
+
+    def _reload_failed(self, old: RunState) -> RunState:
+        """A run whose storage failed (a checkpoint that hit an I/O error) is recovered from disk
+        as a restart would (its write-ahead log holds every acknowledged batch) once its folder
+        works again: a brief I/O error must not block the run until the collector restarts.
+        While the folder still fails, the failed state stays and answers 503. Caller holds
+        runs_lock."""
+        if time.monotonic() - old.failed_at < self.cfg.checkpoint_interval_s / 4:
+            return old  # at most a few reload attempts per checkpoint interval
+        old.failed_at = time.monotonic()
+        try:
+            fresh = RunState(old.run, old.dir, self.cfg, self.health, self.notifier)
+        except Exception as e:  # still failing (or worse): keep answering 503, try again later
+            log.warning("run %s: storage still failing (%r); retrying later", old.run, e)
+            return old
+        old.journal.close()
+        self.runs[old.run] = fresh
+        log.warning("run %s: recovered from its write-ahead log after a storage failure", old.run)
+        return fresh
 
     # ---- request handlers (synchronous; called from a worker thread) ------------------
     def ingest(self, body: bytes) -> tuple[int, dict[str, Any]]:

@@ -533,15 +533,18 @@ def test_operator_commands_round_trip(collector: CollectorProc) -> None:
     cmd = httpx.post(url, json={"action": "rollback", "reason": "loss diverged"}, headers=AUTH).json()[
         "command"
     ]
-    assert httpx.get(url, params={"rank": 0}).json()["commands"] == [cmd]
+    assert httpx.get(url, params={"rank": 0}).status_code == 401  # the operators' words need the token too
+    assert httpx.get(url, params={"rank": 0}, headers=AUTH).json()["commands"] == [cmd]
     # the trainer picks it up with its next batch, then acknowledges it
     r = collector.post(batch("c1", 0, 1, [make_report(0)]))
     assert r.json()["commands"] == [cmd]
     collector.post(batch("c1", 0, 2, [make_report(1)], commands_ack=cmd["id"]))
-    assert httpx.get(url, params={"rank": 0}).json()["commands"] == []
-    assert httpx.get(url, params={"rank": 1}).json()["commands"] == [cmd]  # rank 1 has not taken it
-    assert httpx.get(f"{collector.url}/v1/runs/nope/commands").status_code == 404
-    assert httpx.get(f"{collector.url}/v1/runs/..%2Fx/commands").status_code in (400, 404)
+    assert httpx.get(url, params={"rank": 0}, headers=AUTH).json()["commands"] == []
+    assert httpx.get(url, params={"rank": 1}, headers=AUTH).json()["commands"] == [
+        cmd
+    ]  # rank 1 has not taken it
+    assert httpx.get(f"{collector.url}/v1/runs/nope/commands", headers=AUTH).status_code == 404
+    assert httpx.get(f"{collector.url}/v1/runs/..%2Fx/commands", headers=AUTH).status_code in (400, 404)
 
 
 @pytest.mark.integration

@@ -27,7 +27,7 @@ from guard.core import schema
 from guard.runtime.exporter import Exporter, ExporterConfig
 from guard.store.layout import part_name
 from guard.store.reader import read_meta, read_table
-from tests.guard.test_collector import TOKEN, CollectorProc, batch, make_report, wait_steps
+from tests.guard.test_collector import AUTH, TOKEN, CollectorProc, batch, make_report, wait_steps
 
 G1, G2 = 1_700_000_000 << 32, 1_700_000_100 << 32  # exporter generations (seconds << 32)
 
@@ -118,9 +118,16 @@ def test_damaged_runs_are_quarantined_and_the_rest_serve(tmp_path: Path) -> None
         quarantined.add("late-meta-list")
         # the healthy run serves: new rows land, old rows are intact
         assert c.post(batch("good", 0, G1 | 3, [make_report(5)])).json()["duplicate"] is False
-        assert httpx.get(f"{c.url}/v1/runs/good/commands", params={"rank": 0}, timeout=10).status_code == 200
         assert (
-            httpx.get(f"{c.url}/v1/runs/meta-list/commands", params={"rank": 0}, timeout=10).status_code
+            httpx.get(
+                f"{c.url}/v1/runs/good/commands", params={"rank": 0}, headers=AUTH, timeout=10
+            ).status_code
+            == 200
+        )
+        assert (
+            httpx.get(
+                f"{c.url}/v1/runs/meta-list/commands", params={"rank": 0}, headers=AUTH, timeout=10
+            ).status_code
             == 503
         )
         assert c.metrics()[("moeguard_collector_quarantined_runs", ())] == len(quarantined)

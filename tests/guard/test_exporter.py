@@ -119,7 +119,10 @@ def test_commands_reach_poll_commands_once_and_are_acknowledged(tmp_path: Path) 
         assert exp.flush(10)
         time.sleep(0.3)
         assert exp.poll_commands() == []
-        assert httpx.get(f"{c.url}/v1/runs/cm/commands", params={"rank": 0}).json()["commands"] == []
+        assert (
+            httpx.get(f"{c.url}/v1/runs/cm/commands", params={"rank": 0}, headers=AUTH).json()["commands"]
+            == []
+        )
         exp.close(10)
     finally:
         c.stop()
