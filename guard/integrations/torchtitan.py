@@ -222,6 +222,14 @@ class OptimizersView:
     def step(self) -> None:
         self.container.step()
 
+    # The guard's update sampler (guard/runtime/precursor.py) hooks around step(): the container's
+    # own hooks, which run when its step() does.
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        return self.container.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        return self.container.register_step_post_hook(hook)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         # set_to_none=False under CUDA graphs: the captured backward writes into the same grads
         self.container.zero_grad(set_to_none=set_to_none and self.set_to_none)
