@@ -231,7 +231,7 @@ def path_traversal(work: Path) -> Row:
         ingest = [c.ingest(batch(rid, G1 | 1, [0])) for rid in RUN_IDS]
         urls = []
         for p in RAW_PATHS:
-            get = f"GET /v1/runs/{p}/commands?rank=0 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            get = f"GET /v1/runs/{p}/commands?rank=0 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n"
             urls.append(raw_request(c.port, get.encode(), iter(()))[0])
             body = b'{"action": "halt"}'
             post = _post_head(f"/v1/runs/{p}/commands", f"Content-Length: {len(body)}\r\nConnection: close")
