@@ -105,39 +105,30 @@ class CollapseDetector:
                         },
                     )
                 )
-        if st.maxvio_for >= cfg.maxvio_for:
-            out.append(
-                Verdict(
-                    detector=schema.DET_MAXVIO,
-                    fired=True,
-                    value=maxvio,
-                    threshold=cfg.maxvio,
-                    layer=lid,
-                    evidence={"for": st.maxvio_for},
+        # Sustained signals: (detector, value, threshold, steps past it so far, steps needed).
+        sustained = (
+            (schema.DET_MAXVIO, maxvio, cfg.maxvio, st.maxvio_for, cfg.maxvio_for),
+            (schema.DET_LOAD_ENTROPY, load_h, cfg.load_entropy_floor, st.load_entropy_for, cfg.entropy_for),
+            (
+                schema.DET_ROUTER_ENTROPY,
+                router_h,
+                cfg.router_entropy_floor,
+                st.router_entropy_for,
+                cfg.entropy_for,
+            ),
+        )
+        for detector, value, threshold, run, needed in sustained:
+            if run >= needed:
+                out.append(
+                    Verdict(
+                        detector=detector,
+                        fired=True,
+                        value=value,
+                        threshold=threshold,
+                        layer=lid,
+                        evidence={"for": run},
+                    )
                 )
-            )
-        if st.load_entropy_for >= cfg.entropy_for:
-            out.append(
-                Verdict(
-                    detector=schema.DET_LOAD_ENTROPY,
-                    fired=True,
-                    value=load_h,
-                    threshold=cfg.load_entropy_floor,
-                    layer=lid,
-                    evidence={"for": st.load_entropy_for},
-                )
-            )
-        if st.router_entropy_for >= cfg.entropy_for:
-            out.append(
-                Verdict(
-                    detector=schema.DET_ROUTER_ENTROPY,
-                    fired=True,
-                    value=router_h,
-                    threshold=cfg.router_entropy_floor,
-                    layer=lid,
-                    evidence={"for": st.router_entropy_for},
-                )
-            )
         return out
 
     def reset_layer(self, layer: int) -> None:
