@@ -25,7 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from guard.core import schema
 from tests.conftest import MICRO, REPO
-from tests.helpers_http import http_json, wait_http, wait_until
+from tests.guard.test_collector import CollectorProc
+from tests.helpers_http import http_json, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -60,46 +61,24 @@ def rank_value(m: dict[tuple[str, tuple], float], name: str, **labels: str) -> f
 def test_hung_step_is_stuck_within_the_learned_deadline_and_clears_when_it_moves(tmp_path: Path) -> None:
     env = {**os.environ, schema.ENV_TOKEN: TOKEN, "PYTHONUNBUFFERED": "1"}
     env.pop(schema.ENV_COLLECTOR, None)
-    port_file = tmp_path / "port"
-    clog, tlog = open(tmp_path / "collector.log", "wb"), open(tmp_path / "train.log", "wb")
-    collector = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "guard",
-            "collector",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            "--runs",
-            str(tmp_path / "collector-runs"),
-            "--checkpoint-interval",
-            "0.5",
-            "--heartbeat-floor",
-            str(HEARTBEAT_FLOOR_S),
-            "--progress-floor",
-            str(PROGRESS_FLOOR_S),
-            "--progress-first-deadline",
-            str(FIRST_DEADLINE_S),
-            "--log-level",
-            "warning",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=clog,
-        stderr=subprocess.STDOUT,
+    tlog = open(tmp_path / "train.log", "wb")
+    collector = CollectorProc(
+        tmp_path / "collector-runs",
+        "--checkpoint-interval",
+        "0.5",
+        "--heartbeat-floor",
+        str(HEARTBEAT_FLOOR_S),
+        "--progress-floor",
+        str(PROGRESS_FLOOR_S),
+        "--progress-first-deadline",
+        str(FIRST_DEADLINE_S),
+        token=TOKEN,
+        stderr=tmp_path / "collector.log",
     )
     trainer = None
     result: dict[str, float] = {}
     try:
-        port = wait_until(
-            lambda: port_file.is_file() and port_file.read_text().strip(),
-            timeout=60,
-            what="the collector's port file",
-        )
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/healthz", timeout=30)
+        url = collector.start().url
         trainer = subprocess.Popen(
             [
                 sys.executable,
@@ -192,9 +171,7 @@ def test_hung_step_is_stuck_within_the_learned_deadline_and_clears_when_it_moves
         if trainer is not None and trainer.poll() is None:
             trainer.kill()
             trainer.wait(10)
-        collector.terminate()
-        collector.wait(timeout=30)
-        clog.close()
+        collector.stop()
         tlog.close()
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         (ARTIFACTS / "result.json").write_text(json.dumps(result, indent=2))
