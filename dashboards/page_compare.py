@@ -46,7 +46,7 @@ for i in sel:
             "MFU p50 %": None if mfu_p50 is None else 100 * mfu_p50,
             "MFU peak": peak.short(),
             "device": env.get("device"),
-            "status": i.status,
+            "status": ui.status_cell(i.status),
             "steady steps": p.height,
             "profiler trace": trace.name if trace else None,
         }
@@ -57,6 +57,7 @@ st.dataframe(
     hide_index=True,
     column_config={
         "run": st.column_config.TextColumn(pinned=True),
+        "status": ui.status_column([i.status for i in sel]),
         "tokens/s p50": st.column_config.NumberColumn(format="localized", help="steady state (below)"),
         "MFU p50 %": st.column_config.NumberColumn(format="%.1f", help="steady state, of the peak beside it"),
         "MFU peak": st.column_config.TextColumn(help="the peak FLOP/s MFU divides by, and its source"),

@@ -38,6 +38,7 @@ env = info.env
 
 # ---- headline -------------------------------------------------------------------------
 ui.status_badge(info.status, help=f"last write {ui.age(info.updated_at)}")
+ui.show_status(info)
 peak = mfu_peak.run_peak(env)
 mfu = summ["mfu"]
 c = st.columns(6)
@@ -86,8 +87,11 @@ st.caption(
         if k in env
     )
 )
-if summ["halts"]:
-    st.error(f"Run `{run_id}` halted itself ({summ['halts']} halt event(s)); see the events table for why.")
+if summ["halts"] and info.status != schema.STATUS_HALTED:  # halted now: show_status said so
+    st.warning(
+        f"Run `{run_id}` halted itself before ({summ['halts']} halt event(s)) and was resumed; "
+        "see the events table for why."
+    )
 if info.compat == runs.COMPAT_OLDER:
     miss = reader.missing_columns(path, schema.TABLE_STEPS)
     if miss:

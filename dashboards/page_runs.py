@@ -43,7 +43,7 @@ for info in infos:
         {
             "run": info.run_id,
             "health": f"health?run={info.run_id}",
-            "status": info.status,
+            "status": ui.status_cell(info.status),
             "torch": env.get("torch"),
             "attention": env.get("attention_backend"),
             "expert kernel": env.get("expert_kernel"),
@@ -57,7 +57,7 @@ for info in infos:
             "verdicts": summ.get("verdicts"),
             "MFU peak": ((f"{note} · " if note else "") + peak.short()) if info.readable else "",
             "last update": ui.age(info.updated_at),
-            "note": info.note,
+            "note": "; ".join(n for n in (info.status_note, info.note) if n),
         }
     )
 df = pl.DataFrame(rows, infer_schema_length=None)
@@ -67,16 +67,16 @@ if not cfg.collector:
 if (df["note"].fill_null("") == "").all():
     df = df.drop("note")
 
-counts = {s: sum(1 for i in infos if i.status == s) for s in ui.STATUS_STYLE}
-cols = st.columns(len(counts))
-for c, (s, n) in zip(cols, counts.items(), strict=True):
-    c.metric(f"{ui.STATUS_STYLE[s][0]} {s}", n)
+# one badge per status present, with its count, in the table's colours
+st.markdown(ui.status_counts([i.status for i in infos]))
 
 st.dataframe(
     df,
     hide_index=True,
+    height=ui.table_height(df.height),  # every run on screen: a scrolled-away row is a run nobody sees
     column_config={
-        "run": st.column_config.TextColumn(pinned=True),
+        "run": st.column_config.TextColumn(pinned=True, width="medium"),
+        "status": ui.status_column([i.status for i in infos]),
         "health": st.column_config.LinkColumn("open", display_text="health", help="Open the run-health page"),
         "loss": st.column_config.NumberColumn(format="%.4f"),
         "tokens/s": st.column_config.NumberColumn(format="localized", help="median of the last 100 steps"),
@@ -91,7 +91,11 @@ st.dataframe(
             "the CLI summary and moeguard_guard_actions_total count the same)"
         ),
         "verdicts": st.column_config.NumberColumn(help="detector verdicts recorded in the events table"),
-        "note": st.column_config.TextColumn(width="medium", help="what the app cannot show of this run"),
+        "note": st.column_config.TextColumn(
+            width="medium",
+            help="what happened to the run, in the trainer's words (meta.json status_note), and what the app "
+            "cannot show of it",
+        ),
     },
 )
 st.caption(

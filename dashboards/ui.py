@@ -3,25 +3,70 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
 
 import streamlit as st
 
 from dashboards.data import config, runs
+from dashboards.data import status as run_status
 from guard.core import schema
-
-# status -> (material icon, badge colour). Plain words in tables: emoji fonts are not a given.
-STATUS_STYLE: dict[str, tuple[str, str]] = {
-    schema.STATUS_RUNNING: (":material/play_circle:", "blue"),
-    schema.STATUS_FINISHED: (":material/check_circle:", "green"),
-    schema.STATUS_HALTED: (":material/pan_tool:", "red"),
-    schema.STATUS_CRASHED: (":material/error:", "red"),
-    schema.STATUS_STALE: (":material/schedule:", "orange"),
-}
 
 
 def status_badge(status: str, help: str | None = None) -> None:
-    icon, color = STATUS_STYLE.get(status, (None, "gray"))
-    st.badge(status, icon=icon, color=color, help=help)  # type: ignore[arg-type]
+    s = run_status.style(status)
+    st.badge(s.label, icon=s.icon, color=s.color, help=help or s.meaning)  # type: ignore[arg-type]
+
+
+def status_cell(status: str) -> list[str]:
+    """A table cell for `status_column()`: the status as a one-pill list."""
+    return [status]
+
+
+def status_column(statuses: Iterable[str]) -> Any:
+    """A read-only table column that shows each status as a pill in its badge colour, in words
+    (plain words, not emoji: emoji fonts are not a given), wide enough for the longest; its
+    help says what each status means. `statuses`: those in the table."""
+    options = list(dict.fromkeys([*schema.RUN_STATUSES, *statuses]))
+    meanings = "\n".join(f"- **{run_status.label(s)}**: {run_status.style(s).meaning}" for s in options)
+    return st.column_config.MultiselectColumn(
+        "status",
+        options=options,
+        color=[run_status.style(s).color for s in options],
+        format_func=run_status.label,
+        width=150,
+        help="How the run ended, or that it still runs (the note says more):\n" + meanings,
+    )
+
+
+def status_counts(statuses: Iterable[str]) -> str:
+    """Markdown: one badge per status present ("4 finished"), in RUN_STATUSES order (unknown
+    ones last), coloured as in the tables."""
+    n = Counter(statuses)
+    order = [s for s in schema.RUN_STATUSES if n[s]] + sorted(set(n) - set(schema.RUN_STATUSES))
+    looks = {s: run_status.style(s) for s in order}
+    return " ".join(f":{looks[s].color}-badge[{looks[s].icon} {n[s]} {looks[s].label}]" for s in order)
+
+
+def table_height(rows: int, max_rows: int = 40) -> int:
+    """Pixels for a st.dataframe that shows `rows` rows (up to `max_rows`) without scrolling."""
+    return 38 + 35 * max(1, min(rows, max_rows))
+
+
+def show_status(info: runs.RunInfo) -> None:
+    """How the run ended, as loudly as it matters (nothing for running and finished without a
+    note): what the status means, and the run's own status_note."""
+    s = run_status.style(info.status)
+    note = info.status_note
+    if s.level == "none":
+        if note:
+            st.caption(f"Status note: {note}")
+        return
+    # the run's own note says it best (its words name the step and the checkpoint); the general
+    # meaning where it has none
+    text = f"**{s.label}**: {note or s.meaning}"
+    {"info": st.info, "warning": st.warning, "error": st.error}[s.level](text, icon=s.icon)
 
 
 def age(ts: float | None) -> str:

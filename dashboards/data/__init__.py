@@ -6,6 +6,7 @@ guard/store/reader.py (the one tolerant reader), the collector only through guar
 
   config.py        the app's settings (command line after `--`, else environment variables)
   runs.py          run discovery, status (stale), compatibility, the cache-key signature
+  status.py        each run status's words, badge colour and meaning (pure)
   shaping.py       downsampling and heatmap bucketing (pure)
   guard_events.py  guard events as chart marks, timeline rows and hover text (pure)
   mfu_peak.py      which peak a run's MFU divides by, and whether to trust it (pure)

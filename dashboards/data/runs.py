@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dashboards.data import status as run_status
 from guard.core import schema
 from guard.store import reader
 from guard.store.reader import list_runs, read_meta
@@ -59,8 +60,13 @@ class RunInfo:
         return self.tables.get(schema.TABLE_STEPS, False)
 
     @property
+    def status_note(self) -> str:
+        """What happened to the run, in the trainer's words (meta.json "status_note"; "" if none)."""
+        return run_status.status_note(self.meta)
+
+    @property
     def note(self) -> str:
-        """A few words for the runs table ("" when all is well)."""
+        """What the app cannot show of this run, in a few words ("" when all is well)."""
         if self.compat == COMPAT_UNREADABLE:
             return "meta.json unreadable"
         if self.compat == COMPAT_NEWER:

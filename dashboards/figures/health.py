@@ -48,6 +48,7 @@ def health_timeline(
         ),
     )
     gn_ticks = _add_lines(fig, series)
+    _add_nonfinite_steps(fig, series)
     _add_action_marks(fig, marks)
     _add_timeline(fig, timeline)
     fig.update_yaxes(title_text="loss (nats/token)", row=1, col=1)
@@ -97,6 +98,37 @@ def _add_lines(fig: go.Figure, series: dict[str, pl.DataFrame]) -> dict[str, Any
             col=1,
         )
     return gn_ticks
+
+
+NONFINITE_COLOR = "#b2182b"
+
+
+def _add_nonfinite_steps(fig: go.Figure, series: dict[str, pl.DataFrame]) -> None:
+    """A thin red tick pinned to the top of the loss and grad-norm panels at every step whose
+    value is NaN/Inf: those steps have no point on the line, so an unguarded run that went NaN
+    and trained on would otherwise look as if it had stopped there."""
+    for row, col, what in ((1, "loss", "loss"), (2, "grad_norm", "grad norm")):
+        if col not in series:
+            continue
+        x, y = series_xy(series[col], col)
+        bad = ~np.isfinite(y)
+        if not bad.any():
+            continue
+        top = float(np.nanmax(y)) if (~bad).any() else 1.0
+        fig.add_trace(
+            go.Scatter(
+                x=x[bad],
+                y=np.full(int(bad.sum()), top),
+                mode="markers",
+                name="non-finite step",
+                legendgroup="nonfinite",
+                showlegend=row == 1,
+                marker={"symbol": "line-ns", "size": 10, "line": {"width": 2, "color": NONFINITE_COLOR}},
+                hovertemplate=f"step %{{x}}<br>{what} non-finite (no point on the line)<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
 
 
 def _add_action_marks(fig: go.Figure, marks: pl.DataFrame) -> None:

@@ -156,6 +156,9 @@ class SynthRun:
     status: str = schema.STATUS_FINISHED
     halt_at: int | None = None  # a critical verdict at this step halts the run
     crash_at: int | None = None
+    stop_at: int | None = None  # the last step written (SIGTERM, Ctrl-C); the config still says `steps`
+    nonfinite_from: int | None = None  # loss and grad norm NaN from this step to the end (unguarded)
+    status_note: str = ""  # meta.json "status_note", as trainer/outcome.py words it
     mfu: float = 0.42
     peak_known: bool = True  # False: MFU is NaN (no peak for this device), throughput as usual
     seed: int = 0
@@ -386,12 +389,15 @@ def write_run(root: str | Path, spec: SynthRun) -> Path:
         s = _draw_step(spec, rng, step, walk)
         if (f := faults.get(step)) is not None:
             _inject(spec, f, s, walk)
-        halted, crashed = step == spec.halt_at, step == spec.crash_at
+        if spec.nonfinite_from is not None and step >= spec.nonfinite_from:
+            s.loss, s.gnorm = float("nan"), float("nan")
+            s.layer_gn[:] = float("nan")
+        halted, crashed, stopped = step == spec.halt_at, step == spec.crash_at, step == spec.stop_at
         if halted:
             _halt(s)
         if crashed:
             s.events.append(Event(step=step, time=s.time, kind=schema.EV_INJECT, detail={"kind": "crash"}))
-        if step % 100 == 0 and step:
+        if (step % 100 == 0 and step) or (stopped and spec.status == schema.STATUS_PREEMPTED):
             s.events.append(
                 Event(step=step, time=s.time, kind=schema.EV_CHECKPOINT, detail={"path": f"ckpt/{step}"})
             )
@@ -409,9 +415,10 @@ def write_run(root: str | Path, spec: SynthRun) -> Path:
         store.add_step(_report(spec, rng, s, walk, routing, moe_ids, tokens))
         for ev in s.events:
             store.add_event(ev)
-        if halted or crashed:
+        if halted or crashed or stopped:
             last = step
             break
     final_loss = float(s.loss) if s is not None and math.isfinite(s.loss) else None
-    store.close(status=spec.status, final_step=last, final_loss=final_loss)
+    note = {"status_note": spec.status_note} if spec.status_note else {}
+    store.close(status=spec.status, final_step=last, final_loss=final_loss, **note)
     return run_dir

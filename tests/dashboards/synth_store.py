@@ -2,7 +2,7 @@
 
 `make_store(root)` writes a small zoo of runs through the real writer (tests/dashboards/
 synth_run.py): a guarded run with injected faults, an unguarded twin, halted / crashed / live /
-stale runs, half-written runs and runs from older and newer schema versions.
+stale runs, runs that were preempted, interrupted or ended non-finite, half-written runs and runs from older and newer schema versions.
 `write_canary_history(path)` writes the JSONL `moeguard canary --history FILE` appends to.
 """
 
@@ -22,6 +22,7 @@ from guard.core import schema
 from guard.store.layout import atomic_write_json
 from guard.store.runstore import RunStore
 from tests.dashboards.synth_run import ENV_A, ENV_B, T0, SynthRun, default_faults, write_run
+from trainer import outcome
 
 # Run ids written by make_store(); tests refer to them by these names.
 GUARDED = "guarded-faults"
@@ -30,6 +31,9 @@ HALTED = "halted-nonfinite"
 CRASHED = "crashed-at-150"
 LIVE = "live-running"
 STALE = "stale-running"
+PREEMPTED = "preempted-at-212"
+INTERRUPTED = "interrupted-at-95"
+NONFINITE = "unguarded-nan-ended"
 META_ONLY = "half-meta-only"
 NO_LAYERS = "half-steps-only"
 OLD_SCHEMA = "schema-v0"
@@ -47,7 +51,8 @@ def make_store(root: str | Path) -> dict[str, Path]:
     """Write the synthetic run zoo under `root`; returns run_id -> folder."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    out = _whole_runs(root)
+    out = _ended_early_runs(root)  # first: the others are newer, so the app's default picks stay theirs
+    out.update(_whole_runs(root))
     out.update(_half_written_runs(root))
     out.update(_other_schema_runs(root))
     # a folder that is not a run at all (no meta.json): readers skip it
@@ -69,6 +74,9 @@ def _whole_runs(root: Path) -> dict[str, Path]:
             steps=400,
             halt_at=250,
             status=schema.STATUS_HALTED,
+            status_note=outcome.halted(
+                250, "3 non-finite steps in a row", Path("checkpoints/step-000000200")
+            ).note,
             faults=default_faults()[:2],
             seed=3,
         ),
@@ -81,6 +89,7 @@ def _whole_runs(root: Path) -> dict[str, Path]:
             crash_at=150,
             faults=default_faults()[:1],
             status=schema.STATUS_CRASHED,
+            status_note=outcome.crashed(150, RuntimeError("injected crash at step 150")).note,
             env=dict(ENV_B),
             mfu=0.30,
             seed=4,
@@ -104,6 +113,54 @@ def _whole_runs(root: Path) -> dict[str, Path]:
     )
     set_meta(out[STALE], updated_at=time.time() - 7200)
     _age_files(out[STALE], 7200)
+    return out
+
+
+def _ended_early_runs(root: Path) -> dict[str, Path]:
+    """The endings trainer/outcome.py writes besides finished, halted and crashed: SIGTERM,
+    Ctrl-C, and an unguarded run whose loss went NaN and stayed NaN to its last step. Their
+    status_note is the trainer's own words."""
+    out: dict[str, Path] = {}
+    ckpt = Path("checkpoints/step-000000212")
+    out[PREEMPTED] = write_run(
+        root,
+        SynthRun(
+            run_id=PREEMPTED,
+            steps=400,
+            stop_at=212,
+            faults=default_faults()[:2],
+            status=schema.STATUS_PREEMPTED,
+            status_note=outcome.preempted(212, ckpt).note,
+            seed=12,
+        ),
+    )
+    out[INTERRUPTED] = write_run(
+        root,
+        SynthRun(
+            run_id=INTERRUPTED,
+            steps=400,
+            stop_at=95,
+            faults=[],
+            status=schema.STATUS_INTERRUPTED,
+            status_note=outcome.interrupted(95, None).note,
+            env=dict(ENV_B),
+            mfu=0.31,
+            seed=13,
+        ),
+    )
+    out[NONFINITE] = write_run(
+        root,
+        SynthRun(
+            run_id=NONFINITE,
+            steps=400,
+            guarded=False,
+            faults=default_faults()[:1],
+            nonfinite_from=260,
+            status=schema.STATUS_FINISHED_NONFINITE,
+            status_note=outcome.nonfinite(260, 140).note,
+            seed=14,
+        ),
+    )
     return out
 
 

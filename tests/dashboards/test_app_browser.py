@@ -25,7 +25,7 @@ from guard.core import schema
 from guard.core.report import StepReport
 from guard.store.runstore import RunStore
 from tests.dashboards.synth_run import SynthRun, write_run
-from tests.dashboards.synth_store import CRASHED, GUARDED, STALE, UNGUARDED
+from tests.dashboards.synth_store import CRASHED, GUARDED, NONFINITE, PREEMPTED, STALE, UNGUARDED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -132,6 +132,8 @@ def test_pages_render_in_chromium(store: Path, history: Path, tmp_path: Path) ->
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         for name, path, min_charts in (
             ("health", f"/health?run={GUARDED}", 10),
+            ("health-nonfinite", f"/health?run={NONFINITE}", 8),
+            ("health-preempted", f"/health?run={PREEMPTED}", 8),
             ("runs", "/", 0),  # the default page lives at /
             ("compare", f"/compare?runs={GUARDED}&runs={UNGUARDED}&runs={STALE}&runs={CRASHED}", 2),
             ("canaries", "/canaries", 1),
@@ -156,6 +158,12 @@ def test_pages_render_in_chromium(store: Path, history: Path, tmp_path: Path) ->
     ):
         assert text in health["text"], text
     assert "finished" in results["runs"]["text"] and "stale" in results["runs"]["text"]
+    for status in ("preempted", "interrupted", "finished, non-finite"):  # the counts above the table
+        assert status in results["runs"]["text"], status
+    nonfinite = results["health-nonfinite"]["text"]
+    assert "finished, non-finite" in nonfinite and "the weights are not usable" in nonfinite
+    assert "non-finite from step 260" in nonfinite
+    assert "SIGTERM" in results["health-preempted"]["text"]
     assert "Canary MFU history" in results["canaries"]["text"]
 
 

@@ -29,6 +29,7 @@ from dashboards.data import (
     runs,
     shaping,
 )
+from dashboards.data import status as run_status
 from guard.cli import main as cli_main
 from guard.core import schema
 from guard.store import reader
@@ -99,6 +100,42 @@ def test_run_info_status_and_compat(store: Path) -> None:
     assert not infos[synth.META_ONLY].has_steps and "meta.json only" in infos[synth.META_ONLY].note
     assert infos[synth.NO_LAYERS].note == "no layers/experts table"
     assert infos[synth.GUARDED].problem() is None
+
+
+def test_every_status_has_its_own_look_and_only_finished_is_green() -> None:
+    looks = {s: run_status.style(s) for s in schema.RUN_STATUSES}
+    assert len({lk.label for lk in looks.values()}) == len(looks), "each status in its own words"
+    assert [s for s, lk in looks.items() if lk.color == "green"] == [schema.STATUS_FINISHED]
+    nonfinite = looks[schema.STATUS_FINISHED_NONFINITE]
+    assert nonfinite.color == "red" and nonfinite.level == "error" and "non-finite" in nonfinite.label
+    assert "not usable" in nonfinite.meaning
+    assert (
+        looks[schema.STATUS_PREEMPTED].level == "info"
+        and "--resume" in looks[schema.STATUS_PREEMPTED].meaning
+    )
+    assert looks[schema.STATUS_INTERRUPTED].level == "warning"
+    assert {looks[s].level for s in (schema.STATUS_RUNNING, schema.STATUS_FINISHED)} == {"none"}
+    unknown = run_status.style("paused")  # a newer writer's status: shown as it is, in grey
+    assert (unknown.label, unknown.color) == ("paused", "gray")
+
+
+def test_run_info_carries_the_trainers_status_note(store: Path) -> None:
+    infos = {i.run_id: i for i in runs.discover(store)}
+    pre, intr, nan = infos[synth.PREEMPTED], infos[synth.INTERRUPTED], infos[synth.NONFINITE]
+    assert (pre.status, intr.status, nan.status) == (
+        schema.STATUS_PREEMPTED,
+        schema.STATUS_INTERRUPTED,
+        schema.STATUS_FINISHED_NONFINITE,
+    )
+    assert "SIGTERM" in pre.status_note and "step-000000212" in pre.status_note
+    assert "Ctrl-C" in intr.status_note and "none yet" in intr.status_note
+    assert "non-finite from step 260" in nan.status_note
+    assert infos[synth.GUARDED].status_note == "" and run_status.status_note({"status_note": 3}) == ""
+    # the run store agrees with its status: the preempted run stopped at its checkpoint's step,
+    # the non-finite one ran to its last step with NaN losses from step 260 on
+    assert loaders.load_summary(pre.path, runs.run_signature(pre.path))["step"] == 212
+    steps = reader.read_table(nan.path, schema.TABLE_STEPS)
+    assert steps["step"].max() == 399 and steps.filter(pl.col("step") >= 260)["loss"].is_nan().all()
 
 
 def test_signature_moves_when_a_part_lands(tmp_path: Path) -> None:

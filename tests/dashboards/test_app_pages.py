@@ -6,6 +6,7 @@ What the user must see is asserted on what the browser would receive: the plotly
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -21,6 +22,42 @@ HEALTH_TITLE = "Loss and grad norm with guard verdicts and actions"
 
 def no_exception(at) -> None:
     assert not at.exception, [e.value for e in at.exception]
+
+
+def statuses(df) -> dict[str, str]:
+    """run -> status, from the runs table's status pills (a one-item list per row)."""
+    out = {}
+    for run, pills in zip(df["run"], df["status"], strict=True):
+        assert len(pills) == 1, (run, pills)
+        out[run] = pills[0]
+    return out
+
+
+def test_runs_page_says_how_each_run_ended(store: Path, open_page) -> None:
+    """preempted / interrupted / finished_nonfinite have their own pill colour and words, a count
+    each, and the trainer's status_note in the note column; a NaN-ended run is never green."""
+    at = open_page("runs", store)
+    no_exception(at)
+    df = at.dataframe[0].value
+    note = dict(zip(df["run"], df["note"], strict=True))
+    assert "SIGTERM" in note[synth.PREEMPTED] and "--resume" in note[synth.PREEMPTED]
+    assert "Ctrl-C" in note[synth.INTERRUPTED]
+    assert "non-finite from step 260" in note[synth.NONFINITE] and "not usable" in note[synth.NONFINITE]
+    assert "halted at step 250" in note[synth.HALTED] and "RuntimeError" in note[synth.CRASHED]
+    assert note[synth.GUARDED] == "" and "meta.json only" in note[synth.META_ONLY]
+    opts = json.loads(at.dataframe[0].proto.columns)["status"]["type_config"]["options"]
+    colors = {o["value"]: o["color"] for o in opts}
+    assert colors[schema.STATUS_FINISHED] == "green"
+    assert colors[schema.STATUS_FINISHED_NONFINITE] == "red"
+    assert colors[schema.STATUS_PREEMPTED] != colors[schema.STATUS_INTERRUPTED]
+    assert {o["value"]: o["label"] for o in opts}[schema.STATUS_FINISHED_NONFINITE] == "finished, non-finite"
+    # one badge per status above the table, with its count, in the same colours
+    badges = " ".join(m.value for m in at.markdown if "-badge[" in m.value)
+    assert ":red-badge[:material/dangerous: 1 finished, non-finite]" in badges
+    assert ":violet-badge[:material/pause_circle: 1 preempted]" in badges
+    assert ":orange-badge[:material/cancel: 1 interrupted]" in badges
+    n_finished = sum(1 for v in statuses(df).values() if v == schema.STATUS_FINISHED)
+    assert f":green-badge[:material/check_circle: {n_finished} finished]" in badges
 
 
 # ---- runs -----------------------------------------------------------------------------
@@ -39,13 +76,19 @@ def test_runs_page_lists_every_run_with_status(store: Path, open_page) -> None:
         synth.NO_LAYERS,
         synth.OLD_SCHEMA,
         synth.NEW_SCHEMA,
+        synth.PREEMPTED,
+        synth.INTERRUPTED,
+        synth.NONFINITE,
     }
-    status = dict(zip(df["run"], df["status"], strict=True))
-    assert status[synth.GUARDED] == "finished"
-    assert status[synth.HALTED] == "halted"
-    assert status[synth.CRASHED] == "crashed"
-    assert status[synth.LIVE] == "running"
-    assert status[synth.STALE] == "stale"
+    status = statuses(df)
+    assert status[synth.GUARDED] == schema.STATUS_FINISHED
+    assert status[synth.HALTED] == schema.STATUS_HALTED
+    assert status[synth.CRASHED] == schema.STATUS_CRASHED
+    assert status[synth.LIVE] == schema.STATUS_RUNNING
+    assert status[synth.STALE] == schema.STATUS_STALE
+    assert status[synth.PREEMPTED] == schema.STATUS_PREEMPTED
+    assert status[synth.INTERRUPTED] == schema.STATUS_INTERRUPTED
+    assert status[synth.NONFINITE] == schema.STATUS_FINISHED_NONFINITE
     row = df[df["run"] == synth.GUARDED].iloc[0]
     assert row["step"] == 599 and row["guard actions"] == 8 and row["verdicts"] == 7
     assert 35 < row["MFU %"] < 50 and row["tokens/s"] > 0
@@ -62,10 +105,45 @@ def test_runs_page_stale_threshold_is_a_sidebar_setting(store: Path, open_page) 
     at.sidebar.number_input(key="stale_after_s").set_value(100_000).run()
     no_exception(at)
     df = at.dataframe[0].value
-    assert dict(zip(df["run"], df["status"], strict=True))[synth.STALE] == "running"
+    assert statuses(df)[synth.STALE] == schema.STATUS_RUNNING
 
 
 # ---- run health -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("run", "level", "color", "words"),
+    [
+        (synth.NONFINITE, "error", "red", ["finished, non-finite", "not usable", "non-finite from step 260"]),
+        (synth.PREEMPTED, "info", "violet", ["preempted", "SIGTERM", "step-000000212", "--resume"]),
+        (synth.INTERRUPTED, "warning", "orange", ["interrupted", "Ctrl-C", "none yet"]),
+        (synth.HALTED, "error", "red", ["halted", "halted at step 250", "3 non-finite steps in a row"]),
+        (synth.CRASHED, "error", "red", ["crashed", "RuntimeError: injected crash at step 150"]),
+    ],
+)
+def test_health_says_how_the_run_ended(
+    store: Path, open_page, run: str, level: str, color: str, words: list[str]
+) -> None:
+    at = open_page("health", store, run=run)
+    no_exception(at)
+    said = [e.value for e in getattr(at, level)]
+    assert any(all(w in m for w in words) for m in said), said
+    badges = [m.value for m in at.markdown if "-badge[" in m.value]
+    assert badges and badges[0].startswith(f":{color}-badge["), badges
+    if run == synth.NONFINITE:  # never green, never a success
+        assert not at.success and not any(":green-badge[" in b for b in badges)
+        assert at.metric[1].value == "non-finite"  # the loss headline
+        # the NaN steps have no point on the lines: a tick pinned to the top of each panel says
+        # where they are, so the run does not look as if it stopped at step 260
+        nf = traces(chart_titled(at, HEALTH_TITLE), "non-finite step")
+        assert len(nf) == 2 and all(set(t["x"]) == set(range(260, 400)) for t in nf)
+
+
+def test_health_of_a_finished_run_says_nothing_extra(store: Path, open_page) -> None:
+    at = open_page("health", store, run=synth.GUARDED)
+    no_exception(at)
+    assert not at.error and not at.warning
+    assert [m.value for m in at.markdown if "-badge[" in m.value][0].startswith(":green-badge[")
+
+
 def test_health_marks_every_guard_action_with_its_evidence(store: Path, open_page) -> None:
     at = open_page("health", store, run=synth.GUARDED)
     no_exception(at)
@@ -164,7 +242,8 @@ def test_health_unguarded_run_has_verdicts_but_no_actions(store: Path, open_page
 def test_health_halted_run_says_so(store: Path, open_page) -> None:
     at = open_page("health", store, run=synth.HALTED)
     no_exception(at)
-    assert any("halted itself" in e.value for e in at.error)
+    errors = [e.value for e in at.error]
+    assert len(errors) == 1 and "halted at step 250" in errors[0], "said once, with the trainer's note"
     fig = chart_titled(at, HEALTH_TITLE)
     assert traces(fig, "action: halt")[0]["x"] == [250]
     assert traces(fig, "event: halt")
@@ -362,4 +441,4 @@ def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) ->
     runs_page = open_page("runs", runs)
     no_exception(runs_page)
     row = runs_page.dataframe[0].value.iloc[0]
-    assert row["status"] == "finished" and row["step"] == 44 and row["guard actions"] == 1
+    assert list(row["status"]) == [schema.STATUS_FINISHED] and row["step"] == 44 and row["guard actions"] == 1
