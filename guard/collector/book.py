@@ -130,6 +130,10 @@ class HealthBook:
                 r.heartbeats.ranks.pop(rank, None)
             r.progress.end(rank)
 
+    def load_counter_state(self, run: str, st: Mapping[str, Any]) -> None:
+        """Restore `counter_state()` (replacing the run's counters); ValueError/TypeError if damaged."""
+        self._update(run, lambda r: r.load_counter_state(st))
+
     def load_liveness_state(self, run: str, st: dict[str, Any]) -> None:
         """Restore `liveness_state()` (after the ranks' beats); ValueError/TypeError/KeyError if damaged."""
         with self._lock:
@@ -157,10 +161,12 @@ class HealthBook:
         beats: Mapping[int, list[Any]],
         stored_step: int | None,
         liveness: Mapping[str, Any] | None = None,
+        counters: Mapping[str, Any] | None = None,
     ) -> bool:
         """A run read at start-up from its meta.json and state.json only (no Parquet scan): the
-        halt latch from meta's status, heartbeats as last committed. False if the run already has
-        a record (it was loaded in full first). The full restore happens on its first request."""
+        halt latch from meta's status, heartbeats and counters as last committed. False if the
+        run already has a record (it was loaded in full first). The full restore happens on its
+        first request."""
         with self._lock:
             if run in self._runs:
                 return False
@@ -176,6 +182,11 @@ class HealthBook:
                     self.load_liveness_state(run, dict(liveness))
                 except (KeyError, TypeError, ValueError, AttributeError):
                     pass  # learned again from the next beats (the full load logs it)
+            if counters:
+                try:
+                    r.load_counter_state(counters)
+                except (TypeError, ValueError, AttributeError):
+                    pass  # the full load logs it
             return True
 
     def mark_complete(self, run: str) -> None:
@@ -213,6 +224,10 @@ class HealthBook:
             },
             {},
         )
+
+    def counter_state(self, run: str) -> dict[str, Any]:
+        """The run's counters as state.json keeps them (RunHealth.counter_state)."""
+        return self._read(run, lambda r: r.counter_state(), {})
 
     def liveness_state(self, run: str) -> dict[str, Any]:
         """What heartbeats learned beyond `beats()`: progress deadlines and quiet-phase intervals."""

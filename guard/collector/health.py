@@ -236,6 +236,27 @@ class RunHealth:
         if meta.get("status") == schema.STATUS_HALTED:
             self.halted = True
 
+    def counter_state(self) -> dict[str, Any]:
+        """The counters a collector restart must not reset (state.json "counters"). Each comes
+        from rank 0's reports and the events, which are in the write-ahead log, so the record a
+        checkpoint commits plus the log replayed after it count every batch exactly once."""
+        return {
+            "actions": dict(self.actions),
+            "verdicts": dict(self.verdicts),
+            "hw_faults": dict(self.hw_faults),
+            "tokens": self.tokens_total,
+            "nonfinite": self.nonfinite_total,
+        }
+
+    def load_counter_state(self, st: Mapping[str, Any]) -> None:
+        """Replace the counters with `counter_state()`'s record (keys it lacks count from 0);
+        ValueError/TypeError/AttributeError when it is damaged, leaving them as they were."""
+        actions, verdicts, hw = (_counts(st.get(k, {})) for k in ("actions", "verdicts", "hw_faults"))
+        tokens, nonfinite = _count(st.get("tokens", 0)), _count(st.get("nonfinite", 0))
+        self.actions = Counter({**guard_actions.zero(), **actions})
+        self.verdicts, self.hw_faults = Counter(verdicts), Counter(hw)
+        self.tokens_total, self.nonfinite_total = tokens, nonfinite
+
     def compact(self, stored_step: int | None) -> None:
         """Keep what alerts and /v1/runs need, drop the per-layer and per-rank arrays."""
         if self.last is not None:
@@ -315,6 +336,18 @@ class RunHealth:
         elif self.first_time is not None and self.last_time is not None and self.last_time > self.first_time:
             out[schema.M_GOODPUT] = min(1.0, self.productive_s / (self.last_time - self.first_time))
         return out
+
+
+def _count(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"expected a count (an integer >= 0), got {str(v)[:40]!r}")
+    return v
+
+
+def _counts(d: Any) -> dict[str, int]:
+    if not isinstance(d, Mapping):
+        raise TypeError(f"expected counts by name, got {type(d).__name__}")
+    return {str(k): _count(v) for k, v in d.items()}
 
 
 def rerun_ranks(ev: Mapping[str, Any]) -> list[str]:

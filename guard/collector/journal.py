@@ -23,6 +23,7 @@ from typing import Any
 from guard.collector.book import HealthBook
 from guard.collector.config import STATE_DIR, STATE_FILE, SUPERSEDED_DIR
 from guard.collector.storage import (
+    COUNTERS_KEY,
     StoredState,
     check_run_layout,
     commit_state,
@@ -30,6 +31,7 @@ from guard.collector.storage import (
     load_json,
     parse_state,
     remove_uncommitted_parts,
+    stored_counters,
     supersede,
     write_rows,
 )
@@ -72,17 +74,20 @@ class RunJournal:
         self.segment_done = 0  # the last log segment whose batches are in parts
         self.next_part = 0  # the next part number a checkpoint writes
 
-    def load(self) -> tuple[StoredState, Any]:
-        """state.json, checked, and its liveness record (checked by its reader); a run's first
-        load commits an empty one over whatever is already in the folder (the parts present,
-        the last step stored)."""
+    def load(self) -> tuple[StoredState, Any, Any]:
+        """state.json, checked, its liveness record and its counters (both checked by their
+        readers); a run's first load commits an empty one over whatever is already in the
+        folder (the parts present, the last step stored, the counters of what they hold)."""
         st = load_json(self.state_dir / STATE_FILE, None)
         if st is None:
             st = initial_state(self.dir, next_part_seq(self.dir), scan_last_step(self.dir))
-            commit_state(self.state_dir, st)
         p = parse_state(st)
+        if COUNTERS_KEY not in st:  # first load, or a state from before counters were kept
+            remove_uncommitted_parts(self.run, self.dir, p.next_part)  # counted: committed rows only
+            st[COUNTERS_KEY] = stored_counters(self.dir)
+            commit_state(self.state_dir, st)
         self.segment_done, self.next_part = p.segment_done, p.next_part
-        return p, st.get("liveness", {})
+        return p, st.get("liveness", {}), st[COUNTERS_KEY]
 
     def replay(self, apply: Callable[[Batch, float], None]) -> None:
         """After `load`: drop what an uncommitted checkpoint left, then hand every batch logged
@@ -154,6 +159,22 @@ def liveness_state(health: HealthBook, run: str) -> dict[str, Any]:
         "ranks": {str(r): v for r, v in health.beats(run).items()},
         "liveness": health.liveness_state(run),
     }
+
+
+def counter_state(health: HealthBook, run: str) -> dict[str, Any]:
+    """The run's counters as state.json keeps them (guard actions, verdicts, ...): what the
+    checkpoint covers, so a restart that replays the log after it counts nothing twice."""
+    return {COUNTERS_KEY: health.counter_state(run)}
+
+
+def restore_counters(health: HealthBook, run: str, counters: Any) -> None:
+    """Put `counter_state`'s record back into the book, replacing the run's counters (before the
+    log is replayed onto them); a damaged record is logged and the counters start from 0."""
+    try:
+        health.load_counter_state(run, counters)
+    except (TypeError, ValueError, AttributeError) as e:
+        log.warning("run %s: %s counters not restored (%s: %s)", run, STATE_FILE, type(e).__name__, e)
+        health.load_counter_state(run, {})
 
 
 def restore_liveness(health: HealthBook, run: str, stored: StoredState, liveness: Any) -> None:

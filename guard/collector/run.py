@@ -21,7 +21,14 @@ from guard.collector.config import COMMANDS_FILE, CollectorConfig
 from guard.collector.errors import RunEvicted, StorageFailed
 from guard.collector.generations import CONFLICT, DUPLICATE, NEW, WriterGenerations
 from guard.collector.health import is_halt
-from guard.collector.journal import Checkpoint, RunJournal, liveness_state, restore_liveness
+from guard.collector.journal import (
+    Checkpoint,
+    RunJournal,
+    counter_state,
+    liveness_state,
+    restore_counters,
+    restore_liveness,
+)
 from guard.collector.run_meta import RunMeta
 from guard.collector.status import ENDED, resume_event
 from guard.collector.storage import StoredState, load_commands
@@ -76,9 +83,10 @@ class RunState:
 
     # ---- recovery (journal.py: state.json, then the log after it) ----------------
     def _recover(self) -> None:
-        stored, liveness = self.journal.load()
+        stored, liveness, counters = self.journal.load()
         self._restore(stored)
         restore_liveness(self.health, self.run, stored, liveness)
+        restore_counters(self.health, self.run, counters)  # replaces: replay then adds the log's batches
         self.journal.replay(lambda batch, now: self._ingest(batch, None, now, replay=True))
         self.checkpoint()
 
@@ -325,6 +333,7 @@ class RunState:
                 "trainer_detectors": self.trainer_detectors,
                 "report_gen": self.report_gen,
                 **liveness_state(self.health, self.run),
+                **counter_state(self.health, self.run),
             },
         )
         self.pending_reports, self.pending_events, self.dirty = [], [], False

@@ -45,6 +45,12 @@ Idempotence: a batch whose seq is <= the high-water mark of its (run, rank) answ
 200 {"duplicate": true} and stores nothing. The marks are in the write-ahead log and in
 runs/<run>/.collector/state.json, so a restarted collector still dedupes.
 
+Counters (guard actions, verdicts, suspected hardware faults, tokens, non-finite steps) are
+in state.json too, as of each checkpoint, and the log replayed after it adds its batches once:
+a restart neither resets them nor counts anything twice. A state.json without them (a folder
+taken over, or written by an older collector) gets guard actions and verdicts counted from the
+run store at start-up.
+
 Durability: rank 0's reports, and every batch's events, meta and command acks, are appended to
 a per-run write-ahead log (runs/<run>/.collector/wal-*.log, fdatasync'd) before the 200. Every
 --checkpoint-interval seconds the pending rows go to Parquet parts in the run store's own format

@@ -72,7 +72,12 @@ def _load_one(collector: Collector, run: str) -> None:
     with collector.runs_lock:
         if run not in collector.runs and run not in collector.quarantined:
             collector.health.cold_load(
-                run, meta=cold.meta, beats=cold.beats, stored_step=cold.last_step, liveness=cold.liveness
+                run,
+                meta=cold.meta,
+                beats=cold.beats,
+                stored_step=cold.last_step,
+                liveness=cold.liveness,
+                counters=cold.counters,
             )
 
 

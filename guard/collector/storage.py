@@ -25,11 +25,12 @@ from guard.core import schema
 from guard.core.heartbeat import PHASES
 from guard.core.report import StepReport
 from guard.store.layout import atomic_write_bytes, fsync_dir, parse_part_name, part_files
-from guard.store.reader import read_meta, scan_table
+from guard.store.reader import count_actions, read_meta, scan_table
 from guard.store.writer import event_frame, report_frames, truncate_after, write_parts
 from guard.wire.batch import generation_of
 
 log = logging.getLogger("moeguard.collector")
+COUNTERS_KEY = "counters"  # state.json: the run's counters as of the checkpoint (RunHealth.counter_state)
 
 
 def write_rows(run_dir: Path, reports: list[StepReport], events: list[dict[str, Any]], seq: int) -> int:
@@ -159,18 +160,22 @@ class ColdRun:
     beats: dict[int, list[Any]]  # rank -> [last seen, last sent, step, phase]
     last_step: int
     liveness: dict[str, Any] = field(default_factory=dict)  # learned deadlines (HealthBook.liveness_state)
+    counters: dict[str, Any] = field(default_factory=dict)  # RunHealth.counter_state ({}: not kept yet)
 
 
 def scan_run(run_dir: Path) -> ColdRun | None:
     """Read a run for the start-up scan: None when it must be loaded in full now (log records
-    not yet checkpointed, or no state yet); RunDamaged for what loading would quarantine. The
-    same checks as a full load, minus the Parquet scans and the log replay."""
+    not yet checkpointed, no state yet, or a state without counters); RunDamaged for what
+    loading would quarantine. The same checks as a full load, minus the Parquet scans and the
+    log replay."""
     check_run_layout(run_dir)
     state_dir = run_dir / STATE_DIR
     st = load_json(state_dir / STATE_FILE, None)
     if st is None:
         return None
     p = parse_state(st)
+    if COUNTERS_KEY not in st:
+        return None  # its counters are counted from the run store once (RunJournal.load)
     load_commands(state_dir / COMMANDS_FILE)
     with os.scandir(state_dir) as it:
         for e in it:
@@ -178,13 +183,28 @@ def scan_run(run_dir: Path) -> ColdRun | None:
             if m is not None and int(m.group(1)) > p.segment_done and e.stat().st_size > 0:
                 return None  # batches to replay
     beats = {rank: [seen, sent, step, phase] for rank, seen, sent, step, phase in p.ranks}
-    liveness = st.get("liveness")
+    liveness, counters = st.get("liveness"), st.get(COUNTERS_KEY)
     return ColdRun(
         meta=read_meta(run_dir),
         beats=beats,
         last_step=p.last_step,
         liveness=liveness if isinstance(liveness, dict) else {},
+        counters=counters if isinstance(counters, dict) else {},
     )
+
+
+def stored_counters(run_dir: Path) -> dict[str, Any]:
+    """The counters of a run whose state.json has none (a folder taken over, or a state written
+    before they were kept), from what its run store holds: guard actions (the one definition,
+    reader.count_actions) and verdicts by detector. The others count from 0 again."""
+    verdicts = (
+        scan_table(run_dir, schema.TABLE_EVENTS)
+        .filter(pl.col("kind") == schema.EV_VERDICT)
+        .group_by(pl.col("detector").fill_null("").replace("", "unknown"))
+        .len()
+        .collect()
+    )
+    return {"actions": count_actions(run_dir), "verdicts": {str(d): int(n) for d, n in verdicts.iter_rows()}}
 
 
 def _nonneg(v: Any) -> int:
