@@ -113,19 +113,27 @@ events = loaders.load_events(path, sig)
 st.subheader("Precursors")
 pre_series = loaders.load_step_series(path, sig, ("update_ratio", "adam_v_ratio"))
 groups = loaders.load_group_series(path, sig, "grad_norm") if info.tables.get(schema.TABLE_GROUPS) else {}
-if not pre_series["update_ratio"]["update_ratio"].is_finite().any() and not groups:
+logits = loaders.load_max_logits(path, sig) if info.tables.get(schema.TABLE_LAYERS) else {}
+if not pre_series["update_ratio"]["update_ratio"].is_finite().any() and not groups and not logits:
     st.info(
         "No precursor signals in this run: it was written before they existed, its loop gave the "
         "probe no optimizer, or `[guard.precursor] enabled = false`."
     )
 else:
-    st.plotly_chart(precursor_figure(pre_series, groups, events), key="precursors")
+    st.plotly_chart(precursor_figure(pre_series, groups, events, logits), key="precursors")
     n_pre = events.filter(
-        (pl.col("kind") == schema.EV_VERDICT) & (pl.col("detector") == schema.DET_UPDATE_RATIO)
+        (pl.col("kind") == schema.EV_VERDICT) & pl.col("detector").is_in(schema.PRECURSOR_DETECTORS)
     ).height
+    logit_note = (
+        " Max attention logit: max over heads and causal pairs of q·k/√d, on the steps it was sampled "
+        "(every `max_logit_every`-th, over the first `max_logit_seqs` sequences of each micro-batch); above τ = 100 Kimi K2's "
+        "QK-clip would have shrunk that head's W_q, W_k."
+        if logits
+        else ""
+    )
     st.caption(
         "Update ratio at step t: ||W_t − W_t−1|| / ||W_t−1||, the update that produced the weights step t "
-        "computed its loss on (from a fixed 1-in-61 sample of the weights). A precursor verdict "
+        f"computed its loss on (from a fixed 1-in-61 sample of the weights).{logit_note} A precursor verdict "
         f"({n_pre} in this run) is a warning: recorded, never acted on unless `[guard.precursor] act = true`."
     )
 

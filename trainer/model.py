@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from guard.core.tomlconf import check, check_choice
+from guard.runtime.attention_logits import LogitWatch
 from trainer.kernels import (
     ATTENTION_CHOICES,
     EXPERTS_KERNELS,
@@ -159,6 +160,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.sdpa_backend: SDPBackend | None = None  # None = let SDPA choose ("auto")
+        # the guard's max-logit sampler arms it on every k-th step; else one bool test per forward
+        self.logit_watch = LogitWatch()
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
@@ -166,6 +169,8 @@ class Attention(nn.Module):
         k_BHTK = self.wk(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         v_BHTK = self.wv(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         q_BHTK, k_BHTK = self.rope(q_BHTK), self.rope(k_BHTK)
+        if self.logit_watch.armed:  # the logits SDPA is about to use (causal, 1/sqrt(K))
+            self.logit_watch.observe(q_BHTK, k_BHTK)
         if self.sdpa_backend is None:
             o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, is_causal=True)
         else:

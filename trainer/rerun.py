@@ -58,7 +58,16 @@ from trainer.train_module import TrainModule
 
 # Precursor fields measured from the previous update, not from this step's gradients: the
 # recompute cannot measure them again (the sampler hands its sums out once), so it carries them.
-_CARRIED_PRECURSORS = ("update_ratio", "update_ratio_L", "group_update_ratio_G", "adam_v_ratio")
+# The max attention logit is this step's, but sampled on every k-th collect only: the recompute's
+# collect is off-sample (or shifted), so the first pass's sample is kept too.
+_CARRIED_PRECURSORS = (
+    "update_ratio",
+    "update_ratio_L",
+    "group_update_ratio_G",
+    "adam_v_ratio",
+    "max_logit",
+    "max_logit_L",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,6 +84,7 @@ _STEP_COLS = [
     "action",
     "update_ratio",
     "adam_v_ratio",
+    "max_logit",
 ]
 
 
@@ -134,6 +135,30 @@ def load_group_series(
         int(g): downsample(df.filter(pl.col("group") == g), column, max_points=max_points)
         for g in sorted(df["group"].unique().to_list())
     }
+
+
+MAX_OVER_LAYERS = -1  # load_max_logits' key of the max over layers
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def load_max_logits(
+    path: str, sig: tuple[int, ...], max_points: int = MAX_LINE_POINTS
+) -> dict[int, pl.DataFrame]:
+    """layer -> downsampled (step, max_logit) rows of the `layers` table at the steps it was
+    sampled (every guard.precursor.max_logit_every-th; the NaN rows between are dropped, not drawn
+    as gaps), and MAX_OVER_LAYERS -> the max over layers. Empty when the run never sampled it."""
+    del sig
+    df = (
+        reader.scan_table(path, schema.TABLE_LAYERS, cached=True)
+        .select("step", "layer", "max_logit")
+        .filter(pl.col("max_logit").is_finite())
+        .collect()
+    )
+    if not df.height:
+        return {}
+    out = {MAX_OVER_LAYERS: df.group_by("step").agg(pl.col("max_logit").max())}
+    out.update({int(g): df.filter(pl.col("layer") == g) for g in sorted(df["layer"].unique().to_list())})
+    return {k: downsample(v, "max_logit", max_points=max_points) for k, v in out.items()}
 
 
 @st.cache_data(max_entries=64, show_spinner=False)

@@ -15,14 +15,22 @@ from guard.core import schema
 PRECURSOR_COLOR = "#e377c2"
 GROUP_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#17becf"]
 MAX_SPIKE_LINES = 50  # dotted lines at the first loss-spike episodes, not a wall of them
+LAYER_COLORS = ["#17becf", "#bcbd22", "#8c564b", "#7f7f7f", "#9467bd", "#d62728"]  # not the groups'
+MAX_LOGIT_LAYER_LINES = 16  # per-layer max-logit lines drawn beside the max over layers
+QK_CLIP_TAU = 100.0  # Kimi K2's QK-clip threshold, the detector's absolute line (PrecursorConfig)
 
 
 def precursor_figure(
-    series: dict[str, pl.DataFrame], groups: dict[int, pl.DataFrame], events: pl.DataFrame
+    series: dict[str, pl.DataFrame],
+    groups: dict[int, pl.DataFrame],
+    events: pl.DataFrame,
+    logits: dict[int, pl.DataFrame] | None = None,
 ) -> go.Figure:
     """The precursor signals on a shared step axis: the update ratio ||ΔW|| / ||W|| (log) with
     every precursor verdict and, as dotted lines, the loss spikes they may precede; the grad norm
-    per optimizer group (log); Adam's second-moment ratio when the run measured it."""
+    per optimizer group (log); Adam's second-moment ratio when the run measured it; the max
+    attention logit per layer when it was sampled (`logits`: layer -> rows, -1 the max over
+    layers, from dashboards.data.loaders.load_max_logits)."""
     has_v = "adam_v_ratio" in series and series["adam_v_ratio"]["adam_v_ratio"].is_finite().any()
     titles = [
         "Update ratio ||ΔW|| / ||W|| (all parameters; markers: precursor verdicts)",
@@ -30,6 +38,8 @@ def precursor_figure(
     ]
     if has_v:
         titles.append("Adam second moments: max over parameters of mean(v) / its running median")
+    if logits:
+        titles.append("Max attention logit per layer (sampled steps; markers: max-logit verdicts)")
     fig = make_subplots(
         rows=len(titles), cols=1, shared_xaxes=True, vertical_spacing=0.1, subplot_titles=titles
     )
@@ -44,6 +54,8 @@ def precursor_figure(
         _line(fig, series["adam_v_ratio"], "adam_v_ratio", "Adam v ratio", "#bcbd22", row=3)
         v_ticks = _ticks([series["adam_v_ratio"]], "adam_v_ratio")
         fig.update_yaxes(type="log", title_text="ratio", row=3, col=1, **v_ticks)
+    if logits:
+        _max_logit_panel(fig, logits, verdicts, row=len(titles))
     fig.update_xaxes(title_text="step", row=len(titles), col=1)
     fig.update_layout(
         title={"text": "Precursors: signals that move before a loss spike", "x": 0, "xanchor": "left"},
@@ -116,3 +128,73 @@ def _update_ratio_panel(fig: go.Figure, ratio: pl.DataFrame | None, verdicts: pl
             row=1,
             col=1,
         )
+
+
+def _max_logit_panel(
+    fig: go.Figure, logits: dict[int, pl.DataFrame], verdicts: pl.DataFrame, *, row: int
+) -> None:
+    """Max over layers (bold), each layer (thin, the first MAX_LOGIT_LAYER_LINES), the QK-clip
+    line at tau = 100 and a marker per max-logit verdict (the layers that fired in the hover)."""
+    top = logits.get(-1)
+    if top is not None and top.height:
+        _line(fig, top, "max_logit", "max logit (all layers)", "#333333", row=row)
+    layers = [k for k in logits if k >= 0][:MAX_LOGIT_LAYER_LINES]
+    for k, layer in enumerate(layers):
+        x, y = series_xy(logits[layer], "max_logit")
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                name=f"layer {layer} max logit",
+                line={"color": LAYER_COLORS[k % len(LAYER_COLORS)], "width": 0.8},
+                opacity=0.6,
+                legendgroup="max-logit-layers",
+                hovertemplate=f"step %{{x}}<br>layer {layer} max logit %{{y:.3g}}<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
+    fig.add_hline(y=QK_CLIP_TAU, line={"color": PRECURSOR_COLOR, "dash": "dash", "width": 1}, row=row, col=1)
+    fig.add_annotation(
+        text="Kimi K2's QK-clip τ = 100",
+        x=1,
+        xref="x domain",
+        y=np.log10(QK_CLIP_TAU),
+        yref="y",
+        showarrow=False,
+        xanchor="right",
+        yanchor="bottom",
+        font={"size": 10, "color": PRECURSOR_COLOR},
+        row=row,
+        col=1,
+    )
+    hits = verdicts.filter(pl.col("detector") == schema.DET_MAX_LOGIT) if verdicts.height else verdicts
+    if hits.height:
+        layers_hit = [guard_events.parse_detail(d).get("layers", []) for d in hits["detail"].to_list()]
+        fig.add_trace(
+            go.Scatter(
+                x=column_values(hits, "step"),
+                y=column_values(hits, "value"),
+                mode="markers",
+                name="precursor: max logit growth",
+                marker={"symbol": "diamond", "size": 11, "color": PRECURSOR_COLOR},
+                customdata=[", ".join(map(str, ls)) for ls in layers_hit],
+                hovertemplate="step %{x}<br>layer max logit %{y:.3g}<br>layers %{customdata}<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
+    fig.update_yaxes(type="log", title_text="max q·k / √d", row=row, col=1, **_decade_ticks(logits))
+
+
+def _decade_ticks(logits: dict[int, pl.DataFrame]) -> dict[str, object]:
+    """1-2-5 ticks over the logits and tau; powers of ten alone past three decades (a logit that
+    ran away spans six, and 1-2-5 over six decades is a wall of labels)."""
+    frames = [f for f in logits.values() if f.height] + [pl.DataFrame({"max_logit": [QK_CLIP_TAU]})]
+    ticks = _ticks(frames, "max_logit")
+    vals = [v for v in ticks.get("tickvals", []) if v > 0]
+    if vals and np.log10(max(vals) / min(vals)) > 3:
+        decades = [v for v in vals if np.isclose(np.log10(v), round(np.log10(v)))]
+        ticks = {**ticks, "tickvals": decades, "ticktext": [f"{v:g}" for v in decades]}
+    return ticks

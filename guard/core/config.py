@@ -199,6 +199,12 @@ class PrecursorConfig:
                     already has; host-side sums only).
       adam v ratio  max over parameters of mean(exp_avg_sq) / its running median (off by default:
                     one extra pass over the optimizer's second moments per step).
+      max logit     max attention logit per layer, max over heads, sequences and causal pairs of
+                    q_i . k_j * scale (Kimi K2's QK-clip watches it), from the q and k the layer
+                    already computed, on every `max_logit_every`-th step only (0: off), over the
+                    first `max_logit_seqs` sequences of each micro-batch (0: all). Only for
+                    attention layers that hold a guard.runtime.attention_logits.LogitWatch
+                    (moeguard's model; transformers models with attach(watch_logits=True)).
     """
 
     enabled: bool = True  # measure the update ratio and per-group grad norms
@@ -206,16 +212,33 @@ class PrecursorConfig:
     full_below: int = 1024  # tensors this small are sampled whole (norm gains, biases)
     adam_v_ratio: bool = False  # Adam second-moment spike ratio (an extra pass over exp_avg_sq)
     adam_v_window: int = 32  # steps in the running median of each parameter's mean(exp_avg_sq)
+    max_logit_every: int = 10  # sample the max attention logit every k-th step (0: never)
+    max_logit_seqs: int = 1  # sequences of each micro-batch it is computed over (0: all)
     # The update-ratio spike detector (per layer; one warning verdict per step, naming the layers).
     # Marin saw 2x update-norm spikes ahead of loss and grad-norm spikes: rel_min 2 is that effect size.
     detect: bool = True
     update_spike: SpikeConfig = field(
         default_factory=lambda: SpikeConfig(z=6.0, rel_min=2.0, rel_max=None, warmup=16, level_window=8)
     )
+    # The max-logit detector (per layer, on sampled steps; one warning verdict per episode). Its
+    # own history: a 2x jump over the layer's level at z 6, on logits raised to `max_logit_floor`
+    # first (below ~5 attention is far from saturated, e^5 ~ 150:1 between two keys, and the
+    # relative swings of a logit near 0 are noise: the micro model's went 0.03 -> 0.45 -> 0.0
+    # -> 0.6 in 60 clean steps); and, history or not, a logit above abs_max = 100, the threshold
+    # Kimi K2 clipped at (tau = 100).
+    max_logit_floor: float = 5.0
+    max_logit_spike: SpikeConfig = field(
+        default_factory=lambda: SpikeConfig(
+            z=6.0, rel_min=2.0, rel_max=None, abs_max=100.0, warmup=16, level_window=8
+        )
+    )
     act: bool = False  # True: a precursor verdict skips the update like a step verdict (the policy)
 
     def __post_init__(self) -> None:
         check(self.update_sample_every >= 1, "update_sample_every", self.update_sample_every, "must be >= 1")
+        check(self.max_logit_every >= 0, "max_logit_every", self.max_logit_every, "must be >= 0 (0: off)")
+        check(self.max_logit_seqs >= 0, "max_logit_seqs", self.max_logit_seqs, "must be >= 0 (0: all)")
+        check(self.max_logit_floor > 0, "max_logit_floor", self.max_logit_floor, "must be > 0")
         check(self.full_below >= 0, "full_below", self.full_below, "must be >= 0")
         check(self.adam_v_window >= 4, "adam_v_window", self.adam_v_window, "must be >= 4")
         check(not self.act or self.detect, "act", self.act, "needs detect = true")

@@ -41,10 +41,14 @@ class StepReport:
     # measured. Adam's second-moment spike ratio (NaN when off).
     update_ratio: float = float("nan")
     adam_v_ratio: float = float("nan")
+    # max attention logit over every watched layer (guard/runtime/attention_logits.py); NaN on
+    # steps it was not sampled (every PrecursorConfig.max_logit_every-th step) or not watched
+    max_logit: float = float("nan")
     # per layer (L): index into the model's blocks
     layer_ids_L: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     layer_grad_norm_L: np.ndarray = field(default_factory=lambda: np.zeros(0))
     update_ratio_L: np.ndarray = field(default_factory=lambda: np.zeros(0))  # empty: not measured
+    max_logit_L: np.ndarray = field(default_factory=lambda: np.zeros(0))  # empty: not measured
     # per MoE layer (M), aligned with moe_layer_ids_M
     moe_layer_ids_M: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     router_entropy_M: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -71,6 +75,7 @@ class StepReport:
             13
             + 2 * self.layer_grad_norm_L.size
             + self.update_ratio_L.size
+            + self.max_logit_L.size
             + 2 * self.group_grad_norm_G.size
             + 6 * self.router_entropy_M.size
             + self.load_ME.size
@@ -128,6 +133,8 @@ class StepReport:
             raise ValueError(
                 f"update_ratio_L has shape {self.update_ratio_L.shape}, expected ({n_l},) or (0,)"
             )
+        if self.max_logit_L.size and self.max_logit_L.shape != (n_l,):
+            raise ValueError(f"max_logit_L has shape {self.max_logit_L.shape}, expected ({n_l},) or (0,)")
         n_g = self.group_grad_norm_G.size
         if self.group_update_ratio_G.size and self.group_update_ratio_G.shape != (n_g,):
             raise ValueError(
@@ -151,6 +158,7 @@ _ARRAY_DTYPES = {
     "layer_ids_L": np.int32,
     "layer_grad_norm_L": np.float64,
     "update_ratio_L": np.float64,
+    "max_logit_L": np.float64,
     "moe_layer_ids_M": np.int32,
     "router_entropy_M": np.float64,
     "load_entropy_M": np.float64,

@@ -70,6 +70,7 @@ def layer_columns(reps: Sequence[StepReport]) -> dict[str, np.ndarray]:
         "layer": np.concatenate([r.layer_ids_L for r in reps]),
         "grad_norm": np.concatenate([r.layer_grad_norm_L for r in reps]),
         "update_ratio": np.concatenate([_per_layer(r.update_ratio_L, len(r.layer_ids_L)) for r in reps]),
+        "max_logit": np.concatenate([_per_layer(r.max_logit_L, len(r.layer_ids_L)) for r in reps]),
     }
     first = reps[0]
     same_layout = all(
@@ -170,6 +171,9 @@ def reports_from_columns(
             if "update_ratio" in layers:
                 ratio = np.asarray(layers["update_ratio"][sl], dtype=np.float64)
                 rep.update_ratio_L = ratio if not np.isnan(ratio).all() else np.zeros(0)
+            if "max_logit" in layers:
+                logit = np.asarray(layers["max_logit"][sl], dtype=np.float64)
+                rep.max_logit_L = logit if not np.isnan(logit).all() else np.zeros(0)
             rep.moe_layer_ids_M = rep.layer_ids_L[moe]
             rep.router_entropy_M = np.asarray(layers["router_entropy"][sl])[moe]
             rep.load_entropy_M = np.asarray(layers["load_entropy"][sl])[moe]

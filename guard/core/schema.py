@@ -7,7 +7,7 @@ checked against them by tests) so a rename cannot silently break a panel or an a
 from __future__ import annotations
 
 # Bumped when a run-store table changes shape; readers refuse newer, migrate older.
-SCHEMA_VERSION = 2  # 2: precursor columns (update_ratio, adam_v_ratio) and the groups table
+SCHEMA_VERSION = 3  # 2: precursor columns (update_ratio, adam_v_ratio) and the groups table; 3: max_logit
 
 # ---------------------------------------------------------------------------------------
 # Run store tables: runs/<run_id>/<table>/part-*.parquet, plus meta.json.
@@ -39,6 +39,9 @@ STEPS_COLUMNS: dict[str, str] = {
     # over every parameter, the update that produced this step's weights (NaN: none applied/measured)
     "update_ratio": "Float64",
     "adam_v_ratio": "Float64",  # max over params of mean(exp_avg_sq) / its running median (NaN: off)
+    # max attention logit over layers, heads and causal pairs of q.k * scale (Kimi K2's QK-clip
+    # signal); NaN on steps it was not sampled (guard.precursor.max_logit_every) or not watched
+    "max_logit": "Float64",
 }
 LAYERS_COLUMNS: dict[str, str] = {
     "step": "Int64",
@@ -50,6 +53,7 @@ LAYERS_COLUMNS: dict[str, str] = {
     "dead_experts": "Int32",  # experts that got no token over the dead-expert window
     "bias_norm": "Float64",  # L2 norm of the expert-selection bias
     "update_ratio": "Float64",  # this layer's ||W_t - W_{t-1}|| / ||W_{t-1}|| (see steps.update_ratio)
+    "max_logit": "Float64",  # this layer's max attention logit (see steps.max_logit)
 }
 EXPERTS_COLUMNS: dict[str, str] = {
     "step": "Int64",
@@ -134,6 +138,7 @@ DET_STALL = "data_stall"
 DET_THROUGHPUT = "throughput_drop"
 DET_LR = "lr_spike"  # the LR about to be applied exceeds the schedule's bound
 DET_UPDATE_RATIO = "update_ratio_spike"  # precursor: a layer's update/weight ratio jumped
+DET_MAX_LOGIT = "max_logit_growth"  # precursor: a layer's max attention logit jumped or passed 100
 DETECTORS = (
     DET_NONFINITE,
     DET_GRAD_SPIKE,
@@ -147,12 +152,13 @@ DETECTORS = (
     DET_THROUGHPUT,
     DET_LR,
     DET_UPDATE_RATIO,
+    DET_MAX_LOGIT,
 )
 # Detectors whose verdict means "this update is bad, do not apply it".
 STEP_DETECTORS = (DET_NONFINITE, DET_GRAD_SPIKE, DET_LOSS_SPIKE, DET_LAYER_GRAD_SPIKE, DET_LR)
 # Precursors: warnings that move before a loss spike; they record an event and act only when
 # configured (guard.precursor.act).
-PRECURSOR_DETECTORS = (DET_UPDATE_RATIO,)
+PRECURSOR_DETECTORS = (DET_UPDATE_RATIO, DET_MAX_LOGIT)
 # Detectors that watch a single MoE layer's routing.
 COLLAPSE_DETECTORS = (DET_DEAD_EXPERTS, DET_MAXVIO, DET_LOAD_ENTROPY, DET_ROUTER_ENTROPY)
 

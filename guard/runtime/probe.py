@@ -16,7 +16,9 @@ gets the full norms. Still one device->host copy per step.
 Given the optimizer, the probe also carries the precursor signals (guard/runtime/precursor.py):
 the update ratio of the update that produced this step's weights (sampled around
 optimizer.step() by hooks, shipped at the next collect), per optimizer group grad norms, and
-optionally Adam's second-moment spike ratio; in the same copy and the same all-reduce.
+optionally Adam's second-moment spike ratio; in the same copy and the same all-reduce. Layers
+holding a LogitWatch also get their max attention logit on every k-th step
+(guard/runtime/attention_logits.py), at the end of the same copy.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 
 from guard.core.config import PrecursorConfig
 from guard.integrations.base import count_pending
+from guard.runtime.attention_logits import MaxLogitSampler, find_watches
 from guard.runtime.precursor import Precursors
 
 
@@ -113,6 +116,18 @@ class Probe:
             if optimizer is not None and precursor.enabled
             else None
         )
+        watches = find_watches(blocks) if precursor.enabled and precursor.max_logit_every > 0 else []
+        self.logits = (
+            MaxLogitSampler(
+                watches,
+                self.n_layers,
+                every=precursor.max_logit_every,
+                n_seqs=precursor.max_logit_seqs,
+                all_reduce=self.all_reduce,
+            )
+            if watches
+            else None
+        )
 
     # ---- device-side pieces ----------------------------------------------------------
     def _grads(self) -> list[torch.Tensor]:
@@ -185,6 +200,8 @@ class Probe:
         biases = [r.expert_bias_E.reshape(-1) for r in sources]
         # precursor numbers: sums over this rank's shard when sharded (then reduced), else replicated
         pre = self.precursors.device_part(loss) if self.precursors is not None else loss.new_zeros(0)
+        # max attention logits (sampled steps only; already MAX-reduced across ranks): last
+        logit = self.logits.device_part(loss) if self.logits is not None else loss.new_zeros(0)
         n_ex = ex.numel()
         if _multi_rank():
             own = [norms**2, pre] if self.sharded else [norms[:0], pre[:0]]
@@ -198,11 +215,12 @@ class Probe:
                     flat[n_sq:end],
                     *biases,
                     flat[end:] if self.sharded else pre,
+                    logit,
                 ]
             )
             world = dist.get_world_size()
         else:
-            flat = torch.cat([norms**2, *summed, *biases, pre])
+            flat = torch.cat([norms**2, *summed, *biases, pre, logit])
             world = 1
         n_p = len(self.params)
         # This step's loads stay a device tensor for bias updates (a view of the gathered vector).
@@ -212,7 +230,7 @@ class Probe:
 
     def _derive(self, h: np.ndarray, m: int, e: int, n_extra: int, world: int, n_micro: int) -> ProbeResult:
         """Host-side statistics from the gathered vector [sq norms P, loss, loads M*E, entropy sums M,
-        token counts M, extra, biases M*E, precursors]."""
+        token counts M, extra, biases M*E, precursors, max logits]."""
         n_p = len(self.params)
         sq_L1 = np.bincount(self._segments, weights=h[:n_p], minlength=self.n_layers + 1)  # NaN-propagating
         i = n_p
@@ -227,6 +245,8 @@ class Probe:
         bias = h[i : i + m * e].reshape(m, e)
         i += m * e
         precursors = self.precursors.derive(h[i:], h[:n_p]) if self.precursors is not None else {}
+        if self.logits is not None:
+            precursors.update(self.logits.derive(h[h.size - self.logits.n_values :]))
         if m:
             with np.errstate(invalid="ignore", divide="ignore"):
                 mean = np.maximum(loads.mean(axis=1), 1e-9)
@@ -259,6 +279,8 @@ class Probe:
         """Remove the optimizer hooks the precursor sampler installed."""
         if self.precursors is not None:
             self.precursors.close()
+        if self.logits is not None:
+            self.logits.close()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"steps_since_token_ME": torch.from_numpy(self._since_token_ME.astype(np.float32))}

@@ -434,6 +434,9 @@ def test_fsdp_matches_ddp_and_its_checkpoint_resumes_on_one_process(
     )
     layers = read_table(d, schema.TABLE_LAYERS).filter(pl.col("step") == 5).sort("layer")
     assert layers.height == 2 and layers["grad_norm"].is_finite().all()
+    # max attention logits: sampled every 10th step, MAX-reduced across ranks (no deadlock)
+    logit = got["max_logit"].to_numpy()
+    assert np.isfinite(logit[::10]).all() and np.isnan(logit[1:10]).all(), logit
     p = run(
         [
             sys.executable,

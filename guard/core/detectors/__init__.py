@@ -12,7 +12,8 @@ its baselines.
     timing.py     data-loader stalls, throughput drops
     registry.py   the `Detector` protocol and the registry the suite is built from
     suite.py      DetectorSuite: every enabled detector, fed one StepReport per step
-    precursor.py  warnings that move before a loss spike (update-ratio spikes), never acting
+    precursor.py  warnings that move before a loss spike (update-ratio spikes, max attention
+                  logit growth), never acting
 """
 
 from guard.core.detectors import precursor as _precursor  # noqa: F401  (registers its detectors)

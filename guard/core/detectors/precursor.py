@@ -10,11 +10,21 @@ verdict). It runs as an observer, so it never holds back the step detectors' bas
                   optimizer state gone bad shows here one step after the update lands, while the
                   loss may take several more steps to blow up. Log-scale robust spike rule per
                   layer (spike.py), ONE verdict per step naming every layer that fired.
+    max logit     the max attention logit per layer, max over heads and causal pairs of q.k *
+                  scale (guard/runtime/attention_logits.py; Kimi K2's QK-clip watches it),
+                  measured on every k-th step only. The same per-layer rule (a 2x jump over the
+                  layer's level at z 6 on the log scale, on logits raised to a floor of 5: the
+                  relative swings of a logit near 0 are noise) plus an absolute line: above 100
+                  (the tau Kimi K2 clipped at) the softmax is saturated whatever the history. ONE
+                  verdict per episode: sampled steps are k apart, so the policy's own
+                  one-event-per-open-condition rule would re-open on every sample.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from guard.core import schema
 from guard.core.config import GuardConfig, SpikeConfig
@@ -64,7 +74,58 @@ class UpdateRatioDetector:
         self.layers.load_state_dict(d)
 
 
+class MaxLogitDetector:
+    """Per-layer max-attention-logit growth on the steps it was sampled; one warning verdict when
+    an episode opens (the first sample with a firing layer after a quiet one), none while later
+    samples keep firing, so a logit that grew and stays high is one event, not one per sample."""
+
+    def __init__(self, cfg: SpikeConfig, floor: float = 5.0) -> None:
+        self.layers = LayerSpikeDetector(cfg, schema.DET_MAX_LOGIT)
+        self.floor = floor
+        self.open = False  # the last sample had a firing layer
+
+    def update(self, report: StepReport) -> list[Verdict]:
+        logit_L = report.max_logit_L
+        if logit_L.size != len(report.layer_ids_L) or not np.isfinite(logit_L).any():
+            return []  # not sampled this step, or no watched layer
+        fired = self.layers.update(report.layer_ids_L, np.maximum(logit_L, self.floor))  # NaN stays NaN
+        was_open, self.open = self.open, bool(fired)
+        if not fired or was_open:
+            return []
+        top = max(fired, key=lambda v: v.value / v.threshold)
+        return [
+            Verdict(
+                detector=schema.DET_MAX_LOGIT,
+                fired=True,
+                value=top.value,
+                threshold=top.threshold,
+                severity="warning",
+                evidence={
+                    **top.evidence,
+                    "layer": top.layer,
+                    "layers": [v.layer for v in fired],
+                    "max_logit": report.max_logit,
+                    "precursor": True,
+                },
+            )
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.layers.state_dict(), "open": self.open}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.layers.load_state_dict(d)
+        self.open = bool(d.get("open", False))
+
+
 @register("update_ratio", STAGE_OBSERVE)
 def _update_ratio(cfg: GuardConfig) -> UpdateRatioDetector | None:
     c = cfg.precursor
     return UpdateRatioDetector(c.update_spike) if c.enabled and c.detect and c.update_spike.enabled else None
+
+
+@register("max_logit", STAGE_OBSERVE)
+def _max_logit(cfg: GuardConfig) -> MaxLogitDetector | None:
+    c = cfg.precursor
+    on = c.enabled and c.detect and c.max_logit_every > 0 and c.max_logit_spike.enabled
+    return MaxLogitDetector(c.max_logit_spike, c.max_logit_floor) if on else None
