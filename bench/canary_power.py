@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from guard.canary import config, gate, keys, stats
+from guard.canary.ab_format import AB_JSON, read_report
 
 
 def _run_canary(argv: list[str]) -> dict[str, Any]:
@@ -493,7 +494,7 @@ def _run_ab(argv: list[str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(out):
         code = main(["canary", *argv])
-    rep = json.loads((Path(argv[argv.index("--report-dir") + 1]) / "ab.json").read_text())
+    rep: dict[str, Any] = dict(read_report(Path(argv[argv.index("--report-dir") + 1]) / AB_JSON))
     rep["_exit"], rep["_elapsed_s"] = code, time.perf_counter() - t0
     return rep
 
@@ -541,10 +542,10 @@ def ab_main(args: argparse.Namespace) -> int:
 def _ab_reload(out: Path) -> dict[str, list[dict[str, Any]]]:
     """A kept bench's reports (OUT/reports/ab-<arm>-<i>/ab.json), in the order they ran."""
     arms: dict[str, list[dict[str, Any]]] = {"A=B": []}
-    for f in sorted((out / "reports").glob("ab-*/ab.json"), key=lambda f: f.stat().st_mtime):
+    for f in sorted((out / "reports").glob(f"ab-*/{AB_JSON}"), key=lambda f: f.stat().st_mtime):
         kind = f.parent.name.rsplit("-", 1)[0].removeprefix("ab-")
         arm = "A=B" if kind == "clean" else f"{float(kind.removeprefix('slow')):g}%"
-        rep = json.loads(f.read_text())
+        rep: dict[str, Any] = dict(read_report(f))
         rep["_elapsed_s"] = rep.get("elapsed_s")
         arms.setdefault(arm, []).append(rep)
     if not any(arms.values()):

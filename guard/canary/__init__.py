@@ -8,9 +8,11 @@ Pure pieces, one job each (no torch at module level; the model runs in a worker 
   history.py    the JSONL history: parse, the baseline rule, append (dashboards use it too)
   profile.py    top ops from a run's torch.profiler trace, and their change vs the baseline
   measure.py    spawn worker processes and pool them into one Measurement
-  report.py     canary.md / canary.json; matrix.py the kernel-choice matrix
+  report.py     canary.md / canary.json
   run.py        one history-gated canary: measure, compare, confirm, report, record
   ab.py, ab_report.py   `--ab A B`: two environments, paired, no history
+  ab_format.py  ab.json's location, shape and reader, once (the app and the power bench read it)
+  matrix.py     the kernel-choice matrix: each cell an A/B canary against the reference cell
   cli.py        `moeguard canary`'s arguments and dispatch
 
 The measuring worker (a Trainer that times each step) lives in trainer/canary_worker.py and

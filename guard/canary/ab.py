@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from guard.canary.ab_format import MFU_R, SPEED, TPS_RAW, TPS_WALL, Pair, Ratios
 from guard.canary.config import (
     EXIT_FAIL,
     EXIT_PASS,
@@ -68,13 +69,6 @@ SYNTAX = (
     "py:PATH (another Python interpreter, e.g. /opt/venv/bin/python) or set:KEY=VALUE[,KEY=VALUE...] "
     "(this interpreter with config overrides; set: alone = the config unchanged)"
 )
-SPEED, TPS_RAW, MFU_R, TPS_WALL = "speed", "tokens_per_s", "mfu", "tokens_per_s_wall"
-RATIO_LABELS = {
-    SPEED: "tokens/s (gated; CPU: per CPU-second, normalised by the reference matmul)",
-    TPS_RAW: "tokens/s (CPU: per CPU-second, not normalised)",
-    MFU_R: "MFU",
-    TPS_WALL: "tokens/s, wall clock",
-}
 ENV_DIFF_KEYS = (
     "torch",
     "cuda",
@@ -339,7 +333,7 @@ def _worker_row(side: Side, pair: int, r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def pair_ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
+def pair_ratios(a: dict[str, Any], b: dict[str, Any]) -> Ratios:
     """B/A per metric (MFU only where both sides do the same FLOPs per token: else it is no speed)."""
     out: dict[str, float | None] = {}
     for k in (SPEED, TPS_RAW, MFU_R, TPS_WALL):
@@ -348,15 +342,16 @@ def pair_ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]
         out[k] = vb / va if ok else None
     if a.get("flops_per_token") != b.get("flops_per_token"):
         out[MFU_R] = None
-    return out
+    return out  # type: ignore[return-value]
 
 
 class WorkerFailed(Exception):
-    """A worker of one side could not measure; `code` is the canary's exit code for it."""
+    """A worker of one side could not measure: `code` is the canary's exit code for it (usage when
+    the environment cannot run here, `unavailable`), `reason` what the worker said."""
 
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
+    def __init__(self, code: int, reason: str, *, side: str, unavailable: bool = False) -> None:
+        super().__init__(reason)
+        self.code, self.reason, self.side, self.unavailable = code, reason, side, unavailable
 
 
 def prepare_sides(args: argparse.Namespace, setup: Setup, runs: Path) -> list[Side]:
@@ -383,25 +378,24 @@ def prepare_sides(args: argparse.Namespace, setup: Setup, runs: Path) -> list[Si
 def measure_pair(
     setup: Setup, sides: list[Side], runs: Path, i: int, order: str, started: str
 ) -> dict[str, dict[str, Any]]:
-    """Pair i: one worker of each side, in `order` ('AB' or 'BA'); side name -> its worker row."""
+    """Pair i: one worker of each side, in `order` ('AB' or 'BA'); side name -> its worker row.
+    Raises WorkerFailed when a worker cannot run or fails."""
     got: dict[str, dict[str, Any]] = {}
     for name in order:
         side = sides["AB".index(name)]
         r = measure_side(setup, side, runs, i, started)
         if r.get("status") == "unavailable":
-            print(
-                f"moeguard canary: --ab {name} = {side.spec!r} cannot run here: {r.get('reason')}",
-                file=sys.stderr,
+            raise WorkerFailed(
+                EXIT_USAGE,
+                f"--ab {name} = {side.spec!r} cannot run here: {r.get('reason')}",
+                side=name,
+                unavailable=True,
             )
-            raise WorkerFailed(EXIT_USAGE)
         if r.get("status") != "ok":
-            print(
-                f"moeguard canary: --ab {name} ({side.spec}) measurement failed: {r.get('reason')}",
-                file=sys.stderr,
+            tail = "".join(f"\n  {line}" for line in r.get("stderr_tail", []))
+            raise WorkerFailed(
+                EXIT_FAIL, f"--ab {name} ({side.spec}) measurement failed: {r.get('reason')}{tail}", side=name
             )
-            for line in r.get("stderr_tail", []):
-                print(f"  {line}", file=sys.stderr)
-            raise WorkerFailed(EXIT_FAIL)
         got[name] = _worker_row(side, i, r)
         got[name]["env"] = {
             **side.probe,
@@ -411,58 +405,73 @@ def measure_pair(
     return got
 
 
-def run_ab(args: argparse.Namespace, setup: Setup) -> int:
-    from guard.canary.ab_report import build_report, print_summary, write_reports
+@dataclass(kw_only=True, slots=True)
+class Paired:
+    """What measure_ab measured: every worker row (in the order they ran), the pairs, the verdict."""
 
+    rows: list[dict[str, Any]]
+    pairs: list[Pair]
+    stat: dict[str, Any]
+    elapsed_s: float
+
+
+def measure_ab(setup: Setup, sides: list[Side], runs: Path, tag: str = "") -> Paired:
+    """Pairs of workers of A and B in ABBA (or seeded random) order, canary.ab_pairs of them, two
+    more while the verdict is undecided, up to canary.ab_max_pairs; the paired statistic.
+    tag: a word for the run names (the matrix's cell). Raises WorkerFailed."""
     c = setup.canary
-    runs = Path(args.runs).resolve()
-    sides = prepare_sides(args, setup, runs)
     t0 = time.perf_counter()
     rng = random.Random(c.ab_seed)
-    started = stamp()
+    started = f"{tag}-{stamp()}" if tag else stamp()
     rows: list[dict[str, Any]] = []
-    pairs: list[dict[str, Any]] = []
+    pairs: list[Pair] = []
     orders = pair_orders(c.ab_pairs, c.ab_order, rng)
-    stat: dict[str, Any] = {}
-    progress(
-        f"A/B: A = {sides[0].spec}, B = {sides[1].spec}; {c.ab_pairs} pairs ({c.ab_order} order)"
-        f"{'' if c.ab_max_pairs == c.ab_pairs else f', up to {c.ab_max_pairs} if undecided'} ..."
-    )
     while True:
         for i in range(len(pairs), len(orders)):
-            try:
-                got = measure_pair(setup, sides, runs, i, orders[i], started)
-            except WorkerFailed as e:
-                return e.code
+            got = measure_pair(setup, sides, runs, i, orders[i], started)
             rows += [got[name] for name in orders[i]]  # in the order they ran
             ratios = pair_ratios(got["A"], got["B"])
             pairs.append(
-                {
-                    "pair": i + 1,
-                    "order": orders[i],
-                    "a_run": got["A"]["run_id"],
-                    "b_run": got["B"]["run_id"],
-                    "ratio": ratios,
-                    "load": os.getloadavg()[0],
-                }
+                Pair(
+                    pair=i + 1,
+                    order=orders[i],
+                    a_run=got["A"]["run_id"],
+                    b_run=got["B"]["run_id"],
+                    ratio=ratios,
+                    load=os.getloadavg()[0],
+                )
             )
             progress(
                 f"  pair {i + 1}/{len(orders)} ({orders[i]}): B/A {ratios[SPEED]:.4f} "
                 f"(A {got['A'][SPEED]:,.1f}, B {got['B'][SPEED]:,.1f}), load {pairs[-1]['load']:.1f}, "
                 f"{time.perf_counter() - t0:.0f} s"
             )
-        stat = paired_statistic([p["ratio"][SPEED] for p in pairs], c)
+        stat = paired_statistic([p["ratio"][SPEED] for p in pairs], c)  # type: ignore[misc]
         if not stat["undecided"] or len(orders) >= c.ab_max_pairs:
-            break
+            return Paired(rows=rows, pairs=pairs, stat=stat, elapsed_s=time.perf_counter() - t0)
         more = min(2, c.ab_max_pairs - len(orders))
         progress(
             f"  undecided (median {stat['median']:.4f}, interval up to {stat['ci'][1]:.4f}): "
             f"{more} more pair(s) ..."
         )
         orders += pair_orders(more, c.ab_order, rng, start=len(orders))
-    rep = build_report(
-        setup=setup, sides=sides, rows=rows, pairs=pairs, stat=stat, elapsed_s=time.perf_counter() - t0
+
+
+def run_ab(args: argparse.Namespace, setup: Setup) -> int:
+    from guard.canary.ab_report import build_report, print_summary, write_reports
+
+    c = setup.canary
+    sides = prepare_sides(args, setup, Path(args.runs).resolve())
+    progress(
+        f"A/B: A = {sides[0].spec}, B = {sides[1].spec}; {c.ab_pairs} pairs ({c.ab_order} order)"
+        f"{'' if c.ab_max_pairs == c.ab_pairs else f', up to {c.ab_max_pairs} if undecided'} ..."
     )
+    try:
+        got = measure_ab(setup, sides, Path(args.runs).resolve())
+    except WorkerFailed as e:
+        print(f"moeguard canary: {e.reason}", file=sys.stderr)
+        return e.code
+    rep = build_report(setup=setup, sides=sides, paired=got)
     write_reports(rep, Path(args.report_dir))
     print_summary(rep)
     return EXIT_FAIL if rep["verdict"] == FAIL else EXIT_PASS

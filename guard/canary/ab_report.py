@@ -4,20 +4,35 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
-from guard.canary.ab import ENV_DIFF_KEYS, MFU_R, RATIO_LABELS, SPEED, Side, paired_statistic
+from guard.canary.ab import ENV_DIFF_KEYS, Paired, Side, paired_statistic
+from guard.canary.ab_format import (
+    AB_JSON,
+    FORMAT,
+    KIND,
+    MFU_R,
+    RATIO_LABELS,
+    SPEED,
+    EnvRow,
+    OpChange,
+    ProfileDiff,
+    Report,
+    SideSummary,
+)
 from guard.canary.config import EXIT_FAIL, EXIT_PASS, Setup
 from guard.canary.gate import FAIL
 from guard.canary.history import finite
+from guard.canary.keys import H_TIME_FORMAT
 from guard.canary.profile import profile_summary
 from guard.canary.report import write_json_and_markdown
 
 TOP_CHANGED = 10
 
 
-def env_diff(sides: list[Side], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def env_diff(sides: list[Side], rows: list[dict[str, Any]]) -> list[EnvRow]:
     """Every ENV_DIFF_KEYS value of A and of B (the first worker of each), and whether they differ.
     Values seen to vary between workers of one side are listed joined by ' / '."""
     out = []
@@ -32,11 +47,11 @@ def env_diff(sides: list[Side], rows: list[dict[str, Any]]) -> list[dict[str, An
                 if str(v) not in seen:
                     seen.append(str(v))
             vals[side.name] = " / ".join(seen) if seen else "?"
-        out.append({"key": key, "a": vals["A"], "b": vals["B"], "differs": vals["A"] != vals["B"]})
+        out.append(EnvRow(key=key, a=vals["A"], b=vals["B"], differs=vals["A"] != vals["B"]))
     return out
 
 
-def profile_diff(rows: list[dict[str, Any]], top: int = TOP_CHANGED) -> dict[str, Any]:
+def profile_diff(rows: list[dict[str, Any]], top: int = TOP_CHANGED) -> ProfileDiff:
     """Per op, the median over each side's workers of its self time per step (host ops) or total
     time (device kernels) in the profiler window; the ops whose time changed most, B - A."""
     per: dict[str, dict[str, dict[str, list[float]]]] = {
@@ -53,98 +68,95 @@ def profile_diff(rows: list[dict[str, Any]], top: int = TOP_CHANGED) -> dict[str
             per["host"][r["side"]].setdefault(op["op"], []).append(op["self_ms"])
         for op in prof.get("device_top", []):
             per["device"][r["side"]].setdefault(op["op"], []).append(op["total_ms"])
-    out: dict[str, Any] = {"workers_profiled": profiled}
+    out = ProfileDiff(workers_profiled=profiled, host=[], device=[])
     for kind, sides in per.items():
-        changed = []
+        changed: list[OpChange] = []
         for op in {*sides["A"], *sides["B"]}:
             a = statistics.median(sides["A"][op]) if op in sides["A"] else None
             b = statistics.median(sides["B"][op]) if op in sides["B"] else None
             delta = (b or 0.0) - (a or 0.0)
             changed.append(
-                {
-                    "op": op,
-                    "a_ms": a,
-                    "b_ms": b,
-                    "delta_ms": delta,
-                    "delta_pct": 100 * (b / a - 1) if a and b is not None else None,
-                }
+                OpChange(
+                    op=op,
+                    a_ms=a,
+                    b_ms=b,
+                    delta_ms=delta,
+                    delta_pct=100 * (b / a - 1) if a and b is not None else None,
+                )
             )
         changed.sort(key=lambda d: -abs(d["delta_ms"]))
-        out[kind] = changed[:top]
+        out[kind] = changed[:top]  # type: ignore[literal-required]
     return out
 
 
-def build_report(
-    *,
-    setup: Setup,
-    sides: list[Side],
-    rows: list[dict[str, Any]],
-    pairs: list[dict[str, Any]],
-    stat: dict[str, Any],
-    elapsed_s: float,
-) -> dict[str, Any]:
-    others = {}
-    for key in RATIO_LABELS:
-        vals = [p["ratio"][key] for p in pairs if p["ratio"].get(key) is not None]
-        if key != SPEED and vals:
-            s = paired_statistic(vals, setup.canary)
-            others[key] = {k: s[k] for k in ("median", "ci", "coverage", "n_pairs", "delta_pct")}
-    per_side = {}
-    for side in sides:
-        mine = [r for r in rows if r["side"] == side.name]
-        per_side[side.name] = {
-            "spec": side.spec,
-            "python": side.python,
-            "overrides": side.overrides,
-            "slow_pct": side.slow_pct,
-            "workers": len(mine),
-            "run_ids": [r["run_id"] for r in mine],
-            **{
-                f"{k}_median": statistics.median(r[k] for r in mine) if mine else None
-                for k in (
-                    SPEED,
-                    MFU_R,
-                    "tokens_per_s",
-                    "ref_cpu_ms",
-                    "step_cpu_ms",
-                    "mem_peak_bytes",
-                    "final_loss",
-                )
-            },
-        }
-    c = setup.canary
-    return finite(
-        {
-            "kind": "ab",
-            "verdict": stat["verdict"],
-            "exit_code": EXIT_FAIL if stat["verdict"] == FAIL else EXIT_PASS,
-            "state": stat["state"],
-            "statistic": {
-                **stat,
-                "metric": SPEED,
-                "label": RATIO_LABELS[SPEED],
-                "method": "median of per-pair B/A "
-                f"ratios, sign-test interval (>= {100 * c.ab_confidence:g}% coverage where n allows)",
-            },
-            "other_ratios": others,
-            "config": str(setup.path),
-            "config_label": setup.label(),
-            "timing": rows[0]["timing"] if rows else None,
-            "order": c.ab_order,
-            "sequence": "".join(p["order"] for p in pairs),
-            "gates": {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name.startswith("ab_")},
-            "sides": per_side,
-            "pairs": pairs,
-            "workers": [{k: v for k, v in r.items() if k != "env"} for r in rows],
-            "env_diff": env_diff(sides, rows),
-            "profile_diff": profile_diff(rows),
-            "elapsed_s": elapsed_s,
-        }
+def side_summary(side: Side, rows: list[dict[str, Any]]) -> SideSummary:
+    """One side's spec and the medians over its workers."""
+    mine = [r for r in rows if r["side"] == side.name]
+
+    def med(key: str) -> float | None:
+        vals = [r[key] for r in mine if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    return SideSummary(
+        spec=side.spec,
+        python=side.python,
+        overrides=side.overrides,
+        slow_pct=side.slow_pct,
+        workers=len(mine),
+        run_ids=[r["run_id"] for r in mine],
+        speed_median=med(SPEED),
+        mfu_median=med(MFU_R),
+        tokens_per_s_median=med("tokens_per_s"),
+        ref_cpu_ms_median=med("ref_cpu_ms"),
+        step_cpu_ms_median=med("step_cpu_ms"),
+        mem_peak_bytes_median=med("mem_peak_bytes"),
+        final_loss_median=med("final_loss"),
     )
 
 
-def write_reports(rep: dict[str, Any], report_dir: Path) -> tuple[Path, Path]:
-    return write_json_and_markdown(rep, report_dir, "ab", render_markdown)
+def build_report(*, setup: Setup, sides: list[Side], paired: Paired) -> Report:
+    """ab.json's content (guard/canary/ab_format.py: Report) from what measure_ab measured."""
+    rows, pairs, stat = paired.rows, paired.pairs, paired.stat
+    others = {}
+    for key in RATIO_LABELS:
+        vals = [p["ratio"][key] for p in pairs if p["ratio"].get(key) is not None]  # type: ignore[literal-required]
+        if key != SPEED and vals:
+            s = paired_statistic(vals, setup.canary)
+            others[key] = {k: s[k] for k in ("median", "ci", "coverage", "n_pairs", "delta_pct")}
+    c = setup.canary
+    rep = Report(
+        format=FORMAT,
+        kind=KIND,
+        time=time.strftime(H_TIME_FORMAT, time.gmtime()),
+        verdict=stat["verdict"],
+        exit_code=EXIT_FAIL if stat["verdict"] == FAIL else EXIT_PASS,
+        state=stat["state"],
+        statistic={  # type: ignore[typeddict-item]
+            **stat,
+            "metric": SPEED,
+            "label": RATIO_LABELS[SPEED],
+            "method": "median of per-pair B/A "
+            f"ratios, sign-test interval (>= {100 * c.ab_confidence:g}% coverage where n allows)",
+        },
+        other_ratios=others,
+        config=str(setup.path),
+        config_label=setup.label(),
+        timing=rows[0]["timing"] if rows else None,
+        order=c.ab_order,
+        sequence="".join(p["order"] for p in pairs),
+        gates={f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name.startswith("ab_")},
+        sides={side.name: side_summary(side, rows) for side in sides},
+        pairs=pairs,
+        workers=[{k: v for k, v in r.items() if k != "env"} for r in rows],
+        env_diff=env_diff(sides, rows),
+        profile_diff=profile_diff(rows),
+        elapsed_s=paired.elapsed_s,
+    )
+    return finite(rep)
+
+
+def write_reports(rep: Report, report_dir: Path) -> tuple[Path, Path]:
+    return write_json_and_markdown(rep, report_dir, AB_JSON.removesuffix(".json"), render_markdown)  # type: ignore[arg-type]
 
 
 def _r(v: Any) -> str:

@@ -62,6 +62,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from guard.canary.ab_format import REPORT_DIR
 from guard.canary.config import DEFAULT_CONFIG, EXIT_USAGE, TrainerSide, load_setup
 
 
@@ -115,10 +116,16 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--matrix",
         nargs="+",
         metavar="AXIS=V1,V2",
-        help="kernel matrix instead of the gate: attention=..., experts=..., compile=off,on",
+        help="kernel matrix instead of the gate: attention=..., experts=..., compile=off,on; every cell an "
+        "A/B canary against the first cell (each axis's first value); --inject slow:PCT slows the cells, "
+        "a:slow:PCT the reference; reports: matrix.md/matrix.json, cells/<cell>/ab.json",
     )
     p.add_argument(
-        "--repeats", type=int, default=2, help="matrix: runs per variant, interleaved (default: 2)"
+        "--repeats",
+        type=int,
+        default=None,
+        help="matrix: worker pairs per cell against the reference cell, no extension (default: "
+        "canary.ab_pairs, up to canary.ab_max_pairs while undecided)",
     )
     p.add_argument(
         "--ab",
@@ -138,7 +145,7 @@ def run(args: argparse.Namespace, trainer: TrainerSide) -> int:
     training code hands in (trainer/canary_cli.py)."""
     setup = load_setup(args.config, trainer.parse_overrides(args.set), trainer)
     if args.report_dir is None:
-        args.report_dir = Path(args.runs) / "canary-report"
+        args.report_dir = Path(args.runs) / REPORT_DIR
     if args.ab:
         clash = [
             flag

@@ -1,21 +1,35 @@
-"""`moeguard canary --matrix`: the kernel-choice matrix, variants interleaved (A B C A B C ...) so
-the host's drift hits all alike. No gate: a table of MFU per variant, and what each one actually ran.
+"""`moeguard canary --matrix`: the kernel-choice matrix, each cell an A/B canary against a reference.
 
     moeguard canary --matrix attention=math,flash,efficient experts=loop,bmm,grouped_mm compile=off,on
+
+The cells are the product of the axes' values; the reference is the first cell (each axis's first
+value: list the config's current choice first). Every other cell is measured by the A/B runner
+(guard/canary/ab.py: `measure_ab`) as `--ab set:<reference> set:<cell>` would be: worker pairs in
+ABBA order, the median per-pair B/A tokens/s ratio with its sign-test interval, more pairs while
+undecided. A host's drift between one cell's minutes and the next's then cancels in each cell's
+ratio instead of ranking the cells. Each cell's full A/B report (ab.json / ab.md, with the
+environment diff: the backend actually used) goes to REPORT_DIR/cells/<cell>/; matrix.json /
+matrix.md rank the cells by their ratio and say when the reference is not the fastest.
+
+No gate: a slower cell is information (exit 0); a cell that cannot run here (flash attention on
+a CPU) is listed as unavailable; a worker that fails, or a reference that cannot run, exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import statistics
 from pathlib import Path
 from typing import Any
 
-from guard.canary.config import EXIT_FAIL, EXIT_PASS, TIMING_CPU, Setup, parse_slow
+from guard.canary.ab import WorkerFailed, measure_ab, parse_inject, parse_side
+from guard.canary.ab_format import Report
+from guard.canary.ab_report import build_report, write_reports
+from guard.canary.config import EXIT_FAIL, EXIT_PASS, Setup
 from guard.canary.history import finite
-from guard.canary.keys import LOSS, MFU, TPS
-from guard.canary.measure import Measurement, describe, measure, progress
+from guard.canary.measure import progress, slug
 from guard.canary.report import write_json_and_markdown
 from guard.core.tomlconf import ConfigError
 
@@ -63,116 +77,184 @@ def _matrix_value(key: str, raw: str) -> Any:
     return raw
 
 
+def set_spec(overrides: dict[str, Any]) -> str:
+    """A cell's overrides as the `--ab set:` environment that measures it."""
+    text = {True: "true", False: "false"}
+    return "set:" + ",".join(f"{k}={text[v] if isinstance(v, bool) else v}" for k, v in overrides.items())
+
+
+def pairs_per_cell(setup: Setup, repeats: int | None) -> Setup:
+    """`--repeats N`: N pairs per cell, no extension; else canary.ab_pairs .. ab_max_pairs."""
+    if repeats is None:
+        return setup
+    if repeats < 2:
+        raise ConfigError(f"--repeats {repeats}: a cell needs at least 2 pairs")
+    c = dataclasses.replace(setup.canary, ab_pairs=repeats, ab_max_pairs=repeats)
+    return dataclasses.replace(setup, canary=c)
+
+
 def run_matrix(args: argparse.Namespace, setup: Setup) -> int:
-    variants = parse_matrix(args.matrix)
-    for _, ov in variants:  # validate every variant's config before spending minutes measuring
-        setup.train_config(ov)
-    repeats = max(1, args.repeats)
-    slow = parse_slow(args.inject)
-    results: dict[str, list[Measurement]] = {label: [] for label, _ in variants}
-    unavailable: dict[str, str] = {}
-    n_total = len(variants) * repeats
-    k = 0
-    for r in range(1, repeats + 1):
-        for label, ov in variants:
-            k += 1
-            if label in unavailable:
-                continue
-            progress(f"[{k}/{n_total}] {label} (repeat {r}) ...")
-            m = measure(
-                setup,
-                Path(args.runs),
-                name=f"canary[{label}]",
-                variant=ov,
-                variant_label=label,
-                slow_pct=slow,
-                attempt=r,
-            )
-            results[label].append(m)
-            if m.result.get("status") == "unavailable":
-                unavailable[label] = m.result.get("reason", "")
-                progress(f"    unavailable: {unavailable[label]}")
-            elif m.ok:
-                progress(f"    {describe(m)}")
-            else:
-                progress(f"    error: {m.result.get('reason')}")
-    rep = matrix_report(setup, variants, results, repeats)
-    md, _ = write_json_and_markdown(rep, Path(args.report_dir), "matrix", render_matrix_markdown)
+    cells = parse_matrix(args.matrix)
+    if len(cells) < 2:
+        raise ConfigError(
+            f"--matrix {' '.join(args.matrix)}: one cell; a matrix needs two values on some axis"
+        )
+    setup = pairs_per_cell(setup, args.repeats)
+    slow_ref, slow_cell = parse_inject(args.inject)
+    sides = []
+    for i, (label, ov) in enumerate(cells):
+        side = parse_side(set_spec(ov), "A" if i == 0 else "B", setup.trainer.parse_overrides)
+        side.slow_pct = slow_ref if i == 0 else slow_cell
+        try:  # every cell's config now, before minutes of measuring
+            setup.train_config(side.overrides)
+        except ConfigError as e:
+            raise ConfigError(f"--matrix cell {label!r}: {e}") from None
+        sides.append(side)
+    runs, report_dir = Path(args.runs).resolve(), Path(args.report_dir)
+    reports: dict[str, Report] = {}
+    failed: dict[str, WorkerFailed] = {}
+    for k, ((label, _), side) in enumerate(zip(cells[1:], sides[1:], strict=True), 1):
+        progress(f"[{k}/{len(cells) - 1}] {label} vs the reference {cells[0][0]} ...")
+        try:
+            paired = measure_ab(setup, [sides[0], side], runs, tag=slug(label))
+        except WorkerFailed as e:
+            progress(f"    {'unavailable' if e.unavailable else 'error'}: {e.reason}")
+            failed[label] = e
+            if e.side == "A":  # the reference itself cannot run: nothing can be judged
+                break
+            continue
+        reports[label] = build_report(setup=setup, sides=[sides[0], side], paired=paired)
+        write_reports(reports[label], report_dir / "cells" / slug(label))
+        st = reports[label]["statistic"]
+        progress(
+            f"    B/A {st['median']:.4f} [{st['ci'][0]:.4f}, {st['ci'][1]:.4f}]: {judge(reports[label])}"
+        )
+    rep = matrix_report(setup, cells, reports, failed, report_dir)
+    md, _ = write_json_and_markdown(rep, report_dir, "matrix", render_matrix_markdown)
     print(render_matrix_table(rep))
+    if rep["not_fastest"]:
+        print(rep["not_fastest"])
     print(f"report: {md}")
-    return EXIT_FAIL if any(v["status"] == "error" for v in rep["variants"]) else EXIT_PASS
+    bad = any(not e.unavailable or e.side == "A" for e in failed.values())
+    return EXIT_FAIL if bad else EXIT_PASS
+
+
+def judge(rep: Report) -> str:
+    """A cell against the reference, in words: by the interval of its median B/A, not the median."""
+    lo, hi = rep["statistic"]["ci"]
+    if hi is not None and hi < 1:
+        return "slower"
+    if lo is not None and lo > 1:
+        return "faster"
+    return "no clear difference"
+
+
+def _env_of(rep: Report, side: str) -> dict[str, str]:
+    return {d["key"]: d["a" if side == "A" else "b"] for d in rep["env_diff"]}
+
+
+def cell_row(label: str, overrides: dict[str, Any], rep: Report, report_dir: Path) -> dict[str, Any]:
+    st, b = rep["statistic"], rep["sides"]["B"]
+    env = _env_of(rep, "B")
+    return {
+        "cell": label,
+        "overrides": overrides,
+        "status": "ok",
+        "judged": judge(rep),
+        "ratio_median": st["median"],
+        "ci": st["ci"],
+        "coverage": st["coverage"],
+        "n_pairs": st["n_pairs"],
+        "ab_verdict": rep["verdict"],
+        "mfu_median": b["mfu_median"],
+        "tokens_per_s_median": b["tokens_per_s_median"],
+        "attention_backend": env.get("attention_backend"),
+        "expert_kernel": env.get("expert_kernel"),
+        "compile": env.get("compile"),
+        "runs": b["run_ids"],
+        "ab_report": str(report_dir / "cells" / slug(label) / "ab.json"),
+    }
 
 
 def matrix_report(
     setup: Setup,
-    variants: list[tuple[str, dict[str, Any]]],
-    results: dict[str, list[Measurement]],
-    repeats: int,
+    cells: list[tuple[str, dict[str, Any]]],
+    reports: dict[str, Report],
+    failed: dict[str, WorkerFailed],
+    report_dir: Path,
 ) -> dict[str, Any]:
-    rows = []
-    for label, ov in variants:
-        ms = results[label]
-        ok = [m for m in ms if m.ok]
-        row: dict[str, Any] = {
-            "variant": label,
-            "overrides": ov,
-            "runs": [m.result.get("run_id") for m in ok],
+    """matrix.json: the reference and every cell (its ratio, interval, what it ran), the fastest."""
+    ref_label, ref_ov = cells[0]
+    ref_env = _env_of(next(iter(reports.values())), "A") if reports else {}
+    ref_mfu = [r["sides"]["A"]["mfu_median"] for r in reports.values() if r["sides"]["A"]["mfu_median"]]
+    rows: list[dict[str, Any]] = [
+        {
+            "cell": ref_label,
+            "overrides": ref_ov,
+            "status": "reference",
+            "judged": "reference",
+            "ratio_median": 1.0,
+            "mfu_median": statistics.median(ref_mfu) if ref_mfu else None,
+            "attention_backend": ref_env.get("attention_backend"),
+            "expert_kernel": ref_env.get("expert_kernel"),
+            "compile": ref_env.get("compile"),
+            "runs": [rid for r in reports.values() for rid in r["sides"]["A"]["run_ids"]],
         }
-        if ms and ms[0].result.get("status") == "unavailable":
-            row.update(status="unavailable", reason=ms[0].result.get("reason", ""))
-        elif not ok:
-            row.update(status="error", reason="; ".join(str(m.result.get("reason")) for m in ms))
+    ]
+    for label, ov in cells[1:]:
+        if label in reports:
+            rows.append(cell_row(label, ov, reports[label], report_dir))
+        elif label in failed:
+            e = failed[label]
+            status = "error" if e.side == "A" or not e.unavailable else "unavailable"
+            rows.append({"cell": label, "overrides": ov, "status": status, "reason": e.reason})
         else:
-            mfus = [m.summary[MFU] for m in ok]
-            med = statistics.median(mfus)
-            row.update(
-                status="ok" if len(ok) == len(ms) else "partial",
-                reason="" if len(ok) == len(ms) else f"{len(ms) - len(ok)} repeat(s) failed",
-                timing=ok[0].result.get("timing"),
-                mfu_p50=med,
-                mfu_spread_pct=100 * (max(mfus) - min(mfus)) / med if med else None,
-                mfu_repeats=mfus,
-                tokens_per_s_p50=statistics.median(m.summary[TPS] for m in ok),
-                mfu_wall_p50=statistics.median(m.summary["mfu_wall_p50"] for m in ok),
-                tokens_per_s_wall_p50=statistics.median(m.summary["tokens_per_s_wall_p50"] for m in ok),
-                first_step_s=statistics.median(m.summary["first_step_s"] for m in ok),
-                compile_s=statistics.median(m.summary["compile_s"] for m in ok),
-                final_loss=statistics.median(m.summary[LOSS] for m in ok),
-                attention_backend=ok[0].result["env"].get("attention_backend"),
-                expert_kernel=ok[0].result["env"].get("expert_kernel"),
-                loadavg=[m.result.get("loadavg") for m in ok],
+            rows.append(
+                {"cell": label, "overrides": ov, "status": "not measured", "reason": "the reference failed"}
             )
-        rows.append(row)
+    faster = [r for r in rows if r.get("judged") == "faster"]
+    best = max(faster, key=lambda r: r["ratio_median"]) if faster else None
+    c = setup.canary
     return finite(
         {
+            "kind": "matrix",
             "config": str(setup.path),
             "config_label": setup.label(),
-            "repeats": repeats,
-            "order": "interleaved: every variant once per repeat, in the same order",
-            "variants": rows,
+            "reference": ref_label,
+            "pairs": f"{c.ab_pairs} pairs per cell"
+            + ("" if c.ab_max_pairs == c.ab_pairs else f", up to {c.ab_max_pairs}"),
+            "order": c.ab_order,
+            "cells": rows,
+            "not_fastest": (
+                f"The reference ({ref_label}) is not the fastest: {best['cell']} is faster, "
+                f"B/A {best['ratio_median']:.4f} (interval {best['ci'][0]:.4f} .. {best['ci'][1]:.4f})"
+                if best
+                else ""
+            ),
         }
     )
 
 
 def render_matrix_table(rep: dict[str, Any]) -> str:
-    ok = sorted((v for v in rep["variants"] if v.get("mfu_p50") is not None), key=lambda v: -v["mfu_p50"])
-    rest = [v for v in rep["variants"] if v.get("mfu_p50") is None]
-    timing = ok[0].get("timing") if ok else None
-    tps = "tokens/CPU-s p50" if timing == TIMING_CPU else "tokens/s p50"
+    ranked = sorted(
+        (r for r in rep["cells"] if r.get("ratio_median") is not None), key=lambda r: -r["ratio_median"]
+    )
+    rest = [r for r in rep["cells"] if r.get("ratio_median") is None]
     lines = [
-        f"| variant | MFU p50 | spread | {tps} | wall MFU p50 | wall tokens/s | first step s | loss | status |",
+        "| cell | B/A vs reference | interval | pairs | judged | MFU (median) | attention used | experts | compile |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for v in ok:
+    for r in ranked:
+        ci = r.get("ci")
+        interval = f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci and None not in ci else "—"
+        mfu = f"{100 * r['mfu_median']:.3f}%" if r.get("mfu_median") is not None else "—"
         lines.append(
-            f"| {v['variant']} | {100 * v['mfu_p50']:.3f}% | {v['mfu_spread_pct'] or 0:.1f}% | "
-            f"{v['tokens_per_s_p50']:,.0f} | {100 * (v['mfu_wall_p50'] or 0):.3f}% | "
-            f"{v['tokens_per_s_wall_p50'] or 0:,.0f} | {v['first_step_s'] or 0:.2f} | "
-            f"{v['final_loss'] or 0:.4f} | {v['status']} |"
+            f"| {r['cell']} | {r['ratio_median']:.4f} | {interval} | {r.get('n_pairs', '—')} | {r['judged']} | "
+            f"{mfu} | {r.get('attention_backend')} | {r.get('expert_kernel')} | {r.get('compile')} |"
         )
-    for v in rest:
+    for r in rest:
         lines.append(
-            f"| {v['variant']} | — | — | — | — | — | — | — | {v['status']}: {v.get('reason', '')[:120]} |"
+            f"| {r['cell']} | — | — | — | {r['status']}: {r.get('reason', '')[:120]} | — | — | — | — |"
         )
     return "\n".join(lines)
 
@@ -182,9 +264,12 @@ def render_matrix_markdown(rep: dict[str, Any]) -> str:
         [
             "# Canary kernel matrix",
             "",
-            f"- config: `{rep['config_label']}`; {rep['repeats']} repeat(s), {rep['order']}",
-            "- MFU p50: median over repeats of each run's steady-state p50 (CPU: against the paired reference); "
-            "spread: (max - min) / median over repeats; first step includes torch.compile time when compile=on.",
+            f"- config: `{rep['config_label']}`; reference: `{rep['reference']}`; {rep['pairs']} ({rep['order']} order)",
+            "- B/A: the median over the cell's worker pairs of its tokens/s over the reference's (CPU: per "
+            "CPU-second, normalised by each process's reference matmul); judged by its sign-test interval: "
+            "slower (wholly below 1), faster (wholly above 1), else no clear difference. Each cell's A/B report "
+            "(pairs, environment diff, ops that changed): `cells/<cell>/ab.md`.",
+            *([f"- **{rep['not_fastest']}**"] if rep["not_fastest"] else []),
             "",
             render_matrix_table(rep),
             "",

@@ -224,37 +224,6 @@ def test_reports_carry_the_profile_summary(recorded: Path) -> None:
     assert "## Environment vs baseline" in md
 
 
-@pytest.mark.slow
-def test_matrix_reports_unavailable_variants(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # cudnn attention cannot run on CPU (and efficient neither); on a GPU box math still runs.
-    code = main(
-        [
-            "canary",
-            "--matrix",
-            "attention=math,cudnn",
-            "--repeats",
-            "1",
-            "--runs",
-            str(tmp_path / "runs"),
-            "--report-dir",
-            str(tmp_path / "rep"),
-            *_sets(TINY),
-        ]
-    )
-    assert code == 0
-    rep = json.loads((tmp_path / "rep" / "matrix.json").read_text())
-    by = {v["variant"]: v for v in rep["variants"]}
-    assert by["attention=math"]["status"] == "ok" and by["attention=math"]["mfu_p50"] > 0
-    assert by["attention=math"]["runs"][0].startswith("canary_attention_math")  # run name carries the variant
-    import torch
-
-    if not torch.cuda.is_available():
-        assert by["attention=cudnn"]["status"] == "unavailable"
-        assert "cudnn" in by["attention=cudnn"]["reason"]
-        assert "unavailable" in capsys.readouterr().out
-    assert (tmp_path / "rep" / "matrix.md").read_text().startswith("# Canary kernel matrix")
-
-
 # ---- usage errors (exit 2) ---------------------------------------------------------------------
 def test_usage_errors(tmp_path: Path) -> None:
     h = ["--history", str(tmp_path / "h.jsonl"), "--runs", str(tmp_path / "runs")]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from guard.canary import ab, config
+from guard.canary import ab, ab_format, config, matrix
 from guard.cli import main
 from guard.core.tomlconf import ConfigError
 from tests.guard.test_canary import SHORT, _sets
@@ -106,6 +106,106 @@ def test_a_equals_a_passes_and_a_py_interpreter_runs_the_worker(tmp_path: Path) 
     assert "mfu" in rep["other_ratios"]  # same FLOPs per token on both sides: the MFU ratio is shown
 
 
+# ---- the kernel matrix runs through the A/B runner -----------------------------------------------
+def _matrix(tmp: Path, *axes: str, pairs: int, extra: tuple[str, ...] = ()) -> tuple[int, dict]:
+    code = main(
+        [
+            "canary",
+            "--matrix",
+            *axes,
+            "--repeats",
+            str(pairs),
+            "--runs",
+            str(tmp / "runs"),
+            "--report-dir",
+            str(tmp / "rep"),
+            *_sets(AB_SHORT),
+            *extra,
+        ]
+    )
+    path = tmp / "rep" / "matrix.json"
+    return code, (json.loads(path.read_text()) if path.is_file() else {})
+
+
+@pytest.mark.slow
+def test_a_two_cell_matrix_is_an_ab_canary_of_the_cell_against_the_reference(tmp_path: Path) -> None:
+    """experts=loop,bmm: the reference (loop) and one cell (bmm, slowed 40% by --inject) measured as
+    `--ab set:model.experts_kernel=loop set:model.experts_kernel=bmm`: ABBA worker pairs, the paired
+    statistic, the cell's own ab.json; a slower cell is information, not a failure (exit 0)."""
+    code, rep = _matrix(tmp_path, "experts=loop,bmm", pairs=2, extra=("--inject", "slow:40"))
+    assert code == 0, rep
+    ref, cell = rep["cells"]
+    assert (
+        ref["cell"] == "experts=loop" and ref["status"] == "reference" and rep["reference"] == "experts=loop"
+    )
+    assert cell["cell"] == "experts=bmm" and cell["status"] == "ok" and cell["n_pairs"] == 2
+    assert cell["judged"] == "slower" and cell["ratio_median"] < 0.85 and cell["ci"][1] < 1
+    # what each side actually ran, from its workers
+    assert (ref["expert_kernel"], cell["expert_kernel"]) == ("loop", "bmm")
+    assert not rep["not_fastest"]  # the slowed cell is not faster than the reference
+    # The cell's report is an A/B report in ab.json's one format, read back by its one reader.
+    ab_rep = ab_format.read_report(Path(cell["ab_report"]))
+    assert ab_rep["sequence"] == "ABBA" and [w["side"] for w in ab_rep["workers"]] == list("ABBA")
+    assert ab_rep["sides"]["A"]["spec"] == "set:model.experts_kernel=loop"
+    assert (
+        ab_rep["sides"]["B"]["spec"] == "set:model.experts_kernel=bmm"
+        and ab_rep["sides"]["B"]["slow_pct"] == 40
+    )
+    assert ab_rep["statistic"]["median"] == pytest.approx(cell["ratio_median"])
+    assert ab_rep["verdict"] == "fail"  # 40% slower than the reference, past ab_fail_pct = 10
+    diff = {d["key"]: d for d in ab_rep["env_diff"]}
+    assert diff["expert_kernel"]["differs"] and (diff["expert_kernel"]["a"], diff["expert_kernel"]["b"]) == (
+        "loop",
+        "bmm",
+    )
+    assert set(ref["runs"]) == set(ab_rep["sides"]["A"]["run_ids"])  # the reference's workers are real runs
+    for rid in ref["runs"] + cell["runs"]:
+        assert (tmp_path / "runs" / rid / "meta.json").is_file()
+    md = (tmp_path / "rep" / "matrix.md").read_text()
+    assert md.startswith("# Canary kernel matrix") and "| experts=bmm | " in md and "slower" in md
+
+
+@pytest.mark.slow
+def test_matrix_lists_a_cell_that_cannot_run_here_as_unavailable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("cudnn attention can run here")
+    code, rep = _matrix(tmp_path, "attention=math,cudnn", pairs=2)
+    assert code == 0  # a kernel this machine lacks is not an error
+    by = {r["cell"]: r for r in rep["cells"]}
+    assert by["attention=math"]["status"] == "reference"
+    assert by["attention=cudnn"]["status"] == "unavailable" and "cudnn" in by["attention=cudnn"]["reason"]
+    assert "unavailable" in capsys.readouterr().err
+
+
+def test_ab_json_reader_names_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(ab_format.ReportError, match="not an A/B canary report"):
+        ab_format.parse_report({"kind": "matrix"})
+    with pytest.raises(ab_format.ReportError, match="newer than this reader"):
+        ab_format.parse_report({"kind": "ab", "format": ab_format.FORMAT + 1})
+    with pytest.raises(ab_format.ReportError, match="key 'verdict' is missing"):
+        ab_format.parse_report({"kind": "ab"})
+    bad = tmp_path / "ab.json"
+    bad.write_text("{not json")
+    with pytest.raises(ab_format.ReportError, match=f"{bad}: cannot read it as JSON"):
+        ab_format.read_report(bad)
+
+
+def test_matrix_cells_are_set_environments() -> None:
+    cells = matrix.parse_matrix(["experts=loop,bmm", "compile=off,on"])
+    assert [matrix.set_spec(ov) for _, ov in cells[:2]] == [
+        "set:model.experts_kernel=loop,train.compile=false",
+        "set:model.experts_kernel=loop,train.compile=true",
+    ]
+    side = ab.parse_side(
+        matrix.set_spec(cells[3][1]), "B", parse_overrides
+    )  # round-trips through --ab's parser
+    assert side.overrides == cells[3][1] == {"model.experts_kernel": "bmm", "train.compile": True}
+
+
 # ---- usage errors name the bad value ------------------------------------------------------------
 @pytest.mark.parametrize(
     ("a", "b", "says"),
@@ -136,6 +236,11 @@ def test_ab_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert (
         main(["canary", "--ab", "set:", "set:", "--set", "canary.ab_max_pairs=2", *runs]) == 2
     )  # < ab_pairs
+    capsys.readouterr()
+    assert main(["canary", "--matrix", "experts=loop", *runs]) == 2  # one cell: nothing to pair it with
+    assert "a matrix needs two values" in capsys.readouterr().err
+    assert main(["canary", "--matrix", "experts=loop,bmm", "--repeats", "1", *runs]) == 2
+    assert "--repeats 1: a cell needs at least 2 pairs" in capsys.readouterr().err
     not_python = tmp_path / "not-python"
     not_python.write_text("#!/bin/sh\nexit 3\n")
     not_python.chmod(0o755)
