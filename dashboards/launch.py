@@ -1,6 +1,7 @@
 """`moeguard app`: start the Streamlit run-health app over a run store.
 
     moeguard app --runs DIR [--port 8501] [--host 127.0.0.1] [--history FILE] [--collector URL]
+                 [--ab-reports PATH]
 
 Runs `streamlit run dashboards/app.py --server.headless true ... -- --runs DIR ...` as a child
 process (the app reads everything after `--`) and returns its exit code.
@@ -27,6 +28,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--history", metavar="FILE", help="canary history (JSONL) for the Canaries page")
     parser.add_argument("--collector", metavar="URL", help="collector or Alertmanager URL for open alerts")
+    parser.add_argument(
+        "--ab-reports",
+        metavar="PATH",
+        help="A/B canary reports for the Canaries page: an ab.json or a folder of them "
+        "(default: RUNS/canary-report, where `moeguard canary --ab --runs RUNS` writes)",
+    )
 
 
 def streamlit_command(args: argparse.Namespace) -> list[str]:
@@ -52,6 +59,8 @@ def streamlit_command(args: argparse.Namespace) -> list[str]:
         cmd += ["--history", str(Path(args.history).resolve())]
     if args.collector:
         cmd += ["--collector", args.collector]
+    if getattr(args, "ab_reports", None):
+        cmd += ["--ab-reports", str(Path(args.ab_reports).resolve())]
     return cmd
 
 

@@ -235,9 +235,13 @@ def test_canary_reader_accepts_the_canary_format() -> None:
 def test_app_config_from_argv_then_env(monkeypatch) -> None:
     monkeypatch.setenv(config.ENV_RUNS, "/env/runs")
     monkeypatch.delenv(config.ENV_HISTORY, raising=False)
+    monkeypatch.delenv(config.ENV_AB_REPORTS, raising=False)
     cfg = config.app_config(["--runs", "/cli/runs", "--history", "h.jsonl", "--collector", "http://am:9093"])
     assert cfg == config.AppConfig(
-        runs_dir=Path("/cli/runs"), history=Path("h.jsonl"), collector="http://am:9093"
+        runs_dir=Path("/cli/runs"),
+        history=Path("h.jsonl"),
+        collector="http://am:9093",
+        ab_reports=Path("/cli/runs/canary-report"),  # where `moeguard canary --ab --runs /cli/runs` writes
     )
     assert config.app_config(["--runxfail"]).runs_dir == Path("/env/runs")
 
