@@ -12,7 +12,8 @@ matrices; tensors of at most `full_below` elements whole): an optimizer step pre
 the S sampled weights into a preallocated buffer, a post-hook gathers them again, subtracts,
 squares, and takes one segmented sum per parameter of (W_new - W_old)^2 and W_old^2, scaled by
 numel / samples: 2P numbers held on the device until the next `collect()` ships them with
-everything else. Host: per-layer, per-group and total ratios are bincounts over P. The same
+everything else. The post-hook's sample is the next update's W_old unless something else wrote
+the weights in between (their version counters say so), so most steps gather once. Host: per-layer, per-group and total ratios are bincounts over P. The same
 positions every step, so the sampling error is a fixed bias of a few percent (it cancels in a
 ratio against the run's own baseline), not step-to-step noise.
 
@@ -86,6 +87,12 @@ class UpdateSampler:
         # index_add would be a serial scatter on a CPU, per-parameter norms one call per tensor)
         self.lengths_2P = torch.tensor(self.n_P, device=device).expand(2, len(params)).contiguous()
         self.buf_2S = torch.zeros(2, self.n_sampled, device=device)  # [new - old, old] (fp32)
+        # The sample taken after the last update: the next update's W_old, as long as nothing
+        # else wrote the weights since (tracked by their version counters: a rollback, a resume,
+        # a user's own in-place change bump them). Saves one gather per step.
+        self.last_S = torch.zeros(self.n_sampled, device=device)
+        self._last_versions: list[int] | None = None
+        self._params = params
         self.armed = False  # set by collect(): only updates the probe reports on are sampled
         self.pending: torch.Tensor | None = None  # [2P]: sum dW^2 per parameter, then sum W_old^2
         self._have_old = False
@@ -94,18 +101,25 @@ class UpdateSampler:
             optimizer.register_step_post_hook(self._after),
         ]
 
+    def _versions(self) -> list[int]:
+        return [p._version for p in self._params]
+
     def _before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.armed and self.n_sampled:
-            torch.cat(self.views, out=self.buf_2S[1])  # W_old at the sampled positions
-            self._have_old = True
+        if not (self.armed and self.n_sampled):
+            return
+        if self._last_versions is None or self._versions() != self._last_versions:
+            torch.cat(self.views, out=self.last_S)  # W_old at the sampled positions
+        self._have_old = True
 
     def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._have_old:
             return
         self._have_old = self.armed = False
-        new, old = self.buf_2S[0], self.buf_2S[1]
-        torch.cat(self.views, out=new)
-        new.sub_(old)
+        diff, old = self.buf_2S[0], self.buf_2S[1]
+        old.copy_(self.last_S)
+        torch.cat(self.views, out=self.last_S)  # W_new: this update's result, the next one's W_old
+        torch.sub(self.last_S, old, out=diff)
+        self._last_versions = self._versions()
         sums = torch.segment_reduce(self.buf_2S.square_(), "sum", lengths=self.lengths_2P, axis=1)
         self.pending = sums.reshape(-1).mul_(self.scale_2P)
 
@@ -217,6 +231,17 @@ class Precursors:
         self.updates = UpdateSampler(params, optimizer, cfg)
         self.moments = SecondMoments(params, optimizer, cfg) if cfg.adam_v_ratio else None
         self._layout = (0, 0)  # (update sums, second-moment sums) in the last device_part
+        # Host side in one bincount: each parameter's dW^2 and W^2 go to its layer's bin (n_layers:
+        # outside every block), its group's and the total's; W^2 in a second copy of the bins.
+        p_count = len(params)
+        grouped = np.flatnonzero(self.group_P >= 0)
+        self._n_bins = n_layers + 1 + self.n_groups + 1
+        bins_X = np.concatenate(
+            [segments_P, n_layers + 1 + self.group_P[grouped], np.full(p_count, self._n_bins - 1)]
+        )
+        take_X = np.concatenate([np.arange(p_count), grouped, np.arange(p_count)])
+        self._bins_2X = np.concatenate([bins_X, bins_X + self._n_bins])
+        self._take_2X = np.concatenate([take_X, take_X + p_count])
 
     def device_part(self, like: torch.Tensor) -> torch.Tensor:
         """This step's precursor numbers as one flat device vector (goes into the probe's single
@@ -246,14 +271,12 @@ class Precursors:
             "group_update_ratio_G": np.full(g, math.nan),
         }
         if n_u:
-            d2, w2 = h[: self.n_params], h[self.n_params : 2 * self.n_params]
-            d_L = np.bincount(self.segments_P, weights=d2, minlength=n_l + 1)
-            w_L = np.bincount(self.segments_P, weights=w2, minlength=n_l + 1)
-            d_G = np.bincount(self.group_P[in_group], weights=d2[in_group], minlength=g)
-            w_G = np.bincount(self.group_P[in_group], weights=w2[in_group], minlength=g)
-            out["update_ratio"] = float(_ratio(np.array([d_L.sum()]), np.array([w_L.sum()]))[0])
-            out["update_ratio_L"] = _ratio(d_L[:n_l], w_L[:n_l])
-            out["group_update_ratio_G"] = _ratio(d_G, w_G)
+            b = self._n_bins
+            sums = np.bincount(self._bins_2X, weights=h[self._take_2X], minlength=2 * b)
+            ratio = _ratio(sums[:b], sums[b:])  # [layers..., outside, groups..., total]
+            out["update_ratio"] = float(ratio[-1])
+            out["update_ratio_L"] = ratio[:n_l]
+            out["group_update_ratio_G"] = ratio[n_l + 1 : n_l + 1 + g]
         out["adam_v_ratio"] = (
             self.moments.ratio(h[n_u : n_u + n_v]) if self.moments is not None and n_v else math.nan
         )

@@ -59,7 +59,9 @@ class SnapshotRing:
 
     def _live_model_tensors(self) -> list[torch.Tensor]:
         # state_dict(keep_vars) would include non-persistent buffers only partially; walk both.
-        ts = [p.data for p in self.model.parameters()]
+        # detach(), not .data: a detached tensor shares the parameter's version counter, so a
+        # restore is visible to whoever watches the weights for writes (the precursor sampler).
+        ts = [p.detach() for p in self.model.parameters()]
         ts += [b for b in self.model.buffers()]
         return ts
 

@@ -82,6 +82,38 @@ def test_sampled_update_ratio_matches_the_exact_one_within_a_few_percent() -> No
         assert got["update_ratio_L"] == pytest.approx(exact_L, rel=0.05)
 
 
+@pytest.mark.parametrize("write", ["rollback", "load_state_dict", "in_place"])
+def test_the_update_after_an_outside_write_to_the_weights_is_measured_from_the_written_weights(
+    write: str,
+) -> None:
+    """The sampler reuses the last update's sample as the next W_old; a write between updates (a
+    snapshot restore, a checkpoint load, a user's in-place change) must not count as an update."""
+    from guard.runtime.snapshot import SnapshotRing
+
+    model, opt, probe = _setup()
+    ring = SnapshotRing(model, opt, 2)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    ring.take(0)
+    for _ in range(3):  # steady steps: the reused sample is exact
+        probe.collect(_backward(model), 1)
+        opt.step()
+        opt.zero_grad()
+    if write == "rollback":
+        ring.restore(0)
+    elif write == "load_state_dict":
+        model.load_state_dict(saved)
+    else:
+        with torch.no_grad():
+            model.blocks[0][0].weight.mul_(3.0)
+    probe.collect(_backward(model), 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    opt.zero_grad()
+    exact = _exact_ratio(before, list(model.parameters()))
+    got = probe.collect(_backward(model), 1).precursors["update_ratio"]
+    assert got == pytest.approx(exact, rel=0.05)
+
+
 def test_group_grad_norms_sum_the_per_parameter_norms_by_optimizer_group() -> None:
     model, opt, probe = _setup()
     pr = probe.collect(_backward(model), 1)

@@ -74,6 +74,18 @@ def median_of(a: np.ndarray) -> float:
     return 0.5 * float(p[k - 1] + p[k])
 
 
+def median_rows(a: np.ndarray) -> np.ndarray:
+    """Median of each row of a 2-D array, by one introselect over the rows: the same numbers as
+    np.median(a, axis=1) (0.5 * (a + b) is exact, like its mean of the middle pair) without its
+    NaN checks and bookkeeping, which cost more than the selection on short windows."""
+    n = a.shape[1]
+    k = n // 2
+    if n % 2:
+        return np.partition(a, k, axis=1)[:, k]
+    p = np.partition(a, (k - 1, k), axis=1)
+    return 0.5 * (p[:, k - 1] + p[:, k])
+
+
 def is_finite(x: float) -> bool:
     try:
         return math.isfinite(x)

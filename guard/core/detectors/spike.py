@@ -19,7 +19,7 @@ import numpy as np
 from guard.core import schema
 from guard.core.config import SpikeConfig
 from guard.core.detectors.calibrated import CalibratedSpikeDetector
-from guard.core.detectors.robust import MAD_TO_SIGMA, NAN, RingBuffer, is_finite, median_of
+from guard.core.detectors.robust import MAD_TO_SIGMA, NAN, RingBuffer, is_finite, median_of, median_rows
 from guard.core.events import Verdict
 
 
@@ -247,11 +247,11 @@ class LayerSpikeDetector:
         for (_, n_resid), ds in groups.items():
             if len(ds) < 2:
                 continue  # the scalar path is as cheap
-            level = np.median(np.stack([d._recent.values() for d in ds]), axis=1)
+            level = median_rows(np.stack([d._recent.values() for d in ds]))
             if n_resid:
                 r = np.stack([d._resid.values() for d in ds])
-                med_r = np.median(r, axis=1)
-                mad = np.median(np.abs(r - med_r[:, None]), axis=1) * MAD_TO_SIGMA
+                med_r = median_rows(r)
+                mad = median_rows(np.abs(r - med_r[:, None])) * MAD_TO_SIGMA
                 top = r.max(axis=1) - med_r
             else:
                 med_r = mad = top = np.zeros(len(ds))
