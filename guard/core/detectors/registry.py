@@ -21,6 +21,7 @@ from guard.core.config import GuardConfig
 from guard.core.detectors.calibrated import CalibratedSpikeDetector
 from guard.core.detectors.collapse import CollapseDetector
 from guard.core.detectors.nonfinite import NonFiniteDetector
+from guard.core.detectors.robust import is_finite
 from guard.core.detectors.spike import LayerSpikeDetector, SpikeDetector
 from guard.core.detectors.timing import StallDetector, ThroughputDetector
 from guard.core.events import Verdict
@@ -116,7 +117,10 @@ class SeriesSpike(_Fired):
         self.field = field
 
     def peek(self, report: StepReport) -> list[Verdict]:
-        v = self.det.peek(getattr(report, self.field))
+        x = getattr(report, self.field)
+        if is_finite(x) and not self.det.judge(float(x))[0]:
+            return []  # the usual step: no Verdict to build (peek fires only where judge does)
+        v = self.det.peek(x)
         return [v] if v.fired else []
 
     def accept(self, report: StepReport) -> None:
