@@ -358,6 +358,8 @@ class Attachment:
     # Called after the guard's step whatever the decision (e.g. torchtitan zeroes its counters in
     # an optimizer pre-hook that a skipped step never runs).
     after_step: Callable[[bool], None] | None = None
+    # Undoes whatever else the adapter changed on the model (e.g. transformers' watched attention)
+    undo: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def correction_mode(self) -> str:
@@ -368,3 +370,5 @@ class Attachment:
         for _, src in self.routers:
             if hasattr(src, "remove"):
                 src.remove()
+        while self.undo:
+            self.undo.pop()()

@@ -27,6 +27,7 @@ from guard.integrations.base import (
     Corrector,
     TopKRoutingHook,
 )
+from guard.integrations.transformers_logits import watch_logits as watch_logits_of
 
 # Attribute names transformers 5 uses for the router inside a sparse MoE block.
 ROUTER_NAMES = ("gate", "router")
@@ -73,6 +74,7 @@ def attach(
     bias_max: float = 1.0,
     bias_update_rate: float = 0.0,
     balance_coef: float = 0.0,
+    watch_logits: bool = False,
 ) -> Attachment:
     """Hook every MoE router of a transformers model. Raises ValueError naming the class when the
     model has no router this adapter knows.
@@ -86,6 +88,10 @@ def attach(
     bias_update_rate: transformers' DeepSeek-V3 never updates `e_score_correction_bias` during
       training (its aux-loss-free balancing is left to the trainer); > 0 runs DeepSeek-V3's own
       sign update with this u (1e-3 in the paper) after every applied step. 0 leaves it alone.
+    watch_logits: also measure the max attention logit per layer (a precursor, sampled every
+      guard.precursor.max_logit_every-th step) by routing attention through a watching wrapper
+      (guard/integrations/transformers_logits.py says what is and is not exact). Off by default:
+      nothing is added to the model or its forward.
     """
     blocks = decoder_layers(model)
     found: list[tuple[int, nn.Module]] = []
@@ -132,6 +138,7 @@ def attach(
             balance_coef=balance_coef,
         )
     cfg = getattr(model, "config", None)
+    undo = [watch_logits_of(model, blocks)] if watch_logits else []
     return Attachment(
         family=type(model).__name__,
         layers=blocks,
@@ -139,6 +146,7 @@ def attach(
         corrector=corrector,
         n_experts=_n_experts(found[0][1]),
         top_k=int(getattr(cfg, "num_experts_per_tok", 0) or 0),
+        undo=undo,
     )
 
 
