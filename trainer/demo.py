@@ -19,6 +19,7 @@ from typing import Any
 
 from guard.core import schema
 from guard.store.reader import count_actions, read_table
+from trainer.outcome import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 DEFAULT_FAULTS = ["gradspike@100:100", "nan@140", "lrspike@180:100", "badbatch@220", "collapse@270:3"]
 
@@ -161,7 +162,13 @@ def drill(
         if progress:
             print(f"\n== {name}: {run_dir}", flush=True)
         out.append(run_one(name, config, steps, seed, run_dir, f, mode, progress, threads))
+        if out[-1].status in STOPPED_BY_USER:
+            break  # SIGTERM or Ctrl-C stops the demo, not just the run it landed in
     return out
+
+
+# A run that ended because someone stopped it: the demo stops too, with the run's exit code.
+STOPPED_BY_USER = {schema.STATUS_PREEMPTED: EXIT_PREEMPTED, schema.STATUS_INTERRUPTED: EXIT_INTERRUPTED}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_table(results))
     print(f"\nruns are in {args.runs}/; explore them with: moeguard app --runs {args.runs}")
+    last = results[-1]
+    if last.status in STOPPED_BY_USER:
+        print(f"demo stopped: the {last.name!r} run ended {last.status}; the remaining runs were not started")
+        return STOPPED_BY_USER[last.status]
     return 0
 
 

@@ -230,3 +230,23 @@ def test_sigterm_to_torchrun_stops_every_rank_at_the_same_step_with_one_checkpoi
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert read_table(run, schema.TABLE_STEPS)["step"].sort().to_list() == list(range(stopped + 2))
+
+
+def test_sigterm_to_the_demo_stops_the_demo_not_just_its_current_run(tmp_path: Path) -> None:
+    """A user who stops `moeguard demo` wants it stopped: the run SIGTERM lands in is preempted
+    (checkpointed) and the demo's other runs are never started."""
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "guard", "demo", "--config", str(MICRO), "--steps", "5000"]
+    cmd += ["--runs", str(runs), "--threads", "1", "--no-progress"]
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not list(runs.glob(f"demo-*/{schema.TABLE_STEPS}/part-*.parquet")):
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the demo's first run never flushed a chunk of steps"
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == EXIT_PREEMPTED, err[-3000:]
+    [run] = list(runs.iterdir())  # the faulty runs never started
+    assert run.name.endswith("-clean") and read_meta(run)["status"] == schema.STATUS_PREEMPTED
+    assert "demo stopped" in out and "preempted" in out
