@@ -297,6 +297,7 @@ ALERTS = (
     "GradNormSpike",
     "LossSpike",
     "LRSpike",
+    "AttentionLogitGrowth",
     "NonFiniteLoss",
     "ExpertCollapse",
     "DeadExperts",

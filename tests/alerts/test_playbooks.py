@@ -130,6 +130,10 @@ def run_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "maxvio": np.where(load_entropy < 0.5, 5.0, 0.2),
             "dead_experts": np.where(load_entropy < 0.5, 3, 0),
             "bias_norm": 0.01 + ls * 1e-4,
+            # sampled every 10th step; layer 1's grows from step 240
+            "max_logit": np.where(
+                ls % 10 == 0, np.where((ll == 1) & (ls >= 240), 8.0 * 1.1 ** (ls - 240), 8.0), np.nan
+            ),
         },
     )
     es = np.repeat(steps, n_layers * n_exp)
@@ -195,6 +199,15 @@ def run_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
             {"rank": 3, "ranks": [3], "first": {"grad_norm": math.nan}, "recompute": {"grad_norm": 1.0}},
         ),
         (260, "straggler", "", 0.6, 0.75, "none", {"rank": 5}),
+        (
+            250,
+            "verdict",
+            "max_logit_growth",
+            20.7,
+            16.0,
+            "none",
+            {"layer": 1, "layers": [1], "precursor": True},
+        ),
         (
             290,
             "halt",
