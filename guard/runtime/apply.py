@@ -75,12 +75,13 @@ class DecisionApplier:
         out = Applied(updated=d.applies_update)
         if out.updated:
             self._update(grad_norm, d.lr_scale)
-        if self.corrector is not None:
-            # Before a rollback, as the trainer always did: a correction that lives in a model
-            # buffer is then restored with the snapshot (moeguard's aux-loss weight).
-            self.corrector.correct({**d.bias_boost, **d.aux_boost}, loads_ME, out.updated)
         if d.action == schema.ACT_ROLLBACK:
             out.restored_step, out.restored_extra = self.guard.rollback(d)
+        if self.corrector is not None:
+            # After a rollback: a correction that lives in a model buffer (a selection bias,
+            # moeguard's aux-loss weight) would otherwise be overwritten by the snapshot at once,
+            # while the events say it was applied.
+            self.corrector.correct({**d.bias_boost, **d.aux_boost}, loads_ME, out.updated)
         if self.after_step is not None:
             self.after_step(out.updated)
         self.optimizer.zero_grad(set_to_none=True)
