@@ -19,6 +19,7 @@ from guard.canary import ab, ab_format, config, matrix
 from guard.cli import main
 from guard.core.tomlconf import ConfigError
 from tests.guard.test_canary import SHORT, _sets
+from trainer.canary_cli import TRAINER
 from trainer.cli import parse_overrides
 
 AB_SHORT = [*SHORT, "canary.ab_fail_pct=10"]
@@ -192,6 +193,39 @@ def test_ab_json_reader_names_what_is_wrong(tmp_path: Path) -> None:
     bad.write_text("{not json")
     with pytest.raises(ab_format.ReportError, match=f"{bad}: cannot read it as JSON"):
         ab_format.read_report(bad)
+
+
+def test_matrix_ranks_cells_and_says_when_the_reference_is_not_the_fastest(tmp_path: Path) -> None:
+    """Judged by each cell's interval: a cell whose interval lies above 1 is faster than the
+    reference, and the report says the reference is not the fastest; one whose interval holds 1 is
+    no clear difference. Cell reports written by the canary's own writer."""
+    from tests.dashboards.synth_ab import write_ab_report
+
+    cells = matrix.parse_matrix(["experts=bmm,loop,grouped_mm"])
+    reports = {
+        "experts=loop": ab_format.read_report(write_ab_report(tmp_path / "loop", [1.15, 1.2, 1.18, 1.21])),
+        "experts=grouped_mm": ab_format.read_report(
+            write_ab_report(tmp_path / "gmm", [0.99, 1.02, 1.0, 0.98])
+        ),
+    }
+    setup = config.load_setup(config.DEFAULT_CONFIG, {}, TRAINER)
+    rep = matrix.matrix_report(setup, cells, reports, {}, tmp_path)
+    by = {r["cell"]: r for r in rep["cells"]}
+    assert by["experts=bmm"]["judged"] == "reference" and by["experts=loop"]["judged"] == "faster"
+    assert by["experts=grouped_mm"]["judged"] == "no clear difference"
+    assert rep["not_fastest"].startswith(
+        "The reference (experts=bmm) is not the fastest: experts=loop is faster"
+    )
+    table = matrix.render_matrix_table(rep).splitlines()[2:]
+    assert [row.split(" | ")[0].strip("| ") for row in table] == [
+        "experts=loop",
+        "experts=bmm",
+        "experts=grouped_mm",
+    ]
+    slower = {
+        "experts=loop": ab_format.read_report(write_ab_report(tmp_path / "slow", [0.9, 0.92, 0.91, 0.9]))
+    }
+    assert matrix.matrix_report(setup, cells[:2], slower, {}, tmp_path)["not_fastest"] == ""
 
 
 def test_matrix_cells_are_set_environments() -> None:
