@@ -124,6 +124,7 @@ def _history_section(cfg: AppConfig) -> None:
             kern.head(15),
             hide_index=True,
             column_config={
+                "op": st.column_config.TextColumn(width="large"),  # aten::_scaled_dot_product_... was cut off
                 "now ms": st.column_config.NumberColumn(format="%.3f"),
                 "baseline ms": st.column_config.NumberColumn(format="%.3f"),
                 "raw change %": st.column_config.NumberColumn(

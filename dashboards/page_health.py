@@ -161,8 +161,9 @@ else:
             "threshold",
         ).with_columns(evidence=pl.Series(evidence, dtype=pl.String)),
         hide_index=True,
-        height=min(420, 38 + 35 * max(1, ev.height)),
+        height=ui.table_height(ev.height, max_rows=20),  # a drill's events fit; a long run's scroll
         column_config={
+            "detector": st.column_config.TextColumn(width="medium"),  # layer_grad_norm_spike was cut off
             "value": st.column_config.NumberColumn(format="%.4g"),
             "threshold": st.column_config.NumberColumn(format="%.4g"),
         },

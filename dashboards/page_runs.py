@@ -104,6 +104,11 @@ st.caption(
     "between runs with the same peak, tokens/s between runs of the same model."
 )
 
+# the note column sits at the table's right edge, off screen on a laptop: the runs that did not
+# end cleanly are spelled out here as well, newest first
+endings = ui.endings(infos)
+if endings:
+    st.markdown(endings)
 if notes:
     st.caption("MFU: " + " · ".join(notes))
 for info in infos:

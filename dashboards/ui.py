@@ -49,6 +49,19 @@ def status_counts(statuses: Iterable[str]) -> str:
     return " ".join(f":{looks[s].color}-badge[{looks[s].icon} {n[s]} {looks[s].label}]" for s in order)
 
 
+def endings(infos: Iterable[runs.RunInfo], limit: int = 10) -> str:
+    """Markdown: one line per run whose status needs a word (not running or finished), newest
+    first, `limit` at most: its badge, its id, and its status_note (else what the status means)."""
+    lines = []
+    todo = [i for i in infos if run_status.style(i.status).level != "none"]
+    for i in todo[:limit]:
+        s = run_status.style(i.status)
+        lines.append(f"- :{s.color}-badge[{s.icon} {s.label}] `{i.run_id}`: {i.status_note or s.meaning}")
+    if len(todo) > limit:
+        lines.append(f"- and {len(todo) - limit} more: the status and note columns above")
+    return "\n".join(lines)
+
+
 def table_height(rows: int, max_rows: int = 40) -> int:
     """Pixels for a st.dataframe that shows `rows` rows (up to `max_rows`) without scrolling."""
     return 38 + 35 * max(1, min(rows, max_rows))

@@ -9,7 +9,7 @@ from typing import Any
 
 import polars as pl
 
-from guard.core import schema
+from guard.core import actions, schema
 
 # Actions marked on the charts (every event that names one, evidence merged per step and action).
 # Counting them is guard/core/actions.py's job: one definition for the CLI, meta.json, app and /metrics.
@@ -62,7 +62,9 @@ def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     """One row per (step, action) the guard took, with y positions and the evidence as hover.
 
     A verdict and the action event it caused are merged into one mark (same step, same
-    action). `y_loss` / `y_grad_norm` are the series values at that step; where the value is
+    action). Skip / rollback / halt are marked as the step's row says (guard/core/actions.py's
+    definition, the one the counts use): a rollback that found no snapshot and skipped is a
+    skip mark, its events' evidence (the fallback) in the hover. `y_loss` / `y_grad_norm` are the series values at that step; where the value is
     non-finite (the NaN that was skipped) the mark is pinned to the series' finite maximum and
     `nf_loss` / `nf_grad_norm` say so (`nonfinite`: either), so the chart can label it.
     """
@@ -80,9 +82,13 @@ def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     if events.height == 0:
         return pl.DataFrame(schema=sch)
     ev = events.filter(pl.col("action").is_in(ACTIVE_ACTIONS))
+    decided = _step_decisions(steps)
     rows: dict[tuple[int, str], list[str]] = {}
     for r in ev.iter_rows(named=True):
-        rows.setdefault((int(r["step"]), r["action"]), []).append(evidence_text(r))
+        step, action = int(r["step"]), r["action"]
+        if action in actions.STEP_ACTIONS:  # what happened to the update is the step row's word
+            action = decided.get(step, action)
+        rows.setdefault((step, action), []).append(evidence_text(r))
     if not rows:
         return pl.DataFrame(schema=sch)
     marks = pl.DataFrame(
@@ -115,6 +121,14 @@ def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
         .select(cols)
         .sort("step")
     )
+
+
+def _step_decisions(steps: pl.DataFrame) -> dict[int, str]:
+    """step -> its row's decision, for the steps where it is a guard action (skip, rollback, halt)."""
+    if "action" not in steps.columns or steps.height == 0:
+        return {}
+    acted = steps.filter(pl.col("action").is_in(list(actions.STEP_ACTIONS))).select("step", "action")
+    return dict(zip(acted["step"].to_list(), acted["action"].to_list(), strict=True))
 
 
 def timeline_rows(events: pl.DataFrame) -> pl.DataFrame:

@@ -18,7 +18,12 @@ def canary_figure(df: pl.DataFrame, gate: dict[str, float | None], *, fingerprin
     each verdict marked (failures as large red crosses)."""
     fig = go.Figure()
     x = df["n"].to_list()
-    labels = [s[:7] for s in df["git_sha"].to_list()]
+    # sha and day/time: baselines and re-runs of one build share a sha, and ten identical ticks say nothing
+    times = df["time"].to_list() if "time" in df.columns else [None] * df.height
+    labels = [
+        f"{str(sha)[:7]}<br>{t:%m-%d %H:%M}" if t is not None else str(sha)[:7]
+        for sha, t in zip(df["git_sha"].to_list(), times, strict=True)
+    ]
     _gate_band(fig, gate, x)
     fig.add_trace(
         go.Scatter(
@@ -39,7 +44,7 @@ def canary_figure(df: pl.DataFrame, gate: dict[str, float | None], *, fingerprin
         tickvals=x[::step],
         ticktext=labels[::step],
         tickangle=-45,
-        title_text="canary run (git sha), oldest first",
+        title_text="canary run (git sha, UTC time), oldest first",
     )
     fig.update_yaxes(title_text="MFU p50 (%)")
     fig.update_layout(

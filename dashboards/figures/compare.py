@@ -97,6 +97,9 @@ def compare_distributions(df: pl.DataFrame, group_key: str) -> go.Figure:
                     points=False,
                     line_color=color,
                     spanmode="hard",
+                    # plotly links violins of one name (scalegroup defaults to it): the tokens/s
+                    # densities (per 1e4 tokens/s) were drawn at the MFU ones' scale, as hairlines
+                    scalegroup=f"{c}:{g}",
                     meta=MFU_META if c == "mfu" else None,
                     hovertemplate=f"{group_key}={g}<br>runs: {runs}<br>%{{y:.4g}}<extra></extra>",
                 ),

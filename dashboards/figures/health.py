@@ -23,7 +23,7 @@ from dashboards.figures.style import (
     log_ticks,
     series_xy,
 )
-from guard.core import schema
+from guard.core import actions, schema
 
 
 def health_timeline(
@@ -137,7 +137,10 @@ def _add_action_marks(fig: go.Figure, marks: pl.DataFrame) -> None:
         m = marks.filter(pl.col("action") == action) if marks.height else marks
         if m.height == 0:
             continue
-        marker = {"symbol": symbol, "color": color, "size": 13, "line": {"width": 1.5, "color": color}}
+        # a step's decision (skip, rollback, halt) drawn larger than the corrections that can share
+        # its step (bias_correct, lr_cooldown), so it shows around them instead of under them
+        size = 17 if action in actions.STEP_ACTIONS else 11
+        marker = {"symbol": symbol, "color": color, "size": size, "line": {"width": 1.5, "color": color}}
         for row, ycol, nfcol, what in (
             (1, "y_loss", "nf_loss", "loss"),
             (2, "y_grad_norm", "nf_grad_norm", "grad norm"),

@@ -81,6 +81,31 @@ def test_action_marks_merge_verdict_and_action_and_pin_nonfinite() -> None:
     assert guard_events.action_marks(ev.head(0), steps).height == 0
 
 
+def test_a_rollback_that_skipped_is_marked_as_the_skip_it_was() -> None:
+    """The trainer's rollback with no snapshot before the incident falls back to a skip: its step
+    row says skip and the counts say skip (guard/core/actions.py), so the mark says skip too."""
+    steps = pl.DataFrame(
+        {"step": [69, 70], "loss": [3.0, 3.1], "grad_norm": [1.0, 1.1], "action": ["apply", "skip"]}
+    )
+    fallback = {"fallback": "no snapshot before the incident; skipped instead"}
+    ev = pl.DataFrame(
+        {
+            "step": [70, 70, 70],
+            "time": [0.0] * 3,
+            "kind": ["action", "action", "action"],
+            "detector": ["", "", "maxvio"],
+            "value": [math.nan] * 3,
+            "threshold": [math.nan] * 3,
+            "action": ["rollback", "lr_cooldown", "bias_correct"],
+            "detail": [json.dumps(fallback), "{}", "{}"],
+        }
+    )
+    marks = guard_events.action_marks(ev, steps)
+    assert sorted(marks["action"].to_list()) == ["bias_correct", "lr_cooldown", "skip"]
+    skip = marks.filter(pl.col("action") == "skip").row(0, named=True)
+    assert "SKIP" in skip["hover"] and "skipped instead" in skip["hover"]
+
+
 def test_scan_fills_columns_an_older_writer_lacked(store: Path) -> None:
     run = store / synth.OLD_SCHEMA
     assert reader.missing_columns(run, schema.TABLE_STEPS) == ["mfu", "mem_peak_bytes"]

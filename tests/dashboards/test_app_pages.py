@@ -58,6 +58,22 @@ def test_runs_page_says_how_each_run_ended(store: Path, open_page) -> None:
     assert ":orange-badge[:material/cancel: 1 interrupted]" in badges
     n_finished = sum(1 for v in statuses(df).values() if v == schema.STATUS_FINISHED)
     assert f":green-badge[:material/check_circle: {n_finished} finished]" in badges
+    # and under the table, on screen, one line per run that did not end cleanly, in its words
+    endings = next(m.value for m in at.markdown if m.value.startswith("- :"))
+    lines = {ln.split("`")[1]: ln for ln in endings.splitlines()}
+    assert set(lines) == {
+        synth.PREEMPTED,
+        synth.INTERRUPTED,
+        synth.NONFINITE,
+        synth.HALTED,
+        synth.CRASHED,
+        synth.STALE,
+    }
+    assert (
+        lines[synth.NONFINITE].startswith("- :red-badge[")
+        and "non-finite from step 260" in lines[synth.NONFINITE]
+    )
+    assert "SIGTERM" in lines[synth.PREEMPTED] and "nothing was written for a while" in lines[synth.STALE]
 
 
 # ---- runs -----------------------------------------------------------------------------
@@ -299,6 +315,9 @@ def test_compare_groups_by_environment(store: Path, open_page, group: str) -> No
     }[group]
     assert groups == expected
     assert all(t["type"] == "violin" for t in dist["data"])
+    # each violin scaled on its own: linked by name (plotly's default), the tokens/s ones were
+    # drawn at the MFU ones' density scale, as hairlines
+    assert len({t["scalegroup"] for t in dist["data"]}) == len(dist["data"])
     diff = at.dataframe[-1].value
     keys = set(diff["key"])
     assert {

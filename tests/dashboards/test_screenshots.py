@@ -4,7 +4,8 @@ version (issue #17), in Chromium, saved under test-output/screenshots/ for a per
 The runs are real `moeguard train` runs of the micro model (bmm and loop kernels). One torch
 is installed, so the torch difference is fabricated: a third real run (another seed) whose
 meta.json says torch 2.12.1 and says that it was relabelled. An older-style run whose peak was
-self-measured (MFU above 100%) is written by the synthetic writer. Point
+self-measured (MFU above 100%) is written by the synthetic writer, and an unguarded run that
+went NaN at step 50 and trained on to its end is real. Point
 MOEGUARD_SCREENSHOT_RUNS at another run store to shoot that instead (the canary history is the
 repository's own, configs/canary_history/ci-cpu.jsonl)."""
 
@@ -69,6 +70,8 @@ def make_runs(root: Path) -> None:
         "--inject",
         "collapse@45:1",
     )
+    # unguarded, NaN from step 50 to the end: the trainer ends it finished_nonfinite
+    _train(root / "nan-unguarded", "--set", "model.experts_kernel=bmm", "--no-guard", "--inject", "nan@50")
     fake = root / "torch-2.12.1-fabricated"
     _train(fake, "--set", "model.experts_kernel=bmm", "--seed", "1")
     meta = json.loads((fake / "meta.json").read_text())
@@ -155,3 +158,6 @@ def test_screenshots_of_every_page(tmp_path: Path) -> None:
     assert "Loss (nats/token) by tokens consumed" in results["compare-loss-tokens"]["text"]
     if legacy:
         assert "measurement artefact" in results["compare-with-legacy-mfu"]["text"]
+    for name, r in results.items():  # a NaN-ended run is said to be one wherever it is shown
+        if name == "runs" or "nan-unguarded" in name:
+            assert "finished, non-finite" in r["text"], name
