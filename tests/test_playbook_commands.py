@@ -24,7 +24,8 @@ import pytest
 
 from guard.core import schema
 from tests.conftest import MICRO, REPO
-from tests.helpers_http import http_json, wait_http, wait_until
+from tests.guard.test_collector import CollectorProc
+from tests.helpers_http import http_json, wait_until
 
 PLAYBOOKS = REPO / "playbooks"
 TOKEN = "playbook-token"
@@ -94,38 +95,11 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("playbooks")
     env = {**os.environ, schema.ENV_TOKEN: TOKEN}
     env.pop(schema.ENV_COLLECTOR, None)
-    port_file = tmp / "port"
-    with open(tmp / "collector.log", "wb") as log:
-        collector = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "guard",
-                "collector",
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-                "--runs",
-                str(tmp / "collector-runs"),
-                "--log-level",
-                "warning",
-                "--progress-floor",
-                "1",
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    collector = CollectorProc(
+        tmp / "collector-runs", "--progress-floor", "1", token=TOKEN, stderr=tmp / "collector.log"
+    ).start()
+    url = collector.url
     try:
-        port = wait_until(
-            lambda: port_file.is_file() and port_file.read_text().strip(),
-            timeout=60,
-            what="the collector's port file",
-        )
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/healthz", timeout=30)
         # two rollbacks' worth of NaN steps with halt_after_rollbacks = 1: the guard halts at step 22
         nans = [a for s in (12, 13, 14, 20, 21, 22) for a in ("--inject", f"nan@{s}")]
         p = subprocess.run(
@@ -167,8 +141,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         make_stuck_run(url)
         yield {**env, schema.ENV_COLLECTOR: url}
     finally:
-        collector.terminate()
-        collector.wait(timeout=30)
+        collector.stop()
 
 
 def make_stuck_run(url: str) -> None:

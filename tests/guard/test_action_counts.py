@@ -12,13 +12,13 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from guard.core import actions, schema
 from guard.core.events import Event
 from guard.store.reader import count_actions, read_meta
 from tests.conftest import MICRO, REPO
-from tests.helpers_http import http_json, wait_http, wait_until
+from tests.guard.test_collector import CollectorProc
+from tests.helpers_http import http_json, wait_until
 
 TOKEN = "counts-token"
 RUN = "faulty"
@@ -64,17 +64,6 @@ def test_the_definition_counts_each_thing_once() -> None:
     assert actions.count(steps, evs) == counts
 
 
-def _metrics(url: str) -> dict[tuple[str, tuple], float]:
-    import httpx
-
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
-
-
 @pytest.fixture(scope="module")
 def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """`moeguard train` on the micro model with every kind of guard action, streaming to a
@@ -84,36 +73,9 @@ def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("counts")
     env = {**os.environ, schema.ENV_TOKEN: TOKEN}
     env.pop(schema.ENV_COLLECTOR, None)
-    port_file = tmp / "port"
-    with open(tmp / "collector.log", "wb") as log:
-        collector = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "guard",
-                "collector",
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-                "--runs",
-                str(tmp / "collector-runs"),
-                "--log-level",
-                "warning",
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    collector = CollectorProc(tmp / "collector-runs", token=TOKEN, stderr=tmp / "collector.log").start()
+    url = collector.url
     try:
-        port = wait_until(
-            lambda: port_file.is_file() and port_file.read_text().strip(),
-            timeout=60,
-            what="the collector's port file",
-        )
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/healthz", timeout=30)
         faults = [
             "gradspike@25:1000",
             "collapse@30:1",
@@ -167,11 +129,10 @@ def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             "stdout": p.stdout,
             "stderr": p.stderr,
             "collector_run_dir": tmp / "collector-runs" / RUN,
-            "metrics": _metrics(url),
+            "metrics": collector.metrics(),
         }
     finally:
-        collector.terminate()
-        collector.wait(timeout=30)
+        collector.stop()
 
 
 def _cli_counts(stdout: str) -> dict[str, int]:
