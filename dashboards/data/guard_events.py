@@ -62,9 +62,10 @@ def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     """One row per (step, action) the guard took, with y positions and the evidence as hover.
 
     A verdict and the action event it caused are merged into one mark (same step, same
-    action). Skip / rollback / halt are marked as the step's row says (guard/core/actions.py's
-    definition, the one the counts use): a rollback that found no snapshot and skipped is a
-    skip mark, its events' evidence (the fallback) in the hover. `y_loss` / `y_grad_norm` are the series values at that step; where the value is
+    action). Marks follow guard/core/actions.py's definition, the one every count uses: skip /
+    rollback / halt as the step's row says (a rollback that found no snapshot and skipped is a
+    skip mark, the fallback in its hover; no mark where the row says the update was applied),
+    bias_correct / lr_cooldown only where an action event started one. `y_loss` / `y_grad_norm` are the series values at that step; where the value is
     non-finite (the NaN that was skipped) the mark is pinned to the series' finite maximum and
     `nf_loss` / `nf_grad_norm` say so (`nonfinite`: either), so the chart can label it.
     """
@@ -82,12 +83,21 @@ def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     if events.height == 0:
         return pl.DataFrame(schema=sch)
     ev = events.filter(pl.col("action").is_in(ACTIVE_ACTIONS))
-    decided = _step_decisions(steps)
+    decided = _step_decisions(steps, ev["step"])
+    started = {  # corrections the policy started: an action event each (a verdict alone started none)
+        (int(r["step"]), r["action"])
+        for r in ev.iter_rows(named=True)
+        if actions.is_event_action(r["kind"], r["action"])
+    }
     rows: dict[tuple[int, str], list[str]] = {}
     for r in ev.iter_rows(named=True):
         step, action = int(r["step"]), r["action"]
         if action in actions.STEP_ACTIONS:  # what happened to the update is the step row's word
             action = decided.get(step, action)
+            if action not in actions.STEP_ACTIONS:
+                continue  # the step applied its update: this event is evidence (the timeline shows it)
+        elif action in actions.EVENT_ACTIONS and (step, action) not in started:
+            continue  # a verdict during a correction already under way: evidence, not a new correction
         rows.setdefault((step, action), []).append(evidence_text(r))
     if not rows:
         return pl.DataFrame(schema=sch)
@@ -123,12 +133,12 @@ def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def _step_decisions(steps: pl.DataFrame) -> dict[int, str]:
-    """step -> its row's decision, for the steps where it is a guard action (skip, rollback, halt)."""
-    if "action" not in steps.columns or steps.height == 0:
+def _step_decisions(steps: pl.DataFrame, at: pl.Series) -> dict[int, str]:
+    """step -> its row's decision (apply, skip, ...), for the steps in `at`; {} without the column."""
+    if "action" not in steps.columns or steps.height == 0 or at.len() == 0:
         return {}
-    acted = steps.filter(pl.col("action").is_in(list(actions.STEP_ACTIONS))).select("step", "action")
-    return dict(zip(acted["step"].to_list(), acted["action"].to_list(), strict=True))
+    rows = steps.filter(pl.col("step").is_in(at.unique().implode())).select("step", "action").drop_nulls()
+    return dict(zip(rows["step"].to_list(), rows["action"].to_list(), strict=True))
 
 
 def timeline_rows(events: pl.DataFrame) -> pl.DataFrame:

@@ -59,14 +59,14 @@ def test_action_marks_merge_verdict_and_action_and_pin_nonfinite() -> None:
     )
     ev = pl.DataFrame(
         {
-            "step": [2, 2, 3, 3],
-            "time": [0.0] * 4,
-            "kind": ["verdict", "action", "verdict", "inject"],
-            "detector": ["nonfinite", "nonfinite", "maxvio", ""],
-            "value": [math.nan, math.nan, 3.0, math.nan],
-            "threshold": [math.nan, math.nan, 1.5, math.nan],
-            "action": ["skip", "skip", "bias_correct", "none"],
-            "detail": [json.dumps({"where": "loss"}), "{}", json.dumps({"layer": 4}), "{}"],
+            "step": [2, 2, 3, 3, 3],
+            "time": [0.0] * 5,
+            "kind": ["verdict", "action", "verdict", "action", "inject"],
+            "detector": ["nonfinite", "nonfinite", "maxvio", "maxvio", ""],
+            "value": [math.nan, math.nan, 3.0, 3.0, math.nan],
+            "threshold": [math.nan, math.nan, 1.5, 1.5, math.nan],
+            "action": ["skip", "skip", "bias_correct", "bias_correct", "none"],
+            "detail": [json.dumps({"where": "loss"}), "{}", json.dumps({"layer": 4}), "{}", "{}"],
         }
     )
     marks = guard_events.action_marks(ev, steps)
@@ -77,7 +77,7 @@ def test_action_marks_merge_verdict_and_action_and_pin_nonfinite() -> None:
     bias = marks.row(1, named=True)
     assert "layer: 4" in bias["hover"] and "value 3 vs threshold 1.5" in bias["hover"]
     lanes = guard_events.timeline_rows(ev)["lane"].to_list()
-    assert lanes == ["nonfinite", "action", "maxvio", "inject"]
+    assert lanes == ["nonfinite", "action", "maxvio", "action", "inject"]
     assert guard_events.action_marks(ev.head(0), steps).height == 0
 
 
@@ -104,6 +104,21 @@ def test_a_rollback_that_skipped_is_marked_as_the_skip_it_was() -> None:
     assert sorted(marks["action"].to_list()) == ["bias_correct", "lr_cooldown", "skip"]
     skip = marks.filter(pl.col("action") == "skip").row(0, named=True)
     assert "SKIP" in skip["hover"] and "skipped instead" in skip["hover"]
+    # a verdict whose step applied its update, or that came while a correction was under way,
+    # is evidence (the timeline's), not an action: no mark, as no count
+    late = pl.DataFrame(
+        {
+            "step": [69, 70],
+            "time": [0.0] * 2,
+            "kind": ["verdict", "verdict"],
+            "detector": ["grad_norm_spike", "maxvio"],
+            "value": [9.0, 3.0],
+            "threshold": [5.0, 1.5],
+            "action": ["skip", "bias_correct"],
+            "detail": ["{}", "{}"],
+        }
+    )
+    assert guard_events.action_marks(late, steps).height == 0
 
 
 def test_scan_fills_columns_an_older_writer_lacked(store: Path) -> None:
