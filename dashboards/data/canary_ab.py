@@ -41,7 +41,7 @@ def load_report(path: str, mtime_ns: int) -> tuple[abf.Report | None, str]:
 def report_label(path: Path, root: Path, rep: abf.Report) -> str:
     """How the report is listed: when, verdict, the median and what was compared."""
     st_ = rep["statistic"]
-    where = path.parent.relative_to(root) if path.is_relative_to(root) else path.parent
+    where = path.parent.relative_to(root) if path.parent.is_relative_to(root) else path.parent
     med = "—" if st_["median"] is None else f"{st_['median']:.4f}"
     return (
         f"{rep.get('time', '?')} · {rep['verdict'].upper()} · B/A {med} · "

@@ -70,6 +70,7 @@ def test_tables_from_a_report_the_canary_wrote(tmp_path: Path) -> None:
     sides = canary_ab.sides_table(rep)
     assert sides["environment"].to_list() == ["set:", "set:model.experts_kernel=bmm"]
     assert "B/A 0.9550" in canary_ab.report_label(path, tmp_path, rep)
+    assert canary_ab.report_label(path, path, rep).endswith(f"({tmp_path})")  # --ab-reports FILE
 
 
 def test_a_file_that_is_no_ab_report_is_named_not_raised(tmp_path: Path) -> None:
@@ -83,7 +84,7 @@ def test_canaries_page_shows_the_ab_report(
     store: Path, tmp_path: Path, open_page, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = write_ab_report(tmp_path / "reports", SLOWER)
-    monkeypatch.setenv(config.ENV_AB_REPORTS, str(path.parent))
+    monkeypatch.setenv(config.ENV_AB_REPORTS, str(path))  # one file (the screenshot test: the default folder)
     at = open_page("canaries", store)
     assert not at.exception
     fig = chart_titled(at, "A/B canary: B/A per pair (FAIL)")
