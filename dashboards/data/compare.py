@@ -32,7 +32,17 @@ OVERLAY_METRICS: dict[str, tuple[str, float, str]] = {
 }
 
 
-X_AXES = {"step": "step", "tokens": "tokens consumed", "wall": "wall time since the first step (min)"}
+X_AXES = {"step": "step", "tokens": "tokens consumed", "wall": "wall time since the first step"}
+
+
+def wall_unit(span_min: float) -> tuple[str, float]:
+    """(unit, factor from minutes) for a wall-time axis spanning `span_min` minutes: seconds
+    under 2 min (an 80-step CPU run read 0.005, 0.01 .. 0.025 min), hours past 2 h."""
+    if span_min < 2:
+        return "s", 60.0
+    if span_min < 120:
+        return "min", 1.0
+    return "h", 1 / 60
 
 
 # what the Compare page offers (labels are also what its URL carries: ?metric=MFU&x_axis=wall+time)
@@ -71,7 +81,7 @@ def overlay_series(
     df = df.with_columns(smooth(y, window).alias(metric))
     if x_axis == "tokens":
         x = pl.col("tokens").fill_null(0).cum_sum().cast(pl.Float64)
-    elif x_axis == "wall":
+    elif x_axis == "wall":  # minutes; the chart picks the unit (wall_unit)
         x = (pl.col("time") - pl.col("time").min()) / 60.0
     else:
         x = pl.col("step").cast(pl.Float64)

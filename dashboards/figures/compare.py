@@ -26,13 +26,17 @@ def compare_overlay(
     """One metric of several runs overlaid (one colour per run) against step, tokens or wall
     time; `per_run` maps run -> (step, x, y) from compare.overlay_series."""
     label, scale, fmt = compare.OVERLAY_METRICS[metric]
-    x_title = compare.X_AXES[x_axis]
+    x_title, x_factor = compare.X_AXES[x_axis], 1.0
+    if x_axis == "wall":  # in the unit the longest run reads best in
+        span = max((float(df["x"].max() or 0.0) for df in per_run.values() if df.height), default=0.0)
+        unit, x_factor = compare.wall_unit(span)
+        x_title += f" ({unit})"
     fig = go.Figure()
     first = True
     ys: list[np.ndarray] = []
     for i, (run, df) in enumerate(per_run.items()):
         color = RUN_COLORS[i % len(RUN_COLORS)]
-        x = df["x"].to_numpy()
+        x = df["x"].to_numpy() * x_factor
         y = df["y"].cast(pl.Float64).fill_null(float("nan")).to_numpy() * scale
         y = np.where(np.isfinite(y), y, np.nan)
         ys.append(y)

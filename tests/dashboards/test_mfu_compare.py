@@ -241,6 +241,17 @@ def test_compare_overlay_any_metric_on_steps_tokens_or_wall_time(mfu_store: Path
     assert np.nanstd(np.diff(np.asarray(traces(fig, FAST)[0]["y"], dtype=float))) < raw / 2
     assert not at.exception
 
+    # the unit follows the longest run: 8 min here; seconds under 2 min, hours past 2 h
+    assert compare.wall_unit(599 * 0.8 / 60) == ("min", 1.0)
+    assert compare.wall_unit(80 * 0.02 / 60) == ("s", 60.0) and compare.wall_unit(600)[0] == "h"
+    short = compare_overlay(
+        {"r": pl.DataFrame({"step": [0, 1], "x": [0.0, 0.025], "y": [1.0, 2.0]})},
+        metric="loss",
+        x_axis="wall",
+    )
+    assert short.layout.xaxis.title.text == "wall time since the first step (s)"
+    assert list(short.data[0].x) == pytest.approx([0.0, 1.5])
+
 
 def test_speedup_interval_and_no_clear_difference() -> None:
     rng = np.random.default_rng(0)

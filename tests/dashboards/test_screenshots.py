@@ -152,7 +152,7 @@ def test_screenshots_of_every_page(tmp_path: Path) -> None:
     )
     # the overlay follows its URL (?metric=MFU&x_axis=wall+time), so a view can be shared
     assert (
-        "MFU (%) by wall time since the first step (min), runs overlaid"
+        "MFU (%) by wall time since the first step (s), runs overlaid"  # 80 micro steps: seconds
         in results["compare-kernels-mfu-wall"]["text"]
     )
     assert "Loss (nats/token) by tokens consumed" in results["compare-loss-tokens"]["text"]
