@@ -349,9 +349,10 @@ class WorkerFailed(Exception):
     """A worker of one side could not measure: `code` is the canary's exit code for it (usage when
     the environment cannot run here, `unavailable`), `reason` what the worker said."""
 
-    def __init__(self, code: int, reason: str, *, side: str, unavailable: bool = False) -> None:
+    def __init__(self, code: int, reason: str, *, side: str, detail: str, unavailable: bool = False) -> None:
         super().__init__(reason)
         self.code, self.reason, self.side, self.unavailable = code, reason, side, unavailable
+        self.detail = detail  # the worker's own words, without which side and spec
 
 
 def prepare_sides(args: argparse.Namespace, setup: Setup, runs: Path) -> list[Side]:
@@ -389,12 +390,16 @@ def measure_pair(
                 EXIT_USAGE,
                 f"--ab {name} = {side.spec!r} cannot run here: {r.get('reason')}",
                 side=name,
+                detail=str(r.get("reason")),
                 unavailable=True,
             )
         if r.get("status") != "ok":
             tail = "".join(f"\n  {line}" for line in r.get("stderr_tail", []))
             raise WorkerFailed(
-                EXIT_FAIL, f"--ab {name} ({side.spec}) measurement failed: {r.get('reason')}{tail}", side=name
+                EXIT_FAIL,
+                f"--ab {name} ({side.spec}) measurement failed: {r.get('reason')}{tail}",
+                side=name,
+                detail=str(r.get("reason")),
             )
         got[name] = _worker_row(side, i, r)
         got[name]["env"] = {

@@ -207,7 +207,7 @@ def matrix_report(
         elif label in failed:
             e = failed[label]
             status = "error" if e.side == "A" or not e.unavailable else "unavailable"
-            rows.append({"cell": label, "overrides": ov, "status": status, "reason": e.reason})
+            rows.append({"cell": label, "overrides": ov, "status": status, "reason": e.detail})
         else:
             rows.append(
                 {"cell": label, "overrides": ov, "status": "not measured", "reason": "the reference failed"}
@@ -253,9 +253,8 @@ def render_matrix_table(rep: dict[str, Any]) -> str:
             f"{mfu} | {r.get('attention_backend')} | {r.get('expert_kernel')} | {r.get('compile')} |"
         )
     for r in rest:
-        lines.append(
-            f"| {r['cell']} | — | — | — | {r['status']}: {r.get('reason', '')[:120]} | — | — | — | — |"
-        )
+        lines.append(f"| {r['cell']} | — | — | — | {r['status']} | — | — | — | — |")
+    lines += [f"\n{r['cell']}: {r['status']}: {r.get('reason', '')}" for r in rest]
     return "\n".join(lines)
 
 
