@@ -49,23 +49,7 @@ class UpdateRatioDetector:
         fired = self.layers.update(report.layer_ids_L, ratio_L)  # NaN (no update) is skipped
         if not fired:
             return []
-        top = max(fired, key=lambda v: v.value / v.threshold)
-        return [
-            Verdict(
-                detector=schema.DET_UPDATE_RATIO,
-                fired=True,
-                value=top.value,
-                threshold=top.threshold,
-                severity="warning",
-                evidence={
-                    **top.evidence,
-                    "layer": top.layer,
-                    "layers": [v.layer for v in fired],
-                    "update_ratio": report.update_ratio,
-                    "precursor": True,
-                },
-            )
-        ]
+        return [_one_warning(schema.DET_UPDATE_RATIO, fired, update_ratio=report.update_ratio)]
 
     def state_dict(self) -> dict[str, Any]:
         return self.layers.state_dict()
@@ -92,23 +76,7 @@ class MaxLogitDetector:
         was_open, self.open = self.open, bool(fired)
         if not fired or was_open:
             return []
-        top = max(fired, key=lambda v: v.value / v.threshold)
-        return [
-            Verdict(
-                detector=schema.DET_MAX_LOGIT,
-                fired=True,
-                value=top.value,
-                threshold=top.threshold,
-                severity="warning",
-                evidence={
-                    **top.evidence,
-                    "layer": top.layer,
-                    "layers": [v.layer for v in fired],
-                    "max_logit": report.max_logit,
-                    "precursor": True,
-                },
-            )
-        ]
+        return [_one_warning(schema.DET_MAX_LOGIT, fired, max_logit=report.max_logit)]
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.layers.state_dict(), "open": self.open}
@@ -116,6 +84,21 @@ class MaxLogitDetector:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.layers.load_state_dict(d)
         self.open = bool(d.get("open", False))
+
+
+def _one_warning(detector: str, fired: list[Verdict], **signal: Any) -> Verdict:
+    """The step's one precursor verdict: the layer furthest above its threshold, every fired layer
+    in the evidence, and the step's whole-model value of the signal."""
+    top = max(fired, key=lambda v: v.value / v.threshold)
+    evidence = {**top.evidence, "layer": top.layer, "layers": [v.layer for v in fired], **signal}
+    return Verdict(
+        detector=detector,
+        fired=True,
+        value=top.value,
+        threshold=top.threshold,
+        severity="warning",
+        evidence={**evidence, "precursor": True},
+    )
 
 
 @register("update_ratio", STAGE_OBSERVE)
