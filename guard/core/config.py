@@ -1,7 +1,10 @@
-"""The `[guard]` TOML table: detector thresholds and policy, with defaults tuned on the tiny config.
+"""The `[guard]` TOML table: detector settings and policy.
 
-[guard.grad_spike]   z = 6.0 ...
+[guard.grad_spike]   budget = 1e-5 ...   (a false-alarm budget per step, not a z)
 [guard.policy]       snapshot_every = 25 ...
+
+A `[guard.<detector>]` table replaces that detector's whole default: keys it does not name take
+the SpikeConfig class defaults (the fixed-z rule when `budget` is not named), not GuardConfig's.
 """
 
 from __future__ import annotations
@@ -53,9 +56,15 @@ class SpikeConfig:
     # Self-calibrating mode (guard/core/calibrated.py): the setting is a false-alarm budget per
     # step (1e-5 = one false alarm per 100k clean steps); the threshold is the run's own
     # (1 - budget) residual quantile from a tail fit over the last `tail_memory` accepted values,
-    # refitted every `refit_every`; z, rel_max and tail_margin are then unused (rel_min stays the
-    # minimum effect size, early_rel_max the cap before `tail_warmup`). None: the fixed-z rule.
+    # refitted every `refit_every`; z and tail_margin are then unused (rel_min stays the minimum
+    # effect size, early_rel_max the cap before `tail_warmup`, rel_max the ceiling after it: a
+    # young fit extrapolates wide). None: the fixed-z rule.
     budget: float | None = None
+    # Budget mode before the tail is fitted (fewer than `tail_warmup` accepted values): also fire
+    # when the standardized residual exceeds `early_z` (and x > level x rel_min). The loss keeps
+    # the fixed rule's z 6 there, so a bad batch or an LR spike early in a run is still skipped;
+    # grad norms of small batches are too heavy-tailed for any early z (None: the cap alone).
+    early_z: float | None = None
     tail_memory: int = 4096
     refit_every: int = 32
     # Values above the threshold of a `tail_guard` x looser budget are accepted but kept out of the
@@ -70,6 +79,7 @@ class SpikeConfig:
 
     def __post_init__(self) -> None:
         check(self.budget is None or 0 < self.budget < 0.1, "budget", self.budget, "must be in (0, 0.1)")
+        check(self.early_z is None or self.early_z > 0, "early_z", self.early_z, "must be > 0")
         check(self.tail_memory >= 64, "tail_memory", self.tail_memory, "must be >= 64")
         check(self.refit_every >= 1, "refit_every", self.refit_every, "must be >= 1")
         check(self.tail_guard >= 1, "tail_guard", self.tail_guard, "must be >= 1")
@@ -316,32 +326,37 @@ class PolicyConfig:
         check(self.aux_boost >= 1, "aux_boost", self.aux_boost, "must be >= 1")
 
 
+def _budget_rule(
+    rel_min: float, early_cap: float | None = None, rel_max: float = 20.0, early_z: float | None = None
+) -> SpikeConfig:
+    """GuardConfig's default spike rule: a false-alarm budget of 1e-5 per step after 200 accepted
+    steps; before that `early_cap` x the median (rel_max when None) and, if set, z > early_z."""
+    return SpikeConfig(
+        budget=1e-5,
+        tail_warmup=200,
+        rel_min=rel_min,
+        rel_max=rel_max,
+        early_rel_max=early_cap,
+        early_z=early_z,
+    )
+
+
 @dataclass(kw_only=True, slots=True)
 class GuardConfig:
     enabled: bool = True  # False: telemetry and verdicts only, every action off (--no-guard)
     nonfinite: bool = True
-    # Grad norms calibrate to their own tail (tail_margin: twice the largest clean log excursion of
-    # the window) after 100 accepted steps; before that only NaN and a cap act: 50x total / 150x
-    # per layer, widened by the run's own early excursions up to 100x / 200x; then rel_max (20x,
-    # 50x) and the tail rule.
-    # Calibrated on clean runs of six transformers MoE families x 4 seeds (bench/real_models.py,
-    # docs/BENCHMARKS.md): clean per-layer excursions reach 25x, total ones 9x after step 100.
-    grad_spike: SpikeConfig = field(
-        default_factory=lambda: SpikeConfig(
-            tail_margin=2.0, tail_warmup=100, early_rel_max=100.0, early_rel_floor=50.0
-        )
-    )
-    loss_spike: SpikeConfig = field(default_factory=lambda: SpikeConfig(z=6.0, rel_min=1.25, mad_floor=0.02))
+    # Spike rules are set by a false-alarm budget per step (1e-5: one false alarm per 100k clean
+    # steps), not by z: each series' threshold is its own (1 - budget) residual quantile from a
+    # tail fit of its accepted history (guard/core/detectors/calibrated.py), so small-batch runs
+    # with heavy-tailed grad norms and smooth production runs share one setting. Before
+    # `tail_warmup` accepted steps only NaN and a cap act: 100x the median total grad norm, 200x
+    # per layer (clean tiny transformers MoE runs jumped 43x in the total and 127x in one layer
+    # before step 100 without a fault; docs/BENCHMARKS.md). rel_min is the smallest effect that
+    # may page however rare it is. The fixed-z rule: set `budget` to None (and z, tail_margin).
+    grad_spike: SpikeConfig = field(default_factory=lambda: _budget_rule(rel_min=1.2, early_cap=100.0))
+    loss_spike: SpikeConfig = field(default_factory=lambda: _budget_rule(rel_min=1.25, early_z=6.0))
     layer_grad_spike: SpikeConfig = field(
-        default_factory=lambda: SpikeConfig(
-            z=8.0,
-            rel_min=3.0,
-            rel_max=50.0,
-            tail_margin=2.0,
-            tail_warmup=100,
-            early_rel_max=200.0,
-            early_rel_floor=150.0,
-        )
+        default_factory=lambda: _budget_rule(rel_min=1.5, early_cap=200.0, rel_max=50.0)
     )
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
     stall: StallConfig = field(default_factory=StallConfig)

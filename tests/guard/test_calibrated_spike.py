@@ -148,3 +148,29 @@ def test_per_layer_budget_mode_flags_only_the_spiking_layer():
     assert fired == {900: [2]}
     assert isinstance(det.layers[0], CalibratedSpikeDetector)
     assert det.layers[3]._t == 1000
+
+
+def test_early_z_acts_before_the_tail_is_fitted_and_gives_way_to_it():
+    """The default loss rule: before `tail_warmup` accepted values there is no tail to fit, so a
+    bad batch at step 60 would pass under the cap alone; early_z (the fixed rule's z) catches it."""
+    values = _clean(1500, 9, sigma=0.02)
+    values[60] *= 1.6
+    values[1200] *= 1.6
+    with_early = _run(CalibratedSpikeDetector(_cfg(early_z=6.0)), values)
+    cap_only = _run(CalibratedSpikeDetector(_cfg()), values)
+    assert [i for i, v in enumerate(with_early) if v.fired] == [60, 1200]
+    assert with_early[60].evidence["rule"] == "early_z" and with_early[1200].evidence["rule"] == "budget"
+    # Under the cap alone the early spike is accepted and joins the tail, where it sets the
+    # threshold: the later spike of the same size is no longer above it either.
+    assert [i for i, v in enumerate(cap_only) if v.fired] == []
+    with pytest.raises(ConfigError, match="early_z"):
+        SpikeConfig(early_z=0.0)
+
+
+def test_guard_config_defaults_are_the_budget_rule():
+    cfg = GuardConfig()
+    suite = DetectorSuite(cfg)
+    for key in ("grad_spike", "loss_spike"):
+        assert isinstance(suite.detectors[key], CalibratedSeries), key
+    assert cfg.layer_grad_spike.budget == cfg.grad_spike.budget == cfg.loss_spike.budget == 1e-5
+    assert cfg.loss_spike.early_z == 6.0 and cfg.grad_spike.early_z is None

@@ -10,8 +10,10 @@ Same baseline as SpikeDetector (guard/core/detectors/spike.py), on the log scale
             their upper tail is fitted again (peaks over the 0.9 quantile, GPD by PWM) and the
             threshold becomes s_p, the value one clean step in 1/budget exceeds.
 It fires when x > abs_max (any time); while fewer than `tail_warmup` values were accepted (no tail
-to fit yet) when x > level x early_rel_max; after that when s > s_p AND x > level x rel_min (a
-minimum effect size: a very steady series does not page on a 3% blip however rare).
+to fit yet) when x > level x early_rel_max or, if `early_z` is set, when s > early_z and
+x > level x rel_min; after that when s > s_p AND x > level x rel_min (a
+minimum effect size: a very steady series does not page on a 3% blip however rare), or when
+x > level x rel_max (a ceiling on the fitted threshold, which is wide while the fit is young).
 
 Level shifts (a data-mixture change moves the grad norm to a new plateau): flagged values never
 enter the baseline, so a real shift would be flagged for ever and escalate to a halt. Rule: the
@@ -110,8 +112,17 @@ class CalibratedSpikeDetector:
             cap = cfg.early_rel_max if cfg.early_rel_max is not None else cfg.rel_max
             if cap is not None and x > math.exp(level) * cap:
                 return True, "rel_max", math.exp(level) * cap, s
+            if cfg.early_z is not None:
+                log_thr = max(level + math.log(cfg.rel_min), level + med_r + cfg.early_z * scale)
+                if math.log(x) > log_thr:
+                    return True, "early_z", math.exp(log_thr), s
             return False, "tail_warmup", None, s
         log_thr = max(level + math.log(cfg.rel_min), level + med_r + self.threshold_z * scale)
+        if cfg.rel_max is not None and log_thr > level + math.log(cfg.rel_max):
+            # The fit's ceiling: a few hundred residuals fix the tail shape poorly, and the
+            # extrapolation to 1e-5 can sit at z 40 (146x the median on a lognormal series at
+            # step 300); rel_max x the median is flagged however wide the fit is.
+            return x > math.exp(level) * cfg.rel_max, "rel_max", math.exp(level) * cfg.rel_max, s
         threshold = math.exp(min(log_thr, 700.0))  # a budget far below the fit's reach: inf-like
         return x > threshold, "budget", threshold, s
 
