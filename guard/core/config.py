@@ -65,6 +65,10 @@ class SpikeConfig:
     # the fixed rule's z 6 there, so a bad batch or an LR spike early in a run is still skipped;
     # grad norms of small batches are too heavy-tailed for any early z (None: the cap alone).
     early_z: float | None = None
+    # grad_spike in budget mode: also judge the smallest per-layer rise (every layer up at least
+    # this much: a whole-model gradient fault; guard/core/detectors/all_layers.py). Needs per-layer
+    # grad norms; other spike rules ignore it.
+    all_layers: bool = True
     tail_memory: int = 4096
     refit_every: int = 32
     # Values above the threshold of a `tail_guard` x looser budget are accepted but kept out of the

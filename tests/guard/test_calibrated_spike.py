@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -174,3 +175,68 @@ def test_guard_config_defaults_are_the_budget_rule():
         assert isinstance(suite.detectors[key], CalibratedSeries), key
     assert cfg.layer_grad_spike.budget == cfg.grad_spike.budget == cfg.loss_spike.budget == 1e-5
     assert cfg.loss_spike.early_z == 6.0 and cfg.grad_spike.early_z is None
+
+
+def _layers(n: int, seed: int, bursts: bool = True) -> np.ndarray:
+    """Four layers' grad norms; with `bursts`, one layer at a time jumps 3-12x now and then (a
+    batch that moves one block, as small-batch runs do), which the total grad norm inherits."""
+    rng = np.random.default_rng(seed)
+    out = np.stack([_clean(n, seed * 10 + k) for k in range(4)], axis=1)
+    if bursts:
+        for t in rng.choice(np.arange(50, n), size=n // 50, replace=False):
+            out[t, rng.integers(4)] *= rng.uniform(3.0, 12.0)
+    return out
+
+
+def _suite_run(layers: np.ndarray, cfg: GuardConfig) -> dict[int, list]:
+    suite = DetectorSuite(cfg)
+    fired: dict[int, list] = {}
+    for i, row in enumerate(layers):
+        rep = StepReport(
+            step=i,
+            time=0.0,
+            loss=2.0 + 1e-3 * math.sin(i),
+            grad_norm=float(np.sqrt((row**2).sum())),
+            lr=1e-3,
+            tokens=0,
+            layer_ids_L=np.arange(4, dtype=np.int32),
+            layer_grad_norm_L=row.astype(np.float64),
+        )
+        for v in suite.update(rep):
+            if v.detector in (schema.DET_GRAD_SPIKE, schema.DET_LAYER_GRAD_SPIKE):
+                fired.setdefault(i, []).append((v.detector, v.evidence.get("rule")))
+    return fired
+
+
+def test_all_layers_rule_catches_a_whole_model_4x_that_single_series_miss():
+    """One-layer bursts make the total grad norm heavy-tailed, so its threshold at 1e-5 sits far
+    above 4x; a 4x gradient spike raises every layer at once, which no burst does."""
+    no_layer_rule = SpikeConfig(enabled=False)  # the per-layer rule is another detector
+    budget = GuardConfig(grad_spike=_cfg(), loss_spike=_cfg(), layer_grad_spike=no_layer_rule)
+    clean = _layers(2500, 1)
+    assert _suite_run(clean, budget) == {}, "no verdict on clean steps, bursts included"
+    spiked = clean.copy()
+    spiked[2000] *= 4.0
+    fired = _suite_run(spiked, budget)
+    assert fired == {2000: [(schema.DET_GRAD_SPIKE, "all_layers")]}, fired
+    off = GuardConfig(grad_spike=_cfg(all_layers=False), loss_spike=_cfg(), layer_grad_spike=no_layer_rule)
+    assert _suite_run(spiked, off) == {}, "without it the 4x passes"
+
+
+def test_all_layers_state_round_trip_and_older_state_loads():
+    from guard.core.detectors.all_layers import AllLayersSpike
+
+    layers = _layers(600, 2)
+    a = AllLayersSpike(_cfg())
+    for i, row in enumerate(layers[:500]):
+        if a.peek(i, [0, 1, 2, 3], row) is None:
+            a.accept(i, [0, 1, 2, 3], row)
+        a.settle(i, [0, 1, 2, 3], row, accepted=True)
+    b = AllLayersSpike(_cfg())
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict()
+    assert a.rise(500, [0, 1, 2, 3], layers[500]) == b.rise(500, [0, 1, 2, 3], layers[500])
+    suite = DetectorSuite(GuardConfig())
+    old_state = {k: v for k, v in suite.state_dict()["grad_spike"].items() if k != "all_layers"}
+    suite.detectors["grad_spike"].load_state_dict(old_state)  # a checkpoint from before the rule
+    assert suite.detectors["grad_spike"].all_layers.rise(0, [0, 1], [1.0, 1.0]) is None

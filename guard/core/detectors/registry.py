@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from guard.core import schema
 from guard.core.config import GuardConfig
+from guard.core.detectors.all_layers import AllLayersSpike
 from guard.core.detectors.calibrated import CalibratedSpikeDetector
 from guard.core.detectors.collapse import CollapseDetector
 from guard.core.detectors.nonfinite import NonFiniteDetector
@@ -135,6 +136,41 @@ class CalibratedSeries(SeriesSpike):
         self.det.settle(getattr(report, self.field), accepted)
 
 
+class GradSpikes(CalibratedSeries):
+    """The total grad norm's budget rule plus the all-layers rule (guard/core/detectors/all_layers.py):
+    a step is a grad-norm spike when either fires (the total's verdict first, one verdict a step)."""
+
+    __slots__ = ("all_layers",)
+
+    def __init__(self, det: CalibratedSpikeDetector, all_layers: AllLayersSpike) -> None:
+        super().__init__(det, "grad_norm")
+        self.all_layers = all_layers
+
+    def peek(self, report: StepReport) -> list[Verdict]:
+        total = super().peek(report)
+        if total or len(report.layer_grad_norm_L) < 2:
+            return total
+        v = self.all_layers.peek(report.step, report.layer_ids_L, report.layer_grad_norm_L)
+        return [v] if v is not None else []
+
+    def accept(self, report: StepReport) -> None:
+        super().accept(report)
+        if len(report.layer_grad_norm_L) >= 2:
+            self.all_layers.accept(report.step, report.layer_ids_L, report.layer_grad_norm_L)
+
+    def settle(self, report: StepReport, accepted: bool) -> None:
+        super().settle(report, accepted)
+        if len(report.layer_grad_norm_L) >= 2:
+            self.all_layers.settle(report.step, report.layer_ids_L, report.layer_grad_norm_L, accepted)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.det.state_dict(), "all_layers": self.all_layers.state_dict()}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.det.load_state_dict(d)  # a state saved before the all-layers rule: it starts fresh
+        self.all_layers.load_state_dict(d.get("all_layers", {}))
+
+
 def _series(c: Any, name: str, field: str) -> SeriesSpike:
     if c.budget is not None:
         return CalibratedSeries(CalibratedSpikeDetector(c, name), field)
@@ -180,7 +216,11 @@ def _nonfinite(cfg: GuardConfig) -> NonFiniteStep | None:
 @register("grad_spike", STAGE_STEP)
 def _grad_spike(cfg: GuardConfig) -> SeriesSpike | None:
     c = cfg.grad_spike
-    return _series(c, schema.DET_GRAD_SPIKE, "grad_norm") if c.enabled else None
+    if not c.enabled:
+        return None
+    if c.budget is not None and c.all_layers:
+        return GradSpikes(CalibratedSpikeDetector(c, schema.DET_GRAD_SPIKE), AllLayersSpike(c))
+    return _series(c, schema.DET_GRAD_SPIKE, "grad_norm")
 
 
 @register("loss_spike", STAGE_STEP)
