@@ -33,9 +33,10 @@ point of the comparison), and judge each series on its own:
               A NaN is not flagged (NaN > 2.5 is False) and enters the EMA.
   Megatron    --check-for-spiky-loss: |x| >= 10 x the max of the first 100 finite values
               (frozen); plus its separate NaN/Inf check, which flags non-finite values.
-  ours        moeguard's SpikeDetector with the GuardConfig defaults (grad_spike for grad
-              norms, loss_spike for losses), and NonFiniteDetector for NaN/Inf, as the
-              DetectorSuite runs them.
+  ours        moeguard's spike rule with the GuardConfig defaults (grad_spike for grad norms,
+              loss_spike for losses: the false-alarm budget rule since issue #16, the fixed-z
+              SpikeDetector before), and NonFiniteDetector for NaN/Inf, as the DetectorSuite
+              runs them (the all-layers rule needs per-layer norms: not here).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from bench.traces import (
     synthetic_traces,
 )
 from guard.core.config import GuardConfig, SpikeConfig, load_guard_config
+from guard.core.detectors.calibrated import CalibratedSpikeDetector
 from guard.core.detectors.spike import SpikeDetector
 
 NAN = float("nan")
@@ -78,10 +80,11 @@ OURS = "ours"
 # Detectors under test: each is `step(x) -> flagged`, fed one value per training step.
 # ---------------------------------------------------------------------------------------
 class Ours:
-    """moeguard: NonFiniteDetector + SpikeDetector (robust log-scale median/MAD, flagged values excluded)."""
+    """moeguard: NonFiniteDetector + the spike rule the config asks for: the budget rule
+    (CalibratedSpikeDetector) when it sets a false-alarm budget, else the fixed-z SpikeDetector."""
 
     def __init__(self, cfg: SpikeConfig) -> None:
-        self.det = SpikeDetector(cfg)
+        self.det = CalibratedSpikeDetector(cfg) if cfg.budget is not None else SpikeDetector(cfg)
 
     def step(self, x: float) -> bool:
         if not math.isfinite(x):

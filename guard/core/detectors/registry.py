@@ -12,6 +12,7 @@ timing) describe the step whatever its gradients were and are always updated.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -219,7 +220,8 @@ def _grad_spike(cfg: GuardConfig) -> SeriesSpike | None:
     if not c.enabled:
         return None
     if c.budget is not None and c.all_layers:
-        return GradSpikes(CalibratedSpikeDetector(c, schema.DET_GRAD_SPIKE), AllLayersSpike(c))
+        half = dataclasses.replace(c, budget=c.budget / 2)  # two rules, one budget per step
+        return GradSpikes(CalibratedSpikeDetector(half, schema.DET_GRAD_SPIKE), AllLayersSpike(half))
     return _series(c, schema.DET_GRAD_SPIKE, "grad_norm")
 
 

@@ -11,6 +11,7 @@ statistics are cached and recomputed only when the window changes, so `peek()` f
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -180,6 +181,7 @@ class LayerSpikeDetector:
         self.name = name
         self._make: Any = CalibratedSpikeDetector if cfg.budget is not None else SpikeDetector
         self.layers: dict[int, Any] = {}
+        self._layer_cfg = cfg  # budget mode: each layer's share of the budget, set on first sight
         self._empty = self._make(cfg, name)  # judges unseen layers without creating state
 
     def peek(self, layer_ids: Any, values: Any) -> list[Verdict]:
@@ -231,6 +233,8 @@ class LayerSpikeDetector:
         vals = [float(v) for v in np.asarray(values, dtype=np.float64).reshape(-1)]
         if len(ids) != len(vals):
             raise ValueError(f"{len(ids)} layer ids but {len(vals)} values")
+        if not self.layers:
+            self._share_budget(len(ids))
         if self.cfg.budget is None:
             self._refresh([self.layers[i] for i in ids if i in self.layers])
         return list(zip(ids, vals, strict=True))
@@ -260,10 +264,16 @@ class LayerSpikeDetector:
             ):
                 d._stats = stats
 
+    def _share_budget(self, n_layers: int) -> None:
+        """The budget is the detector's false-alarm rate per step, and a step has `n_layers` chances:
+        each layer gets budget / n_layers (Bonferroni). Fixed when the first layers are seen."""
+        if self.cfg.budget is not None and n_layers > 1:
+            self._layer_cfg = dataclasses.replace(self.cfg, budget=self.cfg.budget / n_layers)
+
     def _det(self, lid: int) -> SpikeDetector:
         det = self.layers.get(lid)
         if det is None:
-            det = self.layers[lid] = self._make(self.cfg, self.name)
+            det = self.layers[lid] = self._make(self._layer_cfg, self.name)
         return det
 
     def state_dict(self) -> dict[str, Any]:
@@ -271,5 +281,7 @@ class LayerSpikeDetector:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.layers = {}
+        self._layer_cfg = self.cfg
+        self._share_budget(len(d.get("layers", {})))
         for k, sd in d.get("layers", {}).items():
             self._det(int(k)).load_state_dict(sd)
