@@ -240,3 +240,16 @@ def test_all_layers_state_round_trip_and_older_state_loads():
     old_state = {k: v for k, v in suite.state_dict()["grad_spike"].items() if k != "all_layers"}
     suite.detectors["grad_spike"].load_state_dict(old_state)  # a checkpoint from before the rule
     assert suite.detectors["grad_spike"].all_layers.rise(0, [0, 1], [1.0, 1.0]) is None
+
+
+def test_budget_is_a_rate_per_step_shared_by_the_series_a_detector_judges():
+    from guard.core.detectors.spike import LayerSpikeDetector
+
+    layers = LayerSpikeDetector(_cfg())
+    layers.update([0, 1, 2, 3], [1.0, 1.0, 1.0, 1.0])
+    assert [d.cfg.budget for d in layers.layers.values()] == pytest.approx([2.5e-6] * 4)
+    restored = LayerSpikeDetector(_cfg())
+    restored.load_state_dict(json.loads(json.dumps(layers.state_dict())))
+    assert [d.cfg.budget for d in restored.layers.values()] == pytest.approx([2.5e-6] * 4)
+    grad = DetectorSuite(GuardConfig(grad_spike=_cfg())).detectors["grad_spike"]
+    assert grad.det.cfg.budget == grad.all_layers.det.cfg.budget == pytest.approx(5e-6)
