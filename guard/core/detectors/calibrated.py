@@ -35,7 +35,7 @@ import numpy as np
 
 from guard.core import schema
 from guard.core.config import SpikeConfig
-from guard.core.detectors.robust import MAD_TO_SIGMA, RingBuffer, median_of
+from guard.core.detectors.robust import MAD_TO_SIGMA, RingBuffer, median_of, median_small
 from guard.core.detectors.tail import TailFit, fit_tail
 from guard.core.events import Verdict
 
@@ -86,8 +86,9 @@ class CalibratedSpikeDetector:
         if n < 4:
             return median_of(np.asarray(y))
         h = n // 2
-        old_y, new_y = float(np.median(y[:h])), float(np.median(y[h:]))
-        old_t, new_t = float(np.median(ts[:h])), float(np.median(ts[h:]))
+        # sorted() medians: the same numbers as np.median on these few values, at a tenth the cost
+        old_y, new_y = median_small(y[:h]), median_small(y[h:])
+        old_t, new_t = median_small(ts[:h]), median_small(ts[h:])
         slope = (new_y - old_y) / max(new_t - old_t, 1.0)
         return new_y + slope * (self._t - new_t)
 

@@ -86,6 +86,17 @@ def median_rows(a: np.ndarray) -> np.ndarray:
     return 0.5 * (p[:, k - 1] + p[:, k])
 
 
+def median_small(xs: list[float]) -> float:
+    """Median of a short list by sorting it: the same number as np.median (0.5 * (a + b) is exact,
+    like its mean of the middle pair), without numpy's per-call overhead (~15 us) on a few values."""
+    s = sorted(xs)
+    n = len(s)
+    if n == 0:
+        return NAN
+    k = n // 2
+    return float(s[k]) if n % 2 else 0.5 * (float(s[k - 1]) + float(s[k]))
+
+
 def is_finite(x: float) -> bool:
     try:
         return math.isfinite(x)
