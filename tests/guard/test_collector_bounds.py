@@ -208,7 +208,8 @@ def test_evicted_run_reloads_with_its_state_intact(tmp_path: Path) -> None:
         for run in ("a", "b", "c"):  # h is the least recently used of four runs, two kept hot
             assert c.post(batch(run, 0, G1 | 1, [make_report(0)])).status_code == 200
         wait_for(lambda: not listing(c)["h"]["hot"], what="h evicted")
-        assert health(c)["runs"] <= 2
+        # a run with batches not yet checkpointed is evicted at a later pass, not at once
+        wait_for(lambda: health(c)["runs"] <= 2, what="two runs kept hot")
         m = c.metrics()
         assert m[("moeguard_collector_run_evictions_total", ())] >= 2
         assert m[("moeguard_run_halted", (("run", "h"),))] == 1  # the latch holds while evicted
