@@ -243,8 +243,8 @@ Overhead = median over pairs of (B block total / A block total - 1), so the peri
 flush are counted; 95% bootstrap interval of that median; min .. max over pairs. "Block medians"
 is the same with each block's median step (the steady per-step cost without the periodic work);
 "CPU time" the same with the process's CPU time per block (all threads). "Guard per step" is the
-mean step of B minus that of A: the guard's cost in time, which does not grow with the batch (a
-fixed ~1 ms of host work and small kernels), so the overhead in percent shrinks as steps grow.
+mean step of B minus that of A: the guard's cost in time (host work, small kernels, and routing
+statistics that grow with the tokens a step), so the percentage depends on the workload.
 "Guard actions" counts B's steps by action: anything but `apply` means B did different work from
 A on those steps.
 
