@@ -331,16 +331,24 @@ class PolicyConfig:
 
 
 def _budget_rule(
-    rel_min: float, early_cap: float | None = None, rel_max: float = 20.0, early_z: float | None = None
+    rel_min: float,
+    early_cap: float | None = None,
+    rel_max: float = 20.0,
+    early_z: float | None = None,
+    early_floor: float | None = None,
 ) -> SpikeConfig:
     """GuardConfig's default spike rule: a false-alarm budget of 1e-5 per step after 200 accepted
-    steps; before that `early_cap` x the median (rel_max when None) and, if set, z > early_z."""
+    steps; before that `early_cap` x the median (rel_max when None), lowered to `early_floor` on
+    a steady start (the cap adapts to twice the run's largest clean log excursion, as the fixed-z
+    defaults' did), and, if set, z > early_z."""
     return SpikeConfig(
         budget=1e-5,
         tail_warmup=200,
         rel_min=rel_min,
         rel_max=rel_max,
         early_rel_max=early_cap,
+        early_rel_floor=early_floor,
+        tail_margin=2.0 if early_floor is not None else None,
         early_z=early_z,
     )
 
@@ -353,14 +361,17 @@ class GuardConfig:
     # steps), not by z: each series' threshold is its own (1 - budget) residual quantile from a
     # tail fit of its accepted history (guard/core/detectors/calibrated.py), so small-batch runs
     # with heavy-tailed grad norms and smooth production runs share one setting. Before
-    # `tail_warmup` accepted steps only NaN and a cap act: 100x the median total grad norm, 200x
-    # per layer (clean tiny transformers MoE runs jumped 43x in the total and 127x in one layer
-    # before step 100 without a fault; docs/BENCHMARKS.md). rel_min is the smallest effect that
+    # `tail_warmup` accepted steps only NaN and a cap act: 50x the median total grad norm, 150x
+    # per layer on a steady start, widened to twice the run's largest clean log excursion up to
+    # 100x / 200x (clean tiny transformers MoE runs jumped 43x in the total and 127x in one layer
+    # before step 100 without a fault; docs/BENCHMARKS.md), as the fixed-z defaults did. rel_min is the smallest effect that
     # may page however rare it is. The fixed-z rule: set `budget` to None (and z, tail_margin).
-    grad_spike: SpikeConfig = field(default_factory=lambda: _budget_rule(rel_min=1.2, early_cap=100.0))
+    grad_spike: SpikeConfig = field(
+        default_factory=lambda: _budget_rule(rel_min=1.2, early_cap=100.0, early_floor=50.0)
+    )
     loss_spike: SpikeConfig = field(default_factory=lambda: _budget_rule(rel_min=1.25, early_z=6.0))
     layer_grad_spike: SpikeConfig = field(
-        default_factory=lambda: _budget_rule(rel_min=1.5, early_cap=200.0, rel_max=50.0)
+        default_factory=lambda: _budget_rule(rel_min=1.5, early_cap=200.0, rel_max=50.0, early_floor=150.0)
     )
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
     stall: StallConfig = field(default_factory=StallConfig)

@@ -92,6 +92,20 @@ class CalibratedSpikeDetector:
         slope = (new_y - old_y) / max(new_t - old_t, 1.0)
         return new_y + slope * (self._t - new_t)
 
+    def _early_cap(self, med_r: float) -> float | None:
+        """The cap before the tail is fitted: early_rel_max (rel_max when None); with
+        early_rel_floor and tail_margin set, the fixed-z rule's adaptive cap (spike.py): the
+        tail_margin power of the largest clean excursion so far, between the floor (a steady start
+        keeps it: a 100x spike at step 45 of a flat series is flagged) and early_rel_max (a wild
+        start cannot disarm it)."""
+        cfg = self.cfg
+        cap = cfg.early_rel_max if cfg.early_rel_max is not None else cfg.rel_max
+        if cap is not None and cfg.early_rel_floor is not None and cfg.tail_margin is not None:
+            r = self._resid.values()
+            top = float(r.max()) - med_r if r.size else 0.0
+            cap = min(cap, max(cfg.early_rel_floor, math.exp(cfg.tail_margin * top)))
+        return cap
+
     @property
     def threshold_z(self) -> float:
         """The current standardized-residual threshold s_p (inf before the tail is fitted)."""
@@ -110,7 +124,7 @@ class CalibratedSpikeDetector:
         level, med_r, scale = self._baseline()
         s = (math.log(x) - level - med_r) / scale
         if self.n_accepted < cfg.tail_warmup or self._fit is None:
-            cap = cfg.early_rel_max if cfg.early_rel_max is not None else cfg.rel_max
+            cap = self._early_cap(med_r)
             if cap is not None and x > math.exp(level) * cap:
                 return True, "rel_max", math.exp(level) * cap, s
             if cfg.early_z is not None:
