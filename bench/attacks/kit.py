@@ -209,7 +209,32 @@ def _copy(src: IO[bytes], dst: Path) -> None:
             f.flush()
 
 
-class CollectorProc:
+class _Service:
+    """What the collector and pager wrappers share: the process, its URL and liveness."""
+
+    proc: subprocess.Popen[bytes] | None
+    url: str
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        """Running and answering /healthz."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+class CollectorProc(_Service):
     """`python -m guard collector` on a free loopback port, its runs in work/runs."""
 
     def __init__(self, work: Path, *flags: str, token: str | None = TOKEN) -> None:
@@ -244,24 +269,6 @@ class CollectorProc:
         _stop(self.proc, 5)
         raise Down(f"collector did not come up within {timeout:.0f} s")
 
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        """Running and answering /healthz."""
-        if self.proc is None or self.proc.poll() is not None:
-            return False
-        try:
-            return httpx.get(f"{self.url}/healthz", timeout=10).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     def stop(self) -> None:
         """SIGTERM: the collector checkpoints every run on the way out."""
         _stop(self.proc, 60)
@@ -292,7 +299,7 @@ class CollectorProc:
         self.stop()
 
 
-class PagerProc:
+class PagerProc(_Service):
     """`python -m guard pager` on a free loopback port, its state and log in `work`."""
 
     def __init__(self, work: Path, *flags: str, env: dict[str, str] | None = None) -> None:
@@ -318,23 +325,6 @@ class PagerProc:
             _stop(self.proc, 5)
             raise Down(f"pager did not start: {line!r}") from None
         return self
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        if self.proc is None or self.proc.poll() is not None:
-            return False
-        try:
-            return httpx.get(f"{self.url}/healthz", timeout=10).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def health(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/healthz", timeout=10).json()
