@@ -88,6 +88,26 @@ def _line(fig: go.Figure, df: pl.DataFrame, col: str, name: str, color: str, *, 
     )
 
 
+def _verdict_markers(fig: go.Figure, hits: pl.DataFrame, name: str, symbol: str, what: str, row: int) -> None:
+    """One marker per precursor verdict at the value that fired, the layers that fired in the hover."""
+    if not hits.height:
+        return
+    layers = [guard_events.parse_detail(d).get("layers", []) for d in hits["detail"].to_list()]
+    fig.add_trace(
+        go.Scatter(
+            x=column_values(hits, "step"),
+            y=column_values(hits, "value"),
+            mode="markers",
+            name=name,
+            marker={"symbol": symbol, "size": 11, "color": PRECURSOR_COLOR},
+            customdata=[", ".join(map(str, ls)) for ls in layers],
+            hovertemplate=f"step %{{x}}<br>{what} %{{y:.3g}}<br>layers %{{customdata}}<extra></extra>",
+        ),
+        row=row,
+        col=1,
+    )
+
+
 def _update_ratio_panel(fig: go.Figure, ratio: pl.DataFrame | None, verdicts: pl.DataFrame) -> None:
     """The total update ratio, a marker per precursor verdict (at the layer ratio that fired, the
     layers in the hover) and a dotted line where each loss-spike episode starts (a verdict with
@@ -97,21 +117,7 @@ def _update_ratio_panel(fig: go.Figure, ratio: pl.DataFrame | None, verdicts: pl
     if not verdicts.height:
         return
     pre = verdicts.filter(pl.col("detector") == schema.DET_UPDATE_RATIO)
-    if pre.height:
-        layers = [guard_events.parse_detail(d).get("layers", []) for d in pre["detail"].to_list()]
-        fig.add_trace(
-            go.Scatter(
-                x=column_values(pre, "step"),
-                y=column_values(pre, "value"),
-                mode="markers",
-                name="precursor: update ratio spike",
-                marker={"symbol": "triangle-up", "size": 11, "color": PRECURSOR_COLOR},
-                customdata=[", ".join(map(str, ls)) for ls in layers],
-                hovertemplate="step %{x}<br>layer update ratio %{y:.3g}<br>layers %{customdata}<extra></extra>",
-            ),
-            row=1,
-            col=1,
-        )
+    _verdict_markers(fig, pre, "precursor: update ratio spike", "triangle-up", "layer update ratio", row=1)
     flagged = set(verdicts.filter(pl.col("detector") == schema.DET_LOSS_SPIKE)["step"].to_list())
     spikes = sorted(s for s in flagged if s - 1 not in flagged)
     for s in spikes[:MAX_SPIKE_LINES]:
@@ -170,21 +176,7 @@ def _max_logit_panel(
         col=1,
     )
     hits = verdicts.filter(pl.col("detector") == schema.DET_MAX_LOGIT) if verdicts.height else verdicts
-    if hits.height:
-        layers_hit = [guard_events.parse_detail(d).get("layers", []) for d in hits["detail"].to_list()]
-        fig.add_trace(
-            go.Scatter(
-                x=column_values(hits, "step"),
-                y=column_values(hits, "value"),
-                mode="markers",
-                name="precursor: max logit growth",
-                marker={"symbol": "diamond", "size": 11, "color": PRECURSOR_COLOR},
-                customdata=[", ".join(map(str, ls)) for ls in layers_hit],
-                hovertemplate="step %{x}<br>layer max logit %{y:.3g}<br>layers %{customdata}<extra></extra>",
-            ),
-            row=row,
-            col=1,
-        )
+    _verdict_markers(fig, hits, "precursor: max logit growth", "diamond", "layer max logit", row=row)
     fig.update_yaxes(type="log", title_text="max q·k / √d", row=row, col=1, **_decade_ticks(logits))
 
 
