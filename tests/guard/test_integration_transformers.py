@@ -177,3 +177,40 @@ def test_a_model_without_a_router_is_refused_by_name() -> None:
     )
     with pytest.raises(ValueError, match="LlamaForCausalLM: no MoE router"):
         attach(tf.AutoModelForCausalLM.from_config(cfg))
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_router_entropy_is_the_token_mean_from_a_bounded_sample(score_func: str) -> None:
+    """count_pending takes the entropy over a fixed-stride sample of at most ENTROPY_TOKENS tokens
+    (loads over every token): below the cap it is exactly the full mean, above it within 1% of
+    it on a router whose tokens range from confident to undecided, and the loads stay exact."""
+    from guard.integrations.base import ENTROPY_TOKENS, TopKRoutingHook, score_entropy_sum
+
+    gen = torch.Generator().manual_seed(0)
+    e, k = 8, 2
+    for n in (ENTROPY_TOKENS // 2, ENTROPY_TOKENS * 16):
+        # per-token temperature from 0.05 to 20: entropies spread over most of [0, log E]
+        logits = torch.randn(n, e, generator=gen) / torch.logspace(-1.3, 1.3, n).unsqueeze(1)
+        idx = logits.topk(k, dim=-1).indices
+
+        hook = TopKRoutingHook(_FixedGate(logits, idx), n_experts=e, score_func=score_func)
+        hook.router(torch.zeros(1))
+        full_mean = score_entropy_sum(logits, score_func).item() / n
+        mean = (hook.entropy_sum / hook.token_count).item()
+        assert hook.token_count.item() == min(n, ENTROPY_TOKENS)
+        if n <= ENTROPY_TOKENS:
+            assert mean == pytest.approx(full_mean, rel=1e-6)
+        else:
+            assert mean == pytest.approx(full_mean, rel=0.01)
+        assert torch.equal(hook.tokens_per_expert_E, torch.bincount(idx.reshape(-1), minlength=e).float())
+
+
+class _FixedGate(torch.nn.Module):
+    """A router whose forward returns transformers 5's (logits, weights, top-k indices), fixed."""
+
+    def __init__(self, logits: torch.Tensor, idx: torch.Tensor) -> None:
+        super().__init__()
+        self.logits, self.idx = logits, idx
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.logits, self.logits.softmax(-1), self.idx
