@@ -1,7 +1,7 @@
 """The exporter's background thread, the only one that touches the network while training runs.
 
-Each turn it takes what has queued up (at most `batch_max` steps), seals it into batches with
-the next seqs and POSTs them; a batch that fails goes to the spool with everything after it,
+Each turn it takes what has queued up (at most `batch_max` steps) and seals it into batches with
+the next seqs in one hold of the seq lock (guard/runtime/export_queue.py says why), then POSTs them; a batch that fails goes to the spool with everything after it,
 and the spool is retried, oldest first, on guard/wire/retry.py's backoff. Between steps it
 polls for operator commands every `poll_s` and sends an empty heartbeat batch when nothing went
 out for `heartbeat_s` (never while something is spooled: a heartbeat must not overtake it).
@@ -13,7 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from guard.runtime.export_batch import BatchAssembler, Item, chunks, encode_items
+from guard.runtime.export_batch import BatchAssembler, chunks, encode_items
 from guard.runtime.export_link import CollectorLink
 from guard.runtime.export_queue import StepQueue
 from guard.runtime.export_spool import Spool
@@ -64,10 +64,11 @@ class Sender:
         self._next_poll = time.monotonic() + self.cfg.poll_s
         self._last_sent = time.monotonic()
         while True:
-            items, stop = self.steps.take(max(0.0, self._wait()), self.cfg.batch_max)
-            self._send_new(items)
-            if items:
-                self.steps.handled(len(items))
+            self.steps.wait(max(0.0, self._wait()))
+            stop = self.steps.stopped  # read before the take: what was queued before stop() goes out
+            n_items = self._send_new()
+            if n_items:
+                self.steps.handled(n_items)
             if len(self.spool) and time.monotonic() >= self._retry_at:
                 self._retry_spool()
             now = time.monotonic()
@@ -85,10 +86,17 @@ class Sender:
         retry_at = self._retry_at if len(self.spool) else now + 1.0
         return min(self._next_poll, self._last_sent + self.cfg.heartbeat_s, retry_at) - now
 
-    def _send_new(self, items: list[Item]) -> None:
-        """Seal the new steps (or a meta/phase change) into batches and POST them in seq order;
-        on the first failure, spool that batch and every later one."""
-        sealed = self._seal(chunks(encode_items(items), self.cfg.max_body_bytes) if items else [])
+    def _send_new(self) -> int:
+        """Take the queued steps (at most batch_max), seal them (or a meta/phase change) into
+        batches and POST them in seq order; on the first failure, spool that batch and every
+        later one. Returns how many steps it took."""
+        with self.batches.lock:  # take and seal in one hold: see export_queue.py on order
+            items = self.steps.pop(self.cfg.batch_max)
+            sealed = self._seal(chunks(encode_items(items), self.cfg.max_body_bytes) if items else [])
+        self._post(sealed)
+        return len(items)
+
+    def _post(self, sealed: list[tuple[int, bytes]]) -> None:
         for i, (_, body) in enumerate(sealed):
             if not self.link.post(body):
                 with self.batches.lock:
@@ -100,16 +108,15 @@ class Sender:
 
     def _seal(self, chunked: list[list]) -> list[tuple[int, bytes]]:
         """Give each chunk the next seq and its body; when anything is spooled already, spool
-        them behind it (keeps the order) and return nothing to send now."""
-        with self.batches.lock:
-            if self.batches.take_news() and not chunked:
-                chunked = [[]]
-            sealed = [(seq, self.batches.body(c, seq)) for c in chunked for seq in (self.batches.next_seq(),)]
-            if sealed and len(self.spool):
-                for seq, body in sealed:
-                    self.spool.write(seq, body)
-                return []
-            return sealed
+        them behind it (keeps the order) and return nothing to send now. Caller holds the lock."""
+        if self.batches.take_news() and not chunked:
+            chunked = [[]]
+        sealed = [(seq, self.batches.body(c, seq)) for c in chunked for seq in (self.batches.next_seq(),)]
+        if sealed and len(self.spool):
+            for seq, body in sealed:
+                self.spool.write(seq, body)
+            return []
+        return sealed
 
     def _retry_spool(self) -> None:
         if self.spool.replay(self.link.post):

@@ -81,6 +81,7 @@ class ExporterConfig:
     trainer_detectors: bool = False
 
     def __post_init__(self) -> None:
+        check(self.max_queue >= 1, "max_queue", self.max_queue, "must be >= 1")
         check(self.batch_max >= 1, "batch_max", self.batch_max, "must be >= 1")
         check(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "must be > 0")
         check(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
@@ -126,17 +127,26 @@ class Exporter:
 
     # ---- step path: never blocks on the network --------------------------------------
     def submit(self, report: StepReport, events: Iterable[Event | dict[str, Any]] = ()) -> None:
-        """Queue one step (the report must not be mutated afterwards). Never blocks."""
+        """Queue one step (the report must not be mutated afterwards). Never waits on the network;
+        when the queue is full it writes one step to the spool (a local file)."""
         item = (report, [e.row() if isinstance(e, Event) else dict(e) for e in events])
         if self._steps.put(item):
             return
-        # The sender is behind (collector slow or down): spill to disk rather than drop.
-        enc = encode_items([item])
+        # The sender is behind (collector slow or down): spill the OLDEST queued step to disk and
+        # queue this one, so the spool keeps submission order (guard/runtime/export_queue.py).
+        # A loop only in case another thread's submit took the freed slot first.
+        spilled = 0
         with self._batches.lock:
-            seq = self._batches.next_seq()
-            self._spool.write(seq, self._batches.body(enc, seq))
-            self.stats["spilled"] += 1
-        self._steps.handled(1)
+            while not self._steps.put(item):
+                oldest = self._steps.evict_oldest()
+                if oldest is None:
+                    continue  # the sender emptied it before this lock was taken: the put succeeds
+                seq = self._batches.next_seq()
+                self._spool.write(seq, self._batches.body(encode_items([oldest]), seq))
+                spilled += 1
+            self.stats["spilled"] += spilled
+        if spilled:
+            self._steps.handled(spilled)
 
     def set_meta(self, meta: dict[str, Any]) -> None:
         """Send the run's meta with the next batch (status changes included)."""

@@ -14,10 +14,11 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from guard.core import schema
 from guard.core.events import Event
+from guard.runtime.export_spool import Spool
 from guard.runtime.exporter import Exporter, ExporterConfig
 from guard.runtime.otel import OtelExporter
 from guard.store.reader import read_table
-from guard.wire.batch import GEN_SHIFT
+from guard.wire.batch import GEN_SHIFT, parse_batch
 from tests.guard.test_collector import AUTH, TOKEN, CollectorProc, free_port, make_report
 
 
@@ -42,6 +43,28 @@ def test_submit_never_blocks_and_spills_when_the_queue_is_full(tmp_path: Path) -
     assert files, "unsent batches must be on disk"
     seqs = [int(p.stem.rsplit("-", 1)[1]) for p in files]
     assert len(set(seqs)) == len(seqs)
+
+
+def test_a_full_queue_spools_every_step_in_submission_order(tmp_path: Path) -> None:
+    """The queue overflows while the sender is mid-turn (collector down): the spool, replayed
+    oldest seq first as a restarted trainer would, must hold every step exactly once and in the
+    order submitted (the collector's server-side detectors read steps in arrival order). A spilled
+    step used to get its seq before older steps still queued or taken but not yet sealed."""
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens
+    cfg = ExporterConfig(max_queue=4, batch_max=2, backoff_max_s=0.2, timeout_s=0.5)
+    exp = Exporter(url, TOKEN, "so", 0, tmp_path / "spool", cfg)
+    for s in range(300):
+        exp.submit(make_report(s, n_layers=2, n_experts=2))
+    assert exp.close(timeout=0.5) is False
+    assert exp.stats["spilled"] > 0  # the queue did overflow
+    replayed: list[int] = []
+
+    def record(body: bytes) -> bool:
+        replayed.extend(r.step for r in parse_batch(body).reports)
+        return True
+
+    assert Spool(tmp_path / "spool", "so-r0-", {"spooled": 0, "replayed": 0}).replay(record)
+    assert replayed == list(range(300))
 
 
 def test_generation_keeps_counting_up(tmp_path: Path) -> None:
