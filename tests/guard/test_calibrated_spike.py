@@ -253,3 +253,30 @@ def test_budget_is_a_rate_per_step_shared_by_the_series_a_detector_judges():
     assert [d.cfg.budget for d in restored.layers.values()] == pytest.approx([2.5e-6] * 4)
     grad = DetectorSuite(GuardConfig(grad_spike=_cfg())).detectors["grad_spike"]
     assert grad.det.cfg.budget == grad.all_layers.det.cfg.budget == pytest.approx(5e-6)
+
+
+def test_layer_baselines_computed_together_equal_each_layers_own() -> None:
+    """LayerSpikeDetector fills its layers' stale baselines in one pass (refresh_baselines): on
+    heavy-tailed per-layer series with spikes, every filled (level, median, scale) must equal, bit
+    for bit, what the layer's own _baseline computes."""
+    from guard.core.detectors.calibrated import refresh_baselines
+    from guard.core.detectors.spike import LayerSpikeDetector
+
+    cfg = GuardConfig().layer_grad_spike
+    det = LayerSpikeDetector(cfg)
+    rng = np.random.default_rng(3)
+    ids = np.arange(6)
+    checked = 0
+    for step in range(700):
+        x = np.exp(rng.standard_t(3, 6) * 0.3)
+        if step % 97 == 0:
+            x[step % 6] *= 20
+        det.update(ids, x)
+        layers = list(det.layers.values())
+        refresh_baselines(layers)
+        for d in layers:
+            if d._stats is not None:
+                filled, d._stats = d._stats, None
+                assert d._baseline() == filled
+                checked += 1
+    assert checked > 3000

@@ -35,7 +35,7 @@ import numpy as np
 
 from guard.core import schema
 from guard.core.config import SpikeConfig
-from guard.core.detectors.robust import MAD_TO_SIGMA, RingBuffer, median_of, median_small
+from guard.core.detectors.robust import MAD_TO_SIGMA, RingBuffer, median_of, median_rows, median_small
 from guard.core.detectors.tail import TailFit, fit_tail
 from guard.core.events import Verdict
 
@@ -272,3 +272,23 @@ class CalibratedSpikeDetector:
             else TailFit(float(fit[0]), float(fit[1]), float(fit[2]), int(fit[3]), int(fit[4]))
         )
         self._stats = None
+
+
+def refresh_baselines(dets: list[CalibratedSpikeDetector]) -> None:
+    """Fill the stale baselines of many detectors at once (one per layer: layers accept together,
+    so their residual windows have equal lengths): each window's median and MAD by one introselect
+    over the stacked windows instead of two per layer. The same numbers as `_baseline` (a row's
+    order statistic is the row's, and 0.5 * (a + b) is the same expression); at 48 layers it was
+    ~2/3 of the engine's time a step."""
+    groups: dict[int, list[CalibratedSpikeDetector]] = {}
+    for d in dets:
+        if d._stats is None and len(d._recent) and len(d._resid):
+            groups.setdefault(len(d._resid), []).append(d)
+    for ds in groups.values():
+        if len(ds) < 2:
+            continue  # the scalar path is as cheap
+        r = np.stack([d._resid.values() for d in ds])
+        med_r = median_rows(r)
+        mad = median_rows(np.abs(r - med_r[:, None])) * MAD_TO_SIGMA
+        for d, m, sd in zip(ds, med_r.tolist(), mad.tolist(), strict=True):
+            d._stats = (d._trend_level(), m, max(sd, d.cfg.mad_floor))

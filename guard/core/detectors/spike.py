@@ -19,7 +19,7 @@ import numpy as np
 
 from guard.core import schema
 from guard.core.config import SpikeConfig
-from guard.core.detectors.calibrated import CalibratedSpikeDetector
+from guard.core.detectors.calibrated import CalibratedSpikeDetector, refresh_baselines
 from guard.core.detectors.robust import MAD_TO_SIGMA, NAN, RingBuffer, is_finite, median_of, median_rows
 from guard.core.events import Verdict
 
@@ -217,7 +217,9 @@ class LayerSpikeDetector:
         """End of the step for budget-mode layers (their clock and level-shift runs); else nothing."""
         if self.cfg.budget is None:
             return
-        for lid, x in self._pairs(layer_ids, values):
+        # No refresh: an accepted step's baselines are stale and settle does not judge it; a
+        # flagged step's are still the ones peek computed.
+        for lid, x in self._pairs(layer_ids, values, refresh=False):
             self._det(lid).settle(x, accepted)
 
     def _fired(self, det: SpikeDetector, lid: int, x: float) -> Verdict | None:
@@ -228,15 +230,20 @@ class LayerSpikeDetector:
         v.layer = lid
         return v
 
-    def _pairs(self, layer_ids: Any, values: Any) -> list[tuple[int, float]]:
+    def _pairs(self, layer_ids: Any, values: Any, *, refresh: bool = True) -> list[tuple[int, float]]:
+        """(layer id, value) pairs; with `refresh`, the layers' stale baselines computed together."""
         ids = [int(i) for i in np.asarray(layer_ids).reshape(-1)]
         vals = [float(v) for v in np.asarray(values, dtype=np.float64).reshape(-1)]
         if len(ids) != len(vals):
             raise ValueError(f"{len(ids)} layer ids but {len(vals)} values")
         if not self.layers:
             self._share_budget(len(ids))
-        if self.cfg.budget is None:
-            self._refresh([self.layers[i] for i in ids if i in self.layers])
+        if refresh:
+            seen = [self.layers[i] for i in ids if i in self.layers]
+            if self.cfg.budget is None:
+                self._refresh(seen)
+            else:
+                refresh_baselines(seen)
         return list(zip(ids, vals, strict=True))
 
     @staticmethod
