@@ -4,6 +4,7 @@ For each family and seed: train guarded on stdlib bytes (AdamW, the issue's sett
 every verdict and action of the run. A clean run must show none; `--inject` adds faults.
 
     python -m bench.real_models --families mixtral,deepseek_v3 --seeds 0,1 --steps 310
+    python -m bench.real_models --observe --seeds 0,1 --steps 1000 --batch 8 --seq 128 --keep DIR
     python -m bench.real_models --inject gradspike@150:1000 --inject nan@200 --inject collapse@120:2
 """
 
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seeds", default="0", help="comma-separated seeds")
     ap.add_argument("--steps", type=int, default=310)
+    ap.add_argument("--batch", type=int, default=4, help="sequences a step (default 4)")
+    ap.add_argument("--seq", type=int, default=64, help="bytes a sequence (default 64)")
     ap.add_argument(
         "--inject", action="append", default=[], help="KIND@STEP[:ARG], KIND gradspike|nan|collapse"
     )
@@ -130,7 +133,15 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 run_dir = a.keep / f"{fam}-{seed}" if a.keep else Path(tmp) / "run"
                 r = drill(
-                    fam, seed=seed, steps=a.steps, corpus=corpus, run_dir=run_dir, injections=inj, cfg=cfg
+                    fam,
+                    seed=seed,
+                    steps=a.steps,
+                    corpus=corpus,
+                    run_dir=run_dir,
+                    injections=inj,
+                    cfg=cfg,
+                    batch=a.batch,
+                    seq=a.seq,
                 )
             results.append(r)
             print(
