@@ -2,7 +2,8 @@
 background thread (guard/store/writer.py writes them; guard/store/layout.py names them).
 
 Why chunks written by a background thread: a step must never wait on disk, and a crash may
-lose at most the rows not yet flushed, never corrupt what is there. Each part is written to a
+lose at most the rows not yet on disk (those since the last flush and the chunk the writer is
+writing: under 2 x flush_every steps), never corrupt what is there. Each part is written to a
 temporary name, fsynced and renamed, so a reader sees a whole part or none. Read a run back
 with guard/store/reader.py.
 """
