@@ -5,6 +5,8 @@ of them was tuned on.
     python bench/detector_heldout.py                         # the full evaluation (~10 min, 2 cores)
     python bench/detector_heldout.py --quick                 # a smoke run (tests)
     python bench/detector_heldout.py --write-docs            # also update docs/BENCHMARKS.md
+    python bench/detector_heldout.py --dev --detectors 'ours (budget)' --ours-set KEY=VALUE
+                                   # judge a candidate change without touching the test split
 
 Splits (bench/trace_families.py):
   calibration  families lognormal, student_t3, lr_schedule; seeds 0..7 (each a grad-norm and a
@@ -13,6 +15,9 @@ Splits (bench/trace_families.py):
                traces is at most --target per step (ours: the budget; OLMo-core: sigma_factor;
                ZClip: z_thresh; Lightning: rtol; Megatron: factor).
   test         every family (stable and drift never seen in calibration), seeds 100..107.
+  dev          (--dev, instead of test) the calibration families on fresh seeds 8..23: for choosing
+               between candidate changes of a detector, so that the test split is scored only
+               for the one that is kept. Not written to the docs.
 Faults: single-step multiplicative spikes of one size per copy (x1.5 .. x100), every 250 steps
 after step 300; a fault is detected when its step or one of the next 3 is flagged; other flags are
 false positives. FA/1k counts flags per 1,000 steps of the clean test copies. NaN is left out: every
@@ -363,8 +368,9 @@ def report(args: argparse.Namespace, settings, calib_fa, results, agree_rows, se
         out.append(
             f"| {k.name} | {k.knob} | {settings[k.name]:.3g} | {1000 * calib_fa[k.name]:.3f} | {default} |"
         )
+    split = "dev" if getattr(args, "dev", False) else "test"
     for series in (GRAD_NORM, LOSS):
-        out += ["", f"F1 per spike size, {series}, test split (all families pooled):", ""]
+        out += ["", f"F1 per spike size, {series}, {split} split (all families pooled):", ""]
         out += size_table(results, series, FAMILIES)
     out += ["", "Per family, grad norm: F1 at x2 / FA per 1k clean steps:", ""]
     out += family_table(results, GRAD_NORM)
@@ -379,6 +385,17 @@ def report(args: argparse.Namespace, settings, calib_fa, results, agree_rows, se
             "|---|---|---|",
         ] + agree_rows
     return "\n".join(out) + "\n"
+
+
+def split_traces(steps: int, calib_seeds: int, test_seeds: int, dev: bool) -> tuple[list[Trace], list[Trace]]:
+    """(calibration traces, scored traces): the test split, or with `dev` fresh seeds of the
+    calibration families (twice test_seeds of them: about as many runs as the test split)."""
+    calib = [t for f in CALIBRATION_FAMILIES for t in family_traces(f, range(calib_seeds), steps)]
+    if dev:
+        seeds = range(calib_seeds, calib_seeds + 2 * test_seeds)
+        return calib, [t for f in CALIBRATION_FAMILIES for t in family_traces(f, seeds, steps)]
+    test = [t for f in FAMILIES for t in family_traces(f, range(100, 100 + test_seeds), steps)]
+    return calib, test
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -400,7 +417,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="override a SpikeConfig field of ours (experiments), e.g. xi_max=0.8",
     )
     ap.add_argument("--write-docs", action="store_true", help="write the section of docs/BENCHMARKS.md")
+    ap.add_argument(
+        "--dev",
+        action="store_true",
+        help="score on fresh seeds of the calibration families instead of the test split",
+    )
     args = ap.parse_args(argv)
+    if args.dev and args.write_docs:
+        ap.error("--dev with --write-docs: the docs hold test-split results only")
     for kv in args.ours_set:
         key, _, value = kv.partition("=")
         OURS_EXTRA[key] = float(value)
@@ -412,8 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.target < 0.1:
         ap.error(f"--target {args.target}: must be in (0, 0.1)")
     t0 = time.time()
-    calib = [t for f in CALIBRATION_FAMILIES for t in family_traces(f, range(args.calib_seeds), args.steps)]
-    test = [t for f in FAMILIES for t in family_traces(f, range(100, 100 + args.test_seeds), args.steps)]
+    calib, test = split_traces(args.steps, args.calib_seeds, args.test_seeds, args.dev)
     settings, calib_fa, results = {}, {}, {}
     chosen = [k for k in KNOBS if not args.detectors or k.name in args.detectors.split(",")]
     if not chosen:
@@ -431,6 +454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         picked = test[:: max(1, len(test) // args.agreement_traces)][: args.agreement_traces]
         agree_rows = agreement(settings, picked, args.agreement_steps)
     text = report(args, settings, calib_fa, results, agree_rows, time.time() - t0)
+    if args.dev:
+        seeds = f"{args.calib_seeds}..{args.calib_seeds + 2 * args.test_seeds - 1}"
+        text = f"DEV SPLIT: scored on {', '.join(CALIBRATION_FAMILIES)} seeds {seeds}, not on the test split\n\n{text}"
     print(text)
     if args.write_docs:
         from bench._docs import write_section

@@ -47,3 +47,13 @@ def test_reimplementations_flag_exactly_as_the_installed_peers(peer):
         mine = dh.run_detector(knob.make(setting), values)
         assert real is not None and real.any(), "the trace must make the peer flag something"
         assert np.array_equal(real, mine), f"{peer} at {setting}: steps {np.flatnonzero(real != mine)}"
+
+
+def test_dev_split_never_holds_a_test_trace_or_a_calibration_seed():
+    calib, dev = dh.split_traces(400, calib_seeds=2, test_seeds=2, dev=True)
+    _, test = dh.split_traces(400, calib_seeds=2, test_seeds=2, dev=False)
+    runs = {t.name for t in dev}  # "family-seed"
+    assert runs == {f"{f}-{s}" for f in dh.CALIBRATION_FAMILIES for s in range(2, 6)}
+    assert not runs & {t.name for t in calib + test}
+    with pytest.raises(SystemExit):
+        dh.main(["--dev", "--write-docs", "--quick"])
