@@ -57,3 +57,26 @@ def test_dev_split_never_holds_a_test_trace_or_a_calibration_seed():
     assert not runs & {t.name for t in calib + test}
     with pytest.raises(SystemExit):
         dh.main(["--dev", "--write-docs", "--quick"])
+
+
+def test_recorded_runs_are_scored_as_their_own_split(tmp_path, capsys):
+    """--recorded scores recorded run stores (named family-seed) in place of the test split, per
+    family, and refuses --dev; a run store written by the run-store writer is read back as is."""
+    from guard.core.report import StepReport
+    from guard.store.runstore import RunStore
+
+    rng = np.random.default_rng(0)
+    runs = []
+    for name in ("fam_a-0", "fam_b-1"):
+        store = RunStore(tmp_path / name)
+        for s in range(700):
+            g, loss = float(np.exp(rng.normal(0, 0.2))), float(np.exp(rng.normal(1, 0.02)))
+            store.add_step(StepReport(step=s, time=float(s), loss=loss, grad_norm=g, lr=1e-3, tokens=64))
+        store.close(status="finished")
+        runs.append(str(tmp_path / name))
+    assert dh.main(["--quick", "--detectors", "ours (budget),OLMo-core", "--recorded", *runs]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("## Detection on recorded real-model traces")
+    assert "| detector | fam_a | fam_b |" in out and "recorded split" in out
+    with pytest.raises(SystemExit):
+        dh.main(["--dev", "--quick", "--recorded", *runs])
