@@ -254,13 +254,14 @@ def agreement(settings: dict[str, float], traces: Sequence[Trace], steps: int) -
     """Markdown rows: per peer, flags compared and how many differ (re-implementation vs real code)."""
     rows = []
     for knob in KNOBS:
-        if knob.name.startswith("ours"):
+        if knob.name.startswith("ours") or knob.name not in settings:  # not run (--detectors)
             continue
         compared = differ = 0
         for t in traces:
             rng = np.random.default_rng(zlib.crc32(f"agree/{t.name}/{t.series}".encode()))
-            pos = fault_positions(steps, 10**6, rng, FAULT_START, FAULT_GAP)
-            vals = inject(t.values[:steps], pos, rng.choice(SIZES, size=len(pos)))
+            n = min(steps, len(t.values))  # a recorded trace may be shorter than --agreement-steps
+            pos = fault_positions(n, 10**6, rng, FAULT_START, FAULT_GAP)
+            vals = inject(t.values[:n], pos, rng.choice(SIZES, size=len(pos)))
             for value in sorted({settings[knob.name], default_of(knob)}):
                 real = real_flags(knob.name, value, vals)
                 if real is None:
