@@ -43,6 +43,13 @@ def ours(run_dir: Path, guard: str) -> tuple[list[int], list[str], int]:
     return steps, dets, routing
 
 
+def defaults_toml(folder: Path) -> str:
+    """An empty guard TOML in `folder`: `moeguard replay --guard` then runs GuardConfig()'s defaults."""
+    p = folder / "defaults.toml"
+    p.write_text("# the defaults\n")
+    return str(p)
+
+
 def peers(run_dir: Path) -> dict[str, list[int]]:
     """Per peer, the steps it flags on either series (grad norm or loss)."""
     s = read_table(run_dir, "steps").sort("step")
@@ -76,10 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        guard = a.guard
-        if guard is None:
-            guard = str(Path(tmp) / "defaults.toml")
-            Path(guard).write_text("# the defaults\n")
+        guard = a.guard or defaults_toml(Path(tmp))
         rows, totals, n_steps = [], {"ours": 0, **{n: 0 for n, _ in PEERS}}, 0
         shared = {n: 0 for n, _ in PEERS}
         for run in a.runs:

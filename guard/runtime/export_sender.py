@@ -1,8 +1,9 @@
 """The exporter's background thread, the only one that touches the network while training runs.
 
 Each turn it takes what has queued up (at most `batch_max` steps) and seals it into batches with
-the next seqs in one hold of the seq lock (guard/runtime/export_queue.py says why), then POSTs them; a batch that fails goes to the spool with everything after it,
-and the spool is retried, oldest first, on guard/wire/retry.py's backoff. Between steps it
+the next seqs in one hold of the seq lock (guard/runtime/export_queue.py says why), then POSTs
+them; a batch that fails goes to the spool with everything after it, and the spool is retried,
+oldest first, on guard/wire/retry.py's backoff. Between steps it
 polls for operator commands every `poll_s` and sends an empty heartbeat batch when nothing went
 out for `heartbeat_s` (never while something is spooled: a heartbeat must not overtake it).
 """

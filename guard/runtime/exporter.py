@@ -141,12 +141,16 @@ class Exporter:
                 oldest = self._steps.evict_oldest()
                 if oldest is None:
                     continue  # the sender emptied it before this lock was taken: the put succeeds
-                seq = self._batches.next_seq()
-                self._spool.write(seq, self._batches.body(encode_items([oldest]), seq))
+                self._spool_locked(encode_items([oldest]))
                 spilled += 1
             self.stats["spilled"] += spilled
         if spilled:
             self._steps.handled(spilled)
+
+    def _spool_locked(self, chunk: list) -> None:
+        """One batch of encoded steps to the spool with the next seq (the caller holds the seq lock)."""
+        seq = self._batches.next_seq()
+        self._spool.write(seq, self._batches.body(chunk, seq))
 
     def set_meta(self, meta: dict[str, Any]) -> None:
         """Send the run's meta with the next batch (status changes included)."""
@@ -188,8 +192,7 @@ class Exporter:
         leftover = self._steps.drain()
         for chunk in chunks(encode_items(leftover), self.cfg.max_body_bytes):
             with self._batches.lock:
-                seq = self._batches.next_seq()
-                self._spool.write(seq, self._batches.body(chunk, seq))
+                self._spool_locked(chunk)
         if final:
             ok = self._send_final() and ok
         self._link.close()

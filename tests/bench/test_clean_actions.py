@@ -24,7 +24,7 @@ def test_a_spike_is_counted_for_ours_and_for_each_peer(tmp_path: Path, capsys: p
          "--keep", str(tmp_path)]
     )  # fmt: skip
     run = tmp_path / "mixtral-0"
-    mine, dets, _ = clean_actions.ours(run, _defaults(tmp_path))
+    mine, dets, _ = clean_actions.ours(run, clean_actions.defaults_toml(tmp_path))
     assert SPIKE in mine and "grad_norm_spike" in dets
     flagged = clean_actions.peers(run)
     assert SPIKE in flagged["Lightning"] and SPIKE in flagged["ZClip"], flagged
@@ -33,9 +33,3 @@ def test_a_spike_is_counted_for_ours_and_for_each_peer(tmp_path: Path, capsys: p
     table = capsys.readouterr().out
     row = next(line for line in table.splitlines() if line.startswith("| mixtral-0 |"))
     assert f"{SPIKE}" in row.split("|")[3]  # ours: acting steps
-
-
-def _defaults(tmp: Path) -> str:
-    p = tmp / "defaults.toml"
-    p.write_text("# the defaults\n")
-    return str(p)
