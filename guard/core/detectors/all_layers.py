@@ -18,6 +18,7 @@ spike (rule "all_layers"), skipped like one. Needs two or more layers' grad norm
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ import numpy as np
 from guard.core import schema
 from guard.core.config import SpikeConfig
 from guard.core.detectors.calibrated import CalibratedSpikeDetector
-from guard.core.detectors.robust import RingBuffer, median_of
+from guard.core.detectors.robust import RingBuffer, median_of, median_rows
 from guard.core.events import Verdict
 
 _MIN_LEVEL = 4  # accepted values a layer needs before its level counts
@@ -54,8 +55,7 @@ class AllLayersSpike:
         rings = [self._levels.get(i) for i in ids]
         usable = len(ids) >= 2 and all(math.isfinite(v) and v > 0 for v in vals)
         if usable and all(r is not None and len(r) >= _MIN_LEVEL for r in rings):
-            d = min(math.log(v) - median_of(r.values()) for v, r in zip(vals, rings, strict=True))  # type: ignore[union-attr]
-            out = math.exp(d)
+            out = math.exp(min(map(operator.sub, map(math.log, vals), _levels(rings))))  # type: ignore[arg-type]
         self._cached = (step, ids, vals, out)
         return out
 
@@ -100,3 +100,12 @@ class AllLayersSpike:
             ring = self._levels[int(k)] = RingBuffer(self.cfg.level_window)
             ring.load(list(vals))
         self._cached = None
+
+
+def _levels(rings: list[RingBuffer]) -> list[float]:
+    """Each ring's median: one stacked introselect when the rings hold as many values (every
+    layer accepts together, so after the first steps they do), else one per ring."""
+    n = len(rings[0])
+    if len(rings) > 1 and all(len(r) == n for r in rings):
+        return median_rows(np.stack([r.values() for r in rings])).tolist()
+    return [median_of(r.values()) for r in rings]

@@ -29,6 +29,7 @@ divergence) is no plateau and keeps firing.
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -51,8 +52,10 @@ class CalibratedSpikeDetector:
         self.cfg = cfg
         self.name = name
         self.n_accepted = 0
-        self._recent = RingBuffer(cfg.level_window)
-        self._recent_t = RingBuffer(cfg.level_window)  # the step (call count) of each of them
+        # The level window is short (16) and read in order every step (the trend): a deque reads
+        # back as a list without the numpy round trip a RingBuffer's ordered() costs.
+        self._recent: deque[float] = deque(maxlen=cfg.level_window)
+        self._recent_t: deque[float] = deque(maxlen=cfg.level_window)  # the step (call count) of each
         self._t = 0  # values seen (update() calls): the clock of the trend
         self._quiet_until = 0  # no residual joins the tail before this step (after a re-base)
         self._resid = RingBuffer(cfg.window)
@@ -81,7 +84,7 @@ class CalibratedSpikeDetector:
         baseline, a fast smooth rise (an LR warm restart, the end of warm-up) that gets flagged
         once would be judged against an ever staler level: every later step flagged. Following
         the slope keeps the level on the trend; a one-step spike moves neither half's median."""
-        y, ts = self._recent.ordered(), self._recent_t.ordered()
+        y, ts = list(self._recent), list(self._recent_t)
         n = len(y)
         if n < 4:
             return median_of(np.asarray(y))
@@ -193,9 +196,9 @@ class CalibratedSpikeDetector:
     def _rebase(self, x: float) -> None:
         """The flagged plateau (x its last value) becomes the level."""
         run = [*self._flagged_run[-(self.cfg.shift_steps or 1) + 1 :], math.log(x)]
-        keep = run[-self._recent.capacity :]
-        self._recent.load(keep)
-        self._recent_t.load([float(self._t - len(keep) + 1 + i) for i in range(len(keep))])
+        keep = run[-(self._recent.maxlen or 1) :]
+        _load(self._recent, keep)
+        _load(self._recent_t, [float(self._t - len(keep) + 1 + i) for i in range(len(keep))])
         # The residuals of the next few steps are measured against a level still settling on the
         # new plateau: they stay out of the tail (they would fatten it for tail_memory steps).
         self._quiet_until = self._t + self.cfg.level_window
@@ -226,8 +229,8 @@ class CalibratedSpikeDetector:
                 ):
                     self._tail.push(s)
                     self._since_fit += 1
-        self._recent.push(lx)
-        self._recent_t.push(float(self._t))
+        self._recent.append(lx)
+        self._recent_t.append(float(self._t))
         self.n_accepted += 1
         self._stats = None
         if self._since_fit >= self.cfg.refit_every or (self._fit is None and self._since_fit):
@@ -242,8 +245,8 @@ class CalibratedSpikeDetector:
     def state_dict(self) -> dict[str, Any]:
         return {
             "n_accepted": self.n_accepted,
-            "recent_log": self._recent.ordered(),
-            "recent_t": self._recent_t.ordered(),
+            "recent_log": list(self._recent),
+            "recent_t": list(self._recent_t),
             "t": self._t,
             "resid_log": self._resid.ordered(),
             "tail_z": self._tail.ordered(),
@@ -257,8 +260,8 @@ class CalibratedSpikeDetector:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.n_accepted = int(d.get("n_accepted", 0))
-        self._recent.load(list(d.get("recent_log", [])))
-        self._recent_t.load(list(d.get("recent_t", [])))
+        _load(self._recent, d.get("recent_log", []))
+        _load(self._recent_t, d.get("recent_t", []))
         self._t = int(d.get("t", 0))
         self._resid.load(list(d.get("resid_log", [])))
         self._tail.load(list(d.get("tail_z", [])))
@@ -272,6 +275,12 @@ class CalibratedSpikeDetector:
             else TailFit(float(fit[0]), float(fit[1]), float(fit[2]), int(fit[3]), int(fit[4]))
         )
         self._stats = None
+
+
+def _load(ring: deque[float], values: list[float]) -> None:
+    """Replace a level window's contents (oldest first; the newest maxlen are kept)."""
+    ring.clear()
+    ring.extend(float(v) for v in values)
 
 
 def refresh_baselines(dets: list[CalibratedSpikeDetector]) -> None:

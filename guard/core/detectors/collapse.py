@@ -48,30 +48,46 @@ class CollapseDetector:
         ids = [int(i) for i in report.moe_layer_ids_M]
         loads = report.load_ME
         have_loads = loads.ndim == 2 and loads.shape[0] == len(ids) and loads.shape[1] > 0
+        states = [self._layer(lid, loads.shape[1] if have_loads else 0) for lid in ids]
+        judging = self.n_updates > cfg.warmup  # routing is chaotic at init; counters run, verdicts wait
+        n_dead_M: list[int | None] = [None] * len(ids)
+        if have_loads and ids:
+            # All layers in a few array operations (not a handful per layer): each layer's row
+            # of steps-since-a-token, and its dead count where verdicts are due.
+            since_ME = np.where(loads > 0, 0, np.stack([st.since_token_E for st in states]) + 1)
+            for st, row in zip(states, since_ME, strict=True):
+                st.since_token_E = row
+            if judging:
+                n_dead_M = (since_ME >= cfg.dead_window).sum(axis=1).tolist()
         out: list[Verdict] = []
-        for i, lid in enumerate(ids):
-            st = self.layers.get(lid)
-            if st is None:
-                n_exp = loads.shape[1] if have_loads else 0
-                st = self.layers[lid] = _LayerRouting(np.zeros(n_exp, dtype=np.int64))
-            if have_loads:
-                row = loads[i]
-                if st.since_token_E.shape != row.shape:  # expert count changed: start over
-                    st.since_token_E = np.zeros(row.shape, dtype=np.int64)
-                st.since_token_E = np.where(row > 0, 0, st.since_token_E + 1)
-            maxvio = float(report.maxvio_M[i])
-            load_h = float(report.load_entropy_M[i])
-            router_h = float(report.router_entropy_M[i])
+        maxvio_M, load_h_M, router_h_M = (
+            report.maxvio_M.tolist(),
+            report.load_entropy_M.tolist(),
+            report.router_entropy_M.tolist(),
+        )
+        for i, (lid, st) in enumerate(zip(ids, states, strict=True)):
+            maxvio, load_h, router_h = float(maxvio_M[i]), float(load_h_M[i]), float(router_h_M[i])
             # NaN compares False: an unknown value ends a run rather than extending it.
             st.maxvio_for = st.maxvio_for + 1 if maxvio > cfg.maxvio else 0
             st.load_entropy_for = st.load_entropy_for + 1 if load_h < cfg.load_entropy_floor else 0
             low_router = cfg.router_entropy_floor > 0 and router_h < cfg.router_entropy_floor
             st.router_entropy_for = st.router_entropy_for + 1 if low_router else 0
-            if self.n_updates <= cfg.warmup:
-                continue  # routing is chaotic at init; counters run, verdicts wait
-            fallback_dead = None if have_loads else int(report.dead_experts_M[i])
-            out.extend(self._verdicts(lid, st, maxvio, load_h, router_h, fallback_dead))
+            if not judging:
+                continue
+            # Without per-expert loads this step, trust the reporter's own dead count.
+            n_dead = n_dead_M[i] if have_loads else int(report.dead_experts_M[i])
+            out.extend(self._verdicts(lid, st, maxvio, load_h, router_h, n_dead))
         return out
+
+    def _layer(self, lid: int, n_exp: int) -> _LayerRouting:
+        """The layer's counters (created on first sight; its expert window restarted when the
+        expert count changed)."""
+        st = self.layers.get(lid)
+        if st is None:
+            st = self.layers[lid] = _LayerRouting(np.zeros(n_exp, dtype=np.int64))
+        elif n_exp and st.since_token_E.shape != (n_exp,):
+            st.since_token_E = np.zeros(n_exp, dtype=np.int64)
+        return st
 
     def _verdicts(
         self,
@@ -80,16 +96,14 @@ class CollapseDetector:
         maxvio: float,
         load_h: float,
         router_h: float,
-        fallback_dead: int | None,
+        n_dead: int | None,
     ) -> list[Verdict]:
         cfg = self.cfg
         out = []
         n_exp = st.since_token_E.size
-        if n_exp:
-            # Without per-expert loads this step, trust the reporter's own dead count.
-            dead_ids = st.dead(cfg.dead_window)
-            n_dead = len(dead_ids) if fallback_dead is None else fallback_dead
+        if n_exp and n_dead is not None:
             if n_dead / n_exp > cfg.max_dead_frac:
+                dead_ids = st.dead(cfg.dead_window)
                 out.append(
                     Verdict(
                         detector=schema.DET_DEAD_EXPERTS,

@@ -136,6 +136,10 @@ class CalibratedSeries(SeriesSpike):
     def settle(self, report: StepReport, accepted: bool) -> None:
         self.det.settle(getattr(report, self.field), accepted)
 
+    def baselines(self) -> list[CalibratedSpikeDetector]:
+        """The budget rules inside, for the suite's batched baseline refresh."""
+        return [self.det]
+
 
 class GradSpikes(CalibratedSeries):
     """The total grad norm's budget rule plus the all-layers rule (guard/core/detectors/all_layers.py):
@@ -163,6 +167,9 @@ class GradSpikes(CalibratedSeries):
         super().settle(report, accepted)
         if len(report.layer_grad_norm_L) >= 2:
             self.all_layers.settle(report.step, report.layer_ids_L, report.layer_grad_norm_L, accepted)
+
+    def baselines(self) -> list[CalibratedSpikeDetector]:
+        return [self.det, self.all_layers.det]
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.det.state_dict(), "all_layers": self.all_layers.state_dict()}
@@ -193,6 +200,9 @@ class LayerSpikes(_Fired):
     def settle(self, report: StepReport, accepted: bool) -> None:
         if len(report.layer_grad_norm_L):
             self.det.settle(report.layer_ids_L, report.layer_grad_norm_L, accepted)
+
+    def baselines(self) -> list[CalibratedSpikeDetector]:
+        return list(self.det.layers.values()) if self.det.cfg.budget is not None else []
 
 
 class SeriesObserver(_Fired):

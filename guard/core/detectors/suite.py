@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from guard.core.config import GuardConfig
+from guard.core.detectors.calibrated import refresh_baselines
 from guard.core.detectors.registry import REGISTRY, STAGE_STEP, Registered
 from guard.core.events import Verdict
 from guard.core.report import StepReport
@@ -25,12 +26,18 @@ class DetectorSuite:
         self.detectors: dict[str, Any] = {key: det for key, (_, det) in built.items() if det is not None}
         self._step = [det for _, (stage, det) in built.items() if det is not None and stage == STAGE_STEP]
         self._settling = [det for det in self._step if hasattr(det, "settle")]
+        self._budgeted = [det for det in self._step if hasattr(det, "baselines")]
         self._observers = [
             det for _, (stage, det) in built.items() if det is not None and stage != STAGE_STEP
         ]
 
     def peek_step(self, report: StepReport) -> list[Verdict]:
         """Fired step verdicts (non-finite, spikes) for `report`, changing no baseline."""
+        # Every budget rule's stale baseline (loss, total, all-layers, each layer: residual windows
+        # of one length once warm) in one stacked median/MAD instead of two partitions a rule;
+        # the same numbers each rule would compute itself (refresh_baselines).
+        if self._budgeted:
+            refresh_baselines([b for det in self._budgeted for b in det.baselines()])
         return [v for det in self._step for v in det.peek(report)]
 
     def update(self, report: StepReport) -> list[Verdict]:
