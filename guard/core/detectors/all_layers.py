@@ -62,8 +62,8 @@ class AllLayersSpike:
     def peek(self, step: int, layer_ids: Any, values: Any) -> Verdict | None:
         """The fired verdict, or None; changes no state."""
         r = self.rise(step, layer_ids, values)
-        if r is None:
-            return None
+        if r is None or not self.det.judge(r)[0]:
+            return None  # the usual step: no Verdict built (peek fires only where judge does)
         v = self.det.peek(r)
         if not v.fired:
             return None
