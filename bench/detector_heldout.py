@@ -8,6 +8,10 @@ of them was tuned on.
     python bench/detector_heldout.py --dev --detectors 'ours (budget)' --ours-set KEY=VALUE
                                    # judge a candidate change without touching the test split
 
+Recorded real-model runs: `--recorded RUN...` scores them at the knobs set on the synthetic
+calibration split; bench/detector_recorded.py sets every knob on recorded runs instead (one set
+calibrates, the other is scored, then the swap).
+
 Splits (bench/trace_families.py):
   calibration  families lognormal, student_t3, lr_schedule; seeds 0..7 (each a grad-norm and a
                loss trace of --steps steps). Used for ONE thing: each detector's sensitivity knob
@@ -46,7 +50,7 @@ import numpy as np
 
 from bench.detector_quality import Lightning, Megatron, OlmoCore, ZClip, run_detector
 from bench.trace_families import FAMILIES, family_traces
-from bench.traces import GRAD_NORM, LOSS, Trace, fault_positions, inject, load_run_traces
+from bench.traces import GRAD_NORM, LOSS, Trace, fault_positions, inject, recorded_families, recorded_traces
 from guard.core.config import SpikeConfig
 from guard.core.detectors.calibrated import CalibratedSpikeDetector
 
@@ -164,8 +168,19 @@ def score_copy(flags: np.ndarray, positions: np.ndarray) -> tuple[int, int]:
     return hits, int((flags & ~near).sum())
 
 
-def evaluate(knob: Knob, value: float, traces: Sequence[Trace]) -> dict[tuple[str, str, float], Tally]:
-    """Tallies keyed by (family, series, size); size 0.0 holds the clean copies' false alarms."""
+def fault_steps(t: Trace, copy: int = 0) -> np.ndarray:
+    """The fault steps of a trace's faulty copies: one position set per trace and `copy` number
+    (copy 0 is the set every scored table so far used)."""
+    key = f"{t.name}/{t.series}" + (f"/{copy}" if copy else "")
+    rng = np.random.default_rng(zlib.crc32(key.encode()))
+    return fault_positions(len(t.values), 10**6, rng, FAULT_START, FAULT_GAP)
+
+
+def evaluate(
+    knob: Knob, value: float, traces: Sequence[Trace], copies: int = 1
+) -> dict[tuple[str, str, float], Tally]:
+    """Tallies keyed by (family, series, size); size 0.0 holds the clean copies' false alarms.
+    `copies` > 1 scores more position sets per trace and size (short traces hold few faults)."""
     out: dict[tuple[str, str, float], Tally] = {}
     for t in traces:
         family = t.name.rsplit("-", 1)[0]
@@ -173,18 +188,23 @@ def evaluate(knob: Knob, value: float, traces: Sequence[Trace]) -> dict[tuple[st
         ct = out.setdefault((family, t.series, 0.0), Tally())
         ct.clean_flags += int(clean[FAULT_START:].sum())
         ct.clean_steps += len(t.values) - FAULT_START
-        rng = np.random.default_rng(zlib.crc32(f"{t.name}/{t.series}".encode()))
-        pos = fault_positions(len(t.values), 10**6, rng, FAULT_START, FAULT_GAP)
-        for size in SIZES:
-            flags = run_detector(knob.make(value), inject(t.values, pos, [size] * len(pos)))
-            hits, fp = score_copy(flags, pos)
-            tl = out.setdefault((family, t.series, size), Tally(per_trace_recall=[]))
-            tl.faults += len(pos)
-            tl.hits += hits
-            tl.false_pos += fp
-            assert tl.per_trace_recall is not None
-            tl.per_trace_recall.append(hits / len(pos))
+        for copy in range(copies):
+            _score_faulty(knob.make, value, t, fault_steps(t, copy), out)
     return out
+
+
+def _score_faulty(make: Callable[[float], Any], value: float, t: Trace, pos: np.ndarray, out: dict) -> None:
+    """Add one faulty copy per spike size of trace t (faults at `pos`) to the tallies `out`."""
+    family = t.name.rsplit("-", 1)[0]
+    for size in SIZES:
+        flags = run_detector(make(value), inject(t.values, pos, [size] * len(pos)))
+        hits, fp = score_copy(flags, pos)
+        tl = out.setdefault((family, t.series, size), Tally(per_trace_recall=[]))
+        tl.faults += len(pos)
+        tl.hits += hits
+        tl.false_pos += fp
+        assert tl.per_trace_recall is not None
+        tl.per_trace_recall.append(hits / len(pos))
 
 
 def pooled(
@@ -397,21 +417,6 @@ def report(args: argparse.Namespace, settings, calib_fa, results, agree_rows, se
             "|---|---|---|",
         ] + agree_rows
     return "\n".join(out) + "\n"
-
-
-def recorded_traces(runs: Sequence[str]) -> list[Trace]:
-    """Grad norm and loss of recorded run stores, named after the run folder (family-seed)."""
-    traces, notes = load_run_traces(runs)
-    for n in notes:
-        print(f"recorded: {n}", file=sys.stderr)
-    if not traces:
-        raise SystemExit(f"--recorded: no usable trace in {', '.join(runs)}")
-    return [Trace(t.name.rstrip("/").rsplit("/", 1)[-1], t.series, t.values) for t in traces]
-
-
-def recorded_families(runs: Sequence[str]) -> list[str]:
-    """The families of --recorded runs (the folder name less its last -part, e.g. mixtral-0)."""
-    return sorted({r.rstrip("/").rsplit("/", 1)[-1].rsplit("-", 1)[0] for r in runs})
 
 
 def split_traces(steps: int, calib_seeds: int, test_seeds: int, dev: bool) -> tuple[list[Trace], list[Trace]]:

@@ -18,6 +18,7 @@ What the generator models, and why (each piece is something a detector must NOT 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,21 @@ def load_run_traces(run_dirs: Iterable[str | Path], min_steps: int = 300) -> tup
                 continue
             traces.append(Trace(str(run), series, vals.astype(np.float64)))
     return traces, notes
+
+
+def recorded_traces(runs: Sequence[str]) -> list[Trace]:
+    """Grad norm and loss of recorded run stores, named after the run folder (family-seed)."""
+    traces, notes = load_run_traces(runs)
+    for n in notes:
+        print(f"recorded: {n}", file=sys.stderr)
+    if not traces:
+        raise SystemExit(f"no usable grad_norm or loss trace in the run stores {', '.join(runs)}")
+    return [Trace(t.name.rstrip("/").rsplit("/", 1)[-1], t.series, t.values) for t in traces]
+
+
+def recorded_families(runs: Sequence[str]) -> list[str]:
+    """The families of recorded runs (the folder name less its last -part, e.g. mixtral-0)."""
+    return sorted({r.rstrip("/").rsplit("/", 1)[-1].rsplit("-", 1)[0] for r in runs})
 
 
 # ---------------------------------------------------------------------------------------
