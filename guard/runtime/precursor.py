@@ -13,15 +13,18 @@ the S sampled weights into a preallocated buffer, a post-hook gathers them again
 squares, and takes one segmented sum per parameter of (W_new - W_old)^2 and W_old^2, scaled by
 numel / samples: 2P numbers held on the device until the next `collect()` ships them with
 everything else. The post-hook's sample is the next update's W_old unless something else wrote
-the weights in between (their version counters say so), so most steps gather once. Host: per-layer, per-group and total ratios are bincounts over P. The same
+the weights in between (their version counters say so), so most steps gather once. Host:
+per-layer, per-group and total ratios are bincounts over P. The same
 positions every step, so the sampling error is a fixed bias of a few percent (it cancels in a
 ratio against the run's own baseline), not step-to-step noise.
 
-Cost per applied update, default settings: memory 2S fp32 (S ~ N/61: about 3% of fp32 weights'
-bytes, 6.5% of bf16's); two gathers of S strided weights, a subtract, a square, one segmented
-sum, one multiply (6 kernels, none as large as the weights); nothing when the step is skipped.
-On a CPU tiny model (guard/integrations/tiny.py mixtral, 0.87M weights) that is ~0.1 ms of the
-hooks plus ~0.02 ms of host bincounts per step (bench/precursor_overhead.py measures the total).
+Cost per applied update, default settings (S ~ N/61: a sample buffer is about 1.6% of fp32
+weights' bytes, 3.3% of bf16's); nothing when the step is skipped. On a GPU: 3S fp32 of memory;
+a copy, a gather of S strided weights, a subtract, a square, one segmented sum, one multiply (6
+kernels, none as large as the weights). On a CPU: 4S fp32; the same arithmetic in 6 numpy calls
+on the buffers' memory (UpdateSampler says why); on the tiny model (guard/integrations/tiny.py
+mixtral, 0.87M weights, S = 16,874) ~0.12 ms of the post-hook per step, measured in the step
+(bench/precursor_overhead.py measures the total).
 
 Adam second moments (off by default): at collect time, a gather of `exp_avg_sq` at the same
 sampled positions and one segmented sum (~0.1 ms on the CPU tiny model), and on the host each
@@ -72,9 +75,28 @@ def strided_views(tensors: list[torch.Tensor], cfg: PrecursorConfig) -> list[tor
 
 
 class UpdateSampler:
-    """A fixed strided sample of every parameter, diffed across each optimizer.step()."""
+    """A fixed strided sample of every parameter, diffed across each optimizer.step().
 
-    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, cfg: PrecursorConfig):
+    One way to take the per-parameter sums per device kind (the CPU pays per op, the GPU per
+    launch and per byte shipped):
+      CPU   two sample buffers that swap roles each update (this update's W_new becomes the
+            next one's W_old without a copy); the gather, the subtract, the squares and both
+            rows' segmented sums run in numpy on the tensors' memory (np.concatenate of float32
+            views and np.add.reduceat: ~2x cheaper in the step than torch's cat, segment_reduce
+            and the ops around them, which pay a dispatch each after a backward).
+      GPU   the sums stay on the device (the sample is ~N/61 floats, too big to ship each step):
+            W_old copied into a [2, S] buffer beside the diff, one segment_reduce over both rows.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        cfg: PrecursorConfig,
+        *,
+        host_sums: bool | None = None,
+    ) -> None:
+        """`host_sums`: take the sums the CPU way (default: when the weights are on the CPU)."""
         self.views = strided_views(params, cfg)  # one per parameter (empty when left out)
         self.n_P = [v.numel() for v in self.views]
         self.n_sampled = sum(self.n_P)
@@ -82,15 +104,22 @@ class UpdateSampler:
         # numel / samples per parameter: the sums estimate the whole tensor's (for both rows)
         scale = np.where(np.array(self.n_P) > 0, numel / np.maximum(self.n_P, 1), 0.0)
         device = params[0].device if params else torch.device("cpu")
-        self.scale_2P = torch.tensor(np.concatenate([scale, scale]), dtype=torch.float32, device=device)
-        # segment lengths for both rows of the sample buffer (a segmented sum: one kernel; an
-        # index_add would be a serial scatter on a CPU, per-parameter norms one call per tensor)
-        self.lengths_2P = torch.tensor(self.n_P, device=device).expand(2, len(params)).contiguous()
-        self.buf_2S = torch.zeros(2, self.n_sampled, device=device)  # [new - old, old] (fp32)
+        self.on_host = device.type == "cpu" if host_sums is None else host_sums
         # The sample taken after the last update: the next update's W_old, as long as nothing
         # else wrote the weights since (tracked by their version counters: a rollback, a resume,
         # a user's own in-place change bump them). Saves one gather per step.
         self.last_S = torch.zeros(self.n_sampled, device=device)
+        self.buf_2S = torch.zeros(2, self.n_sampled, device=device)  # [new - old, old] (fp32)
+        # [(the last sample, its numpy view)], and on the CPU the spare buffer after it
+        self._samples: list[tuple[torch.Tensor, np.ndarray | None]] = [(self.last_S, None)]
+        self._np_views: list[np.ndarray] | None = None
+        if self.on_host:
+            self._init_host(scale)
+        else:
+            self.scale_2P = torch.tensor(np.concatenate([scale, scale]), dtype=torch.float32, device=device)
+            # segment lengths for both rows (a segmented sum: one kernel; an index_add would be a
+            # serial scatter, per-parameter norms one launch per tensor)
+            self.lengths_2P = torch.tensor(self.n_P, device=device).expand(2, len(params)).contiguous()
         self._last_versions: list[int] | None = None
         self._params = params
         self.armed = False  # set by collect(): only updates the probe reports on are sampled
@@ -101,30 +130,75 @@ class UpdateSampler:
             optimizer.register_step_post_hook(self._after),
         ]
 
+    def _init_host(self, scale_P: np.ndarray) -> None:
+        spare_S = torch.zeros_like(self.last_S)  # the next W_new; swaps roles with last_S
+        self._samples = [(self.last_S, self.last_S.numpy()), (spare_S, spare_S.numpy())]
+        self._sq_2S = self.buf_2S.numpy()  # [dW^2, W_old^2]
+        # numpy views of the sample (float32 only: numpy has no bfloat16); else torch.cat gathers
+        fp32 = all(v.dtype == torch.float32 for v in self.views)
+        self._np_views = [v.numpy() for v in self.views] if fp32 else None
+        # reduceat sums [start_i, start_(i+1)): only over the sampled parameters (an empty segment
+        # would read its neighbour's first element); the others' sums stay zero
+        n_P = np.array(self.n_P)
+        sampled = np.flatnonzero(n_P > 0)
+        self._sampled_P = None if sampled.size == n_P.size else sampled
+        self._starts = np.concatenate([[0], np.cumsum(n_P[sampled])[:-1]]).astype(np.intp)
+        self._scale_2X = np.stack([scale_P[sampled]] * 2).astype(np.float32)
+        # the result buffer (the probe's concatenation copies it before the next update lands)
+        self._pending_2P = self.last_S.new_zeros(2 * n_P.size)
+        self._pending_np = self._pending_2P.numpy().reshape(2, n_P.size)
+
     def _versions(self) -> list[int]:
         return [p._version for p in self._params]
+
+    def _gather(self, into_S: torch.Tensor, into_np: np.ndarray | None) -> None:
+        """The current weights at the sampled positions, into a sample buffer (and its numpy view)."""
+        if into_np is not None and self._np_views is not None:
+            np.concatenate(self._np_views, out=into_np)
+        else:
+            torch.cat(self.views, out=into_S)
 
     def _before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not (self.armed and self.n_sampled):
             return
         if self._last_versions is None or self._versions() != self._last_versions:
-            torch.cat(self.views, out=self.last_S)  # W_old at the sampled positions
+            self._gather(*self._samples[0])  # W_old
         self._have_old = True
 
     def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._have_old:
             return
         self._have_old = self.armed = False
+        self.pending = self._host_sums() if self.on_host else self._device_sums()
+        self._last_versions = self._versions()
+
+    def _host_sums(self) -> torch.Tensor:
+        (_, old), new = self._samples
+        self._gather(*new)  # W_new: this update's result, the next one's W_old
+        self._samples.reverse()
+        self.last_S = new[0]
+        sq = self._sq_2S
+        np.subtract(new[1], old, out=sq[0])
+        np.square(sq[0], out=sq[0])
+        np.square(old, out=sq[1])
+        sums = np.add.reduceat(sq, self._starts, axis=1)
+        if self._sampled_P is None:
+            np.multiply(sums, self._scale_2X, out=self._pending_np)
+        else:  # parameters left out of the sample keep zero sums
+            self._pending_np[:, self._sampled_P] = sums * self._scale_2X
+        return self._pending_2P
+
+    def _device_sums(self) -> torch.Tensor:
         diff, old = self.buf_2S[0], self.buf_2S[1]
         old.copy_(self.last_S)
-        torch.cat(self.views, out=self.last_S)  # W_new: this update's result, the next one's W_old
+        self._gather(self.last_S, None)  # W_new: this update's result, the next one's W_old
         torch.sub(self.last_S, old, out=diff)
-        self._last_versions = self._versions()
         sums = torch.segment_reduce(self.buf_2S.square_(), "sum", lengths=self.lengths_2P, axis=1)
-        self.pending = sums.reshape(-1).mul_(self.scale_2P)
+        return sums.reshape(-1).mul_(self.scale_2P)
 
     def take(self) -> torch.Tensor | None:
-        """The last update's [2P] sums (once), or None when no update was sampled since."""
+        """The last update's [2P] sums (once), or None when no update was sampled since. On the
+        CPU a buffer the next update overwrites: copy it (the probe's concatenation does)."""
         out, self.pending = self.pending, None
         return out
 

@@ -16,7 +16,7 @@ from guard.core.detectors.precursor import UpdateRatioDetector
 from guard.core.engine import Engine
 from guard.core.report import StepReport
 from guard.core.rows import group_columns, layer_columns, reports_from_columns, steps_columns
-from guard.runtime.precursor import next_prime
+from guard.runtime.precursor import UpdateSampler, next_prime
 from guard.runtime.probe import Probe
 
 
@@ -80,6 +80,46 @@ def test_sampled_update_ratio_matches_the_exact_one_within_a_few_percent() -> No
         got = pr.precursors
         assert got["update_ratio"] == pytest.approx(exact, rel=0.05)
         assert got["update_ratio_L"] == pytest.approx(exact_L, rel=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_and_the_gpu_way_of_summing_the_sample_agree_with_the_exact_sums(dtype: torch.dtype) -> None:
+    """The sampler sums on the host when the weights are on the CPU (numpy, double-buffered) and
+    on the device elsewhere; both run here on the CPU, on the same updates, against the sums of
+    the sampled positions computed directly. One parameter is non-contiguous (left out of the
+    sample: zero sums), one is small (sampled whole); bfloat16 weights are gathered by torch."""
+    torch.manual_seed(0)
+    params = [
+        nn.Parameter(torch.randn(200, 64, dtype=dtype)),
+        nn.Parameter(torch.randn(64, 200).t()),
+        nn.Parameter(torch.randn(5)),
+        nn.Parameter(torch.randn(300, 70)),
+    ]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    cfg = PrecursorConfig()
+    host = UpdateSampler(params, opt, cfg, host_sums=True)
+    device = UpdateSampler(params, opt, cfg, host_sums=False)
+    assert host.n_P == device.n_P and host.n_P[1] == 0 and host.n_P[2] == 5
+    stride = next_prime(cfg.update_sample_every)
+    for _ in range(3):
+        sum(p.float().pow(3).sum() for p in params).backward()  # type: ignore[union-attr]
+        host.armed = device.armed = True
+        old = [p.detach().float().reshape(-1).clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+        got_host, got_device = host.take(), device.take()
+        assert got_host is not None and got_device is not None
+        exact = []
+        for row in ("dW", "W"):
+            for p, w_old, n in zip(params, old, host.n_P, strict=True):
+                idx = slice(None) if n == p.numel() else slice(None, None, stride)
+                x = (p.detach().float().reshape(-1) - w_old if row == "dW" else w_old)[idx][:n]
+                exact.append(float(x.double().pow(2).sum()) * p.numel() / max(n, 1))
+        torch.testing.assert_close(
+            got_host.double(), torch.tensor(exact, dtype=torch.float64), rtol=1e-5, atol=0
+        )
+        torch.testing.assert_close(got_host, got_device, rtol=1e-5, atol=0)
+        assert got_host[1] == got_host[5] == 0  # the parameter left out of the sample
 
 
 @pytest.mark.parametrize("write", ["rollback", "load_state_dict", "in_place"])
