@@ -181,9 +181,12 @@ class TopKRoutingHook(RoutingCounters):
         self.indices_index = indices_index
         self.score_func = score_func
         self._bias = bias
+        self.has_selection_bias = bias is not None  # else expert_bias_E is always zeros
         self._no_bias_E = torch.zeros_like(self._tokens_per_expert_E)
         self.aux_coef = 0.0
         self._zeroed = False  # the accumulators hold nothing since reset_stats (not yet zero-filled)
+        # (batch, row): the accumulators are that row of a CountedBatch, not yet taken as views
+        self.counted: tuple[CountedBatch, int] | None = None
         self.pending: list[
             tuple[torch.Tensor, torch.Tensor]
         ] = []  # (logits [N,E], indices [N*K]) not yet counted
@@ -201,10 +204,21 @@ class TopKRoutingHook(RoutingCounters):
     def reset_stats(self) -> None:
         # No kernels: the next count_pending assigns its results instead of adding them.
         self.pending.clear()
+        self.counted = None
         self._zeroed = True
+
+    def take_counted_row(self) -> None:
+        """Make the accumulators views of this hook's row of its CountedBatch (before a read or
+        an add)."""
+        if self.counted is not None:
+            batch, j = self.counted
+            self._tokens_per_expert_E, self._entropy_sum = batch.counts_GE[j], batch.ent_G[j]
+            self._token_count = batch.ent_G.new_tensor(float(batch.n_tokens))
+            self.counted = None
 
     def _read(self, attr: str) -> torch.Tensor:
         count_pending([self])
+        self.take_counted_row()
         if self._zeroed:  # read with nothing counted since the reset
             for name in _Counted.names:
                 getattr(self, name).zero_()
@@ -236,6 +250,31 @@ class TopKRoutingHook(RoutingCounters):
                 return g + coef * extra.to(g.dtype)
 
             logits.register_hook(add_balance_grad)
+
+
+@dataclass(slots=True, eq=False)
+class CountedBatch:
+    """count_pending's results for layers counted together: row j is the j-th hook's loads and
+    entropy sum; each counted n_tokens tokens for its entropy. The probe ships these stacked
+    tensors as they are (counted_together) instead of 3 views per layer."""
+
+    counts_GE: torch.Tensor  # float32, contiguous
+    ent_G: torch.Tensor
+    n_tokens: int
+
+
+def counted_together(hooks: list[Any]) -> CountedBatch | None:
+    """The CountedBatch whose rows are exactly `hooks`' accumulators in this order (one batch of
+    count_pending, one forward each, nothing added since), else None (read the hooks one by one)."""
+    first = getattr(hooks[0], "counted", None) if hooks else None
+    if first is None or first[0].counts_GE.shape[0] != len(hooks):
+        return None
+    batch = first[0]
+    for j, h in enumerate(hooks):
+        row = getattr(h, "counted", None)
+        if row is None or row[0] is not batch or row[1] != j:
+            return None
+    return batch
 
 
 @functools.cache
@@ -281,7 +320,7 @@ def _count(todo: list[Any]) -> None:
     for (shape, _, _, device, score_func, e), entries in groups.items():
         g = len(entries)
         stride = -(-shape[0] // ENTROPY_TOKENS)  # ceil: the sample spans the whole batch
-        logits_GNE = torch.stack([lg[::stride] for _, lg, _ in entries])
+        logits_GNE = torch.stack([lg[::stride] if stride > 1 else lg for _, lg, _ in entries])
         idx_GI = torch.stack([ix for _, _, ix in entries])
         # Each layer gets E + 2 bins: an index outside 0..E-1 (a dropped token's sentinel) is
         # clamped onto the spare bin at either end of its own layer's range, never counted as an
@@ -290,8 +329,17 @@ def _count(todo: list[Any]) -> None:
         counts_GE = torch.bincount(flat, minlength=g * (e + 2)).view(g, e + 2)[:, 1 : e + 1].float()
         ent_G = score_entropy_sum(logits_GNE, score_func, dims=(1,))
         n_tokens = logits_GNE.shape[1]  # the entropy's tokens: it is normalised by this count
+        hooks = [h for h, _, _ in entries]
+        if all(h._zeroed for h in hooks) and len({id(h) for h in hooks}) == g:
+            # every layer's first forward since its reset: the rows are the accumulators (the
+            # usual step: no view per layer until someone reads one)
+            batch = CountedBatch(counts_GE, ent_G, n_tokens)
+            for j, h in enumerate(hooks):
+                h.counted, h._zeroed = (batch, j), False
+            continue
         count_G = torch.full((g,), float(n_tokens), device=device)
-        for j, (h, _, _) in enumerate(entries):
+        for j, h in enumerate(hooks):
+            h.take_counted_row()  # counted earlier in this step: add to its row
             if h._zeroed:  # first forward since the reset: take the results (views), no add
                 h._tokens_per_expert_E, h._entropy_sum, h._token_count = counts_GE[j], ent_G[j], count_G[j]
                 h._zeroed = False

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from guard.core.config import PrecursorConfig
-from guard.integrations.base import count_pending
+from guard.integrations.base import count_pending, counted_together
 from guard.runtime.attention_logits import MaxLogitSampler, find_watches
 from guard.runtime.precursor import Precursors
 
@@ -105,6 +105,10 @@ class Probe:
         self.n_experts = self.routers[0][1].expert_bias_E.numel() if self.routers else 0
         m, e = len(self.routers), self.n_experts
         self._since_token_ME = np.zeros((m, e), dtype=np.int64)
+        # Routers that never have a selection bias ship one constant zero vector, not M views.
+        no_bias = m > 0 and all(getattr(r, "has_selection_bias", True) is False for _, r in self.routers)
+        self._zero_bias = self.routers[0][1].expert_bias_E.new_zeros(m * e) if no_bias else None
+        self._token_counts: tuple[int, torch.Tensor] | None = None  # (n, [M] of n), read-only
         self.device = device
         self.loads_ME: torch.Tensor | None = None  # reduced loads of the last collect (for bias updates)
         # FSDP2: gradients are DTensor shards; their squared norms must be summed across ranks.
@@ -190,14 +194,12 @@ class Probe:
         loss = loss_sum.detach().float().reshape(1)
         ex = extra.detach().float().reshape(-1).to(loss.device) if extra is not None else loss.new_zeros(0)
         # Additive across ranks: loss, router accumulators, extra (and FSDP shards' squared norms).
-        summed = [
-            loss,
-            *(r.tokens_per_expert_E.reshape(-1) for r in sources),
-            *(r.entropy_sum.reshape(1) for r in sources),
-            *(r.token_count.reshape(1) for r in sources),
-            ex,
-        ]
-        biases = [r.expert_bias_E.reshape(-1) for r in sources]
+        summed = [loss, *self._routed(sources), ex]
+        biases = (
+            [self._zero_bias]
+            if self._zero_bias is not None
+            else [r.expert_bias_E.reshape(-1) for r in sources]
+        )
         # precursor numbers: sums over this rank's shard when sharded (then reduced), else replicated
         pre = self.precursors.device_part(loss) if self.precursors is not None else loss.new_zeros(0)
         # max attention logits (sampled steps only; already MAX-reduced across ranks): last
@@ -227,6 +229,21 @@ class Probe:
         self.loads_ME = flat[n_p + 1 : n_p + 1 + m * e].view(m, e) if m else None
         host = flat.cpu().numpy().astype(np.float64)  # the single device->host transfer of the step
         return self._derive(host, m, e, n_ex, world, n_micro)
+
+    def _routed(self, sources: list[Any]) -> list[torch.Tensor]:
+        """[loads M*E, entropy sums M, token counts M] as flat pieces: the stacked tensors when the
+        routers were counted together (the usual step), else three views per router."""
+        batch = counted_together(sources)
+        if batch is None:
+            return [
+                *(r.tokens_per_expert_E.reshape(-1) for r in sources),
+                *(r.entropy_sum.reshape(1) for r in sources),
+                *(r.token_count.reshape(1) for r in sources),
+            ]
+        if self._token_counts is None or self._token_counts[0] != batch.n_tokens:
+            counts = batch.ent_G.new_full((len(sources),), float(batch.n_tokens))
+            self._token_counts = (batch.n_tokens, counts)
+        return [batch.counts_GE.view(-1), batch.ent_G, self._token_counts[1]]
 
     def _derive(self, h: np.ndarray, m: int, e: int, n_extra: int, world: int, n_micro: int) -> ProbeResult:
         """Host-side statistics from the gathered vector [sq norms P, loss, loads M*E, entropy sums M,

@@ -214,3 +214,45 @@ class _FixedGate(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.logits, self.logits.softmax(-1), self.idx
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_probe_reads_routers_counted_together_and_one_by_one_alike(with_bias: bool) -> None:
+    """The probe ships the stacked results of count_pending when every router was counted in one
+    batch with one forward (the usual step), else each router's accumulators: two forwards per
+    step (micro-batches), or a router read on its own before the probe. The numbers match an
+    independent count either way, and the selection biases (a constant zero vector for routers
+    that have none) come through."""
+    from guard.integrations.base import TopKRoutingHook, count_pending, counted_together, score_entropy_sum
+    from guard.runtime.probe import Probe
+
+    gen = torch.Generator().manual_seed(0)
+    e, n = 8, 96
+    gates = []
+    for _ in range(3):
+        logits = torch.randn(n, e, generator=gen)
+        gates.append(_FixedGate(logits, logits.topk(2, dim=-1).indices))
+    biases = [torch.randn(e, generator=gen) if with_bias else None for _ in gates]
+    hooks = [TopKRoutingHook(g, n_experts=e, bias=b) for g, b in zip(gates, biases, strict=True)]
+    lin = torch.nn.Linear(4, 4)
+    probe = Probe(
+        lin, dead_window=5, device=torch.device("cpu"), layers=[lin], routers=list(enumerate(hooks))
+    )
+    want_loads = np.stack([np.bincount(g.idx.reshape(-1), minlength=e) for g in gates])
+    want_ent = np.array([score_entropy_sum(g.logits, "softmax").item() / n for g in gates])
+    want_bias = np.stack([b.numpy() for b in biases]) if with_bias else np.zeros((3, e))
+    for forwards, read_one_first in ((1, False), (2, False), (1, True), (1, False)):
+        probe.reset_router_stats()
+        for _ in range(forwards):
+            for g in gates:
+                g(torch.zeros(1))
+        if read_one_first:
+            assert hooks[1].tokens_per_expert_E.sum() == 2 * n  # counted on its own, read as views
+        lin(torch.ones(4)).sum().backward()
+        count_pending(hooks)
+        assert (counted_together(hooks) is not None) == (forwards == 1 and not read_one_first)
+        pr = probe.collect(torch.tensor(1.0), 1)
+        np.testing.assert_array_equal(pr.load_ME, forwards * want_loads)
+        np.testing.assert_allclose(pr.router_entropy_M, want_ent, rtol=1e-6)
+        np.testing.assert_array_equal(pr.bias_ME, want_bias.astype(np.float32))
+        lin.zero_grad()
