@@ -316,6 +316,8 @@ class Precursors:
         take_X = np.concatenate([np.arange(p_count), grouped, np.arange(p_count)])
         self._bins_2X = np.concatenate([bins_X, bins_X + self._n_bins])
         self._take_2X = np.concatenate([take_X, take_X + p_count])
+        # the parameters in an optimizer group (None: all of them, the usual case: no indexing)
+        self._grouped = None if grouped.size == p_count else grouped
 
     def device_part(self, like: torch.Tensor) -> torch.Tensor:
         """This step's precursor numbers as one flat device vector (goes into the probe's single
@@ -336,14 +338,11 @@ class Precursors:
         """StepReport fields from the host copy of device_part (`h`) and the squared grad norms."""
         n_u, n_v = self._layout
         g, n_l = self.n_groups, self.n_layers
-        in_group = self.group_P >= 0
-        gsq = np.bincount(self.group_P[in_group], weights=sq_grad_P[in_group], minlength=g)
-        out: dict[str, Any] = {
-            "group_grad_norm_G": np.sqrt(gsq),
-            "update_ratio": math.nan,
-            "update_ratio_L": np.full(n_l, math.nan),
-            "group_update_ratio_G": np.full(g, math.nan),
-        }
+        if self._grouped is None:
+            gsq = np.bincount(self.group_P, weights=sq_grad_P, minlength=g)
+        else:
+            gsq = np.bincount(self.group_P[self._grouped], weights=sq_grad_P[self._grouped], minlength=g)
+        out: dict[str, Any] = {"group_grad_norm_G": np.sqrt(gsq)}
         if n_u:
             b = self._n_bins
             sums = np.bincount(self._bins_2X, weights=h[self._take_2X], minlength=2 * b)
@@ -351,6 +350,10 @@ class Precursors:
             out["update_ratio"] = float(ratio[-1])
             out["update_ratio_L"] = ratio[:n_l]
             out["group_update_ratio_G"] = ratio[n_l + 1 : n_l + 1 + g]
+        else:
+            out["update_ratio"] = math.nan
+            out["update_ratio_L"] = np.full(n_l, math.nan)
+            out["group_update_ratio_G"] = np.full(g, math.nan)
         out["adam_v_ratio"] = (
             self.moments.ratio(h[n_u : n_u + n_v]) if self.moments is not None and n_v else math.nan
         )
@@ -364,5 +367,7 @@ class Precursors:
 
 def _ratio(d_sq: np.ndarray, w_sq: np.ndarray) -> np.ndarray:
     """sqrt(sum dW^2 / sum W^2), NaN where the weights are all zero (nothing to be relative to)."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(w_sq > 0, np.sqrt(d_sq / np.where(w_sq > 0, w_sq, 1.0)), math.nan)
+    out = np.full_like(d_sq, math.nan)
+    with np.errstate(invalid="ignore"):  # inf / inf: weights that overflowed
+        np.divide(d_sq, w_sq, out=out, where=w_sq > 0)
+    return np.sqrt(out, out=out)

@@ -265,12 +265,14 @@ class Probe:
         if self.logits is not None:
             precursors.update(self.logits.derive(h[h.size - self.logits.n_values :]))
         if m:
-            with np.errstate(invalid="ignore", divide="ignore"):
-                mean = np.maximum(loads.mean(axis=1), 1e-9)
-                maxvio = (loads.max(axis=1) - mean) / mean
-                share = loads / np.maximum(loads.sum(axis=1, keepdims=True), 1e-9)
-                load_ent = -(share * np.log(np.maximum(share, 1e-12))).sum(axis=1) / math.log(e)
-                router_ent = ent / np.maximum(cnt, 1.0)
+            # No np.errstate: loads are finite counts and every divisor is clamped positive (a
+            # NaN or inf entropy sum divides quietly).
+            rows = loads.sum(axis=1)
+            mean = np.maximum(rows / e, 1e-9)  # loads.mean(axis=1), bit for bit
+            maxvio = (loads.max(axis=1) - mean) / mean
+            share = loads / np.maximum(rows, 1e-9)[:, None]
+            load_ent = -(share * np.log(np.maximum(share, 1e-12))).sum(axis=1) / math.log(e)
+            router_ent = ent / np.maximum(cnt, 1.0)
             self._since_token_ME = np.where(loads > 0, 0, self._since_token_ME + 1)
             dead = (self._since_token_ME >= self.dead_window).sum(axis=1).astype(np.int32)
             bias_norm = np.sqrt((bias * bias).sum(axis=1))
