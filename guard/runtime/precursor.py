@@ -332,7 +332,9 @@ class Precursors:
             parts.append(v)
         self._layout = (0 if upd is None else 2 * self.n_params, 0 if v is None else self.n_params)
         self.updates.armed = True
-        return torch.cat(parts).to(like.device) if parts else like.new_zeros(0)
+        if not parts:
+            return like.new_zeros(0)
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(like.device)
 
     def derive(self, h: np.ndarray, sq_grad_P: np.ndarray) -> dict[str, Any]:
         """StepReport fields from the host copy of device_part (`h`) and the squared grad norms."""

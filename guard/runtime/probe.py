@@ -109,6 +109,7 @@ class Probe:
         no_bias = m > 0 and all(getattr(r, "has_selection_bias", True) is False for _, r in self.routers)
         self._zero_bias = self.routers[0][1].expert_bias_E.new_zeros(m * e) if no_bias else None
         self._token_counts: tuple[int, torch.Tensor] | None = None  # (n, [M] of n), read-only
+        self._nothing: torch.Tensor | None = None
         self.device = device
         self.loads_ME: torch.Tensor | None = None  # reduced loads of the last collect (for bias updates)
         # FSDP2: gradients are DTensor shards; their squared norms must be summed across ranks.
@@ -192,7 +193,10 @@ class Probe:
         sources = [r for _, r in self.routers]
         count_pending(sources)  # hooks that defer their arithmetic: all layers in one batch
         loss = loss_sum.detach().float().reshape(1)
-        ex = extra.detach().float().reshape(-1).to(loss.device) if extra is not None else loss.new_zeros(0)
+        if self._nothing is None or self._nothing.device != loss.device:
+            self._nothing = loss.new_zeros(0)  # the empty piece, reused (read-only)
+        nothing = self._nothing
+        ex = extra.detach().float().reshape(-1).to(loss.device) if extra is not None else nothing
         # Additive across ranks: loss, router accumulators, extra (and FSDP shards' squared norms).
         summed = [loss, *self._routed(sources), ex]
         biases = (
@@ -201,9 +205,9 @@ class Probe:
             else [r.expert_bias_E.reshape(-1) for r in sources]
         )
         # precursor numbers: sums over this rank's shard when sharded (then reduced), else replicated
-        pre = self.precursors.device_part(loss) if self.precursors is not None else loss.new_zeros(0)
+        pre = self.precursors.device_part(loss) if self.precursors is not None else nothing
         # max attention logits (sampled steps only; already MAX-reduced across ranks): last
-        logit = self.logits.device_part(loss) if self.logits is not None else loss.new_zeros(0)
+        logit = self.logits.device_part(loss) if self.logits is not None else nothing
         n_ex = ex.numel()
         if _multi_rank():
             own = [norms**2, pre] if self.sharded else [norms[:0], pre[:0]]
