@@ -38,10 +38,30 @@ import numpy as np
 
 from bench import detector_heldout as dh
 from bench.traces import GRAD_NORM, LOSS, Trace, inject
+from guard.core.config import SpikeConfig
+from guard.core.detectors.spike import SpikeDetector
 
 DEFAULT_COPIES = 4
 GUARD_BUDGET = 1e-5  # GuardConfig's grad_spike / loss_spike budget
 LATE_STEP = 600  # faults from here on meet a tail fit of 300+ more residuals than the first ones
+
+
+class OursFixedZ:
+    """The guard's fixed-z spike rule (guard/core/detectors/spike.py: a robust z of the log
+    residual, no tail fit) with the budget rule's other bench settings: a candidate (--fixed-z),
+    not what the guard ships."""
+
+    def __init__(self, z: float) -> None:
+        self.det = SpikeDetector(SpikeConfig(z=z, rel_min=1.2, rel_max=20.0, tail_warmup=200))
+
+    def step(self, x: float) -> bool:
+        return self.det.update(float(x)).fired
+
+
+FIXED_Z = dh.Knob(
+    "ours (fixed z, candidate)", "z", tuple(np.round(np.arange(3.0, 60.01, 0.5), 2)), OursFixedZ
+)
+ALL_KNOBS = (*dh.KNOBS, FIXED_Z)
 
 
 @dataclass
@@ -71,6 +91,9 @@ def check_split(calib: Sequence[str], test: Sequence[str]) -> None:
 
 def default_setting(knob: dh.Knob) -> float:
     """The published default (ours: the guard's shipped budget)."""
+    own = {FIXED_Z.name: SpikeConfig().z}
+    if knob.name in own:
+        return own[knob.name]
     return GUARD_BUDGET if knob.name.startswith("ours") else dh.default_of(knob)
 
 
@@ -140,7 +163,7 @@ def settings_table(dirs: Sequence[Direction]) -> list[str]:
         "| detector | knob | " + " | ".join(heads) + " | default (its FA/1k on the test runs) |",
         "|" + "---|" * (len(dirs) + 3),
     ]
-    for knob in (k for k in dh.KNOBS if k.name in dirs[0].settings):
+    for knob in (k for k in ALL_KNOBS if k.name in dirs[0].settings):
         cells = [f"{d.settings[knob.name]:.3g} ({1000 * d.calib_fa[knob.name]:.2f})" for d in dirs]
         fa = [d.default_fa[knob.name] for d in dirs]
         default = f"{default_setting(knob):g} ({min(fa):.2f}..{max(fa):.2f})"
@@ -265,12 +288,21 @@ def best_peer(dirs: Sequence[Direction]) -> str:
     return max(peers, key=lambda n: sum(looks(dirs, n, GRAD_NORM, s, fams)[0].f1 for s in dh.SIZES))
 
 
+def recall_pair(records: Sequence[FaultRecord]) -> str:
+    """Ours' and the peer's recall over these faults."""
+    if not records:
+        return "- / -"
+    ours, peer = np.mean([r.ours_hit for r in records]), np.mean([r.peer_hit for r in records])
+    return f"{ours:.2f} / {peer:.2f}"
+
+
 def miss_table(records: Sequence[FaultRecord], peer: str) -> list[str]:
     """Per size: faults, who caught them, and ours' threshold where it missed."""
     rows = [
         f"| size | faults | both | ours only | {peer} only | neither | ours' rule at its misses "
-        "| ours' threshold at its misses (x level, median) | ours' recall, steps 300-599 / 600+ |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| ours' threshold at its misses (x level, median) | recall at steps 300-599: ours / peer "
+        "| recall at steps 600+: ours / peer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size in dh.SIZES:
         rs = [r for r in records if r.size == size]
@@ -278,13 +310,13 @@ def miss_table(records: Sequence[FaultRecord], peer: str) -> list[str]:
         rules = sorted({r.rule for r in missed})
         rule_txt = ", ".join(f"{rule} {sum(r.rule == rule for r in missed)}" for rule in rules) or "-"
         thr = np.median([r.threshold_x for r in missed]) if missed else math.nan
-        early = [r.ours_hit for r in rs if r.step < LATE_STEP]
-        late = [r.ours_hit for r in rs if r.step >= LATE_STEP]
+        early = [r for r in rs if r.step < LATE_STEP]
+        late = [r for r in rs if r.step >= LATE_STEP]
         rows.append(
             f"| x{size:g} | {len(rs)} | {sum(r.ours_hit and r.peer_hit for r in rs)} "
             f"| {sum(r.ours_hit and not r.peer_hit for r in rs)} | {sum(r.peer_hit and not r.ours_hit for r in rs)} "
             f"| {sum(not (r.ours_hit or r.peer_hit) for r in rs)} | {rule_txt} | {dh._f(thr, 2)} "
-            f"| {dh._f(np.mean(early) if early else math.nan, 2)} / {dh._f(np.mean(late) if late else math.nan, 2)} |"
+            f"| {recall_pair(early)} | {recall_pair(late)} |"
         )
     return rows
 
@@ -346,10 +378,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--test", nargs="+", required=True, metavar="RUN", help="recorded runs of set B")
     ap.add_argument("--target", type=float, action="append", help="false alarms per clean step (repeatable)")
     ap.add_argument("--copies", type=int, default=DEFAULT_COPIES, help="fault position sets per run and size")
+    ap.add_argument("--fixed-z", action="store_true", help="also score ours' fixed-z rule (a candidate)")
     ap.add_argument("--one-way", action="store_true", help="calibrate on A and score on B only (no swap)")
     ap.add_argument("--detectors", default="", help="comma-separated subset of the detector names")
+    ap.add_argument(
+        "--ours-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a SpikeConfig field of ours (experiments; refused with --write-docs)",
+    )
     ap.add_argument("--write-docs", action="store_true", help="write the section of docs/BENCHMARKS.md")
     args = ap.parse_args(argv)
+    if args.ours_set and args.write_docs:
+        ap.error("--ours-set with --write-docs: the docs section shows ours as the guard ships it")
+    for kv in args.ours_set:
+        key, _, value = kv.partition("=")
+        dh.OURS_EXTRA[key] = int(value) if value.isdigit() else float(value)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     check_split(args.calib, args.test)
     targets = args.target or [1e-4]
@@ -359,6 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.copies < 1:
         ap.error(f"--copies {args.copies}: must be at least 1")
     knobs = [k for k in dh.KNOBS if not args.detectors or k.name in args.detectors.split(",")]
+    knobs += [FIXED_Z] if args.fixed_z else []
     if not knobs:
         ap.error(f"--detectors {args.detectors!r}: none of {', '.join(k.name for k in dh.KNOBS)}")
     t0 = time.time()
@@ -370,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"target {target:g}: calibrating on {seeds_label(calib)}", file=sys.stderr, flush=True)
             dirs.append(one_direction(calib, test, target, knobs, args.copies))
         peer, records = "", []
-        if any(k.name.startswith("ours") for k in knobs) and len(knobs) > 1:
+        if knobs[0].name.startswith("ours") and any(not k.name.startswith("ours") for k in knobs):
             peer = best_peer(dirs)
             records = [r for d in dirs for r in fault_records(d, peer, args.copies)]
         by_target[target] = (dirs, records, peer)

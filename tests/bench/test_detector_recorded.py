@@ -82,10 +82,13 @@ def test_more_copies_score_more_faults_at_other_steps():
 def test_main_runs_both_ways_and_refuses_overlapping_sets(runs, capsys):
     quiet, noisy = runs
     args = ["--detectors", "ours (budget),OLMo-core", "--copies", "1", "--target", "2e-3"]
-    assert dr.main([*args, "--calib", *quiet, "--test", *noisy]) == 0
+    assert dr.main([*args, "--calib", *quiet, "--test", *noisy, "--fixed-z"]) == 0
     out = capsys.readouterr().out
+    assert "| ours (fixed z, candidate) | z |" in out  # the candidate is calibrated like the rest
     assert "set on seed 0 (calibration FA/1k)" in out and "set on seed 1 (calibration FA/1k)" in out
     assert "Grad-norm faults, ours against the best peer (OLMo-core)" in out
     assert "RUNS/fam_a-0" in out and str(quiet[0]) not in out  # no machine paths in the report
     with pytest.raises(SystemExit, match="share runs fam_a-0"):
         dr.main([*args, "--calib", *quiet, "--test", quiet[0], noisy[0]])
+    with pytest.raises(SystemExit):  # the docs show ours as the guard ships it
+        dr.main([*args, "--calib", *quiet, "--test", *noisy, "--ours-set", "xi_max=0.3", "--write-docs"])
