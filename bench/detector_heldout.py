@@ -65,7 +65,8 @@ OURS_EXTRA: dict = {}  # SpikeConfig overrides for experiments (--ours-set KEY=V
 
 def ours_config(budget: float) -> SpikeConfig:
     """The budget-mode spike rule as the guard ships it for this budget."""
-    kw = {"tail_warmup": 200, "rel_min": 1.2, "rel_max": 20.0, "early_rel_max": 20.0, **OURS_EXTRA}
+    # rel_max: the guard's ceiling after the warm-up for grad norm and loss (GuardConfig), 8x the level
+    kw = {"tail_warmup": 200, "rel_min": 1.2, "rel_max": 8.0, "early_rel_max": 20.0, **OURS_EXTRA}
     return SpikeConfig(budget=budget, **kw)
 
 

@@ -364,12 +364,18 @@ class GuardConfig:
     # `tail_warmup` accepted steps only NaN and a cap act: 50x the median total grad norm, 150x
     # per layer on a steady start, widened to twice the run's largest clean log excursion up to
     # 100x / 200x (clean tiny transformers MoE runs jumped 43x in the total and 127x in one layer
-    # before step 100 without a fault; docs/BENCHMARKS.md), as the fixed-z defaults did. rel_min is the smallest effect that
-    # may page however rare it is. The fixed-z rule: set `budget` to None (and z, tail_margin).
+    # before step 100 without a fault; docs/BENCHMARKS.md), as the fixed-z defaults did. After it
+    # the fit's threshold is capped at rel_max: 8x the level for the total grad norm (a young fit
+    # on heavy-tailed grad norms extrapolates past 10x; the largest clean excursion after the
+    # warm-up in 24 recorded 1,000-step transformers MoE runs was 6.0x), the same for the loss
+    # (20x before its warm-up, as before), 50x a layer. rel_min is the smallest effect that may
+    # page however rare it is. The fixed-z rule: set `budget` to None (and z, tail_margin).
     grad_spike: SpikeConfig = field(
-        default_factory=lambda: _budget_rule(rel_min=1.2, early_cap=100.0, early_floor=50.0)
+        default_factory=lambda: _budget_rule(rel_min=1.2, early_cap=100.0, rel_max=8.0, early_floor=50.0)
     )
-    loss_spike: SpikeConfig = field(default_factory=lambda: _budget_rule(rel_min=1.25, early_z=6.0))
+    loss_spike: SpikeConfig = field(
+        default_factory=lambda: _budget_rule(rel_min=1.25, early_cap=20.0, rel_max=8.0, early_z=6.0)
+    )
     layer_grad_spike: SpikeConfig = field(
         default_factory=lambda: _budget_rule(rel_min=1.5, early_cap=200.0, rel_max=50.0, early_floor=150.0)
     )
