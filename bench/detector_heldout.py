@@ -37,6 +37,7 @@ on_train_batch_end calls them) on test traces at the tuned settings and counts d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import shlex
 import sys
@@ -61,6 +62,19 @@ FAULT_START, FAULT_GAP = 300, 250
 
 
 OURS_EXTRA: dict = {}  # SpikeConfig overrides for experiments (--ours-set KEY=VALUE)
+
+
+def set_ours(pairs: Sequence[str]) -> None:
+    """Apply --ours-set KEY=VALUE overrides (a SpikeConfig field, a number); ValueError naming a bad one."""
+    fields = {f.name for f in dataclasses.fields(SpikeConfig)}
+    for kv in pairs:
+        key, eq, value = kv.partition("=")
+        if not eq or key not in fields:
+            raise ValueError(f"--ours-set {kv!r}: must be KEY=VALUE with KEY a SpikeConfig field")
+        try:
+            OURS_EXTRA[key] = int(value) if value.isdigit() else float(value)
+        except ValueError:
+            raise ValueError(f"--ours-set {kv!r}: {value!r} is not a number") from None
 
 
 def ours_config(budget: float) -> SpikeConfig:
@@ -467,9 +481,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--dev and --recorded pick different scored traces: give one")
     if args.dev and args.write_docs:
         ap.error("--dev with --write-docs: the docs hold test-split results only")
-    for kv in args.ours_set:
-        key, _, value = kv.partition("=")
-        OURS_EXTRA[key] = float(value)
+    try:
+        set_ours(args.ours_set)
+    except ValueError as e:
+        ap.error(str(e))
     if args.quick:
         args.steps, args.calib_seeds, args.test_seeds = 1200, 2, 2
         args.agreement_steps, args.agreement_traces = min(args.agreement_steps, 600), 1

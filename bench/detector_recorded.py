@@ -392,9 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.ours_set and args.write_docs:
         ap.error("--ours-set with --write-docs: the docs section shows ours as the guard ships it")
-    for kv in args.ours_set:
-        key, _, value = kv.partition("=")
-        dh.OURS_EXTRA[key] = int(value) if value.isdigit() else float(value)
+    try:
+        dh.set_ours(args.ours_set)
+    except ValueError as e:
+        ap.error(str(e))
     args.argv = list(sys.argv[1:] if argv is None else argv)
     check_split(args.calib, args.test)
     targets = args.target or [1e-4]

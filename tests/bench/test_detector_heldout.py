@@ -81,3 +81,13 @@ def test_recorded_runs_are_scored_as_their_own_split(tmp_path, capsys):
     assert "| detector | fam_a | fam_b |" in out and "recorded split" in out
     with pytest.raises(SystemExit):
         dh.main(["--dev", "--quick", "--recorded", *runs])
+
+
+@pytest.mark.parametrize(
+    ("pair", "named"), [("xi_max", "KEY=VALUE"), ("no_such=1", "no_such"), ("xi_max=big", "'big'")]
+)
+def test_a_bad_ours_set_is_refused_by_name(pair: str, named: str) -> None:
+    before = dict(dh.OURS_EXTRA)
+    with pytest.raises(ValueError, match=named):
+        dh.set_ours([pair])
+    assert dh.OURS_EXTRA == before
