@@ -64,6 +64,29 @@ FAULT_START, FAULT_GAP = 300, 250
 OURS_EXTRA: dict = {}  # SpikeConfig overrides for experiments (--ours-set KEY=VALUE)
 
 
+def add_shared_options(ap: argparse.ArgumentParser) -> None:
+    """The options every detector bench takes: a detector subset, ours' experiment overrides, docs."""
+    ap.add_argument("--detectors", default="", help="comma-separated subset of the detector names")
+    ap.add_argument(
+        "--ours-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a SpikeConfig field of ours (experiments, e.g. xi_max=0.8; not with --write-docs)",
+    )
+    ap.add_argument("--write-docs", action="store_true", help="write the section of docs/BENCHMARKS.md")
+
+
+def apply_shared_options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse --ours-set with --write-docs (the docs show ours as the guard ships it), then apply it."""
+    if args.ours_set and args.write_docs:
+        ap.error("--ours-set with --write-docs: the docs section shows ours as the guard ships it")
+    try:
+        set_ours(args.ours_set)
+    except ValueError as e:
+        ap.error(str(e))
+
+
 def set_ours(pairs: Sequence[str]) -> None:
     """Apply --ours-set KEY=VALUE overrides (a SpikeConfig field, a number); ValueError naming a bad one."""
     fields = {f.name for f in dataclasses.fields(SpikeConfig)}
@@ -455,15 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--agreement-traces", type=int, default=4)
     ap.add_argument("--agreement-steps", type=int, default=1500)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1,200 steps, 2 seeds")
-    ap.add_argument("--detectors", default="", help="comma-separated subset of the detector names")
-    ap.add_argument(
-        "--ours-set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a SpikeConfig field of ours (experiments), e.g. xi_max=0.8",
-    )
-    ap.add_argument("--write-docs", action="store_true", help="write the section of docs/BENCHMARKS.md")
+    add_shared_options(ap)
     ap.add_argument(
         "--dev",
         action="store_true",
@@ -481,10 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--dev and --recorded pick different scored traces: give one")
     if args.dev and args.write_docs:
         ap.error("--dev with --write-docs: the docs hold test-split results only")
-    try:
-        set_ours(args.ours_set)
-    except ValueError as e:
-        ap.error(str(e))
+    apply_shared_options(ap, args)
     if args.quick:
         args.steps, args.calib_seeds, args.test_seeds = 1200, 2, 2
         args.agreement_steps, args.agreement_traces = min(args.agreement_steps, 600), 1

@@ -380,22 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--copies", type=int, default=DEFAULT_COPIES, help="fault position sets per run and size")
     ap.add_argument("--fixed-z", action="store_true", help="also score ours' fixed-z rule (a candidate)")
     ap.add_argument("--one-way", action="store_true", help="calibrate on A and score on B only (no swap)")
-    ap.add_argument("--detectors", default="", help="comma-separated subset of the detector names")
-    ap.add_argument(
-        "--ours-set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a SpikeConfig field of ours (experiments; refused with --write-docs)",
-    )
-    ap.add_argument("--write-docs", action="store_true", help="write the section of docs/BENCHMARKS.md")
+    dh.add_shared_options(ap)
     args = ap.parse_args(argv)
-    if args.ours_set and args.write_docs:
-        ap.error("--ours-set with --write-docs: the docs section shows ours as the guard ships it")
-    try:
-        dh.set_ours(args.ours_set)
-    except ValueError as e:
-        ap.error(str(e))
+    dh.apply_shared_options(ap, args)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     check_split(args.calib, args.test)
     targets = args.target or [1e-4]
