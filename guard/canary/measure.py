@@ -10,8 +10,10 @@ thread CPU time against a numpy reference matmul (trainer/canary_worker.py says 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -145,15 +147,23 @@ def worker_spec(
     }
 
 
-def no_aslr() -> None:
-    """preexec_fn: exec the worker with address-space randomisation off (Linux personality flag)."""
+_PR_SET_PDEATHSIG = 1
+_ADDR_NO_RANDOMIZE = 0x0040000
+
+
+def _linux_worker_setup(stable_layout: bool) -> None:
+    """preexec_fn of a worker on Linux: it dies with the canary (SIGTERM when the parent exits,
+    killed or not: a stopped canary leaves no worker running on the cores the next measurement
+    needs), and with stable_layout its address-space randomisation is off (personality flag)."""
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        current = libc.personality(0xFFFFFFFF)
-        if current != -1:
-            libc.personality(current | 0x0040000)  # ADDR_NO_RANDOMIZE
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if stable_layout:
+            current = libc.personality(0xFFFFFFFF)
+            if current != -1:
+                libc.personality(current | _ADDR_NO_RANDOMIZE)
     except (OSError, AttributeError):
         pass
 
@@ -212,7 +222,9 @@ def spawn_measurement(
                 timeout=timeout_s,
                 env=env,
                 cwd=cwd,
-                preexec_fn=no_aslr if stable_layout and sys.platform == "linux" else None,
+                preexec_fn=functools.partial(_linux_worker_setup, stable_layout)
+                if sys.platform == "linux"
+                else None,
             )
         except subprocess.TimeoutExpired:
             return {"status": "error", "reason": f"measurement timed out after {timeout_s:.0f} s"}
