@@ -38,6 +38,7 @@ def test_killing_the_canary_kills_its_worker(tmp_path: Path, stable_layout: bool
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     canary = subprocess.Popen([sys.executable, "-c", canary_code], env=env)
+    worker = None
     try:
         deadline = time.monotonic() + 60
         while not (pid_file.is_file() and pid_file.read_text()):
@@ -55,3 +56,5 @@ def test_killing_the_canary_kills_its_worker(tmp_path: Path, stable_layout: bool
     finally:
         if canary.poll() is None:
             canary.kill()
+        if worker is not None and _alive(worker):  # a failed run leaves no sleeper behind
+            os.kill(worker, signal.SIGKILL)
