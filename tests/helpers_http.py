@@ -8,7 +8,9 @@
 
 Every request is answered (default 202 with `{"status": "success"}`, what PagerDuty answers)
 and recorded with method, path, headers, raw body, parsed JSON (None if not JSON) and the
-status it got, in arrival order.
+status it got, in arrival order. A request whose client hung up before its whole body arrived
+(a sender killed mid-send) is recorded with status CLIENT_GONE and never answered: no real
+receiver accepts half a body, so a test must not count it as delivered.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+CLIENT_GONE = 499  # nginx's "client closed request": recorded, never answered
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,7 +64,8 @@ class RecordingSink:
                     parsed = json.loads(body) if body else None
                 except ValueError:
                     parsed = None
-                status, extra = sink._answer(self.path)
+                complete = len(body) == length
+                status, extra = sink._answer(self.path) if complete else (CLIENT_GONE, {})
                 rec = Recorded(
                     method=self.command,
                     path=self.path,
@@ -72,6 +77,8 @@ class RecordingSink:
                 with sink._cond:  # record before answering: once the client has its reply,
                     sink.requests.append(rec)  # a test that then looks must find the request
                     sink._cond.notify_all()
+                if not complete:
+                    return
                 reply = json.dumps({"status": "success" if status < 300 else "error"}).encode()
                 self.send_response(status)
                 for k, v in extra.items():

@@ -35,7 +35,7 @@ from guard.pager.intake import FIRING, MAX_JSON_DEPTH, parse_alertmanager  # noq
 from guard.pager.journal import COMPACT_FACTOR, STATE_VERSION, journal_path, read_state  # noqa: E402
 from guard.wire.redact import redact_url, redact_urls  # noqa: E402
 from tests.helpers_alerting import HOOK, PD, SLACK, PagerProc, start_pager  # noqa: E402
-from tests.helpers_http import RecordingSink, free_port, http_json, wait_until  # noqa: E402
+from tests.helpers_http import CLIENT_GONE, RecordingSink, free_port, http_json, wait_until  # noqa: E402
 
 STATE = "pager-state.json"  # what start_pager passes as --state
 
@@ -325,6 +325,16 @@ def test_version_1_state_file_is_read_and_rewritten(tmp_path: Path) -> None:
     book = IncidentBook(state)
     assert live(book) == live(legacy)
     assert json.loads(state.read_text())["version"] == STATE_VERSION
+
+
+def test_the_sink_does_not_accept_half_a_body(sink: RecordingSink) -> None:
+    """A sender killed mid-send leaves half a body: the stand-in receiver must not count it as
+    delivered (CI once saw a kill -9 land mid-request and the half body read as a 202)."""
+    with socket.create_connection(("127.0.0.1", int(sink.url.rsplit(":", 1)[1])), timeout=10) as s:
+        s.sendall(f'POST {SLACK} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{{"text": '.encode())
+    [got] = sink.wait_for(lambda r: r.path == SLACK)
+    assert (got.status, got.json, got.body) == (CLIENT_GONE, None, b'{"text": ')
+    assert runs_sent(sink, SLACK) == []
 
 
 def test_kill_9_loses_nothing_acknowledged(sink: RecordingSink, tmp_path: Path) -> None:
