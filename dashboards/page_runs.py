@@ -8,6 +8,11 @@ import streamlit as st
 from dashboards import ui
 from dashboards.data import config, loaders, mfu_peak, open_alerts, runs
 
+RUN_LINK_TEXT = r"health\?run=(.*)"  # the link's text: the run id out of its URL
+
+# columns said once, above the table, when every run has the same value in them
+SAID_ONCE = ("torch", "attention", "expert kernel", "compile", "MFU peak")
+
 cfg = config.app_config()
 st.title("Runs")
 infos = ui.runs_or_stop(cfg)
@@ -33,11 +38,8 @@ for info in infos:
             else ""
         )
         notes.append(f"`{info.run_id}`: {over}MFU of peak {peak.label()}")
-    note = (
-        "artefact"
-        if (mfu or 0) > mfu_peak.MFU_LIMIT or summ.get("mfu_over")
-        else mfu_peak.mfu_note(mfu, peak, short=True)
-    )
+    # the cell flags an artefact; the MFU line under the table says the rest (not comparable, ...)
+    artefact = (mfu or 0) > mfu_peak.MFU_LIMIT or bool(summ.get("mfu_over"))
     # config first (it is what runs are compared by), then progress, efficiency, guard activity
     rows.append(
         {
@@ -55,12 +57,15 @@ for info in infos:
             "open alerts": alerts.get(info.run_id) if cfg.collector and not alert_error else None,
             "guard actions": summ.get("actions"),
             "verdicts": summ.get("verdicts"),
-            "MFU peak": ((f"{note} · " if note else "") + peak.short()) if info.readable else "",
+            "MFU peak": ("artefact · " if artefact else "") + peak.cell() if info.readable else "",
             "last update": ui.age(info.updated_at),
-            "note": "; ".join(n for n in (info.status_note, info.note) if n),
+            "note": ui.clip(ui.run_note(info), ui.NOTE_CELL_CHARS),
         }
     )
 df = pl.DataFrame(rows, infer_schema_length=None)
+# a config or peak the same for every run is said once, above the table, not in a column each
+same = ui.same_in_every_row(df, SAID_ONCE)
+df = df.drop(list(same))
 if not cfg.collector:
     df = df.drop("open alerts")
 # a column with nothing to say takes no width (a wide empty "note" pushed the kernels off screen)
@@ -69,32 +74,50 @@ if (df["note"].fill_null("") == "").all():
 
 # one badge per status present, with its count, in the table's colours
 st.markdown(ui.status_counts([i.status for i in infos]))
+if same:
+    st.caption("Every run: " + " · ".join(f"{c} **{v}**" for c, v in same.items()))
 
+# every column on screen at 1,600 px (sidebar open: ~1,140 px of table): short labels (the help
+# says the rest), the run's name is its health page's link (the id stays in the data as "run"),
+# long texts clipped in their cells and spelled out under the table
 st.dataframe(
     df,
     hide_index=True,
     height=ui.table_height(df.height),  # every run on screen: a scrolled-away row is a run nobody sees
+    column_order=["health", *(c for c in df.columns if c not in ("run", "health"))],
     column_config={
-        "run": st.column_config.TextColumn(pinned=True, width="medium"),
+        "health": st.column_config.LinkColumn(
+            "run",
+            display_text=RUN_LINK_TEXT,
+            pinned=True,
+            width=ui.text_width(i.run_id for i in infos),
+            help="the run's folder name; opens its health page",
+        ),
         "status": ui.status_column([i.status for i in infos]),
-        "health": st.column_config.LinkColumn("open", display_text="health", help="Open the run-health page"),
-        "loss": st.column_config.NumberColumn(format="%.4f"),
+        "attention": st.column_config.TextColumn("attn", help="attention backend"),
+        "expert kernel": st.column_config.TextColumn(
+            "kernel", help="expert kernel (the MoE layers' expert matmuls)"
+        ),
+        "loss": st.column_config.NumberColumn(format="%.3f"),
         "tokens/s": st.column_config.NumberColumn(format="localized", help="median of the last 100 steps"),
         "MFU %": st.column_config.NumberColumn(format="%.1f", help="median of the last 100 steps"),
         "MFU peak": st.column_config.TextColumn(
-            help="the peak FLOP/s MFU divides by: datasheet (GPU), pinned (CPU machine class, "
-            "configs/cpu_peaks.toml), self-measured (older runs: not comparable), or none (tokens/s only); "
-            "'artefact' where MFU went above 100% (not physical). The run's health page shows the full source."
+            "peak FLOP/s",
+            help="the peak FLOP/s MFU divides by (G = 1e9, T = 1e12): table (GPU datasheet), pinned (CPU "
+            "machine class, configs/cpu_peaks.toml), self (measured by the run itself: older runs, not "
+            "comparable), or none (tokens/s only); 'artefact' where MFU went above 100% (not physical). "
+            "The run's health page shows the full source.",
         ),
         "guard actions": st.column_config.NumberColumn(
+            "actions",
             help="skipped / rolled-back / halted steps, bias corrections and LR cool-downs started (guard/core/actions.py; "
-            "the CLI summary and moeguard_guard_actions_total count the same)"
+            "the CLI summary and moeguard_guard_actions_total count the same)",
         ),
         "verdicts": st.column_config.NumberColumn(help="detector verdicts recorded in the events table"),
+        "last update": st.column_config.TextColumn("updated", help="last write to the run's folder"),
         "note": st.column_config.TextColumn(
-            width="medium",
             help="what happened to the run, in the trainer's words (meta.json status_note), and what the app "
-            "cannot show of it",
+            "cannot show of it; a long note is clipped here (…) and spelled out under the table",
         ),
     },
 )
@@ -104,8 +127,7 @@ st.caption(
     "between runs with the same peak, tokens/s between runs of the same model."
 )
 
-# the note column sits at the table's right edge, off screen on a laptop: the runs that did not
-# end cleanly are spelled out here as well, newest first
+# the runs that did not end cleanly, and every note clipped in its cell, in full, newest first
 endings = ui.endings(infos)
 if endings:
     st.markdown(endings)

@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+import polars as pl
 import streamlit as st
 
 from dashboards.data import config, runs
@@ -28,16 +29,54 @@ def status_column(statuses: Iterable[str]) -> Any:
     """A read-only table column that shows each status as a pill in its badge colour, in words
     (plain words, not emoji: emoji fonts are not a given), wide enough for the longest; its
     help says what each status means. `statuses`: those in the table."""
-    options = list(dict.fromkeys([*schema.RUN_STATUSES, *statuses]))
+    present = list(statuses)
+    options = list(dict.fromkeys([*schema.RUN_STATUSES, *present]))
     meanings = "\n".join(f"- **{run_status.label(s)}**: {run_status.style(s).meaning}" for s in options)
     return st.column_config.MultiselectColumn(
         "status",
         options=options,
         color=[run_status.style(s).color for s in options],
         format_func=run_status.label,
-        width=150,
+        width=pill_width(run_status.label(s) for s in present),
         help="How the run ended, or that it still runs (the note says more):\n" + meanings,
     )
+
+
+def pill_width(labels: Iterable[str]) -> int:
+    """Pixels for a table column of status pills that fits the longest label shown (a fixed 150
+    gave "finished" the width of "finished, non-finite" and pushed the Runs table off screen):
+    the pill's ~5.6 px per character of its 12 px font, its padding and the cell's."""
+    return round(24 + 5.6 * max((len(label) for label in labels), default=8))
+
+
+def text_width(texts: Iterable[str], *, least: int = 60) -> int:
+    """Pixels for a table column that shows the longest of `texts` whole (~6.6 px a character of
+    the table's 14 px font, and the cell's padding); a column left to size itself measures only
+    some rows, and clipped the longest run id."""
+    return max(least, round(20 + 6.6 * max((len(t) for t in texts), default=0)))
+
+
+def same_in_every_row(df: pl.DataFrame, columns: Iterable[str]) -> dict[str, str]:
+    """{column: its one value} for each of `columns` that holds one value, the same in every row
+    (no null), in a table of two rows or more: a table says such a value once, above it, instead
+    of spending a column on it (the Runs table did not fit at 1,600 px)."""
+    if df.height < 2:
+        return {}
+    return {
+        c: str(df[c][0])
+        for c in columns
+        if c in df.columns and df[c].null_count() == 0 and df[c].n_unique() == 1 and str(df[c][0]) != ""
+    }
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters at a word boundary, "…" marking the cut ("" stays
+    ""): a sentence shortened to fit a table cell, its full text shown beside the table."""
+    if len(text) <= limit:
+        return text
+    head = text[: limit - 1]
+    cut = head.rsplit(" ", 1)[0] if " " in head[limit // 2 :] else head
+    return cut.rstrip(" ,;:") + "…"
 
 
 def status_counts(statuses: Iterable[str]) -> str:
@@ -49,16 +88,29 @@ def status_counts(statuses: Iterable[str]) -> str:
     return " ".join(f":{looks[s].color}-badge[{looks[s].icon} {n[s]} {looks[s].label}]" for s in order)
 
 
+NOTE_CELL_CHARS = 16  # the Runs table's note cell; longer notes are clipped there, in full below it
+
+
+def run_note(info: runs.RunInfo) -> str:
+    """What happened to the run (its status_note) and what the app cannot show of it, in one line."""
+    return "; ".join(n for n in (info.status_note, info.note) if n)
+
+
 def endings(infos: Iterable[runs.RunInfo], limit: int = 10) -> str:
-    """Markdown: one line per run whose status needs a word (not running or finished), newest
-    first, `limit` at most: its badge, its id, and its status_note (else what the status means)."""
+    """Markdown: one line per run whose status needs a word (not running or finished) or whose
+    note is too long for the Runs table's note cell, newest first, `limit` at most: its badge,
+    its id, and its note in full (else what the status means)."""
     lines = []
-    todo = [i for i in infos if run_status.style(i.status).level != "none"]
+    todo = [
+        i for i in infos if run_status.style(i.status).level != "none" or len(run_note(i)) > NOTE_CELL_CHARS
+    ]
     for i in todo[:limit]:
         s = run_status.style(i.status)
-        lines.append(f"- :{s.color}-badge[{s.icon} {s.label}] `{i.run_id}`: {i.status_note or s.meaning}")
+        lines.append(f"- :{s.color}-badge[{s.icon} {s.label}] `{i.run_id}`: {run_note(i) or s.meaning}")
     if len(todo) > limit:
-        lines.append(f"- and {len(todo) - limit} more: the status and note columns above")
+        lines.append(
+            f"- and {len(todo) - limit} more: the status column above, the note on each run's health page"
+        )
     return "\n".join(lines)
 
 

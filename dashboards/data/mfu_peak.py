@@ -57,6 +57,13 @@ class Peak:
             return "none"
         return f"{fmt_flops(self.flops)} {'self-measured' if self.kind == PEAK_SELF else self.kind}"
 
+    def cell(self) -> str:
+        """'214 G pinned', '16 G self': short() narrower, for a table column headed 'peak FLOP/s'."""
+        if not self.flops:
+            return "none"
+        kind = "self" if self.kind == PEAK_SELF else self.kind
+        return f"{fmt_flops(self.flops).removesuffix('FLOP/s').rstrip()} {kind}"
+
 
 def fmt_flops(v: float) -> str:
     for unit, n in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
@@ -83,12 +90,10 @@ def run_peak(env: dict[str, Any]) -> Peak:
     return Peak(flops, source or "not recorded", kind)
 
 
-def mfu_note(mfu: float | None, peak: Peak, *, short: bool = False) -> str:
+def mfu_note(mfu: float | None, peak: Peak) -> str:
     """What a reader must know next to one MFU figure ("" when nothing)."""
     if mfu is not None and mfu > MFU_LIMIT:
-        if short:
-            return "artefact: > 100%"
         return "above 100%: a measurement artefact (the peak used is too low), not a real MFU"
     if peak.kind == PEAK_SELF:
-        return "not comparable" if short else "peak self-measured by the run: compare tokens/s instead"
+        return "peak self-measured by the run: compare tokens/s instead"
     return ""

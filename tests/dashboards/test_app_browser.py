@@ -113,7 +113,17 @@ def _screenshot(page, url: str, out: Path, *, min_charts: int) -> dict:
         "exceptions": page.locator("[data-testid=stException]").count(),
         "charts": page.locator(".js-plotly-plot").count(),
         "text": page.inner_text("body"),
+        "table_overflow_px": _table_overflow(page),
     }
+
+
+def _table_overflow(page) -> list[int]:
+    """Per table on the page, how many pixels its columns reach past its visible width (0: every
+    column on screen, no horizontal scroll)."""
+    return page.evaluate(
+        "[...document.querySelectorAll('[data-testid=stDataFrame] .dvn-scroller')]"
+        ".map(s => s.scrollWidth - s.clientWidth)"
+    )
 
 
 def _chromium(p):

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 from app_helpers import chart_titled, charts, messages, traces
 
+from dashboards import ui
 from guard.core import schema
 from tests.dashboards import synth_store as synth
 from tests.dashboards.synth_run import SynthRun, write_run
@@ -39,7 +41,15 @@ def test_runs_page_says_how_each_run_ended(store: Path, open_page) -> None:
     at = open_page("runs", store)
     no_exception(at)
     df = at.dataframe[0].value
-    note = dict(zip(df["run"], df["note"], strict=True))
+    cell = dict(zip(df["run"], df["note"], strict=True))
+    # the note cell is clipped to fit the table at 1,600 px; its full text is under the table
+    endings = next(m.value for m in at.markdown if m.value.startswith("- :"))
+    lines = {ln.split("`")[1]: ln for ln in endings.splitlines()}
+    note = {run: lines[run].split("`: ", 1)[1] if run in lines else c for run, c in cell.items()}
+    for run, c in cell.items():
+        assert len(c) <= ui.NOTE_CELL_CHARS, (run, c)
+        assert note[run].startswith(c.removesuffix("…")), (run, c, note[run])
+    assert cell[synth.PREEMPTED].endswith("…") and "SIGTERM" in cell[synth.PREEMPTED]
     assert "SIGTERM" in note[synth.PREEMPTED] and "--resume" in note[synth.PREEMPTED]
     assert "Ctrl-C" in note[synth.INTERRUPTED]
     assert "non-finite from step 260" in note[synth.NONFINITE] and "not usable" in note[synth.NONFINITE]
@@ -58,9 +68,8 @@ def test_runs_page_says_how_each_run_ended(store: Path, open_page) -> None:
     assert ":orange-badge[:material/cancel: 1 interrupted]" in badges
     n_finished = sum(1 for v in statuses(df).values() if v == schema.STATUS_FINISHED)
     assert f":green-badge[:material/check_circle: {n_finished} finished]" in badges
-    # and under the table, on screen, one line per run that did not end cleanly, in its words
-    endings = next(m.value for m in at.markdown if m.value.startswith("- :"))
-    lines = {ln.split("`")[1]: ln for ln in endings.splitlines()}
+    # and under the table, on screen, one line per run that did not end cleanly, in its words,
+    # and one per run whose note did not fit its cell
     assert set(lines) == {
         synth.PREEMPTED,
         synth.INTERRUPTED,
@@ -68,6 +77,7 @@ def test_runs_page_says_how_each_run_ended(store: Path, open_page) -> None:
         synth.HALTED,
         synth.CRASHED,
         synth.STALE,
+        *(run for run, c in cell.items() if c.endswith("…")),
     }
     assert (
         lines[synth.NONFINITE].startswith("- :red-badge[")
@@ -114,6 +124,30 @@ def test_runs_page_lists_every_run_with_status(store: Path, open_page) -> None:
     msgs = " ".join(messages(at))
     assert "newer moeguard" in msgs and "older run-store schema" in msgs and "no steps on disk yet" in msgs
     assert "open alerts" not in df.columns  # no --collector given
+
+
+def test_runs_table_name_links_to_health_and_labels_are_short(store: Path, open_page) -> None:
+    """Issue #17: the Runs table fits 1,600 px (the browser check is in test_screenshots.py): the
+    run's name is its health page's link (no separate "open" column), labels are short, the
+    status column is as wide as its longest pill, not a fixed 150 px."""
+    at = open_page("runs", store)
+    no_exception(at)
+    el = at.dataframe[0]
+    df, cols, order = el.value, json.loads(el.proto.columns), list(el.proto.column_order)
+    assert order[0] == "health" and "run" not in order, order
+    link = cols["health"]
+    assert link["label"] == "run" and link["pinned"] and link["type_config"]["type"] == "link"
+    shown = [re.fullmatch(link["type_config"]["display_text"], url).group(1) for url in df["health"]]
+    assert shown == list(df["run"])
+    assert link["width"] >= 6 * max(len(r) for r in df["run"]), "no run id clipped"
+    labels = {c: cols[c].get("label") for c in ("attention", "expert kernel", "guard actions", "last update")}
+    assert labels == {
+        "attention": "attn",
+        "expert kernel": "kernel",
+        "guard actions": "actions",
+        "last update": "updated",
+    }
+    assert cols["status"]["width"] == ui.pill_width(["finished, non-finite"]) < 150
 
 
 def test_runs_page_stale_threshold_is_a_sidebar_setting(store: Path, open_page) -> None:

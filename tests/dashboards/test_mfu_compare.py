@@ -181,17 +181,23 @@ def test_runs_table_has_peak_and_config_columns_and_no_empty_note(mfu_store: Pat
     assert not at.exception
     df = at.dataframe[0].value
     cols = list(df.columns)
-    for c in ("tokens/s", "MFU %", "MFU peak", "torch", "attention", "expert kernel", "compile"):
+    for c in ("tokens/s", "MFU %", "MFU peak", "expert kernel"):
         assert c in cols, c
+    # the same torch, attention and compile in every run: said once above the table, no column each
+    every = next(c.value for c in at.caption if c.value.startswith("Every run: "))
+    for c, v in (("torch", ENV_A["torch"]), ("attention", "flash"), ("compile", "default")):
+        assert c not in cols and f"{c} **{v}**" in every, (c, every)
+    assert "expert kernel" not in every, "kernels differ: a column"
     assert "note" not in cols, "every run is complete: no empty note column taking width"
     assert cols.index("tokens/s") < cols.index("MFU %") < cols.index("guard actions") < cols.index("MFU peak")
     assert "artefact" not in df.set_index("run").loc[PINNED]["MFU peak"]
     row = df.set_index("run").loc[SELF_PEAK]
-    assert row["MFU %"] > 100 and "artefact" in row["MFU peak"] and "self-measured" in row["MFU peak"]
-    assert cols.index("compile") < cols.index("tokens/s"), (
+    assert row["MFU %"] > 100 and row["MFU peak"] == "artefact · 16 G self"
+    assert cols.index("expert kernel") < cols.index("tokens/s"), (
         "config before the wide columns: on screen at 1,600 px"
     )
-    assert "pinned" in df.set_index("run").loc[PINNED]["MFU peak"]
+    assert df.set_index("run").loc[PINNED]["MFU peak"] == "214 G pinned"
+    assert df.set_index("run").loc[synth.GUARDED]["MFU peak"] == "989 T table"
 
 
 # ---- Compare page ---------------------------------------------------------------------------

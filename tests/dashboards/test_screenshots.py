@@ -160,6 +160,8 @@ def test_screenshots_of_every_page(tmp_path: Path) -> None:
     assert "Loss (nats/token) by tokens consumed" in results["compare-loss-tokens"]["text"]
     if legacy:
         assert "measurement artefact" in results["compare-with-legacy-mfu"]["text"]
+    # every column of the Runs table on screen at 1,600 px with the sidebar open, no scrolling
+    assert max(results["runs"]["table_overflow_px"]) <= 1, results["runs"]["table_overflow_px"]
     for name, r in results.items():  # a NaN-ended run is said to be one wherever it is shown
         if name == "runs" or "nan-unguarded" in name:
             assert "finished, non-finite" in r["text"], name
