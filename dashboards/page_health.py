@@ -13,6 +13,7 @@ from dashboards import ui
 from dashboards.data import config, guard_events, heatmaps, loaders, mfu_peak, runs, shaping
 from dashboards.figures.health import health_timeline, perf_figure
 from dashboards.figures.heatmap import heatmap
+from dashboards.figures.nonfinite_marks import nonfinite_steps
 from dashboards.figures.precursors import precursor_figure
 from guard.core import actions, schema
 from guard.store import reader
@@ -120,7 +121,8 @@ if not pre_series["update_ratio"]["update_ratio"].is_finite().any() and not grou
         "probe no optimizer, or `[guard.precursor] enabled = false`."
     )
 else:
-    st.plotly_chart(precursor_figure(pre_series, groups, events, logits), key="precursors")
+    nonfinite = nonfinite_steps(steps, ("loss", "grad_norm"))
+    st.plotly_chart(precursor_figure(pre_series, groups, events, logits, nonfinite), key="precursors")
     n_pre = events.filter(
         (pl.col("kind") == schema.EV_VERDICT) & pl.col("detector").is_in(schema.PRECURSOR_DETECTORS)
     ).height

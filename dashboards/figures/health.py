@@ -12,6 +12,7 @@ from plotly.subplots import make_subplots
 
 from dashboards.data import mfu_peak
 from dashboards.figures.mfu_marks import MFU_META, mark_mfu_artefacts
+from dashboards.figures.nonfinite_marks import mark_nonfinite_steps, panel_top
 from dashboards.figures.style import (
     ACTION_STYLE,
     EVENT_STYLE,
@@ -100,35 +101,19 @@ def _add_lines(fig: go.Figure, series: dict[str, pl.DataFrame]) -> dict[str, Any
     return gn_ticks
 
 
-NONFINITE_COLOR = "#b2182b"
-
-
 def _add_nonfinite_steps(fig: go.Figure, series: dict[str, pl.DataFrame]) -> None:
-    """A thin red tick pinned to the top of the loss and grad-norm panels at every step whose
-    value is NaN/Inf: those steps have no point on the line, so an unguarded run that went NaN
-    and trained on would otherwise look as if it had stopped there."""
+    """A tick pinned to the top of the loss and grad-norm panels at every step whose value is
+    NaN/Inf (dashboards/figures/nonfinite_marks.py)."""
+    first = True
     for row, col, what in ((1, "loss", "loss"), (2, "grad_norm", "grad norm")):
         if col not in series:
             continue
         x, y = series_xy(series[col], col)
         bad = ~np.isfinite(y)
-        if not bad.any():
-            continue
-        top = float(np.nanmax(y)) if (~bad).any() else 1.0
-        fig.add_trace(
-            go.Scatter(
-                x=x[bad],
-                y=np.full(int(bad.sum()), top),
-                mode="markers",
-                name="non-finite step",
-                legendgroup="nonfinite",
-                showlegend=row == 1,
-                marker={"symbol": "line-ns", "size": 10, "line": {"width": 2, "color": NONFINITE_COLOR}},
-                hovertemplate=f"step %{{x}}<br>{what} non-finite (no point on the line)<extra></extra>",
-            ),
-            row=row,
-            col=1,
-        )
+        if bad.any():
+            hover = f"{what} non-finite (no point on the line)"
+            mark_nonfinite_steps(fig, x[bad], panel_top([y]), hover=hover, row=row, first=first)
+            first = False
 
 
 def _add_action_marks(fig: go.Figure, marks: pl.DataFrame) -> None:

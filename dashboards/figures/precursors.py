@@ -9,6 +9,7 @@ import polars as pl
 from plotly.subplots import make_subplots
 
 from dashboards.data import guard_events
+from dashboards.figures.nonfinite_marks import mark_nonfinite_steps, panel_top
 from dashboards.figures.style import LEGEND_RIGHT, LOSS_COLOR, MARGIN, column_values, log_ticks, series_xy
 from guard.core import schema
 
@@ -25,12 +26,15 @@ def precursor_figure(
     groups: dict[int, pl.DataFrame],
     events: pl.DataFrame,
     logits: dict[int, pl.DataFrame] | None = None,
+    nonfinite: np.ndarray | list[int] = (),
 ) -> go.Figure:
     """The precursor signals on a shared step axis: the update ratio ||ΔW|| / ||W|| (log) with
     every precursor verdict and, as dotted lines, the loss spikes they may precede; the grad norm
     per optimizer group (log); Adam's second-moment ratio when the run measured it; the max
     attention logit per layer when it was sampled (`logits`: layer -> rows, -1 the max over
-    layers, from dashboards.data.loaders.load_max_logits)."""
+    layers, from dashboards.data.loaders.load_max_logits). `nonfinite`: the run's steps whose loss
+    or grad norm was NaN/Inf (nonfinite_marks.nonfinite_steps): the signals have no value there,
+    so each panel marks them as the health chart does instead of its lines just ending."""
     has_v = "adam_v_ratio" in series and series["adam_v_ratio"]["adam_v_ratio"].is_finite().any()
     titles = [
         "Update ratio ||ΔW|| / ||W|| (all parameters; markers: precursor verdicts)",
@@ -56,6 +60,14 @@ def precursor_figure(
         fig.update_yaxes(type="log", title_text="ratio", row=3, col=1, **v_ticks)
     if logits:
         _max_logit_panel(fig, logits, verdicts, row=len(titles))
+    # each panel's frames and the column it draws, in row order: the ticks sit at its top
+    panels = [([ratio], "update_ratio"), (groups.values(), "grad_norm")]
+    panels += [([series["adam_v_ratio"]], "adam_v_ratio")] if has_v else []
+    panels += [(logits.values(), "max_logit")] if logits else []
+    for row, (frames, col) in enumerate(panels, 1):
+        values = [f[col].cast(pl.Float64).to_numpy() for f in frames if f is not None and f.height]
+        hover = "the run's loss or grad norm non-finite: no signal at this step"
+        mark_nonfinite_steps(fig, nonfinite, panel_top(values), hover=hover, row=row, first=row == 1)
     fig.update_xaxes(title_text="step", row=len(titles), col=1)
     fig.update_layout(
         title={"text": "Precursors: signals that move before a loss spike", "x": 0, "xanchor": "left"},

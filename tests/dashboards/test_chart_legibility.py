@@ -1,0 +1,58 @@
+"""What the issue #17 screenshots showed a reader could not tell, asserted on the figures the app
+sends to the browser (AppTest) over real `moeguard train` runs of the micro model: the
+precursor chart's NaN steps, the max-logit layers under the "all layers" line, and two runs
+with the same loss drawn one over the other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from app_helpers import chart_titled, traces
+
+from dashboards.figures.nonfinite_marks import NONFINITE_STEP
+from tests.dashboards.test_screenshots import _train
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+HEALTH_TITLE = "Loss and grad norm with guard verdicts and actions"
+PRECURSOR_TITLE = "Precursors: signals that move before a loss spike"
+NAN_AT = 50  # the unguarded run's injected NaN: from here to its last step (79) nothing is finite
+
+
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    _train(root / "nan-unguarded", "--no-guard", "--inject", f"nan@{NAN_AT}")
+    return root
+
+
+def _panel_values(fig: dict, yaxis: str) -> list[float]:
+    """Every finite y the lines of one panel draw."""
+    return [
+        y
+        for t in fig["data"]
+        if t.get("yaxis", "y") == yaxis and t.get("mode") == "lines"
+        for y in (t.get("y") or [])
+        if isinstance(y, int | float) and y == y and abs(y) != float("inf")
+    ]
+
+
+def test_precursor_chart_marks_the_nonfinite_steps_like_the_health_chart(real_runs: Path, open_page) -> None:
+    """The update ratio, group grad norms and max logits have no value once the run went NaN:
+    every panel marks those steps with the health chart's own tick (one definition), pinned to
+    the panel's top, instead of its lines just ending at step 50."""
+    at = open_page("health", real_runs, run="nan-unguarded")
+    assert not at.exception, [e.value for e in at.exception]
+    fig = chart_titled(at, PRECURSOR_TITLE)
+    panels = sorted(k.replace("yaxis", "y") for k in fig["layout"] if k.startswith("yaxis"))
+    ticks = traces(fig, NONFINITE_STEP)
+    assert sorted(t.get("yaxis", "y") for t in ticks) == panels, "one row of ticks on every panel"
+    health = traces(chart_titled(at, HEALTH_TITLE), NONFINITE_STEP)
+    nan_steps = set(range(NAN_AT, 80))
+    assert health and set().union(*(set(t["x"]) for t in health)) == nan_steps
+    for t in ticks:
+        assert set(t["x"]) == nan_steps, t.get("yaxis")
+        assert t["marker"] == health[0]["marker"] and t["mode"] == "markers"
+        assert set(t["y"]) == {max(_panel_values(fig, t.get("yaxis", "y")))}, "pinned to the panel's top"
+    assert [t["showlegend"] for t in ticks].count(True) == 1, "one legend entry"
