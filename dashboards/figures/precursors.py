@@ -18,6 +18,7 @@ GROUP_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#17becf"
 MAX_SPIKE_LINES = 50  # dotted lines at the first loss-spike episodes, not a wall of them
 LAYER_COLORS = ["#17becf", "#bcbd22", "#8c564b", "#7f7f7f", "#9467bd", "#d62728"]  # not the groups'
 MAX_LOGIT_LAYER_LINES = 16  # per-layer max-logit lines drawn beside the max over layers
+MAX_BAND = {"color": "rgba(51, 51, 51, 0.22)", "width": 8}  # the max over layers, behind the layers
 QK_CLIP_TAU = 100.0  # Kimi K2's QK-clip threshold, the detector's absolute line (PrecursorConfig)
 
 
@@ -151,12 +152,30 @@ def _update_ratio_panel(fig: go.Figure, ratio: pl.DataFrame | None, verdicts: pl
 def _max_logit_panel(
     fig: go.Figure, logits: dict[int, pl.DataFrame], verdicts: pl.DataFrame, *, row: int
 ) -> None:
-    """Max over layers (bold), each layer (thin, the first MAX_LOGIT_LAYER_LINES), the QK-clip
-    line at tau = 100 and a marker per max-logit verdict (the layers that fired in the hover)."""
+    """Max over layers, each layer (the first MAX_LOGIT_LAYER_LINES), the QK-clip line at
+    tau = 100 and a marker per max-logit verdict (the layers that fired in the hover).
+
+    The max over layers is always one layer's value: drawn as a wide grey band behind the layers
+    (a dark line over them hid the layer that holds the max), so that layer's own colour shows
+    inside the band; the band's hover names the layer."""
+    layers = [k for k in logits if k >= 0][:MAX_LOGIT_LAYER_LINES]
     top = logits.get(-1)
     if top is not None and top.height:
-        _line(fig, top, "max_logit", "max logit (all layers)", "#333333", row=row)
-    layers = [k for k in logits if k >= 0][:MAX_LOGIT_LAYER_LINES]
+        x, y = series_xy(top, "max_logit")
+        holder = _max_holder(logits, layers)
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                name="max logit (all layers)",
+                line=MAX_BAND,
+                customdata=[holder.get(int(s), "a layer not drawn") for s in x],
+                hovertemplate="step %{x}<br>max logit over layers %{y:.3g}: %{customdata}<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
     for k, layer in enumerate(layers):
         x, y = series_xy(logits[layer], "max_logit")
         fig.add_trace(
@@ -165,8 +184,7 @@ def _max_logit_panel(
                 y=y,
                 mode="lines",
                 name=f"layer {layer} max logit",
-                line={"color": LAYER_COLORS[k % len(LAYER_COLORS)], "width": 0.8},
-                opacity=0.6,
+                line={"color": LAYER_COLORS[k % len(LAYER_COLORS)], "width": 1.5},
                 legendgroup="max-logit-layers",
                 hovertemplate=f"step %{{x}}<br>layer {layer} max logit %{{y:.3g}}<extra></extra>",
             ),
@@ -190,6 +208,23 @@ def _max_logit_panel(
     hits = verdicts.filter(pl.col("detector") == schema.DET_MAX_LOGIT) if verdicts.height else verdicts
     _verdict_markers(fig, hits, "precursor: max logit growth", "diamond", "layer max logit", row=row)
     fig.update_yaxes(type="log", title_text="max q·k / √d", row=row, col=1, **_decade_ticks(logits))
+
+
+def _max_holder(logits: dict[int, pl.DataFrame], layers: list[int]) -> dict[int, str]:
+    """step -> which of the drawn `layers` holds the max over all layers there ("layer 0", or
+    "layers 0, 1" on a tie); a step where none of them does is left out."""
+    top = logits[-1].select("step", pl.col("max_logit").alias("top"))
+    frames = [logits[k].select("step", "max_logit").with_columns(layer=pl.lit(k)) for k in layers]
+    if not frames:
+        return {}
+    held = (
+        pl.concat(frames)
+        .join(top, on="step")
+        .filter(pl.col("max_logit") == pl.col("top"))
+        .group_by("step")
+        .agg(pl.col("layer").sort().cast(pl.String))
+    )
+    return {s: ("layer " if len(ls) == 1 else "layers ") + ", ".join(ls) for s, ls in held.iter_rows()}
 
 
 def _decade_ticks(logits: dict[int, pl.DataFrame]) -> dict[str, object]:

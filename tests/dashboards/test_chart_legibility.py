@@ -5,6 +5,7 @@ with the same loss drawn one over the other."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,30 @@ def test_precursor_chart_marks_the_nonfinite_steps_like_the_health_chart(real_ru
         assert t["marker"] == health[0]["marker"] and t["mode"] == "markers"
         assert set(t["y"]) == {max(_panel_values(fig, t.get("yaxis", "y")))}, "pinned to the panel's top"
     assert [t["showlegend"] for t in ticks].count(True) == 1, "one legend entry"
+
+
+def test_max_logit_panel_shows_the_layer_that_holds_the_max(real_runs: Path, open_page) -> None:
+    """The max over layers is always one layer's value. Drawn as a dark line over the layers it
+    hid that layer; now it is a wide translucent band behind opaque layer lines, so the layer
+    that holds the max shows in its own colour inside it, and the band's hover names it."""
+    at = open_page("health", real_runs, run="nan-unguarded")
+    assert not at.exception, [e.value for e in at.exception]
+    fig = chart_titled(at, PRECURSOR_TITLE)
+    names = [t.get("name") for t in fig["data"]]
+    (band,) = traces(fig, "max logit (all layers)")
+    layers = [t for t in fig["data"] if re.fullmatch(r"layer \d+ max logit", t.get("name") or "")]
+    assert len(layers) == 2, names  # the micro model's two layers
+    for t in layers:
+        assert names.index(band["name"]) < names.index(t["name"]), "the band is drawn behind the layers"
+        assert t.get("opacity", 1) == 1 and t["line"]["width"] < band["line"]["width"]
+    alpha = float(re.fullmatch(r"rgba\(.*,\s*([\d.]+)\)", band["line"]["color"]).group(1))
+    assert alpha <= 0.5, "a layer's colour shows through the band"
+    held = 0
+    for step, top, who in zip(band["x"], band["y"], band["customdata"], strict=True):
+        on_top = [
+            t["name"].split()[1] for t in layers if dict(zip(t["x"], t["y"], strict=True)).get(step) == top
+        ]
+        assert on_top, f"step {step}: no layer line lies on the band"
+        assert who == ("layer " if len(on_top) == 1 else "layers ") + ", ".join(on_top), (step, who, on_top)
+        held += 1
+    assert held >= 5, "sampled every 10th step up to the NaN"
