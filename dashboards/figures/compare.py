@@ -17,14 +17,15 @@ from dashboards.figures.style import (
     MARGIN,
     RUN_COLORS,
     log_ticks,
+    run_line,
 )
 
 
 def compare_overlay(
     per_run: dict[str, pl.DataFrame], *, metric: str, x_axis: str, window: int = 1
 ) -> go.Figure:
-    """One metric of several runs overlaid (one colour per run) against step, tokens or wall
-    time; `per_run` maps run -> (step, x, y) from compare.overlay_series."""
+    """One metric of several runs overlaid (a colour and a dash pattern per run, style.run_line)
+    against step, tokens or wall time; `per_run` maps run -> (step, x, y) from compare.overlay_series."""
     label, scale, fmt = compare.OVERLAY_METRICS[metric]
     x_title, x_factor = compare.X_AXES[x_axis], 1.0
     if x_axis == "wall":  # in the unit the longest run reads best in
@@ -35,7 +36,6 @@ def compare_overlay(
     first = True
     ys: list[np.ndarray] = []
     for i, (run, df) in enumerate(per_run.items()):
-        color = RUN_COLORS[i % len(RUN_COLORS)]
         x = df["x"].to_numpy() * x_factor
         y = df["y"].cast(pl.Float64).fill_null(float("nan")).to_numpy() * scale
         y = np.where(np.isfinite(y), y, np.nan)
@@ -46,7 +46,7 @@ def compare_overlay(
                 y=y,
                 mode="lines",
                 name=run,
-                line={"color": color, "width": 1.3},
+                line=run_line(i),
                 customdata=df["step"].to_numpy(),
                 meta=MFU_META if metric == "mfu" else None,
                 hovertemplate=f"{run}<br>{x_title} %{{x:,.4g}} (step %{{customdata}})<br>"

@@ -42,6 +42,18 @@ GRAD_COLOR = "#555555"
 RUN_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
 
+# a dash pattern per run as well as a colour: two runs with the same values (bmm and loop
+# kernels, one seed) drew one line exactly over the other, and one run seemed missing; solid
+# first and widest, so a dashed run on top of it leaves it showing in the gaps
+RUN_DASHES = ["solid", "dash", "dot", "dashdot", "longdash", "longdashdot"]
+
+
+def run_line(i: int) -> dict[str, Any]:
+    """How the i-th run of an overlay is drawn (plotly `line`); the legend shows the same."""
+    dash = RUN_DASHES[i % len(RUN_DASHES)]
+    return {"color": RUN_COLORS[i % len(RUN_COLORS)], "dash": dash, "width": 2.4 if dash == "solid" else 1.6}
+
+
 LEGEND = {"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "left", "x": 0}
 
 

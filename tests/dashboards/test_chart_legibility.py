@@ -25,6 +25,8 @@ NAN_AT = 50  # the unguarded run's injected NaN: from here to its last step (79)
 def real_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("runs")
     _train(root / "nan-unguarded", "--no-guard", "--inject", f"nan@{NAN_AT}")
+    for kernel in ("bmm", "loop"):  # one seed, two kernels that compute the same thing
+        _train(root / f"kernel-{kernel}", "--set", f"model.experts_kernel={kernel}")
     return root
 
 
@@ -84,3 +86,24 @@ def test_max_logit_panel_shows_the_layer_that_holds_the_max(real_runs: Path, ope
         assert who == ("layer " if len(on_top) == 1 else "layers ") + ", ".join(on_top), (step, who, on_top)
         held += 1
     assert held >= 5, "sampled every 10th step up to the NaN"
+
+
+def test_runs_with_the_same_loss_stay_apart_on_the_overlay(real_runs: Path, open_page) -> None:
+    """bmm and loop kernels with one seed have the same loss at every step: drawn alike, the
+    second line covered the first and one run seemed missing. Each run has its own dash pattern
+    (the legend draws it), and the run underneath is wider, so it shows around and between the
+    dashes of the one on top."""
+    at = open_page("compare", real_runs)
+    at.multiselect(key="runs").set_value(["kernel-bmm", "kernel-loop"]).run()
+    at.selectbox(key="metric").set_value("loss").run()
+    assert not at.exception, [e.value for e in at.exception]
+    fig = chart_titled(at, "Loss (nats/token) by")
+    lines = [t for t in fig["data"] if t.get("mode") == "lines"]
+    assert [t["name"] for t in lines] == ["kernel-bmm", "kernel-loop"]
+    under, over = lines
+    assert under["x"] == over["x"]
+    same = [abs(a - b) < 1e-3 for a, b in zip(under["y"], over["y"], strict=True) if a is not None]
+    assert len(same) > 40 and all(same), "the case itself: one line over the other"
+    assert under["line"].get("dash", "solid") != over["line"].get("dash", "solid")
+    assert under["line"]["width"] > over["line"]["width"]
+    assert all(t.get("showlegend", True) for t in lines), "each run has its legend entry, in its own style"
