@@ -46,8 +46,9 @@ import math
 import re
 import shlex
 import sys
+import textwrap
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -85,11 +86,15 @@ class Ours:
 
     def __init__(self, cfg: SpikeConfig) -> None:
         self.det = CalibratedSpikeDetector(cfg) if cfg.budget is not None else SpikeDetector(cfg)
+        self.rules: list[str | None] = []  # the rule that judged each value (why a fault passed)
 
     def step(self, x: float) -> bool:
         if not math.isfinite(x):
+            self.rules.append("nonfinite")
             return True  # NonFiniteDetector's verdict; the spike window never sees it
-        return self.det.update(x).fired
+        v = self.det.update(x)
+        self.rules.append(v.evidence.get("rule"))
+        return v.fired
 
 
 class OlmoCore:
@@ -258,6 +263,11 @@ class Score:
         return self.delay_sum / self.detected if self.detected else NAN
 
 
+def missed(flags: np.ndarray, positions: np.ndarray, tolerance: int) -> list[int]:
+    """The fault positions with no flag in [p, p + tolerance]."""
+    return [int(p) for p in positions if not flags[p : p + tolerance + 1].any()]
+
+
 def score(flags: np.ndarray, positions: np.ndarray, tolerance: int) -> Score:
     """Match each fault to the first flag in [p, p + tolerance]; every other flag is a false alarm."""
     flagged = np.flatnonzero(flags)
@@ -289,6 +299,10 @@ class Setup:
 class Results:
     # scenario -> detector -> Score; scenarios: "clean", size labels, "mixed"
     scores: dict[str, dict[str, Score]] = field(default_factory=dict)
+    # series (grad_norm, loss) -> scenario -> detector -> Score: where a detector's misses are
+    by_series: dict[str, dict[str, dict[str, Score]]] = field(default_factory=dict)
+    # series -> the rule that judged each single-size fault ours missed -> count
+    ours_missed_by: dict[str, Counter[str]] = field(default_factory=dict)
     n_traces: int = 0
     n_steps: int = 0
     seconds: float = 0.0
@@ -335,10 +349,16 @@ def evaluate(traces: Sequence[Trace], cfg: GuardConfig | None = None, setup: Set
         for label, pos, sizes in scenarios(len(trace.values), setup, rng):
             values = inject(trace.values, pos, sizes)
             for name, make in factories.items():
-                flags = run_detector(make(trace.series), values)
-                res.scores.setdefault(label, {}).setdefault(name, Score()).add(
-                    score(flags, pos, setup.tolerance)
-                )
+                det = make(trace.series)
+                flags = run_detector(det, values)
+                got = score(flags, pos, setup.tolerance)
+                res.scores.setdefault(label, {}).setdefault(name, Score()).add(got)
+                per = res.by_series.setdefault(trace.series, {}).setdefault(label, {})
+                per.setdefault(name, Score()).add(got)
+                if isinstance(det, Ours) and label.startswith("x"):
+                    res.ours_missed_by.setdefault(trace.series, Counter()).update(
+                        str(det.rules[p]) for p in missed(flags, pos, setup.tolerance)
+                    )
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -377,6 +397,31 @@ def f1_summary(res: Results) -> str:
     return "\n".join(rows)
 
 
+def series_recall_table(res: Results) -> str:
+    """Recall per series and single spike size, for every detector: where each one misses."""
+    sizes = [size_label(x) for x in SIZES if not math.isnan(x)]
+    dets = list(next(iter(res.scores.values())))
+    rows = ["| series | detector | " + " | ".join(sizes) + " |", "|---|---|" + "---:|" * len(sizes)]
+    for series, by_label in res.by_series.items():
+        for d in dets:
+            cells = [_f(by_label[z][d].recall) if z in by_label else "-" for z in sizes]
+            rows.append(f"| {series} | {d} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def misses_line(res: Results) -> str:
+    """Which of ours' rules judged the single-size faults it missed, per series."""
+    parts = []
+    for series, rules in res.ours_missed_by.items():
+        said = ", ".join(f"{r} {n}" for r, n in rules.most_common()) or "none"
+        parts.append(f"{series}: {said}")
+    return (
+        "Ours' rule at the single-size faults it missed (the verdict at the fault step): "
+        + "; ".join(parts)
+        + "."
+    )
+
+
 METHOD = """\
 What it measures: the step-skipping spike rules of moeguard and of four published systems, run
 on the same clean per-step grad-norm and loss traces with the same injected faults. Every
@@ -403,16 +448,14 @@ Baselines, re-implemented from their published code, quirks included:
 - Megatron-LM `--check-for-spiky-loss`: |x| >= 10 x the max of the first 100 values
   (frozen), plus its separate NaN/Inf check.
 - ours: the guard config's spike rule (below) and `NonFiniteDetector`, as `DetectorSuite` runs
-  them.
-
-Ours: {ours_rule}."""
+  them."""
 
 OURS_BUDGET = """\
 `CalibratedSpikeDetector`, the false-alarm budget rule: log scale, level = median of the last
-{level_window} accepted values; the threshold is the run's own (1 - budget) residual quantile
+{level_window} accepted values; the threshold is the run's own (1 - {budget:g}) residual quantile
 from a tail fit over the last {tail_memory} accepted values, refitted every {refit_every}; a
-value must also clear {rel_min}x the level; the ceiling is {early_rel_max}x until {tail_warmup}
-accepted values, {rel_max}x after; flagged values never enter"""
+value must also clear {rel_min}x the level; before {tail_warmup} accepted values {early}; after
+that the fitted threshold, at most {rel_max}x the level; flagged values never enter"""
 
 OURS_FIXED = """\
 `SpikeDetector`, the fixed-z rule: log scale, level = median of the last {level_window} accepted
@@ -437,15 +480,46 @@ It keeps every spike in its window, which is what the burst and mixed scenarios 
 false-alarm rates on held-out traces see "Detection on held-out traces at matched false-alarm
 rates" below."""
 
+WHY_RECORDED = """\
+These are recorded runs, not light-tailed synthetic noise: the table of recall by series below
+shows where ours misses, and the line under it which of its rules let each missed fault pass. A
+threshold at the ceiling means the series' own clean excursions at the budget's rate lie beyond
+it (small batches make grad norms heavy-tailed: docs/NOTES.md); the peers catch those sizes by
+alarming on clean steps of the same runs (their FA/1k above). The live guard also judges every
+layer at once (the all-layers rule), which this bench, one series at a time, does not run."""
+
+
+def paragraph(text: str, width: int = 100) -> str:
+    """Reflow text built from templates into the doc's line width."""
+    return textwrap.fill(" ".join(text.split()), width=width, break_on_hyphens=False)
+
+
+def early_rule(c: SpikeConfig) -> str:
+    """What acts before the tail is fitted, in words."""
+    cap = c.early_rel_max if c.early_rel_max is not None else c.rel_max
+    if cap is None:
+        said = "no cap"
+    elif c.early_rel_floor is not None and c.tail_margin is not None:
+        said = (
+            f"a cap of {c.tail_margin:g} x the largest clean log excursion so far, kept within "
+            f"{c.early_rel_floor:g}x..{cap:g}x the level"
+        )
+    else:
+        said = f"a cap of {cap:g}x the level"
+    return said + (f", and z > {c.early_z:g}" if c.early_z is not None else "")
+
 
 def ours_rule(c: SpikeConfig) -> str:
     """Our spike rule in words, from the settings the bench ran (budget rule or fixed z)."""
-    return (OURS_BUDGET if c.budget is not None else OURS_FIXED).format(**asdict(c))
+    if c.budget is None:
+        return OURS_FIXED.format(**asdict(c))
+    return OURS_BUDGET.format(**asdict(c), early=early_rule(c))
 
 
-def why_ours_trails(c: SpikeConfig) -> str:
+def why_ours_trails(c: SpikeConfig, recorded: bool = False) -> str:
     """Why a peer at its default can beat ours here, for the rule the bench ran."""
-    return (WHY_BUDGET if c.budget is not None else WHY_FIXED).format(**asdict(c)) + "\n" + WHY_PEERS
+    why = (WHY_BUDGET if c.budget is not None else WHY_FIXED).format(**asdict(c))
+    return why + "\n" + (WHY_RECORDED if recorded else WHY_PEERS)
 
 
 def spike_settings(c: SpikeConfig) -> str:
@@ -459,6 +533,8 @@ def spike_settings(c: SpikeConfig) -> str:
             "tail_warmup",
             "rel_min",
             "early_rel_max",
+            "early_rel_floor",
+            "early_z",
             "rel_max",
         )
         if c.budget is not None
@@ -481,12 +557,28 @@ def where_baselines_win(res: Results) -> list[str]:
     return lines
 
 
-def report(res: Results, source: str, command: str, cfg: GuardConfig, notes: Sequence[str] = ()) -> str:
+def machine_line() -> str:
+    """When and where (bench/_docs.py's line; imported here so the module loads without torch)."""
+    from bench._docs import machine_line as line
+
+    return line()
+
+
+def report(
+    res: Results,
+    source: str,
+    command: str,
+    cfg: GuardConfig,
+    notes: Sequence[str] = (),
+    recorded: bool = False,
+) -> str:
     g, lo = cfg.grad_spike, cfg.loss_spike
     parts = [
-        METHOD.format(ours_rule=ours_rule(g)),
+        METHOD,
         "",
-        f"Command: `{command}`",
+        paragraph(f"Ours: on grad norms {ours_rule(g)}. On the loss {ours_rule(lo)}."),
+        "",
+        f"Command: `{command}` ({machine_line()})",
         "",
         f"Traces: {source}; {res.n_traces} traces, {res.n_steps} steps per scenario. "
         f"Ours with these guard settings: grad_spike {spike_settings(g)}; loss_spike {spike_settings(lo)}.",
@@ -503,7 +595,8 @@ def report(res: Results, source: str, command: str, cfg: GuardConfig, notes: Seq
     parts += ["", "Where a baseline scores a higher F1 than ours:", ""]
     parts += losses or ["- nowhere"]
     if losses:
-        parts += ["", why_ours_trails(g)]
+        parts += ["", why_ours_trails(g, recorded)]
+    parts += ["", "Recall by series, single spike sizes:", "", series_recall_table(res), "", misses_line(res)]
     if notes:
         parts += ["", "Notes on the recorded traces:", ""] + [f"- {n}" for n in notes]
     parts += ["", "<details><summary>Per-scenario tables</summary>"]
@@ -583,7 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_guard_config(args.config) if args.config else GuardConfig()
     res, source, notes = run(args.quick, args.runs, args.seed, args.n_runs, args.steps, cfg)
     command = "python -m bench.detector_quality " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    body = report(res, source, command.strip(), cfg, notes)
+    body = report(res, source, command.strip(), cfg, notes, recorded=bool(args.runs))
     print(body)
     if args.write_docs:
         title = "Detector quality" + (" on recorded traces" if args.runs else "")

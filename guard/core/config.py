@@ -3,8 +3,9 @@
 [guard.grad_spike]   budget = 1e-5 ...   (a false-alarm budget per step, not a z)
 [guard.policy]       snapshot_every = 25 ...
 
-A `[guard.<detector>]` table replaces that detector's whole default: keys it does not name take
-the SpikeConfig class defaults (the fixed-z rule when `budget` is not named), not GuardConfig's.
+A `[guard.<detector>]` table changes only the keys it names; the rest keep GuardConfig's default
+for that detector (guard/core/tomlconf.py). `budget = "none"` (TOML has no null) gives a spike rule
+the fixed-z form, set by `z`.
 """
 
 from __future__ import annotations

@@ -3,6 +3,12 @@
 Every config section is a `@dataclass(kw_only=True, slots=True)` whose `__post_init__`
 validates values with `check()` / `check_choice()`; `from_dict()` rejects unknown keys and
 wrong types and prefixes every message with the dotted key path (e.g. `model.n_experts`).
+
+A table sets only the keys it names: the rest keep the enclosing section's default for that
+field, not the bare class's (`[guard.loss_spike] budget = 1e-4` keeps GuardConfig's early_z and
+ceilings for the loss; before 2026-11-24 it silently fell back to SpikeConfig's fixed-z rule).
+TOML has no null: an optional key set to the string "none" is None (`budget = "none"` with a
+`z` gives the fixed-z spike rule).
 """
 
 from __future__ import annotations
@@ -41,8 +47,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
 
 
-def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
-    """Build dataclass `cls` from a dict, recursing into nested dataclass fields."""
+def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "", base: T | None = None) -> T:
+    """Build dataclass `cls` from a dict, recursing into nested dataclass fields. Keys the dict
+    leaves out come from `base` when given, else from the class; a nested table starts from its
+    field's default in the enclosing dataclass (so a partial table changes only what it names)."""
     data = dict(data or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     hints = typing.get_type_hints(cls)
@@ -54,13 +62,27 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
         )
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
-        kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
+        key = f"{prefix}{name}"
+        default = _field_default(fields[name], base)
+        if dataclasses.is_dataclass(hints[name]) and isinstance(value, dict) and default is not None:
+            kwargs[name] = from_dict(hints[name], value, prefix=key + ".", base=default)
+        else:
+            kwargs[name] = _coerce(hints[name], value, key)
     try:
-        return cls(**kwargs)
+        return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)  # type: ignore[type-var]
     except ConfigError as e:
         if prefix and not str(e).startswith(prefix):
             raise ConfigError(f"{prefix}{e}") from None
         raise
+
+
+def _field_default(f: dataclasses.Field[Any], base: Any) -> Any:
+    """The value a field takes when the table leaves it out: `base`'s, else the field's default."""
+    if base is not None:
+        return getattr(base, f.name)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
@@ -71,8 +93,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return from_dict(tp, value, prefix=key + ".")
     if origin in (types.UnionType, typing.Union):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
+        optional = len(args) < len(typing.get_args(tp))
+        if value is None or (
+            optional and str not in args and isinstance(value, str) and value.lower() == "none"
+        ):
+            return None  # TOML has no null: "none" unsets an optional key
         errors = []
         for a in args:
             try:

@@ -626,3 +626,13 @@ def test_bench_reads_recorded_runs(tmp_path) -> None:
     res = evaluate(traces)
     assert res.scores["clean"]["ours"].false_alarms == 0
     assert res.scores["x10"]["ours"].recall == 1.0
+    # where ours misses is shown per series, with the rule that let each missed fault pass
+    assert set(res.by_series) == {"grad_norm", "loss"}
+    for series, by_label in res.by_series.items():
+        for label in ("x1.5", "x10"):
+            got, faults = by_label[label]["ours"], res.scores[label]["ours"].faults
+            assert 0 < got.faults < faults, (series, label)
+    missed = sum(n for rules in res.ours_missed_by.values() for n in rules.values())
+    detected = sum(res.scores[z]["ours"].detected for z in ("x1.5", "x2", "x3", "x5", "x10", "x100"))
+    faults = sum(res.scores[z]["ours"].faults for z in ("x1.5", "x2", "x3", "x5", "x10", "x100"))
+    assert missed == faults - detected > 0
