@@ -239,7 +239,28 @@ class CalibratedSpikeDetector:
     def _refit(self) -> None:
         self._since_fit = 0
         if self.n_accepted >= self.cfg.tail_warmup:
+            first = self._fit is None
             self._fit = fit_tail(self._tail.values(), xi_max=self.cfg.xi_max)
+            if first and self._fit is not None:
+                self._screen_warmup_tail()
+
+    def _screen_warmup_tail(self, most: int = 3) -> None:
+        """The first fit saw every value accepted during the warm-up, unguarded: a spike that
+        slipped under the early caps would fatten it and, through it, the threshold for the next
+        `tail_memory` steps (each later spike of that size then passes and joins the tail too).
+        Apply the tail guard after the fact: while the largest warm-up residual lies above the
+        guard threshold of a fit of the others, leave it out (at most `most`)."""
+        guard = self.cfg.budget or 0.0
+        kept = self._tail.ordered()
+        for _ in range(most):
+            top = max(range(len(kept)), key=kept.__getitem__)
+            rest = kept[:top] + kept[top + 1 :]
+            fit = fit_tail(np.asarray(rest), xi_max=self.cfg.xi_max)
+            if fit is None or kept[top] <= fit.threshold(guard):
+                break
+            kept, self._fit = rest, fit
+        if len(kept) < len(self._tail):
+            self._tail.load(kept)
 
     # ---- state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
