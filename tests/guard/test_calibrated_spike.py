@@ -244,6 +244,38 @@ def test_all_layers_rule_catches_a_whole_model_4x_that_single_series_miss():
     assert _suite_run(spiked, off) == {}, "without it the 4x passes"
 
 
+def test_all_layers_shape_cap_keeps_a_young_fit_from_hiding_a_whole_model_4x():
+    """The smallest per-layer rise is light-tailed; with the general shape cap (0.6) a young fit
+    of it on this run (a shared t(4) whole-model factor plus one-layer bursts) puts the threshold
+    over every 4x whole-model spike; capped at all_layers_xi_max 0.1 each is caught, and the clean
+    run stays quiet under both."""
+    rng = np.random.default_rng(6)
+    clean = np.stack([_clean(900, 60 + k, sigma=0.1) for k in range(4)], axis=1)
+    clean *= np.exp(0.05 * rng.standard_t(4, 900))[:, None]
+    for t in rng.choice(np.arange(50, 900), size=900 // 50, replace=False):
+        clean[t, rng.integers(4)] *= rng.uniform(3.0, 12.0)
+    no_layer_rule = SpikeConfig(enabled=False)
+    at = [300, 400, 500, 600, 700, 800]
+    caught = {}
+    for cap in (0.6, 0.1):
+        cfg = GuardConfig(
+            grad_spike=_cfg(all_layers_xi_max=cap, rel_max=8.0),
+            loss_spike=_cfg(),
+            layer_grad_spike=no_layer_rule,
+        )
+        assert _suite_run(clean, cfg) == {}, cap
+        hits = 0
+        for i in at:
+            spiked = clean.copy()
+            spiked[i] *= 4.0
+            hits += _suite_run(spiked, cfg).get(i) == [(schema.DET_GRAD_SPIKE, "all_layers")]
+        caught[cap] = hits
+    assert caught == {0.6: 0, 0.1: len(at)}, caught
+    assert GuardConfig().grad_spike.all_layers_xi_max == 0.1
+    with pytest.raises(ConfigError, match="all_layers_xi_max"):
+        _cfg(all_layers_xi_max=1.0)
+
+
 def test_all_layers_state_round_trip_and_older_state_loads():
     from guard.core.detectors.all_layers import AllLayersSpike
 

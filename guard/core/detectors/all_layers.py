@@ -17,6 +17,7 @@ spike (rule "all_layers"), skipped like one. Needs two or more layers' grad norm
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from typing import Any
@@ -37,7 +38,8 @@ class AllLayersSpike:
 
     def __init__(self, cfg: SpikeConfig, name: str = schema.DET_GRAD_SPIKE) -> None:
         self.cfg = cfg
-        self.det = CalibratedSpikeDetector(cfg, name)
+        # the rise's own tail shape cap (SpikeConfig.all_layers_xi_max: why it is lighter)
+        self.det = CalibratedSpikeDetector(dataclasses.replace(cfg, xi_max=cfg.all_layers_xi_max), name)
         self._levels: dict[int, RingBuffer] = {}
         # (step, layer ids, values) -> rise, against the levels before that step was accepted:
         # peek, accept and settle of one step judge the same number.
