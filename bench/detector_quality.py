@@ -557,13 +557,6 @@ def where_baselines_win(res: Results) -> list[str]:
     return lines
 
 
-def machine_line() -> str:
-    """When and where (bench/_docs.py's line; imported here so the module loads without torch)."""
-    from bench._docs import machine_line as line
-
-    return line()
-
-
 def report(
     res: Results,
     source: str,
@@ -572,6 +565,8 @@ def report(
     notes: Sequence[str] = (),
     recorded: bool = False,
 ) -> str:
+    from bench._docs import machine_line  # imports torch: only when a report is written
+
     g, lo = cfg.grad_spike, cfg.loss_spike
     parts = [
         METHOD,

@@ -63,8 +63,9 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "", base:
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         key = f"{prefix}{name}"
-        default = _field_default(fields[name], base)
-        if dataclasses.is_dataclass(hints[name]) and isinstance(value, dict) and default is not None:
+        nested = dataclasses.is_dataclass(hints[name]) and isinstance(value, dict)
+        default = _field_default(fields[name], base) if nested else None  # built for tables only
+        if default is not None:
             kwargs[name] = from_dict(hints[name], value, prefix=key + ".", base=default)
         else:
             kwargs[name] = _coerce(hints[name], value, key)
