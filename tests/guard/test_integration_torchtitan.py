@@ -2,7 +2,8 @@
 torchtitan's own counters, bad steps are skipped bit-exactly, a forced collapse is corrected through
 torchtitan's `expert_bias_E`, and a clean run draws no action.
 
-The model is torchtitan's DeepSeek-V3 built from its own config builders, smaller than `debugmodel`
+The model is torchtitan's DeepSeek-V3 built from its own config builders (bench/torchtitan_model.py's
+"small", shared with bench/torchtitan_overhead.py), smaller than `debugmodel`
 (dim 64, 4 blocks: 1 dense + 3 MoE, 8 experts top-2, softmax scores, expert_bias_E), with
 torchtitan's own ScaledDotProductAttention as inner attention: torchtitan refuses "sdpa" for
 language models, FlexAttention has no CPU backward and varlen needs CUDA. torchtitan's own
@@ -20,13 +21,13 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 pytest.importorskip(
     "torchtitan", reason="torchtitan (and triton) not installed: pip install torchtitan==0.3.0 triton"
 )
 
+from bench.torchtitan_model import SMALL_VOCAB, build, one_process_group, small_config  # noqa: E402
 from guard.api import GuardedStep  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.core.config import CollapseConfig, GuardConfig  # noqa: E402
@@ -35,63 +36,16 @@ from guard.store.reader import read_table  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-VOCAB, DIM, BATCH, SEQ = 256, 64, 8, 64
+VOCAB, BATCH, SEQ = SMALL_VOCAB, 8, 64
 
 
 def model_config() -> object:
-    """A DeepSeekV3Model.Config from torchtitan's own builders, with its own SDPA inner attention."""
-    import torchtitan.models.deepseek_v3 as ds
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-
-    rope = 16
-    layers = ds.build_mla_moe_layers(
-        n_layers=4,
-        n_dense_layers=1,
-        dim=DIM,
-        n_heads=4,
-        q_lora_rank=0,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=rope,
-        v_head_dim=16,
-        mscale=1.0,
-        dense_hidden_dim=128,
-        moe_hidden_dim=64,
-        num_experts=8,
-        num_shared_experts=1,
-        router_top_k=2,
-        router_score_func="softmax",
-        attn_backend="flex",
-        moe_comm_backend="standard",
-        non_blocking_capacity_factor=None,
-        linear_init=ds._LINEAR_INIT,
-        norm_init=ds._NORM_INIT,
-        depth_init=ds._depth_init,
-        depth_experts_init=ds._depth_experts_init,
-        rope=ComplexRoPE.Config(dim=rope, max_seq_len=SEQ, theta=10000.0),
-    )
-    for layer in layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    return ds.DeepSeekV3Model.Config(
-        vocab_size=VOCAB,
-        dim=DIM,
-        layers=layers,
-        mtp_layers=[],
-        tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB, embedding_dim=DIM, param_init=ds._EMBEDDING_INIT
-        ),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=ds._NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=ds._output_linear_init(DIM)),
-    )
+    """The small DeepSeekV3Model.Config (bench/torchtitan_model.py), with its own SDPA inner attention."""
+    return small_config(max_seq_len=SEQ)
 
 
 def build_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    model = model_config().build()
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    return model.train()
+    return build(model_config(), seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +58,8 @@ def corpus() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def parallel_dims() -> Iterator[object]:
-    from torchtitan.distributed import ParallelDims
-
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
-    if started:
-        dist.destroy_process_group()
+    with one_process_group() as dims:
+        yield dims
 
 
 class Run:
@@ -306,11 +254,8 @@ def test_without_load_balance_coeff_a_collapse_is_observed_not_claimed_corrected
     for layer in cfg.layers:
         if layer.moe is not None:
             layer.moe.load_balance_coeff = None  # no expert_bias_E: nothing to correct through
-    torch.manual_seed(0)
-    model = cfg.build()
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    att = attach(model.train())
+    model = build(cfg, seed=0)
+    att = attach(model)
     assert att.corrector is None and att.correction_mode == "none"
     force_collapse(model, 2, margin=50.0)  # logits along the next input's mean direction
     x = torch.from_numpy(corpus[: BATCH * SEQ].astype(np.int64)).reshape(BATCH, SEQ)
