@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shlex
 import time
 from pathlib import Path
 
@@ -20,6 +21,19 @@ def machine_line() -> str:
         f"{time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
         f"load average {load:.2f} at the end"
     )
+
+
+def shown_command(script: str, argv: list[str]) -> str:
+    """The command line a section names, with the value of --out (a path on the machine that ran
+    it) shown as OUT.json: the docs hold no machine paths."""
+    shown: list[str] = []
+    for i, arg in enumerate(argv):
+        if i > 0 and argv[i - 1] == "--out":
+            arg = "OUT.json"
+        elif arg.startswith("--out="):
+            arg = "--out=OUT.json"
+        shown.append(arg)
+    return shlex.join(["python", script, *shown])
 
 
 def write_section(name: str, body: str) -> None:

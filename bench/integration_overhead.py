@@ -40,7 +40,6 @@ sys.path.insert(0, str(_P(__file__).resolve().parent.parent))  # `python bench/x
 import argparse
 import functools
 import json
-import shlex
 import statistics
 import subprocess
 import tempfile
@@ -137,6 +136,30 @@ def run_block(v: Plain | Guarded, n: int) -> tuple[list[float], float]:
     return times, cpu
 
 
+def interleave(
+    a: Any, b: Any, *, blocks: int, steps_per_block: int, progress: Any = None, label: str = ""
+) -> dict[str, list[float]]:
+    """The measured pairs of variant a (plain) and b (guarded), the order flipping each pair (A B,
+    B A, ...): every step time and each pair's ratios (block totals, block medians, CPU time)."""
+    out: dict[str, list[float]] = {k: [] for k in ("t_a", "t_b", "ratios", "ratios_med", "ratios_cpu")}
+    for i in range(blocks):
+        if i % 2 == 0:
+            (xa, ca), (xb, cb) = run_block(a, steps_per_block), run_block(b, steps_per_block)
+        else:
+            (xb, cb), (xa, ca) = run_block(b, steps_per_block), run_block(a, steps_per_block)
+        out["t_a"] += xa
+        out["t_b"] += xb
+        out["ratios"].append(sum(xb) / sum(xa) - 1)
+        out["ratios_med"].append(statistics.median(xb) / statistics.median(xa) - 1)
+        out["ratios_cpu"].append(cb / ca - 1)
+        if progress is not None:
+            progress.set_postfix_str(
+                f"{label} {statistics.median(out['ratios']):+.1%}".strip(), refresh=False
+            )
+            progress.update(1)
+    return out
+
+
 def bootstrap_median(x: np.ndarray, *, n: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% percentile-bootstrap interval of the median of x."""
     rng = np.random.default_rng(seed)
@@ -164,26 +187,12 @@ def measure(
     b = Guarded(family, seed, byte_batches(corpus, batch=batch, seq=seq, seed=seed), run_dir)
     run_block(a, warmup)
     run_block(b, warmup)
-    t_a: list[float] = []
-    t_b: list[float] = []
-    ratios, ratios_med, ratios_cpu = [], [], []
     try:
-        for i in range(blocks):
-            if i % 2 == 0:  # flip who goes first each pair
-                (xa, ca), (xb, cb) = run_block(a, steps_per_block), run_block(b, steps_per_block)
-            else:
-                (xb, cb), (xa, ca) = run_block(b, steps_per_block), run_block(a, steps_per_block)
-            t_a += xa
-            t_b += xb
-            ratios.append(sum(xb) / sum(xa) - 1)
-            ratios_med.append(statistics.median(xb) / statistics.median(xa) - 1)
-            ratios_cpu.append(cb / ca - 1)
-            if progress is not None:
-                progress.set_postfix_str(f"{family} {statistics.median(ratios):+.1%}", refresh=False)
-                progress.update(1)
+        m = interleave(a, b, blocks=blocks, steps_per_block=steps_per_block, progress=progress, label=family)
     finally:
         b.close()
-    r = np.array(ratios)
+    t_a, t_b = m["t_a"], m["t_b"]
+    r = np.array(m["ratios"])
     lo, hi = bootstrap_median(r, seed=seed)
     actions = dict(b.guarded.counts)
     return {
@@ -201,10 +210,10 @@ def measure(
         "overhead_ci95": [lo, hi],
         "overhead_min": float(r.min()),
         "overhead_max": float(r.max()),
-        "overhead_block_medians": statistics.median(ratios_med),
-        "overhead_cpu": statistics.median(ratios_cpu),
-        "pair_ratios": [float(x) for x in ratios],
-        "pair_ratios_cpu": [float(x) for x in ratios_cpu],
+        "overhead_block_medians": statistics.median(m["ratios_med"]),
+        "overhead_cpu": statistics.median(m["ratios_cpu"]),
+        "pair_ratios": [float(x) for x in m["ratios"]],
+        "pair_ratios_cpu": [float(x) for x in m["ratios_cpu"]],
         "guard_actions": actions,  # anything but "apply" means the two copies stopped doing the same work
         "wall_s": time.perf_counter() - t_build,
     }
@@ -288,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from tqdm import tqdm
 
-    from bench._docs import machine_line, write_section
+    from bench._docs import machine_line, shown_command, write_section
     from trainer.data import stdlib_corpus
 
     torch.set_num_threads(args.threads)
@@ -319,7 +328,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 progress=bar,
             )
     bar.close()
-    shown = ["python", "bench/integration_overhead.py", *(sys.argv[1:] if argv is None else argv)]
     config = dict(
         batch=args.batch,
         seq=args.seq,
@@ -332,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         grad_clip=CLIP,
     )
     res = {
-        "command": shlex.join(shown),
+        "command": shown_command("bench/integration_overhead.py", sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": machine_line(),
         "guard_version": guard_version(),

@@ -47,7 +47,6 @@ sys.path.insert(0, str(_P(__file__).resolve().parent.parent))  # `python bench/x
 
 import argparse
 import json
-import shlex
 import statistics
 import tempfile
 import time
@@ -59,7 +58,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bench.integration_overhead import bootstrap_median, byte_batches, guard_version, run_block
+from bench.integration_overhead import bootstrap_median, byte_batches, guard_version, interleave, run_block
 from bench.torchtitan_model import MODELS, build, model_config, one_process_group
 
 LR = 1e-3
@@ -116,27 +115,6 @@ class Guarded(Plain):
 
     def close(self) -> None:
         self.guarded.close()
-
-
-def interleave(
-    a: Plain, b: Guarded, *, blocks: int, steps_per_block: int, progress: Any = None
-) -> dict[str, list[float]]:
-    """The measured pairs, the order flipping each pair: every step time and each pair's ratios."""
-    out: dict[str, list[float]] = {k: [] for k in ("t_a", "t_b", "ratios", "ratios_med", "ratios_cpu")}
-    for i in range(blocks):
-        if i % 2 == 0:
-            (xa, ca), (xb, cb) = run_block(a, steps_per_block), run_block(b, steps_per_block)
-        else:
-            (xb, cb), (xa, ca) = run_block(b, steps_per_block), run_block(a, steps_per_block)
-        out["t_a"] += xa
-        out["t_b"] += xb
-        out["ratios"].append(sum(xb) / sum(xa) - 1)
-        out["ratios_med"].append(statistics.median(xb) / statistics.median(xa) - 1)
-        out["ratios_cpu"].append(cb / ca - 1)
-        if progress is not None:
-            progress.set_postfix_str(f"{statistics.median(out['ratios']):+.1%}", refresh=False)
-            progress.update(1)
-    return out
 
 
 def measure(
@@ -258,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from tqdm import tqdm
 
-    from bench._docs import machine_line, write_section
+    from bench._docs import machine_line, shown_command, write_section
     from trainer.data import stdlib_corpus
 
     torch.set_num_threads(args.threads)
@@ -287,13 +265,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             progress=bar,
         )
     bar.close()
-    shown = ["python", "bench/torchtitan_overhead.py", *(sys.argv[1:] if argv is None else argv)]
     config = {
         k: getattr(args, k)
         for k in ("batch", "seq", "blocks", "steps_per_block", "warmup", "seed", "threads")
     }
     res = {
-        "command": shlex.join(shown),
+        "command": shown_command("bench/torchtitan_overhead.py", sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": machine_line(),
         "guard_version": guard_version(),

@@ -20,6 +20,7 @@ def test_torchtitan_overhead_smoke(tmp_path):
     argv = ["--model", "small", "--blocks", "2", "--steps-per-block", "3", "--warmup", "1"]
     main([*argv, "--out", str(out), "--no-progress"])
     res = json.loads(out.read_text())
+    assert str(tmp_path) not in res["command"] and "--out OUT.json" in res["command"]
     assert res["config"]["blocks"] == 2 and res["config"]["steps_per_block"] == 3
     f = res["result"]
     assert f["model"] == "small" and f["model_class"] == "DeepSeekV3Model" and f["moe_layers"] == 3
