@@ -191,16 +191,26 @@ def measure(
         m = interleave(a, b, blocks=blocks, steps_per_block=steps_per_block, progress=progress, label=family)
     finally:
         b.close()
+    return {
+        "family": family,
+        **summary(m, a.model, b.guarded, seed=seed),
+        "wall_s": time.perf_counter() - t_build,
+    }
+
+
+def summary(
+    m: dict[str, list[float]], model: torch.nn.Module, guarded: GuardedStep, *, seed: int
+) -> dict[str, Any]:
+    """One model's figures from interleave()'s pairs: step times, the overhead with its interval,
+    and what the guard did (anything but "apply" means the two copies stopped doing the same work)."""
     t_a, t_b = m["t_a"], m["t_b"]
     r = np.array(m["ratios"])
     lo, hi = bootstrap_median(r, seed=seed)
-    actions = dict(b.guarded.counts)
     return {
-        "family": family,
-        "model_class": type(a.model).__name__,
-        "params": sum(p.numel() for p in a.model.parameters()),
-        "moe_layers": len(b.guarded.probe.routers),
-        "pairs": blocks,
+        "model_class": type(model).__name__,
+        "params": sum(p.numel() for p in model.parameters()),
+        "moe_layers": len(guarded.probe.routers),
+        "pairs": len(r),
         "steps_per_variant": len(t_a),
         "median_step_s_plain": statistics.median(t_a),
         "median_step_s_guarded": statistics.median(t_b),
@@ -214,8 +224,7 @@ def measure(
         "overhead_cpu": statistics.median(m["ratios_cpu"]),
         "pair_ratios": [float(x) for x in m["ratios"]],
         "pair_ratios_cpu": [float(x) for x in m["ratios_cpu"]],
-        "guard_actions": actions,  # anything but "apply" means the two copies stopped doing the same work
-        "wall_s": time.perf_counter() - t_build,
+        "guard_actions": dict(guarded.counts),
     }
 
 

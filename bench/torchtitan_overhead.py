@@ -47,7 +47,6 @@ sys.path.insert(0, str(_P(__file__).resolve().parent.parent))  # `python bench/x
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from collections.abc import Iterator
@@ -58,7 +57,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bench.integration_overhead import bootstrap_median, byte_batches, guard_version, interleave, run_block
+from bench.integration_overhead import byte_batches, guard_version, interleave, run_block, summary
 from bench.torchtitan_model import MODELS, build, model_config, one_process_group
 
 LR = 1e-3
@@ -142,29 +141,9 @@ def measure(
             m = interleave(a, b, blocks=blocks, steps_per_block=steps_per_block, progress=progress)
         finally:
             b.close()
-    r = np.array(m["ratios"])
-    lo, hi = bootstrap_median(r, seed=seed)
-    t_a, t_b = m["t_a"], m["t_b"]
     return {
         "model": model,
-        "model_class": type(a.model).__name__,
-        "params": sum(p.numel() for p in a.model.parameters()),
-        "moe_layers": len(b.guarded.probe.routers),
-        "pairs": blocks,
-        "steps_per_variant": len(t_a),
-        "median_step_s_plain": statistics.median(t_a),
-        "median_step_s_guarded": statistics.median(t_b),
-        "mean_step_s_plain": statistics.fmean(t_a),
-        "mean_step_s_guarded": statistics.fmean(t_b),
-        "overhead": float(np.median(r)),
-        "overhead_ci95": [lo, hi],
-        "overhead_min": float(r.min()),
-        "overhead_max": float(r.max()),
-        "overhead_block_medians": statistics.median(m["ratios_med"]),
-        "overhead_cpu": statistics.median(m["ratios_cpu"]),
-        "pair_ratios": [float(x) for x in m["ratios"]],
-        "pair_ratios_cpu": [float(x) for x in m["ratios_cpu"]],
-        "guard_actions": dict(b.guarded.counts),  # anything but "apply": the copies' work diverged
+        **summary(m, a.model, b.guarded, seed=seed),
         "wall_s": time.perf_counter() - t_build,
     }
 
