@@ -23,17 +23,28 @@ def machine_line() -> str:
     )
 
 
-def shown_command(script: str, argv: list[str]) -> str:
-    """The command line a section names, with the value of --out (a path on the machine that ran
-    it) shown as OUT.json: the docs hold no machine paths."""
+def shown_command(program: str, argv: list[str]) -> str:
+    """`python PROGRAM ARGV` as a docs section names it, with every absolute path (a path of the
+    machine that ran it) masked: an option's value by the option's name and the path's suffix
+    (`--out /tmp/x/r.json` -> `--out OUT.json`, `--dir=/tmp/w` -> `--dir=DIR`), any other by
+    PATH/ and its name. The docs hold no machine paths."""
+
+    def masked(value: str, option: str | None) -> str:
+        if not value.startswith("/"):
+            return value
+        path = Path(value)
+        return option.lstrip("-").upper().replace("-", "_") + path.suffix if option else f"PATH/{path.name}"
+
     shown: list[str] = []
     for i, arg in enumerate(argv):
-        if i > 0 and argv[i - 1] == "--out":
-            arg = "OUT.json"
-        elif arg.startswith("--out="):
-            arg = "--out=OUT.json"
+        previous = argv[i - 1] if i > 0 else ""
+        if arg.startswith("--") and "=" in arg:
+            option, value = arg.split("=", 1)
+            arg = f"{option}={masked(value, option)}"
+        elif not arg.startswith("-"):
+            arg = masked(arg, previous if previous.startswith("--") and "=" not in previous else None)
         shown.append(arg)
-    return shlex.join(["python", script, *shown])
+    return shlex.join(["python", *shlex.split(program), *shown])
 
 
 def write_section(name: str, body: str) -> None:

@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     wall = time.monotonic() - t0
-    from bench._docs import machine_line, write_section
+    from bench._docs import machine_line, shown_command, write_section
 
-    command = " ".join(["python bench/collector_attacks.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shown_command("bench/collector_attacks.py", sys.argv[1:] if argv is None else argv)
     text = markdown(rows, command, machine_line(), wall)
     print(text)
     if args.keep:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import shlex
 import sys
 import time
 import zlib
@@ -403,9 +402,9 @@ def not_ahead(results: dict[str, dict], families: Sequence[str] = FAMILIES) -> l
 
 
 def report(args: argparse.Namespace, settings, calib_fa, results, agree_rows, seconds: float) -> str:
-    from bench._docs import machine_line
+    from bench._docs import machine_line, shown_command
 
-    cmd = "python bench/detector_heldout.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    cmd = shown_command("bench/detector_heldout.py", sys.argv[1:])
     out = [
         "## Detection on held-out traces at matched false-alarm rates",
         "",

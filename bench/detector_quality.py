@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import shlex
 import sys
 import textwrap
 import time
@@ -55,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench._docs import shown_command
 from bench.traces import (
     GRAD_NORM,
     Trace,
@@ -670,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = load_guard_config(args.config) if args.config else GuardConfig()
     res, source, notes = run(args.quick, args.runs, args.seed, args.n_runs, args.steps, cfg)
-    command = "python -m bench.detector_quality " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = shown_command("-m bench.detector_quality", argv or sys.argv[1:])
     body = report(res, source, command.strip(), cfg, notes, recorded=bool(args.runs))
     print(body)
     if args.write_docs:

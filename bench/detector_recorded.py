@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -347,8 +346,11 @@ def target_section(
 
 def command_line(argv: Sequence[str], runs: set[str]) -> str:
     """The command as run, each run folder by its name (no machine paths in the docs)."""
-    shown = [f"RUNS/{run_name(a)}" if a in runs else shlex.quote(a) for a in argv]
-    return " ".join(["python bench/detector_recorded.py", *shown])
+    from bench._docs import shown_command
+
+    return shown_command(
+        "bench/detector_recorded.py", [f"RUNS/{run_name(a)}" if a in runs else a for a in argv]
+    )
 
 
 def report(args: argparse.Namespace, by_target: dict, seconds: float) -> str:

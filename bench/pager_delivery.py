@@ -42,6 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from bench._docs import shown_command
 from guard.pager.book import IncidentBook, delivery_needed
 from guard.pager.intake import FIRING, parse_alertmanager
 from guard.pager.sinks import SlackSink
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     res = {"book": book, "e2e": e2e, "attack": attack}
-    print(markdown(res, " ".join(["python bench/pager_delivery.py", *(argv or sys.argv[1:])])))
+    print(markdown(res, shown_command("bench/pager_delivery.py", argv or sys.argv[1:])))
     return res
 
 
