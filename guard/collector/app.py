@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from guard.collector.config import COMMAND_ACTIONS, STATE_DIR
-from guard.collector.errors import StorageFailed
+from guard.collector.errors import RETRY_AFTER_S, StorageBusy, StorageFailed
 from guard.collector.service import Collector
 from guard.wire.batch import MAX_RANK, BadRequest, dumps, loads, parse_int, valid_run_id
 from guard.wire.conn_guard import ConnectionBudget
@@ -49,7 +49,9 @@ def build_app(collector: Collector, conns: ConnectionBudget | None = None) -> St
 
 
 def _answer(status: int, payload: dict[str, Any]) -> Response:
-    return Response(dumps(payload), status_code=status, media_type="application/json")
+    """JSON; a retryable answer (503, 507) says when to retry."""
+    headers = {"retry-after": str(RETRY_AFTER_S)} if status in (503, 507) else None
+    return Response(dumps(payload), status_code=status, media_type="application/json", headers=headers)
 
 
 def _gone(request: Request) -> Response:
@@ -160,6 +162,8 @@ def post_command(collector: Collector, run: str, body: bytes) -> tuple[int, dict
             return 400, {"error": str(e)}
     try:
         cmd = collector.with_run(run, lambda rs: rs.add_command(action, reason, rank))
+    except StorageBusy as e:
+        return e.status, {"error": str(e)}
     except StorageFailed as e:
         return 503, {"error": str(e)}
     log.warning("run %s: operator command %s", run, cmd)

@@ -18,7 +18,7 @@ from typing import Any
 from guard.collector.book import HealthBook
 from guard.collector.commands import CommandLog
 from guard.collector.config import COMMANDS_FILE, CollectorConfig
-from guard.collector.errors import RunEvicted, StorageFailed
+from guard.collector.errors import RunEvicted, StorageFailed, busy_or_none
 from guard.collector.generations import CONFLICT, DUPLICATE, NEW, WriterGenerations
 from guard.collector.health import is_halt
 from guard.collector.journal import (
@@ -133,7 +133,8 @@ class RunState:
         if self.evicted:
             raise RunEvicted(self.run)
         if self.failed is not None:
-            raise StorageFailed(f"run {self.run}: storage failed: {self.failed!r}")
+            busy = busy_or_none(self.run, "storage failed, recovering", self.failed)
+            raise busy or StorageFailed(f"run {self.run}: storage failed: {self.failed!r}")
 
     def _check_limits(self, b: Batch) -> None:
         """Limits that depend on what the run holds already (guard/core/limits.py). Caller holds `lock`."""
@@ -161,7 +162,8 @@ class RunState:
             log.warning(
                 "run %s: batch rank %d seq %d not stored (%r); the client retries", self.run, b.rank, b.seq, e
             )
-            raise StorageFailed(f"run {self.run}: storage error, nothing stored, retry: {e!r}") from e
+            busy = busy_or_none(self.run, "batch not stored", e)
+            raise busy or StorageFailed(f"run {self.run}: storage error, nothing stored, retry: {e!r}") from e
 
     def _is_restart(self, b: Batch) -> bool:
         """Rank 0 reports from a new trainer process (a resume or a restart) of a known run."""

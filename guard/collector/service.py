@@ -129,7 +129,16 @@ from typing import Any
 
 from guard.collector.book import HealthBook
 from guard.collector.config import STATE_DIR, CollectorConfig
-from guard.collector.errors import GenerationConflict, RunDamaged, RunEvicted, RunQuarantined, StorageFailed
+from guard.collector.errors import (
+    RETRY_AFTER_S,
+    GenerationConflict,
+    RunDamaged,
+    RunEvicted,
+    RunQuarantined,
+    StorageBusy,
+    StorageFailed,
+    busy_or_none,
+)
 from guard.collector.metrics import CollectorMetrics
 from guard.collector.run import RunState
 from guard.collector.startup import load_all, quarantine
@@ -212,6 +221,11 @@ class Collector:
     def _checkpointer(self) -> None:
         while not self.stop_event.wait(self.cfg.checkpoint_interval_s):
             for rs in list(self.runs.values()):
+                if rs.failed is not None:  # recovered by itself once its storage works again
+                    with self.runs_lock:
+                        if self.runs.get(rs.run) is rs:
+                            self._reload_failed(rs)
+                    continue
                 try:
                     rs.checkpoint()
                 except Exception:
@@ -262,12 +276,17 @@ class Collector:
                 rs = RunState(run, self.cfg.runs_dir / run, self.cfg, self.health, self.notifier)
             except RunDamaged as e:
                 raise quarantine(self, run, str(e)) from e
-            except OSError as e:
-                if existed:
-                    raise quarantine(self, run, f"recovery failed: {e!r}") from e
-                raise StorageFailed(f"run {run}: cannot set up its folder: {e!r}") from e
-            except Exception as e:  # a bug or a shape of damage nobody foresaw: one run, not all
-                log.exception("run %s: recovery failed", run)
+            except Exception as e:
+                # Out of descriptors, a full disk, EIO: nothing is wrong with the run; 503/507, and
+                # its next request (or the checkpointer) tries again. Only content is damage.
+                busy = busy_or_none(run, "cannot load it now", e)
+                if busy is not None:
+                    log.warning("%s", busy)
+                    raise busy from e
+                if isinstance(e, OSError) and not existed:
+                    raise StorageFailed(f"run {run}: cannot set up its folder: {e!r}") from e
+                if not isinstance(e, OSError):  # a bug or a shape of damage nobody foresaw: one run, not all
+                    log.exception("run %s: recovery failed", run)
                 raise quarantine(self, run, f"recovery failed: {e!r}") from e
             self.health.ensure_run(run)
             if rs.meta:
@@ -331,6 +350,9 @@ class Collector:
         except RunQuarantined as e:
             self.health.batch("quarantined")
             return 503, {"error": str(e)}
+        except StorageBusy as e:
+            self.health.batch("unavailable")
+            return e.status, {"error": str(e), "retry_after_s": RETRY_AFTER_S}
         except StorageFailed as e:
             self.health.batch("unavailable")
             return 503, {"error": str(e)}
