@@ -336,6 +336,9 @@ class Collector:
             ans = self.with_run(batch.run, lambda rs: rs.ingest(batch, body))
         except LimitExceeded as e:
             return self._over_limit(e)
+        except BadRequest as e:  # what the run already holds makes it wrong (a step going back)
+            self.health.batch("bad_request")
+            return 400, {"error": str(e)}
         except GenerationConflict as e:
             self.health.batch("conflict")
             return 409, {
