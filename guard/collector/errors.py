@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from typing import Any
 
 
 class StorageFailed(RuntimeError):
@@ -30,6 +31,21 @@ class GenerationConflict(Exception):
             "Nothing was stored; use a different run id."
         )
         self.run, self.rank, self.generation, self.current = run, rank, generation, current
+
+
+class ClockAhead(GenerationConflict):
+    """A writer whose generation (its start time) is ahead of the collector's clock would take a
+    rank over from the generation that writes it: refused (409) instead."""
+
+    def __init__(self, run: str, b: Any, current: int, ahead: float) -> None:
+        Exception.__init__(
+            self,
+            f"run {run!r} rank {b.rank}: writer generation {b.generation} (its start time) is {ahead:.0f} s "
+            f"ahead of the collector's clock; it may not take the rank over from generation {current}, "
+            "which writes it now (a clock running ahead would own the run until it caught up). Nothing "
+            "was stored; fix this host's clock (NTP).",
+        )
+        self.run, self.rank, self.generation, self.current = run, b.rank, b.generation, current
 
 
 class RunQuarantined(StorageFailed):

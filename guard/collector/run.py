@@ -18,7 +18,7 @@ from typing import Any
 from guard.collector.book import HealthBook
 from guard.collector.commands import CommandLog
 from guard.collector.config import COMMANDS_FILE, CollectorConfig
-from guard.collector.errors import RunEvicted, StorageFailed, busy_or_none
+from guard.collector.errors import ClockAhead, RunEvicted, StorageFailed, busy_or_none
 from guard.collector.generations import CONFLICT, DUPLICATE, NEW, WriterGenerations
 from guard.collector.health import is_halt
 from guard.collector.journal import (
@@ -40,7 +40,7 @@ from guard.core.heartbeat import PHASE_TRAIN
 from guard.core.limits import check_detectors
 from guard.core.report import StepReport
 from guard.pager.notify import PagerNotifier
-from guard.wire.batch import BadRequest, Batch
+from guard.wire.batch import MAX_CLOCK_AHEAD_S, BadRequest, Batch
 
 log = logging.getLogger("moeguard.collector")
 
@@ -66,6 +66,7 @@ class RunState:
         self.last_step = -1  # last rank-0 step stored or pending
         self.report_gen = -1  # generation of rank 0's last batch with reports (restart detection)
         self.rank_steps: dict[int, tuple[int, int]] = {}  # rank > 0 -> (generation, last step it sent)
+        self.clock_warned: set[int] = set()  # ranks whose clock ran ahead (said once)
         self.meta_file = RunMeta(run, run_dir)
         self.pending_reports: list[StepReport] = []
         self.pending_events: list[dict[str, Any]] = []
@@ -127,6 +128,8 @@ class RunState:
         kind = self.gens.classify(b)
         if kind == CONFLICT:
             raise self.gens.conflict(self.run, b)
+        if kind == NEW and (ahead := self.gens.takeover_ahead(b, time.time())) > MAX_CLOCK_AHEAD_S:
+            raise ClockAhead(self.run, b, self.gens.owner(b.rank), ahead)
         return kind == DUPLICATE
 
     def _usable(self) -> None:
@@ -254,7 +257,7 @@ class RunState:
         # Not a meta "running": a halted trainer still sends meta snapshots from its own store
         # (checkpoint time) that say running; only a new process that trains again resumes.
         events = resume_event(b) if was_halted and restart else []
-        events += b.events + self._take_reports(b)
+        events += b.events + self._take_reports(b, now)
         if events:
             self.pending_events.extend(events)
             self.health.observe_events(self.run, events)
@@ -265,7 +268,10 @@ class RunState:
         if self.meta_file.status not in ENDED:  # an ended run has no liveness to watch
             beat = _beat_of(b)
             if beat is not None:
-                self.health.beat(self.run, b.rank, now, *beat, b.generation)
+                step, phase, sent = beat
+                self.health.beat(
+                    self.run, b.rank, now, step, phase, self._sent(b.rank, sent, now), b.generation
+                )
         if b.final:
             self.health.end_heartbeats(self.run, b.rank)
         if self.notifier is not None and live:  # durable now; a replay never re-pages
@@ -274,20 +280,36 @@ class RunState:
                     self.notifier.submit(self.run, ev)
         self.commands.ack(b.rank, b.commands_ack)
 
+    def _sent(self, rank: int, sent: float, now: float) -> float:
+        """A beat's trainer time, as far as the collector's clock (`now`) agrees: a clock running
+        ahead would stretch the learned intervals (a rank never lost). Said once per rank."""
+        if sent <= now + MAX_CLOCK_AHEAD_S:
+            return sent
+        if rank not in self.clock_warned and len(self.clock_warned) < 64:
+            self.clock_warned.add(rank)
+            log.warning(
+                "run %s rank %d: its clock is %.0f s ahead of the collector's; its times are clamped "
+                "(liveness and goodput follow the collector's clock); fix the host's clock (NTP)",
+                self.run,
+                rank,
+                sent - now,
+            )
+        return now + MAX_CLOCK_AHEAD_S
+
     def _drop_pending_from(self, first: int) -> None:
         """Forget pending rows of steps >= `first` (journal.supersede kept them)."""
         self.pending_reports = [r for r in self.pending_reports if r.step < first]
         self.pending_events = [e for e in self.pending_events if e["step"] < first]
         self.last_step = first - 1
 
-    def _take_reports(self, b: Batch) -> list[dict[str, Any]]:
+    def _take_reports(self, b: Batch, now: float) -> list[dict[str, Any]]:
         """Count every report in the run's health; keep rank 0's and run the server-side
         detectors on them. Returns their verdicts as event rows, except at steps where the
         trainer sent its own guard events."""
         trainer_steps = _guarded_steps(b)
         server_events: list[dict[str, Any]] = []
         for rep in b.reports:
-            self.health.observe_report(self.run, rep)
+            self.health.observe_report(self.run, rep, now)
             if b.rank != 0:
                 continue
             self.pending_reports.append(rep)

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,6 +97,13 @@ class Wal:
                 return
             yield rec
             off += _REC_HDR.size + n
+
+    def written_at(self, seg: int) -> float:
+        """When segment `seg` was last written, by this machine's clock (capped at now)."""
+        try:
+            return min(self._path(seg).stat().st_mtime, time.time())
+        except OSError:
+            return time.time()
 
     def delete_upto(self, seg: int) -> None:
         for s in self.segments():
