@@ -7,8 +7,11 @@ Each case runs the real CLI (`python -m guard train`) on the micro config in a s
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from tests.conftest import MICRO
@@ -52,3 +55,53 @@ def test_the_memory_check_counts_every_parameter_of_the_real_model() -> None:
     real = sum(p.numel() for p in MoETransformer(cfg.model).parameters())
     assert 0.95 * real <= total_params(cfg.model) <= real  # norms are left out
     check_model_fits(cfg, "cpu")  # the micro model fits anywhere
+
+
+# ---------------------------------------------------------------------------------------
+# --resume on a damaged run store (issue #32, item 5): one line naming the file, never a traceback
+# ---------------------------------------------------------------------------------------
+def _damage(run: Path, kind: str) -> str:
+    """Damage `run`; returns the name the refusal must give."""
+    part = sorted((run / "steps").glob("part-*.parquet"))[0]
+    if kind == "truncated":
+        part.write_bytes(part.read_bytes()[:300])
+    elif kind == "garbage":
+        part.write_bytes(b"not parquet at all")
+    elif kind == "empty":
+        part.write_bytes(b"")
+    elif kind == "schema-drift":
+        pl.DataFrame({"step": ["a", "b"], "loss": [1.0, 2.0]}).write_parquet(part)
+    elif kind == "meta-types":
+        meta = json.loads((run / "meta.json").read_text())
+        (run / "meta.json").write_text(json.dumps({**meta, "restarts": "two"}))
+        return "meta.json"
+    elif kind == "checkpoint":
+        ckpt = sorted((run / "checkpoints").iterdir())[-1]
+        for f in ckpt.iterdir():
+            if f.suffix == ".distcp":
+                f.write_bytes(b"junk")
+        return ckpt.name
+    return part.name
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("resume") / "r"
+    p = train(run, "--steps", "3", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return run
+
+
+@pytest.mark.parametrize(
+    "kind", ["truncated", "garbage", "empty", "schema-drift", "meta-types", "checkpoint"]
+)
+def test_resume_on_a_damaged_store_is_one_line_naming_the_file(
+    trained: Path, tmp_path: Path, kind: str
+) -> None:
+    run = tmp_path / "r"
+    shutil.copytree(trained, run)
+    named = _damage(run, kind)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    line = one_line_error(train(run, "--steps", "5", "--resume", "--no-progress"))
+    assert named in line and "--resume" in line, line
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing changed
