@@ -236,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
             access_log=False,
             timeout_graceful_shutdown=10,
             http=guarded_protocol(conns, args.header_timeout),
+            backlog=conns.accept_batch,
             timeout_keep_alive=KEEP_ALIVE_S,
         )
     )

@@ -22,10 +22,12 @@ connected got 503 on every batch (issue #32). Three rules, all in the event loop
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import resource
-import time
-from dataclasses import dataclass, field
+import struct
+import termios
+from dataclasses import dataclass
 from typing import Any
 
 import h11
@@ -67,7 +69,6 @@ def file_reserve(nofile: int) -> int:
 class _Conn:
     key: tuple[Any, ...]  # its client address
     proto: Any  # the protocol instance (GuardedH11Protocol)
-    opened: float = field(default_factory=time.monotonic)
     trusted: bool = False
 
 
@@ -79,8 +80,11 @@ class ConnectionBudget:
         if cap < 4:
             raise ValueError(f"connection cap {cap}: must be >= 4")
         self.cap = cap
+        self.nofile = cap + FILE_RESERVE_MIN  # the open-files limit it was sized for (for_open_files sets it)
         self.untrusted_max = max(1, cap - int(cap * trusted_share))
-        self._open: dict[tuple[Any, ...], _Conn] = {}  # client address -> connection
+        # client address -> connection, each in the order it was admitted (oldest first)
+        self._untrusted: dict[tuple[Any, ...], _Conn] = {}
+        self._trusted: dict[tuple[Any, ...], _Conn] = {}
         self.refused = 0  # connections answered 503 at the door
         self.evicted = 0  # idle unauthenticated connections closed to make room
         self.header_timeouts = 0
@@ -88,7 +92,16 @@ class ConnectionBudget:
     @classmethod
     def for_open_files(cls, nofile: int, cap: int | None = None) -> ConnectionBudget:
         """The budget under an open-files limit: `cap`, or the limit less the file reserve."""
-        return cls(cap if cap is not None else max(4, nofile - file_reserve(nofile)))
+        budget = cls(cap if cap is not None else max(4, nofile - file_reserve(nofile)))
+        budget.nofile = nofile
+        return budget
+
+    @property
+    def accept_batch(self) -> int:
+        """The listen backlog, which is also how many connections asyncio accepts in one go before
+        any is closed: a closed connection's descriptor is freed on the loop's next turn, so one
+        burst may hold this many more than the cap. Kept under half the file reserve."""
+        return min(2048, max(64, (self.nofile - self.cap) // 2))
 
     @property
     def trusted_kept(self) -> int:
@@ -96,36 +109,35 @@ class ConnectionBudget:
 
     def counts(self) -> tuple[int, int]:
         """(open connections, of which authenticated)."""
-        return len(self._open), sum(c.trusted for c in self._open.values())
+        return len(self._untrusted) + len(self._trusted), len(self._trusted)
 
     def admit(self, key: tuple[Any, ...], proto: Any) -> bool:
-        """A new connection: True when it may stay (something idle may have been closed for it)."""
+        """A new connection: True when it may stay (something idle may have been closed for it).
+        O(1) in the common case: the oldest unauthenticated connection is idle."""
         total, trusted = self.counts()
         if total - trusted >= self.untrusted_max or total >= self.cap:
-            victim = self._oldest_idle_untrusted()
+            victim = next((c for c in self._untrusted.values() if c.proto.idle()), None)
             if victim is None:
                 self.refused += 1
                 return False
             self.evicted += 1
-            del self._open[victim.key]  # now, not when the loop reports it closed: the next may pick
+            del self._untrusted[victim.key]  # now, not when the loop reports it closed: the next may pick
             victim.proto.close_idle()
-        self._open[key] = _Conn(key, proto)
+        self._untrusted[key] = _Conn(key, proto)
         return True
 
-    def _oldest_idle_untrusted(self) -> _Conn | None:
-        idle = [c for c in self._open.values() if not c.trusted and c.proto.idle()]
-        return min(idle, key=lambda c: c.opened, default=None)
-
     def gone(self, key: tuple[Any, ...], proto: Any) -> None:
-        c = self._open.get(key)
-        if c is not None and c.proto is proto:
-            del self._open[key]
+        for d in (self._untrusted, self._trusted):
+            c = d.get(key)
+            if c is not None and c.proto is proto:
+                del d[key]
 
     def trust(self, client: Any) -> None:
         """The connection from `client` (scope["client"]) sent an authenticated request."""
-        c = self._open.get(tuple(client)) if client else None
+        c = self._untrusted.pop(tuple(client), None) if client else None
         if c is not None:
             c.trusted = True
+            self._trusted[c.key] = c
 
     def summary(self, nofile: int) -> str:
         return (
@@ -169,8 +181,14 @@ class GuardedH11Protocol(H11Protocol):
             self._disarm_header_deadline()  # a whole head arrived (or the connection is going)
 
     def idle(self) -> bool:
-        """No request being served: nothing lost by closing it (a client retries a fresh one)."""
-        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+        """No request being served and none waiting unread: nothing lost by closing it. The unread
+        check matters under a flood: the loop accepts a burst of connections before it reads any,
+        and a client whose request already arrived must not be closed for the burst behind it."""
+        if self.conn.their_state is not h11.IDLE or (
+            self.cycle is not None and not self.cycle.response_complete
+        ):
+            return False
+        return _unread_bytes(self.transport) == 0
 
     def close_idle(self) -> None:
         self._disarm_header_deadline()
@@ -191,6 +209,18 @@ class GuardedH11Protocol(H11Protocol):
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.budget.header_timeouts += 1
             self.transport.close()
+
+
+def _unread_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes waiting in the socket's receive buffer (FIONREAD); 0 when it cannot tell."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        buf = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return struct.unpack("i", buf)[0]
 
 
 def guarded_protocol(budget: ConnectionBudget, header_timeout_s: float = HEADER_TIMEOUT_S) -> type:
