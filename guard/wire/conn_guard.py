@@ -11,8 +11,10 @@ connected got 503 on every batch (issue #32). Three rules, all in the event loop
     Parquet parts, state) keep `file_reserve` descriptors; connections get the rest. Half of the
     cap (`trusted_share`) is kept for connections that have sent an authenticated request: a new
     connection past the untrusted share closes the oldest idle unauthenticated one, or, when there
-    is none, is answered 503 with Retry-After and closed. An authenticated connection is never
-    closed to make room.
+    is none, is answered 503 with Retry-After and closed. An authenticated connection, or one
+    whose request has arrived, is never closed to make room. The listen backlog (asyncio accepts
+    that many in one burst, and a closed descriptor is freed only on the loop's next turn) is
+    kept under half the file reserve, so a burst cannot push the process past its limit.
   * a header deadline (`guarded_protocol`): a connection must send a whole request head within
     `header_timeout_s` of connecting, or of the first byte of its next request (a keep-alive
     connection may idle between requests for uvicorn's `timeout_keep_alive`). Slow-loris heads
