@@ -125,6 +125,7 @@ class _Endpoints:
                 "quarantined": len(c.quarantined),
                 "known_runs": len(c.health.runs()),
                 "pending_load": c.pending_load,
+                **({"connections": self.conns.stats()} if self.conns is not None else {}),
             }
         )
 

@@ -141,6 +141,19 @@ class ConnectionBudget:
             c.trusted = True
             self._trusted[c.key] = c
 
+    def stats(self) -> dict[str, int]:
+        """For /healthz: what is open now and what the budget did so far."""
+        total, trusted = self.counts()
+        return {
+            "open": total,
+            "authenticated": trusted,
+            "cap": self.cap,
+            "kept_for_authenticated": self.trusted_kept,
+            "refused": self.refused,
+            "closed_for_room": self.evicted,
+            "header_timeouts": self.header_timeouts,
+        }
+
     def summary(self, nofile: int) -> str:
         return (
             f"open files: soft limit {nofile}; connections capped at {self.cap} "

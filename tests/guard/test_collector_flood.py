@@ -97,6 +97,8 @@ def test_an_idle_connection_flood_under_1024_files_takes_nothing_down(tmp_path: 
         assert answers == [200] * 5
         assert fresh.status_code == 200, fresh.text
         assert health.status_code == 200 and health.json()["quarantined"] == 0
+        conns = health.json()["connections"]
+        assert conns["cap"] == 768 and conns["kept_for_authenticated"] == 384 and conns["closed_for_room"] > 0
     assert read_table(c.runs / "flood", "steps")["step"].to_list() == [0, 1, 2, 3, 4, 5]
     text = log.read_text()
     assert "connections capped at 768" in text and "soft limit 1024" in text  # the one line at start
