@@ -5,22 +5,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from guard.core import schema
-from guard.core.events import Event
-from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_TRAIN
-from guard.core.report import StepReport
 from guard.core.tomlconf import to_dict
 from guard.runtime.envinfo import fingerprint
 from guard.runtime.record import RunRecord
-from guard.store.reader import read_meta
-from guard.store.runstore import RunStore
-from guard.store.writer import truncate_after
 
 if TYPE_CHECKING:
     from trainer.loop import Trainer
