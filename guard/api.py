@@ -176,6 +176,7 @@ class GuardedStep:
         self.goodput = Goodput(started_at=self.session.meta["started_at"])
         self.pending_skip = 0  # batches still to drop after a rollback (the PaLM data window)
         self._data_wait = 0.0  # this rank's seconds in the loader since the last step
+        self.last_decision: Decision | None = None
 
     # ---- data window ------------------------------------------------------------------------
     def batches(self, loader: Iterable[T]) -> Iterator[T]:
@@ -196,6 +197,10 @@ class GuardedStep:
                 self.pending_skip -= 1
                 continue
             yield batch
+
+    def restart_clock(self) -> None:
+        """The time until now is not the next step's (a checkpoint save, an eval in between)."""
+        self._t_last = time.perf_counter()
 
     def note_data_wait(self, seconds: float) -> None:
         """A loop that does not use batches() adds its own data wait for the current step here."""
@@ -271,6 +276,7 @@ class GuardedStep:
             rep.straggler_score = self.sync.straggler_score
         self.session.step(rep, events, own_wait, tokens)
         self.step_idx += 1
+        self.last_decision = d
         if self.guard.after_step(self.step_idx):
             self.goodput.snapshot_taken(
                 self.step_idx, set(self.guard.ring.steps()) if self.guard.ring else set()
@@ -328,6 +334,20 @@ class GuardedStep:
             return
         if status is None:
             status, note = ending(sys.exc_info()[1])
+            if (
+                status == schema.STATUS_FINISHED
+                and self.last_decision is not None
+                and self.last_decision.halt
+            ):
+                why = next(
+                    (
+                        str(e.detail.get("reason", ""))
+                        for e in self.last_decision.events
+                        if e.kind == schema.EV_HALT
+                    ),
+                    "an operator command",
+                )
+                status, note = schema.STATUS_HALTED, f"halted at step {self.step_idx - 1}: {why}"
         self.probe.close()
         if self.sync is not None:
             self.sync.log.close()
