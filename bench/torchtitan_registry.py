@@ -38,7 +38,11 @@ from torchtitan.trainer import Trainer
 from bench.torchtitan_model import SMALL_VOCAB, model_config
 
 ENV_FAULTS = "MOEGUARD_TT_FAULTS"
+# a folder: each rank writes there, at every applied step, a digest of its parameters and
+# torchtitan's own expert counters as they were before the update (what the tests compare)
+ENV_PROBE_DIR = "MOEGUARD_TT_PROBE_DIR"
 CORPUS_BYTES = 1 << 20
+STEP = [0]  # the guard step the current forward belongs to (FaultyLoss keeps it)
 
 
 def parse_faults(text: str, rank: int) -> dict[int, tuple[str, float]]:
@@ -123,6 +127,7 @@ class FaultyLoss(CrossEntropyLoss):
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor, *a: Any, **k: Any) -> Any:
         loss, extra = super().__call__(pred, labels, *a, **k)
         step, self.calls = self.calls // self.grad_accum, self.calls + 1
+        STEP[0] = step
         kind, arg = self.faults.get(step, ("", 0.0))
         if kind == "spike":
             loss = loss * arg
@@ -172,9 +177,44 @@ def job(model: str, *, steps: int, batch: int, seq: int, interval: int) -> Train
 
 
 def _balancing_hook() -> Any:
+    """torchtitan's own expert-bias hook, with the probe hooks of $MOEGUARD_TT_PROBE_DIR first."""
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
 
-    return register_moe_load_balancing_hook
+    def build(optimizers: Any, model_parts: list[torch.nn.Module], parallel_dims: Any) -> None:
+        if os.environ.get(ENV_PROBE_DIR):
+            _register_probe(optimizers, model_parts, os.environ[ENV_PROBE_DIR])
+        register_moe_load_balancing_hook(optimizers, model_parts, parallel_dims)
+
+    return build
+
+
+def _register_probe(optimizers: Any, model_parts: list[torch.nn.Module], out: str) -> None:
+    import hashlib
+    import json
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    os.makedirs(out, exist_ok=True)
+    model = model_parts[0]
+    moes = {i: b.moe for i, b in enumerate(model.layers.values()) if getattr(b, "moe_enabled", False)}
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def before(*_: Any) -> None:  # before torchtitan's hook all-reduces and zeroes the counters
+        row = {"step": STEP[0], "counts": {i: local(m.tokens_per_expert_E).tolist() for i, m in moes.items()}}
+        with open(os.path.join(out, f"counts-r{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def after(*_: Any) -> None:
+        h = hashlib.sha256()
+        for name, p in sorted(model.named_parameters()):
+            h.update(name.encode())
+            h.update(local(p).detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        with open(os.path.join(out, f"digest-r{rank}.txt"), "w") as f:
+            f.write(f"{STEP[0]} {h.hexdigest()}\n")
+
+    optimizers.register_step_pre_hook(before)
+    optimizers.register_step_post_hook(after)
 
 
 def tiny_moe() -> Trainer.Config:

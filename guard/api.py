@@ -312,7 +312,9 @@ class GuardedStep:
             s["sync"] = self.sync.state_dict()
         return s
 
-    def load_state_dict(self, s: dict[str, Any]) -> None:
+    def load_state_dict(self, s: dict[str, Any], *, checkpoint: str = "") -> None:
+        """Restore what state_dict() returned (a framework's resume); `checkpoint` names it in the
+        run's resume event."""
         self.step_idx = int(s["step"])
         self.guard.load_state_dict(s["guard"])
         self.probe.load_state_dict(s["probe"])
@@ -323,7 +325,7 @@ class GuardedStep:
             self.goodput.load_state_dict(s["goodput"])
         if self.sync is not None and "sync" in s:
             self.sync.load_state_dict(s["sync"])
-        self.session.resumed(self.step_idx, world_size=self.ranks.world)
+        self.session.resumed(self.step_idx, checkpoint, world_size=self.ranks.world)
 
     # ---- the end ----------------------------------------------------------------------------
     def close(self, status: str | None = None, note: str = "") -> None:

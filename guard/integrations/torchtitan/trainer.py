@@ -50,7 +50,9 @@ class GuardState:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         blob = sd["blob"]
         raw = blob.getvalue() if isinstance(blob, io.BytesIO) else bytes(blob)
-        self.guarded.load_state_dict(torch.load(io.BytesIO(raw), weights_only=False))
+        state = torch.load(io.BytesIO(raw), weights_only=False)
+        # torchtitan names its checkpoints step-<its step>, one per guarded step from 1
+        self.guarded.load_state_dict(state, checkpoint=f"step-{state['step']}")
 
 
 def default_run_dir(config: Any) -> Path:
