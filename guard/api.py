@@ -334,8 +334,9 @@ class GuardedStep:
         the last batch, and print the end-of-run summary on rank 0 (as `moeguard train`)."""
         if self.session.closed:
             return
+        exc = sys.exc_info()[1]
         if status is None:
-            status, note = ending(sys.exc_info()[1])
+            status, note = ending(exc)
             if (
                 status == schema.STATUS_FINISHED
                 and self.last_decision is not None

@@ -49,6 +49,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--guard", type=Path, metavar="FILE.toml", help="guard settings")
     p.add_argument("--collector", metavar="URL", help="collector URL (default $MOEGUARD_COLLECTOR)")
     p.add_argument("--run-dir", type=Path, metavar="DIR", help="run store folder (its name is the run id)")
+    p.add_argument(
+        "--no-guard",
+        action="store_true",
+        help="torchtitan's own Trainer, unguarded (the baseline of an overhead or canary measurement)",
+    )
     return p
 
 
