@@ -219,3 +219,14 @@ def test_kill_9_and_relaunch_resume_from_torchtitans_checkpoint_with_the_guards_
     resumes = read_table(tmp_path / run, "events").filter(pl.col("kind") == schema.EV_RESUME)
     assert resumes["step"].to_list() == [20]
     assert json.loads(resumes["detail"].item())["checkpoint"] == "step-20"
+
+
+@pytest.mark.timeout(600)
+def test_no_guard_is_torchtitans_own_trainer_untouched(tmp_path: Path) -> None:
+    """`--no-guard` (the overhead and canary baseline): torchtitan trains, nothing of moeguard's runs."""
+    run = "plain"
+    proc = launch(tmp_path, run, "--training.steps", "5", "--checkpoint.interval", "1000", "--no-guard")
+    assert finish(proc, tmp_path, run) == 0, (tmp_path / f"{run}.log").read_text()[-4000:]
+    assert not (tmp_path / run).exists()  # no run store
+    assert not (tmp_path / "decisions").exists()  # no guard decided anything
+    assert len((tmp_path / "probe" / "digest-r0.txt").read_text().split()) == 2  # torchtitan stepped
