@@ -23,7 +23,6 @@ trainer/outcome.py; goodput in guard/core/goodput.py.
 from __future__ import annotations
 
 import math
-import pickle
 import resource
 import time
 from pathlib import Path
@@ -32,7 +31,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from guard.core import actions, schema
 from guard.core.goodput import Goodput
@@ -64,7 +62,7 @@ from trainer.inject import Injection
 from trainer.model import MoETransformer
 from trainer.record import RunRecord, run_environment, run_meta
 from trainer.rerun import RerunCheck
-from trainer.resume_check import check_store_for_resume
+from trainer.resume_check import restore_checked
 from trainer.train_module import TrainModule, set_deterministic
 
 
@@ -267,26 +265,7 @@ class Trainer:
         if path is None:
             raise ConfigError(f"--resume: no checkpoint in {self.checkpoints.dir}")
         self.last_checkpoint = path
-        if self.dist.main:
-            check_store_for_resume(self.run_dir)  # one line naming a damaged file, before anything changes
-        try:
-            r = self.checkpoints.restore(path)
-        except (
-            OSError,
-            RuntimeError,
-            ValueError,
-            EOFError,
-            KeyError,
-            pickle.UnpicklingError,
-            CheckpointException,
-        ) as e:
-            last = ([ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""])[
-                -1
-            ]  # DCP nests tracebacks
-            raise ConfigError(
-                f"--resume: checkpoint {path} cannot be loaded ({type(e).__name__}: {last[:160]}); "
-                "move it aside to resume from the one before it"
-            ) from None
+        r = restore_checked(self.checkpoints, path, self.run_dir, check_store=self.dist.main)
         if r.legacy:  # one torch.save file from before DCP kept only the time split
             self.gp.split.update(r.host.get("time_split", {}))
         else:

@@ -9,13 +9,42 @@ naming the file and what to do, exit 2, nothing changed.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
 from guard.core import schema
 from guard.core.tomlconf import ConfigError
 from guard.store.layout import part_files
+
+# What loading a damaged checkpoint raises (DCP wraps the reader's error in CheckpointException).
+_LOAD_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    RuntimeError,
+    ValueError,
+    EOFError,
+    KeyError,
+    pickle.UnpicklingError,
+)
+
+
+def restore_checked(checkpoints: Any, path: Path, run_dir: Path, *, check_store: bool) -> Any:
+    """`checkpoints.restore(path)` for --resume, after `check_store_for_resume` (on the rank that
+    writes the store): a damaged store or checkpoint is one line naming it (ConfigError)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if check_store:
+        check_store_for_resume(run_dir)  # before anything changes
+    try:
+        return checkpoints.restore(path)
+    except (*_LOAD_ERRORS, CheckpointException) as e:
+        last = ([ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""])[-1]  # DCP nests tracebacks
+        raise ConfigError(
+            f"--resume: checkpoint {path} cannot be loaded ({type(e).__name__}: {last[:160]}); "
+            "move it aside to resume from the one before it"
+        ) from None
 
 
 def check_store_for_resume(run_dir: Path) -> None:

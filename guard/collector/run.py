@@ -29,6 +29,7 @@ from guard.collector.journal import (
     restore_counters,
     restore_liveness,
 )
+from guard.collector.ordering import WriterOrder
 from guard.collector.run_meta import RunMeta
 from guard.collector.status import ENDED, resume_event
 from guard.collector.storage import StoredState, load_commands
@@ -40,7 +41,7 @@ from guard.core.heartbeat import PHASE_TRAIN
 from guard.core.limits import check_detectors
 from guard.core.report import StepReport
 from guard.pager.notify import PagerNotifier
-from guard.wire.batch import MAX_CLOCK_AHEAD_S, BadRequest, Batch
+from guard.wire.batch import MAX_CLOCK_AHEAD_S, Batch
 
 log = logging.getLogger("moeguard.collector")
 
@@ -65,8 +66,7 @@ class RunState:
         self.gens = WriterGenerations()
         self.last_step = -1  # last rank-0 step stored or pending
         self.report_gen = -1  # generation of rank 0's last batch with reports (restart detection)
-        self.rank_steps: dict[int, tuple[int, int]] = {}  # rank > 0 -> (generation, last step it sent)
-        self.clock_warned: set[int] = set()  # ranks whose clock ran ahead (said once)
+        self.order = WriterOrder(run)  # steps strictly increase, times no further ahead than ours
         self.meta_file = RunMeta(run, run_dir)
         self.pending_reports: list[StepReport] = []
         self.pending_events: list[dict[str, Any]] = []
@@ -187,7 +187,7 @@ class RunState:
         after the commit, and if that fails, again at the next checkpoint."""
         if replay and self.gens.classify(b) != NEW:
             return
-        b.reports = self._writer_steps(b, strict=not replay)
+        b.reports = self.order.steps(b, self.last_step, self.report_gen, strict=not replay)
         first = min(r.step for r in b.reports) if self._needs_truncate(b) else None
         if first is not None:
             self.journal.supersede(b, first, (self.pending_reports, self.pending_events))
@@ -209,34 +209,6 @@ class RunState:
                 self.meta_file.write()
             except OSError as e:
                 log.warning("run %s: meta.json not written (%r); retried at the next checkpoint", self.run, e)
-
-    def _writer_steps(self, b: Batch, strict: bool) -> list[StepReport]:
-        """The batch's reports with a writer's steps strictly increasing: a step this writer
-        (rank and generation) sent last again is a repeat, left out (idempotent); a step before it
-        is refused whole (BadRequest naming it), or left out in replay (a log written before this
-        rule). A new generation (a resumed trainer) starts again. Caller holds `lock`."""
-        if b.rank == 0:
-            last = self.last_step if b.generation == self.report_gen else -1
-        else:
-            gen, step = self.rank_steps.get(b.rank, (-1, -1))
-            last = step if gen == b.generation else -1
-        kept: list[StepReport] = []
-        for i, r in enumerate(b.reports):
-            if r.step == last:
-                continue
-            if r.step < last:
-                if strict:
-                    raise BadRequest(
-                        f"reports[{i}].step: {r.step} goes back from step {last}, which this writer "
-                        f"(rank {b.rank}, generation {b.generation}) sent already; a writer's steps "
-                        "strictly increase (a resumed trainer is a new generation)"
-                    )
-                continue
-            kept.append(r)
-            last = r.step
-        if b.rank != 0 and kept:
-            self.rank_steps[b.rank] = (b.generation, last)
-        return kept
 
     def _apply(self, b: Batch, now: float, truncated_from: int | None, live: bool) -> None:
         """The in-memory part of `_ingest` (no I/O)."""
@@ -270,7 +242,7 @@ class RunState:
             if beat is not None:
                 step, phase, sent = beat
                 self.health.beat(
-                    self.run, b.rank, now, step, phase, self._sent(b.rank, sent, now), b.generation
+                    self.run, b.rank, now, step, phase, self.order.sent(b.rank, sent, now), b.generation
                 )
         if b.final:
             self.health.end_heartbeats(self.run, b.rank)
@@ -279,22 +251,6 @@ class RunState:
                 if is_halt(ev):
                     self.notifier.submit(self.run, ev)
         self.commands.ack(b.rank, b.commands_ack)
-
-    def _sent(self, rank: int, sent: float, now: float) -> float:
-        """A beat's trainer time, as far as the collector's clock (`now`) agrees: a clock running
-        ahead would stretch the learned intervals (a rank never lost). Said once per rank."""
-        if sent <= now + MAX_CLOCK_AHEAD_S:
-            return sent
-        if rank not in self.clock_warned and len(self.clock_warned) < 64:
-            self.clock_warned.add(rank)
-            log.warning(
-                "run %s rank %d: its clock is %.0f s ahead of the collector's; its times are clamped "
-                "(liveness and goodput follow the collector's clock); fix the host's clock (NTP)",
-                self.run,
-                rank,
-                sent - now,
-            )
-        return now + MAX_CLOCK_AHEAD_S
 
     def _drop_pending_from(self, first: int) -> None:
         """Forget pending rows of steps >= `first` (journal.supersede kept them)."""
