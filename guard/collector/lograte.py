@@ -50,9 +50,15 @@ class RepeatFilter(logging.Filter):
             return False
 
 
+LOGGERS = ("", "uvicorn", "uvicorn.error", "uvicorn.access")  # those with their own handlers
+
+
 def install(burst: int = BURST, window_s: float = WINDOW_S) -> RepeatFilter:
-    """Put one RepeatFilter on every handler of the root logger (call after basicConfig)."""
+    """Put one RepeatFilter on every handler of the root logger and uvicorn's (call after
+    basicConfig and after uvicorn.Config, which sets up uvicorn's handlers)."""
     f = RepeatFilter(burst, window_s)
-    for h in logging.getLogger().handlers:
-        h.addFilter(f)
+    for name in LOGGERS:
+        for h in logging.getLogger(name).handlers:
+            if f not in h.filters:
+                h.addFilter(f)
     return f

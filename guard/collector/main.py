@@ -177,7 +177,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    rate_limit_logs()
     token = os.environ.get(schema.ENV_TOKEN) or None
     if token is None and not args.insecure_no_auth:
         print(
@@ -240,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
             timeout_keep_alive=KEEP_ALIVE_S,
         )
     )
+    rate_limit_logs()  # after uvicorn.Config: it sets up its own loggers' handlers
     server.run(sockets=[sock])
     return 0
 
