@@ -23,6 +23,7 @@ from guard.core.limits import CollectorLimits
 from guard.core.progress import ProgressConfig
 from guard.store.layout import atomic_write_bytes
 from guard.wire.conn_guard import (
+    FILE_RESERVE_MIN,
     HEADER_TIMEOUT_S,
     KEEP_ALIVE_S,
     ConnectionBudget,
@@ -251,10 +252,11 @@ def _connection_budget(args: argparse.Namespace) -> ConnectionBudget | None:
     if not args.header_timeout > 0:
         print(f"moeguard collector: --header-timeout {args.header_timeout}: must be > 0", flush=True)
         return None
-    if args.max_connections is not None and not 4 <= args.max_connections < nofile:
+    top = nofile - FILE_RESERVE_MIN  # the run store's files need descriptors too
+    if args.max_connections is not None and not 4 <= args.max_connections <= top:
         print(
-            f"moeguard collector: --max-connections {args.max_connections}: must be in [4, {nofile}) "
-            f"(the open-files limit, `ulimit -n`, is {nofile})",
+            f"moeguard collector: --max-connections {args.max_connections}: must be in [4, {top}] "
+            f"(the open-files limit, `ulimit -n`, is {nofile}; {FILE_RESERVE_MIN} stay for files)",
             flush=True,
         )
         return None

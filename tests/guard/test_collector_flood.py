@@ -189,3 +189,17 @@ def test_repeated_log_lines_are_counted_not_written(caplog: pytest.LogCaptureFix
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 4
     assert "and 97 more like this" in msgs[-1]
+
+
+@pytest.mark.parametrize(
+    "flag", [("--max-connections", "2"), ("--max-connections", "99999999"), ("--header-timeout", "0")]
+)
+def test_bad_connection_flags_are_one_line_exit_2(tmp_path: Path, flag: tuple[str, str]) -> None:
+    import os
+    import sys
+
+    env = {**os.environ, "MOEGUARD_TOKEN": "t"}
+    cmd = [sys.executable, "-m", "guard", "collector", "--port", "0", "--runs", str(tmp_path / "runs"), *flag]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and flag[0] in lines[0], (p.returncode, lines)
