@@ -36,6 +36,7 @@ if steps.height == 0:
     st.stop()
 summ = loaders.load_summary(path, sig)
 env = info.env
+ui.show_damaged(run_id, summ["damaged"])
 
 # ---- headline -------------------------------------------------------------------------
 ui.status_badge(info.status, help=f"last write {ui.age(info.updated_at)}")

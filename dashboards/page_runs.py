@@ -13,6 +13,13 @@ RUN_LINK_TEXT = r"health\?run=(.*)"  # the link's text: the run id out of its UR
 # columns said once, above the table, when every run has the same value in them
 SAID_ONCE = ("torch", "attention", "expert kernel", "compile", "MFU peak")
 
+
+
+def damaged_note(summ: dict) -> str:
+    n = len(summ.get("damaged") or [])
+    return f"{n} damaged part(s) skipped" if n else ""
+
+
 cfg = config.app_config()
 st.title("Runs")
 infos = ui.runs_or_stop(cfg)
@@ -59,7 +66,9 @@ for info in infos:
             "verdicts": summ.get("verdicts"),
             "MFU peak": ("artefact · " if artefact else "") + peak.cell() if info.readable else "",
             "last update": ui.age(info.updated_at),
-            "note": ui.clip(ui.run_note(info), ui.NOTE_CELL_CHARS),
+            "note": ui.clip(
+                "; ".join(n for n in (ui.run_note(info), damaged_note(summ)) if n), ui.NOTE_CELL_CHARS
+            ),
         }
     )
 df = pl.DataFrame(rows, infer_schema_length=None)
@@ -135,6 +144,8 @@ if notes:
     st.caption("MFU: " + " · ".join(notes))
 for info in infos:
     ui.show_problem(info)
+    if info.readable:
+        ui.show_damaged(info.run_id, loaders.load_summary(info.path, runs.run_signature(info.path))["damaged"])
 stray = runs.stray_folders(cfg.runs_dir)
 if stray:
     st.caption(f"Ignored (no meta.json): {', '.join(stray)}")
