@@ -242,6 +242,7 @@ def check_injections(injections: list[Any], steps: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from guard.store.layout import run_dir_problem
     from guard.store.reader import read_meta
     from trainer.checkpoint import latest_checkpoint
     from trainer.distributed import restart_count
@@ -259,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--resume: run folder {str(run_dir)!r} does not exist")
     rank = int(os.environ.get("RANK", "0"))
     resume = args.resume
+    if (why := run_dir_problem(run_dir)) is not None:
+        raise ConfigError(f"--run-dir {str(run_dir)!r}: {why}; pass a folder you can write to (nothing was written)")
     if not resume:
         refuse_reused_run_dir(run_dir, rank=rank, device=cfg.train.device)
     if (
