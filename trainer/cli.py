@@ -286,6 +286,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{latest_checkpoint(run_dir / schema.CHECKPOINT_DIR)}",
                 file=sys.stderr,
             )
+    if rank == 0 and not resume:  # a drill whose fault lands before a detector arms says so
+        from guard.core.warmup import notices
+
+        for line in notices(cfg.guard, cfg.train.steps, [(i.kind, i.step, str(i)) for i in injections]):
+            print(f"moeguard train: note: {line}", file=sys.stderr)
     exporter = make_exporter(cfg, run_dir.name, run_dir, rank)
     trainer = Trainer(
         cfg, run_dir, resume=resume, injections=injections, progress=not args.no_progress, exporter=exporter
