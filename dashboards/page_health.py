@@ -10,13 +10,16 @@ import polars as pl
 import streamlit as st
 
 from dashboards import ui
-from dashboards.data import config, guard_events, heatmaps, loaders, mfu_peak, runs, shaping
+from dashboards.data import config, guard_events, heatmaps, loaders, mfu_peak, runs, shaping, warmups
 from dashboards.figures.health import health_timeline, perf_figure
 from dashboards.figures.heatmap import heatmap
 from dashboards.figures.nonfinite_marks import nonfinite_steps
 from dashboards.figures.precursors import precursor_figure
+from dashboards.figures.warmup_marks import shade_warmups
 from guard.core import actions, schema
 from guard.store import reader
+
+ROUTING_SIGNALS = ("maxvio", "dead_experts", "router_entropy", "load_entropy")  # the collapse detector's
 
 cfg = config.app_config()
 st.title("Run health")
@@ -102,7 +105,18 @@ if info.compat == runs.COMPAT_OLDER:
 # ---- loss / grad norm with guard marks ------------------------------------------------
 series = loaders.load_step_series(path, sig, ("loss", "grad_norm"))
 marks, timeline = loaders.load_marks(path, sig)
-st.plotly_chart(health_timeline(series, marks, timeline), key="timeline")
+first_step = int(steps["step"].min())  # type: ignore[arg-type]
+fig = health_timeline(series, marks, timeline)
+warm = warmups.spans(info.meta, first_step, warmups.SPIKE + warmups.ROUTING)
+shade_warmups(fig, warm)
+st.plotly_chart(fig, key="timeline")
+if warm:
+    st.caption(
+        "Grey bands: detector warm-ups. A detector gives no verdict before it arms (its baseline fills, "
+        "routing settles); a fault inside a band is not judged by it: "
+        + "; ".join(s.label for s in warm)
+        + ". Set in the run's guard settings."
+    )
 if steps.height > shaping.MAX_LINE_POINTS:
     st.caption(
         f"{steps.height:,} steps drawn as ≤{shaping.MAX_LINE_POINTS:,} points per line: each bucket keeps its first, "
@@ -207,6 +221,8 @@ else:
                 zmin=zmin,
                 zmax=zmax,
             )
+            if name in ROUTING_SIGNALS:
+                shade_warmups(fig, warmups.spans(info.meta, first_step, warmups.ROUTING), over_heatmap=True)
             col.plotly_chart(fig, key=f"layer-{name}")
     if heats:
         st.caption(
