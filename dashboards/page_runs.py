@@ -146,6 +146,11 @@ for info in infos:
     ui.show_problem(info)
     if info.readable:
         ui.show_damaged(info.run_id, loaders.load_summary(info.path, runs.run_signature(info.path))["damaged"])
+if (cfg.runs_dir / runs.WORKER_RUNS_DIR).is_dir():
+    st.caption(
+        f"Canary worker runs are kept apart in `{runs.WORKER_RUNS_DIR}/`: "
+        f"`moeguard app --runs {cfg.runs_dir / runs.WORKER_RUNS_DIR}` opens them."
+    )
 stray = runs.stray_folders(cfg.runs_dir)
 if stray:
     st.caption(f"Ignored (no meta.json): {', '.join(stray)}")

@@ -179,6 +179,12 @@ def runs_or_stop(cfg: config.AppConfig) -> list[runs.RunInfo]:
         )
         st.stop()
     infos = runs.discover(cfg.runs_dir, stale_after_s=stale_after())
+    mine, canary = runs.split_canary(infos)
+    if mine and canary and not st.session_state.get("show_canary", False):
+        infos = mine  # a store of canary runs only (RUNS/canary-runs) shows them all
+        st.caption(
+            f"{len(canary)} canary worker run(s) hidden; the sidebar's *Show canary worker runs* lists them."
+        )
     if not infos:
         stray = runs.stray_folders(cfg.runs_dir)
         extra = (

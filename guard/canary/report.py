@@ -353,6 +353,8 @@ def print_summary(rep: dict[str, Any]) -> None:
     if mfu is not None and mfu["delta"] is not None:
         tail = f" ({_fmt_delta(mfu)} vs the median of {mfu['n_baseline']} baseline entries)"
     now = mfu["current"] if mfu else rep["runs"][-1]["summary"].get(MFU)
+    if not rows:  # no baseline: a PASS that compared nothing must say so
+        tail = " (nothing compared: no baseline for this machine and config)"
     print(
         f"canary {rep['verdict'].upper()}: MFU p50 {_fmt_value(MFU, now)}{tail}, "
         f"{len(rep['runs'])} run(s); report: {rep.get('report_md', '')}"
