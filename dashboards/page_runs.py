@@ -14,7 +14,6 @@ RUN_LINK_TEXT = r"health\?run=(.*)"  # the link's text: the run id out of its UR
 SAID_ONCE = ("torch", "attention", "expert kernel", "compile", "MFU peak")
 
 
-
 def damaged_note(summ: dict) -> str:
     n = len(summ.get("damaged") or [])
     return f"{n} damaged part(s) skipped" if n else ""
@@ -145,7 +144,9 @@ if notes:
 for info in infos:
     ui.show_problem(info)
     if info.readable:
-        ui.show_damaged(info.run_id, loaders.load_summary(info.path, runs.run_signature(info.path))["damaged"])
+        ui.show_damaged(
+            info.run_id, loaders.load_summary(info.path, runs.run_signature(info.path))["damaged"]
+        )
 if (cfg.runs_dir / runs.WORKER_RUNS_DIR).is_dir():
     st.caption(
         f"Canary worker runs are kept apart in `{runs.WORKER_RUNS_DIR}/`: "

@@ -137,8 +137,7 @@ def _run(args: argparse.Namespace, cfg: GuardConfig, max_lr: float | None) -> in
         changed = changed_keys(recorded, cfg)
         print(
             f"replayed {n_steps} steps of {args.run_dir.name} with the recorded guard settings, "
-            f"{args.guard} layered over them: "
-            + ("; ".join(changed) if changed else "it changes nothing")
+            f"{args.guard} layered over them: " + ("; ".join(changed) if changed else "it changes nothing")
         )
     else:
         print(f"replayed {n_steps} steps of {args.run_dir.name} with the recorded guard settings")

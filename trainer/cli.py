@@ -261,7 +261,9 @@ def run(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     resume = args.resume
     if (why := run_dir_problem(run_dir)) is not None:
-        raise ConfigError(f"--run-dir {str(run_dir)!r}: {why}; pass a folder you can write to (nothing was written)")
+        raise ConfigError(
+            f"--run-dir {str(run_dir)!r}: {why}; pass a folder you can write to (nothing was written)"
+        )
     if not resume:
         refuse_reused_run_dir(run_dir, rank=rank, device=cfg.train.device)
     if (

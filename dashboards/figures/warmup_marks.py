@@ -17,7 +17,10 @@ def shade_warmups(fig: go.Figure, spans: list[Span], *, over_heatmap: bool = Fal
     band), spanning every subplot; its label at the top, inside the band's right edge."""
     for i, s in enumerate(spans):
         if over_heatmap:
-            shape = {"fillcolor": "rgba(0,0,0,0)", "line": {"color": WARMUP_LINE, "width": 1.5, "dash": "dash"}}
+            shape = {
+                "fillcolor": "rgba(0,0,0,0)",
+                "line": {"color": WARMUP_LINE, "width": 1.5, "dash": "dash"},
+            }
         else:
             shape = {"fillcolor": WARMUP_FILL, "line": {"width": 0}, "layer": "below"}
         fig.add_shape(

@@ -60,7 +60,12 @@ def warmups(cfg: GuardConfig) -> list[Warmup]:
         _spike("layer_grad_spike", cfg.layer_grad_spike, schema.DET_LAYER_GRAD_SPIKE),
     ]
     if cfg.collapse.enabled:
-        dets = (schema.DET_DEAD_EXPERTS, schema.DET_MAXVIO, schema.DET_LOAD_ENTROPY, schema.DET_ROUTER_ENTROPY)
+        dets = (
+            schema.DET_DEAD_EXPERTS,
+            schema.DET_MAXVIO,
+            schema.DET_LOAD_ENTROPY,
+            schema.DET_ROUTER_ENTROPY,
+        )
         out.append(Warmup("collapse", cfg.collapse.warmup, "collapse.warmup", dets))
     if cfg.stall.enabled:  # ignored start-up steps, then a baseline of clean waits
         arms = cfg.stall.warmup + min(STALL_BASELINE, cfg.stall.window)

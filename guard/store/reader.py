@@ -28,7 +28,6 @@ from guard.core.report import StepReport
 from guard.core.rows import reports_from_columns
 from guard.store.layout import parse_part_name, part_files, polars_schema, sorted_part_names
 
-
 PARQUET_MAGIC = b"PAR1"  # a Parquet file starts and ends with it; the footer length sits before the end
 
 

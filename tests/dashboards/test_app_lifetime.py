@@ -52,7 +52,9 @@ def port_free(port: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
-def test_stopping_moeguard_app_stops_streamlit_and_frees_the_port(tmp_path: Path, sig: signal.Signals) -> None:
+def test_stopping_moeguard_app_stops_streamlit_and_frees_the_port(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     runs = tmp_path / "runs"
     runs.mkdir()
     port = free_port()
@@ -65,7 +67,9 @@ def test_stopping_moeguard_app_stops_streamlit_and_frees_the_port(tmp_path: Path
         (child,) = wait_until(lambda: children(app.pid), timeout=10, what="the streamlit child")
         app.send_signal(sig)
         code = app.wait(timeout=30)
-        wait_until(lambda: not alive(child), timeout=20, what=f"streamlit child {child} to exit after {sig.name}")
+        wait_until(
+            lambda: not alive(child), timeout=20, what=f"streamlit child {child} to exit after {sig.name}"
+        )
         wait_until(lambda: port_free(port), timeout=10, what=f"port {port} to be free")
         if sig != signal.SIGKILL:
             assert code == 128 + sig, (code, (tmp_path / "app.log").read_text()[-2000:])

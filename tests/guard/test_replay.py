@@ -51,7 +51,9 @@ def test_replay_guard_file_is_layered_over_the_recorded_settings(tmp_path: Path,
     run = tmp_path / "r"
     store = RunStore(run, flush_every=50)
     recorded = {"grad_spike": {"rel_max": 5.0}, "collapse": {"maxvio": 1.5}, "policy": {"skip_window": 77}}
-    store.write_meta({"run_id": "r", "status": "finished", "config": {"guard": recorded, "optim": {"lr": 1e-3}}})
+    store.write_meta(
+        {"run_id": "r", "status": "finished", "config": {"guard": recorded, "optim": {"lr": 1e-3}}}
+    )
     for s in range(60):
         store.add_step(make_report(s, t=1000.0 + s))
     store.close()

@@ -46,7 +46,7 @@ def test_stall_and_throughput_arm_where_they_first_fire() -> None:
 
 def _stall_fires_at(c: StallConfig, s: int) -> bool:
     det = StallDetector(c)
-    for i in range(s):
+    for _ in range(s):
         det.update(0.01)
     return det.update(600.0).fired
 
@@ -72,6 +72,10 @@ def test_notices_name_the_detector_the_step_and_the_setting() -> None:
     assert "--inject collapse@220:1" in lines[0]
     assert "collapse detector arms at step 250 (collapse.warmup)" in lines[0]
     short = notices(GuardConfig(), 100)
-    assert len(short) == 1 and "ends at step 99" in short[0] and "collapse at step 250 (collapse.warmup)" in short[0]
+    assert (
+        len(short) == 1
+        and "ends at step 99" in short[0]
+        and "collapse at step 250 (collapse.warmup)" in short[0]
+    )
     assert notices(GuardConfig(), 300, [("collapse", 260, "collapse@260:1")]) == []
     assert notices(GuardConfig(enabled=False), 10, [("collapse", 2, "collapse@2:1")]) == []

@@ -13,7 +13,10 @@ def test_a_fault_before_its_detector_arms_is_named_with_the_step_and_setting(tmp
     assert p.returncode == 0, p.stderr[-3000:]
     notes = [ln for ln in p.stderr.splitlines() if "note:" in ln]
     assert len(notes) == 1, p.stderr[-3000:]
-    assert "--inject collapse@5:1" in notes[0] and "collapse detector arms at step 20 (collapse.warmup)" in notes[0]
+    assert (
+        "--inject collapse@5:1" in notes[0]
+        and "collapse detector arms at step 20 (collapse.warmup)" in notes[0]
+    )
     # the detector did arm where the note said: its first verdict is at step 20, none before
     acts = [ln for ln in p.stderr.splitlines() if ln.startswith("guard step") and "maxvio" in ln]
     assert acts and all(int(ln.split()[2].rstrip(":")) >= 20 for ln in acts), acts
