@@ -100,7 +100,21 @@ else:
     if r is None:
         st.info("Not enough steady-state steps (10 per run) to compare throughput.")
     else:
-        st.markdown(compare.speedup_sentence(f"A ({run_a})", f"B ({run_b})", r))
+        ident = {i.run_id: compare.speed_identity(i.meta) for i in infos}
+        same_ab = ident[run_a] == ident[run_b]
+        spreads = []
+        for run in (run_a, run_b):
+            peers = [i for i in infos if ident[i.run_id] == ident[run]]
+            if len(peers) > 1 and not same_ab:
+                medians = {
+                    i.run_id: compare.steady_median(loaders.load_steady_perf(i.path, runs.run_signature(i.path)))
+                    for i in peers
+                }
+                spreads.append(compare.run_spread(medians))
+        spread = max((x for x in spreads if x is not None), key=lambda x: x.pct, default=None)
+        st.markdown(
+            compare.speedup_sentence(f"A ({run_a})", f"B ({run_b})", r, spread=spread, same_config=same_ab)
+        )
         ea, eb = by_id[run_a].env, by_id[run_b].env
         what = "; ".join(
             f"{k} {ea.get(k)} → {eb.get(k)}"
@@ -109,7 +123,9 @@ else:
         )
         st.caption(
             f"From steady-state tokens/s ({int(r['n_a'])} and {int(r['n_b'])} steps: after the first 10%, "
-            "steps the guard acted on left out); 90% interval by a block bootstrap over steps. "
+            "steps the guard acted on left out); 90% interval by a block bootstrap over steps within "
+            "each run. "
+            + (f"Same-config runs: {', '.join(spread.runs)}. " if spread else "")
             + (
                 f"What differs: {what}. "
                 if what
