@@ -107,7 +107,9 @@ else:
             peers = [i for i in infos if ident[i.run_id] == ident[run]]
             if len(peers) > 1 and not same_ab:
                 medians = {
-                    i.run_id: compare.steady_median(loaders.load_steady_perf(i.path, runs.run_signature(i.path)))
+                    i.run_id: compare.steady_median(
+                        loaders.load_steady_perf(i.path, runs.run_signature(i.path))
+                    )
                     for i in peers
                 }
                 spreads.append(compare.run_spread(medians))

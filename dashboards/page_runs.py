@@ -108,11 +108,16 @@ st.dataframe(
         ),
         "loss": st.column_config.NumberColumn(format="%.3f"),
         "tokens/s": st.column_config.NumberColumn(format="localized", help="median of the last 100 steps"),
-        "MFU %": st.column_config.NumberColumn(format="%.1f", help="median of the last 100 steps"),
+        "MFU %": st.column_config.NumberColumn(
+            format="%.1f",
+            help="median of the last 100 steps; MFU = training FLOPs/token x tokens/s / (peak FLOP/s per "
+            "device or thread x devices or threads used), the peak in the next column",
+        ),
         "MFU peak": st.column_config.TextColumn(
             "peak FLOP/s",
-            help="the peak FLOP/s MFU divides by (G = 1e9, T = 1e12): table (GPU datasheet), pinned (CPU "
-            "machine class, configs/cpu_peaks.toml), self (measured by the run itself: older runs, not "
+            help="the peak FLOP/s MFU divides by (GFLOP/s = 1e9, TFLOP/s = 1e12 FLOP/s): table (GPU datasheet), "
+            "pinned (CPU machine class, configs/cpu_peaks.toml; scaled to the cores a run pinned to fewer torch "
+            "threads can use), self (measured by the run itself: older runs, not "
             "comparable), or none (tokens/s only); 'artefact' where MFU went above 100% (not physical). "
             "The run's health page shows the full source.",
         ),

@@ -57,7 +57,9 @@ def inject_help() -> str:
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = __doc__.split("\n", 2)[2] + "\n" + inject_help()
+    from guard.core.goodput import DEFINITION as GOODPUT
+
+    p.epilog = __doc__.split("\n", 2)[2] + "\n" + inject_help() + "\n\nThe end-of-run summary's " + GOODPUT
     p.add_argument(
         "--config",
         type=Path,
@@ -315,11 +317,16 @@ def summarize(trainer: Any, run_dir: Path) -> None:
     gp = trainer.goodput()
     print(
         f"run {run_dir.name}: {trainer.step} steps, {c.get(schema.ACT_APPLY, 0)} updates applied; "
-        f"guard actions: {actions.summary_text(trainer.state.guard_actions)}; goodput {gp['goodput']:.1%}"
+        f"guard actions: {actions.summary_text(trainer.state.guard_actions)}; goodput {gp['goodput']:.1%} "
+        "(productive step time / wall time)"
     )
     meta = read_meta(run_dir) or {}
     if meta.get("status") != schema.STATUS_FINISHED:
         print(
             f"status {meta.get('status')}" + (f": {meta['status_note']}" if meta.get("status_note") else "")
         )
+    from trainer.console import verdict_summary
+
+    if warned := verdict_summary(run_dir):
+        print(warned)
     print(f"run store: {run_dir}  (open it with: moeguard app --runs {run_dir.parent})")

@@ -183,7 +183,9 @@ def speedup_sentence(
     span = f"90% interval {r['lo']:+.1f}% .. {r['hi']:+.1f}% over steps within each run"
     tps = f"steady-state tokens/s p50 {r['b']:,.0f} vs {r['a']:,.0f}"
     if r["lo"] <= 0 <= r["hi"]:
-        return f"No clear difference: **{name_b}** vs **{name_a}** {r['pct']:+.1f}% ({span} includes 0; {tps})."
+        return (
+            f"No clear difference: **{name_b}** vs **{name_a}** {r['pct']:+.1f}% ({span} includes 0; {tps})."
+        )
     word = "higher" if r["pct"] > 0 else "lower"
     head = f"**{name_b}**: tokens/s **{abs(r['pct']):.1f}% {word}** than **{name_a}** ({span}; {tps})."
     if same_config:

@@ -31,12 +31,16 @@ def test_same_config_runs_minutes_apart_are_run_to_run_variation(tmp_path: Path,
 
 def test_a_difference_is_set_against_the_spread_of_same_config_runs(tmp_path: Path, open_page) -> None:
     write_run(tmp_path, SynthRun(run_id="a1", steps=300, faults=[], mfu=0.40, seed=1))
-    write_run(tmp_path, SynthRun(run_id="a2", steps=300, faults=[], mfu=0.41, seed=2))  # ~2.7% apart (noise included)
+    write_run(
+        tmp_path, SynthRun(run_id="a2", steps=300, faults=[], mfu=0.41, seed=2)
+    )  # ~2.7% apart (noise included)
     write_run(tmp_path, SynthRun(run_id="b-big", steps=300, faults=[], env=OTHER, mfu=0.48, seed=3))
     env = {**OTHER, "compile": "max-autotune"}  # a config of its own: A's spread is the only one
     write_run(tmp_path, SynthRun(run_id="b-small", steps=300, faults=[], env=env, mfu=0.404, seed=4))
     said = verdict(open_page, tmp_path, "a1", "b-big")
-    assert "Same-config runs here vary by up to 2.7% run to run (2 runs); this difference is larger" in said, said
+    assert (
+        "Same-config runs here vary by up to 2.7% run to run (2 runs); this difference is larger" in said
+    ), said
     said = verdict(open_page, tmp_path, "a1", "b-small")
     assert said.startswith("No clear") or "is within that" in said, said
 

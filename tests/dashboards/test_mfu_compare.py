@@ -192,12 +192,12 @@ def test_runs_table_has_peak_and_config_columns_and_no_empty_note(mfu_store: Pat
     assert cols.index("tokens/s") < cols.index("MFU %") < cols.index("guard actions") < cols.index("MFU peak")
     assert "artefact" not in df.set_index("run").loc[PINNED]["MFU peak"]
     row = df.set_index("run").loc[SELF_PEAK]
-    assert row["MFU %"] > 100 and row["MFU peak"] == "artefact · 16 G self"
+    assert row["MFU %"] > 100 and row["MFU peak"] == "artefact · 16 GFLOP/s self"
     assert cols.index("expert kernel") < cols.index("tokens/s"), (
         "config before the wide columns: on screen at 1,600 px"
     )
-    assert df.set_index("run").loc[PINNED]["MFU peak"] == "214 G pinned"
-    assert df.set_index("run").loc[synth.GUARDED]["MFU peak"] == "989 T table"
+    assert df.set_index("run").loc[PINNED]["MFU peak"] == "214 GFLOP/s pinned"
+    assert df.set_index("run").loc[synth.GUARDED]["MFU peak"] == "989 TFLOP/s table"
 
 
 # ---- Compare page ---------------------------------------------------------------------------
@@ -208,7 +208,9 @@ def test_compare_says_how_much_faster_b_is(mfu_store: Path, open_page) -> None:
     at.selectbox(key="run_b").set_value(FAST).run()
     assert not at.exception
     text = " ".join(m.value for m in at.markdown)
-    m = re.search(r"B \(fast-kernel\)\*\*: tokens/s \*\*([\d.]+)% higher\*\* than \*\*A \(guarded-faults\)", text)
+    m = re.search(
+        r"B \(fast-kernel\)\*\*: tokens/s \*\*([\d.]+)% higher\*\* than \*\*A \(guarded-faults\)", text
+    )
     assert m, (text, messages(at), [type(e).__name__ for e in at.main])
     assert 8.0 < float(m.group(1)) < 12.0, "tokens/s is 10% higher by construction"
     assert "90% interval +" in text

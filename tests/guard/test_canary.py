@@ -115,6 +115,14 @@ def test_record_appends_a_baseline_entry(recorded: Path) -> None:
     assert "nothing compared" in said and "no baseline" in said, said
     assert f"appended this run (1 measurement(s)) to {recorded / 'h.jsonl'} as a baseline entry" in said, said
     assert "nothing was compared (there was no baseline yet)" in said, said
+    # One MFU (issue #31, item 4): the CPU canary's gated number is named apart from MFU, MFU is the
+    # trainer's (the Runs page's) with the peak it divides by, and the definition is printed.
+    if rep["timing"] == "cpu":
+        assert "CPU efficiency p50" in said and "(gated; vs the reference matmul)" in said, said
+    assert "; MFU p50 " in said or said.count("MFU p50") == 1, said
+    assert keys.MFU_DEFINITION in said
+    md = (recorded / "rep-record" / "canary.md").read_text()
+    assert "Wall clock (not gated on CPU): MFU p50" in md and (" of peak " in md or "no peak for this" in md)
     # ... kept apart from the user's runs (issue #31, item 7): RUNS/canary-runs/, not RUNS/
     assert run_dir.parent == (recorded / "runs" / WORKER_RUNS_DIR).resolve()
     assert [p.name for p in (recorded / "runs").iterdir() if (p / "meta.json").is_file()] == []

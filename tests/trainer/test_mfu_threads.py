@@ -16,7 +16,9 @@ from trainer import flops
 
 def test_a_pinned_peak_is_scaled_to_the_threads_the_run_uses(tmp_path: Path) -> None:
     f = tmp_path / "peaks.toml"
-    flops.write_cpu_peaks({"cpu-x-8c": {"cores": 8, "fp32": 1.6e11, "measured": "2026-01-02", "method": "m"}}, f)
+    flops.write_cpu_peaks(
+        {"cpu-x-8c": {"cores": 8, "fp32": 1.6e11, "measured": "2026-01-02", "method": "m"}}, f
+    )
     full, src = flops.pinned_cpu_peak(torch.float32, "cpu-x-8c", f, threads=8)
     assert full == 1.6e11 and "cores" not in src.split("(m)")[1]
     two, src = flops.pinned_cpu_peak(torch.float32, "cpu-x-8c", f, threads=2)
