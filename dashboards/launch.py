@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from guard.core import schema
+
 APP = Path(__file__).resolve().parent / "app.py"
 
 
@@ -68,8 +70,23 @@ def streamlit_command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
+def store_of(runs: Path, url: str) -> tuple[Path, str | None]:
+    """(the run store to serve, a note) for `--runs`: a run folder (it has meta.json) is served
+    through its parent, the store that holds it, and the note gives its health page's URL."""
+    if not (runs / schema.META_FILE).is_file():
+        return runs, None
+    store = runs.resolve().parent
+    return store, (
+        f"{str(runs)!r} is a run (it has {schema.META_FILE}), not a folder of runs; serving its parent "
+        f"{str(store)!r}: the run's page is {url}/health?run={runs.resolve().name}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    runs = Path(args.runs)
+    runs, note = store_of(Path(args.runs), f"http://{args.host}:{args.port}")
+    if note:
+        print(f"moeguard app: note: {note}", file=sys.stderr)
+        args.runs = str(runs)
     if not runs.is_dir():
         what = "is not a folder" if runs.exists() else "does not exist"
         print(

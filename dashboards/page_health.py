@@ -47,7 +47,11 @@ ui.show_status(info)
 peak = mfu_peak.run_peak(env)
 mfu = summ["mfu"]
 c = st.columns(6)
-c[0].metric("step", f"{summ['step']:,}" if summ["step"] is not None else "—")
+c[0].metric(
+    "steps",
+    f"{summ['step'] + 1:,}" if summ["step"] is not None else "—",
+    help=None if summ["step"] is None else f"steps run, as --steps counts them; the last is step {summ['step']:,} (0-based)",
+)
 c[1].metric(
     "loss",
     "—" if summ["loss"] is None else f"{summ['loss']:.4f}" if math.isfinite(summ["loss"]) else "non-finite",
@@ -167,22 +171,35 @@ else:
         "; ".join(f"{k}={guard_events.fmt_value(v)}" for k, v in guard_events.parse_detail(d).items())
         for d in ev["detail"].to_list()
     ]
+    # value / threshold as text: an event without one (a checkpoint, an action) shows an empty cell,
+    # not "None"; a non-finite value says so
+    def _num(c: str) -> pl.Expr:
+        nonfinite_value = (pl.col("detector") == schema.DET_NONFINITE) if c == "value" else pl.lit(False)
+        return (
+            pl.when(pl.col(c).is_null() | (pl.col(c).is_nan() & ~nonfinite_value))
+            .then(pl.lit(""))
+            .when(pl.col(c).is_nan())
+            .then(pl.lit("non-finite"))
+            .otherwise(pl.col(c).map_elements(guard_events.fmt_value, return_dtype=pl.String))
+            .alias(c)
+        )
+
     st.dataframe(
         ev.select(
             "step",
             pl.from_epoch(pl.col("time"), time_unit="s").alias("time (UTC)"),
             "kind",
-            "detector",
-            "action",
-            "value",
-            "threshold",
+            pl.col("detector").fill_null(""),
+            pl.col("action").fill_null(""),
+            _num("value"),
+            _num("threshold"),
         ).with_columns(evidence=pl.Series(evidence, dtype=pl.String)),
         hide_index=True,
         height=ui.table_height(ev.height, max_rows=20),  # a drill's events fit; a long run's scroll
         column_config={
             "detector": st.column_config.TextColumn(width="medium"),  # layer_grad_norm_spike was cut off
-            "value": st.column_config.NumberColumn(format="%.4g"),
-            "threshold": st.column_config.NumberColumn(format="%.4g"),
+            "value": st.column_config.TextColumn(help="the detector's value (empty: the event has none)"),
+            "threshold": st.column_config.TextColumn(help="the threshold it crossed (empty: none)"),
         },
     )
 
@@ -242,7 +259,14 @@ def expert_load() -> None:
         left, right = st.columns(2)
         with left:
             a, b = st.columns([2, 1], vertical_alignment="bottom")
-            layer = a.selectbox("MoE layer", layer_ids, key="expert_layer")
+            worst = guard_events.misbehaving_layer(events)  # open on the layer that misbehaved
+            layer = a.selectbox(
+                "MoE layer",
+                layer_ids,
+                index=layer_ids.index(worst) if worst in layer_ids else 0,
+                key="expert_layer",
+                help="opens on the layer the routing detectors flagged most" if worst in layer_ids else None,
+            )
             exact = b.toggle(
                 "every step",
                 key="expert_exact",

@@ -56,7 +56,8 @@ for info in infos:
             "attention": env.get("attention_backend"),
             "expert kernel": env.get("expert_kernel"),
             "compile": None if env.get("compile") is None else str(env.get("compile")),
-            "step": summ.get("step"),
+            # steps run, as `--steps` counts them: a 300-step run ends at step 299 (0-based)
+            "steps": None if summ.get("step") is None else summ["step"] + 1,
             "loss": summ.get("loss"),
             "tokens/s": None if summ.get("tokens_per_s") is None else round(summ["tokens_per_s"]),
             "MFU %": None if mfu is None else 100 * mfu,
@@ -105,6 +106,9 @@ st.dataframe(
         "attention": st.column_config.TextColumn("attn", help="attention backend"),
         "expert kernel": st.column_config.TextColumn(
             "kernel", help="expert kernel (the MoE layers' expert matmuls)"
+        ),
+        "steps": st.column_config.NumberColumn(
+            format="localized", help="steps run so far, as --steps counts them (the last step's index is one less)"
         ),
         "loss": st.column_config.NumberColumn(format="%.3f"),
         "tokens/s": st.column_config.NumberColumn(format="localized", help="median of the last 100 steps"),

@@ -42,12 +42,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version ('unknown' when run from a checkout not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("moeguard")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moeguard",
         description="moeguard: watch every step of MoE training, fix what can be fixed in-job, "
         "page a human for the rest, and chart run health.",
     )
+    parser.add_argument("--version", action="version", version=f"moeguard {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

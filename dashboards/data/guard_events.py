@@ -53,9 +53,33 @@ def evidence_text(row: dict[str, Any]) -> str:
         parts.append(f"value {fmt_value(v)} vs threshold {fmt_value(t)}")
     elif isinstance(v, float) and math.isnan(v) and row.get("detector") == schema.DET_NONFINITE:
         parts.append("value non-finite")
+    acted = row.get("action") in ACTIVE_ACTIONS
     for k, val in parse_detail(row.get("detail")).items():
+        if k == "severity":
+            # the detector's default level, not what happened: a "warning" that skipped the step
+            # read as if nothing was done. What the guard did is the mark's (or the line's) action.
+            if acted:
+                continue
+            val = f"{val} (recorded, no action)" if row.get("kind") == schema.EV_VERDICT else val
         parts.append(f"{k}: {fmt_value(val)}")
     return "<br>".join(parts)
+
+
+def misbehaving_layer(events: pl.DataFrame) -> int | None:
+    """The MoE layer the routing detectors flagged most (ties: the earliest), else the layer a bias
+    correction last targeted; None when no event names a layer. The expert-load panel opens on it."""
+    if events.height == 0:
+        return None
+    routing = events.filter(
+        ((pl.col("kind") == schema.EV_VERDICT) & pl.col("detector").is_in(list(schema.COLLAPSE_DETECTORS)))
+        | (pl.col("action") == schema.ACT_BIAS_CORRECT)
+    )
+    counts: dict[int, int] = {}
+    for d in routing["detail"].to_list():
+        layer = parse_detail(d).get("layer")
+        if isinstance(layer, int):
+            counts[layer] = counts.get(layer, 0) + 1
+    return max(counts, key=lambda k: (counts[k], -k)) if counts else None
 
 
 def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:

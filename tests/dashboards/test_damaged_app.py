@@ -26,8 +26,8 @@ def test_runs_page_lists_every_run_and_names_the_damaged_file(tmp_path: Path, op
     assert not at.exception, [e.value for e in at.exception]
     df = at.dataframe[0].value
     assert set(df["run"]) == {"whole", "damaged"}
-    steps = dict(zip(df["run"], df["step"], strict=True))
-    assert steps["damaged"] == 199 and steps["whole"] == 199
+    steps = dict(zip(df["run"], df["steps"], strict=True))
+    assert steps["damaged"] == 200 and steps["whole"] == 200
     warn = [m for m in messages(at) if "damaged part" in m]
     assert len(warn) == 1 and f"steps/{bad.name}" in warn[0] and "truncated" in warn[0]
 
