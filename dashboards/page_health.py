@@ -50,7 +50,9 @@ c = st.columns(6)
 c[0].metric(
     "steps",
     f"{summ['step'] + 1:,}" if summ["step"] is not None else "—",
-    help=None if summ["step"] is None else f"steps run, as --steps counts them; the last is step {summ['step']:,} (0-based)",
+    help=None
+    if summ["step"] is None
+    else f"steps run, as --steps counts them; the last is step {summ['step']:,} (0-based)",
 )
 c[1].metric(
     "loss",
@@ -171,6 +173,7 @@ else:
         "; ".join(f"{k}={guard_events.fmt_value(v)}" for k, v in guard_events.parse_detail(d).items())
         for d in ev["detail"].to_list()
     ]
+
     # value / threshold as text: an event without one (a checkpoint, an action) shows an empty cell,
     # not "None"; a non-finite value says so
     def _num(c: str) -> pl.Expr:

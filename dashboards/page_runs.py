@@ -108,7 +108,8 @@ st.dataframe(
             "kernel", help="expert kernel (the MoE layers' expert matmuls)"
         ),
         "steps": st.column_config.NumberColumn(
-            format="localized", help="steps run so far, as --steps counts them (the last step's index is one less)"
+            format="localized",
+            help="steps run so far, as --steps counts them (the last step's index is one less)",
         ),
         "loss": st.column_config.NumberColumn(format="%.3f"),
         "tokens/s": st.column_config.NumberColumn(format="localized", help="median of the last 100 steps"),

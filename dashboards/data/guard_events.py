@@ -166,22 +166,28 @@ def _step_decisions(steps: pl.DataFrame, at: pl.Series) -> dict[int, str]:
 
 
 def timeline_rows(events: pl.DataFrame) -> pl.DataFrame:
-    """Events for the timeline strip: one row each, lane = detector for verdicts else kind."""
+    """Events for the timeline strip: one dot per (step, lane, kind), lane = detector for verdicts
+    else kind. Events that would stack on one dot (a detector flagging several layers at one step)
+    share it, their evidence one after another in its hover, so none is hidden under another."""
+    sch = {"step": pl.Int64, "lane": pl.String, "kind": pl.String, "hover": pl.String}
     if events.height == 0:
-        return pl.DataFrame(
-            schema={"step": pl.Int64, "lane": pl.String, "kind": pl.String, "hover": pl.String}
+        return pl.DataFrame(schema=sch)
+    dots: dict[tuple[int, str, str], list[str]] = {}
+    for r in events.iter_rows(named=True):
+        lane = r["detector"] if r["kind"] == schema.EV_VERDICT else r["kind"]
+        text = evidence_text(r) + (
+            f"<br>action: {r['action']}" if r["action"] not in (schema.ACT_NONE, "", None) else ""
         )
-    hover = [
-        f"step {r['step']}<br>"
-        + evidence_text(r)
-        + (f"<br>action: {r['action']}" if r["action"] not in (schema.ACT_NONE, "") else "")
-        for r in events.iter_rows(named=True)
-    ]
-    return events.select(
-        "step",
-        pl.when(pl.col("kind") == schema.EV_VERDICT)
-        .then(pl.col("detector"))
-        .otherwise(pl.col("kind"))
-        .alias("lane"),
-        "kind",
-    ).with_columns(hover=pl.Series(hover, dtype=pl.String))
+        dots.setdefault((int(r["step"]), lane, r["kind"]), []).append(text)
+    return pl.DataFrame(
+        {
+            "step": [k[0] for k in dots],
+            "lane": [k[1] for k in dots],
+            "kind": [k[2] for k in dots],
+            "hover": [
+                f"step {k[0]}" + (f" ({len(v)} events)" if len(v) > 1 else "") + "<br>" + "<br>—<br>".join(v)
+                for k, v in dots.items()
+            ],
+        },
+        schema=sch,
+    )

@@ -494,4 +494,6 @@ def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) ->
     runs_page = open_page("runs", runs)
     no_exception(runs_page)
     row = runs_page.dataframe[0].value.iloc[0]
-    assert list(row["status"]) == [schema.STATUS_FINISHED] and row["steps"] == 45 and row["guard actions"] == 1
+    assert (
+        list(row["status"]) == [schema.STATUS_FINISHED] and row["steps"] == 45 and row["guard actions"] == 1
+    )

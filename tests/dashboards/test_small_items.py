@@ -91,3 +91,15 @@ def test_moeguard_version() -> None:
         [sys.executable, "-m", "guard", "--version"], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert p.returncode == 0 and p.stdout.startswith("moeguard ") and p.stdout.split()[1][0].isdigit(), p
+
+
+def test_stacked_verdicts_share_one_dot_with_every_evidence_in_its_hover() -> None:
+    ev = events(
+        {"step": 5, "detector": schema.DET_MAXVIO, "detail": json.dumps({"layer": 1})},
+        {"step": 5, "detector": schema.DET_MAXVIO, "detail": json.dumps({"layer": 3})},
+        {"step": 6, "detector": schema.DET_MAXVIO, "detail": json.dumps({"layer": 1})},
+    )
+    rows = guard_events.timeline_rows(ev)
+    assert rows.select("step", "lane").rows() == [(5, schema.DET_MAXVIO), (6, schema.DET_MAXVIO)]
+    hover = rows["hover"][0]
+    assert "(2 events)" in hover and "layer: 1" in hover and "layer: 3" in hover
