@@ -20,3 +20,11 @@ def test_a_fault_before_its_detector_arms_is_named_with_the_step_and_setting(tmp
     # the detector did arm where the note said: its first verdict is at step 20, none before
     acts = [ln for ln in p.stderr.splitlines() if ln.startswith("guard step") and "maxvio" in ln]
     assert acts and all(int(ln.split()[2].rstrip(":")) >= 20 for ln in acts), acts
+
+
+def test_the_demo_drill_says_when_a_fault_lands_in_a_warmup() -> None:
+    from trainer.demo import DEFAULT_FAULTS, warmup_notices
+
+    assert warmup_notices(None, 400, DEFAULT_FAULTS) == []  # the shipped drill's faults all land armed
+    (line,) = warmup_notices(None, 400, ["collapse@100:3"])
+    assert "--inject collapse@100:3" in line and "collapse detector arms at step 250 (collapse.warmup)" in line
