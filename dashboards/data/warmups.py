@@ -48,6 +48,7 @@ def spans(meta: dict[str, Any], first_step: int, names: tuple[str, ...]) -> list
             by_step.setdefault(w.arms_at, []).append(w.key)
     out = []
     for at, keys in sorted(by_step.items()):
-        names_ = ", ".join(k.removesuffix(".warmup") for k in keys)
-        out.append(Span(first_step, at, f"{names_} warm-up: arms at step {at} ({', '.join(keys)})"))
+        names_ = [k.removesuffix(".warmup") for k in keys]
+        who = "spike detectors" if len(names_) > 1 and set(names_) <= set(SPIKE) else ", ".join(names_)
+        out.append(Span(first_step, at, f"{who} warm-up: arms at step {at} ({', '.join(keys)})"))
     return out

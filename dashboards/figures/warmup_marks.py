@@ -14,7 +14,8 @@ WARMUP_LINE = "rgba(90, 90, 90, 0.75)"
 
 def shade_warmups(fig: go.Figure, spans: list[Span], *, over_heatmap: bool = False) -> None:
     """A band per span behind the lines (a dashed outline above a heatmap, which would hide a
-    band), spanning every subplot; its label at the top, inside the band's right edge."""
+    band), spanning every subplot; its label at the top, from the band's left edge rightwards (a
+    label that reached left of the first step would widen the axis to negative steps)."""
     for i, s in enumerate(spans):
         if over_heatmap:
             shape = {
@@ -27,11 +28,11 @@ def shade_warmups(fig: go.Figure, spans: list[Span], *, over_heatmap: bool = Fal
             type="rect", xref="x", yref="paper", x0=s.x0, x1=s.x1, y0=0, y1=1, name=s.label, **shape
         )
         fig.add_annotation(
-            x=s.x1,
+            x=s.x0,
             xref="x",
             y=1 - 0.045 * i,
             yref="paper",
-            xanchor="right",
+            xanchor="left",
             yanchor="top",
             text=s.label,
             showarrow=False,

@@ -99,6 +99,13 @@ def _screenshot(page, url: str, out: Path, *, min_charts: int) -> dict:
     page.wait_for_function(
         f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {min_charts}", timeout=60_000
     )
+    # the script has finished (no "running" icon): on a loaded host a page with no chart to wait for
+    # (Runs) was shot before its table had drawn
+    page.wait_for_function(
+        "!document.querySelector('[data-testid=stStatusWidgetRunningIcon], "
+        "[data-testid=stStatusWidgetRunningManIcon]')",
+        timeout=120_000,
+    )
     page.wait_for_timeout(1500)  # let the last charts finish their layout transitions
     # Streamlit scrolls inside its own container: grow the viewport to the content so the
     # full-page screenshot really holds the whole page

@@ -354,7 +354,9 @@ def test_app_command_runs_streamlit_headless(tmp_path: Path, monkeypatch) -> Non
         seen["cmd"] = cmd
         return 0
 
-    monkeypatch.setattr(launch, "serve", fake_serve)  # the child's lifetime: tests/dashboards/test_app_lifetime.py
+    monkeypatch.setattr(
+        launch, "serve", fake_serve
+    )  # the child's lifetime: tests/dashboards/test_app_lifetime.py
     hist = tmp_path / "h.jsonl"
     assert (
         cli_main(

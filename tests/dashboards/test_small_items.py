@@ -103,3 +103,12 @@ def test_stacked_verdicts_share_one_dot_with_every_evidence_in_its_hover() -> No
     assert rows.select("step", "lane").rows() == [(5, schema.DET_MAXVIO), (6, schema.DET_MAXVIO)]
     hover = rows["hover"][0]
     assert "(2 events)" in hover and "layer: 1" in hover and "layer: 3" in hover
+
+
+def test_a_run_without_a_peak_has_no_steps_above_100pct_mfu(tmp_path: Path) -> None:
+    """NaN MFU (no peak) is not "above 100%": polars orders NaN above every number."""
+    from dashboards.data import loaders, runs
+    from tests.dashboards.synth_run import SynthRun, write_run
+
+    run = write_run(tmp_path, SynthRun(run_id="no-peak", steps=60, faults=[], peak_known=False))
+    assert loaders.load_summary(str(run), runs.run_signature(run))["mfu_over"] == 0

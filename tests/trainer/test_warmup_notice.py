@@ -27,4 +27,6 @@ def test_the_demo_drill_says_when_a_fault_lands_in_a_warmup() -> None:
 
     assert warmup_notices(None, 400, DEFAULT_FAULTS) == []  # the shipped drill's faults all land armed
     (line,) = warmup_notices(None, 400, ["collapse@100:3"])
-    assert "--inject collapse@100:3" in line and "collapse detector arms at step 250 (collapse.warmup)" in line
+    assert (
+        "--inject collapse@100:3" in line and "collapse detector arms at step 250 (collapse.warmup)" in line
+    )
