@@ -84,31 +84,6 @@ def action_lines(step: int, action: str, events: list[Event]) -> list[str]:
     return out
 
 
-def verdict_summary(run_dir: Any) -> str:
-    """'warnings: 5 verdicts the guard recorded without acting (throughput_drop 5); ...' from the
-    run's events table, or "" when every verdict led to an action (or there were none)."""
-    import polars as pl
-
-    from guard.store.reader import scan_table
-
-    ev = (
-        scan_table(run_dir, schema.TABLE_EVENTS)
-        .filter((pl.col("kind") == schema.EV_VERDICT) & (pl.col("action") == schema.ACT_NONE))
-        .group_by("detector")
-        .len()
-        .sort("len", descending=True)
-        .collect()
-    )
-    if not ev.height:
-        return ""
-    n = int(ev["len"].sum())
-    by = ", ".join(f"{d} {k}" for d, k in ev.iter_rows())
-    return (
-        f"warnings: {n} verdict(s) the guard recorded without acting ({by}); "
-        "the events table in the app and `moeguard replay` show each one"
-    )
-
-
 def plain_every(total: int) -> int:
     """Steps between plain progress lines (no terminal): about 20 lines a run, at least every step."""
     return max(1, total // 20)

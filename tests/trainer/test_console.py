@@ -13,6 +13,7 @@ import pytest
 
 from guard.core import schema
 from guard.core.events import Event
+from guard.runtime.record import verdict_summary
 from guard.store.runstore import RunStore
 from tests.conftest import REPO
 from tests.guard.test_collector import make_report
@@ -88,12 +89,12 @@ def test_the_summary_counts_warnings(tmp_path: Path) -> None:
         )
     store.add_event(verdict(schema.DET_GRAD_SPIKE, 9.0, 2.0))  # acted on: an action, not a warning
     store.close()
-    said = console.verdict_summary(tmp_path / "r")
+    said = verdict_summary(tmp_path / "r")
     assert said.startswith("warnings: 5 verdict(s) the guard recorded without acting (throughput_drop 5)")
     empty = RunStore(tmp_path / "e", flush_every=10)
     empty.write_meta({"run_id": "e"})
     empty.close()
-    assert console.verdict_summary(tmp_path / "e") == ""
+    assert verdict_summary(tmp_path / "e") == ""
 
 
 def test_train_help_defines_goodput() -> None:
