@@ -52,6 +52,8 @@ for i in sel:
         }
     )
 table = pl.DataFrame(rows, infer_schema_length=None)
+if table["MFU p50 %"].null_count() == table.height:  # no peak anywhere: a column of "None" says nothing
+    table = table.drop("MFU p50 %")
 st.dataframe(
     table,
     hide_index=True,
@@ -82,7 +84,11 @@ if traces:
             help=f"{t} ({t.stat().st_size / 2**20:.1f} MiB)",
         )
 peaks = {(p.kind, p.flops) for p in (mfu_peak.run_peak(i.env) for i in sel)}
-if len(sel) > 1 and (len(peaks) > 1 or not all(mfu_peak.run_peak(i.env).trusted for i in sel)):
+if all(flops is None for _, flops in peaks):  # the CPU class has no pinned peak, an unknown GPU
+    st.caption(
+        "No chosen run has a peak for its device (MFU not computed, not guessed): tokens/s is the measure here."
+    )
+elif len(sel) > 1 and (len(peaks) > 1 or not all(mfu_peak.run_peak(i.env).trusted for i in sel)):
     st.caption(
         "MFU is not comparable across these runs: they divide by different peaks, or by a peak a run measured "
         "for itself. tokens/s is the measure here."

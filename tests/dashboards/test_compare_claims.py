@@ -52,3 +52,17 @@ def test_without_repeats_it_says_drift_is_not_in_the_interval(tmp_path: Path, op
     assert "faster" not in said.split("decide")[0].replace("whether B is faster", "")
     assert "Host drift between runs made at different times is not in that interval" in said
     assert "moeguard canary --ab" in said
+
+
+def test_runs_without_a_peak_say_so_and_show_no_empty_mfu_column(tmp_path: Path, open_page) -> None:
+    env = {**ENV_A, "peak_flops": None, "peak_flops_source": "no pinned fp32 peak for CPU class cpu-x-2c"}
+    write_run(tmp_path, SynthRun(run_id="a", steps=120, faults=[], env=env, peak_known=False, seed=1))
+    write_run(tmp_path, SynthRun(run_id="b", steps=120, faults=[], env=env, peak_known=False, seed=2))
+    at = open_page("compare", tmp_path)
+    at.multiselect(key="runs").set_value(["a", "b"]).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "MFU p50 %" not in at.dataframe[0].value.columns
+    captions = " ".join(c.value for c in at.caption)
+    assert (
+        "No chosen run has a peak for its device" in captions and "divide by different peaks" not in captions
+    )
