@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ pytest.importorskip(
     "torchtitan", reason="torchtitan (and triton) not installed: pip install torchtitan==0.3.0 triton"
 )
 
+from bench.torchtitan_launch import torchrun_command  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.store.reader import read_meta, read_table  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
@@ -64,25 +64,9 @@ def kill_job(marker: str) -> None:
 
 def launch(tmp: Path, run: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """The README's command on two ranks, in its own process group (so a test can kill -9 it)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "guard.integrations.torchtitan",
-        "--module",
-        "bench.torchtitan_registry",
-        "--config",
-        "tiny_moe",
-        "--dump_folder",
-        str(tmp / "out"),
-        "--run-dir",
-        str(tmp / run),
-        *args,
-    ]
+    cmd = torchrun_command(
+        2, "tiny_moe", "--dump_folder", str(tmp / "out"), "--run-dir", str(tmp / run), *args
+    )
     full_env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
