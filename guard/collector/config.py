@@ -28,8 +28,11 @@ class CollectorConfig:
     guard: GuardConfig | None = field(default_factory=GuardConfig)  # None: no server-side detectors
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
     progress: ProgressConfig = field(default_factory=ProgressConfig)  # RunStuck deadlines
-    pager_url: str | None = None  # `moeguard pager` base URL: halt events are posted to its /v1/events
-    pager_token: str | None = None  # its bearer token (MOEGUARD_PAGER_TOKEN), if it wants one
+    # Alertmanagers that critical guard alerts are posted to (guard/collector/paging.py); every
+    # instance of a cluster. alert_labels: Prometheus's external labels, so both alerts are one.
+    alertmanager_urls: tuple[str, ...] = ()
+    alert_labels: dict[str, str] = field(default_factory=dict)
+    alert_resend_s: float = 60.0
     limits: CollectorLimits = field(default_factory=CollectorLimits)  # guard/core/limits.py
 
     def __post_init__(self) -> None:
@@ -37,5 +40,8 @@ class CollectorConfig:
             raise ValueError(f"max_body_bytes = {self.max_body_bytes}: must be >= 1024")
         if not self.checkpoint_interval_s > 0:
             raise ValueError(f"checkpoint_interval_s = {self.checkpoint_interval_s}: must be > 0")
-        if self.pager_url is not None and not self.pager_url.startswith(("http://", "https://")):
-            raise ValueError(f"pager_url = {self.pager_url!r}: must be an http(s) URL")
+        for url in self.alertmanager_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"alertmanager_url = {url!r}: must be an http(s) URL")
+        if not self.alert_resend_s > 0:
+            raise ValueError(f"alert_resend_s = {self.alert_resend_s}: must be > 0")
