@@ -14,6 +14,7 @@ from guard.core.progress import ProgressConfig
 
 STATE_DIR = ".collector"  # in each run folder: the log, state.json, commands.json
 STATE_FILE, COMMANDS_FILE, QUARANTINE_FILE = "state.json", "commands.json", "quarantine.json"
+PAGING_STATE_FILE = ".paging.json"  # in --runs: the paging windows (guard/collector/paging.py)
 SUPERSEDED_DIR = "superseded"  # in STATE_DIR: rows a new generation re-ran, kept
 RETIRED_GENERATIONS = 16  # superseded generations per rank whose late retries still dedupe
 COMMAND_ACTIONS = (schema.ACT_ROLLBACK, schema.ACT_HALT, schema.ACT_SKIP)
@@ -33,6 +34,7 @@ class CollectorConfig:
     alertmanager_urls: tuple[str, ...] = ()
     alert_labels: dict[str, str] = field(default_factory=dict)
     alert_resend_s: float = 60.0
+    alert_resolve_delay_s: float = 120.0  # guard/collector/paging.py RESOLVE_DELAY_S
     limits: CollectorLimits = field(default_factory=CollectorLimits)  # guard/core/limits.py
 
     def __post_init__(self) -> None:
@@ -45,3 +47,5 @@ class CollectorConfig:
                 raise ValueError(f"alertmanager_url = {url!r}: must be an http(s) URL")
         if not self.alert_resend_s > 0:
             raise ValueError(f"alert_resend_s = {self.alert_resend_s}: must be > 0")
+        if not self.alert_resolve_delay_s >= 0:
+            raise ValueError(f"alert_resolve_delay_s = {self.alert_resolve_delay_s}: must be >= 0")

@@ -127,6 +127,14 @@ def _peer_flags(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="re-send firing alerts this often; each one expires 4x later unless re-sent (default 60)",
     )
+    parser.add_argument(
+        "--alert-resolve-delay",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="post a resolve this long after an alert ends: longer than Prometheus's scrape plus "
+        "evaluation interval, whose resolve comes first; else its late re-send pages again (default 120)",
+    )
 
 
 def _limit_flags(parser: argparse.ArgumentParser) -> None:
@@ -197,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
             alertmanager_urls=tuple(args.alertmanager_url),
             alert_labels=alert_labels,
             alert_resend_s=args.alert_resend,
+            alert_resolve_delay_s=args.alert_resolve_delay,
             progress=ProgressConfig(
                 safety_factor=args.progress_safety,
                 floor_s=args.progress_floor,

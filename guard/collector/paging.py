@@ -15,19 +15,23 @@ One thread decides (guard/core/paging.py's PageBook): a RunHalted latch read fro
 (a halt, a resume, a collector restart that restored the latch), windows of signals from the
 live batches (non-finite rank-0 steps, rollbacks, transient reruns). One thread per Alertmanager
 sends: every change at once, every firing alert again each `resend_s` (endsAt = now + 4 x
-resend_s, as Prometheus does), a resolve (endsAt = now) once; a send that fails is retried with
+resend_s, as Prometheus does), a resolve once, `resolve_delay_s` after the end (see
+RESOLVE_DELAY_S); a send that fails is retried with
 bounded backoff (guard/wire/retry.py) and the newest state, so a restarted Alertmanager gets
-every firing alert back within `resend_s`. Nothing is persisted: after a collector restart the
-halt latch comes back from the run store, a window from the Prometheus rule of the same alert.
+every firing alert back within `resend_s`. After a collector restart the halt latch comes back
+from the run store, and the windows' signals from `state` (written whole, atomically, whenever a
+signal arrives: critical signals are rare), so a restart neither resolves nor re-pages.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -45,6 +49,7 @@ from guard.core.paging import (
     PageBook,
 )
 from guard.core.report import StepReport
+from guard.store.layout import atomic_write_bytes
 from guard.wire.alertmanager import post_alerts, postable
 from guard.wire.redact import quiet_http_logs, redact_url
 from guard.wire.retry import RetryPolicy
@@ -52,6 +57,11 @@ from guard.wire.retry import RetryPolicy
 log = logging.getLogger("moeguard.paging")
 
 RESEND_S = 60.0  # Prometheus's default --rules.alert.resend-delay
+# A resolve is posted this long after the collector saw the alert end. Prometheus raises the same
+# alert and sees its end a scrape and an evaluation later, re-sending it as firing meanwhile; a
+# resolve posted before that would be undone by the re-send, and Alertmanager would page again.
+# With Prometheus, its own resolve (the younger update) ends the alert first; without it, this.
+RESOLVE_DELAY_S = 120.0
 # One send: short, so a resolve or a new page is not held up; the next round retries.
 SEND_RETRY = RetryPolicy(max_attempts=3, base_s=0.5, max_delay_s=4.0, timeout_s=5.0, connect_timeout_s=2.0)
 MAX_QUEUE = 10_000
@@ -151,7 +161,9 @@ class AlertmanagerNotifier:
         *,
         labels: Mapping[str, str] | None = None,
         resend_s: float = RESEND_S,
+        resolve_delay_s: float = RESOLVE_DELAY_S,
         retry: RetryPolicy = SEND_RETRY,
+        state: Path | None = None,
     ) -> None:
         quiet_http_logs()
         self.health = health
@@ -162,7 +174,15 @@ class AlertmanagerNotifier:
         self.targets = [_Target(u, resend_s, retry, self._stop) for u in urls]
         self._q: queue.Queue[Any] = queue.Queue(maxsize=MAX_QUEUE)
         self._book = PageBook()
+        self.state = state
+        if state is not None and state.is_file():
+            try:
+                self._book.load_state_dict(json.loads(state.read_bytes()))
+            except (OSError, ValueError) as e:  # a page the window would have held may be lost
+                log.error("paging: cannot read %s (%s); starting with empty windows", state, e)
         self._sent: dict[Key, Firing] = {}
+        self._resolving: dict[Key, tuple[Firing, float]] = {}  # resolved, resolve not posted yet
+        self.resolve_delay_s = resolve_delay_s
         self._thread = threading.Thread(target=self._loop, name="moeguard-paging", daemon=True)
         self.dropped = 0
 
@@ -204,7 +224,7 @@ class AlertmanagerNotifier:
         next_scan = 0.0
         while True:
             touched: set[str] = set()
-            stop = False
+            stop = new_signals = False
             try:
                 item = self._q.get(timeout=1.0)
                 while True:
@@ -215,11 +235,14 @@ class AlertmanagerNotifier:
                     touched.add(run)
                     for alert, rank in signals(reports, events):
                         self._book.signal(alert, run, at, rank)
+                        new_signals = True
                     item = self._q.get_nowait()
             except queue.Empty:
                 pass
             now = time.time()
             try:
+                if new_signals:
+                    self._save()
                 if now >= next_scan:  # the whole HealthBook: latches restored at start-up, evictions
                     touched |= set(self.health.runs()) | set(self._book.latched(RUN_HALTED))
                     next_scan = now + min(self.resend_s, 5.0)
@@ -231,22 +254,35 @@ class AlertmanagerNotifier:
             if stop:
                 return
 
+    def _save(self) -> None:
+        if self.state is None:
+            return
+        try:
+            atomic_write_bytes(self.state, json.dumps(self._book.state_dict()).encode())
+        except OSError as e:  # paging goes on; only a restart would forget the windows
+            log.error("paging: cannot write %s: %s", self.state, e)
+
     def _publish(self, now: float) -> None:
         firing = self._book.firing(now, self.runbook_base)
         for f in firing.values():
             f.labels = {**self.labels, **f.labels}  # as Prometheus: the alert's own labels win
-        if firing.keys() == self._sent.keys():
-            return
-        resolved = {
-            k: postable(f.labels, f.annotations, starts_at=f.starts_at, ends_at=now)
-            for k, f in self._sent.items()
-            if k not in firing
+        for k in firing:
+            self._resolving.pop(k, None)  # fires again within the delay: nothing to resolve
+        for k in self._sent.keys() - firing.keys():
+            f = self._sent[k]
+            log.info("paging: %s resolved for run %s", f.labels["alertname"], f.labels["run"])
+            self._resolving[k] = (f, now)
+        due = {
+            k: postable(f.labels, f.annotations, starts_at=f.starts_at, ends_at=at)
+            for k, (f, at) in self._resolving.items()
+            if now >= at + self.resolve_delay_s
         }
+        for k in due:
+            del self._resolving[k]
+        if firing.keys() == self._sent.keys() and not due:
+            return
         for k in firing.keys() - self._sent.keys():
             log.warning("paging: %s fires for run %s", firing[k].labels["alertname"], firing[k].labels["run"])
-        for k in resolved:
-            s = self._sent[k]
-            log.info("paging: %s resolved for run %s", s.labels["alertname"], s.labels["run"])
         self._sent = firing
         for t in self.targets:
-            t.offer(dict(firing), resolved)
+            t.offer(dict(firing), due)

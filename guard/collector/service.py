@@ -129,7 +129,7 @@ from collections.abc import Callable
 from typing import Any
 
 from guard.collector.book import HealthBook
-from guard.collector.config import STATE_DIR, CollectorConfig
+from guard.collector.config import PAGING_STATE_FILE, STATE_DIR, CollectorConfig
 from guard.collector.errors import GenerationConflict, RunDamaged, RunEvicted, RunQuarantined, StorageFailed
 from guard.collector.metrics import CollectorMetrics
 from guard.collector.paging import AlertmanagerNotifier
@@ -170,7 +170,12 @@ class Collector:
         self.loaded = threading.Event()  # the start-up scan is done
         self.notifier = (
             AlertmanagerNotifier(
-                cfg.alertmanager_urls, self.health, labels=cfg.alert_labels, resend_s=cfg.alert_resend_s
+                cfg.alertmanager_urls,
+                self.health,
+                labels=cfg.alert_labels,
+                resend_s=cfg.alert_resend_s,
+                resolve_delay_s=cfg.alert_resolve_delay_s,
+                state=cfg.runs_dir / PAGING_STATE_FILE,
             )
             if cfg.alertmanager_urls
             else None

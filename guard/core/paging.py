@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from guard.core import schema
 
@@ -136,6 +137,27 @@ class PageBook:
     def latched(self, alert: PagedAlert) -> list[str]:
         """Runs whose `alert` latch is on."""
         return [s.labels["run"] for s in self._series.values() if s.alert is alert and s.on]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window signals (latches are the run's own state, kept by the collector)."""
+        return {
+            "version": 1,
+            "windows": [
+                [s.alert.alertname, s.labels["run"], s.labels.get("rank"), list(s.times)]
+                for s in self._series.values()
+                if s.times
+            ],
+        }
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        """Add `state_dict()`'s windows; ValueError when it is damaged."""
+        by_name = {a.alertname: a for a in PAGED if a.window_s > 0}
+        try:
+            for name, run, rank, times in st.get("windows", []):
+                for t in times:
+                    self.signal(by_name[name], str(run), float(t), rank)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"paging state: {e!r}") from None
 
     def firing(self, now: float, runbook_base: str = "") -> dict[Key, Firing]:
         """What fires now; series that neither fire nor hold a signal are forgotten."""

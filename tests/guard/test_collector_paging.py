@@ -71,6 +71,21 @@ def test_hardware_fault_is_one_alert_per_rank() -> None:
     assert alert_labels(HARDWARE_FAULT, "r")["rank"] == "-1"  # the trainer could not tell
 
 
+def test_windows_survive_a_state_round_trip() -> None:
+    book = PageBook()
+    book.signal(REPEATED_NONFINITE, "r", 10.0)
+    book.signal(HARDWARE_FAULT, "r", 11.0, "2")
+    book.latch(RUN_HALTED, "r", True, 12.0)
+    again = PageBook()
+    again.load_state_dict(json.loads(json.dumps(book.state_dict())))
+    assert again.latched(RUN_HALTED) == []  # latches are the run's state, not this file's
+    again.signal(REPEATED_NONFINITE, "r", 20.0)
+    names = {f.labels["alertname"] for f in again.firing(21.0).values()}
+    assert names == {"NonFiniteLoss", "SuspectedHardwareFault"}
+    with pytest.raises(ValueError, match="paging state"):
+        PageBook().load_state_dict({"windows": [["NoSuchAlert", "r", None, [1.0]]]})
+
+
 def test_every_paged_alert_is_critical_and_has_a_playbook() -> None:
     repo = Path(__file__).resolve().parents[2]
     for a in PAGED:
@@ -96,6 +111,7 @@ def collector(tmp_path: Path, am: RecordingSink) -> Iterator[Collector]:
             alertmanager_urls=(am.url, am.url + "/b/api/v2/alerts"),  # two instances: both get all
             alert_labels={"runbook_base": RUNBOOKS, "cluster": "test"},
             alert_resend_s=0.5,
+            alert_resolve_delay_s=0.0,
         )
     )
     c.start()
@@ -230,7 +246,10 @@ def test_a_restarted_collector_posts_the_restored_halt_and_replay_adds_no_signal
         try:
             got = am.wait_for(lambda r: r.status == 200 and r.time > restarted, timeout=30)
             names = {a["labels"]["alertname"] for a in got[0].json}
-            # the halt latch comes back from the run store; the NaN window is Prometheus's to carry
-            assert names == {"RunHalted"}, json.dumps(got[0].json)
+            # the halt latch comes back from the run store, the NaN window from the paging state;
+            # the replayed write-ahead log adds no signal (two NaN steps, not four)
+            assert names == {"RunHalted", "NonFiniteLoss"}, json.dumps(got[0].json)
+            [nan_alert] = [a for a in got[0].json if a["labels"]["alertname"] == "NonFiniteLoss"]
+            assert "produced 2 steps" in nan_alert["annotations"]["description"]
         finally:
             c.close()
