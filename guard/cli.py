@@ -1,7 +1,8 @@
 """`moeguard <command>`: a thin dispatcher.
 
 Each command lives in its own module exposing `configure(parser)` and `run(args) -> int`.
-Only the chosen command's module is imported, so `moeguard pager` starts without torch.
+Only the chosen command's module is imported, so `moeguard collector` starts without torch.
+Paging is Alertmanager's (alerts/alertmanager.yml); `moeguard pager` was retired (docs/NOTES.md).
 """
 
 from __future__ import annotations
@@ -26,10 +27,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "collector": (
         "guard.collector.main",
         "HTTP service: ingest telemetry, server-side detectors, /metrics",
-    ),
-    "pager": (
-        "guard.pager.main",
-        "receive Alertmanager webhooks and guard events; page PagerDuty/Slack/webhooks",
     ),
     "app": ("dashboards.launch", "start the Streamlit run-health app over a run store"),
     # The canary's gate, history and reports are guard/canary/; the worker that runs the model is the
