@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from guard.core.tomlconf import ConfigError
+from guard.extras import MissingExtra, require
 
 # name -> (module, one-line help). Order is the order --help lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -37,6 +38,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "grafana": ("dashboards.grafana.cli", "push moeguard's Grafana dashboards with grafana-client"),
 }
+# command -> the extra it needs beyond the core install (guard/extras.py)
+COMMAND_EXTRAS = {"collector": "collector", "app": "app", "grafana": "grafana"}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -59,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     if command is not None and command not in COMMANDS:
         print(f"moeguard: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    parser = build_parser(command)
+    try:
+        if command in COMMAND_EXTRAS:
+            require(COMMAND_EXTRAS[command], f"moeguard {command}")
+        parser = build_parser(command)
+    except MissingExtra as e:
+        print(e, file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -69,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except ConfigError as e:
         print(f"moeguard {args.command}: config error: {e}", file=sys.stderr)
+        return 2
+    except MissingExtra as e:  # e.g. telemetry.otlp_endpoint without the otel extra
+        print(f"moeguard {args.command}: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `moeguard replay ... | head`
         return 0

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from guard.resources import resource
 from trainer.model import ModelConfig
 
 # ---------------------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ def _gpu_table(name: str, dtype: torch.dtype) -> tuple[float | None, str]:
 # ---------------------------------------------------------------------------------------------
 # CPU: one pinned peak per machine class.
 
-CPU_PEAKS_FILE = Path(__file__).resolve().parents[1] / "configs" / "cpu_peaks.toml"
+CPU_PEAKS_FILE = resource("configs", "cpu_peaks.toml")
 CPU_PEAKS_VERSION = 1
 _DTYPE_KEY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
