@@ -19,7 +19,8 @@ SHARE = ("share", "moeguard")
 
 def roots() -> list[Path]:
     """Candidate roots, the checkout first."""
-    out = [Path(__file__).resolve().parents[1]]
+    here = Path(__file__).resolve().parents[1]
+    out = [here, here.joinpath(*SHARE)]  # a checkout; `pip install --target DIR` puts data in DIR
     for prefix in (sysconfig.get_paths().get("data"), sys.prefix, getattr(site, "USER_BASE", None)):
         if prefix:
             out.append(Path(prefix).joinpath(*SHARE))

@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 
 from guard.core import schema
+from guard.resources import resource
 from tests.alerts.conftest import PrometheusAPI
 from tests.alerts.promql import known_metric, label_values, metric_names
 
 REPO = Path(__file__).resolve().parents[2]
-ALERTS_DIR = REPO / "alerts"
+ALERTS_DIR = resource("alerts")  # the checkout's, or the installed wheel's (scripts/test-wheel)
 RULES = ALERTS_DIR / "moeguard.rules.yml"
 AM_CONFIG = ALERTS_DIR / "alertmanager.yml"
 PROMTOOL_TESTS = sorted((ALERTS_DIR / "tests").glob("*.yml"))
-PLAYBOOKS = REPO / "playbooks"
+PLAYBOOKS = resource("playbooks")
 PROMTOOL = shutil.which("promtool")
 AMTOOL = shutil.which("amtool")
 LAYER_ALERTS = {"ExpertCollapse", "DeadExperts", "RouterEntropyLow"}
