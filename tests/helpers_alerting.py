@@ -362,6 +362,28 @@ def alerting_stack(tmp: Path, n_alertmanagers: int = 1) -> Iterator[AlertingStac
                 am.stop()
 
 
+def start_alertmanager(tmp: Path, sink_port: int) -> AlertmanagerProc:
+    """One Alertmanager (production config, 1 s timers) whose receivers post to the recording sink
+    on 127.0.0.1:`sink_port` (PagerDuty at PD, Slack at SLACK, the webhook's v4 payload at HOOK).
+    `alerting_stack` is the fuller helper (a sink, a cluster, cleanup)."""
+    assert ALERTMANAGER is not None
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = tmp / f"alertmanager-{sink_port}.yml"
+    config.write_text(
+        fast_alertmanager(AM_CONFIG.read_text(), f"http://127.0.0.1:{sink_port}", tmp / "secrets")
+    )
+    am = AlertmanagerProc(
+        name="am",
+        config=config,
+        storage=tmp / "am-data",
+        port=free_port(),
+        cluster_port=None,
+        peers=[],
+        log=tmp / "alertmanager.log",
+    )
+    return am.start()
+
+
 # ---------------------------------------------------------------------------------------
 # Prometheus and the collector
 # ---------------------------------------------------------------------------------------

@@ -134,7 +134,8 @@ def _with(run: str, name: str, firing: bool | None = None) -> Any:
             return False
         for a in r.json:
             if a["labels"].get("run") == run and a["labels"]["alertname"] == name:
-                is_firing = ts(a["endsAt"]) > time.time()
+                received = time.time() - (time.monotonic() - r.time)  # wall clock at receipt
+                is_firing = ts(a["endsAt"]) > received
                 if firing is None or firing == is_firing:
                     return True
         return False
@@ -251,5 +252,33 @@ def test_a_restarted_collector_posts_the_restored_halt_and_replay_adds_no_signal
             assert names == {"RunHalted", "NonFiniteLoss"}, json.dumps(got[0].json)
             [nan_alert] = [a for a in got[0].json if a["labels"]["alertname"] == "NonFiniteLoss"]
             assert "produced 2 steps" in nan_alert["annotations"]["description"]
+        finally:
+            c.close()
+
+
+def test_the_resolve_waits_for_prometheus_to_see_the_end_first(tmp_path: Path) -> None:
+    """Prometheus sees an end a scrape and an evaluation after the collector and re-sends the
+    alert as firing meanwhile; an immediate resolve would be undone and page again."""
+    with RecordingSink(default_status=200) as am:
+        cfg = CollectorConfig(
+            runs_dir=tmp_path / "runs",
+            token=None,
+            alertmanager_urls=(am.url,),
+            alert_resend_s=0.5,
+            alert_resolve_delay_s=3.0,
+        )
+        c = Collector(cfg)
+        c.start()
+        try:
+            ingest(c, batch("d", 0, G1 | 1, [make_report(0)], [halt_row(0)]))
+            am.wait_for(_with("d", "RunHalted", True), timeout=20)
+            resume = Event(step=1, kind=schema.EV_RESUME, action=schema.ACT_NONE).row()
+            ingest(c, batch("d", 0, G2 | 1, [make_report(1)], [resume]))
+            resumed = time.monotonic()
+            [res] = am.wait_for(_with("d", "RunHalted", False), timeout=20)
+            assert res.time - resumed >= 2.5  # not before the delay
+            # and nothing in between re-sent it as firing
+            between = [r for r in am.received() if resumed + 1.0 < r.time < res.time]
+            assert not any(_with("d", "RunHalted", True)(r) for r in between)
         finally:
             c.close()
