@@ -387,10 +387,11 @@ def start_alertmanager(tmp: Path, sink_port: int) -> AlertmanagerProc:
 # ---------------------------------------------------------------------------------------
 # Prometheus and the collector
 # ---------------------------------------------------------------------------------------
-def start_prometheus(tmp: Path, targets: list[str], am_ports: list[int], rules: str) -> Proc:
+def start_prometheus(tmp: Path, targets: list[str], am_ports: int | list[int], rules: str) -> Proc:
     """Scrapes `targets` every second, evaluates `rules` every second, alerts every Alertmanager
     in `am_ports`; the external label runbook_base makes runbook links absolute, as in production."""
     assert PROMETHEUS is not None
+    am_ports = [am_ports] if isinstance(am_ports, int) else am_ports
     port = free_port()
     (tmp / "rules.yml").write_text(rules)
     cfg = {  # JSON is YAML
