@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `python bench/x.py` from a checkout
 TOKEN = "bench-token"
 
+from bench.torchtitan_launch import torchrun_command  # noqa: E402
+
 
 def launch(
     tmp: Path, name: str, *, guarded: bool, steps: int, collector: str | None, config: str
@@ -45,18 +47,8 @@ def launch(
         "MOEGUARD_TOKEN": TOKEN,
         "MOEGUARD_TT_TIMING_DIR": str(timing),
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "guard.integrations.torchtitan",
-        "--module",
-        "bench.torchtitan_registry",
-        "--config",
+    cmd = torchrun_command(
+        2,
         config,
         "--training.steps",
         str(steps),
@@ -64,7 +56,7 @@ def launch(
         str(tmp / name / "out"),
         "--checkpoint.interval",
         "100000",
-    ]
+    )
     cmd += (
         ["--run-dir", str(tmp / "runs" / name), "--collector", str(collector)] if guarded else ["--no-guard"]
     )

@@ -24,7 +24,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan (and triton) not installed")
 
+from bench.torchtitan_launch import torchrun_command  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.store.reader import read_meta  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
@@ -84,27 +84,8 @@ class Stack:
             "MOEGUARD_TT_FAULTS": faults,
             "MOEGUARD_TEST_JOB": marker,  # how worker_pid and kill_job find this job's processes
         }
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "guard.integrations.torchtitan",
-            "--module",
-            "bench.torchtitan_registry",
-            "--config",
-            "tiny_moe",
-            "--dump_folder",
-            str(self.tmp / run / "out"),
-            "--run-dir",
-            str(self.tmp / "runs" / run),
-            "--collector",
-            self.collector.url,
-            *args,
-        ]
+        out = ["--dump_folder", str(self.tmp / run / "out"), "--run-dir", str(self.tmp / "runs" / run)]
+        cmd = torchrun_command(2, "tiny_moe", *out, "--collector", self.collector.url, *args)
         log = open(self.tmp / f"{run}.log", "ab")
         p = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ pytest.importorskip(
     "torchtitan", reason="torchtitan (and triton) not installed: pip install torchtitan==0.3.0 triton"
 )
 
+from bench.torchtitan_launch import torchrun_command  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.store.reader import read_meta, read_table  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
@@ -64,25 +64,9 @@ def kill_job(marker: str) -> None:
 
 def launch(tmp: Path, run: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """The README's command on two ranks, in its own process group (so a test can kill -9 it)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "guard.integrations.torchtitan",
-        "--module",
-        "bench.torchtitan_registry",
-        "--config",
-        "tiny_moe",
-        "--dump_folder",
-        str(tmp / "out"),
-        "--run-dir",
-        str(tmp / run),
-        *args,
-    ]
+    cmd = torchrun_command(
+        2, "tiny_moe", "--dump_folder", str(tmp / "out"), "--run-dir", str(tmp / run), *args
+    )
     full_env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -219,3 +203,14 @@ def test_kill_9_and_relaunch_resume_from_torchtitans_checkpoint_with_the_guards_
     resumes = read_table(tmp_path / run, "events").filter(pl.col("kind") == schema.EV_RESUME)
     assert resumes["step"].to_list() == [20]
     assert json.loads(resumes["detail"].item())["checkpoint"] == "step-20"
+
+
+@pytest.mark.timeout(600)
+def test_no_guard_is_torchtitans_own_trainer_untouched(tmp_path: Path) -> None:
+    """`--no-guard` (the overhead and canary baseline): torchtitan trains, nothing of moeguard's runs."""
+    run = "plain"
+    proc = launch(tmp_path, run, "--training.steps", "5", "--checkpoint.interval", "1000", "--no-guard")
+    assert finish(proc, tmp_path, run) == 0, (tmp_path / f"{run}.log").read_text()[-4000:]
+    assert not (tmp_path / run).exists()  # no run store
+    assert not (tmp_path / "decisions").exists()  # no guard decided anything
+    assert len((tmp_path / "probe" / "digest-r0.txt").read_text().split()) == 2  # torchtitan stepped
