@@ -35,8 +35,9 @@ from typing import Any
 from guard.core import schema
 from guard.core.config import load_guard_config
 from guard.core.tomlconf import ConfigError
+from guard.resources import resource
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
+DEFAULT_CONFIG = resource("configs", "tiny.toml")
 
 
 def inject_help() -> str:

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from guard.resources import resource
+
 # bf16 dense (no sparsity) peaks from vendor datasheets; see docs REFERENCE. Matched in order on
 # the lower-cased device name; every listed token must appear. More specific entries first.
 GPU_PEAK_BF16: list[tuple[tuple[str, ...], float, str]] = [
@@ -94,7 +96,7 @@ def _gpu_table(name: str, dtype: torch.dtype) -> tuple[float | None, str]:
 # ---------------------------------------------------------------------------------------------
 # CPU: one pinned peak per machine class.
 
-CPU_PEAKS_FILE = Path(__file__).resolve().parents[2] / "configs" / "cpu_peaks.toml"
+CPU_PEAKS_FILE = resource("configs", "cpu_peaks.toml")  # the checkout's, or the wheel's share/moeguard
 CPU_PEAKS_VERSION = 1
 _DTYPE_KEY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
