@@ -20,7 +20,6 @@ from guard.collector.commands import CommandLog
 from guard.collector.config import COMMANDS_FILE, CollectorConfig
 from guard.collector.errors import ClockAhead, RunEvicted, StorageFailed, busy_or_none
 from guard.collector.generations import CONFLICT, DUPLICATE, NEW, WriterGenerations
-from guard.collector.health import is_halt
 from guard.collector.journal import (
     Checkpoint,
     RunJournal,
@@ -30,6 +29,7 @@ from guard.collector.journal import (
     restore_liveness,
 )
 from guard.collector.ordering import WriterOrder
+from guard.collector.paging import AlertmanagerNotifier
 from guard.collector.run_meta import RunMeta
 from guard.collector.status import ENDED, resume_event
 from guard.collector.storage import StoredState, load_commands
@@ -40,7 +40,6 @@ from guard.core.events import Event
 from guard.core.heartbeat import PHASE_TRAIN
 from guard.core.limits import check_detectors
 from guard.core.report import StepReport
-from guard.pager.notify import PagerNotifier
 from guard.wire.batch import MAX_CLOCK_AHEAD_S, Batch
 
 log = logging.getLogger("moeguard.collector")
@@ -56,7 +55,7 @@ class RunState:
         run_dir: Path,
         cfg: CollectorConfig,
         health: HealthBook,
-        notifier: PagerNotifier | None = None,
+        notifier: AlertmanagerNotifier | None = None,
     ) -> None:
         self.run, self.dir, self.cfg, self.health, self.notifier = run, run_dir, cfg, health, notifier
         self.lock = threading.Lock()
@@ -246,10 +245,8 @@ class RunState:
                 )
         if b.final:
             self.health.end_heartbeats(self.run, b.rank)
-        if self.notifier is not None and live:  # durable now; a replay never re-pages
-            for ev in b.events:
-                if is_halt(ev):
-                    self.notifier.submit(self.run, ev)
+        if self.notifier is not None and live:  # durable now; a replay never pages
+            self.notifier.observe(self.run, b.reports, events)
         self.commands.ack(b.rank, b.commands_ack)
 
     def _drop_pending_from(self, first: int) -> None:
