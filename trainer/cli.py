@@ -304,7 +304,7 @@ def summarize(trainer: Any, run_dir: Path) -> None:
     c = trainer.state.counts
     gp = trainer.goodput()
     print(
-        f"run {run_dir.name}: {trainer.step} steps, {c.get(schema.ACT_APPLY, 0)} updates applied; "
+        f"run {run_dir.name}: {trainer.step} steps, {sum(c.get(a, 0) for a in schema.APPLYING_ACTIONS)} updates applied; "
         f"guard actions: {actions.summary_text(trainer.state.guard_actions)}; goodput {gp['goodput']:.1%}"
     )
     meta = read_meta(run_dir) or {}

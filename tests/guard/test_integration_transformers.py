@@ -69,8 +69,9 @@ def test_stored_loads_are_the_routers_real_top_k(family: str, corpus: np.ndarray
                 r.e_score_correction_bias.normal_(0, 0.05)
         assert model.config.n_group == 4 and model.config.topk_group == 2
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    att = attach(model)  # its dry forwards run before the independent observer goes on
     seen, handles = _experts_input_counts(model)
-    guarded = GuardedStep(model, opt, attach=attach(model), run_dir=tmp_path / "run", grad_clip=1.0)
+    guarded = GuardedStep(model, opt, attach=att, run_dir=tmp_path / "run", grad_clip=1.0)
     data = byte_batches(corpus, batch=4, seq=64, seed=1)
     steps = 12
     for _ in range(steps):
