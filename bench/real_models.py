@@ -92,7 +92,8 @@ def drill(
         for kind, at, arg in injections:
             if at == step and kind == "gradspike":
                 for p in model.parameters():
-                    p.grad.mul_(arg)
+                    if p.grad is not None:
+                        p.grad.mul_(arg)
             if at == step and kind == "nan":
                 next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
         guarded.step(loss, tokens=x.numel())
