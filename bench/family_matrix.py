@@ -135,11 +135,14 @@ def faulty_run(family: str, corpus: np.ndarray, steps: int, run_dir: Path, seed:
             bad_loads += 1
     st = read_table(run_dir, "steps")
     other = st.filter(~pl.col("step").is_in([*SPIKES, *NANS]) & (pl.col("action") != "apply"))
+    ev = read_table(run_dir, "events")
+    why = ev.filter(pl.col("step").is_in(other["step"].to_list()) & (pl.col("kind") == "verdict"))
     return {
         "loads_checked": stored.select(pl.struct("step", "layer").n_unique()).item(),
         "loads_bad": bad_loads,
         "faults": faults,
         "other_actions": other.select("step", "action").rows(),
+        "other_why": why.select("step", "detector", "value", "threshold").rows(),
         "s_per_step": round(s_per_step, 4),
         "final_loss": round(float(st["loss"].tail(20).mean()), 3),
     }
