@@ -232,7 +232,14 @@ def _config(family: str, *, layers: int, hidden: int, experts: int, top_k: int, 
     }
     for k in ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"):
         scale[k] = experts
-    for k in ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "moe_topk", "top_k_experts", "moe_k"):
+    for k in (
+        "num_experts_per_tok",
+        "num_experts_per_token",
+        "moe_top_k",
+        "moe_topk",
+        "top_k_experts",
+        "moe_k",
+    ):
         scale[k] = top_k
     kw = {k: v for k, v in scale.items() if k in defaults}
     kw.update(_EXTRA.get(family, {}))

@@ -97,13 +97,25 @@ class AllLayersSpike:
             v.fired, v.threshold = True, self.cfg.all_layers_early_cap
             v.evidence.update(rule="all_layers", calibrated_rule="early_cap")
             return v
-        if not self.det.judge(r)[0]:
+        fired, rule, threshold, _ = self.det.judge(r)
+        if fired and rule == "rel_max" and threshold is not None:
+            # The ceiling is all_layers_rel_max x the rise's level, never below all_layers_rel_max:
+            # a rise is already relative to each layer's level (1 = every layer at it), and while
+            # grad norms fall the rise's own level sinks (0.26 on afmoe at step 254), which put
+            # the ceiling at 1.05 and flagged every layer at its level
+            level = threshold / self.cfg.all_layers_rel_max
+            threshold = self.cfg.all_layers_rel_max * max(1.0, level)
+            fired = r > threshold
+        if not fired:
             return None  # the usual step: no Verdict built (peek fires only where judge does)
         v = self.det.peek(r)
-        if not v.fired:
-            return None
+        if v.evidence.get("rule") == "level_shift":
+            return None  # the detector re-admits a new plateau (guard/core/detectors/calibrated.py)
+        v.fired = True
+        if rule == "rel_max":
+            v.threshold = threshold
         v.evidence["rule"] = "all_layers"  # the rule inside is in evidence["calibrated_rule"]
-        v.evidence["calibrated_rule"] = self.det.judge(r)[1]
+        v.evidence["calibrated_rule"] = rule
         return v
 
     @property
