@@ -91,6 +91,7 @@ class SpikeConfig:
     # The all-layers rise is divided by max(1, loss / its level)^this: a rise the loss explains is a
     # hard batch, not a numerical fault (guard/core/detectors/all_layers.py). 0: off.
     all_layers_loss_power: float = 8.0
+    all_layers_loss_margin: float = 0.05  # a loss within 5% of its level explains nothing
     tail_memory: int = 4096
     refit_every: int = 32
     # Values above the threshold of a `tail_guard` x looser budget are accepted but kept out of the
