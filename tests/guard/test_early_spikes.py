@@ -57,7 +57,7 @@ def test_a_rise_the_loss_explains_is_a_hard_batch_not_a_fault() -> None:
     clean = _layers(260, 4)
     loss = 2.0 + 1e-3 * np.sin(np.arange(260))
     hard = clean.copy()
-    hard[90] *= 8.0  # every layer 8x at once ...
+    hard[90] *= 12.0  # every layer 12x at once ...
     loss[90] *= 1.5  # ... and the loss with it: a hard batch
     # (the loss rule may flag a 1.5x loss on this flat a series: the hard batch is its to judge)
     assert (schema.DET_GRAD_SPIKE, "all_layers") not in _run(hard, loss).get(90, [])
