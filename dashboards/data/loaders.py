@@ -55,7 +55,8 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
                 out[c] = float(vals.median()) if len(vals) else None  # type: ignore[arg-type]
         out["mfu_over"] = (
             reader.scan_table(path, schema.TABLE_STEPS, cached=True)
-            .select((pl.col("mfu") > MFU_LIMIT).sum())
+            # polars orders NaN above every number: a run with no peak (MFU NaN) is not "over"
+            .select((pl.col("mfu").is_finite() & (pl.col("mfu") > MFU_LIMIT)).sum())
             .collect()
             .item()
             or 0
