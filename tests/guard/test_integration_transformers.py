@@ -165,7 +165,7 @@ def test_forced_collapse_is_detected_and_corrected(family: str, corpus: np.ndarr
     )
     events = read_table(tmp_path / "run", "events")
     maxvio = read_table(tmp_path / "run", "layers").filter(pl.col("layer") == layer).sort("step")["maxvio"]
-    assert maxvio[at] == pytest.approx(top)  # every token to expert 0: the largest MaxVio
+    assert maxvio[at] >= 0.9 * top  # (nearly) every token to expert 0: the largest MaxVio is E / k - 1
     acts = events.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_BIAS_CORRECT))
     assert acts.height >= 1 and acts["step"].min() > at, acts
     detail = acts["detail"][0]
