@@ -95,7 +95,7 @@ class GuardedStep:
         rank's own timing and heartbeats with its phase; OTLP too when $OTEL_EXPORTER_OTLP_ENDPOINT
         is set. Needs `run_dir` (its name is the run id; its spool/ holds what the collector has
         not acknowledged yet). `flops_per_token`: training FLOPs per token (torchtitan: its
-        `get_nparams_and_flops`; transformers: guard.integrations.transformers.flops_per_token)
+        `get_nparams_and_flops`; transformers: guard.integrations.hf_flops.flops_per_token)
         for MFU against the same peaks as `moeguard train` (guard/runtime/peak.py).
 
         Under torchrun every rank builds a GuardedStep: the probe's one all-reduce gives every

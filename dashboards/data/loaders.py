@@ -36,7 +36,10 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
         "action_counts": actions.zero(),
         "verdicts": 0,
         "halts": 0,
+        "damaged": [],
     }
+    # (path, reason) of every part the reader skips: the pages say which files, not a traceback
+    out["damaged"] = [(str(d.path.relative_to(path)), d.reason) for d in reader.damaged_parts(path)]
     parts = reader.cached_part_files(path, schema.TABLE_STEPS)
     if parts:
         tail = (

@@ -350,11 +350,13 @@ def test_app_command_refuses_a_missing_folder(tmp_path: Path, capsys) -> None:
 def test_app_command_runs_streamlit_headless(tmp_path: Path, monkeypatch) -> None:
     seen = {}
 
-    def fake_call(cmd, env=None):
+    def fake_serve(cmd):
         seen["cmd"] = cmd
         return 0
 
-    monkeypatch.setattr(launch.subprocess, "call", fake_call)
+    monkeypatch.setattr(
+        launch, "serve", fake_serve
+    )  # the child's lifetime: tests/dashboards/test_app_lifetime.py
     hist = tmp_path / "h.jsonl"
     assert (
         cli_main(
