@@ -170,7 +170,7 @@ class RunHealth:
         start = t - st
         self.first_time = start if self.first_time is None else min(self.first_time, start)
         self.last_time = t if self.last_time is None else max(self.last_time, t)
-        if rep.action == schema.ACT_APPLY:
+        if rep.action in schema.APPLYING_ACTIONS:
             self.productive_s += st
 
     def _baseline(self, rep: StepReport, b: BaselineConfig) -> None:
@@ -219,8 +219,8 @@ class RunHealth:
         np.add.at(self.hist_sum, rows, shares.sum(axis=1))
 
     def observe_events(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        """Verdict events count by detector, correction events (bias_correct, lr_cooldown) by
-        action (step decisions are counted from reports: guard/core/actions.py); a halt sets
+        """Verdict events count by detector, LR cool-down events by action (step decisions,
+        corrections included, are counted from reports: guard/core/actions.py); a halt sets
         halted, a resume clears it (in event order, so a batch may resume and halt again)."""
         for ev in rows:
             if ev.get("kind") == schema.EV_VERDICT:
