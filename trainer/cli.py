@@ -297,15 +297,16 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     check_model_fits(cfg, _device_kind(cfg.train.device))
-    if rank == 0 and not resume:  # a drill whose fault lands before a detector arms says so
-        from guard.core.warmup import notices
-
-        for line in notices(cfg.guard, cfg.train.steps, [(i.kind, i.step, str(i)) for i in injections]):
-            print(f"moeguard train: note: {line}", file=sys.stderr)
     exporter = make_exporter(cfg, run_dir.name, run_dir, rank)
     trainer = Trainer(
         cfg, run_dir, resume=resume, injections=injections, progress=not args.no_progress, exporter=exporter
     )
+    if rank == 0 and not resume:  # a drill whose fault lands before a detector arms says so
+        # (after the Trainer is built: a config it refuses is the one line the user sees)
+        from guard.core.warmup import notices
+
+        for line in notices(cfg.guard, cfg.train.steps, [(i.kind, i.step, str(i)) for i in injections]):
+            print(f"moeguard train: note: {line}", file=sys.stderr)
     code = trainer.run(until=args.until)
     if trainer.dist.main:
         summarize(trainer, run_dir)
