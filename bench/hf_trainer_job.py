@@ -74,7 +74,10 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> dict[str, bool]:
         "weights": a["model"].keys() == b["model"].keys()
         and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]),
         "optimizer": len(a["opt"]) == len(b["opt"])
-        and all(sa.keys() == sb.keys() and all(eq(sa[k], sb[k]) for k in sa) for sa, sb in zip(a["opt"], b["opt"], strict=True)),
+        and all(
+            sa.keys() == sb.keys() and all(eq(sa[k], sb[k]) for k in sa)
+            for sa, sb in zip(a["opt"], b["opt"], strict=True)
+        ),
         "lr": a["lr"] == b["lr"],
         "scheduler": a["sched"] == b["sched"],
     }
@@ -122,16 +125,22 @@ class Faults(TrainerCallback):
 
 
 class Recorder(TrainerCallback):
-    """Each optimizer step's guard action (from the callback) and the LR the optimizer stepped with."""
+    """After each optimizer step: the guard's action, the LR in the optimizer and (with `weights`)
+    a hash of the weights."""
 
-    def __init__(self, guard: Any) -> None:
-        self.guard, self.actions, self.lrs = guard, [], []
+    def __init__(self, guard: Any, *, weights: bool = False) -> None:
+        self.guard, self.weights = guard, weights
+        self.actions: list[str] = []
+        self.lrs: list[float] = []
+        self.hashes: list[str] = []
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.guard is not None and self.guard.decision is not None:
             self.actions.append(self.guard.decision.action)
         opt = kw["optimizer"]
         self.lrs.append(getattr(opt, "optimizer", opt).param_groups[0]["lr"])
+        if self.weights:
+            self.hashes.append(weights_hash(kw["model"]))
 
 
 def training_args(out: Path, a: argparse.Namespace) -> TrainingArguments:
@@ -156,8 +165,13 @@ def training_args(out: Path, a: argparse.Namespace) -> TrainingArguments:
     )
 
 
-def make_trainer(a: argparse.Namespace, out: Path, corpus: np.ndarray) -> tuple[Trainer, Any, Faults, Recorder]:
-    model = build(a.family, seed=a.seed)
+def make_trainer(
+    a: argparse.Namespace, out: Path, corpus: np.ndarray
+) -> tuple[Trainer, Any, Faults, Recorder]:
+    # --balance-coef > 0: balanced as the guard drills train from scratch (bench/real_models.py):
+    # a per-layer balancing weight instead of transformers' pooled aux loss, DeepSeek-V3's own bias
+    # update (u = 1e-2), so a forced collapse can be corrected and recover.
+    model = build(a.family, seed=a.seed, aux_loss_coef=0.0 if a.balance_coef > 0 else 0.01)
     args = training_args(out, a)
     n = a.steps * a.batch * a.grad_accum * args.world_size
     ds = ByteWindows(corpus, n=n, seq=a.seq, seed=a.seed)
@@ -167,9 +181,15 @@ def make_trainer(a: argparse.Namespace, out: Path, corpus: np.ndarray) -> tuple[
     if not a.no_guard:
         from guard.integrations.hf_trainer import MoEGuardCallback
 
-        guard = MoEGuardCallback(run_dir=a.run_dir, config=a.guard)
+        att = None
+        if a.balance_coef > 0:
+            from guard.integrations.transformers import attach
+
+            rate = 1e-2 if a.family == "deepseek_v3" else 0.0
+            att = attach(model, balance_coef=a.balance_coef, bias_update_rate=rate)
+        guard = MoEGuardCallback(run_dir=a.run_dir, config=a.guard, attach=att)
         callbacks.append(guard)
-    rec = Recorder(guard)
+    rec = Recorder(guard, weights=a.record_weights)
     callbacks.append(rec)
     return Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks), guard, faults, rec
 
@@ -194,11 +214,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, required=True, help="Trainer output_dir; rank<R>.json go here")
-    ap.add_argument("--run-dir", type=Path, default=None, help="the guard's run store (default: the callback's)")
+    ap.add_argument(
+        "--run-dir", type=Path, default=None, help="the guard's run store (default: the callback's)"
+    )
     ap.add_argument("--guard", type=Path, default=None, help="guard config TOML")
     ap.add_argument("--no-guard", action="store_true", help="the plain Trainer, no callback")
     ap.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:ARG]")
     ap.add_argument("--report-to", default="none", help="TrainingArguments.report_to (default none)")
+    ap.add_argument(
+        "--balance-coef",
+        type=float,
+        default=0.0,
+        help="> 0: attach(balance_coef=X) and no pooled aux loss (see make_trainer); 0: attach's defaults",
+    )
+    ap.add_argument("--record-weights", action="store_true", help="a weights hash after every step")
     a = ap.parse_args(argv)
     from trainer.data import stdlib_corpus
 
@@ -214,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "checks": {str(k): v for k, v in faults.checks.items()},
         "actions": rec.actions,
         "lrs": rec.lrs,
+        "hashes": rec.hashes,
         "global_step": trainer.state.global_step,
         "weights": weights_hash(trainer.model),
         "max_grad_norm_after": trainer.args.max_grad_norm,

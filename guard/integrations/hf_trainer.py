@@ -133,7 +133,14 @@ class MoEGuardCallback(TrainerCallback):
         )
         self._optimizer = optimizer
         self._trainer_step = optimizer.step
-        optimizer.step = self._gated_step  # instance attribute: the Trainer's call lands here
+
+        def step(*a: Any, **k: Any) -> Any:
+            return self._gated_step(*a, **k)
+
+        # torch's LR scheduler marks the optimizer.step it wrapped and warns when it is replaced:
+        # this one still is the optimizer's step as far as the schedule's order is concerned
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = step  # an instance attribute: the Trainer's call lands here
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
 
     def _run_dir(self, args: Any) -> Path:
@@ -190,6 +197,7 @@ class MoEGuardCallback(TrainerCallback):
 
     def _gated_step(self, *a: Any, **k: Any) -> Any:
         """The Trainer's `optimizer.step()`: a no-op after the guard decided this step."""
+        self._optimizer._opt_called = True  # what the LR scheduler's own wrapper records
         if self._decided:
             self._decided = False
             return None
