@@ -25,6 +25,7 @@ decision by the same engine the trainer runs.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -34,9 +35,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from guard.core import schema
+from guard.core import actions, schema
 from guard.core.config import GuardConfig, load_guard_config
 from guard.core.events import Event
+from guard.core.goodput import Goodput
+from guard.core.heartbeat import PHASE_DATA, PHASE_TRAIN
 from guard.core.policy import Decision
 from guard.core.report import StepReport
 from guard.integrations.base import MODE_NONE, Attachment
@@ -44,9 +47,14 @@ from guard.runtime.apply import DecisionApplier
 from guard.runtime.commands import CommandSource
 from guard.runtime.guard import Guard
 from guard.runtime.probe import Probe
-from guard.store.runstore import RunStore
+from guard.runtime.ranks import Comm, StepSync, dist_of_process_group
+from guard.runtime.service import collector_url
+from guard.runtime.session import RunSession, ending
 
 T = TypeVar("T")
+
+# Straggler windows on several ranks: the trainer's telemetry defaults.
+STRAGGLER_EVERY, STRAGGLER_THRESHOLD = 20, 0.75
 
 
 def _default_layers(model: nn.Module) -> list[nn.Module]:
@@ -74,11 +82,25 @@ class GuardedStep:
         grad_clip: float = 0.0,
         dead_window: int = 50,
         commands: CommandSource | None = None,
+        collector: str | None = None,
+        flops_per_token: float | None = None,
     ) -> None:
         """`attach`: what guard.integrations.<framework>.attach(model) found (layers, routers and
         the collapse corrector); `layers`/`routers` are the manual form of the same for a custom
         model (routers observed, no correction applied). `commands`: where operator commands come
-        from (guard.runtime.commands.CommandFile, or an Exporter); each applies at the next step."""
+        from (guard.runtime.commands.CommandFile); with a collector they come from it as well.
+
+        `collector`: the collector URL to stream to (default $MOEGUARD_COLLECTOR; bearer token
+        from $MOEGUARD_TOKEN), through the trainer's own exporter: rank 0's full reports, every
+        rank's own timing and heartbeats with its phase; OTLP too when $OTEL_EXPORTER_OTLP_ENDPOINT
+        is set. Needs `run_dir` (its name is the run id; its spool/ holds what the collector has
+        not acknowledged yet). `flops_per_token`: training FLOPs per token (torchtitan: its
+        `get_nparams_and_flops`; transformers: guard.integrations.transformers.flops_per_token)
+        for MFU against the same peaks as `moeguard train` (guard/runtime/peak.py).
+
+        Under torchrun every rank builds a GuardedStep: the probe's one all-reduce gives every
+        rank the same statistics, one MAX all-reduce checks that every rank decided the same
+        (else the run halts before anything is applied), and rank 0 writes the run store."""
         if isinstance(config, str | Path):
             config = load_guard_config(config)
         self.cfg = config or GuardConfig()
@@ -88,6 +110,8 @@ class GuardedStep:
         if attach is not None:
             layers, routers = attach.layers, attach.routers
         device = next(model.parameters()).device
+        self.ranks = dist_of_process_group()
+        self.comm = Comm(self.ranks.world)
         self.probe = Probe(
             model,
             dead_window=dead_window,
@@ -96,6 +120,7 @@ class GuardedStep:
             routers=routers or [],
             optimizer=optimizer,
             precursor=self.cfg.precursor,
+            all_reduce=self.comm.all_reduce,
         )
         self.layer_ids = np.arange(self.probe.n_layers, dtype=np.int32)
         mode = attach.correction_mode if attach is not None else MODE_NONE
@@ -107,39 +132,88 @@ class GuardedStep:
             corrector=attach.corrector if attach is not None else None,
             after_step=attach.after_step if attach is not None else None,
         )
-        self.store = RunStore(run_dir) if run_dir is not None else None
-        if self.store is not None:
-            self.store.write_meta(
-                {
-                    "run_id": Path(run_dir).name,
-                    "status": schema.STATUS_RUNNING,  # type: ignore[arg-type]
-                    "started_at": time.time(),
-                    "env": {"torch": torch.__version__},
-                    "integration": {
-                        "family": attach.family if attach else type(model).__name__,
-                        "correction": mode,
-                    },
-                    "config": {"guard": _asdict(self.cfg)},
-                }
+        run_dir = Path(run_dir) if run_dir is not None else None
+        if collector_url(collector) and run_dir is None:
+            raise ValueError(
+                f"GuardedStep(collector={collector_url(collector)!r}) needs run_dir= as well: its name is "
+                "the run id and its spool/ keeps what the collector has not acknowledged yet"
             )
+        self.session = RunSession(
+            run_dir,
+            collector=collector,
+            rank=self.ranks.rank,
+            world=self.ranks.world,
+            model=model,
+            device=device,
+            flops_per_token=flops_per_token,
+            meta={
+                "integration": {
+                    "family": attach.family if attach else type(model).__name__,
+                    "correction": mode,
+                },
+                "config": {"guard": _asdict(self.cfg)},
+                "world_size": self.ranks.world,
+            },
+        )
+        self.store = self.session.store
+        self.sync = (
+            StepSync(
+                self.ranks,
+                self.comm,
+                device,
+                straggler_every=STRAGGLER_EVERY,
+                straggler_threshold=STRAGGLER_THRESHOLD,
+                exporter=_Polled(commands, self.session.exporter),
+                commands=self.guard.commands,
+            )
+            if self.ranks.world > 1
+            else None
+        )
         self.step_idx = 0
         self._t_last = time.perf_counter()
         self.counts: dict[str, int] = {}
+        self.guard_actions = actions.zero()
+        self.goodput = Goodput(started_at=self.session.meta["started_at"])
         self.pending_skip = 0  # batches still to drop after a rollback (the PaLM data window)
+        self._data_wait = 0.0  # this rank's seconds in the loader since the last step
 
-    # ---- data window ------------------------------------------------------------------
+    # ---- data window ------------------------------------------------------------------------
     def batches(self, loader: Iterable[T]) -> Iterator[T]:
-        """Yield the loader's batches, dropping the data window a rollback asks to skip."""
-        for batch in loader:
+        """Yield the loader's batches, dropping the data window a rollback asks to skip. The time
+        spent waiting for each batch is the step's data wait (the `data` phase in heartbeats)."""
+        it = iter(loader)
+        while True:
+            self.session.phase(PHASE_DATA)
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                self.session.phase(PHASE_TRAIN)
+                return
+            self._data_wait += time.perf_counter() - t0
+            self.session.phase(PHASE_TRAIN)
             if self.pending_skip > 0:
                 self.pending_skip -= 1
                 continue
             yield batch
 
-    # ---- the step -----------------------------------------------------------------------
+    def note_data_wait(self, seconds: float) -> None:
+        """A loop that does not use batches() adds its own data wait for the current step here."""
+        self._data_wait += seconds
+
+    # ---- the step ---------------------------------------------------------------------------
     def step(self, loss: torch.Tensor, *, tokens: int = 0, n_micro: int = 1) -> Decision:
-        """Call after backward. Steps the optimizer only if the guard allows it; zeroes gradients."""
-        pr = self.probe.collect(loss.detach() * n_micro, n_micro)
+        """Call after backward with this rank's mean loss and the tokens THIS rank processed this
+        step (summed over ranks here). Steps the optimizer only if the guard allows it."""
+        world, rank = self.ranks.world, self.ranks.rank
+        own_wait, self._data_wait = self._data_wait, 0.0
+        extra = None
+        if world > 1:  # each rank's data wait (one-hot) and token count ride in the probe's all-reduce
+            extra = torch.zeros(world + 1, device=loss.device)
+            extra[rank], extra[world] = own_wait, float(tokens)
+        pr = self.probe.collect(loss.detach() * n_micro, n_micro, extra=extra)
+        job_wait = float(pr.extra[:world].max()) if world > 1 else own_wait
+        job_tokens = int(round(pr.extra[world])) if world > 1 else tokens
         planned = [float(g["lr"]) for g in self.optimizer.param_groups]
         rep = StepReport(
             step=self.step_idx,
@@ -147,7 +221,9 @@ class GuardedStep:
             loss=pr.loss,
             grad_norm=pr.grad_norm,
             lr=planned[0],
-            tokens=tokens,
+            tokens=job_tokens,
+            data_wait_s=job_wait,
+            rank=rank,
             layer_ids_L=self.layer_ids,
             layer_grad_norm_L=pr.layer_grad_norm_L,
             moe_layer_ids_M=self.probe.moe_ids_M,
@@ -160,48 +236,75 @@ class GuardedStep:
             bias_ME=pr.bias_ME,
             **pr.precursors,
         )
-        if self.commands is not None:
-            self.guard.commands.offer(self.commands.poll_commands())
-        d = self.guard.observe(rep, lr=planned[0], command=self.guard.commands.next())
+        d, events = self._decide(rep, planned[0])
         if d.applies_update and self.pending_skip > 0:
             # A rollback asked to skip a data window and this loop does not drop batches through
             # batches(): skip the update of each batch of the window instead.
             self.pending_skip -= 1
             d.action = schema.ACT_SKIP
-            d.events.append(
-                Event(
-                    step=self.step_idx,
-                    kind=schema.EV_ACTION,
-                    action=schema.ACT_SKIP,
-                    detail={"reason": "data window after a rollback", "left": self.pending_skip},
-                )
+            ev = Event(
+                step=self.step_idx,
+                kind=schema.EV_ACTION,
+                action=schema.ACT_SKIP,
+                detail={"reason": "data window after a rollback", "left": self.pending_skip},
             )
+            d.events.append(ev)
+            events.append(ev)
         rep.lr = planned[0] * d.lr_scale if d.applies_update else planned[0]
         done = self.applier.apply(d, grad_norm=pr.grad_norm, loads_ME=self.probe.loads_ME)
         if done.restored_step is not None:
             self.pending_skip = d.skip_batches
+            self.goodput.rolled_back(done.restored_step)
         self.probe.reset_router_stats()
         now = time.perf_counter()
         rep.step_time_s, self._t_last = now - self._t_last, now
-        rep.tokens_per_s = tokens / rep.step_time_s if tokens else float("nan")
+        rep.tokens_per_s = job_tokens / rep.step_time_s if job_tokens else float("nan")
+        rep.mfu = self.session.mfu(rep.tokens_per_s) if job_tokens else float("nan")
+        rep.mem_peak_bytes = _peak_memory_bytes(self.probe.device)
         rep.action = d.action
         self.counts[d.action] = self.counts.get(d.action, 0) + 1
-        if self.store is not None:
-            self.store.add_step(rep)
-            for ev in d.events:
-                self.store.add_event(ev)
+        actions.tally(self.guard_actions, d.action, events)
+        self.goodput.step(d.applies_update, rep.step_time_s, job_wait)
+        if self.sync is not None:
+            busy = rep.step_time_s - own_wait - self.comm.take_wait()
+            events.extend(self.sync.end_step(self.step_idx, busy, own_wait, tokens, self.store))
+            rep.straggler_score = self.sync.straggler_score
+        self.session.step(rep, events, own_wait, tokens)
         self.step_idx += 1
-        self.guard.after_step(self.step_idx)
+        if self.guard.after_step(self.step_idx):
+            self.goodput.snapshot_taken(
+                self.step_idx, set(self.guard.ring.steps()) if self.guard.ring else set()
+            )
         return d
 
+    def _decide(self, rep: StepReport, lr: float) -> tuple[Decision, list[Event]]:
+        """The engine's decision, with the operator's command; on several ranks, agreed by all."""
+        if self.sync is None:  # one rank: a command polled now applies now
+            if self.commands is not None:
+                self.guard.commands.offer(self.commands.poll_commands())
+            if self.session.exporter is not None:
+                self.guard.commands.offer(self.session.exporter.poll_commands())
+            d = self.guard.observe(rep, lr=lr, command=self.guard.commands.next())
+            return d, list(d.events)
+        # several ranks: the command agreed at the previous step applies now, on every rank
+        d = self.guard.observe(rep, lr=lr, command=self.sync.take_pending())
+        events = list(d.events)
+        return self.sync.agree(self.step_idx, d, events), events
+
+    # ---- state: a framework's checkpoint holds it (torchtitan's Stateful protocol) -----------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        s = {
             "step": self.step_idx,
             "guard": self.guard.state_dict(),
             "probe": self.probe.state_dict(),
             "pending_skip": self.pending_skip,
             "counts": dict(self.counts),
+            "guard_actions": dict(self.guard_actions),
+            "goodput": self.goodput.state_dict(),
         }
+        if self.sync is not None:
+            s["sync"] = self.sync.state_dict()
+        return s
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
         self.step_idx = int(s["step"])
@@ -209,11 +312,62 @@ class GuardedStep:
         self.probe.load_state_dict(s["probe"])
         self.pending_skip = int(s.get("pending_skip", 0))
         self.counts = dict(s.get("counts", {}))
+        self.guard_actions = {**actions.zero(), **s.get("guard_actions", {})}
+        if "goodput" in s:
+            self.goodput.load_state_dict(s["goodput"])
+        if self.sync is not None and "sync" in s:
+            self.sync.load_state_dict(s["sync"])
+        self.session.resumed(self.step_idx, world_size=self.ranks.world)
 
-    def close(self) -> None:
+    # ---- the end ----------------------------------------------------------------------------
+    def close(self, status: str | None = None, note: str = "") -> None:
+        """Record how the run ended (default: from how the process is leaving: finished, or
+        crashed / interrupted / preempted when called while such an exception propagates), send
+        the last batch, and print the end-of-run summary on rank 0 (as `moeguard train`)."""
+        if self.session.closed:
+            return
+        if status is None:
+            status, note = ending(sys.exc_info()[1])
         self.probe.close()
-        if self.store is not None:
-            self.store.close(status=schema.STATUS_FINISHED, final_step=self.step_idx, counts=self.counts)
+        if self.sync is not None:
+            self.sync.log.close()
+        gp = self.goodput.report(time.time())
+        self.session.finish(
+            status,
+            note,
+            final_step=self.step_idx,
+            counts=self.counts,
+            guard_actions=self.guard_actions,
+            goodput=gp,
+        )
+        for line in self.session.summary(
+            steps=self.step_idx, counts=self.counts, guard_actions=self.guard_actions, goodput=gp["goodput"]
+        ):
+            print(line, file=sys.stderr)
+
+    def __enter__(self) -> GuardedStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Polled:
+    """The operator-command sources StepSync polls on rank 0: a CommandFile and/or the collector."""
+
+    def __init__(self, *sources: CommandSource | Any) -> None:
+        self.sources = [s for s in sources if s is not None]
+
+    def poll_commands(self) -> list[dict[str, Any]]:
+        return [c for s in self.sources for c in s.poll_commands()]
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
 
 
 def _asdict(cfg: GuardConfig) -> dict[str, Any]:

@@ -133,36 +133,18 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def make_exporter(cfg: Any, run_id: str, run_dir: Path, rank: int) -> Any:
-    """The rank's telemetry link: the collector's exporter, with OTLP beside it on rank 0 when
-    telemetry.otlp_endpoint is set (guard/runtime/otel.py); None when neither is configured."""
-    collector = make_collector_exporter(cfg, run_id, run_dir, rank)
-    if not cfg.telemetry.otlp_endpoint or rank != 0:  # rank 0's reports carry the job's loss and norms
-        return collector
-    from guard.runtime.otel import OtelExporter, TeeExporter
+    """The rank's telemetry link (guard/runtime/service.py, shared with every integration). No idle
+    heartbeats: a beat goes out with each step's report (and from HeartbeatPump while the rank
+    waits in a collective), so a rank that stops making progress in its own code goes silent."""
+    from guard.runtime.service import make_exporter as shared
 
-    return TeeExporter(collector, OtelExporter(cfg.telemetry.otlp_endpoint, run_id))
-
-
-def make_collector_exporter(cfg: Any, run_id: str, run_dir: Path, rank: int) -> Any:
-    """One exporter per rank. No idle heartbeats: a beat goes out with each step's report (and
-    from trainer.distributed.HeartbeatPump while the rank waits in a collective), so a rank that
-    stops making progress goes silent even though its process is alive. Only rank 0 polls for
-    operator commands (they act on the whole job)."""
-    url = cfg.telemetry.collector or os.environ.get(schema.ENV_COLLECTOR, "")
-    if not url:
-        return None
-    from guard.runtime.exporter import Exporter, ExporterConfig
-
-    never = 1e9
-    return Exporter(
-        url,
-        os.environ.get(schema.ENV_TOKEN, ""),
-        run_id,
-        rank,
-        spool_dir=run_dir / "spool",
-        config=ExporterConfig(
-            heartbeat_s=never, poll_s=2.0 if rank == 0 else never, trainer_detectors=cfg.telemetry.enabled
-        ),
+    return shared(
+        collector=cfg.telemetry.collector,
+        otlp_endpoint=cfg.telemetry.otlp_endpoint,
+        run_id=run_id,
+        run_dir=run_dir,
+        rank=rank,
+        trainer_detectors=cfg.telemetry.enabled,
     )
 
 
@@ -298,18 +280,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(trainer: Any, run_dir: Path) -> None:
-    from guard.core import actions
-    from guard.store.reader import read_meta
+    from guard.runtime.record import summary_lines
 
-    c = trainer.state.counts
     gp = trainer.goodput()
-    print(
-        f"run {run_dir.name}: {trainer.step} steps, {c.get(schema.ACT_APPLY, 0)} updates applied; "
-        f"guard actions: {actions.summary_text(trainer.state.guard_actions)}; goodput {gp['goodput']:.1%}"
-    )
-    meta = read_meta(run_dir) or {}
-    if meta.get("status") != schema.STATUS_FINISHED:
-        print(
-            f"status {meta.get('status')}" + (f": {meta['status_note']}" if meta.get("status_note") else "")
-        )
-    print(f"run store: {run_dir}  (open it with: moeguard app --runs {run_dir.parent})")
+    for line in summary_lines(
+        run_dir,
+        steps=trainer.step,
+        counts=trainer.state.counts,
+        guard_actions=trainer.state.guard_actions,
+        goodput=gp["goodput"],
+    ):
+        print(line)

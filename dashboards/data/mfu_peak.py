@@ -10,7 +10,7 @@ from typing import Any
 MFU_LIMIT = 1.0  # MFU above this is not physical: a measurement artefact (a peak that was too low)
 
 
-PEAK_TABLE = "table"  # GPU datasheet peak matched on the device name (trainer/flops.py)
+PEAK_TABLE = "table"  # GPU datasheet peak matched on the device name (guard/runtime/peak.py)
 
 
 PEAK_PINNED = "pinned"  # CPU peak pinned per machine class (configs/cpu_peaks.toml)

@@ -26,10 +26,14 @@ from dataclasses import dataclass
 
 from guard.core.tomlconf import check
 
-PHASE_TRAIN = "train"
+PHASE_TRAIN = "train"  # inside a step: forward, backward, the update
+PHASE_DATA = "data"  # waiting for the data loader's next batch (GuardedStep.batches())
 PHASE_CHECKPOINT = "checkpoint"
 PHASE_EVAL = "eval"
-PHASES = (PHASE_TRAIN, PHASE_CHECKPOINT, PHASE_EVAL)
+PHASES = (PHASE_TRAIN, PHASE_CHECKPOINT, PHASE_EVAL, PHASE_DATA)
+# Phases a rank spends every step: their intervals teach the rank's own timeout. The others
+# (checkpoint, eval) are quiet phases that teach only their own.
+BUSY_PHASES = (PHASE_TRAIN, PHASE_DATA)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,7 +86,7 @@ class HeartbeatTracker:
             rb.last_seen = max(rb.last_seen, now)
             return
         interval = sent - rb.last_sent
-        if rb.phase == PHASE_TRAIN:  # the interval started while training: it counts
+        if rb.phase in BUSY_PHASES:  # the interval started while training: it counts
             rb.max_interval = max(rb.max_interval, interval)
             rb.n_intervals += 1
         else:  # a quiet phase teaches only its own timeout
@@ -100,7 +104,7 @@ class HeartbeatTracker:
             return cfg.floor_s
         learned = cfg.safety_factor * rb.max_interval if rb.n_intervals >= cfg.min_intervals else 0.0
         t = max(cfg.floor_s, learned)
-        if rb.phase != PHASE_TRAIN:
+        if rb.phase not in BUSY_PHASES:
             quiet = self.quiet_max.get(rb.phase)
             t = max(t, cfg.quiet_phase_timeout_s if quiet is None else cfg.safety_factor * quiet)
         return t

@@ -68,11 +68,13 @@ class BatchAssembler:
         with self.lock:
             self._meta = dict(meta)
 
-    def set_phase(self, phase: str) -> None:
+    def set_phase(self, phase: str, *, news: bool = True) -> None:
+        """`news`: the change alone sends a batch; else the next batch (a step's, a beat) carries it."""
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} not one of {PHASES}")
         with self.lock:
-            self._phase, self._phase_changed = phase, True
+            self._phase = phase
+            self._phase_changed = self._phase_changed or news
 
     def take_news(self) -> bool:
         """Whether meta or a phase change waits for a batch (then one goes out even with no

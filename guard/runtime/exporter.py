@@ -157,11 +157,14 @@ class Exporter:
         self._batches.set_meta(meta)
         self._steps.wake()
 
-    def set_phase(self, phase: str) -> None:
-        """train | checkpoint | eval: a heartbeat goes out now, so the collector knows why it
-        may not hear from this rank for a while (checkpoint intervals do not teach timeouts)."""
-        self._batches.set_phase(phase)
-        self._steps.wake()
+    def set_phase(self, phase: str, *, beat: bool = True) -> None:
+        """train | data | checkpoint | eval: a heartbeat goes out now, so the collector knows why it
+        may not hear from this rank for a while (checkpoint intervals do not teach timeouts).
+        `beat=False`: no batch of its own; the next one (a step's report, a timed beat) carries
+        the phase (the data phase flips twice a step: a beat each would double the requests)."""
+        self._batches.set_phase(phase, news=beat)
+        if beat:
+            self._steps.wake()
 
     def poll_commands(self) -> list[dict[str, Any]]:
         """Operator commands that arrived since the last call (no network call)."""

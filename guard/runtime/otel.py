@@ -179,9 +179,9 @@ class TeeExporter:
         if self.collector is not None:
             self.collector.set_meta(meta)
 
-    def set_phase(self, phase: str) -> None:
+    def set_phase(self, phase: str, *, beat: bool = True) -> None:
         if self.collector is not None:
-            self.collector.set_phase(phase)
+            self.collector.set_phase(phase, beat=beat)
 
     def poll_commands(self) -> list[dict[str, Any]]:
         return self.collector.poll_commands() if self.collector is not None else []

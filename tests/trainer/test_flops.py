@@ -1,4 +1,4 @@
-"""Tests for trainer/flops.py: the analytic count against torch's FLOP counter, and peak FLOP/s."""
+"""Tests for trainer/flops.py (the analytic count against torch's FLOP counter) and guard/runtime/peak.py (peak FLOP/s)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import guard.runtime.peak as peak
 import trainer.flops as flops
 from trainer.flops import active_params, attention_flops_per_token, flops_per_token, peak_flops
 from trainer.model import ModelConfig, MoETransformer
@@ -73,7 +74,7 @@ def test_attention_term_and_active_params() -> None:
 
 @pytest.fixture
 def fresh_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(flops, "_CACHE", {})
+    monkeypatch.setattr(peak, "_CACHE", {})
 
 
 def fake_gpu(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
@@ -133,7 +134,7 @@ def test_cpu_peak_is_pinned_per_machine_class(
     def no_measuring(*a, **k):
         raise AssertionError("a run must not measure its own CPU peak")
 
-    monkeypatch.setattr(flops, "measure_cpu_core_peak", no_measuring)
+    monkeypatch.setattr(peak, "measure_cpu_core_peak", no_measuring)
     value, source = peak_flops("cpu", torch.float32)
     assert (value, source) == flops.pinned_cpu_peak(torch.float32)
     assert peak_flops(torch.device("cpu"), torch.float32) == (value, source)  # cached

@@ -1,0 +1,157 @@
+"""Where a run's rows, events and meta.json go, for every loop (moeguard's trainer and GuardedStep):
+the run store on rank 0 and the exporter on every rank (both write from background threads and
+never block a step), and the end-of-run summary the user reads.
+
+A non-zero rank has no run store; what its exporter sends is its own timing (its heartbeat and
+its straggler score at the collector), not the job's report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from guard.core import actions, schema
+from guard.core.events import Event
+from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_TRAIN
+from guard.core.report import StepReport
+from guard.store.reader import read_meta
+from guard.store.runstore import RunStore
+from guard.store.writer import truncate_after
+
+
+class RunRecord:
+    def __init__(self, run_dir: Path, store: RunStore | None, exporter: Any, *, rank: int) -> None:
+        self.run_dir = run_dir
+        self.store = store  # rank 0 only
+        self.exporter = exporter  # any rank, or None
+        self.rank = rank
+
+    def started(self, meta: dict[str, Any], *, restarted: bool) -> None:
+        """A new run: meta.json says running (a torchrun restart before the first checkpoint starts clean)."""
+        if self.store is None:
+            return
+        if restarted:
+            truncate_after(self.run_dir, -1)
+        self.store.write_meta(meta)
+
+    def resumed(
+        self,
+        step: int,
+        checkpoint: Path,
+        env: dict[str, Any],
+        fresh_meta: Callable[[], dict[str, Any]],
+        **detail: Any,
+    ) -> None:
+        """Rows after the checkpoint's step are dropped (they will be written again), meta.json counts
+        the restart, and a resume event says from where (`fresh_meta()`: when meta.json is missing)."""
+        if self.store is None:
+            return
+        dropped = truncate_after(self.run_dir, step - 1)
+        meta = read_meta(self.run_dir) or fresh_meta()
+        restarts = int(meta.get("restarts", 0)) + 1
+        self.store.write_meta({**meta, "status": schema.STATUS_RUNNING, "restarts": restarts, "env": env})
+        self.store.add_event(
+            Event(
+                step=step,
+                kind=schema.EV_RESUME,
+                detail={
+                    "checkpoint": checkpoint.name,
+                    "rows_dropped": dropped,
+                    "restarts": restarts,
+                    **detail,
+                },
+            )
+        )
+
+    def announce(self, fresh_meta: Callable[[], dict[str, Any]]) -> None:
+        """The exporter learns the run's meta (rank 0; `fresh_meta()` when meta.json is missing)."""
+        if self.exporter is not None and self.rank == 0:
+            self.exporter.set_meta(read_meta(self.run_dir) or fresh_meta())
+
+    def step(self, rep: StepReport, events: list[Event], own_wait: float, own_tokens: int) -> None:
+        if self.store is not None:
+            self.store.add_step(rep)
+            for ev in events:
+                self.store.add_event(ev)
+        if self.exporter is None:
+            return
+        if self.rank == 0:
+            self.exporter.submit(rep, events)
+            return
+        self.exporter.submit(  # this rank's own timing
+            StepReport(
+                step=rep.step,
+                time=rep.time,
+                loss=rep.loss,
+                grad_norm=rep.grad_norm,
+                lr=rep.lr,
+                tokens=own_tokens,
+                step_time_s=rep.step_time_s,
+                data_wait_s=own_wait,
+                tokens_per_s=own_tokens / rep.step_time_s,
+                action=rep.action,
+                rank=self.rank,
+                straggler_score=rep.straggler_score,
+            )
+        )
+
+    # ---- around a checkpoint ------------------------------------------------------------------
+    def checkpoint_starts(self) -> None:
+        if self.exporter is not None:
+            self.exporter.set_phase(PHASE_CHECKPOINT)  # a long save must not look like a hang
+        if self.store is not None:  # every row before the checkpoint is on disk before it exists
+            self.store.flush(wait=True)
+
+    def checkpoint_saved(self, step: int, path: Path, goodput: Callable[[], dict[str, float]]) -> None:
+        if self.exporter is not None:
+            self.exporter.set_phase(PHASE_TRAIN)
+        if self.store is not None:
+            self.store.add_event(Event(step=step, kind=schema.EV_CHECKPOINT, detail={"path": path.name}))
+            if self.exporter is not None:
+                self.exporter.set_meta({**(read_meta(self.run_dir) or {}), "goodput": goodput()})
+
+    # ---- the end ------------------------------------------------------------------------------
+    def finish(self, status: str, note: str, **fields: Any) -> None:
+        """meta.json gets how the run ended and its final figures; the exporter sends its last batch."""
+        if self.store is not None:
+            fields["restarts"] = (read_meta(self.run_dir) or {}).get("restarts", 0)
+            try:
+                self.store.close(status=status, status_note=note, **fields)
+            except RuntimeError as e:
+                # polars answers Ctrl-C with a KeyboardInterrupt in whichever thread runs its query,
+                # so the run store's writer can lose the chunk it was writing. Say so, and still
+                # record how the run ended (the writer reported its error once and carries on).
+                if not isinstance(e.__cause__, KeyboardInterrupt):
+                    raise
+                note += "; Ctrl-C also interrupted the run store's writer: one chunk of rows may be missing"
+                self.store.close(status=status, status_note=note.lstrip("; "), **fields)
+            if self.exporter is not None:
+                self.exporter.set_meta(read_meta(self.run_dir) or {})
+        if self.exporter is not None:
+            # a crash sends no final batch, so its silence pages; a Ctrl-C or SIGTERM was on purpose
+            self.exporter.close(timeout=30, final=status != schema.STATUS_CRASHED)
+
+
+def summary_lines(
+    run_dir: Path,
+    *,
+    steps: int,
+    counts: Mapping[str, int],
+    guard_actions: Mapping[str, int],
+    goodput: float | None,
+) -> list[str]:
+    """The end-of-run summary, the same for `moeguard train` and every integration."""
+    gp = f"; goodput {goodput:.1%}" if goodput is not None else ""
+    out = [
+        f"run {run_dir.name}: {steps} steps, {counts.get(schema.ACT_APPLY, 0)} updates applied; "
+        f"guard actions: {actions.summary_text(guard_actions)}{gp}"
+    ]
+    meta = read_meta(run_dir) or {}
+    if meta.get("status") not in (None, schema.STATUS_FINISHED):
+        out.append(
+            f"status {meta.get('status')}" + (f": {meta['status_note']}" if meta.get("status_note") else "")
+        )
+    out.append(f"run store: {run_dir}  (open it with: moeguard app --runs {run_dir.parent})")
+    return out

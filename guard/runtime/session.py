@@ -1,0 +1,225 @@
+"""The run around a GuardedStep: what moeguard's trainer does for its own runs, for any loop.
+
+    session = RunSession(run_dir, collector=URL, rank=r, world=w, meta=...)   # meta.json, exporter
+    session.step(report, events, own_wait_s=..., own_tokens=...)          # store (rank 0) + stream
+    session.phase(PHASE_DATA) ... session.phase(PHASE_TRAIN)               # carried by the next beat
+    session.finish(status, note, counts=..., guard_actions=..., goodput=...)
+
+It owns the run store (rank 0), the exporter (every rank: guard/runtime/service.py, the trainer's
+own; rank 0 sends the full reports, the others their own timing), meta.json with the environment
+fingerprint, and how the run ended: `ending()` maps how the process is leaving (normal close,
+SIGTERM, Ctrl-C, an exception, exit without close) to a run status, so a third-party run ends
+in the app, the collector and Prometheus exactly as a `moeguard train` run does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from guard.core import schema
+from guard.core.events import Event
+from guard.core.heartbeat import PHASE_TRAIN
+from guard.core.report import StepReport
+from guard.runtime.envinfo import fingerprint
+from guard.runtime.peak import peak_flops
+from guard.runtime.record import RunRecord, summary_lines
+from guard.runtime.service import make_exporter
+from guard.store.reader import read_meta
+from guard.store.runstore import RunStore
+
+# An exporter beat after this many quiet seconds (GuardedStep only; the trainer beats with its
+# steps and from HeartbeatPump): the collector's load from idle ranks stays ranks / HEARTBEAT_S.
+HEARTBEAT_S = 5.0
+EXIT_PREEMPTED = 128 + signal.SIGTERM  # what a process killed by SIGTERM reports: schedulers requeue it
+
+
+class Preempted(SystemExit):
+    """Raised in the main thread by SIGTERM while a GuardedStep is open: the loop unwinds through
+    its `finally`/`with`, close() records the run as preempted, the process exits 143."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_PREEMPTED)
+
+
+def ending(exc: BaseException | None) -> tuple[str, str]:
+    """(run status, note) for a run whose process is leaving with `exc` propagating (None: a
+    normal close)."""
+    if exc is None:
+        return schema.STATUS_FINISHED, ""
+    if isinstance(exc, Preempted):
+        return schema.STATUS_PREEMPTED, "SIGTERM (preemption): stopped; the framework's checkpoint resumes it"
+    if isinstance(exc, KeyboardInterrupt):
+        return schema.STATUS_INTERRUPTED, "interrupted (Ctrl-C / SIGINT)"
+    if isinstance(exc, SystemExit) and exc.code in (0, None):
+        return schema.STATUS_FINISHED, ""
+    return schema.STATUS_CRASHED, f"crashed: {type(exc).__name__}: {exc}"[:500]
+
+
+def compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype MFU is measured against: bf16 on an accelerator (mixed precision, torchtitan's
+    convention: its MFU uses the bf16 dense peak too), the parameters' own dtype on a CPU."""
+    if device.type != "cpu":
+        return torch.bfloat16
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def attention_backend_of(model: torch.nn.Module) -> str:
+    """What attention the model runs: transformers' `_attn_implementation`, torchtitan's inner
+    attention class, or 'unknown'."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if isinstance(impl, str) and impl:
+        return impl
+    for name, m in model.named_modules():
+        if name.endswith("inner_attention"):
+            return type(m).__name__
+    return "unknown"
+
+
+class RunSession:
+    def __init__(
+        self,
+        run_dir: Path | None,
+        *,
+        collector: str | None,
+        rank: int,
+        world: int,
+        model: torch.nn.Module,
+        device: torch.device,
+        flops_per_token: float | None,
+        meta: dict[str, Any],
+    ) -> None:
+        """`meta`: what the caller knows of the run (integration, guard config); the session adds
+        the run id, status, start time, the environment fingerprint and the FLOP accounting."""
+        self.run_dir, self.rank, self.world = run_dir, rank, world
+        self.started_at = time.time()
+        dtype = compute_dtype(model, device)
+        self.peak, peak_source = peak_flops(device, dtype)
+        self.flops_per_token = flops_per_token
+        self.env = fingerprint(
+            device=device,
+            dtype=str(dtype).removeprefix("torch."),
+            peak_flops=self.peak,
+            peak_source=peak_source,
+            attention_backend=attention_backend_of(model),
+            expert_kernel="framework",
+            compile=False,
+            world_size=world,
+            code_dir=Path.cwd(),
+        )
+        store = RunStore(run_dir) if run_dir is not None and rank == 0 else None
+        exporter = None
+        if run_dir is not None:
+            exporter = make_exporter(
+                collector=collector,
+                otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+                run_id=run_dir.name,
+                run_dir=run_dir,
+                rank=rank,
+                trainer_detectors=True,
+                heartbeat_s=HEARTBEAT_S,
+            )
+        self.exporter = exporter
+        self.record = RunRecord(run_dir or Path("."), store, exporter, rank=rank)
+        before = (read_meta(run_dir) or {}) if store is not None else {}
+        self.meta = {
+            "run_id": run_dir.name if run_dir is not None else "",
+            "status": schema.STATUS_RUNNING,
+            # a relaunch into the same folder (a framework's resume) keeps the run's first start
+            "started_at": before.get("started_at", self.started_at),
+            "restarts": before.get("restarts", 0),
+            "env": self.env,
+            "flops_per_token": flops_per_token,
+            **meta,
+        }
+        self.record.started(self.meta, restarted=False)
+        if exporter is not None:
+            self.record.announce(lambda: self.meta)
+        self.closed = False
+        self._sigterm_prev: Any = None
+        self._install_sigterm()
+        atexit.register(self._at_exit)
+
+    @property
+    def store(self) -> RunStore | None:
+        return self.record.store
+
+    # ---- per step ----------------------------------------------------------------------------
+    def mfu(self, tokens_per_s: float) -> float:
+        """Model FLOPs utilisation against the devices' summed peak (the trainer's definition)."""
+        if not self.peak or not self.flops_per_token:
+            return float("nan")
+        return self.flops_per_token * tokens_per_s / (self.peak * self.world)
+
+    def step(self, rep: StepReport, events: list[Event], own_wait_s: float, own_tokens: int) -> None:
+        self.record.step(rep, events, own_wait_s, own_tokens)
+
+    def phase(self, phase: str, *, beat: bool = False) -> None:
+        """The rank's phase, carried by its next beat (`beat=True`: a beat goes out now)."""
+        if self.exporter is not None:
+            self.exporter.set_phase(phase, beat=beat)
+
+    def resumed(self, step: int, **detail: Any) -> None:
+        """The loop restored a checkpoint at `step`: rows after it are dropped (they are written
+        again), meta.json counts the restart, a resume event says from where."""
+        if self.run_dir is not None:
+            self.record.resumed(step, self.run_dir, self.env, lambda: self.meta, **detail)
+
+    def checkpoint_starts(self) -> None:
+        self.record.checkpoint_starts()
+
+    def checkpoint_saved(self, step: int, path: Path, goodput: Any) -> None:
+        self.record.checkpoint_saved(step, path, goodput)
+        self.phase(PHASE_TRAIN, beat=True)
+
+    # ---- the end -----------------------------------------------------------------------------
+    def finish(self, status: str, note: str, **fields: Any) -> None:
+        """meta.json says how the run ended; the exporter sends its last batch (a final one unless
+        it crashed: a crashed run's silence must page)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._uninstall_sigterm()
+        atexit.unregister(self._at_exit)
+        self.record.finish(status, note, **fields)
+
+    def summary(self, **fields: Any) -> list[str]:
+        if self.run_dir is None or self.rank != 0:
+            return []
+        return summary_lines(self.run_dir, **fields)
+
+    def _at_exit(self) -> None:
+        """The process leaves without close(): an uncaught exception (sys.last_value) or a loop
+        that never closed. Either way meta.json must not say running forever."""
+        if self.closed:
+            return
+        exc = getattr(sys, "last_value", None)
+        status, note = ending(exc)
+        if exc is None:
+            status, note = schema.STATUS_CRASHED, "the process exited without GuardedStep.close()"
+        self.finish(status, note)
+
+    def _install_sigterm(self) -> None:
+        """SIGTERM raises Preempted in the main thread (only where nobody else handles SIGTERM)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return  # the framework or the user handles it; their handler decides
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            raise Preempted()
+
+        self._sigterm_prev = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _uninstall_sigterm(self) -> None:
+        if self._sigterm_prev is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm_prev)
+            self._sigterm_prev = None
