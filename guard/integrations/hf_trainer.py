@@ -30,15 +30,14 @@ that does not drop batches itself). Collapse correction goes through the model
 (guard.integrations.transformers.attach's corrector). A halt stops training
 (`control.should_training_stop`). `report_to` and the Trainer's logging are left alone.
 
-Multi-rank (DDP through torchrun): every rank decides from the same all-reduced numbers; only
-rank 0 writes the run store. Not supported (a clear error at train start): fp16 with a GradScaler
+Multi-rank (DDP through torchrun): every rank builds its GuardedStep, which decides from the same
+all-reduced numbers on every rank, checks that the ranks agree, and writes the run store on rank 0. Not supported (a clear error at train start): fp16 with a GradScaler
 (the gradients are scaled; use bf16), DeepSpeed. Not done: the guard's state in the Trainer's
 checkpoints (a resumed run starts the guard's windows afresh).
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -116,20 +115,17 @@ class MoEGuardCallback(TrainerCallback):
             att = self._own_attach = attach(model)
         self._args, self._clip = args, float(args.max_grad_norm or 0.0)
         args.max_grad_norm = 0.0  # the guard clips, after it has seen the unclipped norm
-        kwargs: dict[str, Any] = dict(self.extra)
-        accepted = inspect.signature(GuardedStep.__init__).parameters
-        for name, value in (("collector", self.collector), ("flops_per_token", self.flops_per_token)):
-            if value is not None and name in accepted:
-                kwargs[name] = value
         self.guarded = GuardedStep(
             model,
             inner,
             attach=att,
-            run_dir=self._run_dir(args) if args.process_index == 0 else None,
+            run_dir=self._run_dir(args),  # GuardedStep: rank 0 writes it, every rank spools there
             config=self.config,
             max_lr=self.max_lr if self.max_lr is not None else max(g["lr"] for g in inner.param_groups),
             grad_clip=max(self._clip, 0.0),
-            **kwargs,
+            collector=self.collector,
+            flops_per_token=self.flops_per_token if self.flops_per_token is not None else _flops(model),
+            **self.extra,
         )
         self._optimizer = optimizer
         self._trainer_step = optimizer.step
@@ -183,7 +179,7 @@ class MoEGuardCallback(TrainerCallback):
         n_micro = max(len(self._losses), 1)
         loss = self._step_loss(args, next(g.model.parameters()).device)
         planned = [gr["lr"] for gr in g.optimizer.param_groups]
-        d = g.step(loss, tokens=self._tokens * args.world_size, n_micro=n_micro)
+        d = g.step(loss, tokens=self._tokens, n_micro=n_micro)  # this rank's tokens
         if d.action == schema.ACT_ROLLBACK:  # the snapshot's param groups carry its old LRs
             for gr, lr in zip(g.optimizer.param_groups, planned, strict=True):
                 gr["lr"] = lr
@@ -221,3 +217,16 @@ class MoEGuardCallback(TrainerCallback):
             self._own_attach.remove()
         self.guarded = None
         self._reset()
+
+
+def _flops(model: nn.Module) -> float | None:
+    """Training FLOPs per token for MFU, where guard.integrations.transformers can count them."""
+    from guard.integrations import transformers as tf_adapter
+
+    count = getattr(tf_adapter, "flops_per_token", None)
+    if count is None:
+        return None
+    try:
+        return float(count(model))
+    except (TypeError, ValueError):  # a model it cannot count: no MFU, training goes on
+        return None
