@@ -154,11 +154,16 @@ def prepare(args: argparse.Namespace, runs: Path) -> list[Side]:
     sides = [parse_side(spec, name, _pairs) for spec, name in zip(args.ab, "AB", strict=True)]
     sides[0].slow_pct, sides[1].slow_pct = parse_inject(args.inject)
     runs.mkdir(parents=True, exist_ok=True)
+    probed: dict[str, Side] = {}  # one probe per interpreter (it imports torch: seconds)
     for side in sides:
         python = side.python
-        if python is None:  # this interpreter: ask it the same questions (its torch, numpy, python)
-            side.python = sys.executable
-        probe_interpreter(side, runs)
+        side.python = python or sys.executable  # set: this interpreter, asked the same questions
+        if side.python in probed:
+            done = probed[side.python]
+            side.probe, side.extra_env = dict(done.probe), dict(done.extra_env)
+        else:
+            probe_interpreter(side, runs)
+            probed[side.python] = side
         side.python, side.cwd = python, None  # the command runs where the canary was started
         side.worker = None
     return sides
