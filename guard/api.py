@@ -176,6 +176,7 @@ class GuardedStep:
         self.goodput = Goodput(started_at=self.session.meta["started_at"])
         self.pending_skip = 0  # batches still to drop after a rollback (the PaLM data window)
         self._data_wait = 0.0  # this rank's seconds in the loader since the last step
+        self.last_decision: Decision | None = None
 
     # ---- data window ------------------------------------------------------------------------
     def batches(self, loader: Iterable[T]) -> Iterator[T]:
@@ -196,6 +197,10 @@ class GuardedStep:
                 self.pending_skip -= 1
                 continue
             yield batch
+
+    def restart_clock(self) -> None:
+        """The time until now is not the next step's (a checkpoint save, an eval in between)."""
+        self._t_last = time.perf_counter()
 
     def note_data_wait(self, seconds: float) -> None:
         """A loop that does not use batches() adds its own data wait for the current step here."""
@@ -271,6 +276,7 @@ class GuardedStep:
             rep.straggler_score = self.sync.straggler_score
         self.session.step(rep, events, own_wait, tokens)
         self.step_idx += 1
+        self.last_decision = d
         if self.guard.after_step(self.step_idx):
             self.goodput.snapshot_taken(
                 self.step_idx, set(self.guard.ring.steps()) if self.guard.ring else set()
@@ -306,7 +312,9 @@ class GuardedStep:
             s["sync"] = self.sync.state_dict()
         return s
 
-    def load_state_dict(self, s: dict[str, Any]) -> None:
+    def load_state_dict(self, s: dict[str, Any], *, checkpoint: str = "") -> None:
+        """Restore what state_dict() returned (a framework's resume); `checkpoint` names it in the
+        run's resume event."""
         self.step_idx = int(s["step"])
         self.guard.load_state_dict(s["guard"])
         self.probe.load_state_dict(s["probe"])
@@ -317,7 +325,7 @@ class GuardedStep:
             self.goodput.load_state_dict(s["goodput"])
         if self.sync is not None and "sync" in s:
             self.sync.load_state_dict(s["sync"])
-        self.session.resumed(self.step_idx, world_size=self.ranks.world)
+        self.session.resumed(self.step_idx, checkpoint, world_size=self.ranks.world)
 
     # ---- the end ----------------------------------------------------------------------------
     def close(self, status: str | None = None, note: str = "") -> None:
@@ -328,6 +336,20 @@ class GuardedStep:
             return
         if status is None:
             status, note = ending(sys.exc_info()[1])
+            if (
+                status == schema.STATUS_FINISHED
+                and self.last_decision is not None
+                and self.last_decision.halt
+            ):
+                why = next(
+                    (
+                        str(e.detail.get("reason", ""))
+                        for e in self.last_decision.events
+                        if e.kind == schema.EV_HALT
+                    ),
+                    "an operator command",
+                )
+                status, note = schema.STATUS_HALTED, f"halted at step {self.step_idx - 1}: {why}"
         self.probe.close()
         if self.sync is not None:
             self.sync.log.close()

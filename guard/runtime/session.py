@@ -35,10 +35,13 @@ from guard.runtime.record import RunRecord, summary_lines
 from guard.runtime.service import make_exporter
 from guard.store.reader import read_meta
 from guard.store.runstore import RunStore
+from guard.store.writer import truncate_after
 
 # An exporter beat after this many quiet seconds (GuardedStep only; the trainer beats with its
 # steps and from HeartbeatPump): the collector's load from idle ranks stays ranks / HEARTBEAT_S.
+# Keep it well under the collector's --heartbeat-floor (30 s by default).
 HEARTBEAT_S = 5.0
+ENV_HEARTBEAT_S = "MOEGUARD_HEARTBEAT_S"
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # what a process killed by SIGTERM reports: schedulers requeue it
 
 
@@ -125,7 +128,7 @@ class RunSession:
                 run_dir=run_dir,
                 rank=rank,
                 trainer_detectors=True,
-                heartbeat_s=HEARTBEAT_S,
+                heartbeat_s=float(os.environ.get(ENV_HEARTBEAT_S, HEARTBEAT_S)),
             )
         self.exporter = exporter
         self.record = RunRecord(run_dir or Path("."), store, exporter, rank=rank)
@@ -144,6 +147,7 @@ class RunSession:
         if exporter is not None:
             self.record.announce(lambda: self.meta)
         self.closed = False
+        self._first_step = True
         self._sigterm_prev: Any = None
         self._install_sigterm()
         atexit.register(self._at_exit)
@@ -160,6 +164,17 @@ class RunSession:
         return self.flops_per_token * tokens_per_s / (self.peak * self.world)
 
     def step(self, rep: StepReport, events: list[Event], own_wait_s: float, own_tokens: int) -> None:
+        if self._first_step:
+            self._first_step = False
+            if rep.step == 0 and self.store is not None and self.run_dir is not None:
+                # A relaunch into this folder that resumed nothing (killed before its first
+                # checkpoint): the earlier attempt's rows would mix with these (steps 0,1,2,0,1,2).
+                if dropped := truncate_after(self.run_dir, -1):
+                    self.store.add_event(
+                        Event(
+                            step=0, kind=schema.EV_RESUME, detail={"rows_dropped": dropped, "checkpoint": ""}
+                        )
+                    )
         self.record.step(rep, events, own_wait_s, own_tokens)
 
     def phase(self, phase: str, *, beat: bool = False) -> None:
@@ -167,11 +182,13 @@ class RunSession:
         if self.exporter is not None:
             self.exporter.set_phase(phase, beat=beat)
 
-    def resumed(self, step: int, **detail: Any) -> None:
+    def resumed(self, step: int, checkpoint: str = "", **detail: Any) -> None:
         """The loop restored a checkpoint at `step`: rows after it are dropped (they are written
         again), meta.json counts the restart, a resume event says from where."""
+        self._first_step = False
         if self.run_dir is not None:
-            self.record.resumed(step, self.run_dir, self.env, lambda: self.meta, **detail)
+            where = Path(checkpoint or "the loop's own checkpoint")
+            self.record.resumed(step, where, self.env, lambda: self.meta, **detail)
 
     def checkpoint_starts(self) -> None:
         self.record.checkpoint_starts()

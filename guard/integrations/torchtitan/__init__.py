@@ -21,16 +21,21 @@ hook, required in the two other cases (else a skipped step's counts leak into th
 Correction: a bounded push on `expert_bias_E` (on top of torchtitan's own update) when
 load_balance_coeff is set; else none, and collapses are recorded, never claimed as corrected.
 
-`GuardedTrainer`: torchtitan's own Trainer with the guard deciding its optimizer step. torchtitan
-0.3.0's Trainer does not run on a CPU-only host: with no accelerator it sets `device_type = "cuda"`
-and `Trainer.__init__` calls `torch.cuda.set_device` (AttributeError: torch._C has no
-_cuda_setDevice). GuardedTrainer was run on CPU only with those device globals patched to CPU (see
-tests/guard/test_integration_torchtitan.py), never on a GPU.
+`GuardedTrainer` (trainer.py): torchtitan's own Trainer with the guard deciding its optimizer
+step, streaming to the collector, its state in torchtitan's checkpoint. One command runs it:
+
+    torchrun --nproc_per_node 8 -m guard.integrations.torchtitan --module deepseek_v3 \
+        --config deepseek_v3_debugmodel [torchtitan flags] [--guard guard.toml] \
+        [--collector URL] [--run-dir DIR]
+
+(__main__.py; `--help` explains). torchtitan 0.3.0's Trainer does not run on a CPU-only host: with
+no accelerator it sets `device_type = "cuda"` and calls `torch.cuda.set_device`; on such a host the
+launcher points its device globals at the CPU first (cpu.py), which is how the tests run it on
+gloo. It has not run on a GPU here.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
@@ -238,81 +243,8 @@ class OptimizersView:
 def __getattr__(name: str) -> Any:
     # Built on first use: attach() and the plain-loop path never import torchtitan.trainer.
     if name == "GuardedTrainer":
-        globals()[name] = cls = _guarded_trainer()
+        from guard.integrations.torchtitan.trainer import guarded_trainer
+
+        globals()[name] = cls = guarded_trainer()
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _guarded_trainer() -> type:
-    from torchtitan.trainer import Trainer
-
-    from guard.api import GuardedStep
-
-    class GuardedTrainer(Trainer):
-        """torchtitan's Trainer with moeguard deciding each optimizer step (one pipeline stage).
-
-        Nothing of train_step is copied: only `self.optimizers` as train_step sees it changes, to
-        an object whose step() is GuardedStep.step (which steps the real container, pre-hooks
-        included, when safe); zero_grad and the rest go to the container, which the checkpointer,
-        LR schedulers and metrics keep. The gradient clip moves into the guard's step (same
-        max_norm, applied after the decision; `config.training.max_norm` becomes inf) because the
-        guard must see unclipped norms: a clipped 1000x spike looks like an ordinary step.
-        """
-
-        def __init__(self, config: Any, *, guard_config: Any = None, run_dir: Any = None) -> None:
-            super().__init__(config)
-            if len(self.model_parts) != 1:
-                raise NotImplementedError(
-                    "GuardedTrainer: pipeline parallelism (several parts) is not supported"
-                )
-            clip, config.training.max_norm = float(config.training.max_norm), math.inf
-            view = OptimizersView(self.optimizers, set_to_none=config.training.disable_cuda_graphs)
-            self.guarded = GuardedStep(
-                self.model_parts[0],
-                view,  # type: ignore[arg-type]
-                attach=attach(self.model_parts),
-                run_dir=run_dir,
-                config=guard_config,
-                grad_clip=max(clip, 0.0),
-            )
-            # torchtitan's loss is a local sum / the GLOBAL token count; the guard wants local means
-            pd = self.parallel_dims
-            self._dp = pd.get_mesh("batch").size() if pd.dp_enabled else 1
-            self._loss: torch.Tensor | None = None
-            self._tokens = 0
-            self.guard_decision: Any = None
-            self.optimizers = _Steps(self, self.optimizers)  # type: ignore[assignment]
-
-        def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
-            loss = super().forward_backward_step(**kwargs)
-            part = loss.detach() * self._dp  # a copy: a CUDA-graph replay may overwrite `loss`
-            self._loss = part if self._loss is None else self._loss + part
-            self._tokens += int(kwargs["labels"].numel())
-            return loss
-
-        def guarded_step(self) -> None:
-            assert self._loss is not None, "optimizer step without a forward/backward"
-            self.guard_decision = self.guarded.step(self._loss, tokens=self._tokens * self._dp)
-            self._loss, self._tokens = None, 0
-
-        def should_continue_training(self) -> bool:
-            halted = self.guard_decision is not None and self.guard_decision.halt
-            return not halted and super().should_continue_training()
-
-        def close(self) -> None:
-            self.guarded.close()
-            super().close()
-
-    class _Steps:
-        """`trainer.optimizers` inside train_step: step() is the guard's, the rest the container's."""
-
-        def __init__(self, trainer: GuardedTrainer, container: Any) -> None:
-            self.trainer, self.container = trainer, container
-
-        def step(self) -> None:
-            self.trainer.guarded_step()
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.container, name)
-
-    return GuardedTrainer
