@@ -155,10 +155,18 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--torchtitan",
-        metavar="CONFIG.toml",
-        help="with --ab: the A/B canary on torchtitan's own trainer with this config, guarded "
-        "(python -m guard.integrations.torchtitan --job.config_file CONFIG); set:K=V sides are "
-        "torchtitan overrides (--K V)",
+        metavar="JOB",
+        help="with --ab: the A/B canary on torchtitan's own trainer, guarded (torchrun -m "
+        "guard.integrations.torchtitan): JOB is a TOML file (module = ..., config = ..., [section] "
+        "keys as overrides) or torchtitan's arguments ('--module M --config F ...'); set:K=V sides "
+        "are torchtitan overrides (--K V)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --torchtitan: ranks (torchrun --nproc_per_node)",
     )
     p.add_argument(
         "--steps",

@@ -13,9 +13,17 @@ command trains with GuardedStep or MoEGuardCallback and writes its run store whe
 says: the canary hands every run a fresh run directory as $MOEGUARD_RUN_DIR (MoEGuardCallback
 and the torchtitan launcher take it as their default) and in the `{run_dir}` placeholder (for a
 loop that passes `run_dir=` itself). Other placeholders: `{python}` (the side's interpreter) and
-`{steps}` (--steps; also $MOEGUARD_CANARY_STEPS). `--torchtitan CONFIG.toml` runs torchtitan's
-own trainer through moeguard's launcher (`python -m guard.integrations.torchtitan --job.config_file
-CONFIG [--training.steps N]`).
+`{steps}` (--steps; also $MOEGUARD_CANARY_STEPS). `--torchtitan JOB` runs torchtitan's own
+trainer through moeguard's launcher: `torchrun --standalone --nproc_per_node NPROC -m
+guard.integrations.torchtitan --run-dir RUN ARGS --dump_folder RUN/torchtitan [--training.steps N]`,
+ARGS torchtitan's own (`--module M --config F ...`) given as one string or as a TOML file:
+
+    module = "deepseek_v3"              # torchtitan's --module (a config registry)
+    config = "deepseek_v3_debugmodel"   # its --config (the registry function)
+    [training]                          # every other key: --training.local_batch_size 4
+    local_batch_size = 4
+
+(torchtitan 0.3.0 reads no TOML itself: --module / --config replaced its --job.config_file.)
 
 Environments. `py:PATH`: the command runs with that interpreter: `{python}` is PATH and PATH's
 directory leads $PATH, so a bare `python` is it too (a torchrun in that venv's bin likewise); a
@@ -33,8 +41,8 @@ speed is the steady window's tokens per CPU-second: what the code costs, not how
 for a shared core (wall clock is reported beside it). No reference matmul normalises it, as
 moeguard's own canary worker does, so pairs are noisier; docs/BENCHMARKS.md measures how much.
 MFU where the run recorded it.
-`--inject slow:PCT` sets $MOEGUARD_CANARY_SLOW_PCT for B's runs: MoEGuardCallback and the
-launcher burn PCT% of each step (guard/canary/slow.py; a custom loop calls StepBurner itself).
+`--inject slow:PCT` sets $MOEGUARD_CANARY_SLOW_PCT for B's runs: GuardedStep burns PCT% of each
+step (guard/canary/slow.py), whichever loop calls it (yours, MoEGuardCallback, the launcher).
 """
 
 from __future__ import annotations
@@ -72,8 +80,10 @@ class Command:
     """What every worker runs: a script template, or torchtitan's trainer on a config."""
 
     kind: str  # SCRIPT | TORCHTITAN
-    text: str  # the script as given, or the torchtitan config's path
+    text: str  # the script as given, or the torchtitan job (a TOML file's path, or torchtitan's args)
     steps: int | None = None
+    job: list[str] | None = None  # TORCHTITAN: torchtitan's own arguments (--module M --config F ...)
+    nproc: int = 1  # TORCHTITAN: ranks (torchrun --nproc_per_node)
 
     @property
     def label(self) -> str:
@@ -83,7 +93,20 @@ class Command:
     def argv(self, side: Side, run_dir: Path) -> list[str]:
         python = side.python or sys.executable
         if self.kind == TORCHTITAN:
-            out = [python, "-m", torchtitan_launcher(), "--job.config_file", self.text]
+            out = [
+                python,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={self.nproc}",
+                "-m",
+                LAUNCHER,
+                "--run-dir",
+                str(run_dir),
+                *(self.job or []),
+                "--dump_folder",  # a fresh one: torchtitan would resume from an earlier run's checkpoint
+                str(run_dir / "torchtitan"),
+            ]
             if self.steps:
                 out += ["--training.steps", str(self.steps)]
             for key, value in side.overrides.items():
@@ -113,25 +136,60 @@ class Command:
         return env
 
 
-def torchtitan_launcher() -> str:
-    """moeguard's torchtitan launcher module, or the canary's own small worker while this
-    checkout has no launcher (guard/canary/titan_worker.py)."""
-    import importlib.util
+def torchtitan_job(text: str) -> list[str]:
+    """torchtitan's arguments for a job: from a TOML file (top-level `module` and `config` name the
+    config registry function, as torchtitan's --module / --config; every other `[section] key =
+    value` becomes --section.key value), or torchtitan's own arguments as one string."""
+    from guard.core.tomlconf import load_toml
 
-    spec = importlib.util.find_spec(LAUNCHER)
-    src = Path(spec.origin).read_text() if spec is not None and spec.origin else ""
-    return LAUNCHER if "def main(" in src and "__main__" in src else "guard.canary.titan_worker"
+    path = Path(text)
+    if path.suffix == ".toml" or path.is_file():
+        if not path.is_file():
+            raise ConfigError(f"--torchtitan {text!r}: no such file (a torchtitan job TOML)")
+        data = load_toml(path)
+        missing = [k for k in ("module", "config") if not isinstance(data.get(k), str)]
+        if missing:
+            raise ConfigError(
+                f"--torchtitan {text!r}: needs top-level {' and '.join(missing)} (torchtitan's --module "
+                'and --config, e.g. module = "deepseek_v3", config = "deepseek_v3_debugmodel")'
+            )
+        out = ["--module", data.pop("module"), "--config", data.pop("config")]
+
+        def flat(prefix: str, table: dict[str, Any]) -> None:
+            for k, v in table.items():
+                if isinstance(v, dict):
+                    flat(f"{prefix}{k}.", v)
+                else:
+                    out.extend([f"--{prefix}{k}", str(v)])
+
+        flat("", data)
+        return out
+    try:
+        out = shlex.split(text)
+    except ValueError as e:
+        raise ConfigError(f"--torchtitan {text!r}: cannot split it into words ({e})") from None
+    if "--module" not in out or "--config" not in out:
+        raise ConfigError(
+            f"--torchtitan {text!r}: expected a job TOML file or torchtitan's own arguments with "
+            "--module M --config F"
+        )
+    return out
 
 
 def parse_command(args: argparse.Namespace) -> Command:
     """--script / --torchtitan / --steps -> Command; a ConfigError names the bad value."""
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: must be >= 1")
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
     if args.torchtitan is not None:
-        path = Path(args.torchtitan)
-        if not path.is_file():
-            raise ConfigError(f"--torchtitan {args.torchtitan!r}: no such file (a torchtitan config TOML)")
-        return Command(kind=TORCHTITAN, text=str(path.resolve()), steps=args.steps)
+        return Command(
+            kind=TORCHTITAN,
+            text=args.torchtitan,
+            steps=args.steps,
+            job=torchtitan_job(args.torchtitan),
+            nproc=args.nproc,
+        )
     text = (args.script or "").strip()
     if not text:
         raise ConfigError('--script "": give the command that trains, e.g. --script "python train.py"')

@@ -1,11 +1,12 @@
 """`--inject slow:PCT` inside a training command the canary did not write (guard/canary/own.py).
 
-The canary exports MOEGUARD_CANARY_SLOW_PCT to the command of the side it slows; whatever ends each
-optimizer step calls a StepBurner there (MoEGuardCallback does, at `on_step_end`; a custom loop can):
+The canary exports MOEGUARD_CANARY_SLOW_PCT to the command of the side it slows, and GuardedStep
+burns it inside every step() (so any command that trains with GuardedStep, MoEGuardCallback or the
+torchtitan launcher is slowed without a change to it):
 
     burn = StepBurner.from_env()        # None unless the canary asked for a slowdown
-    ...; guarded.step(loss, tokens=n)
-    if burn: burn()
+    ...
+    if burn: burn()                     # once per optimizer step
 
 Each call burns PCT% of the step since the previous call ended (the previous burn excluded, so the
 slowdown does not compound), as moeguard's own canary worker does: on a CPU the process's CPU time

@@ -48,7 +48,6 @@ from transformers import TrainerCallback
 
 from guard.api import GuardedStep
 from guard.canary.keys import RUN_DIR_ENV
-from guard.canary.slow import StepBurner
 from guard.core import schema
 from guard.core.config import GuardConfig
 from guard.core.policy import Decision
@@ -88,7 +87,6 @@ class MoEGuardCallback(TrainerCallback):
         self._hook: Any = None
         self._clip: float | None = None
         self._args: Any = None
-        self._burn: StepBurner | None = None
         self._losses: list[torch.Tensor] = []
         self._scaled = False
         self._tokens = 0
@@ -139,14 +137,6 @@ class MoEGuardCallback(TrainerCallback):
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.step = step  # an instance attribute: the Trainer's call lands here
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
-        # `moeguard canary --ab --inject slow:PCT` on this side: CPU time, or wall after a GPU sync
-        on_gpu = next(model.parameters()).device.type == "cuda"
-        self._burn = StepBurner.from_env(sync=torch.cuda.synchronize if on_gpu else None)
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        """Only the canary's injected slowdown, when one was asked for."""
-        if self._burn is not None:
-            self._burn()
 
     def _run_dir(self, args: Any) -> Path:
         if self.run_dir is not None:

@@ -4,7 +4,7 @@ PyTorch loop with GuardedStep on a small MLP, its run store where the canary say
     python tests/guard/own_loop.py --steps 40 [--run-dir DIR] [--fail]
 
 run_dir: --run-dir, else $MOEGUARD_RUN_DIR (what `moeguard canary --ab --script` hands a command).
---inject slow:PCT reaches it as $MOEGUARD_CANARY_SLOW_PCT: a StepBurner after each step.
+--inject slow:PCT reaches it as $MOEGUARD_CANARY_SLOW_PCT, which GuardedStep.step honours.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 
 from guard.api import GuardedStep
 from guard.canary.keys import RUN_DIR_ENV
-from guard.canary.slow import StepBurner
 
 
 def main() -> int:
@@ -31,7 +30,6 @@ def main() -> int:
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guarded = GuardedStep(model, opt, run_dir=a.run_dir or os.environ[RUN_DIR_ENV])
-    burn = StepBurner.from_env()
     x = torch.randn(256, 256)
     for step in range(a.steps):
         if a.fail and step == 3:
@@ -40,8 +38,6 @@ def main() -> int:
         loss = model(x).pow(2).mean()
         loss.backward()
         guarded.step(loss, tokens=256)
-        if burn:
-            burn()
     guarded.close()
     return 0
 

@@ -131,28 +131,101 @@ def test_command_placeholders_and_environment(tmp_path: Path) -> None:
     env_a = own.Command(kind=own.SCRIPT, text="python t.py").env(a, run)
     assert SLOW_ENV not in env_a and STEPS_ENV not in env_a  # only the slowed side, only with --steps
     assert env_a["PATH"].split(os.pathsep)[0] == "/opt/v/bin"
-    # torchtitan: the launcher with the config, the steps and each set: item as an override
-    tt = own.Command(kind=own.TORCHTITAN, text="/c/x.toml", steps=20)
+    # torchtitan: torchrun -m the launcher, the run dir, the job, a fresh dump folder, the steps, and
+    # each set: item as an override (not environment)
+    tt = own.Command(kind=own.TORCHTITAN, text="x", steps=20, job=["--module", "m", "--config", "f"], nproc=2)
     side_t = Side(
         name="B", spec="set:training.local_batch_size=4", overrides={"training.local_batch_size": "4"}
     )
     argv = tt.argv(side_t, run)
-    assert argv[:2] == [sys.executable, "-m"] and argv[3:] == [
-        "--job.config_file",
-        "/c/x.toml",
+    assert argv == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "guard.integrations.torchtitan",
+        "--run-dir",
+        str(run),
+        "--module",
+        "m",
+        "--config",
+        "f",
+        "--dump_folder",
+        str(run / "torchtitan"),
         "--training.steps",
         "20",
         "--training.local_batch_size",
         "4",
     ]
-    assert "A" not in tt.env(side_t, run)  # set: items are overrides there, not environment
+    assert "training.local_batch_size" not in tt.env(side_t, run)
+
+
+def test_torchtitan_job_from_a_toml_file_or_torchtitans_arguments(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'module = "deepseek_v3"\nconfig = "deepseek_v3_debugmodel"\n'
+        "[training]\nlocal_batch_size = 4\n[parallelism]\ndata_parallel_shard_degree = -1\n"
+    )
+    assert own.torchtitan_job(str(job)) == [
+        "--module",
+        "deepseek_v3",
+        "--config",
+        "deepseek_v3_debugmodel",
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.data_parallel_shard_degree",
+        "-1",
+    ]
+    assert own.torchtitan_job("--module m --config f --training.steps 3")[-1] == "3"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('module = "deepseek_v3"\n')
+    with pytest.raises(ConfigError, match="needs top-level config"):
+        own.torchtitan_job(str(bad))
+    with pytest.raises(ConfigError, match="no such file"):
+        own.torchtitan_job(str(tmp_path / "missing.toml"))
+    with pytest.raises(ConfigError, match="--module M --config F"):
+        own.torchtitan_job("--training.steps 3")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_torchtitans_own_trainer_with_b_slowed_fails(tmp_path: Path) -> None:
+    """torchtitan's Trainer through moeguard's launcher under torchrun, one rank on the CPU
+    (bench/torchtitan_registry.py's tiny DeepSeek-V3: byte tokenizer, stdlib windows)."""
+    pytest.importorskip("torchtitan", reason="torchtitan (and triton) not installed")
+    code, rep = _own(
+        tmp_path,
+        "--ab",
+        "set:",
+        "set:training.seed=0",
+        "--torchtitan",
+        "--module bench.torchtitan_registry --config tiny_moe",
+        "--steps",
+        "20",
+        "--inject",
+        "slow:50",
+        sets=("canary.warmup_steps=8",),
+    )
+    assert code == 1 and rep["verdict"] == "fail", rep.get("state")
+    for w in rep["workers"]:
+        run = Path(w["run_dir"])
+        meta = json.loads((run / "meta.json").read_text())
+        assert meta["integration"]["family"] and w["window_steps"] == 12  # steps 8..19
+        assert (run / "torchtitan").is_dir()  # torchtitan's dump folder inside the run
+    assert all(p["ratio"]["speed"] < 0.85 for p in rep["pairs"])
 
 
 def test_parse_command() -> None:
-    ns = argparse.Namespace(script="python t.py", torchtitan=None, steps=None)
+    ns = argparse.Namespace(script="python t.py", torchtitan=None, steps=None, nproc=1)
     assert own.parse_command(ns) == own.Command(kind=own.SCRIPT, text="python t.py")
     with pytest.raises(ConfigError, match="--steps 0: must be >= 1"):
-        own.parse_command(argparse.Namespace(script="x", torchtitan=None, steps=0))
+        own.parse_command(argparse.Namespace(script="x", torchtitan=None, steps=0, nproc=1))
+    with pytest.raises(ConfigError, match="--nproc 0: must be >= 1"):
+        own.parse_command(
+            argparse.Namespace(script=None, torchtitan="--module m --config f", steps=None, nproc=0)
+        )
 
 
 def test_step_burner_burns_cpu_time_not_wall_time(monkeypatch: pytest.MonkeyPatch) -> None:
