@@ -295,7 +295,7 @@ def run_sampled(
                 p.wait()
                 raise subprocess.TimeoutExpired(argv, timeout)
             time.sleep(SAMPLE_S)
-    tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-8:])
+    tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-20:])
     return p.returncode, tail, sampler
 
 

@@ -199,11 +199,11 @@ def test_torchtitans_own_trainer_with_b_slowed_fails(tmp_path: Path) -> None:
         tmp_path,
         "--ab",
         "set:",
-        "set:training.seed=0",
+        "set:training.local_batch_size=8",
         "--torchtitan",
         "--module bench.torchtitan_registry --config tiny_moe",
         "--steps",
-        "20",
+        "16",
         "--inject",
         "slow:50",
         sets=("canary.warmup_steps=8",),
@@ -212,7 +212,7 @@ def test_torchtitans_own_trainer_with_b_slowed_fails(tmp_path: Path) -> None:
     for w in rep["workers"]:
         run = Path(w["run_dir"])
         meta = json.loads((run / "meta.json").read_text())
-        assert meta["integration"]["family"] and w["window_steps"] == 12  # steps 8..19
+        assert meta["integration"]["family"] and w["window_steps"] == 8  # steps 8..15
         assert (run / "torchtitan").is_dir()  # torchtitan's dump folder inside the run
     assert all(p["ratio"]["speed"] < 0.85 for p in rep["pairs"])
 
