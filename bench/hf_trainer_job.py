@@ -133,10 +133,13 @@ class Recorder(TrainerCallback):
         self.actions: list[str] = []
         self.lrs: list[float] = []
         self.hashes: list[str] = []
+        self.lr_bound: float | None = None  # the guard's LR bound (None: none armed)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.guard is not None and self.guard.decision is not None:
             self.actions.append(self.guard.decision.action)
+            bound = self.guard.guarded.guard.engine.lr_bound
+            self.lr_bound = bound.max_lr if bound is not None else None
         opt = kw["optimizer"]
         self.lrs.append(getattr(opt, "optimizer", opt).param_groups[0]["lr"])
         if self.weights:
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "actions": rec.actions,
         "lrs": rec.lrs,
         "hashes": rec.hashes,
+        "lr_bound": rec.lr_bound,
         "global_step": trainer.state.global_step,
         "weights": weights_hash(trainer.model),
         "max_grad_norm_after": trainer.args.max_grad_norm,

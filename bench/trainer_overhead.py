@@ -166,7 +166,16 @@ def markdown(res: dict[str, Any]) -> str:
     c, f = res["config"], res["result"]
     lo, hi = f["overhead_ci95"]
     acts = ", ".join(f"{k} {v}" for k, v in sorted(f["guard_actions"].items()))
-    verdict = "met" if f["overhead"] <= 0.03 else "NOT met"
+    # the target is shown met only when the whole interval is under it
+    if hi <= 0.03:
+        verdict = "met (the whole 95% interval is under it)"
+    elif lo > 0.03:
+        verdict = "NOT met (the whole 95% interval is over it)"
+    else:
+        verdict = (
+            f"not shown by this run: the 95% interval ({lo:+.1%} .. {hi:+.1%}) spans it; the host's load "
+            "moved whole blocks (min .. max above), rerun on a quieter host"
+        )
     return f"""## Guard overhead on the transformers Trainer ({f["family"]}), {c["batch"] * c["seq"]:,} tokens a step
 
 `{res["command"]}` ({res["machine"]}; {res["date"]}; {res["wall_s"] / 60:.1f} min; guard code at {res["guard_version"]})

@@ -70,7 +70,8 @@ class MoEGuardCallback(TrainerCallback):
     ) -> None:
         """`attach`: what guard.integrations.transformers.attach(model) returns (default: called on
         the Trainer's model at train start, with its defaults). `max_lr`: the LR bound (default:
-        the optimizer's largest LR at train start). `guarded`: any other GuardedStep keyword
+        the schedule's base LR, `initial_lr`, the peak of transformers' schedules; a warm-up has
+        already set `lr` to 0 at train start). `guarded`: any other GuardedStep keyword
         (dead_window, commands, ...)."""
         self.run_dir, self.config, self.collector = run_dir, config, collector
         self.flops_per_token, self.attach, self.max_lr = flops_per_token, attach, max_lr
@@ -120,7 +121,7 @@ class MoEGuardCallback(TrainerCallback):
             attach=att,
             run_dir=self._run_dir(args),  # GuardedStep: rank 0 writes it, every rank spools there
             config=self.config,
-            max_lr=self.max_lr if self.max_lr is not None else max(g["lr"] for g in inner.param_groups),
+            max_lr=self.max_lr if self.max_lr is not None else _peak_lr(inner),
             grad_clip=max(self._clip, 0.0),
             collector=self.collector,
             flops_per_token=self.flops_per_token if self.flops_per_token is not None else _flops(model),
@@ -216,6 +217,11 @@ class MoEGuardCallback(TrainerCallback):
             self._own_attach.remove()
         self.guarded = None
         self._reset()
+
+
+def _peak_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The largest base LR of the optimizer's groups (torch's schedulers keep it as initial_lr)."""
+    return max(float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups)
 
 
 def _flops(model: nn.Module) -> float | None:
