@@ -93,8 +93,9 @@ Each canary: `moeguard canary --ab set: set: --script "python bench/hf_trainer_j
 --out {{run_dir}}/out"`: the real transformers Trainer with `MoEGuardCallback` on tiny Mixtral (256 tokens a
 step, 1 torch thread) in a fresh process per worker, its steady state (steps from canary.warmup_steps =
 {res["config"]["warmup"]}) read back from the run store it wrote; on this CPU host the speed is tokens per
-CPU-second of the command's process tree, sampled from /proc ({s["timing"]}); settings {res["config"]["sets"] or "the defaults"}
-(6 pairs, up to 12 while undecided, fail below 0.99). Clean = A = A; slowed = `--inject slow:{res["config"]["slow"]:g}`
+CPU-second of the command's process tree, sampled from /proc (timing: {s["timing"]}); canary settings:
+{", ".join(res["config"]["sets"]) or "the defaults (6 pairs, up to 12 while undecided)"}, fail below 0.99 (canary.ab_fail_pct = 1).
+Clean = A = A; slowed = `--inject slow:{res["config"]["slow"]:g}`
 (B's GuardedStep burns {res["config"]["slow"]:g}% more CPU a step). Arms interleaved.
 
 | arm | verdict | median B/A | interval | pairs | wall-clock B/A | time | load |
@@ -106,8 +107,8 @@ CPU-second of the command's process tree, sampled from /proc ({s["timing"]}); se
 {s["clean_pair_sd"]:.4f} over {s["clean_pairs"]} pairs (the noise the sign test works against); on the slowed
 arm median {s["slow_pair_median"]:.4f}. N is what fits a shared 2-core host in ~10 minutes: {s["clean"]}
 and {s["trials"]} canaries say the rule works here, not what its false-alarm rate is to a percent (the
-sign test's own false-alarm bound with 6 pairs and the line at 0.99: at most 2 x 2^-6 = 3.1% when the
-per-pair ratios are symmetric about 1).
+sign test's own false-alarm bound when every pair must fall below the line, n pairs: at most 2^-n when the
+per-pair ratios are symmetric about 1, 6.3% at 4 pairs, 1.6% at 6).
 """
 
 
