@@ -1,21 +1,20 @@
-"""Issue #13's attacks, replayed against the real `moeguard collector` and `moeguard pager`.
+"""Issue #13's attacks, replayed against the real `moeguard collector`.
 
     python bench/collector_attacks.py [--only clean,garbage_state,...] [--list] [--dir DIR]
                                       [--keep] [--no-progress] [--write-docs]
 
-Each attack starts its own service process (`python -m guard collector` / `python -m guard
-pager`) on loopback in a temp dir, attacks it (bounded: at most ~200 MB sent, ~150 sockets, a
+Each attack starts its own service process (`python -m guard collector`) on loopback in a temp dir, attacks it (bounded: at most ~200 MB sent, ~150 sockets, a
 few seconds), and returns one row: what the service answered, whether it stayed up, and rows
 lost, the acknowledged rows (rank-0 steps and events answered 200) missing from the run store
 afterwards, read back with guard/store/reader.py after the collector stopped (rows a newer
-writer superseded count as kept: they are in .collector/superseded/); for the pager, acknowledged
-alerts that never reached a receiver. "Stored twice" counts rows the live tables hold more than
+writer superseded count as kept: they are in .collector/superseded/). "Stored twice" counts rows the live tables hold more than
 once. "Held" means the service answered as designed; a DEFECT row is a finding, left as found.
 
 I/O errors are real ones: the collector's RLIMIT_FSIZE is set to 1 byte with prlimit(2) for the
 moment of the attack, so its writes fail with EFBIG (Python ignores SIGXFSZ), then lifted.
 
-The attacks live in bench/attacks/ (store.py, writers.py, abuse.py, liveness.py, pager.py);
+The attacks live in bench/attacks/ (store.py, writers.py, abuse.py, liveness.py; the
+pager's attacks went with `moeguard pager`, issue #29);
 --write-docs writes the table into docs/BENCHMARKS.md (section collector_attacks).
 """
 
@@ -33,7 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.attacks import abuse, liveness, pager, store, writers
+from bench.attacks import abuse, liveness, store, writers
 from bench.attacks.kit import Row, stop_all
 
 ATTACKS: dict[str, Callable[[Path], Row]] = {
@@ -58,10 +57,6 @@ ATTACKS: dict[str, Callable[[Path], Row]] = {
     "commands_read_no_token": abuse.commands_read_no_token,
     "malformed_fields": abuse.malformed_fields,
     "hung_rank": liveness.hung_rank,
-    "pager_secret_in_logs": pager.pager_secret_in_logs,
-    "pager_delivery_scaling": pager.pager_delivery_scaling,
-    "pager_oversized_body": pager.pager_oversized_body,
-    "pager_deep_nesting": pager.pager_deep_nesting,
 }
 
 
@@ -93,7 +88,7 @@ def markdown(rows: list[Row], command: str, machine: str, wall_s: float) -> str:
         "Each attack runs against its own real service process on loopback (the module docstring says",
         "how). Rows lost: acknowledged rows (rank-0 steps and events answered 200) missing from the run",
         "store afterwards, read back with guard/store/reader.py (rows a newer writer superseded count as",
-        "kept); for the pager rows, acknowledged alerts that never reached a receiver. Held: the service",
+        "kept). Held: the service",
         "answered as designed; **DEFECT**: it did not (left as found, see the item).",
         "",
         "| attack | issue item | what the service answered | stayed up | rows lost | stored twice | verdict |",

@@ -41,6 +41,9 @@ ENV_FAULTS = "MOEGUARD_TT_FAULTS"
 # a folder: each rank writes there, at every applied step, a digest of its parameters and
 # torchtitan's own expert counters as they were before the update (what the tests compare)
 ENV_PROBE_DIR = "MOEGUARD_TT_PROBE_DIR"
+# a folder: each rank appends the perf_counter at the start of every step's first forward (the
+# overhead bench's step times, taken the same way with and without the guard)
+ENV_TIMING_DIR = "MOEGUARD_TT_TIMING_DIR"
 CORPUS_BYTES = 1 << 20
 STEP = [0]  # the guard step the current forward belongs to (FaultyLoss keeps it)
 
@@ -123,11 +126,15 @@ class FaultyLoss(CrossEntropyLoss):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.faults = parse_faults(os.environ.get(ENV_FAULTS, ""), rank)
         self.calls, self.grad_accum = 0, max(1, config.grad_accum)
+        timing = os.environ.get(ENV_TIMING_DIR)
+        self.times = open(os.path.join(timing, f"times-r{rank}.txt"), "a", buffering=1) if timing else None
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor, *a: Any, **k: Any) -> Any:
         loss, extra = super().__call__(pred, labels, *a, **k)
         step, self.calls = self.calls // self.grad_accum, self.calls + 1
         STEP[0] = step
+        if self.times is not None and (self.calls - 1) % self.grad_accum == 0:
+            self.times.write(f"{step} {time.perf_counter():.6f}\n")
         kind, arg = self.faults.get(step, ("", 0.0))
         if kind == "spike":
             loss = loss * arg

@@ -56,6 +56,12 @@ with st.sidebar:
         key="stale_after_s",
         help="A run still marked running whose last write is older than this shows as stale.",
     )
+    st.toggle(
+        "Show canary worker runs",
+        key="show_canary",
+        help="Runs that `moeguard canary` measured (meta.json 'canary'); hidden so they do not crowd "
+        "out the runs you trained. New canaries write theirs under RUNS/canary-runs/.",
+    )
     live = st.toggle(
         "Live (rerun every 30 s)", key="live", help="Follow running runs: new parts are read as they land"
     )

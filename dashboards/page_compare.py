@@ -52,6 +52,8 @@ for i in sel:
         }
     )
 table = pl.DataFrame(rows, infer_schema_length=None)
+if table["MFU p50 %"].null_count() == table.height:  # no peak anywhere: a column of "None" says nothing
+    table = table.drop("MFU p50 %")
 st.dataframe(
     table,
     hide_index=True,
@@ -82,7 +84,11 @@ if traces:
             help=f"{t} ({t.stat().st_size / 2**20:.1f} MiB)",
         )
 peaks = {(p.kind, p.flops) for p in (mfu_peak.run_peak(i.env) for i in sel)}
-if len(sel) > 1 and (len(peaks) > 1 or not all(mfu_peak.run_peak(i.env).trusted for i in sel)):
+if all(flops is None for _, flops in peaks):  # the CPU class has no pinned peak, an unknown GPU
+    st.caption(
+        "No chosen run has a peak for its device (MFU not computed, not guessed): tokens/s is the measure here."
+    )
+elif len(sel) > 1 and (len(peaks) > 1 or not all(mfu_peak.run_peak(i.env).trusted for i in sel)):
     st.caption(
         "MFU is not comparable across these runs: they divide by different peaks, or by a peak a run measured "
         "for itself. tokens/s is the measure here."
@@ -100,7 +106,23 @@ else:
     if r is None:
         st.info("Not enough steady-state steps (10 per run) to compare throughput.")
     else:
-        st.markdown(compare.speedup_sentence(f"A ({run_a})", f"B ({run_b})", r))
+        ident = {i.run_id: compare.speed_identity(i.meta) for i in infos}
+        same_ab = ident[run_a] == ident[run_b]
+        spreads = []
+        for run in (run_a, run_b):
+            peers = [i for i in infos if ident[i.run_id] == ident[run]]
+            if len(peers) > 1 and not same_ab:
+                medians = {
+                    i.run_id: compare.steady_median(
+                        loaders.load_steady_perf(i.path, runs.run_signature(i.path))
+                    )
+                    for i in peers
+                }
+                spreads.append(compare.run_spread(medians))
+        spread = max((x for x in spreads if x is not None), key=lambda x: x.pct, default=None)
+        st.markdown(
+            compare.speedup_sentence(f"A ({run_a})", f"B ({run_b})", r, spread=spread, same_config=same_ab)
+        )
         ea, eb = by_id[run_a].env, by_id[run_b].env
         what = "; ".join(
             f"{k} {ea.get(k)} → {eb.get(k)}"
@@ -109,7 +131,9 @@ else:
         )
         st.caption(
             f"From steady-state tokens/s ({int(r['n_a'])} and {int(r['n_b'])} steps: after the first 10%, "
-            "steps the guard acted on left out); 90% interval by a block bootstrap over steps. "
+            "steps the guard acted on left out); 90% interval by a block bootstrap over steps within "
+            "each run. "
+            + (f"Same-config runs: {', '.join(spread.runs)}. " if spread else "")
             + (
                 f"What differs: {what}. "
                 if what

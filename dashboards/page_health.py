@@ -10,13 +10,16 @@ import polars as pl
 import streamlit as st
 
 from dashboards import ui
-from dashboards.data import config, guard_events, heatmaps, loaders, mfu_peak, runs, shaping
+from dashboards.data import config, guard_events, heatmaps, loaders, mfu_peak, runs, shaping, warmups
 from dashboards.figures.health import health_timeline, perf_figure
 from dashboards.figures.heatmap import heatmap
 from dashboards.figures.nonfinite_marks import nonfinite_steps
 from dashboards.figures.precursors import precursor_figure
+from dashboards.figures.warmup_marks import shade_warmups
 from guard.core import actions, schema
 from guard.store import reader
+
+ROUTING_SIGNALS = ("maxvio", "dead_experts", "router_entropy", "load_entropy")  # the collapse detector's
 
 cfg = config.app_config()
 st.title("Run health")
@@ -36,6 +39,7 @@ if steps.height == 0:
     st.stop()
 summ = loaders.load_summary(path, sig)
 env = info.env
+ui.show_damaged(run_id, summ["damaged"])
 
 # ---- headline -------------------------------------------------------------------------
 ui.status_badge(info.status, help=f"last write {ui.age(info.updated_at)}")
@@ -43,7 +47,13 @@ ui.show_status(info)
 peak = mfu_peak.run_peak(env)
 mfu = summ["mfu"]
 c = st.columns(6)
-c[0].metric("step", f"{summ['step']:,}" if summ["step"] is not None else "—")
+c[0].metric(
+    "steps",
+    f"{summ['step'] + 1:,}" if summ["step"] is not None else "—",
+    help=None
+    if summ["step"] is None
+    else f"steps run, as --steps counts them; the last is step {summ['step']:,} (0-based)",
+)
 c[1].metric(
     "loss",
     "—" if summ["loss"] is None else f"{summ['loss']:.4f}" if math.isfinite(summ["loss"]) else "non-finite",
@@ -101,7 +111,18 @@ if info.compat == runs.COMPAT_OLDER:
 # ---- loss / grad norm with guard marks ------------------------------------------------
 series = loaders.load_step_series(path, sig, ("loss", "grad_norm"))
 marks, timeline = loaders.load_marks(path, sig)
-st.plotly_chart(health_timeline(series, marks, timeline), key="timeline")
+first_step = int(steps["step"].min())  # type: ignore[arg-type]
+fig = health_timeline(series, marks, timeline)
+warm = warmups.spans(info.meta, first_step, warmups.SPIKE + warmups.ROUTING)
+shade_warmups(fig, warm)
+st.plotly_chart(fig, key="timeline")
+if warm:
+    st.caption(
+        "Grey bands: detector warm-ups. A detector gives no verdict before it arms (its baseline fills, "
+        "routing settles); a fault inside a band is not judged by it: "
+        + "; ".join(s.label for s in warm)
+        + ". Set in the run's guard settings."
+    )
 if steps.height > shaping.MAX_LINE_POINTS:
     st.caption(
         f"{steps.height:,} steps drawn as ≤{shaping.MAX_LINE_POINTS:,} points per line: each bucket keeps its first, "
@@ -152,22 +173,36 @@ else:
         "; ".join(f"{k}={guard_events.fmt_value(v)}" for k, v in guard_events.parse_detail(d).items())
         for d in ev["detail"].to_list()
     ]
+
+    # value / threshold as text: an event without one (a checkpoint, an action) shows an empty cell,
+    # not "None"; a non-finite value says so
+    def _num(c: str) -> pl.Expr:
+        nonfinite_value = (pl.col("detector") == schema.DET_NONFINITE) if c == "value" else pl.lit(False)
+        return (
+            pl.when(pl.col(c).is_null() | (pl.col(c).is_nan() & ~nonfinite_value))
+            .then(pl.lit(""))
+            .when(pl.col(c).is_nan())
+            .then(pl.lit("non-finite"))
+            .otherwise(pl.col(c).map_elements(guard_events.fmt_value, return_dtype=pl.String))
+            .alias(c)
+        )
+
     st.dataframe(
         ev.select(
             "step",
             pl.from_epoch(pl.col("time"), time_unit="s").alias("time (UTC)"),
             "kind",
-            "detector",
-            "action",
-            "value",
-            "threshold",
+            pl.col("detector").fill_null(""),
+            pl.col("action").fill_null(""),
+            _num("value"),
+            _num("threshold"),
         ).with_columns(evidence=pl.Series(evidence, dtype=pl.String)),
         hide_index=True,
         height=ui.table_height(ev.height, max_rows=20),  # a drill's events fit; a long run's scroll
         column_config={
             "detector": st.column_config.TextColumn(width="medium"),  # layer_grad_norm_spike was cut off
-            "value": st.column_config.NumberColumn(format="%.4g"),
-            "threshold": st.column_config.NumberColumn(format="%.4g"),
+            "value": st.column_config.TextColumn(help="the detector's value (empty: the event has none)"),
+            "threshold": st.column_config.TextColumn(help="the threshold it crossed (empty: none)"),
         },
     )
 
@@ -206,6 +241,8 @@ else:
                 zmin=zmin,
                 zmax=zmax,
             )
+            if name in ROUTING_SIGNALS:
+                shade_warmups(fig, warmups.spans(info.meta, first_step, warmups.ROUTING), over_heatmap=True)
             col.plotly_chart(fig, key=f"layer-{name}")
     if heats:
         st.caption(
@@ -225,7 +262,14 @@ def expert_load() -> None:
         left, right = st.columns(2)
         with left:
             a, b = st.columns([2, 1], vertical_alignment="bottom")
-            layer = a.selectbox("MoE layer", layer_ids, key="expert_layer")
+            worst = guard_events.misbehaving_layer(events)  # open on the layer that misbehaved
+            layer = a.selectbox(
+                "MoE layer",
+                layer_ids,
+                index=layer_ids.index(worst) if worst in layer_ids else 0,
+                key="expert_layer",
+                help="opens on the layer the routing detectors flagged most" if worst in layer_ids else None,
+            )
             exact = b.toggle(
                 "every step",
                 key="expert_exact",

@@ -13,6 +13,12 @@ RUN_LINK_TEXT = r"health\?run=(.*)"  # the link's text: the run id out of its UR
 # columns said once, above the table, when every run has the same value in them
 SAID_ONCE = ("torch", "attention", "expert kernel", "compile", "MFU peak")
 
+
+def damaged_note(summ: dict) -> str:
+    n = len(summ.get("damaged") or [])
+    return f"{n} damaged part(s) skipped" if n else ""
+
+
 cfg = config.app_config()
 st.title("Runs")
 infos = ui.runs_or_stop(cfg)
@@ -50,7 +56,8 @@ for info in infos:
             "attention": env.get("attention_backend"),
             "expert kernel": env.get("expert_kernel"),
             "compile": None if env.get("compile") is None else str(env.get("compile")),
-            "step": summ.get("step"),
+            # steps run, as `--steps` counts them: a 300-step run ends at step 299 (0-based)
+            "steps": None if summ.get("step") is None else summ["step"] + 1,
             "loss": summ.get("loss"),
             "tokens/s": None if summ.get("tokens_per_s") is None else round(summ["tokens_per_s"]),
             "MFU %": None if mfu is None else 100 * mfu,
@@ -59,7 +66,9 @@ for info in infos:
             "verdicts": summ.get("verdicts"),
             "MFU peak": ("artefact · " if artefact else "") + peak.cell() if info.readable else "",
             "last update": ui.age(info.updated_at),
-            "note": ui.clip(ui.run_note(info), ui.NOTE_CELL_CHARS),
+            "note": ui.clip(
+                "; ".join(n for n in (ui.run_note(info), damaged_note(summ)) if n), ui.NOTE_CELL_CHARS
+            ),
         }
     )
 df = pl.DataFrame(rows, infer_schema_length=None)
@@ -98,13 +107,22 @@ st.dataframe(
         "expert kernel": st.column_config.TextColumn(
             "kernel", help="expert kernel (the MoE layers' expert matmuls)"
         ),
+        "steps": st.column_config.NumberColumn(
+            format="localized",
+            help="steps run so far, as --steps counts them (the last step's index is one less)",
+        ),
         "loss": st.column_config.NumberColumn(format="%.3f"),
         "tokens/s": st.column_config.NumberColumn(format="localized", help="median of the last 100 steps"),
-        "MFU %": st.column_config.NumberColumn(format="%.1f", help="median of the last 100 steps"),
+        "MFU %": st.column_config.NumberColumn(
+            format="%.1f",
+            help="median of the last 100 steps; MFU = training FLOPs/token x tokens/s / (peak FLOP/s per "
+            "device or thread x devices or threads used), the peak in the next column",
+        ),
         "MFU peak": st.column_config.TextColumn(
             "peak FLOP/s",
-            help="the peak FLOP/s MFU divides by (G = 1e9, T = 1e12): table (GPU datasheet), pinned (CPU "
-            "machine class, configs/cpu_peaks.toml), self (measured by the run itself: older runs, not "
+            help="the peak FLOP/s MFU divides by (GFLOP/s = 1e9, TFLOP/s = 1e12 FLOP/s): table (GPU datasheet), "
+            "pinned (CPU machine class, configs/cpu_peaks.toml; scaled to the cores a run pinned to fewer torch "
+            "threads can use), self (measured by the run itself: older runs, not "
             "comparable), or none (tokens/s only); 'artefact' where MFU went above 100% (not physical). "
             "The run's health page shows the full source.",
         ),
@@ -135,6 +153,15 @@ if notes:
     st.caption("MFU: " + " · ".join(notes))
 for info in infos:
     ui.show_problem(info)
+    if info.readable:
+        ui.show_damaged(
+            info.run_id, loaders.load_summary(info.path, runs.run_signature(info.path))["damaged"]
+        )
+if (cfg.runs_dir / runs.WORKER_RUNS_DIR).is_dir():
+    st.caption(
+        f"Canary worker runs are kept apart in `{runs.WORKER_RUNS_DIR}/`: "
+        f"`moeguard app --runs {cfg.runs_dir / runs.WORKER_RUNS_DIR}` opens them."
+    )
 stray = runs.stray_folders(cfg.runs_dir)
 if stray:
     st.caption(f"Ignored (no meta.json): {', '.join(stray)}")

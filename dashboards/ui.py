@@ -155,6 +155,21 @@ def show_problem(info: runs.RunInfo) -> None:
         (st.warning if level == "warning" else st.info)(msg)
 
 
+def show_damaged(run_id: str, damaged: list[tuple[str, str]], limit: int = 5) -> None:
+    """A warning naming each part file the reader skipped (guard/store/reader.py), with why."""
+    if not damaged:
+        return
+    lines = [f"- `{p}`: {why}" for p, why in damaged[:limit]]
+    if len(damaged) > limit:
+        lines.append(f"- and {len(damaged) - limit} more")
+    st.warning(
+        f"Run `{run_id}`: {len(damaged)} damaged part file(s) skipped; the rest of the run is shown "
+        "without their rows. Move or delete them (a crash, a full disk or a copy in progress leaves "
+        "such files):\n" + "\n".join(lines),
+        icon=":material/broken_image:",
+    )
+
+
 def runs_or_stop(cfg: config.AppConfig) -> list[runs.RunInfo]:
     """All runs under the configured folder, or a clear message and st.stop()."""
     if not cfg.runs_dir.is_dir():
@@ -164,6 +179,12 @@ def runs_or_stop(cfg: config.AppConfig) -> list[runs.RunInfo]:
         )
         st.stop()
     infos = runs.discover(cfg.runs_dir, stale_after_s=stale_after())
+    mine, canary = runs.split_canary(infos)
+    if mine and canary and not st.session_state.get("show_canary", False):
+        infos = mine  # a store of canary runs only (RUNS/canary-runs) shows them all
+        st.caption(
+            f"{len(canary)} canary worker run(s) hidden; the sidebar's *Show canary worker runs* lists them."
+        )
     if not infos:
         stray = runs.stray_folders(cfg.runs_dir)
         extra = (

@@ -96,7 +96,7 @@ class GuardedStep:
         rank's own timing and heartbeats with its phase; OTLP too when $OTEL_EXPORTER_OTLP_ENDPOINT
         is set. Needs `run_dir` (its name is the run id; its spool/ holds what the collector has
         not acknowledged yet). `flops_per_token`: training FLOPs per token (torchtitan: its
-        `get_nparams_and_flops`; transformers: guard.integrations.transformers.flops_per_token)
+        `get_nparams_and_flops`; transformers: guard.integrations.hf_flops.flops_per_token)
         for MFU against the same peaks as `moeguard train` (guard/runtime/peak.py).
 
         Under torchrun every rank builds a GuardedStep: the probe's one all-reduce gives every
@@ -133,28 +133,8 @@ class GuardedStep:
             corrector=attach.corrector if attach is not None else None,
             after_step=attach.after_step if attach is not None else None,
         )
-        run_dir = Path(run_dir) if run_dir is not None else None
-        if collector_url(collector) and run_dir is None:
-            raise ValueError(
-                f"GuardedStep(collector={collector_url(collector)!r}) needs run_dir= as well: its name is "
-                "the run id and its spool/ keeps what the collector has not acknowledged yet"
-            )
-        self.session = RunSession(
-            run_dir,
-            collector=collector,
-            rank=self.ranks.rank,
-            world=self.ranks.world,
-            model=model,
-            device=device,
-            flops_per_token=flops_per_token,
-            meta={
-                "integration": {
-                    "family": attach.family if attach else type(model).__name__,
-                    "correction": mode,
-                },
-                "config": {"guard": _asdict(self.cfg)},
-                "world_size": self.ranks.world,
-            },
+        self.session = _open_session(
+            run_dir, collector, model, device, self.ranks, flops_per_token, attach, mode, self.cfg
         )
         self.store = self.session.store
         self.sync = (
@@ -339,8 +319,9 @@ class GuardedStep:
         the last batch, and print the end-of-run summary on rank 0 (as `moeguard train`)."""
         if self.session.closed:
             return
+        exc = sys.exc_info()[1]
         if status is None:
-            status, note = ending(sys.exc_info()[1])
+            status, note = ending(exc)
             if (
                 status == schema.STATUS_FINISHED
                 and self.last_decision is not None
@@ -377,6 +358,40 @@ class GuardedStep:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open_session(
+    run_dir: str | Path | None,
+    collector: str | None,
+    model: nn.Module,
+    device: torch.device,
+    ranks: Any,
+    flops_per_token: float | None,
+    attach: Attachment | None,
+    mode: str,
+    cfg: GuardConfig,
+) -> RunSession:
+    """The run around the step: store (rank 0), exporter, meta.json, how the run ends."""
+    run_dir = Path(run_dir) if run_dir is not None else None
+    if collector_url(collector) and run_dir is None:
+        raise ValueError(
+            f"GuardedStep(collector={collector_url(collector)!r}) needs run_dir= as well: its name is "
+            "the run id and its spool/ keeps what the collector has not acknowledged yet"
+        )
+    return RunSession(
+        run_dir,
+        collector=collector,
+        rank=ranks.rank,
+        world=ranks.world,
+        model=model,
+        device=device,
+        flops_per_token=flops_per_token,
+        meta={
+            "integration": {"family": attach.family if attach else type(model).__name__, "correction": mode},
+            "config": {"guard": _asdict(cfg)},
+            "world_size": ranks.world,
+        },
+    )
 
 
 class _Polled:

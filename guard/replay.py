@@ -4,22 +4,27 @@ It rebuilds each step's StepReport from the run store (guard/store/reader.py) an
 engine (detectors, LR bound, policy: guard/core/engine.py) the trainer uses, then prints what
 they would have done next to what the run did. Use
 it to tune thresholds: a verdict on a step you know was healthy is a false alarm to fix.
+`--guard FILE` is layered over the settings the run was recorded with (a file naming one key
+changes that key only), and the keys it changed are printed. A damaged part file is skipped with a
+warning naming it (guard/store/reader.py); the rest of the run is replayed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
 
 from guard.core import schema
-from guard.core.config import GuardConfig, load_guard_config
+from guard.core.config import GuardConfig
 from guard.core.engine import Engine
-from guard.core.tomlconf import ConfigError, from_dict
-from guard.store.reader import read_meta, read_reports, scan_table
+from guard.core.tomlconf import ConfigError, from_dict, load_toml, to_dict
+from guard.store.reader import DamagedPartWarning, damaged_parts, read_meta, read_reports, scan_table
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -28,7 +33,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--guard",
         type=Path,
         metavar="FILE.toml",
-        help="guard settings to try (default: the ones the run was recorded with)",
+        help="guard settings to try, layered over the ones the run was recorded with: keys the file "
+        "leaves out keep their recorded values (default: the recorded settings as they are)",
     )
     p.add_argument("--all", action="store_true", help="list every step with a verdict (default: first 50)")
     p.add_argument("--json", action="store_true", help="print the replayed events as JSON lines")
@@ -68,22 +74,46 @@ def replay(run_dir: Path, cfg: GuardConfig, max_lr: float | None = None) -> list
 
 
 def guard_config_of(run_dir: Path, override: Path | None) -> tuple[GuardConfig, float | None]:
+    """The run's recorded guard settings with `override`'s keys (its `[guard]` table, or the whole
+    file when it has none) layered over them, in act mode; and the recorded peak LR."""
     meta = read_meta(run_dir)
     if meta is None:
         raise ConfigError(f"{run_dir} is not a run folder (no meta.json)")
     recorded = meta.get("config", {})
     max_lr = recorded.get("optim", {}).get("lr")
-    if override is not None:
-        return load_guard_config(override), max_lr
     cfg = from_dict(GuardConfig, recorded.get("guard", {}), prefix="guard.")
+    if override is not None:
+        data = load_toml(override)
+        cfg = from_dict(GuardConfig, data.get("guard", data), prefix="guard.", base=cfg)
     cfg.mode = "act"  # replay asks what an acting guard would do, even for an observe-mode run
     return cfg, max_lr
+
+
+def changed_keys(before: GuardConfig, after: GuardConfig) -> list[str]:
+    """`guard.KEY old -> new` for every setting that differs (nested tables flattened)."""
+
+    def flat(d: dict, prefix: str) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(to_dict(before), "guard."), flat(to_dict(after), "guard.")
+    return [f"{k} {a[k]!r} -> {b[k]!r}" for k in sorted(a) if a[k] != b.get(k)]
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.run_dir.is_dir():
         raise ConfigError(f"run folder {str(args.run_dir)!r} does not exist")
     cfg, max_lr = guard_config_of(args.run_dir, args.guard)
+    for d in damaged_parts(args.run_dir):
+        print(f"moeguard replay: warning: {d.message()}", file=sys.stderr)
+    with warnings.catch_warnings():  # printed once above, not again per table scan
+        warnings.simplefilter("ignore", DamagedPartWarning)
+        return _run(args, cfg, max_lr)
+
+
+def _run(args: argparse.Namespace, cfg: GuardConfig, max_lr: float | None) -> int:
     rows = replay(args.run_dir, cfg, max_lr)
     if args.json:
         for r in rows:
@@ -102,10 +132,15 @@ def run(args: argparse.Namespace) -> int:
             )
         return 0
     n_steps = scan_table(args.run_dir, schema.TABLE_STEPS).select(pl.len()).collect().item()
-    print(
-        f"replayed {n_steps} steps of {args.run_dir.name} with "
-        f"{'guard settings from ' + str(args.guard) if args.guard else 'the recorded guard settings'}"
-    )
+    if args.guard:
+        recorded, _ = guard_config_of(args.run_dir, None)
+        changed = changed_keys(recorded, cfg)
+        print(
+            f"replayed {n_steps} steps of {args.run_dir.name} with the recorded guard settings, "
+            f"{args.guard} layered over them: " + ("; ".join(changed) if changed else "it changes nothing")
+        )
+    else:
+        print(f"replayed {n_steps} steps of {args.run_dir.name} with the recorded guard settings")
     if not rows:
         print("no verdicts: the detectors would have stayed quiet on every step")
         return 0

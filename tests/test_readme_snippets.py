@@ -75,3 +75,37 @@ def test_readme_shell_recipe_runs_as_written(i: int, tmp_path: Path) -> None:
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     for said in re.findall(r'\|\| echo "([^"]*caught)"', recipe):
         assert said in r.stdout, r.stderr[-3000:]
+
+
+def torchtitan_recipe() -> str:
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    found = [b for b in blocks if "-m guard.integrations.torchtitan" in b]
+    assert len(found) == 1, "the README's torchtitan recipe is gone"
+    return found[0]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_readme_torchtitan_recipe_runs_as_written(tmp_path: Path) -> None:
+    """The recipe as a shell script: a collector, two torchtitan ranks streaming to it. Run in a
+    scratch folder with the checkout on PYTHONPATH (the README runs it from the repository root)."""
+    import json
+
+    pytest.importorskip("torchtitan")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("MOEGUARD_COLLECTOR", None)
+    script = "set -e\n" + torchtitan_recipe().replace("kill %1", "kill %1; wait || true")
+    r = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    meta = json.loads((tmp_path / "runs" / "tt-demo" / "meta.json").read_text())
+    assert meta["status"] == "finished" and meta["final_step"] == 40 and meta["world_size"] == 2
+    assert meta["config"]["guard"]["collapse"]["warmup"] == 20  # the recipe's guard file was used
+    assert any((tmp_path / "collector-runs" / "tt-demo" / "steps").glob("*.parquet"))  # it streamed
+    assert "run tt-demo: 40 steps" in r.stderr  # the end-of-run summary

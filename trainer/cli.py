@@ -35,8 +35,9 @@ from typing import Any
 from guard.core import schema
 from guard.core.config import load_guard_config
 from guard.core.tomlconf import ConfigError
+from guard.resources import resource
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
+DEFAULT_CONFIG = resource("configs", "tiny.toml")
 
 
 def inject_help() -> str:
@@ -57,7 +58,9 @@ def inject_help() -> str:
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = __doc__.split("\n", 2)[2] + "\n" + inject_help()
+    from guard.core.goodput import DEFINITION as GOODPUT
+
+    p.epilog = __doc__.split("\n", 2)[2] + "\n" + inject_help() + "\n\nThe end-of-run summary's " + GOODPUT
     p.add_argument(
         "--config",
         type=Path,
@@ -224,6 +227,7 @@ def check_injections(injections: list[Any], steps: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from guard.store.layout import run_dir_problem
     from guard.store.reader import read_meta
     from trainer.checkpoint import latest_checkpoint
     from trainer.distributed import restart_count
@@ -241,6 +245,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--resume: run folder {str(run_dir)!r} does not exist")
     rank = int(os.environ.get("RANK", "0"))
     resume = args.resume
+    if (why := run_dir_problem(run_dir)) is not None:
+        raise ConfigError(
+            f"--run-dir {str(run_dir)!r}: {why}; pass a folder you can write to (nothing was written)"
+        )
     if not resume:
         refuse_reused_run_dir(run_dir, rank=rank, device=cfg.train.device)
     if (
@@ -265,6 +273,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{latest_checkpoint(run_dir / schema.CHECKPOINT_DIR)}",
                 file=sys.stderr,
             )
+    if rank == 0 and not resume:  # a drill whose fault lands before a detector arms says so
+        from guard.core.warmup import notices
+
+        for line in notices(cfg.guard, cfg.train.steps, [(i.kind, i.step, str(i)) for i in injections]):
+            print(f"moeguard train: note: {line}", file=sys.stderr)
     exporter = make_exporter(cfg, run_dir.name, run_dir, rank)
     trainer = Trainer(
         cfg, run_dir, resume=resume, injections=injections, progress=not args.no_progress, exporter=exporter

@@ -167,6 +167,17 @@ def drill(
     return out
 
 
+def warmup_notices(config: Path | None, steps: int, faults: list[str]) -> list[str]:
+    """A fault that lands inside a detector's warm-up gets no verdict: say so before the drill."""
+    from guard.core.warmup import notices
+    from trainer.cli import DEFAULT_CONFIG
+    from trainer.config import load_config
+    from trainer.inject import parse_injection
+
+    cfg = load_config(config or DEFAULT_CONFIG, {"train.steps": steps})
+    return notices(cfg.guard, steps, [(i.kind, i.step, f) for f in faults for i in [parse_injection(f)]])
+
+
 # A run that ended because someone stopped it: the demo stops too, with the run's exit code.
 STOPPED_BY_USER = {schema.STATUS_PREEMPTED: EXIT_PREEMPTED, schema.STATUS_INTERRUPTED: EXIT_INTERRUPTED}
 
@@ -174,6 +185,8 @@ STOPPED_BY_USER = {schema.STATUS_PREEMPTED: EXIT_PREEMPTED, schema.STATUS_INTERR
 def run(args: argparse.Namespace) -> int:
     faults = args.inject if args.inject is not None else DEFAULT_FAULTS
     print(f"moeguard demo: {args.steps} steps x 3 runs, seed {args.seed}, faults: {' '.join(faults)}")
+    for line in warmup_notices(args.config, args.steps, faults):
+        print(f"moeguard demo: note: {line}")
     results = drill(
         args.config,
         args.steps,

@@ -1,4 +1,4 @@
-"""What every attack needs: the real `moeguard collector` / `moeguard pager` in a temp dir on
+"""What every attack needs: the real `moeguard collector` in a temp dir on
 loopback, a recording receiver, raw-socket requests, and the ledger of acknowledged rows that
 decides "rows lost" (read back through guard/store/reader.py, the one run-store reader).
 """
@@ -10,7 +10,6 @@ import os
 import re
 import resource
 import select
-import selectors
 import socket
 import subprocess
 import sys
@@ -19,7 +18,6 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,7 +44,7 @@ class Row:
     what: str  # the attack, in words
     answer: str  # what the service answered, in words
     up: bool = False  # still serving at the end
-    lost: int = 0  # acknowledged rows (pager: acknowledged alerts) missing afterwards
+    lost: int = 0  # acknowledged rows missing afterwards
     twice: int = 0  # rows stored more than once
     held: bool = False  # answered as designed
 
@@ -210,7 +208,7 @@ def _copy(src: IO[bytes], dst: Path) -> None:
 
 
 class _Service:
-    """What the collector and pager wrappers share: the process, its URL and liveness."""
+    """What a service wrapper needs: the process, its URL and liveness."""
 
     proc: subprocess.Popen[bytes] | None
     url: str
@@ -297,113 +295,6 @@ class CollectorProc(_Service):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-class PagerProc(_Service):
-    """`python -m guard pager` on a free loopback port, its state and log in `work`."""
-
-    def __init__(self, work: Path, *flags: str, env: dict[str, str] | None = None) -> None:
-        work.mkdir(parents=True, exist_ok=True)
-        self.work, self.flags, self.env = work, flags, env or {}
-        self.log, self.state = work / "pager.log", work / "pager-state.json"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = ""
-
-    def start(self) -> PagerProc:
-        cmd = [sys.executable, "-m", "guard", "pager", "--port", "0", "--state", str(self.state), *self.flags]
-        with open(self.log, "ab") as err:
-            self.proc = _spawn(cmd, _service_env(self.env), stderr=err)
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        line = self.proc.stdout.readline().decode(errors="replace") if sel.select(90) else ""
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-        self.url = f"http://127.0.0.1:{m.group(1)}" if m else ""
-        try:
-            wait_until(lambda: m is not None and self.alive(), 60, "the pager to answer /healthz")
-        except TimeoutError:
-            _stop(self.proc, 5)
-            raise Down(f"pager did not start: {line!r}") from None
-        return self
-
-    def health(self) -> dict[str, Any]:
-        return httpx.get(f"{self.url}/healthz", timeout=10).json()
-
-    def post(self, path: str, body: Any) -> httpx.Response:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return httpx.post(f"{self.url}{path}", content=content, timeout=120)
-
-    def stop(self) -> None:
-        _stop(self.proc, 30)
-
-    def __enter__(self) -> PagerProc:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-# ---------------------------------------------------------------------------------------
-# a receiver standing in for Slack, PagerDuty and webhooks
-# ---------------------------------------------------------------------------------------
-class Receiver:
-    """Loopback HTTP server that records every POST (path, parsed JSON) and answers 200, or
-    `status` for the next `n` requests to a path given to `fail_next`."""
-
-    def __init__(self) -> None:
-        self.got: list[tuple[str, Any]] = []
-        self._fail: dict[str, list[int]] = {}
-        self._cond = threading.Condition()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with outer._cond:
-                    left = outer._fail.get(self.path)
-                    status = 200
-                    if left and left[0] > 0:
-                        left[0] -= 1
-                        status = left[1]
-                    else:
-                        outer.got.append((self.path, json.loads(raw or b"null")))
-                        outer._cond.notify_all()
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *a: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def fail_next(self, path: str, n: int, status: int = 503) -> None:
-        with self._cond:
-            self._fail[path] = [n, status]
-
-    def count(self, pred: Callable[[str, Any], bool]) -> int:
-        with self._cond:
-            return sum(1 for path, body in self.got if pred(path, body))
-
-    def wait(self, pred: Callable[[str, Any], bool], n: int = 1, timeout: float = 60.0) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while sum(1 for path, body in self.got if pred(path, body)) < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
 
 
 # ---------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,12 @@ def load_overlay(path: str, sig: tuple[int, ...], metric: str, x_axis: str, wind
     return overlay_series(load_steps(path, sig), metric, x_axis, window)
 
 
+def steady_median(perf: pl.DataFrame) -> float:
+    """Median steady-state tokens/s of one run (NaN when it has none)."""
+    t = perf["tokens_per_s"].filter(perf["tokens_per_s"].is_finite()) if perf.height else None
+    return float(t.median()) if t is not None and len(t) else float("nan")  # type: ignore[arg-type]
+
+
 def speedup(a: np.ndarray, b: np.ndarray, *, n_boot: int = 400, seed: int = 0) -> dict[str, float] | None:
     """How much faster B is than A from steady-state tokens/s samples (one per step).
 
@@ -131,15 +138,71 @@ def speedup(a: np.ndarray, b: np.ndarray, *, n_boot: int = 400, seed: int = 0) -
     }
 
 
-def speedup_sentence(name_a: str, name_b: str, r: dict[str, float]) -> str:
-    """'B is 5.5% faster than A (90% interval +3.1% .. +7.8%)', or that no difference is clear."""
-    span = f"90% interval {r['lo']:+.1f}% .. {r['hi']:+.1f}%"
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """Run-to-run spread of steady-state tokens/s among runs of one config (same code, model,
+    training config, environment), which a within-run interval cannot see: host drift, load."""
+
+    pct: float  # 100 * (largest run median / smallest - 1)
+    runs: tuple[str, ...]
+
+
+def speed_identity(meta: dict[str, Any]) -> str:
+    """What decides a run's speed besides the host: its config (seed, length, telemetry and guard
+    left out) and environment (torch, kernels, compile, device, dtype, ranks, git sha). Runs with
+    the same identity should run at the same speed; their spread is the host's."""
+    cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    cfg = {k: v for k, v in cfg.items() if k not in ("telemetry", "guard", "name")}
+    if isinstance(cfg.get("train"), dict):
+        cfg["train"] = {k: v for k, v in cfg["train"].items() if k not in ("seed", "steps")}
+    env = meta.get("env") if isinstance(meta.get("env"), dict) else {}
+    keep = {k: env.get(k) for k in (*ENV_KEYS, "device", "dtype", "world_size", "git_sha")}
+    return json.dumps({"config": cfg, "env": keep}, sort_keys=True, default=str)
+
+
+def run_spread(medians: dict[str, float]) -> Spread | None:
+    """The spread of same-identity runs' median tokens/s (None with fewer than two runs)."""
+    vals = {r: v for r, v in medians.items() if math.isfinite(v) and v > 0}
+    if len(vals) < 2:
+        return None
+    return Spread(100 * (max(vals.values()) / min(vals.values()) - 1), tuple(sorted(vals)))
+
+
+def speedup_sentence(
+    name_a: str,
+    name_b: str,
+    r: dict[str, float],
+    *,
+    spread: Spread | None = None,
+    same_config: bool = False,
+) -> str:
+    """What the steady-state tokens/s of two runs can say, and no more. The 90% interval is a
+    bootstrap over steps within each run: blind to drift between runs made at different times.
+    So a difference is set against the run-to-run spread of same-config runs when the store has
+    some, and otherwise said with that caveat and a pointer to the A/B canary, which can decide."""
+    span = f"90% interval {r['lo']:+.1f}% .. {r['hi']:+.1f}% over steps within each run"
     tps = f"steady-state tokens/s p50 {r['b']:,.0f} vs {r['a']:,.0f}"
-    if r["lo"] > 0:
-        return f"**{name_b}** is **{r['pct']:.1f}% faster** than **{name_a}** ({span}; {tps})."
-    if r["hi"] < 0:
-        return f"**{name_b}** is **{-r['pct']:.1f}% slower** than **{name_a}** ({span}; {tps})."
-    return f"No clear difference: **{name_b}** vs **{name_a}** {r['pct']:+.1f}% ({span} includes 0; {tps})."
+    if r["lo"] <= 0 <= r["hi"]:
+        return (
+            f"No clear difference: **{name_b}** vs **{name_a}** {r['pct']:+.1f}% ({span} includes 0; {tps})."
+        )
+    word = "higher" if r["pct"] > 0 else "lower"
+    head = f"**{name_b}**: tokens/s **{abs(r['pct']):.1f}% {word}** than **{name_a}** ({span}; {tps})."
+    if same_config:
+        return (
+            f"{head} The two runs have the same code, config and environment: the difference is "
+            "run-to-run variation (host drift, other load), not a speed difference."
+        )
+    if spread is not None:
+        seen = f"Same-config runs here vary by up to {spread.pct:.1f}% run to run ({len(spread.runs)} runs)"
+        if abs(r["pct"]) > spread.pct:
+            return f"{head} {seen}; this difference is larger than that."
+        return f"{head} {seen}; this difference is within that: not one this store can show."
+    return (
+        f"{head} Host drift between runs made at different times is not in that interval, and this "
+        "store has no same-config repeat to measure it: the A/B canary (`moeguard canary --ab A B`), "
+        "which interleaves A and B on one host, is the tool that can decide whether B is faster."
+    )
 
 
 # [model] keys that say how the model runs, not what it computes: a kernel or backend change

@@ -53,9 +53,33 @@ def evidence_text(row: dict[str, Any]) -> str:
         parts.append(f"value {fmt_value(v)} vs threshold {fmt_value(t)}")
     elif isinstance(v, float) and math.isnan(v) and row.get("detector") == schema.DET_NONFINITE:
         parts.append("value non-finite")
+    acted = row.get("action") in ACTIVE_ACTIONS
     for k, val in parse_detail(row.get("detail")).items():
+        if k == "severity":
+            # the detector's default level, not what happened: a "warning" that skipped the step
+            # read as if nothing was done. What the guard did is the mark's (or the line's) action.
+            if acted:
+                continue
+            val = f"{val} (recorded, no action)" if row.get("kind") == schema.EV_VERDICT else val
         parts.append(f"{k}: {fmt_value(val)}")
     return "<br>".join(parts)
+
+
+def misbehaving_layer(events: pl.DataFrame) -> int | None:
+    """The MoE layer the routing detectors flagged most (ties: the earliest), else the layer a bias
+    correction last targeted; None when no event names a layer. The expert-load panel opens on it."""
+    if events.height == 0:
+        return None
+    routing = events.filter(
+        ((pl.col("kind") == schema.EV_VERDICT) & pl.col("detector").is_in(list(schema.COLLAPSE_DETECTORS)))
+        | (pl.col("action") == schema.ACT_BIAS_CORRECT)
+    )
+    counts: dict[int, int] = {}
+    for d in routing["detail"].to_list():
+        layer = parse_detail(d).get("layer")
+        if isinstance(layer, int):
+            counts[layer] = counts.get(layer, 0) + 1
+    return max(counts, key=lambda k: (counts[k], -k)) if counts else None
 
 
 def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
@@ -142,22 +166,28 @@ def _step_decisions(steps: pl.DataFrame, at: pl.Series) -> dict[int, str]:
 
 
 def timeline_rows(events: pl.DataFrame) -> pl.DataFrame:
-    """Events for the timeline strip: one row each, lane = detector for verdicts else kind."""
+    """Events for the timeline strip: one dot per (step, lane, kind), lane = detector for verdicts
+    else kind. Events that would stack on one dot (a detector flagging several layers at one step)
+    share it, their evidence one after another in its hover, so none is hidden under another."""
+    sch = {"step": pl.Int64, "lane": pl.String, "kind": pl.String, "hover": pl.String}
     if events.height == 0:
-        return pl.DataFrame(
-            schema={"step": pl.Int64, "lane": pl.String, "kind": pl.String, "hover": pl.String}
+        return pl.DataFrame(schema=sch)
+    dots: dict[tuple[int, str, str], list[str]] = {}
+    for r in events.iter_rows(named=True):
+        lane = r["detector"] if r["kind"] == schema.EV_VERDICT else r["kind"]
+        text = evidence_text(r) + (
+            f"<br>action: {r['action']}" if r["action"] not in (schema.ACT_NONE, "", None) else ""
         )
-    hover = [
-        f"step {r['step']}<br>"
-        + evidence_text(r)
-        + (f"<br>action: {r['action']}" if r["action"] not in (schema.ACT_NONE, "") else "")
-        for r in events.iter_rows(named=True)
-    ]
-    return events.select(
-        "step",
-        pl.when(pl.col("kind") == schema.EV_VERDICT)
-        .then(pl.col("detector"))
-        .otherwise(pl.col("kind"))
-        .alias("lane"),
-        "kind",
-    ).with_columns(hover=pl.Series(hover, dtype=pl.String))
+        dots.setdefault((int(r["step"]), lane, r["kind"]), []).append(text)
+    return pl.DataFrame(
+        {
+            "step": [k[0] for k in dots],
+            "lane": [k[1] for k in dots],
+            "kind": [k[2] for k in dots],
+            "hover": [
+                f"step {k[0]}" + (f" ({len(v)} events)" if len(v) > 1 else "") + "<br>" + "<br>—<br>".join(v)
+                for k, v in dots.items()
+            ],
+        },
+        schema=sch,
+    )

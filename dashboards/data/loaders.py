@@ -36,7 +36,10 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
         "action_counts": actions.zero(),
         "verdicts": 0,
         "halts": 0,
+        "damaged": [],
     }
+    # (path, reason) of every part the reader skips: the pages say which files, not a traceback
+    out["damaged"] = [(str(d.path.relative_to(path)), d.reason) for d in reader.damaged_parts(path)]
     parts = reader.cached_part_files(path, schema.TABLE_STEPS)
     if parts:
         tail = (
@@ -55,7 +58,8 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
                 out[c] = float(vals.median()) if len(vals) else None  # type: ignore[arg-type]
         out["mfu_over"] = (
             reader.scan_table(path, schema.TABLE_STEPS, cached=True)
-            .select((pl.col("mfu") > MFU_LIMIT).sum())
+            # polars orders NaN above every number: a run with no peak (MFU NaN) is not "over"
+            .select((pl.col("mfu").is_finite() & (pl.col("mfu") > MFU_LIMIT)).sum())
             .collect()
             .item()
             or 0

@@ -58,11 +58,12 @@ class Peak:
         return f"{fmt_flops(self.flops)} {'self-measured' if self.kind == PEAK_SELF else self.kind}"
 
     def cell(self) -> str:
-        """'214 G pinned', '16 G self': short() narrower, for a table column headed 'peak FLOP/s'."""
+        """'214 GFLOP/s pinned', '16 GFLOP/s self': short() narrower, for a table cell (units
+        always: a bare '214 G' read as a count)."""
         if not self.flops:
             return "none"
         kind = "self" if self.kind == PEAK_SELF else self.kind
-        return f"{fmt_flops(self.flops).removesuffix('FLOP/s').rstrip()} {kind}"
+        return f"{fmt_flops(self.flops)} {kind}"
 
 
 def fmt_flops(v: float) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dashboards.data import status as run_status
+from guard.canary.ab_format import REPORT_DIR, WORKER_RUNS_DIR
 from guard.core import schema
 from guard.store import reader
 from guard.store.reader import list_runs, read_meta
@@ -58,6 +59,11 @@ class RunInfo:
     @property
     def has_steps(self) -> bool:
         return self.tables.get(schema.TABLE_STEPS, False)
+
+    @property
+    def canary(self) -> bool:
+        """A canary worker's run (meta.json "canary"), not one the user trained."""
+        return isinstance(self.meta.get("canary"), dict)
 
     @property
     def status_note(self) -> str:
@@ -169,12 +175,24 @@ def discover(runs_dir: str | Path, *, stale_after_s: float = DEFAULT_STALE_S) ->
     return sorted(infos, key=lambda r: -(r.updated_at or 0.0))
 
 
+def split_canary(infos: list[RunInfo]) -> tuple[list[RunInfo], list[RunInfo]]:
+    """(the user's runs, canary workers' runs). Canary workers write to RUNS/canary-runs/; older
+    canaries wrote beside the user's runs, and meta.json "canary" still tells them apart."""
+    return [i for i in infos if not i.canary], [i for i in infos if i.canary]
+
+
+# Folders moeguard itself keeps under a run store that are not runs: not "ignored" strays.
+OWN_FOLDERS = (REPORT_DIR, WORKER_RUNS_DIR)
+
+
 def stray_folders(runs_dir: str | Path) -> list[str]:
-    """Folders under runs_dir that are not runs (no meta.json)."""
+    """Folders under runs_dir that are not runs (no meta.json) nor moeguard's own (OWN_FOLDERS)."""
     d = Path(runs_dir)
     if not d.is_dir():
         return []
     runs = {p.name for p in list_runs(d)}
     return sorted(
-        p.name for p in d.iterdir() if p.is_dir() and p.name not in runs and not p.name.startswith(".")
+        p.name
+        for p in d.iterdir()
+        if p.is_dir() and p.name not in runs and p.name not in OWN_FOLDERS and not p.name.startswith(".")
     )

@@ -18,6 +18,9 @@ from typing import Any, NotRequired, TypedDict, Union, get_args, get_origin, get
 
 AB_JSON, AB_MD = "ab.json", "ab.md"
 REPORT_DIR = "canary-report"  # `moeguard canary`'s default --report-dir, under --runs
+# The canary's worker runs go here, under --runs: a run store of their own, kept apart from the
+# user's runs (`moeguard app --runs RUNS/canary-runs` opens them).
+WORKER_RUNS_DIR = "canary-runs"
 KIND = "ab"
 FORMAT = 1
 

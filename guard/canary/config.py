@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from guard.core.tomlconf import ConfigError, check, check_choice, from_dict, load_toml
+from guard.resources import resource
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = REPO / "configs" / "canary.toml"
+DEFAULT_CONFIG = resource("configs", "canary.toml")
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 TIMING_CPU, TIMING_WALL = "cpu", "wall"

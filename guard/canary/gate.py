@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from guard.canary.config import TIMING_CPU, CanaryConfig
 from guard.canary.history import baseline_span_h
-from guard.canary.keys import DATA_WAIT, LOSS, MEM, MFU, MFU_ADJ, MFU_METRICS, TPS
+from guard.canary.keys import CPU_EFFICIENCY, DATA_WAIT, LOSS, MEM, MFU, MFU_ADJ, MFU_METRICS, TPS
 from guard.canary.stats import process_pairs
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class MetricSpec:
 def metric_specs(timing: str) -> tuple[MetricSpec, ...]:
     tps_label = "tokens/s p50 (per CPU-second)" if timing == TIMING_CPU else "tokens/s p50"
     if timing == TIMING_CPU:
-        mfu = MetricSpec(MFU_ADJ, "MFU p50 (vs reference, host-adjusted)", True, "mfu")
+        mfu = MetricSpec(MFU_ADJ, f"{CPU_EFFICIENCY} p50 (vs reference matmul, host-adjusted)", True, "mfu")
     else:
         mfu = MetricSpec(MFU, "MFU p50", True, "mfu")
     return (

@@ -25,6 +25,13 @@ REF = "ref_cpu_ms_p50"  # the paired reference's p50 CPU time (CPU timing): how 
 MFU_ADJ = "mfu_host_adj_p50"  # CPU timing: MFU corrected for the host's speed (HostFit); the gated MFU
 PROC_MFU, PROC_REF = "process_mfu", "process_ref_ms"  # per worker process: MFU p50 and reference p50
 MFU_METRICS = (MFU, MFU_ADJ)
+# One MFU on every surface (CLI, Runs, Compare, canary report): the trainer's, against the peak of the
+# devices or CPU threads the run used. On CPU timing the canary gates on another number, named apart:
+# training FLOPs per CPU-second over a reference matmul's FLOPs per CPU-second, timed beside each step.
+MFU_DEFINITION = (
+    "MFU = training FLOPs/token x tokens/s / (peak FLOP/s per device or thread x devices or threads used)"
+)
+CPU_EFFICIENCY = "CPU efficiency"  # the CPU-timed canary's gated measure (mfu_p50 / mfu_host_adj_p50 keys)
 
 # The environment keys a history entry keeps and the report compares with the baseline's.
 ENV_KEYS = (

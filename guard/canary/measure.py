@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from guard.canary.ab_format import WORKER_RUNS_DIR
 from guard.canary.config import Setup, worker_overrides
 from guard.canary.keys import MFU
 from guard.canary.profile import profile_summary
@@ -38,6 +39,9 @@ def slug(text: str) -> str:
 
 
 def new_run_dir(runs: Path, name: str) -> Path:
+    """A new folder for one canary worker run: RUNS/canary-runs/<name>[-n], apart from the
+    user's runs in RUNS (guard/canary/ab_format.py WORKER_RUNS_DIR)."""
+    runs = runs / WORKER_RUNS_DIR
     d = runs / name
     n = 1
     while d.exists():

@@ -15,6 +15,7 @@ from guard.canary.config import EXIT_FAIL, EXIT_PASS, TIMING_CPU, CanaryConfig, 
 from guard.canary.gate import FAIL, HOST_FIT_MIN_POINTS, PASS, WARN, HostFit, Judgement, worst
 from guard.canary.history import finite, json_default
 from guard.canary.keys import (
+    CPU_EFFICIENCY,
     DATA_WAIT,
     ENV_KEYS,
     H_SHA,
@@ -24,6 +25,7 @@ from guard.canary.keys import (
     MEM,
     MFU,
     MFU_ADJ,
+    MFU_DEFINITION,
     MFU_METRICS,
     REF,
     TPS,
@@ -142,6 +144,19 @@ def _fmt_delta(row: dict[str, Any]) -> str:
     return f"{row['delta']:+.2f}{' pp' if row['unit'] == 'pp' else '%'}"
 
 
+def peak_text(run_or_rep: dict[str, Any], *, detail: bool = True) -> str:
+    """' of peak 107 GFLOP/s (pinned ..., x 1/2 cores ...)': what an MFU figure divides by."""
+    env = run_or_rep.get("env") or {}
+    peak = env.get("peak_flops")
+    if not isinstance(peak, int | float) or not peak > 0:
+        return " (no peak for this device: tokens/s is the measure)"
+    for unit, n in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("FLOP/s", 1.0)):
+        if peak >= n:
+            where = f" ({env.get('peak_flops_source', 'source not recorded')})" if detail else ""
+            return f" of peak {peak / n:.3g} {unit}{where}"
+    return ""
+
+
 def render_markdown(rep: dict[str, Any]) -> str:
     icon = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL"}[rep["verdict"]]
     out = [f"# Canary: {icon}", ""]
@@ -151,7 +166,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
     if rep["pooled"]:
         out += _decision_markdown(rep)
     for run in rep["runs"]:
-        out += _run_markdown(run)
+        out += _run_markdown({**run, "timing": rep["timing"], "env": rep.get("env")})
     out += _env_markdown(rep)
     out += _profile_markdown(rep)
     return "\n".join(out) + "\n"
@@ -159,7 +174,8 @@ def render_markdown(rep: dict[str, Any]) -> str:
 
 def _header_markdown(rep: dict[str, Any]) -> list[str]:
     timing = (
-        "thread CPU time, MFU against a numpy reference matmul timed right after every step"
+        f"thread CPU time; gated on {CPU_EFFICIENCY}: training FLOPs per CPU-second over a numpy reference "
+        "matmul's, timed right after every step (not MFU, which is below each run)"
         if rep["timing"] == TIMING_CPU
         else "wall clock"
     )
@@ -218,7 +234,8 @@ def _run_markdown(run: dict[str, Any]) -> list[str]:
     per_process = [v for v in s.get("process_mfu") or [] if isinstance(v, int | float)]
     if len(per_process) > 1:
         out += [
-            f"MFU p50 of each of its {len(per_process)} worker processes (the measurement is their "
+            f"{CPU_EFFICIENCY if run.get('timing') == TIMING_CPU else 'MFU'} p50 of each of its "
+            f"{len(per_process)} worker processes (the measurement is their "
             f"median): " + ", ".join(f"{100 * v:.3f}%" for v in per_process),
             "",
         ]
@@ -239,7 +256,7 @@ def _run_markdown(run: dict[str, Any]) -> list[str]:
         for k in (MFU, TPS, MEM, DATA_WAIT, LOSS):
             out.append(f"| {k} | {_fmt_value(k, s.get(k))} |")
     out.append(
-        f"\nWall clock (not gated on CPU): MFU p50 {_fmt_value('mfu', s.get('mfu_wall_p50'))}, "
+        f"\nWall clock (not gated on CPU): MFU p50 {_fmt_value('mfu', s.get('mfu_wall_p50'))}{peak_text(run)}, "
         f"tokens/s p50 {_fmt_value('tps', s.get('tokens_per_s_wall_p50'))}; "
         f"step p50 {s.get('step_cpu_ms_p50') or 0:.1f} ms CPU / {s.get('step_wall_ms_p50') or 0:.1f} ms wall."
     )
@@ -353,7 +370,15 @@ def print_summary(rep: dict[str, Any]) -> None:
     if mfu is not None and mfu["delta"] is not None:
         tail = f" ({_fmt_delta(mfu)} vs the median of {mfu['n_baseline']} baseline entries)"
     now = mfu["current"] if mfu else rep["runs"][-1]["summary"].get(MFU)
+    if not rows:  # no baseline: a PASS that compared nothing must say so
+        tail = " (nothing compared: no baseline for this machine and config)"
+    last = rep["runs"][-1]["summary"]
+    if rep.get("timing") == TIMING_CPU:  # the gated number is not MFU: named apart, MFU beside it
+        head = f"{CPU_EFFICIENCY} p50 {_fmt_value(MFU, now)} (gated; vs the reference matmul){tail}; "
+        head += f"MFU p50 {_fmt_value(MFU, last.get('mfu_wall_p50'))}{peak_text(rep, detail=False)}"
+    else:
+        head = f"MFU p50 {_fmt_value(MFU, now)}{peak_text(rep, detail=False)}{tail}"
     print(
-        f"canary {rep['verdict'].upper()}: MFU p50 {_fmt_value(MFU, now)}{tail}, "
-        f"{len(rep['runs'])} run(s); report: {rep.get('report_md', '')}"
+        f"canary {rep['verdict'].upper()}: {head}; {len(rep['runs'])} run(s); report: {rep.get('report_md', '')}"
     )
+    print(f"canary: {MFU_DEFINITION}")

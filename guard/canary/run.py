@@ -99,6 +99,8 @@ def run_canary(args: argparse.Namespace, setup: Setup) -> int:
         report["recorded"] = record(args, setup, judged, fingerprint, config_hash, gates)
     write_reports(report, Path(args.report_dir))
     print_summary(report)
+    if report.get("recorded"):
+        print(recorded_line(report["recorded"], baseline, judged))
     if args.record and not report["recorded"]["baseline"]:
         print(
             "moeguard canary: the run failed, so it was appended as a non-baseline entry; to accept a new "
@@ -146,6 +148,21 @@ def record(
     entry["fail_pct_applied"] = gates.mfu_fail_pct  # the widened line on a young CPU baseline
     append_history(Path(args.history), entry)
     return {"path": str(args.history), "baseline": as_baseline}
+
+
+def recorded_line(rec: dict[str, Any], baseline: list[dict[str, Any]], judged: Judgement) -> str:
+    """What --record / --append wrote, and against what this run was (or was not) compared."""
+    what = "a baseline entry" if rec["baseline"] else "a trend entry (not a baseline)"
+    against = (
+        f"it was compared with {len(baseline)} baseline entr{'y' if len(baseline) == 1 else 'ies'} first"
+        if baseline
+        else "nothing was compared (there was no baseline yet); later canaries on this machine and "
+        "config compare against it"
+    )
+    return (
+        f"canary recorded: appended this run ({len(judged.runs)} measurement(s)) to {rec['path']} as "
+        f"{what}; {against}"
+    )
 
 
 def report_error(m: Measurement) -> int:

@@ -14,6 +14,7 @@ from guard.core.progress import ProgressConfig
 
 STATE_DIR = ".collector"  # in each run folder: the log, state.json, commands.json
 STATE_FILE, COMMANDS_FILE, QUARANTINE_FILE = "state.json", "commands.json", "quarantine.json"
+PAGING_STATE_FILE = ".paging.json"  # in --runs: the paging windows (guard/collector/paging.py)
 SUPERSEDED_DIR = "superseded"  # in STATE_DIR: rows a new generation re-ran, kept
 RETIRED_GENERATIONS = 16  # superseded generations per rank whose late retries still dedupe
 COMMAND_ACTIONS = (schema.ACT_ROLLBACK, schema.ACT_HALT, schema.ACT_SKIP)
@@ -28,8 +29,12 @@ class CollectorConfig:
     guard: GuardConfig | None = field(default_factory=GuardConfig)  # None: no server-side detectors
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
     progress: ProgressConfig = field(default_factory=ProgressConfig)  # RunStuck deadlines
-    pager_url: str | None = None  # `moeguard pager` base URL: halt events are posted to its /v1/events
-    pager_token: str | None = None  # its bearer token (MOEGUARD_PAGER_TOKEN), if it wants one
+    # Alertmanagers that critical guard alerts are posted to (guard/collector/paging.py); every
+    # instance of a cluster. alert_labels: Prometheus's external labels, so both alerts are one.
+    alertmanager_urls: tuple[str, ...] = ()
+    alert_labels: dict[str, str] = field(default_factory=dict)
+    alert_resend_s: float = 60.0
+    alert_resolve_delay_s: float = 120.0  # guard/collector/paging.py RESOLVE_DELAY_S
     limits: CollectorLimits = field(default_factory=CollectorLimits)  # guard/core/limits.py
 
     def __post_init__(self) -> None:
@@ -37,5 +42,10 @@ class CollectorConfig:
             raise ValueError(f"max_body_bytes = {self.max_body_bytes}: must be >= 1024")
         if not self.checkpoint_interval_s > 0:
             raise ValueError(f"checkpoint_interval_s = {self.checkpoint_interval_s}: must be > 0")
-        if self.pager_url is not None and not self.pager_url.startswith(("http://", "https://")):
-            raise ValueError(f"pager_url = {self.pager_url!r}: must be an http(s) URL")
+        for url in self.alertmanager_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"alertmanager_url = {url!r}: must be an http(s) URL")
+        if not self.alert_resend_s > 0:
+            raise ValueError(f"alert_resend_s = {self.alert_resend_s}: must be > 0")
+        if not self.alert_resolve_delay_s >= 0:
+            raise ValueError(f"alert_resolve_delay_s = {self.alert_resolve_delay_s}: must be >= 0")

@@ -101,14 +101,39 @@ def _progress_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _peer_flags(parser: argparse.ArgumentParser) -> None:
-    """What the collector tells others: its port (to a launcher), halts (to the pager)."""
+    """What the collector tells others: its port (to a launcher), critical alerts (to Alertmanager)."""
     parser.add_argument("--port-file", default=None, help="write the bound port here once listening")
     parser.add_argument(
-        "--pager-url",
-        default=None,
+        "--alertmanager-url",
+        action="append",
+        default=[],
         metavar="URL",
-        help="`moeguard pager` base URL (e.g. http://127.0.0.1:9095): halt events are posted to its "
-        "/v1/events in the background, so a halt pages in seconds (bearer token from $MOEGUARD_PAGER_TOKEN)",
+        help="Alertmanager base URL (e.g. http://127.0.0.1:9093; repeat for every instance of a cluster): "
+        "critical guard alerts (RunHalted, repeated NaN, rollback storm, suspected hardware fault) are "
+        "posted to its /api/v2/alerts the moment they happen, labelled as the Prometheus rule's alert",
+    )
+    parser.add_argument(
+        "--alert-label",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a label added to every alert posted to Alertmanager (repeatable): give Prometheus's "
+        "external_labels, so Alertmanager sees the collector's alert and the rule's as one",
+    )
+    parser.add_argument(
+        "--alert-resend",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="re-send firing alerts this often; each one expires 4x later unless re-sent (default 60)",
+    )
+    parser.add_argument(
+        "--alert-resolve-delay",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="post a resolve this long after an alert ends: longer than Prometheus's scrape plus "
+        "evaluation interval, whose resolve comes first; else its late re-send pages again (default 120)",
     )
 
 
@@ -162,29 +187,34 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     guard_cfg = None if args.no_detectors else load_guard_config(args.guard) if args.guard else GuardConfig()
-    from guard.pager.config import ENV_PAGER_TOKEN
-
     try:
         limits = CollectorLimits(**{k: getattr(args, k) for k in LIMIT_FLAGS})
+        alert_labels = parse_labels(args.alert_label)
     except ValueError as e:
         print(f"moeguard collector: {e}", flush=True)
         return 2
-    cfg = CollectorConfig(
-        runs_dir=Path(args.runs),
-        token=token,
-        max_body_bytes=args.max_body_bytes,
-        limits=limits,
-        checkpoint_interval_s=args.checkpoint_interval,
-        guard=guard_cfg,
-        heartbeat=HeartbeatConfig(floor_s=args.heartbeat_floor),
-        pager_url=args.pager_url,
-        progress=ProgressConfig(
-            safety_factor=args.progress_safety,
-            floor_s=args.progress_floor,
-            first_deadline_s=args.progress_first_deadline,
-        ),
-        pager_token=os.environ.get(ENV_PAGER_TOKEN) or None,
-    )
+    try:
+        cfg = CollectorConfig(
+            runs_dir=Path(args.runs),
+            token=token,
+            max_body_bytes=args.max_body_bytes,
+            limits=limits,
+            checkpoint_interval_s=args.checkpoint_interval,
+            guard=guard_cfg,
+            heartbeat=HeartbeatConfig(floor_s=args.heartbeat_floor),
+            alertmanager_urls=tuple(args.alertmanager_url),
+            alert_labels=alert_labels,
+            alert_resend_s=args.alert_resend,
+            alert_resolve_delay_s=args.alert_resolve_delay,
+            progress=ProgressConfig(
+                safety_factor=args.progress_safety,
+                floor_s=args.progress_floor,
+                first_deadline_s=args.progress_first_deadline,
+            ),
+        )
+    except ValueError as e:
+        print(f"moeguard collector: {e}", flush=True)
+        return 2
     # A /metrics render is seconds of pure Python at 10k runs; with the default 5 ms GIL switch
     # interval every hand-off an ingest request needs (event loop, worker thread, after each
     # fdatasync) waits up to 5 ms behind it. 1 ms keeps ingest p99 low while a scrape renders.
@@ -208,3 +238,14 @@ def run(args: argparse.Namespace) -> int:
     )
     server.run(sockets=[sock])
     return 0
+
+
+def parse_labels(items: list[str]) -> dict[str, str]:
+    """["k=v", ...] -> {k: v}; ValueError naming the bad one."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise ValueError(f"--alert-label {item!r}: expected NAME=VALUE with NAME a label name")
+        out[name] = value
+    return out

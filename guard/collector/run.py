@@ -20,7 +20,6 @@ from guard.collector.commands import CommandLog
 from guard.collector.config import COMMANDS_FILE, CollectorConfig
 from guard.collector.errors import RunEvicted, StorageFailed
 from guard.collector.generations import CONFLICT, DUPLICATE, NEW, WriterGenerations
-from guard.collector.health import is_halt
 from guard.collector.journal import (
     Checkpoint,
     RunJournal,
@@ -29,6 +28,7 @@ from guard.collector.journal import (
     restore_counters,
     restore_liveness,
 )
+from guard.collector.paging import AlertmanagerNotifier
 from guard.collector.run_meta import RunMeta
 from guard.collector.status import ENDED, resume_event
 from guard.collector.storage import StoredState, load_commands
@@ -39,7 +39,6 @@ from guard.core.events import Event
 from guard.core.heartbeat import PHASE_TRAIN
 from guard.core.limits import check_detectors
 from guard.core.report import StepReport
-from guard.pager.notify import PagerNotifier
 from guard.wire.batch import Batch
 
 log = logging.getLogger("moeguard.collector")
@@ -55,7 +54,7 @@ class RunState:
         run_dir: Path,
         cfg: CollectorConfig,
         health: HealthBook,
-        notifier: PagerNotifier | None = None,
+        notifier: AlertmanagerNotifier | None = None,
     ) -> None:
         self.run, self.dir, self.cfg, self.health, self.notifier = run, run_dir, cfg, health, notifier
         self.lock = threading.Lock()
@@ -236,10 +235,8 @@ class RunState:
                 self.health.beat(self.run, b.rank, now, *beat, b.generation)
         if b.final:
             self.health.end_heartbeats(self.run, b.rank)
-        if self.notifier is not None and live:  # durable now; a replay never re-pages
-            for ev in b.events:
-                if is_halt(ev):
-                    self.notifier.submit(self.run, ev)
+        if self.notifier is not None and live:  # durable now; a replay never pages
+            self.notifier.observe(self.run, b.reports, events)
         self.commands.ack(b.rank, b.commands_ack)
 
     def _drop_pending_from(self, first: int) -> None:

@@ -81,9 +81,10 @@ moeguard_run_halted{run} = 1 and the run's status "halted" in meta.json. The run
 "resume" event, or when rank 0 sends reports of a new generation (the trainer was restarted with
 --resume; the collector then records a resume event itself, detail.source = "collector"), so
 RunHalted resolves and a later halt pages again. After a collector restart the latch is rebuilt
-from meta.json and the events (a halt at or after the last resume). With --pager-url, each halt
-event is also posted to `moeguard pager` /v1/events in the background (guard/pager/notify.py) once it
-is durable, so the page goes out in seconds; the pager files it under the RunHalted incident.
+from meta.json and the events (a halt at or after the last resume). With --alertmanager-url, the
+halt, and the other critical guard alerts (guard/core/paging.py), are also posted straight to every
+Alertmanager in the background (guard/collector/paging.py) once durable, labelled as the RunHalted
+rule's alert: the page goes out in seconds and Alertmanager holds one alert for both sources.
 
 Limits (guard/core/limits.py; flags --max-hot-runs, --max-ranks, --max-layers, --max-detectors,
 --max-series-per-run): a batch with a rank >= max_ranks, a report with more than max_layers layer
@@ -128,16 +129,16 @@ from collections.abc import Callable
 from typing import Any
 
 from guard.collector.book import HealthBook
-from guard.collector.config import STATE_DIR, CollectorConfig
+from guard.collector.config import PAGING_STATE_FILE, STATE_DIR, CollectorConfig
 from guard.collector.errors import GenerationConflict, RunDamaged, RunEvicted, RunQuarantined, StorageFailed
 from guard.collector.metrics import CollectorMetrics
+from guard.collector.paging import AlertmanagerNotifier
 from guard.collector.run import RunState
 from guard.collector.startup import load_all, quarantine
 from guard.collector.storage import restore_health
 from guard.core import schema
 from guard.core.limits import FLAGS as LIMIT_FLAGS
 from guard.core.limits import LimitExceeded
-from guard.pager.notify import PagerNotifier
 from guard.store.reader import read_meta
 from guard.wire.batch import BadRequest, check_generation, parse_batch
 from guard.wire.runs import RankListing, RunListing
@@ -167,7 +168,18 @@ class Collector:
         self.started = False
         self.pending_load = 0  # run folders the start-up scan has not read yet
         self.loaded = threading.Event()  # the start-up scan is done
-        self.notifier = PagerNotifier(cfg.pager_url, cfg.pager_token) if cfg.pager_url else None
+        self.notifier = (
+            AlertmanagerNotifier(
+                cfg.alertmanager_urls,
+                self.health,
+                labels=cfg.alert_labels,
+                resend_s=cfg.alert_resend_s,
+                resolve_delay_s=cfg.alert_resolve_delay_s,
+                state=cfg.runs_dir / PAGING_STATE_FILE,
+            )
+            if cfg.alertmanager_urls
+            else None
+        )
         self.metrics = CollectorMetrics(
             self.health,
             limits=cfg.limits,

@@ -22,6 +22,13 @@ from __future__ import annotations
 
 from typing import Any
 
+# Said once: `moeguard train --help`, its end-of-run summary and the README use these words.
+DEFINITION = (
+    "goodput = productive step time / wall time since the run's first start: the share of the run "
+    "spent computing updates that were applied and kept (badput: start-up, data wait, checkpoints, "
+    "steps the guard skipped, non-finite or rolled-back steps, restarts)"
+)
+
 KEYS = (
     "productive_s",
     "data_wait_s",

@@ -25,10 +25,16 @@ from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
-from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
-from opentelemetry.sdk.resources import Resource
+from guard.extras import MissingExtra, require
+
+try:
+    from opentelemetry.metrics import CallbackOptions, Observation
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+    from opentelemetry.sdk.resources import Resource
+except ImportError:  # one line naming the extra, not a traceback into opentelemetry
+    require("otel", "OTLP export (telemetry.otlp_endpoint)")
+    raise MissingExtra("OTLP export needs the 'otel' extra: pip install \"moeguard[otel]\"") from None
 
 from guard.core import schema
 from guard.core.events import Event

@@ -16,8 +16,11 @@ once per class with
 
 as best-of-N one-thread matmul FLOPs per second of *thread CPU time* (time the thread actually
 ran, so neighbours on a shared host do not shrink it) times the logical core count: what the
-machine could do with every core busy. A class with no entry gets no peak: MFU is NaN and
-tokens/s is the measure (the app and the progress bar say so), never a guess.
+machine could do with every core busy. A run pinned to fewer torch threads than the class has
+cores is held to the peak of the cores it can use: per-core peak x threads (a 1-thread canary
+worker on a 2-core class divides by half the pinned peak, not all of it), and the source says so.
+A class with no entry gets no peak: MFU is NaN and tokens/s is the measure (the app and the
+progress bar say so), never a guess.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import tomllib
 from pathlib import Path
 
 import torch
+
+from guard.resources import resource
 
 # bf16 dense (no sparsity) peaks from vendor datasheets; see docs REFERENCE. Matched in order on
 # the lower-cased device name; every listed token must appear. More specific entries first.
@@ -53,7 +58,7 @@ GPU_PEAK_BF16: list[tuple[tuple[str, ...], float, str]] = [
 # Names that contain a table token but are a different part: never guess.
 _NOT_IN_TABLE = ("h200 nvl", "gh200", "gb300", "mi300a")
 
-_CACHE: dict[tuple[str, int | None, torch.dtype], tuple[float | None, str]] = {}
+_CACHE: dict[tuple[str, int | None, torch.dtype, int], tuple[float | None, str]] = {}
 
 
 def peak_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> tuple[float | None, str]:
@@ -62,10 +67,11 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) 
     index = device.index
     if device.type == "cuda" and index is None:
         index = torch.cuda.current_device()
-    key = (device.type, index, dtype)
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    key = (device.type, index, dtype, threads)
     if key not in _CACHE:
         if device.type == "cpu":
-            _CACHE[key] = pinned_cpu_peak(dtype)
+            _CACHE[key] = pinned_cpu_peak(dtype, threads=threads)
         elif device.type == "cuda":
             _CACHE[key] = _gpu_table(torch.cuda.get_device_name(index), dtype)
         else:
@@ -90,7 +96,7 @@ def _gpu_table(name: str, dtype: torch.dtype) -> tuple[float | None, str]:
 # ---------------------------------------------------------------------------------------------
 # CPU: one pinned peak per machine class.
 
-CPU_PEAKS_FILE = Path(__file__).resolve().parents[2] / "configs" / "cpu_peaks.toml"
+CPU_PEAKS_FILE = resource("configs", "cpu_peaks.toml")  # the checkout's, or the wheel's share/moeguard
 CPU_PEAKS_VERSION = 1
 _DTYPE_KEY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -138,18 +144,27 @@ def load_cpu_peaks(path: Path = CPU_PEAKS_FILE) -> dict[str, dict]:
 
 
 def pinned_cpu_peak(
-    dtype: torch.dtype, machine_class: str | None = None, path: Path = CPU_PEAKS_FILE
+    dtype: torch.dtype,
+    machine_class: str | None = None,
+    path: Path = CPU_PEAKS_FILE,
+    *,
+    threads: int | None = None,
 ) -> tuple[float | None, str]:
-    """(peak FLOP/s or None, where it came from) for this machine class from the pinned file."""
+    """(peak FLOP/s or None, where it came from) for this machine class from the pinned file;
+    with `threads` below the class's cores, the peak of that many cores (per-core x threads)."""
     cls = machine_class or cpu_machine_class()
     key = _DTYPE_KEY.get(dtype, str(dtype))
     entry = load_cpu_peaks(path).get(cls, {})
     peak = entry.get(key)
     where = "configs/cpu_peaks.toml" if path == CPU_PEAKS_FILE else str(path)
     if isinstance(peak, int | float) and peak > 0:
-        return float(peak), (
+        cores = entry.get("cores")
+        cores = int(cores) if isinstance(cores, int) and cores > 0 else (os.cpu_count() or 1)
+        used = cores if threads is None or threads <= 0 else min(threads, cores)
+        scaled = f", x {used}/{cores} cores: the run uses {threads} torch thread(s)" if used < cores else ""
+        return float(peak) * used / cores, (
             f"pinned: {cls} {key} in {where}, measured {entry.get('measured', '?')} "
-            f"({entry.get('method', '?')})"
+            f"({entry.get('method', '?')}){scaled}"
         )
     return None, (
         f"no pinned {key} peak for CPU class {cls} in {where}: MFU not computed, "

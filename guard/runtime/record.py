@@ -16,7 +16,7 @@ from guard.core import actions, schema
 from guard.core.events import Event
 from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_TRAIN
 from guard.core.report import StepReport
-from guard.store.reader import read_meta
+from guard.store.reader import read_meta, scan_table
 from guard.store.runstore import RunStore
 from guard.store.writer import truncate_after
 
@@ -134,6 +134,29 @@ class RunRecord:
             self.exporter.close(timeout=30, final=status != schema.STATUS_CRASHED)
 
 
+def verdict_summary(run_dir: Any) -> str:
+    """'warnings: 5 verdicts the guard recorded without acting (throughput_drop 5); ...' from the
+    run's events table, or "" when every verdict led to an action (or there were none)."""
+    import polars as pl
+
+    ev = (
+        scan_table(run_dir, schema.TABLE_EVENTS)
+        .filter((pl.col("kind") == schema.EV_VERDICT) & (pl.col("action") == schema.ACT_NONE))
+        .group_by("detector")
+        .len()
+        .sort("len", descending=True)
+        .collect()
+    )
+    if not ev.height:
+        return ""
+    n = int(ev["len"].sum())
+    by = ", ".join(f"{d} {k}" for d, k in ev.iter_rows())
+    return (
+        f"warnings: {n} verdict(s) the guard recorded without acting ({by}); "
+        "the events table in the app and `moeguard replay` show each one"
+    )
+
+
 def summary_lines(
     run_dir: Path,
     *,
@@ -143,7 +166,7 @@ def summary_lines(
     goodput: float | None,
 ) -> list[str]:
     """The end-of-run summary, the same for `moeguard train` and every integration."""
-    gp = f"; goodput {goodput:.1%}" if goodput is not None else ""
+    gp = f"; goodput {goodput:.1%} (productive step time / wall time)" if goodput is not None else ""
     out = [
         f"run {run_dir.name}: {steps} steps, {counts.get(schema.ACT_APPLY, 0)} updates applied; "
         f"guard actions: {actions.summary_text(guard_actions)}{gp}"
@@ -153,5 +176,7 @@ def summary_lines(
         out.append(
             f"status {meta.get('status')}" + (f": {meta['status_note']}" if meta.get("status_note") else "")
         )
+    if warned := verdict_summary(run_dir):
+        out.append(warned)
     out.append(f"run store: {run_dir}  (open it with: moeguard app --runs {run_dir.parent})")
     return out

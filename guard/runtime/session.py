@@ -53,9 +53,25 @@ class Preempted(SystemExit):
         super().__init__(EXIT_PREEMPTED)
 
 
+# What a collective raises on this rank when a PEER rank died (gloo reads a reset connection;
+# NCCL and the c10d store raise DistBackendError / DistNetworkError).
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def peer_failed(exc: BaseException | None) -> bool:
+    """This rank failed only because another rank is gone (its collective lost the peer)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistBackendError | dist.DistNetworkError):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in PEER_GONE)
+
+
 def ending(exc: BaseException | None) -> tuple[str, str]:
     """(run status, note) for a run whose process is leaving with `exc` propagating (None: a
     normal close)."""
+    if peer_failed(exc):
+        return schema.STATUS_CRASHED, f"a collective failed because a peer rank is gone: {exc}"[:500]
     if exc is None:
         return schema.STATUS_FINISHED, ""
     if isinstance(exc, Preempted):
@@ -204,9 +220,16 @@ class RunSession:
         if self.closed:
             return
         self.closed = True
-        self._uninstall_sigterm()
         atexit.unregister(self._at_exit)
-        self.record.finish(status, note, **fields)
+        # A SIGTERM now (torchrun stopping the other ranks after one failed) must not cut the
+        # record of how the run ended short: it is held until meta.json and the last batch are out.
+        held = self._hold_sigterm()
+        try:
+            self.record.finish(status, note, **fields)
+        finally:
+            self._uninstall_sigterm()
+            if held is not None and held[0]:
+                os.kill(os.getpid(), signal.SIGTERM)  # delivered now, to whoever handles it
 
     def summary(self, **fields: Any) -> list[str]:
         if self.run_dir is None or self.rank != 0:
@@ -235,6 +258,20 @@ class RunSession:
             raise Preempted()
 
         self._sigterm_prev = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _hold_sigterm(self) -> list[bool] | None:
+        """Defer SIGTERM (main thread only); the list says whether one arrived meanwhile."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        got = [False]
+
+        def hold(signum: int, frame: Any) -> None:
+            got[0] = True
+
+        prev = signal.signal(signal.SIGTERM, hold)
+        if self._sigterm_prev is None:
+            self._sigterm_prev = prev
+        return got
 
     def _uninstall_sigterm(self) -> None:
         if self._sigterm_prev is not None and threading.current_thread() is threading.main_thread():

@@ -103,3 +103,26 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
+
+
+def run_dir_problem(run_dir: str | Path) -> str | None:
+    """Why a run can't be written to `run_dir` (None when it can): it is a file, a file sits
+    where one of its parents should be, or the nearest existing folder takes no new entries.
+    Leaves nothing behind: the write test creates and removes a temporary folder."""
+    import tempfile
+
+    d = Path(run_dir)
+    if d.exists() and not d.is_dir():
+        return "it is a file, not a folder"
+    top = d
+    while not top.exists():  # the nearest existing ancestor decides whether the rest can be made
+        if top.parent == top:
+            break
+        top = top.parent
+    if top.exists() and not top.is_dir():
+        return f"{str(top)!r} is a file, so no folder can be made under it"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moeguard-probe-", dir=top))
+    except OSError as e:
+        return f"cannot write in {str(top)!r} ({e.strerror})"
+    return None

@@ -5,7 +5,9 @@ Tolerant of what older or partial writers leave: a meta.json that is missing or 
 object reads as None; a table with no part yet scans as an empty frame of the right schema;
 a part written before a column existed gets that column as nulls (and extra columns are
 ignored); stray files in a table folder (temp names, anything not named like a part) are
-never read.
+never read; a damaged part (truncated by a crash, a full disk or a copy in progress, or not
+Parquet at all) is skipped with a `DamagedPartWarning` naming the file, and the rest of the table
+and every other run still read (`damaged_parts` lists them for the app and `moeguard replay`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,79 @@ from guard.core import actions, schema
 from guard.core.report import StepReport
 from guard.core.rows import reports_from_columns
 from guard.store.layout import parse_part_name, part_files, polars_schema, sorted_part_names
+
+PARQUET_MAGIC = b"PAR1"  # a Parquet file starts and ends with it; the footer length sits before the end
+
+
+class DamagedPartWarning(UserWarning):
+    """A part file that is not whole Parquet was skipped (the message names the file)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DamagedPart:
+    path: Path
+    reason: str
+
+    def message(self) -> str:
+        return f"skipped damaged part {self.path}: {self.reason}; the rest of the run reads without it"
+
+
+def part_problem(path: str | Path) -> str | None:
+    """Why a part file cannot be read as Parquet (None when it can): its magic bytes, footer
+    length and footer are checked, remembered per (path, size, mtime) so a file that a copy
+    finishes later is checked again."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    return _part_problem(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=65536)
+def _part_problem(path: str, size: int, mtime_ns: int) -> str | None:
+    del mtime_ns  # cache key only
+    if size < 12:
+        return f"{size} bytes, too short to be Parquet (a crash or a full disk?)"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+            f.seek(size - 8)
+            tail = f.read(8)
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if head != PARQUET_MAGIC:
+        return "does not start with Parquet's magic bytes (not a Parquet file)"
+    if tail[4:] != PARQUET_MAGIC:
+        return "has no Parquet footer: truncated (a crash, a full disk or a copy in progress?)"
+    if int.from_bytes(tail[:4], "little") + 12 > size:
+        return "its footer length points before the file's start (damaged)"
+    try:
+        pl.read_parquet_schema(path)
+    except Exception as e:  # polars raises several kinds for a bad footer
+        return "its footer cannot be parsed (" + (str(e).splitlines() or [type(e).__name__])[0][:120] + ")"
+    return None
+
+
+def good_parts(parts: list[Path]) -> list[Path]:
+    """`parts` without the damaged ones; each skipped file is reported as a DamagedPartWarning."""
+    out = []
+    for p in parts:
+        why = part_problem(p)
+        if why is None:
+            out.append(p)
+        else:
+            warnings.warn(DamagedPart(Path(p), why).message(), DamagedPartWarning, stacklevel=3)
+    return out
+
+
+def damaged_parts(run_dir: str | Path) -> list[DamagedPart]:
+    """Every part of every table of the run that readers skip, with the reason."""
+    return [
+        DamagedPart(p, why)
+        for t in schema.TABLES
+        for p in part_files(run_dir, t)
+        if (why := part_problem(p)) is not None
+    ]
 
 
 def read_meta(run_dir: str | Path) -> dict[str, Any] | None:
@@ -75,6 +152,7 @@ def _cached_names(table_dir: str, mtime_ns: int) -> tuple[str, ...]:
 def clear_cache() -> None:
     """Forget the remembered part listings (`cached_part_files`)."""
     _cached_names.cache_clear()
+    _part_problem.cache_clear()
 
 
 def scan_table(
@@ -86,6 +164,7 @@ def scan_table(
     if parts is None:
         parts = cached_part_files(run_dir, table) if cached else part_files(run_dir, table)
     sch = polars_schema(table)
+    parts = good_parts(parts)
     if not parts:
         return pl.LazyFrame(schema=sch)
     return pl.scan_parquet(
@@ -99,7 +178,7 @@ def read_table(run_dir: str | Path, table: str) -> pl.DataFrame:
 
 def missing_columns(run_dir: str | Path, table: str) -> list[str]:
     """Columns of the current schema that the table's first part lacks (older writers)."""
-    parts = cached_part_files(run_dir, table)
+    parts = good_parts(cached_part_files(run_dir, table))
     if not parts:
         return []
     have = set(pl.read_parquet_schema(parts[0]))

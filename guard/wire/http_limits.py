@@ -1,4 +1,4 @@
-"""A streaming request-body limit for moeguard's HTTP services (collector, pager).
+"""A streaming request-body limit for moeguard's HTTP services (the collector).
 
 `BodyLimit` is ASGI middleware: a request whose Content-Length passes the limit gets 413 before a
 byte of its body is read; one that streams past it (chunked, or lying about its length) gets 413

@@ -1,4 +1,4 @@
-"""The listening socket for moeguard's HTTP services (collector, pager).
+"""The listening socket for moeguard's HTTP services (the collector).
 
 Bound before the server starts so that `--port 0` works and the real port is known first. Made
 with proto=IPPROTO_TCP and TCP_NODELAY on purpose: asyncio turns Nagle off only on sockets whose

@@ -1,5 +1,5 @@
 """No secret from a URL in any log line, for every moeguard process that posts somewhere (the
-collector's pager notifier, the pager's sinks, guard/wire/retry.py's failure reasons).
+collector's Alertmanager client, guard/wire/retry.py's failure reasons).
 
 Webhook URLs carry their secret in the path (Slack's /services/T.../B.../<secret>), and httpx logs
 every request's full URL at INFO, so under `logging.basicConfig(level=INFO)` the secret would land

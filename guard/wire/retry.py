@@ -1,5 +1,5 @@
-"""One retry policy for every moeguard HTTP client: the trainer's exporter, the collector's pager
-notifier and the pager's deliveries to PagerDuty, Slack and webhooks.
+"""One retry policy for every moeguard HTTP client: the trainer's exporter and the collector's
+Alertmanager client (guard/collector/paging.py).
 
     policy = RetryPolicy(max_attempts=5, base_s=1.0, max_delay_s=30.0, timeout_s=10.0, deadline_s=120)
     outcome = post_with_retry(client, url, body_bytes, policy, stop=stop_event)
@@ -35,7 +35,7 @@ JITTER = (0.5, 1.0)  # the wait is the backoff times U(JITTER)
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RetryPolicy:
-    """Bounded exponential backoff with jitter; the `check` keys name the pager's CLI flags."""
+    """Bounded exponential backoff with jitter; the `check` keys name the setting (as a flag would)."""
 
     max_attempts: int | None = 5  # None: no count limit (the deadline, or the caller, ends it)
     base_s: float = 1.0  # the first wait's ceiling; each later one doubles

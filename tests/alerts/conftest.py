@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
+from guard.resources import resource
 from tests.helpers_http import free_port, http_json, wait_http, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-RULES = REPO / "alerts" / "moeguard.rules.yml"
+RULES = resource("alerts", "moeguard.rules.yml")  # the checkout's, or the installed wheel's
 PROMETHEUS = shutil.which("prometheus")
 
 

@@ -22,11 +22,12 @@ import polars as pl
 import pytest
 
 from guard.core import schema
+from guard.resources import resource
 from tests.alerts.conftest import PrometheusAPI
 from tests.alerts.promql import known_metric, metric_names
 
 REPO = Path(__file__).resolve().parents[2]
-PLAYBOOKS = REPO / "playbooks"
+PLAYBOOKS = resource("playbooks")  # the checkout's, or the installed wheel's
 SECTIONS = (
     "## What it means",
     "## Confirm",
@@ -331,4 +332,4 @@ def test_set_overrides_are_valid_config_keys() -> None:
     from trainer.cli import parse_overrides
 
     for item in set(overrides):
-        load_config(REPO / "configs" / "tiny.toml", parse_overrides([item]))  # raises ConfigError if bad
+        load_config(resource("configs", "tiny.toml"), parse_overrides([item]))  # raises ConfigError if bad

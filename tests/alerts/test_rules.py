@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 
 from guard.core import schema
+from guard.resources import resource
 from tests.alerts.conftest import PrometheusAPI
 from tests.alerts.promql import known_metric, label_values, metric_names
 
 REPO = Path(__file__).resolve().parents[2]
-ALERTS_DIR = REPO / "alerts"
+ALERTS_DIR = resource("alerts")  # the checkout's, or the installed wheel's (scripts/test-wheel)
 RULES = ALERTS_DIR / "moeguard.rules.yml"
 AM_CONFIG = ALERTS_DIR / "alertmanager.yml"
 PROMTOOL_TESTS = sorted((ALERTS_DIR / "tests").glob("*.yml"))
-PLAYBOOKS = REPO / "playbooks"
+PLAYBOOKS = resource("playbooks")
 PROMTOOL = shutil.which("promtool")
 AMTOOL = shutil.which("amtool")
 LAYER_ALERTS = {"ExpertCollapse", "DeadExperts", "RouterEntropyLow"}
@@ -84,12 +85,13 @@ def test_alertmanager_config_is_valid() -> None:
     ("labels", "receiver"),
     [
         (["alertname=Watchdog", "severity=none", "scope=run"], "blackhole"),
-        (["alertname=RunHalted", "severity=critical", "scope=run", "run=r1"], "moeguard-pager"),
+        (["alertname=RunHalted", "severity=critical", "scope=run", "run=r1"], "page"),
         (
             ["alertname=ExpertCollapse", "severity=warning", "scope=layer", "run=r1", "layer=3"],
-            "moeguard-pager",
+            "notify",
         ),
-        (["alertname=Straggler", "severity=warning", "scope=run", "run=r1", "rank=5"], "moeguard-pager"),
+        (["alertname=ExpertCollapse", "severity=critical", "scope=layer", "run=r1", "layer=3"], "page"),
+        (["alertname=Straggler", "severity=warning", "scope=run", "run=r1", "rank=5"], "notify"),
     ],
 )
 def test_alertmanager_routes(labels: list[str], receiver: str) -> None:
@@ -98,16 +100,48 @@ def test_alertmanager_routes(labels: list[str], receiver: str) -> None:
     assert r.stdout.split() == [receiver]
 
 
-def test_alertmanager_sends_to_the_pager_with_resolves() -> None:
+def test_alertmanager_pages_through_its_own_receivers_with_resolves() -> None:
     text = AM_CONFIG.read_text()
-    assert "url: http://127.0.0.1:9095/v1/alertmanager" in text
-    assert "send_resolved: true" in text
+    for receiver in ("pagerduty_configs:", "slack_configs:", "webhook_configs:"):
+        assert receiver in text
+    assert text.count("send_resolved: true") == 3
+    # secrets come from files, never from this file
+    assert "routing_key_file:" in text and "api_url_file:" in text
+    assert "routing_key:" not in text and "api_url:" not in text
     assert "group_by: [alertname, run]" in text
     assert re.search(
         r'source_matchers: \[scope="run", severity="critical"\]\s+target_matchers: \[scope="layer"\]'
         r"\s+equal: \[run\]",
         text,
     )
+
+
+def test_the_collectors_alerts_carry_their_rules_labels(prometheus: PrometheusAPI) -> None:
+    """guard/core/paging.py's PAGED alerts are posted by the collector with the labels of the
+    rule that fires for the same thing, so Alertmanager merges them into one alert: same name,
+    critical tier, same static labels, the rule's `by (...)` labels, window and threshold."""
+    from guard.core.paging import PAGED, alert_labels
+
+    rules = {(r["name"], r["labels"]["severity"]): r for r in alerting(prometheus)}
+    recorded = {r["name"]: r["query"] for r in prometheus.rules() if r["type"] == "recording"}
+    for a in PAGED:
+        rule = rules[(a.alertname, "critical")]
+        labels = alert_labels(a, "r1", "0")
+        static = {k: v for k, v in labels.items() if k not in a.by}
+        assert static == {"alertname": a.alertname, **rule["labels"]}, a.alertname
+        query = rule["query"]
+        for name, expr in recorded.items():  # read through the recording rule it uses
+            query = query.replace(name, f"({expr})")
+        by = re.findall(r"by \(([a-z, ]+)\)", query)
+        assert by and all(tuple(b.split(", ")) == a.by for b in by[:1]), (a.alertname, by)
+        if a.window_s > 0:
+            window = (
+                f"offset {int(a.window_s // 60)}m"
+                if a.window_s < 3600
+                else f"offset {int(a.window_s // 3600)}h"
+            )
+            assert window in query, (a.alertname, window, query)
+            assert re.search(rf"(>= {a.threshold}|> {a.threshold - 1})\s*$", rule["query"]), rule["query"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -135,7 +169,7 @@ def test_rule_labels_severity_and_scope(prometheus: PrometheusAPI) -> None:
         assert labels.get("scope") == ("layer" if name in LAYER_ALERTS else "run"), name
         assert labels.get("severity") in ({"none"} if name == "Watchdog" else {"critical", "warning"}), name
         severities.setdefault(name, set()).add(labels["severity"])
-        if name in LAYER_ALERTS:  # the inhibition and the pager's incident key need the layer label
+        if name in LAYER_ALERTS:  # the inhibition and the PagerDuty incident (group_by) need the layer label
             assert re.search(r"by \(run, layer\)", r["query"]), name
     assert {n for n, s in severities.items() if "critical" in s} == PAGING
 

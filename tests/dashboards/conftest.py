@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+import dashboards
 from dashboards.data import config
 from tests.dashboards.synth_store import make_store, write_canary_history
 
-APP = Path(__file__).resolve().parents[2] / "dashboards" / "app.py"
+APP = Path(dashboards.__file__).resolve().parent / "app.py"  # the checkout's, or the installed wheel's
 
 
 @pytest.fixture(scope="session")

@@ -93,11 +93,20 @@ def serve(runs: Path, history: Path, log: Path) -> Iterator[str]:
                 proc.wait()
 
 
-def _screenshot(page, url: str, out: Path, *, min_charts: int) -> dict:
-    """Load `url`, wait until `min_charts` plotly charts have drawn, screenshot the whole page."""
+def _screenshot(page, url: str, out: Path, *, min_charts: int, selector: str | None = None) -> dict:
+    """Load `url`, wait until `min_charts` plotly charts (and `selector`, if given) have drawn and
+    the script has finished, screenshot the whole page."""
     page.goto(url, wait_until="networkidle")
+    if selector:  # a page with no chart to wait for (Runs: its table) was shot before it drew
+        page.wait_for_selector(selector, timeout=120_000)
     page.wait_for_function(
         f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {min_charts}", timeout=60_000
+    )
+    # the script has finished (no "running" icon)
+    page.wait_for_function(
+        "!document.querySelector('[data-testid=stStatusWidgetRunningIcon], "
+        "[data-testid=stStatusWidgetRunningManIcon]')",
+        timeout=120_000,
     )
     page.wait_for_timeout(1500)  # let the last charts finish their layout transitions
     # Streamlit scrolls inside its own container: grow the viewport to the content so the

@@ -350,11 +350,13 @@ def test_app_command_refuses_a_missing_folder(tmp_path: Path, capsys) -> None:
 def test_app_command_runs_streamlit_headless(tmp_path: Path, monkeypatch) -> None:
     seen = {}
 
-    def fake_call(cmd, env=None):
+    def fake_serve(cmd):
         seen["cmd"] = cmd
         return 0
 
-    monkeypatch.setattr(launch.subprocess, "call", fake_call)
+    monkeypatch.setattr(
+        launch, "serve", fake_serve
+    )  # the child's lifetime: tests/dashboards/test_app_lifetime.py
     hist = tmp_path / "h.jsonl"
     assert (
         cli_main(
@@ -420,3 +422,22 @@ def test_collector_view_lists_a_live_collectors_runs(tmp_path: Path) -> None:
         assert open_alerts.fetch_open_alerts(c.url) == ({"live-1": 1}, None)
     finally:
         c.stop()
+
+
+def test_a_run_without_a_peak_has_no_mfu_artefacts(tmp_path: Path) -> None:
+    """MFU is NaN where no peak is known (a CPU class with no pinned peak): not 'above 100%'."""
+    from dashboards.data import loaders
+    from guard.store.writer import write_parts
+
+    run = tmp_path / "no-peak"
+    steps = pl.DataFrame(
+        {
+            "step": list(range(10)),
+            "loss": [1.0] * 10,
+            "mfu": [float("nan")] * 9 + [2.0],
+            "tokens_per_s": [5.0] * 10,
+        }
+    )
+    write_parts(run, {schema.TABLE_STEPS: steps}, 0)
+    summ = loaders.load_summary.__wrapped__(str(run), (0,))
+    assert summ["mfu_over"] == 1  # the one real > 100% value, not the nine NaNs

@@ -116,7 +116,7 @@ def test_runs_page_lists_every_run_with_status(store: Path, open_page) -> None:
     assert status[synth.INTERRUPTED] == schema.STATUS_INTERRUPTED
     assert status[synth.NONFINITE] == schema.STATUS_FINISHED_NONFINITE
     row = df[df["run"] == synth.GUARDED].iloc[0]
-    assert row["step"] == 599 and row["guard actions"] == 8 and row["verdicts"] == 7
+    assert row["steps"] == 600 and row["guard actions"] == 8 and row["verdicts"] == 7
     assert 35 < row["MFU %"] < 50 and row["tokens/s"] > 0
     assert (row["torch"], row["attention"], row["expert kernel"]) == ("2.9.1+cu128", "flash", "grouped_mm")
     unguarded = df[df["run"] == synth.UNGUARDED].iloc[0]
@@ -494,4 +494,6 @@ def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) ->
     runs_page = open_page("runs", runs)
     no_exception(runs_page)
     row = runs_page.dataframe[0].value.iloc[0]
-    assert list(row["status"]) == [schema.STATUS_FINISHED] and row["step"] == 44 and row["guard actions"] == 1
+    assert (
+        list(row["status"]) == [schema.STATUS_FINISHED] and row["steps"] == 45 and row["guard actions"] == 1
+    )

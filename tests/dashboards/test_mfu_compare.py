@@ -192,12 +192,12 @@ def test_runs_table_has_peak_and_config_columns_and_no_empty_note(mfu_store: Pat
     assert cols.index("tokens/s") < cols.index("MFU %") < cols.index("guard actions") < cols.index("MFU peak")
     assert "artefact" not in df.set_index("run").loc[PINNED]["MFU peak"]
     row = df.set_index("run").loc[SELF_PEAK]
-    assert row["MFU %"] > 100 and row["MFU peak"] == "artefact · 16 G self"
+    assert row["MFU %"] > 100 and row["MFU peak"] == "artefact · 16 GFLOP/s self"
     assert cols.index("expert kernel") < cols.index("tokens/s"), (
         "config before the wide columns: on screen at 1,600 px"
     )
-    assert df.set_index("run").loc[PINNED]["MFU peak"] == "214 G pinned"
-    assert df.set_index("run").loc[synth.GUARDED]["MFU peak"] == "989 T table"
+    assert df.set_index("run").loc[PINNED]["MFU peak"] == "214 GFLOP/s pinned"
+    assert df.set_index("run").loc[synth.GUARDED]["MFU peak"] == "989 TFLOP/s table"
 
 
 # ---- Compare page ---------------------------------------------------------------------------
@@ -208,14 +208,16 @@ def test_compare_says_how_much_faster_b_is(mfu_store: Path, open_page) -> None:
     at.selectbox(key="run_b").set_value(FAST).run()
     assert not at.exception
     text = " ".join(m.value for m in at.markdown)
-    m = re.search(r"B \(fast-kernel\)\*\* is \*\*([\d.]+)% faster\*\* than \*\*A \(guarded-faults\)", text)
+    m = re.search(
+        r"B \(fast-kernel\)\*\*: tokens/s \*\*([\d.]+)% higher\*\* than \*\*A \(guarded-faults\)", text
+    )
     assert m, (text, messages(at), [type(e).__name__ for e in at.main])
     assert 8.0 < float(m.group(1)) < 12.0, "tokens/s is 10% higher by construction"
     assert "90% interval +" in text
     assert any("expert_kernel grouped_mm → bmm" in c.value for c in at.caption)
     at.selectbox(key="run_a").set_value(FAST).run()
     at.selectbox(key="run_b").set_value(synth.GUARDED).run()
-    assert "% slower** than **A (fast-kernel)" in " ".join(m.value for m in at.markdown)
+    assert "% lower** than **A (fast-kernel)" in " ".join(m.value for m in at.markdown)
     # config columns and the profiler trace, per run
     table = at.dataframe[0].value.set_index("run")
     for c in ("torch", "attention", "expert kernel", "compile", "MFU peak", "tokens/s p50"):
@@ -268,7 +270,9 @@ def test_speedup_interval_and_no_clear_difference() -> None:
     assert compare.speedup_sentence("A", "B", r).startswith("No clear difference")
     r = compare.speedup(a, a * 1.055)
     assert r is not None and r["pct"] == pytest.approx(5.5) and 0 < r["lo"] < 5.5 < r["hi"]
-    assert "**B** is **5.5% faster** than **A**" in compare.speedup_sentence("A", "B", r)
+    said = compare.speedup_sentence("A", "B", r)
+    assert "**B**: tokens/s **5.5% higher** than **A**" in said
+    assert "not in that interval" in said and "moeguard canary --ab" in said  # no claim past what it knows
     assert compare.speedup(a[:5], b) is None
 
 

@@ -8,12 +8,15 @@ gate's power.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
 import pytest
 
 from guard.canary import config, gate, history, keys, matrix, profile, report, stats
+from guard.canary.ab_format import WORKER_RUNS_DIR
 from guard.cli import main
 from guard.core.tomlconf import ConfigError
 
@@ -69,7 +72,10 @@ def _canary(tmp: Path, *extra: str, report: str = "rep") -> int:
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A history with one baseline entry recorded by `--record` (shared by the gate tests)."""
     tmp = tmp_path_factory.mktemp("canary")
-    assert _canary(tmp, "--record", report="rep-record") == 0
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert _canary(tmp, "--record", report="rep-record") == 0
+    (tmp / "record.out").write_text(out.getvalue())
     return tmp
 
 
@@ -104,6 +110,22 @@ def test_record_appends_a_baseline_entry(recorded: Path) -> None:
     run_dir = Path(rep["runs"][0]["run_dir"])
     meta = json.loads((run_dir / "meta.json").read_text())
     assert meta["status"] == "finished" and meta["canary"]["timing"] in ("cpu", "wall")
+    # It says what it recorded and that nothing was compared (issue #31, item 10), not a bare PASS.
+    said = (recorded / "record.out").read_text()
+    assert "nothing compared" in said and "no baseline" in said, said
+    assert f"appended this run (1 measurement(s)) to {recorded / 'h.jsonl'} as a baseline entry" in said, said
+    assert "nothing was compared (there was no baseline yet)" in said, said
+    # One MFU (issue #31, item 4): the CPU canary's gated number is named apart from MFU, MFU is the
+    # trainer's (the Runs page's) with the peak it divides by, and the definition is printed.
+    if rep["timing"] == "cpu":
+        assert "CPU efficiency p50" in said and "(gated; vs the reference matmul)" in said, said
+    assert "; MFU p50 " in said or said.count("MFU p50") == 1, said
+    assert keys.MFU_DEFINITION in said
+    md = (recorded / "rep-record" / "canary.md").read_text()
+    assert "Wall clock (not gated on CPU): MFU p50" in md and (" of peak " in md or "no peak for this" in md)
+    # ... kept apart from the user's runs (issue #31, item 7): RUNS/canary-runs/, not RUNS/
+    assert run_dir.parent == (recorded / "runs" / WORKER_RUNS_DIR).resolve()
+    assert [p.name for p in (recorded / "runs").iterdir() if (p / "meta.json").is_file()] == []
 
 
 @pytest.mark.slow

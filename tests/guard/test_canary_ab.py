@@ -161,7 +161,9 @@ def test_a_two_cell_matrix_is_an_ab_canary_of_the_cell_against_the_reference(tmp
     )
     assert set(ref["runs"]) == set(ab_rep["sides"]["A"]["run_ids"])  # the reference's workers are real runs
     for rid in ref["runs"] + cell["runs"]:
-        assert (tmp_path / "runs" / rid / "meta.json").is_file()
+        assert (
+            tmp_path / "runs" / ab_format.WORKER_RUNS_DIR / rid / "meta.json"
+        ).is_file()  # apart from the user's
     md = (tmp_path / "rep" / "matrix.md").read_text()
     assert md.startswith("# Canary kernel matrix") and "| experts=bmm | " in md and "slower" in md
 

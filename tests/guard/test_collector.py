@@ -6,7 +6,6 @@ and talk to it with httpx.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -815,53 +814,3 @@ def test_parse_batch_final_flag() -> None:
     assert parse_batch(json.dumps(beat("r", 0, 1)).encode()).final is False
     with pytest.raises(BadRequest, match="'final'"):
         parse_batch(json.dumps(beat("r", 0, 1, final="yes")).encode())
-
-
-def test_halt_events_are_posted_to_the_pager_in_the_background(inproc: Any) -> None:
-    from tests.helpers_http import RecordingSink
-
-    with RecordingSink() as pager:
-        pager.fail_next(1, status=503)  # the pager is restarting: retried
-        c = inproc(pager_url=pager.url)
-        c.notifier.retry = dataclasses.replace(c.notifier.retry, base_s=0.05)
-        t0 = time.monotonic()
-        payload = batch("ph", 0, G1 | 1, [make_report(s) for s in range(4)], [halt_row(3)])
-        ingest(c, payload)
-        assert time.monotonic() - t0 < 1.0  # never on the request path
-        [got] = pager.wait_for(lambda r: r.status == 202, timeout=20)
-        assert got.path == "/v1/events" and [r.status for r in pager.received()] == [503, 202]
-        body = got.json
-        assert body["run"] == "ph" and body["step"] == 3 and body["kind"] == schema.EV_HALT
-        assert body["action"] == schema.ACT_HALT and body["value"] == 2.0
-        assert json.loads(body["detail"])["severity"] == "critical"
-        # the exporter retrying the same batch, and non-halt events: no second post
-        assert ingest(c, payload)["duplicate"] is True
-        ingest(
-            c,
-            batch(
-                "ph",
-                0,
-                G1 | 2,
-                [make_report(4)],
-                [
-                    Event(
-                        step=4, kind=schema.EV_VERDICT, detector=schema.DET_GRAD_SPIKE, action=schema.ACT_SKIP
-                    ).row()
-                ],
-            ),
-        )
-        c.close()
-        assert len(pager.received()) == 2 and c.notifier.stats == {"sent": 1, "failed": 0, "dropped": 0}
-
-
-def test_pager_post_gives_up_after_bounded_retries(inproc: Any) -> None:
-    from tests.helpers_http import RecordingSink
-
-    with RecordingSink() as pager:
-        pager.fail_next(100, status=500)
-        c = inproc(pager_url=pager.url + "/v1/events")
-        c.notifier.retry = dataclasses.replace(c.notifier.retry, base_s=0.01, max_attempts=3)
-        ingest(c, batch("pg", 0, G1 | 1, [make_report(0)], [halt_row(0)]))
-        pager.wait_for(lambda r: r.path == "/v1/events", count=3, timeout=20)
-        c.close()
-        assert len(pager.received()) == 3 and c.notifier.stats["failed"] == 1

@@ -280,41 +280,11 @@ def test_a_model_without_moe_is_refused_by_name() -> None:
 
 
 def _cpu_shim(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torchtitan 0.3.0 sets device_type = "cuda" on a host without an accelerator and its Trainer
-    calls torch.cuda.set_device: point the device globals of the modules that imported them at
-    torch.cpu (plus the memory-stat calls its metrics make, which torch.cpu lacks), and no-op
-    set_pg_timeouts (it calls torch.distributed.set_timeout, which torch 2.13 lacks). Training
-    itself (train_step, the optimizers container, its hooks, FSDP of one rank) is torchtitan's."""
-    import importlib
-    import types
+    """torchtitan pointed at the CPU as the launcher does on a host without CUDA
+    (guard/integrations/torchtitan/cpu.py), undone after the test."""
+    from guard.integrations.torchtitan.cpu import use_cpu
 
-    cpu = types.SimpleNamespace(
-        **{k: getattr(torch.cpu, k) for k in dir(torch.cpu) if not k.startswith("__")}
-    )
-    cpu.__dict__.update(
-        get_device_name=lambda *a: "cpu",
-        current_device=lambda: 0,
-        device_count=lambda: 1,
-        get_device_properties=lambda *a: types.SimpleNamespace(total_memory=1 << 30),
-        reset_peak_memory_stats=lambda *a: None,
-        empty_cache=lambda: None,
-        memory_stats=lambda *a: {},
-    )
-    for name in (
-        "tools.utils",
-        "distributed.utils",
-        "distributed.parallel_dims",
-        "components.metrics",
-        "models.common.token_dispatcher",
-        "tools.profiler",
-    ):
-        mod = importlib.import_module(f"torchtitan.{name}")
-        for attr, value in (("device_type", "cpu"), ("device_module", cpu)):
-            if hasattr(mod, attr):
-                monkeypatch.setattr(mod, attr, value)
-    monkeypatch.setattr(
-        importlib.import_module("torchtitan.distributed.utils"), "set_pg_timeouts", lambda **k: None
-    )
+    use_cpu(monkeypatch.setattr)
     monkeypatch.setenv("LOCAL_RANK", "0")
 
 
@@ -322,10 +292,8 @@ def test_torchtitans_own_trainer_is_guarded(
     tmp_path: Path, corpus: np.ndarray, parallel_dims: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import gc
-    from dataclasses import dataclass
 
     from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import (
@@ -333,7 +301,6 @@ def test_torchtitans_own_trainer_is_guarded(
         default_adamw,
         register_moe_load_balancing_hook,
     )
-    from torchtitan.components.tokenizer import BaseTokenizer
     from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
     from torchtitan.protocols.model_spec import ModelSpec
@@ -342,48 +309,8 @@ def test_torchtitans_own_trainer_is_guarded(
     from guard.integrations.torchtitan import GuardedTrainer
 
     _cpu_shim(monkeypatch)
-    data = torch.from_numpy(corpus.astype(np.int64))
 
-    class Bytes(BaseTokenizer):  # no hub download: bytes are the vocabulary
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseTokenizer.Config):
-            pass
-
-        def __init__(self, config: object, tokenizer_path: str | None = None) -> None:
-            super().__init__()
-
-        def encode(self, s: str, *a: object, **k: object) -> list[int]:
-            return list(s.encode())
-
-        def decode(self, ids: list[int], *a: object, **k: object) -> str:
-            return bytes(ids).decode(errors="replace")
-
-        def get_vocab_size(self) -> int:
-            return VOCAB
-
-    class Windows(BaseDataLoader):  # random windows of the stdlib source
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseDataLoader.Config):
-            pass
-
-        def __init__(self, config: object, *, seq_len: int, local_batch_size: int, **_: object) -> None:
-            self.seq, self.batch, self.rng = seq_len, local_batch_size, np.random.default_rng(0)
-
-        def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-            while True:
-                x = torch.stack(
-                    [
-                        data[s : s + self.seq + 1]
-                        for s in self.rng.integers(0, len(data) - self.seq - 1, self.batch)
-                    ]
-                )
-                yield {"input": x[:, :-1]}, x[:, 1:]
-
-        def state_dict(self) -> dict:
-            return {}
-
-        def load_state_dict(self, sd: dict) -> None:
-            pass
+    from bench.torchtitan_registry import Bytes, Windows  # no hub download: bytes, stdlib windows
 
     class Spiky(GuardedTrainer):  # type: ignore[misc, valid-type]
         def forward_backward_step(self, **kwargs: object) -> torch.Tensor:

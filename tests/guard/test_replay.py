@@ -43,3 +43,30 @@ def test_replay_command_prints_json_lines(tmp_path: Path, capsys) -> None:
     assert cli_main(["replay", str(run), "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert any(x["step"] == SPIKE and x["detector"] == schema.DET_GRAD_SPIKE for x in lines)
+
+
+def test_replay_guard_file_is_layered_over_the_recorded_settings(tmp_path: Path, capsys) -> None:
+    """Issue #31, item 5: a file naming one key changes that key only; the rest stay as recorded
+    (before, every other setting fell back to the defaults), and the output says what changed."""
+    run = tmp_path / "r"
+    store = RunStore(run, flush_every=50)
+    recorded = {"grad_spike": {"rel_max": 5.0}, "collapse": {"maxvio": 1.5}, "policy": {"skip_window": 77}}
+    store.write_meta(
+        {"run_id": "r", "status": "finished", "config": {"guard": recorded, "optim": {"lr": 1e-3}}}
+    )
+    for s in range(60):
+        store.add_step(make_report(s, t=1000.0 + s))
+    store.close()
+    override = tmp_path / "g.toml"
+    override.write_text("[guard.collapse]\nwarmup = 100\n")
+    from guard.replay import guard_config_of
+
+    cfg, _ = guard_config_of(run, override)
+    assert cfg.collapse.warmup == 100
+    assert cfg.collapse.maxvio == 1.5 and cfg.grad_spike.rel_max == 5.0 and cfg.policy.skip_window == 77
+    assert cli_main(["replay", str(run), "--guard", str(override)]) == 0
+    out = capsys.readouterr().out
+    assert "layered over them: guard.collapse.warmup 250 -> 100" in out.splitlines()[0]
+    override.write_text("collapse.warmup = 250\n")  # no [guard] table: the whole file is the table
+    assert cli_main(["replay", str(run), "--guard", str(override)]) == 0
+    assert "it changes nothing" in capsys.readouterr().out

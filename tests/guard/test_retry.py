@@ -1,5 +1,5 @@
 """guard/wire/retry.py: the one retry policy every moeguard HTTP client uses (the exporter, the
-collector's pager notifier, the pager's deliveries), against a local recording server."""
+collector's Alertmanager client), against a local recording server."""
 
 from __future__ import annotations
 

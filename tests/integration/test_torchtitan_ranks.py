@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ pytest.importorskip(
     "torchtitan", reason="torchtitan (and triton) not installed: pip install torchtitan==0.3.0 triton"
 )
 
+from bench.torchtitan_launch import torchrun_command  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.store.reader import read_meta, read_table  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
@@ -39,33 +39,41 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 BATCH, SEQ, TOP_K = 8, 64, 2  # tiny_moe's local batch, sequence and router top-k
 
 
+def job_pids(marker: str) -> list[int]:
+    """Every process launched with MOEGUARD_TEST_JOB=<marker>: torchrun's agent and its workers
+    (which torchrun starts in sessions of their own, out of reach of a killpg of the agent)."""
+    out = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            env = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if f"MOEGUARD_TEST_JOB={marker}".encode() in env:
+            out.append(pid)
+    return out
+
+
+def kill_job(marker: str) -> None:
+    """kill -9 of the whole job: the agent and every rank."""
+    for pid in job_pids(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def launch(tmp: Path, run: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """The README's command on two ranks, in its own process group (so a test can kill -9 it)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "guard.integrations.torchtitan",
-        "--module",
-        "bench.torchtitan_registry",
-        "--config",
-        "tiny_moe",
-        "--dump_folder",
-        str(tmp / "out"),
-        "--run-dir",
-        str(tmp / run),
-        *args,
-    ]
+    cmd = torchrun_command(
+        2, "tiny_moe", "--dump_folder", str(tmp / "out"), "--run-dir", str(tmp / run), *args
+    )
     full_env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
         "MOEGUARD_DECISION_LOG": str(tmp / "decisions"),
         "MOEGUARD_TT_PROBE_DIR": str(tmp / "probe"),
+        "MOEGUARD_TEST_JOB": str(tmp / run),  # how kill_job finds every process of this job
         **(env or {}),
     }
     full_env.pop(schema.ENV_COLLECTOR, None)
@@ -79,7 +87,7 @@ def finish(proc: subprocess.Popen, tmp: Path, run: str, timeout: float = 420) ->
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(str(tmp / run))
         raise AssertionError(
             f"torchrun did not finish; log:\n{(tmp / f'{run}.log').read_text()[-4000:]}"
         ) from None
@@ -175,8 +183,9 @@ def test_kill_9_and_relaunch_resume_from_torchtitans_checkpoint_with_the_guards_
         wait_until(lambda: (ckpt / "step-20").is_dir() or proc.poll() is not None, timeout=600)
         time.sleep(3.0)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole job: torchrun's agent and both ranks
+        kill_job(str(tmp_path / run))  # the whole job: torchrun's agent and both ranks
     proc.wait(timeout=30)
+    wait_until(lambda: not job_pids(str(tmp_path / run)), timeout=30)
     assert not (ckpt / "step-40").exists(), "the job finished before it was killed"
     first = guard_state(ckpt / "step-20")
     assert first["step"] == 20
@@ -194,3 +203,14 @@ def test_kill_9_and_relaunch_resume_from_torchtitans_checkpoint_with_the_guards_
     resumes = read_table(tmp_path / run, "events").filter(pl.col("kind") == schema.EV_RESUME)
     assert resumes["step"].to_list() == [20]
     assert json.loads(resumes["detail"].item())["checkpoint"] == "step-20"
+
+
+@pytest.mark.timeout(600)
+def test_no_guard_is_torchtitans_own_trainer_untouched(tmp_path: Path) -> None:
+    """`--no-guard` (the overhead and canary baseline): torchtitan trains, nothing of moeguard's runs."""
+    run = "plain"
+    proc = launch(tmp_path, run, "--training.steps", "5", "--checkpoint.interval", "1000", "--no-guard")
+    assert finish(proc, tmp_path, run) == 0, (tmp_path / f"{run}.log").read_text()[-4000:]
+    assert not (tmp_path / run).exists()  # no run store
+    assert not (tmp_path / "decisions").exists()  # no guard decided anything
+    assert len((tmp_path / "probe" / "digest-r0.txt").read_text().split()) == 2  # torchtitan stepped

@@ -10,7 +10,7 @@ from guard.core.detectors.robust import RingBuffer, is_finite, median_of
 from guard.core.events import Verdict
 
 # Data waits a StallDetector collects (after its warm-up) before it judges any.
-_STALL_BASELINE = 8
+STALL_BASELINE = 8
 
 
 class StallDetector:
@@ -32,7 +32,7 @@ class StallDetector:
         self.n_seen += 1
         if self.n_seen <= cfg.warmup:
             return Verdict.ok(self.name)  # worker start-up; also kept out of the baseline
-        if len(self._win) < min(_STALL_BASELINE, self._win.capacity):
+        if len(self._win) < min(STALL_BASELINE, self._win.capacity):
             # No baseline yet: judging against min_seconds alone would flag a steadily slow
             # loader forever, since flagged waits never join the baseline.
             self._win.push(x)

@@ -49,6 +49,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--guard", type=Path, metavar="FILE.toml", help="guard settings")
     p.add_argument("--collector", metavar="URL", help="collector URL (default $MOEGUARD_COLLECTOR)")
     p.add_argument("--run-dir", type=Path, metavar="DIR", help="run store folder (its name is the run id)")
+    p.add_argument(
+        "--no-guard",
+        action="store_true",
+        help="torchtitan's own Trainer, unguarded (the baseline of an overhead or canary measurement)",
+    )
     return p
 
 
@@ -82,16 +87,21 @@ def main(argv: list[str] | None = None) -> int:
     if cpu.needs_cpu():
         cpu.use_cpu()
     config = ConfigManager().parse_args(rest)
-    trainer = guarded_trainer()(
-        config, guard_config=guard_config, run_dir=args.run_dir, collector=args.collector
-    )
+    if args.no_guard:
+        from torchtitan.trainer import Trainer
+
+        trainer = Trainer(config)
+    else:
+        trainer = guarded_trainer()(
+            config, guard_config=guard_config, run_dir=args.run_dir, collector=args.collector
+        )
     try:
         trainer.train()
     except BaseException:
         trainer.close()  # inside the handler: the run is recorded as crashed / preempted / interrupted
         raise
     trainer.close()
-    halted = trainer.halted
+    halted = getattr(trainer, "halted", False)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return EXIT_HALTED if halted else 0

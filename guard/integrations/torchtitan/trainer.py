@@ -9,6 +9,7 @@ Nothing of torchtitan's train_step is copied. What changes:
     drops the data window a rollback asks to skip;
   * the checkpointer carries the guard's state (torchtitan's Stateful protocol, key "moeguard"),
     so a resume keeps every baseline; a save beats in the `checkpoint` phase and is an event;
+    torchtitan's validation beats in the `eval` phase;
   * a halt stops the loop after a full checkpoint; a non-finite loss the guard skipped does not
     crash the run (torchtitan raises on one at its log steps);
   * GuardedStep streams to the collector (every rank), MFU from torchtitan's own
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from guard.core import schema
-from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_DATA, PHASE_TRAIN
+from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_DATA, PHASE_EVAL, PHASE_TRAIN
 from guard.integrations.torchtitan import OptimizersView, attach
 
 STATE_KEY = "moeguard"  # the guard's entry in torchtitan's checkpoint
@@ -113,6 +114,9 @@ def guarded_trainer() -> type:
                 self.checkpointer.states[STATE_KEY] = GuardState(self.guarded)
                 self._save = self.checkpointer.save
                 self.checkpointer.save = self._guarded_save  # type: ignore[method-assign]
+            if config.validator.enable:
+                self._validate = self.validator.validate
+                self.validator.validate = self._guarded_validate  # type: ignore[method-assign]
 
         # ---- the step ----------------------------------------------------------------------
         def batch_generator(
@@ -184,6 +188,16 @@ def guarded_trainer() -> type:
                 return saved
             finally:
                 ckpt.interval = interval
+
+        def _guarded_validate(self, *args: Any, **kwargs: Any) -> Any:
+            """torchtitan's validation, in the eval phase (a long eval is not a hang); its time is
+            not the next step's."""
+            self.guarded.session.phase(PHASE_EVAL, beat=True)
+            try:
+                return self._validate(*args, **kwargs)
+            finally:
+                self.guarded.session.phase(PHASE_TRAIN, beat=True)
+                self.guarded.restart_clock()
 
         def close(self) -> None:
             self.guarded.close(*self._ending())

@@ -1,0 +1,220 @@
+"""End to end: a guarded two-rank torchtitan job pages a human through the production path.
+
+    torchrun -m guard.integrations.torchtitan --collector URL   (2 ranks, gloo, CPU)
+        -> moeguard collector (/metrics) -> Prometheus (alerts/moeguard.rules.yml, 1 s scrapes)
+        -> Alertmanager (alerts/alertmanager.yml, 1 s group timers) -> a recording webhook sink
+
+Every piece is the real binary or CLI on loopback. Only the `for:` of the alerts under test is
+shortened (60x), as in tests/integration/test_e2e_paging.py. Each rank beats every second
+($MOEGUARD_HEARTBEAT_S) so the collector's floors can be small and the drills quick.
+
+1. An operator's halt (the collector's command API) stops the job after a full checkpoint:
+   RunHalted notifies once; the same command again resumes from it and RunHalted resolves.
+2. kill -9 of rank 1: HeartbeatLost names rank 1. Rank 0's next collective fails because its
+   peer is gone: it records the run as crashed, saying so ("a peer rank is gone"), and as a
+   crashed rank it sends no final batch, so it is paged lost too (the whole job is down; its
+   status note points at the rank that died first). docs/NOTES.md: telling the two apart.
+3. Rank 1 hangs inside a step for 40 s while its process lives (its peer waits in the next
+   collective): RunStuck names rank 1 within the learned deadline; no HeartbeatLost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("torchtitan", reason="torchtitan (and triton) not installed")
+
+from bench.torchtitan_launch import torchrun_command  # noqa: E402
+from guard.core import schema  # noqa: E402
+from guard.store.reader import read_meta  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
+from tests.guard.test_collector import CollectorProc  # noqa: E402
+from tests.helpers_alerting import (  # noqa: E402
+    ALERTMANAGER,
+    PROMETHEUS,
+    RULES,
+    Proc,
+    fast_rules,
+    start_alertmanager,
+    start_prometheus,
+)
+from tests.helpers_http import RecordingSink, wait_http, wait_until  # noqa: E402
+from tests.integration.test_torchtitan_ranks import job_pids, kill_job  # noqa: E402
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.skipif(PROMETHEUS is None or ALERTMANAGER is None, reason="needs prometheus + alertmanager"),
+]
+
+TOKEN = "tt-e2e-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+UNDER_TEST = {"RunHalted", "HeartbeatLost", "RunStuck"}
+HEARTBEAT_FLOOR_S = 8.0  # well above the ranks' 1 s beats and a loaded box's hiccups
+PROGRESS_FLOOR_S = 4.0
+
+
+@dataclass
+class Stack:
+    tmp: Path
+    sink: RecordingSink
+    collector: CollectorProc
+    jobs: list[subprocess.Popen]
+    markers: list[str]
+
+    def launch(self, run: str, *args: str, faults: str = "") -> subprocess.Popen:
+        marker = f"{self.tmp}:{run}"
+        self.markers.append(marker)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+            schema.ENV_TOKEN: TOKEN,
+            "MOEGUARD_HEARTBEAT_S": "1",
+            "MOEGUARD_TT_FAULTS": faults,
+            "MOEGUARD_TEST_JOB": marker,  # how worker_pid and kill_job find this job's processes
+        }
+        out = ["--dump_folder", str(self.tmp / run / "out"), "--run-dir", str(self.tmp / "runs" / run)]
+        cmd = torchrun_command(2, "tiny_moe", *out, "--collector", self.collector.url, *args)
+        log = open(self.tmp / f"{run}.log", "ab")
+        p = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.jobs.append(p)
+        return p
+
+    def run_info(self, run: str) -> dict[str, Any] | None:
+        r = httpx.get(f"{self.collector.url}/v1/runs", headers=AUTH, timeout=10)
+        return next((x for x in r.json().get("runs", []) if x.get("run") == run), None)
+
+    def notifications(self, alert: str, run: str, status: str) -> list[dict[str, Any]]:
+        """Alertmanager's webhook alerts for `alert` of `run` in state `status`, in arrival order."""
+        out = []
+        for rec in list(self.sink.requests):
+            for a in (rec.json or {}).get("alerts", []):
+                lab = a.get("labels", {})
+                if lab.get("alertname") == alert and lab.get("run") == run and a.get("status") == status:
+                    out.append(a)
+        return out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("tt-e2e")
+    procs: list[Proc] = []
+    jobs: list[subprocess.Popen] = []
+    markers: list[str] = []
+    with RecordingSink(default_status=200) as sink:
+        collector = CollectorProc(
+            tmp / "collector-runs",
+            "--heartbeat-floor",
+            str(HEARTBEAT_FLOOR_S),
+            "--progress-floor",
+            str(PROGRESS_FLOOR_S),
+            "--checkpoint-interval",
+            "0.5",
+            token=TOKEN,
+            stderr=tmp / "collector.log",
+        ).start()
+        try:
+            am = start_alertmanager(
+                tmp, int(sink.url.rsplit(":", 1)[1])
+            )  # its webhook receiver posts to the sink
+            procs.append(am)
+            rules = fast_rules(RULES.read_text(), speedup=60, alerts=UNDER_TEST)
+            prom = start_prometheus(tmp, [f"127.0.0.1:{collector.port}"], am.port, rules)
+            procs.append(prom)
+            wait_http(f"{am.url}/-/ready", timeout=60)
+            wait_http(f"{prom.url}/-/ready", timeout=60)
+            yield Stack(tmp, sink, collector, jobs, markers)
+        finally:
+            for marker in markers:
+                kill_job(marker)
+            for j in jobs:
+                j.wait(30)
+            for p in reversed(procs):
+                p.stop()
+            collector.stop()
+            out = REPO / "test-output" / "torchtitan_paging"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "sink.json").write_text(json.dumps([r.json for r in sink.requests], indent=1, default=str))
+
+
+def streaming(s: Stack, run: str, step: int) -> bool:
+    info = s.run_info(run)
+    return bool(info) and int(info.get("last_step") or -1) >= step
+
+
+def worker_pid(marker: str, rank: int) -> int:
+    """The pid of the worker of `rank` in the job launched with `marker` (torchrun's workers carry
+    RANK and the launch's environment)."""
+    for pid in job_pids(marker):
+        try:
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no worker of rank {rank} for {marker}")
+
+
+@pytest.mark.timeout(600)
+def test_an_operators_halt_pages_once_and_the_relaunch_resolves_it(stack: Stack) -> None:
+    s, run = stack, "tt-halt"
+    job = s.launch(run, "--training.steps", "90", "--checkpoint.interval", "1000")
+    wait_until(lambda: streaming(s, run, 10) or job.poll() is not None, timeout=300, interval=0.5)
+    assert job.poll() is None, (s.tmp / f"{run}.log").read_text()[-3000:]
+    r = httpx.post(
+        f"{s.collector.url}/v1/runs/{run}/commands",
+        json={"action": "halt", "reason": "e2e drill"},
+        headers=AUTH,
+        timeout=10,
+    )
+    assert r.status_code == 200, r.text
+    assert job.wait(timeout=300) != 0  # a halted job does not read as a success to its scheduler
+    meta = read_meta(s.tmp / "runs" / run)
+    assert meta["status"] == schema.STATUS_HALTED and "operator" in meta["status_note"]
+    halted_at = meta["final_step"]
+    wait_until(lambda: s.notifications("RunHalted", run, "firing"), timeout=120, interval=0.5)
+    again = s.launch(run, "--training.steps", "90", "--checkpoint.interval", "1000")
+    assert again.wait(timeout=400) == 0, (s.tmp / f"{run}.log").read_text()[-3000:]
+    wait_until(lambda: s.notifications("RunHalted", run, "resolved"), timeout=120, interval=0.5)
+    assert len(s.notifications("RunHalted", run, "firing")) == 1
+    meta = read_meta(s.tmp / "runs" / run)
+    assert meta["status"] == schema.STATUS_FINISHED and meta["restarts"] == 1 and halted_at < 90
+
+
+@pytest.mark.timeout(600)
+def test_kill_9_of_one_rank_pages_heartbeat_lost_naming_it(stack: Stack) -> None:
+    s, run = stack, "tt-killed"
+    job = s.launch(run, "--training.steps", "2000", "--checkpoint.interval", "1000")
+    wait_until(lambda: streaming(s, run, 10) or job.poll() is not None, timeout=300, interval=0.5)
+    os.kill(worker_pid(s.markers[-1], 1), signal.SIGKILL)
+    job.wait(timeout=120)  # torchrun stops rank 0 (SIGTERM) and exits
+    wait_until(
+        lambda: "1" in {a["labels"]["rank"] for a in s.notifications("HeartbeatLost", run, "firing")},
+        timeout=60,
+        interval=0.5,
+    )
+    meta = read_meta(s.tmp / "runs" / run)  # rank 0 recorded how it ended, torchrun's SIGTERM or not
+    assert meta["status"] == schema.STATUS_CRASHED and "peer rank is gone" in meta["status_note"], meta
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_hung_inside_a_step_pages_run_stuck_naming_it(stack: Stack) -> None:
+    s, run = stack, "tt-stuck"
+    job = s.launch(run, "--training.steps", "60", "--checkpoint.interval", "1000", faults="hang@30:40/r1")
+    stuck = wait_until(lambda: s.notifications("RunStuck", run, "firing"), timeout=300, interval=0.5)
+    assert "1" in {a["labels"]["rank"] for a in stuck}
+    assert job.wait(timeout=300) == 0  # the step completes after the hang and the run ends
+    assert not s.notifications("HeartbeatLost", run, "firing")
+    wait_until(lambda: s.notifications("RunStuck", run, "resolved"), timeout=120, interval=0.5)
