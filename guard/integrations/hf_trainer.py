@@ -91,6 +91,10 @@ class MoEGuardCallback(TrainerCallback):
         self._losses: list[torch.Tensor] = []
         self._scaled = False
         self._tokens = 0
+        self._seq_len = 0
+        self._model: Any = None
+        self._inner: Any = None
+        self._att: Attachment | None = None
 
     # ---- set-up ----------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -105,7 +109,7 @@ class MoEGuardCallback(TrainerCallback):
             )
         if getattr(args, "deepspeed", None):
             raise ValueError("MoEGuardCallback: DeepSpeed owns the optimizer step; not supported")
-        if self.guarded is not None:  # a second train() call: start afresh
+        if self._model is not None:  # a second train() call: start afresh
             self._close()
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
         att = self.attach
@@ -115,18 +119,7 @@ class MoEGuardCallback(TrainerCallback):
             att = self._own_attach = attach(model)
         self._args, self._clip = args, float(args.max_grad_norm or 0.0)
         args.max_grad_norm = 0.0  # the guard clips, after it has seen the unclipped norm
-        self.guarded = GuardedStep(
-            model,
-            inner,
-            attach=att,
-            run_dir=self._run_dir(args),  # GuardedStep: rank 0 writes it, every rank spools there
-            config=self.config,
-            max_lr=self.max_lr if self.max_lr is not None else _peak_lr(inner),
-            grad_clip=max(self._clip, 0.0),
-            collector=self.collector,
-            flops_per_token=self.flops_per_token if self.flops_per_token is not None else _flops(model),
-            **self.extra,
-        )
+        self._model, self._inner, self._att = model, inner, att
         self._optimizer = optimizer
         self._trainer_step = optimizer.step
 
@@ -138,6 +131,27 @@ class MoEGuardCallback(TrainerCallback):
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.step = step  # an instance attribute: the Trainer's call lands here
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
+
+    def _build(self, args: Any) -> GuardedStep:
+        """The GuardedStep, at the first optimizer step: its FLOPs per token (MFU) need the
+        sequence length, which only the first batch tells (the routers were hooked at train start,
+        so that step's routing is counted)."""
+        model, inner = self._model, self._inner
+        flops = self.flops_per_token
+        if flops is None and self._seq_len:
+            flops = _flops(model, self._seq_len)
+        return GuardedStep(
+            model,
+            inner,
+            attach=self._att,
+            run_dir=self._run_dir(args),  # GuardedStep: rank 0 writes it, every rank spools there
+            config=self.config,
+            max_lr=self.max_lr if self.max_lr is not None else _peak_lr(inner),
+            grad_clip=max(self._clip or 0.0, 0.0),
+            collector=self.collector,
+            flops_per_token=flops,
+            **self.extra,
+        )
 
     def _run_dir(self, args: Any) -> Path:
         if self.run_dir is not None:
@@ -157,6 +171,7 @@ class MoEGuardCallback(TrainerCallback):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor):
             self._tokens += ids.numel()
+            self._seq_len = self._seq_len or int(ids.shape[-1])
 
     def _step_loss(self, args: Any, device: torch.device) -> torch.Tensor:
         """The loss the Trainer back-propagated over this step's micro-batches (see the module doc);
@@ -173,9 +188,11 @@ class MoEGuardCallback(TrainerCallback):
     # ---- the optimizer step ------------------------------------------------------------
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
         """The guard decides this optimizer step and applies it (or not) through GuardedStep."""
+        if self._model is None:
+            return None  # not started by on_train_begin
+        if self.guarded is None:
+            self.guarded = self._build(args)
         g = self.guarded
-        if g is None:
-            return None
         n_micro = max(len(self._losses), 1)
         loss = self._step_loss(args, next(g.model.parameters()).device)
         planned = [gr["lr"] for gr in g.optimizer.param_groups]
@@ -224,14 +241,13 @@ def _peak_lr(optimizer: torch.optim.Optimizer) -> float:
     return max(float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups)
 
 
-def _flops(model: nn.Module) -> float | None:
-    """Training FLOPs per token for MFU, where guard.integrations.transformers can count them."""
-    from guard.integrations import transformers as tf_adapter
-
-    count = getattr(tf_adapter, "flops_per_token", None)
-    if count is None:
+def _flops(model: nn.Module, seq_len: int) -> float | None:
+    """Training FLOPs per token for MFU (guard/integrations/hf_flops.py), None where it cannot count."""
+    try:
+        from guard.integrations.hf_flops import flops_per_token
+    except ImportError:
         return None
     try:
-        return float(count(model))
-    except (TypeError, ValueError):  # a model it cannot count: no MFU, training goes on
+        return float(flops_per_token(model, seq_len=seq_len))
+    except (TypeError, ValueError, AttributeError):  # a model it cannot count: no MFU, training goes on
         return None

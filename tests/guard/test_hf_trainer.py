@@ -82,6 +82,8 @@ def test_spike_and_nan_are_skipped_bitwise_with_the_schedule_held(family: str, t
     assert len(grad_norms) == steps and all(np.isfinite(grad_norms[i]) for i in range(steps) if i != nan)
     assert res["max_grad_norm_after"] == 1.0  # the clip moved into the guard and came back
     assert res["lr_bound"] == 3e-3  # the schedule's peak, though the warm-up starts at 0
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["flops_per_token"] > 0  # counted from the model and the first batch (MFU)
     events = read_table(run, "events")
     fired = events.filter(pl.col("kind") == schema.EV_VERDICT)
     assert set(fired["step"].to_list()) == {spike, nan}
