@@ -10,9 +10,9 @@ What runs. Each worker is one run of the command (a fresh process; it may start 
 in the order, pairs and statistics of `--ab` (guard/canary/ab.py: ABBA pairs, the median per-pair
 B/A ratio, its sign-test interval, the verdict, the report with the environment diff). The
 command trains with GuardedStep or MoEGuardCallback and writes its run store where the canary
-says: the canary hands every run a fresh run directory as $MOEGUARD_RUN_DIR (MoEGuardCallback
-and the torchtitan launcher take it as their default) and in the `{run_dir}` placeholder (for a
-loop that passes `run_dir=` itself). Other placeholders: `{python}` (the side's interpreter) and
+says: the canary hands every run a fresh run directory as $MOEGUARD_RUN_DIR (MoEGuardCallback's
+default run_dir) and in the `{run_dir}` placeholder (for a loop that passes `run_dir=` itself);
+the torchtitan launcher is given it as --run-dir. Other placeholders: `{python}` (the side's interpreter) and
 `{steps}` (--steps; also $MOEGUARD_CANARY_STEPS). `--torchtitan JOB` runs torchtitan's own
 trainer through moeguard's launcher: `torchrun --standalone --nproc_per_node NPROC -m
 guard.integrations.torchtitan --run-dir RUN ARGS --dump_folder RUN/torchtitan [--training.steps N]`,

@@ -19,7 +19,7 @@ import pytest
 
 from guard.canary import own
 from guard.canary.ab import Side
-from guard.canary.ab_format import read_report
+from guard.canary.ab_format import WORKER_RUNS_DIR, read_report
 from guard.canary.keys import RUN_DIR_ENV, SLOW_ENV, STEPS_ENV
 from guard.canary.slow import StepBurner
 from guard.cli import main
@@ -62,7 +62,7 @@ def test_a_script_with_b_slowed_fails_and_every_run_is_the_commands_own(tmp_path
     assert rep["config_label"] == f"script: {LOOP} --steps 40"
     for w in rep["workers"]:  # each worker is the command's own run store, in the canary's runs
         run = Path(w["run_dir"])
-        assert run.parent == tmp_path / "runs" and (run / "meta.json").is_file()
+        assert run.parent == tmp_path / "runs" / WORKER_RUNS_DIR and (run / "meta.json").is_file()
         assert w["window_steps"] == 30 and w["timing"] == "cpu"  # steps 10..39; CPU host
     ratios = [p["ratio"]["speed"] for p in rep["pairs"]]
     assert all(0.45 < r < 0.85 for r in ratios), ratios  # 50% more CPU per step: ~0.67
