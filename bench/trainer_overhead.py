@@ -47,6 +47,7 @@ class _Gate(TrainerCallback):
 
     def __init__(self) -> None:
         self.go, self.done = threading.Semaphore(0), threading.Semaphore(0)
+        self.ready = threading.Event()  # the Trainer is set up (accelerate prepared) and waits
         self.started = False
         self.stop = False
 
@@ -54,6 +55,7 @@ class _Gate(TrainerCallback):
         if self.started:
             self.done.release()  # the previous step, its logging and the next batch are over
         self.started = True
+        self.ready.set()
         self.go.acquire()
         if self.stop:
             control.should_training_stop = True
@@ -110,6 +112,10 @@ class Driven:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"trainer-{name}", daemon=True)
         self.thread.start()
+        # accelerate's state is process-wide: the next Trainer is built only once this one is set up
+        while not self.gate.ready.wait(0.1):
+            if self.error is not None or not self.thread.is_alive():
+                raise RuntimeError(f"the Trainer thread failed: {self.error!r}") from self.error
 
     def _run(self) -> None:
         try:
@@ -117,6 +123,7 @@ class Driven:
         except BaseException as e:  # surfaced by step()/close()
             self.error = e
         finally:
+            self.gate.ready.set()
             self.gate.done.release()
 
     def step(self, _: Any) -> None:
