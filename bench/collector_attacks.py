@@ -12,9 +12,14 @@ once. "Held" means the service answered as designed; a DEFECT row is a finding, 
 
 I/O errors are real ones: the collector's RLIMIT_FSIZE is set to 1 byte with prlimit(2) for the
 moment of the attack, so its writes fail with EFBIG (Python ignores SIGXFSZ), then lifted.
+Issue #32's attacks (bench/attacks/resilience.py, edges.py): a flood of idle connections against a
+collector started with a 1,024 open-files limit while a real Exporter streams; EMFILE mid-run (the
+limit cut with prlimit(2) to what it has open + 8, then lifted); ENOSPC mid-run on a 32 MB tmpfs
+mounted under the runs (needs root; without it the row says skipped, and the io_error_* rows'
+RLIMIT_FSIZE stands in); trainer clocks an hour, a day and a month off; validation at the edge.
 
-The attacks live in bench/attacks/ (store.py, writers.py, abuse.py, liveness.py; the
-pager's attacks went with `moeguard pager`, issue #29);
+The attacks live in bench/attacks/ (store.py, writers.py, abuse.py, liveness.py, resilience.py,
+edges.py; the pager's attacks went with `moeguard pager`, issue #29);
 --write-docs writes the table into docs/BENCHMARKS.md (section collector_attacks).
 """
 
@@ -32,7 +37,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.attacks import abuse, liveness, store, writers
+from bench.attacks import abuse, edges, liveness, resilience, store, writers
 from bench.attacks.kit import Row, stop_all
 
 ATTACKS: dict[str, Callable[[Path], Row]] = {
@@ -57,6 +62,11 @@ ATTACKS: dict[str, Callable[[Path], Row]] = {
     "commands_read_no_token": abuse.commands_read_no_token,
     "malformed_fields": abuse.malformed_fields,
     "hung_rank": liveness.hung_rank,
+    "idle_flood_1024": resilience.idle_flood_1024,
+    "emfile_mid_run": resilience.emfile_mid_run,
+    "enospc_tmpfs": resilience.enospc_tmpfs,
+    "skewed_clocks": edges.skewed_clocks,
+    "validation_edges": edges.validation_edges,
 }
 
 
@@ -81,7 +91,7 @@ def run_one(name: str, work: Path) -> Row:
 def markdown(rows: list[Row], command: str, machine: str, wall_s: float) -> str:
     held = sum(r.held for r in rows)
     lines = [
-        "## Collector and pager under attack (issue #13, `bench/collector_attacks.py`)",
+        "## Collector and pager under attack (issues #13 and #32, `bench/collector_attacks.py`)",
         "",
         f"`{command}` ({machine}, the cores shared with other work; {len(rows)} attacks in {wall_s:.0f} s)",
         "",
@@ -106,7 +116,25 @@ def markdown(rows: list[Row], command: str, machine: str, wall_s: float) -> str:
         "",
         f"{held}/{len(rows)} held; rows lost in all: {lost}; services down after an attack: {down}.",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _issue32(rows))
+
+
+def _issue32(rows: list[Row]) -> list[str]:
+    """Issue #32's figures over its attacks (floods, transient errors, clocks, validation)."""
+    ours = [r for r in rows if r.item.startswith("32.")]
+    if not ours:
+        return []
+    p99 = [r.p99_ms for r in ours if r.p99_ms >= 0]
+    flood = f"{max(p99):.0f} ms" if p99 else "not measured"
+    return [
+        "",
+        "Issue #32's targets, over its attacks:",
+        "",
+        "| attacks tried | services down | acknowledged rows lost | runs left quarantined after the condition cleared | client p99 during the flood |",
+        "|---|---|---|---|---|",
+        f"| {len(ours)} | {sum(not r.up for r in ours)} (target 0) | {sum(max(r.lost, 0) for r in ours)} (target 0) "
+        f"| {sum(r.quarantined_after for r in ours)} (target 0) | {flood} (target < 1 s) |",
+    ]
 
 
 def _cell(s: str) -> str:

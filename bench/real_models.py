@@ -24,7 +24,8 @@ import torch
 
 from guard.api import GuardedStep
 from guard.core.config import GuardConfig
-from guard.integrations.tiny import FAMILIES, build
+from guard.integrations.base import BiasCorrector
+from guard.integrations.tiny import ALL_FAMILIES, FAMILIES, build
 from guard.integrations.transformers import attach, force_collapse
 from guard.store.reader import read_table
 
@@ -59,6 +60,7 @@ def drill(
     seq: int = 64,
     balance_coef: float = 1e-2,
     correct: bool = True,
+    bias_update: str | None = "sign",
 ) -> dict[str, Any]:
     """One guarded run; returns its actions, verdicts and final loss. `correct=False`: the guard
     detects but the model offers it no corrector (the control of a collapse drill)."""
@@ -69,7 +71,11 @@ def drill(
     # own, so run DeepSeek-V3's sign update (u = 1e-2: 1e-3 leaves these tiny layers collapsed for
     # hundreds of steps); the aux-loss families get a per-layer balancing weight (transformers' aux
     # loss pools the load over all layers and lets single layers collapse).
-    att = attach(model, bias_update_rate=1e-2 if family == "deepseek_v3" else 0.0, balance_coef=balance_coef)
+    # Every selection-bias family gets the same (issue #28: transformers updates none of them).
+    att = attach(model, balance_coef=balance_coef)
+    if isinstance(att.corrector, BiasCorrector) and bias_update is not None:
+        att.corrector.update = bias_update
+        att.corrector.update_rate = 1e-2 if bias_update == "sign" else 0.0
     if not correct:
         att.corrector = None
     guarded = GuardedStep(model, opt, attach=att, run_dir=run_dir, config=cfg, max_lr=lr, grad_clip=1.0)
@@ -86,7 +92,8 @@ def drill(
         for kind, at, arg in injections:
             if at == step and kind == "gradspike":
                 for p in model.parameters():
-                    p.grad.mul_(arg)
+                    if p.grad is not None:
+                        p.grad.mul_(arg)
             if at == step and kind == "nan":
                 next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
         guarded.step(loss, tokens=x.numel())
@@ -108,7 +115,7 @@ def drill(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--families", default=",".join(FAMILIES), help="comma-separated, from " + ",".join(FAMILIES)
+        "--families", default=",".join(FAMILIES), help="comma-separated, from " + ",".join(ALL_FAMILIES)
     )
     ap.add_argument("--seeds", default="0", help="comma-separated seeds")
     ap.add_argument("--steps", type=int, default=310)

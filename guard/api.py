@@ -125,12 +125,13 @@ class GuardedStep:
         )
         self.layer_ids = np.arange(self.probe.n_layers, dtype=np.int32)
         mode = attach.correction_mode if attach is not None else MODE_NONE
+        self.corrector = attach.corrector if attach is not None else None
         self.guard = Guard(self.cfg, model, optimizer, max_lr=max_lr, correction=mode)
         self.applier = DecisionApplier(
             optimizer,
             self.guard,
             grad_clip=grad_clip,
-            corrector=attach.corrector if attach is not None else None,
+            corrector=self.corrector,
             after_step=attach.after_step if attach is not None else None,
         )
         self.session = _open_session(
@@ -295,6 +296,8 @@ class GuardedStep:
         }
         if self.sync is not None:
             s["sync"] = self.sync.state_dict()
+        if hasattr(self.corrector, "state_dict"):  # the standing bias update's momentum (SMEBU)
+            s["corrector"] = self.corrector.state_dict()
         return s
 
     def load_state_dict(self, s: dict[str, Any], *, checkpoint: str = "") -> None:
@@ -310,6 +313,8 @@ class GuardedStep:
             self.goodput.load_state_dict(s["goodput"])
         if self.sync is not None and "sync" in s:
             self.sync.load_state_dict(s["sync"])
+        if "corrector" in s and hasattr(self.corrector, "load_state_dict"):
+            self.corrector.load_state_dict(s["corrector"])
         self.session.resumed(self.step_idx, checkpoint, world_size=self.ranks.world)
 
     # ---- the end ----------------------------------------------------------------------------

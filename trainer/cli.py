@@ -215,6 +215,25 @@ def refuse_reused_run_dir(run_dir: Path, *, rank: int, device: str) -> None:
         )
 
 
+def _device_kind(pref: str) -> str:
+    """ "cuda" or "cpu", as setup_distributed will choose (trainer/distributed.py)."""
+    import torch
+
+    return "cuda" if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def check_run_id(run_dir: Path) -> None:
+    """The run folder's name is the run's id (meta.json, the collector, the app): a name the
+    collector would refuse must stop the run at start, not leave it unwatched to the end."""
+    from guard.wire.batch import RUN_ID_RE, valid_run_id
+
+    if not valid_run_id(run_dir.name):
+        raise ConfigError(
+            f"run folder {str(run_dir)!r}: its name {run_dir.name!r} is not a valid run id "
+            f"({RUN_ID_RE.pattern}); the collector would refuse every batch of it"
+        )
+
+
 def check_injections(injections: list[Any], steps: int) -> None:
     """An injection at or past the last step would never fire: a drill that silently does nothing."""
     late = [str(i) for i in injections if i.step >= steps]
@@ -233,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
     from trainer.distributed import restart_count
     from trainer.inject import parse_injection
     from trainer.loop import Trainer
+    from trainer.memcheck import check_model_fits
     from trainer.outcome import EXIT_HALTED
 
     cfg = build_config(args)
@@ -240,7 +260,10 @@ def run(args: argparse.Namespace) -> int:
         cfg.telemetry.collector = args.collector
     injections = [parse_injection(s) for s in args.inject]
     check_injections(injections, cfg.train.steps)
+    if args.until is not None and args.until < 0:
+        raise ConfigError(f"--until {args.until}: must be a step >= 0")
     run_dir = args.run_dir or default_run_dir(cfg)
+    check_run_id(run_dir)
     if args.resume and not run_dir.is_dir():
         raise ConfigError(f"--resume: run folder {str(run_dir)!r} does not exist")
     rank = int(os.environ.get("RANK", "0"))
@@ -273,15 +296,17 @@ def run(args: argparse.Namespace) -> int:
                 f"{latest_checkpoint(run_dir / schema.CHECKPOINT_DIR)}",
                 file=sys.stderr,
             )
-    if rank == 0 and not resume:  # a drill whose fault lands before a detector arms says so
-        from guard.core.warmup import notices
-
-        for line in notices(cfg.guard, cfg.train.steps, [(i.kind, i.step, str(i)) for i in injections]):
-            print(f"moeguard train: note: {line}", file=sys.stderr)
+    check_model_fits(cfg, _device_kind(cfg.train.device))
     exporter = make_exporter(cfg, run_dir.name, run_dir, rank)
     trainer = Trainer(
         cfg, run_dir, resume=resume, injections=injections, progress=not args.no_progress, exporter=exporter
     )
+    if rank == 0 and not resume:  # a drill whose fault lands before a detector arms says so
+        # (after the Trainer is built: a config it refuses is the one line the user sees)
+        from guard.core.warmup import notices
+
+        for line in notices(cfg.guard, cfg.train.steps, [(i.kind, i.step, str(i)) for i in injections]):
+            print(f"moeguard train: note: {line}", file=sys.stderr)
     code = trainer.run(until=args.until)
     if trainer.dist.main:
         summarize(trainer, run_dir)

@@ -10,14 +10,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from guard.core.config import GuardConfig
 from guard.core.tomlconf import check, check_choice, from_dict, load_toml
+from guard.wire.batch import valid_run_id
 from trainer.data import DataConfig
 from trainer.model import ModelConfig
+
+MAX_NAME_LEN = 100  # room for the "-<timestamp>" a default run folder adds (a run id is <= 128)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,6 +36,18 @@ class OptimConfig:
     grad_clip: float = 1.0  # 0 disables clipping
 
     def __post_init__(self) -> None:
+        for key in (
+            "lr",
+            "weight_decay",
+            "eps",
+            "grad_clip",
+        ):  # nan and inf pass every comparison below or none
+            check(
+                math.isfinite(getattr(self, key)),
+                f"optim.{key}",
+                getattr(self, key),
+                "must be a finite number",
+            )
         check(self.lr > 0, "optim.lr", self.lr, "must be > 0")
         check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
@@ -110,6 +126,13 @@ class TrainConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
+        check(
+            isinstance(self.name, str) and valid_run_id(self.name) and len(self.name) <= MAX_NAME_LEN,
+            "name",
+            self.name,
+            f"must be a run id: letters, digits, '.', '_' or '-', starting with a letter or digit, "
+            f"at most {MAX_NAME_LEN} characters (it names the run's folder and its id on the collector)",
+        )
         check(
             self.data.seq_len <= self.model.max_seq_len,
             "data.seq_len",

@@ -62,6 +62,7 @@ from trainer.inject import Injection
 from trainer.model import MoETransformer
 from trainer.record import RunRecord, run_environment, run_meta
 from trainer.rerun import RerunCheck
+from trainer.resume_check import restore_checked
 from trainer.train_module import TrainModule, set_deterministic
 
 
@@ -264,7 +265,7 @@ class Trainer:
         if path is None:
             raise ConfigError(f"--resume: no checkpoint in {self.checkpoints.dir}")
         self.last_checkpoint = path
-        r = self.checkpoints.restore(path)
+        r = restore_checked(self.checkpoints, path, self.run_dir, check_store=self.dist.main)
         if r.legacy:  # one torch.save file from before DCP kept only the time split
             self.gp.split.update(r.host.get("time_split", {}))
         else:

@@ -47,6 +47,8 @@ class Row:
     lost: int = 0  # acknowledged rows missing afterwards
     twice: int = 0  # rows stored more than once
     held: bool = False  # answered as designed
+    quarantined_after: int = 0  # runs still quarantined once the condition cleared (issue #32)
+    p99_ms: float = -1.0  # client p99 latency during a flood (-1: not measured here)
 
 
 class Down(RuntimeError):
@@ -235,9 +237,22 @@ class _Service:
 class CollectorProc(_Service):
     """`python -m guard collector` on a free loopback port, its runs in work/runs."""
 
-    def __init__(self, work: Path, *flags: str, token: str | None = TOKEN) -> None:
+    def __init__(
+        self,
+        work: Path,
+        *flags: str,
+        token: str | None = TOKEN,
+        nofile: int | None = None,
+        runs: Path | None = None,
+    ) -> None:
         work.mkdir(parents=True, exist_ok=True)
-        self.runs, self.log, self.flags, self.token = work / "runs", work / "collector.log", flags, token
+        self.runs, self.log, self.flags, self.token = (
+            runs or work / "runs",
+            work / "collector.log",
+            flags,
+            token,
+        )
+        self.nofile = nofile  # RLIMIT_NOFILE (soft and hard) of the process, as on a host with that limit
         self._port_file = work / "collector.port"
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
@@ -248,7 +263,11 @@ class CollectorProc(_Service):
         cmd = [sys.executable, "-m", "guard", "collector", "--port", "0", "--port-file", str(self._port_file)]
         cmd += ["--runs", str(self.runs), "--log-level", "info", *self.flags]
         env = _service_env({schema.ENV_TOKEN: self.token} if self.token else {})
-        self.proc = _spawn(cmd, env, stderr=subprocess.STDOUT)
+        nofile = self.nofile
+        limit = (
+            None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        )
+        self.proc = _spawn(cmd, env, stderr=subprocess.STDOUT, preexec_fn=limit)
         assert self.proc.stdout is not None
         threading.Thread(target=_copy, args=(self.proc.stdout, self.log), daemon=True).start()
         deadline = time.monotonic() + timeout

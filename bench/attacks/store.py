@@ -227,7 +227,8 @@ def io_error_mid_ingest(work: Path) -> Row:
         c.stop()
     lost, twice = ledger.check(c.runs)
     err = first.json().get("error", "") if first.status_code != 200 else ""
-    ok = first.status_code == 503 and retry.json().get("duplicate") is False and again.json().get("duplicate")
+    # 507: EFBIG is a file the disk will not grow, answered as a full disk (issue #32): retryable
+    ok = first.status_code == 507 and retry.json().get("duplicate") is False and again.json().get("duplicate")
     return Row(
         attack="io_error_mid_ingest",
         item="3",

@@ -117,7 +117,14 @@ def action_marks(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     for r in ev.iter_rows(named=True):
         step, action = int(r["step"]), r["action"]
         if action in actions.STEP_ACTIONS:  # what happened to the update is the step row's word
-            action = decided.get(step, action)
+            row = decided.get(step, action)
+            if action == schema.ACT_BIAS_CORRECT:
+                # a correction's own event keeps its name (a new run's row says bias_correct too; a
+                # run recorded before issue #28 has it on another row); a verdict is its evidence
+                if r["kind"] != schema.EV_ACTION and row != action:
+                    continue
+            else:
+                action = row
             if action not in actions.STEP_ACTIONS:
                 continue  # the step applied its update: this event is evidence (the timeline shows it)
         elif action in actions.EVENT_ACTIONS and (step, action) not in started:

@@ -93,5 +93,5 @@ def steady_state(steps: pl.DataFrame, *, warmup_frac: float = 0.1, min_warmup: i
     cut = lo + max(min_warmup, int((hi - lo) * warmup_frac))  # type: ignore[operator]
     return steps.filter(
         (pl.col("step") >= cut)
-        & pl.col("action").fill_null(schema.ACT_APPLY).is_in([schema.ACT_APPLY, schema.ACT_NONE])
+        & pl.col("action").fill_null(schema.ACT_APPLY).is_in([*schema.APPLYING_ACTIONS, schema.ACT_NONE])
     )

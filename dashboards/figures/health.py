@@ -24,7 +24,7 @@ from dashboards.figures.style import (
     log_ticks,
     series_xy,
 )
-from guard.core import actions, schema
+from guard.core import schema
 
 
 def health_timeline(
@@ -124,7 +124,7 @@ def _add_action_marks(fig: go.Figure, marks: pl.DataFrame) -> None:
             continue
         # a step's decision (skip, rollback, halt) drawn larger than the corrections that can share
         # its step (bias_correct, lr_cooldown), so it shows around them instead of under them
-        size = 17 if action in actions.STEP_ACTIONS else 11
+        size = 17 if action in (schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_HALT) else 11
         marker = {"symbol": symbol, "color": color, "size": size, "line": {"width": 1.5, "color": color}}
         for row, ycol, nfcol, what in (
             (1, "y_loss", "nf_loss", "loss"),

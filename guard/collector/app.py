@@ -20,18 +20,20 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from guard.collector.config import COMMAND_ACTIONS, STATE_DIR
-from guard.collector.errors import StorageFailed
+from guard.collector.errors import RETRY_AFTER_S, StorageBusy, StorageFailed
 from guard.collector.service import Collector
 from guard.wire.batch import MAX_RANK, BadRequest, dumps, loads, parse_int, valid_run_id
+from guard.wire.conn_guard import ConnectionBudget
 from guard.wire.http_limits import BodyLimit, BodyTooLarge
 from guard.wire.runs import runs_body
 
 log = logging.getLogger("moeguard.collector")
 
 
-def build_app(collector: Collector) -> Starlette:
-    """The collector's routes, behind the body limit; the app's lifespan starts and closes it."""
-    api = _Endpoints(collector)
+def build_app(collector: Collector, conns: ConnectionBudget | None = None) -> Starlette:
+    """The collector's routes, behind the body limit; the app's lifespan starts and closes it.
+    `conns`: the server's connection budget, told which connections sent an authenticated request."""
+    api = _Endpoints(collector, conns)
     return Starlette(
         routes=[
             Route("/v1/ingest", api.ingest, methods=["POST"]),
@@ -47,7 +49,9 @@ def build_app(collector: Collector) -> Starlette:
 
 
 def _answer(status: int, payload: dict[str, Any]) -> Response:
-    return Response(dumps(payload), status_code=status, media_type="application/json")
+    """JSON; a retryable answer (503, 507) says when to retry."""
+    headers = {"retry-after": str(RETRY_AFTER_S)} if status in (503, 507) else None
+    return Response(dumps(payload), status_code=status, media_type="application/json", headers=headers)
 
 
 def _gone(request: Request) -> Response:
@@ -64,16 +68,19 @@ async def _body_too_large(request: Request, exc: Exception) -> Response:
 class _Endpoints:
     """The route handlers over one Collector; the blocking work runs in the thread pool."""
 
-    def __init__(self, collector: Collector) -> None:
-        self.collector = collector
+    def __init__(self, collector: Collector, conns: ConnectionBudget | None = None) -> None:
+        self.collector, self.conns = collector, conns
         self.token = collector.cfg.token.encode() if collector.cfg.token else None
 
     def authorized(self, request: Request) -> bool:
-        if self.token is None:
-            return True
-        h = request.headers.get("authorization", "")
-        scheme, _, cred = h.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(cred.strip().encode(), self.token)
+        """The bearer token checks out; the connection then keeps a place under a flood."""
+        if self.token is not None:
+            scheme, _, cred = request.headers.get("authorization", "").partition(" ")
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(cred.strip().encode(), self.token)):
+                return False
+        if self.conns is not None:
+            self.conns.trust(request.scope.get("client"))
+        return True
 
     async def ingest(self, request: Request) -> Response:
         if not self.authorized(request):
@@ -118,6 +125,7 @@ class _Endpoints:
                 "quarantined": len(c.quarantined),
                 "known_runs": len(c.health.runs()),
                 "pending_load": c.pending_load,
+                **({"connections": self.conns.stats()} if self.conns is not None else {}),
             }
         )
 
@@ -155,6 +163,8 @@ def post_command(collector: Collector, run: str, body: bytes) -> tuple[int, dict
             return 400, {"error": str(e)}
     try:
         cmd = collector.with_run(run, lambda rs: rs.add_command(action, reason, rank))
+    except StorageBusy as e:
+        return e.status, {"error": str(e)}
     except StorageFailed as e:
         return 503, {"error": str(e)}
     log.warning("run %s: operator command %s", run, cmd)

@@ -86,8 +86,8 @@ class HealthBook:
     def ensure_run(self, run: str) -> None:
         self._update(run, lambda r: None)
 
-    def observe_report(self, run: str, rep: StepReport) -> None:
-        self._update(run, lambda r: r.observe_report(rep, self.baseline))
+    def observe_report(self, run: str, rep: StepReport, now: float | None = None) -> None:
+        self._update(run, lambda r: r.observe_report(rep, self.baseline, now))
 
     def observe_events(self, run: str, rows: Iterable[Mapping[str, Any]]) -> None:
         self._update(run, lambda r: r.observe_events(rows))

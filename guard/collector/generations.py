@@ -48,6 +48,21 @@ class WriterGenerations:
             return DUPLICATE
         return CONFLICT
 
+    def owner(self, rank: int) -> int:
+        """The generation that writes `rank` now (-1: none yet)."""
+        hwm = self.hwm.get(rank, -1)
+        return generation_of(hwm) if hwm >= 0 else -1
+
+    def takeover_ahead(self, b: Batch, now: float) -> float:
+        """Seconds by which a NEW batch that would take `b.rank` over from another generation is
+        ahead of the collector's clock `now` (0 when it takes nothing over). A generation is its
+        writer's start time: one in the future comes from a clock running ahead, and would own
+        the rank, refusing the correctly clocked trainer, until the clock caught up."""
+        cur = self.owner(b.rank)
+        if cur < 0 or b.generation <= cur:
+            return 0.0
+        return max(0.0, b.generation - now)
+
     def conflict(self, run: str, b: Batch) -> GenerationConflict:
         """The error for a CONFLICT batch (logged once per rank and generation)."""
         current = generation_of(self.hwm[b.rank])

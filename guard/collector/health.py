@@ -35,6 +35,7 @@ from guard.core import schema
 from guard.core.heartbeat import HeartbeatTracker
 from guard.core.progress import ProgressTracker
 from guard.core.report import StepReport
+from guard.wire.batch import MAX_CLOCK_AHEAD_S, MAX_CLOCK_BEHIND_S
 
 # 0, then 1/256 .. 1/2 by powers of two with 1.5/E between them, then 3/4 and 1: the uniform
 # share 1/E of E = 2..256 experts is a bound, and so are half and double it.
@@ -133,8 +134,9 @@ class RunHealth:
     stored_step: int | None = None  # last stored step, for a run whose last report is not in memory
     complete: bool = False  # restored from the run store (or seen from its start) by this process
 
-    def observe_report(self, rep: StepReport, baseline: BaselineConfig) -> None:
-        """Any rank's report: values ingested and per-rank step time; rank 0 also run health."""
+    def observe_report(self, rep: StepReport, baseline: BaselineConfig, now: float | None = None) -> None:
+        """Any rank's report: values ingested and per-rank step time; rank 0 also run health.
+        `now`: the collector's clock when it arrived (goodput clamps the report's time to it)."""
         self.values_total += rep.n_values()
         if math.isfinite(rep.straggler_score):
             self.rank_scores[rep.rank] = rep.straggler_score
@@ -150,17 +152,25 @@ class RunHealth:
         self.tokens_total += max(0, rep.tokens)
         if not rep.finite:
             self.nonfinite_total += 1
-        self._goodput(rep)
+        self._goodput(rep, now)
         self._baseline(rep, baseline)
         if rep.load_ME.size:
             self._observe_shares(rep)
 
-    def _goodput(self, rep: StepReport) -> None:
+    def _goodput(self, rep: StepReport, now: float | None) -> None:
+        """Productive time over wall time. The wall span is the trainer's report times, but only
+        as far as the collector's clock agrees: one report stamped a month ahead must not turn
+        the run's goodput to ~0 for good (issue #32)."""
         st = rep.step_time_s if math.isfinite(rep.step_time_s) else 0.0
-        start = rep.time - st
+        t = rep.time if math.isfinite(rep.time) else now
+        if now is not None and t is not None:
+            t = min(max(t, now - MAX_CLOCK_BEHIND_S), now + MAX_CLOCK_AHEAD_S)
+        if t is None:
+            return
+        start = t - st
         self.first_time = start if self.first_time is None else min(self.first_time, start)
-        self.last_time = rep.time if self.last_time is None else max(self.last_time, rep.time)
-        if rep.action == schema.ACT_APPLY:
+        self.last_time = t if self.last_time is None else max(self.last_time, t)
+        if rep.action in schema.APPLYING_ACTIONS:
             self.productive_s += st
 
     def _baseline(self, rep: StepReport, b: BaselineConfig) -> None:
@@ -209,8 +219,8 @@ class RunHealth:
         np.add.at(self.hist_sum, rows, shares.sum(axis=1))
 
     def observe_events(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        """Verdict events count by detector, correction events (bias_correct, lr_cooldown) by
-        action (step decisions are counted from reports: guard/core/actions.py); a halt sets
+        """Verdict events count by detector, LR cool-down events by action (step decisions,
+        corrections included, are counted from reports: guard/core/actions.py); a halt sets
         halted, a resume clears it (in event order, so a batch may resume and halt again)."""
         for ev in rows:
             if ev.get("kind") == schema.EV_VERDICT:

@@ -91,21 +91,22 @@ class RunJournal:
 
     def replay(self, apply: Callable[[Batch, float], None]) -> None:
         """After `load`: drop what an uncommitted checkpoint left, then hand every batch logged
-        after the committed segment to `apply`, in log order, with the time it was sent (as if
-        it arrived then); new records go to a new segment."""
+        after the committed segment to `apply`, in log order, with the time its segment was last
+        written (the collector's clock, within a checkpoint interval of when it arrived; never the
+        trainer's, which may run a day ahead or behind); new records go to a new segment."""
         remove_uncommitted_parts(self.run, self.dir, self.next_part)
         segs = self.wal.segments()
         self.wal.delete_upto(self.segment_done)
         n = 0
         for seg in (x for x in segs if x > self.segment_done):
+            arrived = self.wal.written_at(seg)
             for rec in self.wal.read(seg):
                 try:
                     batch = parse_batch(rec)
                 except BadRequest as e:  # validated when logged; only a stricter new version gets here
                     log.error("run %s: logged batch no longer parses, skipped: %s", self.run, e)
                     continue
-                sent = batch.heartbeat["time"] if batch.heartbeat else None
-                apply(batch, sent if sent is not None else time.time())
+                apply(batch, arrived)
                 n += 1
         self.wal.cur = max([*segs, self.segment_done]) + 1
         if n:
@@ -180,8 +181,9 @@ def restore_counters(health: HealthBook, run: str, counters: Any) -> None:
 def restore_liveness(health: HealthBook, run: str, stored: StoredState, liveness: Any) -> None:
     """Put `liveness_state`'s record back into the book; what does not load is learned again
     from the next beats."""
-    for rank, seen, sent, step, phase in stored.ranks:
-        health.beat(run, rank, seen, step, phase, sent)
+    now = time.time()
+    for rank, seen, sent, step, phase in stored.ranks:  # a time in the future is from a trainer's clock
+        health.beat(run, rank, min(seen, now), step, phase, sent)
     try:
         health.load_liveness_state(run, liveness)
     except (KeyError, TypeError, ValueError, AttributeError) as e:

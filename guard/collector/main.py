@@ -13,6 +13,7 @@ from pathlib import Path
 
 from guard.collector.app import build_app
 from guard.collector.config import CollectorConfig
+from guard.collector.lograte import install as rate_limit_logs
 from guard.collector.service import Collector
 from guard.core import schema
 from guard.core.config import GuardConfig, load_guard_config
@@ -21,6 +22,14 @@ from guard.core.limits import FLAGS as LIMIT_FLAGS
 from guard.core.limits import CollectorLimits
 from guard.core.progress import ProgressConfig
 from guard.store.layout import atomic_write_bytes
+from guard.wire.conn_guard import (
+    FILE_RESERVE_MIN,
+    HEADER_TIMEOUT_S,
+    KEEP_ALIVE_S,
+    ConnectionBudget,
+    guarded_protocol,
+    raise_open_files,
+)
 from guard.wire.listen import bind_tcp
 
 log = logging.getLogger("moeguard.collector")
@@ -52,6 +61,22 @@ def _service_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=8 << 20,
         help="a larger request body on any endpoint gets 413, read no further",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="open connections at most (default: the open-files limit, raised to its hard value at "
+        "start, less a quarter kept for files); half are kept for clients that sent the bearer token",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a connection that has not sent a whole request head this long after connecting (or after "
+        "the first byte of its next request) is closed (default %(default)s)",
     )
     parser.add_argument(
         "--checkpoint-interval",
@@ -219,6 +244,9 @@ def run(args: argparse.Namespace) -> int:
     # interval every hand-off an ingest request needs (event loop, worker thread, after each
     # fdatasync) waits up to 5 ms behind it. 1 ms keeps ingest p99 low while a scrape renders.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    conns = _connection_budget(args)
+    if conns is None:
+        return 2
     collector = Collector(cfg)  # started by the app's lifespan, so it listens before the runs are scanned
     sock = bind_tcp(args.host, args.port)
     port = sock.getsockname()[1]
@@ -233,11 +261,41 @@ def run(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(collector), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=10
+            build_app(collector, conns),
+            log_level=args.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=10,
+            http=guarded_protocol(conns, args.header_timeout),
+            backlog=conns.accept_batch,
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
     )
+    rate_limit_logs()  # after uvicorn.Config: it sets up its own loggers' handlers
     server.run(sockets=[sock])
     return 0
+
+
+def _connection_budget(args: argparse.Namespace) -> ConnectionBudget | None:
+    """Raise the open-files soft limit, cap connections below it; one line says what it got
+    (None after one line naming the bad flag)."""
+    before, nofile, hard = raise_open_files()
+    if not args.header_timeout > 0:
+        print(f"moeguard collector: --header-timeout {args.header_timeout}: must be > 0", flush=True)
+        return None
+    top = nofile - FILE_RESERVE_MIN  # the run store's files need descriptors too
+    if args.max_connections is not None and not 4 <= args.max_connections <= top:
+        print(
+            f"moeguard collector: --max-connections {args.max_connections}: must be in [4, {top}] "
+            f"(the open-files limit, `ulimit -n`, is {nofile}; {FILE_RESERVE_MIN} stay for files)",
+            flush=True,
+        )
+        return None
+    conns = ConnectionBudget.for_open_files(nofile, args.max_connections)
+    raised = (
+        f" (raised from {before})" if nofile > before else f" (hard limit {hard}; raise it with `ulimit -n`)"
+    )
+    log.info("%s%s", conns.summary(nofile), raised)
+    return conns
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:

@@ -18,7 +18,7 @@ from typing import Any
 from guard.collector.book import HealthBook
 from guard.collector.commands import CommandLog
 from guard.collector.config import COMMANDS_FILE, CollectorConfig
-from guard.collector.errors import RunEvicted, StorageFailed
+from guard.collector.errors import ClockAhead, RunEvicted, StorageFailed, busy_or_none
 from guard.collector.generations import CONFLICT, DUPLICATE, NEW, WriterGenerations
 from guard.collector.journal import (
     Checkpoint,
@@ -28,6 +28,7 @@ from guard.collector.journal import (
     restore_counters,
     restore_liveness,
 )
+from guard.collector.ordering import WriterOrder
 from guard.collector.paging import AlertmanagerNotifier
 from guard.collector.run_meta import RunMeta
 from guard.collector.status import ENDED, resume_event
@@ -39,7 +40,7 @@ from guard.core.events import Event
 from guard.core.heartbeat import PHASE_TRAIN
 from guard.core.limits import check_detectors
 from guard.core.report import StepReport
-from guard.wire.batch import Batch
+from guard.wire.batch import MAX_CLOCK_AHEAD_S, Batch
 
 log = logging.getLogger("moeguard.collector")
 
@@ -64,6 +65,7 @@ class RunState:
         self.gens = WriterGenerations()
         self.last_step = -1  # last rank-0 step stored or pending
         self.report_gen = -1  # generation of rank 0's last batch with reports (restart detection)
+        self.order = WriterOrder(run)  # steps strictly increase, times no further ahead than ours
         self.meta_file = RunMeta(run, run_dir)
         self.pending_reports: list[StepReport] = []
         self.pending_events: list[dict[str, Any]] = []
@@ -125,6 +127,8 @@ class RunState:
         kind = self.gens.classify(b)
         if kind == CONFLICT:
             raise self.gens.conflict(self.run, b)
+        if kind == NEW and (ahead := self.gens.takeover_ahead(b, time.time())) > MAX_CLOCK_AHEAD_S:
+            raise ClockAhead(self.run, b, self.gens.owner(b.rank), ahead)
         return kind == DUPLICATE
 
     def _usable(self) -> None:
@@ -132,7 +136,8 @@ class RunState:
         if self.evicted:
             raise RunEvicted(self.run)
         if self.failed is not None:
-            raise StorageFailed(f"run {self.run}: storage failed: {self.failed!r}")
+            busy = busy_or_none(self.run, "storage failed, recovering", self.failed)
+            raise busy or StorageFailed(f"run {self.run}: storage failed: {self.failed!r}")
 
     def _check_limits(self, b: Batch) -> None:
         """Limits that depend on what the run holds already (guard/core/limits.py). Caller holds `lock`."""
@@ -160,7 +165,8 @@ class RunState:
             log.warning(
                 "run %s: batch rank %d seq %d not stored (%r); the client retries", self.run, b.rank, b.seq, e
             )
-            raise StorageFailed(f"run {self.run}: storage error, nothing stored, retry: {e!r}") from e
+            busy = busy_or_none(self.run, "batch not stored", e)
+            raise busy or StorageFailed(f"run {self.run}: storage error, nothing stored, retry: {e!r}") from e
 
     def _is_restart(self, b: Batch) -> bool:
         """Rank 0 reports from a new trainer process (a resume or a restart) of a known run."""
@@ -180,6 +186,7 @@ class RunState:
         after the commit, and if that fails, again at the next checkpoint."""
         if replay and self.gens.classify(b) != NEW:
             return
+        b.reports = self.order.steps(b, self.last_step, self.report_gen, strict=not replay)
         first = min(r.step for r in b.reports) if self._needs_truncate(b) else None
         if first is not None:
             self.journal.supersede(b, first, (self.pending_reports, self.pending_events))
@@ -221,7 +228,7 @@ class RunState:
         # Not a meta "running": a halted trainer still sends meta snapshots from its own store
         # (checkpoint time) that say running; only a new process that trains again resumes.
         events = resume_event(b) if was_halted and restart else []
-        events += b.events + self._take_reports(b)
+        events += b.events + self._take_reports(b, now)
         if events:
             self.pending_events.extend(events)
             self.health.observe_events(self.run, events)
@@ -232,7 +239,10 @@ class RunState:
         if self.meta_file.status not in ENDED:  # an ended run has no liveness to watch
             beat = _beat_of(b)
             if beat is not None:
-                self.health.beat(self.run, b.rank, now, *beat, b.generation)
+                step, phase, sent = beat
+                self.health.beat(
+                    self.run, b.rank, now, step, phase, self.order.sent(b.rank, sent, now), b.generation
+                )
         if b.final:
             self.health.end_heartbeats(self.run, b.rank)
         if self.notifier is not None and live:  # durable now; a replay never pages
@@ -245,14 +255,14 @@ class RunState:
         self.pending_events = [e for e in self.pending_events if e["step"] < first]
         self.last_step = first - 1
 
-    def _take_reports(self, b: Batch) -> list[dict[str, Any]]:
+    def _take_reports(self, b: Batch, now: float) -> list[dict[str, Any]]:
         """Count every report in the run's health; keep rank 0's and run the server-side
         detectors on them. Returns their verdicts as event rows, except at steps where the
         trainer sent its own guard events."""
         trainer_steps = _guarded_steps(b)
         server_events: list[dict[str, Any]] = []
         for rep in b.reports:
-            self.health.observe_report(self.run, rep)
+            self.health.observe_report(self.run, rep, now)
             if b.rank != 0:
                 continue
             self.pending_reports.append(rep)

@@ -30,9 +30,30 @@ disk; 400 {"error": "..."} naming the bad field; 400 {"error": ..., "limit": {"n
 "max", "flag"}} for a batch over a limit (below); 401 without the token; 409 for a batch of a
 writer generation that no longer owns its (run, rank) (below); 413 for a body over
 --max-body-bytes (on every endpoint: refused from its Content-Length before it is read, or at the
-byte that passes the limit when it streams; guard/wire/http_limits.py); 503 when the run's storage
-failed or the run is quarantined (retry later). The whole batch is validated before anything is
-stored, so a rejected batch changes nothing.
+byte that passes the limit when it streams; guard/wire/http_limits.py); 503 with Retry-After when
+the run's storage failed or the run is quarantined (retry later), 507 with Retry-After when the
+disk is full. The whole batch is validated before anything is stored, so a rejected batch changes
+nothing; a report's step, tokens and mem_peak_bytes are counts within Int64, and a writer's steps
+strictly increase: the step it sent last, sent again, is left out (idempotent), one before it is a
+400 naming it (a resumed trainer is a new generation and may re-run steps, below).
+
+Transient is not damage: an OS error that says nothing about a run's content (EMFILE, ENOSPC,
+EDQUOT, EFBIG, EIO, ENOMEM, ...; errors.py) answers 503/507 and quarantines nothing; a run whose
+checkpoint failed that way is recovered from its log by the checkpointer as soon as its storage
+works again, with or without a request. Only content that does not parse is quarantined.
+
+Clocks: the collector's own clock decides liveness (a beat's arrival), the log's replay (the time
+its segment was written, never the trainer's heartbeat time) and goodput's wall span. A trainer's
+times are data: a beat or report time more than MAX_CLOCK_AHEAD_S (60 s) ahead of the collector's
+clock is clamped to it (logged once per rank), and a writer generation ahead of the collector's
+clock by more than that may not take a rank over from the generation writing it (409 naming the
+skew): a clock running ahead would otherwise own the run until it caught up.
+
+Connections (guard/wire/conn_guard.py, set up in main.py): the open-files soft limit is raised to
+the hard one at start and named in one line; connections are capped below it (a quarter of the
+limit stays for files), half of the cap kept for connections that sent the bearer token; a request
+head must arrive within --header-timeout; keep-alive is 75 s, above a step; repeated warnings are
+counted, not written (lograte.py).
 
 All or nothing: a batch is stored when its log record is fdatasync'd (the commit point), and
 only then applied in memory; an I/O error before that answers 503 with nothing applied, so the
@@ -66,7 +87,8 @@ older generation's batches answer 409 {"error": ..., "conflict": {...}} (a secon
 same run id, or one that was superseded), except retries of batches it had stored before, which
 stay duplicates (the last seq of each of the last 16 superseded generations is kept). A batch
 whose generation is more than an hour ahead of the collector's clock is a 400: it would own the
-run until the clock caught up (seq = 2**63 - 1 would block it for good).
+run until the clock caught up (seq = 2**63 - 1 would block it for good); one ahead by more than 60 s
+may not take a rank over from another generation (Clocks, above).
 
 Resumed trainers: when rank 0 starts a new generation whose first step is not after the last
 stored step, the steps it re-runs carry new data, so everything stored after `first step - 1`
@@ -130,7 +152,16 @@ from typing import Any
 
 from guard.collector.book import HealthBook
 from guard.collector.config import PAGING_STATE_FILE, STATE_DIR, CollectorConfig
-from guard.collector.errors import GenerationConflict, RunDamaged, RunEvicted, RunQuarantined, StorageFailed
+from guard.collector.errors import (
+    RETRY_AFTER_S,
+    GenerationConflict,
+    RunDamaged,
+    RunEvicted,
+    RunQuarantined,
+    StorageBusy,
+    StorageFailed,
+    busy_or_none,
+)
 from guard.collector.metrics import CollectorMetrics
 from guard.collector.paging import AlertmanagerNotifier
 from guard.collector.run import RunState
@@ -224,6 +255,11 @@ class Collector:
     def _checkpointer(self) -> None:
         while not self.stop_event.wait(self.cfg.checkpoint_interval_s):
             for rs in list(self.runs.values()):
+                if rs.failed is not None:  # recovered by itself once its storage works again
+                    with self.runs_lock:
+                        if self.runs.get(rs.run) is rs:
+                            self._reload_failed(rs)
+                    continue
                 try:
                     rs.checkpoint()
                 except Exception:
@@ -274,12 +310,17 @@ class Collector:
                 rs = RunState(run, self.cfg.runs_dir / run, self.cfg, self.health, self.notifier)
             except RunDamaged as e:
                 raise quarantine(self, run, str(e)) from e
-            except OSError as e:
-                if existed:
-                    raise quarantine(self, run, f"recovery failed: {e!r}") from e
-                raise StorageFailed(f"run {run}: cannot set up its folder: {e!r}") from e
-            except Exception as e:  # a bug or a shape of damage nobody foresaw: one run, not all
-                log.exception("run %s: recovery failed", run)
+            except Exception as e:
+                # Out of descriptors, a full disk, EIO: nothing is wrong with the run; 503/507, and
+                # its next request (or the checkpointer) tries again. Only content is damage.
+                busy = busy_or_none(run, "cannot load it now", e)
+                if busy is not None:
+                    log.warning("%s", busy)
+                    raise busy from e
+                if isinstance(e, OSError) and not existed:
+                    raise StorageFailed(f"run {run}: cannot set up its folder: {e!r}") from e
+                if not isinstance(e, OSError):  # a bug or a shape of damage nobody foresaw: one run, not all
+                    log.exception("run %s: recovery failed", run)
                 raise quarantine(self, run, f"recovery failed: {e!r}") from e
             self.health.ensure_run(run)
             if rs.meta:
@@ -329,6 +370,9 @@ class Collector:
             ans = self.with_run(batch.run, lambda rs: rs.ingest(batch, body))
         except LimitExceeded as e:
             return self._over_limit(e)
+        except BadRequest as e:  # what the run already holds makes it wrong (a step going back)
+            self.health.batch("bad_request")
+            return 400, {"error": str(e)}
         except GenerationConflict as e:
             self.health.batch("conflict")
             return 409, {
@@ -343,6 +387,9 @@ class Collector:
         except RunQuarantined as e:
             self.health.batch("quarantined")
             return 503, {"error": str(e)}
+        except StorageBusy as e:
+            self.health.batch("unavailable")
+            return e.status, {"error": str(e), "retry_after_s": RETRY_AFTER_S}
         except StorageFailed as e:
             self.health.batch("unavailable")
             return 503, {"error": str(e)}

@@ -85,7 +85,8 @@ def quarantine(collector: Collector, run: str, reason: str) -> RunQuarantined:
     """Keep a damaged run out of service, say so everywhere (log, metric, /v1/runs, a
     record in the run's own folder when it can be written) and touch nothing else of it.
     Its trainers get 503 and keep their batches spooled until someone repairs the folder
-    and restarts the collector. Caller holds `runs_lock`."""
+    and restarts the collector. Only for content that does not load: an OS error that passes
+    (EMFILE, ENOSPC, EIO) is a 503/507 and never gets here (errors.py). Caller holds `runs_lock`."""
     collector.quarantined[run] = reason
     collector.health.end_heartbeats(run)  # a refused run is not "lost": the quarantine alerts
     log.warning("run %s: quarantined, not served until repaired and the collector restarts: %s", run, reason)

@@ -93,12 +93,15 @@ def initial_state(run_dir: Path, next_part: int, last_step: int) -> dict[str, An
 
 
 def load_json(p: Path, default: Any) -> Any:
-    """A JSON file of the collector's own, `default` when absent; RunDamaged when unreadable."""
+    """A JSON file of the collector's own, `default` when absent; RunDamaged when it is not a file
+    or does not parse.
+    An OS error that says nothing of the content (EMFILE, ENOSPC, EIO, ...) is raised as it is:
+    the run is retried, not quarantined (errors.py, transient_errno)."""
     try:
         return json.loads(p.read_bytes())
     except FileNotFoundError:
         return default
-    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (IsADirectoryError, NotADirectoryError, ValueError) as e:  # JSON and UTF-8 errors are ValueErrors
         raise RunDamaged(f"{p.parent.name}/{p.name}: unreadable ({type(e).__name__}: {str(e)[:120]})") from e
 
 

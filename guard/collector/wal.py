@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,8 +55,7 @@ class Wal:
             self._fd = os.open(self._path(self.cur), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             self._size, self._dir_synced = os.fstat(self._fd).st_size, False
         try:
-            if os.write(self._fd, data) != len(data):
-                raise OSError(errno.EIO, "short write to the write-ahead log")
+            _write_all(self._fd, data)
             os.fdatasync(self._fd)
             if not self._dir_synced:  # a new segment's name must survive a power loss too
                 fsync_dir(self.dir)
@@ -98,6 +98,13 @@ class Wal:
             yield rec
             off += _REC_HDR.size + n
 
+    def written_at(self, seg: int) -> float:
+        """When segment `seg` was last written, by this machine's clock (capped at now)."""
+        try:
+            return min(self._path(seg).stat().st_mtime, time.time())
+        except OSError:
+            return time.time()
+
     def delete_upto(self, seg: int) -> None:
         for s in self.segments():
             if s <= seg and s != self.cur:
@@ -107,3 +114,14 @@ class Wal:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of `data`. A write cut short (the disk filled up part-way) is continued, so
+    the error that stopped it is the one raised (ENOSPC), not a vague "short write"."""
+    view, done = memoryview(data), 0
+    while done < len(data):
+        n = os.write(fd, view[done:])
+        if n <= 0:
+            raise OSError(errno.EIO, f"write-ahead log: write returned {n} after {done} of {len(data)} bytes")
+        done += n

@@ -4,15 +4,22 @@ A guard action is something the guard did that changed training (issue #17: the 
 "skip 2", the app 3, and Prometheus 0 skips for the same run):
 
   * every step whose decision (`steps.action`, `StepReport.action`) is not apply/none:
-    skip, rollback, halt. One per step: the step's row is the record of what happened to
-    that update (a rollback that found no snapshot and skipped counts as the skip it was);
-  * every correction the policy started alongside a step: an `action` event whose action is
-    bias_correct (a collapsing layer's bias or aux-loss boost starts) or lr_cooldown (after a
-    rollback). Their step applied its update, so the step table does not show them.
+    skip, rollback, halt, and bias_correct (issue #28: a step whose update was applied AND on
+    which a collapse correction started: a selection-bias push or a per-layer aux-loss boost).
+    One per step: the step's row is the record of what happened to that update (a rollback that
+    found no snapshot and skipped counts as the skip it was; two layers whose corrections start
+    on the same step are one bias_correct step, with one `action` event per layer as evidence);
+  * the LR cool-down a rollback starts: an `action` event lr_cooldown (its step's row says
+    rollback, so the step table cannot show it).
 
 Not actions: verdict events (evidence; their `action` field repeats what their step did),
-`recovered` events (a correction ended), rollback and halt events (they describe the step's
-own action, already counted once by its row), checkpoints, injections.
+bias_correct `action` events (evidence per layer; their step's row counts), `recovered` events
+(a correction ended), rollback and halt events (they describe the step's own action, already
+counted once by its row), checkpoints, injections.
+
+Runs recorded before issue #28 carry their corrections as events only, on `apply` rows: a reader
+that finds no bias_correct row counts the distinct steps of bias_correct events instead (`tally`
+does the same per step when the row says apply), so old and new runs count alike.
 
 Readers: the CLI summary, meta.json `guard_actions`, the app (dashboards/data/loaders.py), the
 collector's moeguard_guard_actions_total{action} (guard/collector/metrics.py) and `moeguard demo`.
@@ -27,8 +34,8 @@ from typing import Any
 
 from guard.core import schema
 
-STEP_ACTIONS = (schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_HALT)  # one per step row
-EVENT_ACTIONS = (schema.ACT_BIAS_CORRECT, schema.ACT_LR_COOLDOWN)  # one per `action` event
+STEP_ACTIONS = (schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_HALT, schema.ACT_BIAS_CORRECT)  # one per row
+EVENT_ACTIONS = (schema.ACT_LR_COOLDOWN,)  # one per `action` event
 GUARD_ACTIONS = (*STEP_ACTIONS, *EVENT_ACTIONS)
 
 
@@ -38,8 +45,12 @@ def is_step_action(action: str | None) -> bool:
 
 
 def is_event_action(kind: str | None, action: str | None) -> bool:
-    """An event that counts: a correction the policy started."""
+    """An event that counts: the LR cool-down a rollback started."""
     return kind == schema.EV_ACTION and action in EVENT_ACTIONS
+
+
+def _kind_action(ev: Any) -> tuple[Any, Any]:
+    return (ev.get("kind"), ev.get("action")) if isinstance(ev, Mapping) else (ev.kind, ev.action)
 
 
 def zero() -> dict[str, int]:
@@ -47,13 +58,23 @@ def zero() -> dict[str, int]:
 
 
 def tally(counts: dict[str, int], step_action: str | None, events: Iterable[Any] = ()) -> dict[str, int]:
-    """Add one step: its decision and its events (Event objects or event rows). Returns counts."""
+    """Add one step: its decision and its events (Event objects or event rows). Returns counts.
+    A step recorded before issue #28 (a bias_correct action event on another row) counts its
+    correction once, as a new run's bias_correct row does (a correction now starts only on an
+    applied step, whose row says bias_correct)."""
     if is_step_action(step_action):
         counts[step_action] = counts.get(step_action, 0) + 1  # type: ignore[index]
+    old_correction = False
     for ev in events:
-        kind, action = (ev.get("kind"), ev.get("action")) if isinstance(ev, Mapping) else (ev.kind, ev.action)
+        kind, action = _kind_action(ev)
         if is_event_action(kind, action):
             counts[action] = counts.get(action, 0) + 1
+        elif (
+            kind == schema.EV_ACTION and action == schema.ACT_BIAS_CORRECT and step_action == schema.ACT_APPLY
+        ):
+            old_correction = True
+    if old_correction:
+        counts[schema.ACT_BIAS_CORRECT] = counts.get(schema.ACT_BIAS_CORRECT, 0) + 1
     return counts
 
 
@@ -62,7 +83,20 @@ def count(step_actions: Iterable[str | None], events: Iterable[Mapping[str, Any]
     out = zero()
     for a in step_actions:
         tally(out, a)
-    tally(out, None, events)
+    evs = list(events)
+    tally(out, None, evs)
+    if not out[schema.ACT_BIAS_CORRECT]:  # a run recorded before issue #28: corrections as events
+        out[schema.ACT_BIAS_CORRECT] = len(old_correction_steps(evs))
+    return out
+
+
+def old_correction_steps(events: Iterable[Any]) -> set[Any]:
+    """The distinct steps of bias_correct action events (how pre-#28 runs recorded corrections)."""
+    out = set()
+    for ev in events:
+        kind, action = _kind_action(ev)
+        if kind == schema.EV_ACTION and action == schema.ACT_BIAS_CORRECT:
+            out.add(ev.get("step") if isinstance(ev, Mapping) else ev.step)
     return out
 
 

@@ -30,7 +30,9 @@ CORRECTIONS = (CORRECT_BIAS, CORRECT_AUX, CORRECT_NONE)
 @dataclass(kw_only=True, slots=True)
 class Decision:
     step: int
-    action: str = schema.ACT_APPLY  # apply | skip | rollback | halt
+    action: str = (
+        schema.ACT_APPLY
+    )  # apply | bias_correct (applied, a correction started) | skip | rollback | halt
     lr_scale: float = 1.0  # multiply this step's LR (cool-down after a rollback)
     bias_boost: dict[int, float] = field(default_factory=dict)  # layer -> bias-rate multiplier
     aux_boost: dict[int, float] = field(default_factory=dict)  # layer -> aux-coef multiplier
@@ -41,7 +43,7 @@ class Decision:
 
     @property
     def applies_update(self) -> bool:
-        return self.action == schema.ACT_APPLY
+        return self.action in schema.APPLYING_ACTIONS
 
     @property
     def halt(self) -> bool:
@@ -222,8 +224,15 @@ class Policy:
                 if v.layer in self.corrections:
                     self._boost(d, v.layer)
                 continue
+            if d.action not in schema.APPLYING_ACTIONS:
+                # a step whose update is not applied starts no correction: the collapse verdict
+                # repeats while it lasts, and the next applied step starts it, its row saying
+                # bias_correct (one action a step: guard/core/actions.py)
+                continue
             self.corrections[v.layer] = _Correction(v.layer, step, step + p.bias_boost_steps, v.detector)
             self._boost(d, v.layer)
+            if d.action == schema.ACT_APPLY:  # the step's row records the correction (actions.py)
+                d.action = schema.ACT_BIAS_CORRECT
             d.events.append(
                 Event(
                     step=step,

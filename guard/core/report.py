@@ -109,6 +109,8 @@ class StepReport:
                 elif name in ("step", "tokens", "mem_peak_bytes", "rank"):
                     if isinstance(v, bool) or not isinstance(v, int):
                         raise TypeError
+                    if not 0 <= v <= INT64_MAX:  # a count; the stored column is Int64
+                        raise ValueError(f"field {name!r}: {str(v)[:30]} is not in [0, 2**63 - 1]")
                     kwargs[name] = int(v)
                 elif name == "action":
                     if v not in schema.ACTIONS:
@@ -152,6 +154,8 @@ class StepReport:
         if self.step < 0:
             raise ValueError(f"step must be >= 0, got {self.step}")
 
+
+INT64_MAX = (1 << 63) - 1  # integer fields are stored as Int64
 
 _REQUIRED = ("step", "time", "loss", "grad_norm", "lr", "tokens")
 _ARRAY_DTYPES = {

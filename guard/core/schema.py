@@ -173,6 +173,9 @@ ACT_LR_COOLDOWN = "lr_cooldown"
 ACT_HALT = "halt"
 ACT_NONE = "none"  # observe only (guard off, or a verdict that needs no action)
 ACTIONS = (ACT_APPLY, ACT_SKIP, ACT_ROLLBACK, ACT_BIAS_CORRECT, ACT_LR_COOLDOWN, ACT_HALT, ACT_NONE)
+# Step decisions whose update was applied: bias_correct is an applied step on which a collapse
+# correction started (guard/core/actions.py counts it from the step's row)
+APPLYING_ACTIONS = (ACT_APPLY, ACT_BIAS_CORRECT)
 
 # Event kinds (events.kind)
 EV_VERDICT = "verdict"  # a detector fired

@@ -19,9 +19,10 @@ token_count (the tokens entropy_sum summed over: their ratio is the mean entropy
 Correctors (the decision's boost per layer is applied by whoever owns the step, here the
 adapter; an action that cannot be applied is never reported as done):
   BiasCorrector     models with a selection-only bias (DeepSeek-V3's e_score_correction_bias,
-                    torchtitan's expert_bias_E): a bounded, mean-centred SMEBU push on the
-                    collapsing layer's bias while the correction is open; the model's own bias
-                    update (if any) keeps running untouched.
+                    afmoe's expert_bias, torchtitan's expert_bias_E): a bounded, mean-centred SMEBU
+                    push on the collapsing layer's bias while the correction is open; the model's
+                    own bias update (if any) keeps running untouched, or, for models that have
+                    none (transformers), the corrector runs one (`update`: sign or SMEBU).
   AuxGradCorrector  models balanced by an aux loss only (Mixtral, Qwen-MoE, OLMoE, GPT-OSS): the
                     gradient of a switch-style balancing loss for the collapsing layer alone is
                     added to that layer's router logits during backward, i.e. a per-layer aux-loss
@@ -236,6 +237,11 @@ class TopKRoutingHook(RoutingCounters):
                 f"{type(module).__name__}: output[{self.indices_index}] is not integer indices or "
                 f"output[{self.logits_index}] has {logits.shape[-1]} != {self.n_experts} experts"
             )
+        self.record(logits, idx)
+
+    def record(self, logits: torch.Tensor, idx: torch.Tensor) -> None:
+        """One forward's routing: the router's logits [..., E] and the expert ids it chose (any
+        shape; ids outside 0..E-1 are not counted). Arms the balancing gradient when asked."""
         logits_NE = logits.detach().reshape(-1, self.n_experts)
         self.pending.append((logits_NE, idx.detach().reshape(-1)))
         if self.aux_coef > 0 and logits.requires_grad:
@@ -350,31 +356,49 @@ def _count(todo: list[Any]) -> None:
                 h._token_count.add_(n_tokens)
 
 
+BIAS_UPDATES = ("sign", "smebu")
+
+
 @dataclass(kw_only=True)
 class BiasCorrector:
-    """Pushes the selection bias of collapsing layers (see the module docstring)."""
+    """Pushes the selection bias of collapsing layers (see the module docstring), and, with
+    `update`, runs the model's standing balancing update after every applied step."""
 
     biases: dict[int, Callable[[], torch.Tensor]]  # layer id -> the live bias tensor
     lam: float = 1e-3  # base step; the policy's boost multiplies it (x10 by default)
     kappa: float = 2.0
     bias_max: float = 1.0
     order: list[int] = field(default_factory=list)  # layer ids in router (loads_ME row) order
-    # > 0: also run DeepSeek-V3's own balancing update b += u * sign(mean - n), mean-centred as in
-    # torchtitan, on every applied step (for implementations that never update their bias, such
-    # as transformers' DeepSeek-V3). 0: the model owns its balancing (torchtitan) or has none.
+    # The standing update for implementations that never update their bias (every transformers
+    # family): "sign" is DeepSeek-V3's b += u * sign(mean - n), mean-centred as in torchtitan, u =
+    # update_rate (1e-3 in the paper); "smebu" is Trinity's soft-clamped momentum update
+    # (smebu_step: lam 5e-4, kappa 2, beta 0.5). None: the model owns its balancing (torchtitan).
+    # update_rate > 0 with update None means "sign" (the earlier keyword).
     update_rate: float = 0.0
+    update: str | None = None
+    smebu_lam: float = 5e-4
+    smebu_kappa: float = 2.0
+    smebu_beta: float = 0.5
     mode: str = MODE_BIAS
+    momentum: dict[int, torch.Tensor] = field(default_factory=dict)  # SMEBU's m per layer
+
+    def __post_init__(self) -> None:
+        if self.update is None and self.update_rate > 0:
+            self.update = "sign"
+        if self.update is not None and self.update not in BIAS_UPDATES:
+            raise ValueError(
+                f"bias_update = {self.update!r}: must be one of {', '.join(BIAS_UPDATES)} or None"
+            )
+        if self.update == "sign" and self.update_rate <= 0:
+            self.update_rate = 1e-3
 
     def correct(self, boosts: dict[int, float], loads_ME: torch.Tensor | None, applied: bool) -> None:
         if loads_ME is None or not applied:
             return
-        if self.update_rate > 0:
+        if self.update is not None:
             with torch.no_grad():
                 for m, layer in enumerate(self.order):
-                    b = self.biases[layer]()
-                    n_E = loads_ME[m].to(b.device, torch.float32)
-                    d_E = self.update_rate * torch.sign(n_E.mean() - n_E)
-                    b.add_((d_E - d_E.mean()).to(b.dtype))
+                    self._standing(layer, self.biases[layer](), loads_ME[m])
         for m, layer in enumerate(self.order):
             if layer in boosts and layer in self.biases:
                 smebu_push(
@@ -384,6 +408,38 @@ class BiasCorrector:
                     kappa=self.kappa,
                     bias_max=self.bias_max,
                 )
+
+    def _standing(self, layer: int, b: torch.Tensor, load_E: torch.Tensor) -> None:
+        n_E = load_E.to(b.device, torch.float32)
+        if self.update == "sign":
+            d_E = self.update_rate * torch.sign(n_E.mean() - n_E)
+            b.add_((d_E - d_E.mean()).to(b.dtype))
+            return
+        m_E = self.momentum.get(layer)
+        if m_E is None or m_E.shape != n_E.shape or m_E.device != b.device:
+            m_E = self.momentum[layer] = torch.zeros_like(n_E)
+        b.add_(
+            smebu_step(n_E, m_E, lam=self.smebu_lam, kappa=self.smebu_kappa, beta=self.smebu_beta).to(b.dtype)
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"momentum": {str(k): v.tolist() for k, v in self.momentum.items()}}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.momentum = {
+            int(k): torch.tensor(v, dtype=torch.float32) for k, v in d.get("momentum", {}).items()
+        }
+
+
+def smebu_step(
+    load_E: torch.Tensor, m_E: torch.Tensor, *, lam: float = 5e-4, kappa: float = 2.0, beta: float = 0.5
+) -> torch.Tensor:
+    """Trinity's SMEBU: v = (mean - n) / mean, d = lam * tanh(kappa * v), mean-centred,
+    m = beta * m + (1 - beta) * d (m_E updated in place); returns the bias step m."""
+    mean = load_E.mean().clamp_min(1e-12)
+    d_E = lam * torch.tanh(kappa * (mean - load_E) / mean)
+    m_E.mul_(beta).add_((1 - beta) * (d_E - d_E.mean()))
+    return m_E
 
 
 @dataclass(kw_only=True)
@@ -422,6 +478,9 @@ class Attachment:
     after_step: Callable[[bool], None] | None = None
     # Undoes whatever else the adapter changed on the model (e.g. transformers' watched attention)
     undo: list[Callable[[], None]] = field(default_factory=list)
+    # What the adapter saw and deliberately does not observe or use, one line each (JetMoE's
+    # attention experts, a bias that moves no selection)
+    unobserved: list[str] = field(default_factory=list)
 
     @property
     def correction_mode(self) -> str:

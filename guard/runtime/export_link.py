@@ -20,6 +20,9 @@ from guard.runtime.export_spool import CONFLICT_DIR, REJECTED_DIR, Spool
 log = logging.getLogger("moeguard.exporter")
 
 
+KEEPALIVE_S = 60.0  # under the collector's KEEP_ALIVE_S (guard/wire/conn_guard.py)
+
+
 class CollectorLink:
     def __init__(
         self,
@@ -38,8 +41,12 @@ class CollectorLink:
         headers = {"content-type": "application/json"}
         if token:
             headers["authorization"] = f"Bearer {token}"
+        # Keep the connection across steps longer than httpx's 5 s default (one connection a rank,
+        # not one a batch), and drop it before the collector's own keep-alive (75 s) does.
         self._client = httpx.Client(
-            headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)),
+            limits=httpx.Limits(max_connections=2, keepalive_expiry=KEEPALIVE_S),
         )
         self.conflicted = False  # a 409 was answered: not everything was delivered
         self._conflict_logged = False

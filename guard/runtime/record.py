@@ -168,7 +168,7 @@ def summary_lines(
     """The end-of-run summary, the same for `moeguard train` and every integration."""
     gp = f"; goodput {goodput:.1%} (productive step time / wall time)" if goodput is not None else ""
     out = [
-        f"run {run_dir.name}: {steps} steps, {counts.get(schema.ACT_APPLY, 0)} updates applied; "
+        f"run {run_dir.name}: {steps} steps, {sum(counts.get(a, 0) for a in schema.APPLYING_ACTIONS)} updates applied; "
         f"guard actions: {actions.summary_text(guard_actions)}{gp}"
     ]
     meta = read_meta(run_dir) or {}

@@ -92,13 +92,26 @@ def fsync_dir(d: str | Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all: temp name, fsync, rename."""
+    """Write `path` whole or not at all: temp name, fsync, rename. A failed write (a full disk)
+    leaves no temp file behind."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        discard(tmp)
+        raise
+
+
+def discard(tmp: Path) -> None:
+    """Remove a temp file a failed write left (it may not exist; a failure here changes nothing)."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

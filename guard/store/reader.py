@@ -214,7 +214,7 @@ def count_actions(run_dir: str | Path) -> dict[str, int]:
     steps = scan_table(run_dir, schema.TABLE_STEPS).select("action")
     step_actions = list(actions.STEP_ACTIONS)
     per_step = steps.filter(pl.col("action").is_in(step_actions)).group_by("action").len().collect()
-    ev = scan_table(run_dir, schema.TABLE_EVENTS).select("kind", "action")
+    ev = scan_table(run_dir, schema.TABLE_EVENTS).select("step", "kind", "action")
     per_event = (
         ev.filter((pl.col("kind") == schema.EV_ACTION) & pl.col("action").is_in(list(actions.EVENT_ACTIONS)))
         .group_by("action")
@@ -225,4 +225,7 @@ def count_actions(run_dir: str | Path) -> dict[str, int]:
     for df in (per_step, per_event):
         for a, n in df.iter_rows():
             out[a] += int(n)
+    if not out[schema.ACT_BIAS_CORRECT]:  # a run recorded before issue #28: corrections as events only
+        old = ev.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_BIAS_CORRECT))
+        out[schema.ACT_BIAS_CORRECT] = int(old.select(pl.col("step").n_unique()).collect().item() or 0)
     return out

@@ -19,7 +19,7 @@ import polars as pl
 from guard.core import schema
 from guard.core.report import StepReport
 from guard.core.rows import expert_columns, group_columns, layer_columns, steps_columns
-from guard.store.layout import fsync_dir, part_files, part_name, polars_schema
+from guard.store.layout import discard, fsync_dir, part_files, part_name, polars_schema
 
 
 def table_frame(table: str, cols: Mapping[str, Any]) -> pl.DataFrame:
@@ -51,10 +51,14 @@ def event_frame(rows: Sequence[Mapping[str, Any]]) -> pl.DataFrame:
 def write_part_file(path: Path, df: pl.DataFrame) -> None:
     """Write a part atomically: temp name, fsync, rename (a reader sees all of it or none)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    df.write_parquet(tmp, compression="zstd", statistics=True)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        df.write_parquet(tmp, compression="zstd", statistics=True)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        discard(tmp)  # a full disk leaves no empty temp file in the run
+        raise
 
 
 def write_parts(

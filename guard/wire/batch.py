@@ -55,6 +55,11 @@ MAX_SEQ = (1 << 63) - 1
 # second); one further ahead of the collector's clock is refused, or it would own the run
 # (every real batch answered 409) until the clock caught up.
 MAX_GENERATION_AHEAD_S = 3600
+# The collector's clock decides liveness, goodput and who owns a run; a trainer's timestamps are
+# data. One more than this ahead of the collector's clock is clamped to it (heartbeat and report
+# times), and a generation this far ahead may not take a rank over from another writer (409).
+MAX_CLOCK_AHEAD_S = 60.0
+MAX_CLOCK_BEHIND_S = 7 * 86400.0  # report times further behind are clamped (a spool's old batches are not)
 
 
 class BadRequest(ValueError):

@@ -93,3 +93,15 @@ def test_a_failed_attack_is_a_row_and_leaves_no_service_running(
     assert (row.held, row.lost, row.what) == (False, -1, "An attack that dies half-way.")
     assert row.answer == "the attack failed: RuntimeError: boom"
     assert started[0].proc is not None and started[0].proc.poll() is not None
+
+
+def test_issue32_figures_sum_over_its_attacks() -> None:
+    rows = [
+        Row(attack="flood", item="32.1", what="f", answer="a", up=True, held=True, p99_ms=120.4),
+        Row(
+            attack="disk", item="32.2", what="d", answer="a", up=True, held=False, quarantined_after=1, lost=2
+        ),
+        Row(attack="old", item="held", what="o", answer="a", up=False, lost=5),
+    ]
+    text = markdown(rows, "python bench/collector_attacks.py", "a machine", 1.0)
+    assert "| 2 | 0 (target 0) | 2 (target 0) | 1 (target 0) | 120 ms (target < 1 s) |" in text

@@ -164,3 +164,31 @@ def test_a_loop_that_never_closes_is_not_left_running(tmp_path: Path) -> None:
     meta = read_meta(tmp_path / "run")
     assert meta["status"] == schema.STATUS_CRASHED and "without GuardedStep.close()" in meta["status_note"]
     assert read_table(tmp_path / "run", "steps").height == 3  # the rows made it to disk
+
+
+def test_the_standing_bias_updates_momentum_survives_a_resume(tmp_path: Path) -> None:
+    """SMEBU keeps a momentum per layer; a framework's resume (state_dict -> load_state_dict) must
+    bring it back, or the first steps after every resume update the bias differently."""
+    pytest.importorskip("transformers")
+    from guard.integrations.tiny import build
+    from guard.integrations.transformers import attach
+
+    def run(model: torch.nn.Module) -> GuardedStep:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return GuardedStep(model, opt, attach=attach(model, bias_update="smebu"))
+
+    torch.manual_seed(0)
+    model = build("deepseek_v3")
+    guarded = run(model)
+    for _ in range(3):
+        x = torch.randint(0, 256, (2, 16))
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        guarded.step(loss, tokens=32)
+    state = guarded.state_dict()
+    assert state["corrector"]["momentum"], "SMEBU kept no momentum"
+    guarded.close()
+    fresh = run(build("deepseek_v3"))
+    fresh.load_state_dict(state)
+    assert fresh.corrector.state_dict() == state["corrector"]
+    fresh.close()

@@ -71,11 +71,11 @@ def test_action_and_verdict_counters_survive_collector_restarts(tmp_path: Path) 
         c.start()
         assert _counts(c) == (want, want_v), "after a restart, before the trainer sends again"
 
-        # the trainer goes on: a collapse bias correction (rides an applied step) and a skip
+        # the trainer goes on: a collapse bias correction (an applied step; its row says bias_correct) and a skip
         ev = _acted(22, schema.ACT_BIAS_CORRECT, schema.DET_MAXVIO) + _acted(
             25, schema.ACT_SKIP, schema.DET_NONFINITE
         )
-        _post(c, 2, _steps(20, 10, {25: schema.ACT_SKIP}), ev)
+        _post(c, 2, _steps(20, 10, {22: schema.ACT_BIAS_CORRECT, 25: schema.ACT_SKIP}), ev)
         want.update({schema.ACT_BIAS_CORRECT: 1, schema.ACT_SKIP: 2})
         want_v.update({schema.DET_MAXVIO: 1, schema.DET_NONFINITE: 1})
         assert _counts(c) == (want, want_v)

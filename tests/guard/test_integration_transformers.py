@@ -8,6 +8,7 @@ the model (selection bias or per-layer balancing gradient), and a clean run take
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,13 @@ from guard.integrations.transformers import _router_of, attach, decoder_layers  
 from guard.store.reader import read_table  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
+
+# The long drills' representative subset of the other shapes (issue #28; every family's attach, dry
+# forward and load check: test_integration_matrix.py): Llama4's scores mask, DBRX's experts input,
+# JetMoE's counts, afmoe's sigmoid router and block bias, ernie's moe_statics bias, LongCat-Flash's
+# zero-computation experts
+SUBSET = ("afmoe", "llama4_text", "dbrx", "jetmoe", "ernie4_5_moe", "longcat_flash")
+BIASED = ("deepseek_v3", "afmoe", "ernie4_5_moe", "longcat_flash")
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +77,9 @@ def test_stored_loads_are_the_routers_real_top_k(family: str, corpus: np.ndarray
                 r.e_score_correction_bias.normal_(0, 0.05)
         assert model.config.n_group == 4 and model.config.topk_group == 2
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    att = attach(model)  # its dry forwards run before the independent observer goes on
     seen, handles = _experts_input_counts(model)
-    guarded = GuardedStep(model, opt, attach=attach(model), run_dir=tmp_path / "run", grad_clip=1.0)
+    guarded = GuardedStep(model, opt, attach=att, run_dir=tmp_path / "run", grad_clip=1.0)
     data = byte_batches(corpus, batch=4, seq=64, seed=1)
     steps = 12
     for _ in range(steps):
@@ -92,7 +101,7 @@ def test_stored_loads_are_the_routers_real_top_k(family: str, corpus: np.ndarray
         np.testing.assert_array_equal(got, want, err_msg=f"{family} layer {layer}")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + SUBSET)
 def test_spike_and_nan_are_skipped_with_all_state_bitwise_unchanged(
     family: str, corpus: np.ndarray, tmp_path: Path
 ) -> None:
@@ -108,7 +117,8 @@ def test_spike_and_nan_are_skipped_with_all_state_bitwise_unchanged(
         if step in faults:
             if faults[step] == "spike":
                 for p in model.parameters():
-                    p.grad.mul_(1000.0)
+                    if p.grad is not None:  # afmoe's expert_bias is a parameter without a gradient
+                        p.grad.mul_(1000.0)
             else:
                 next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
             state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -131,9 +141,16 @@ def test_spike_and_nan_are_skipped_with_all_state_bitwise_unchanged(
     assert steps.filter(pl.col("action") == "skip")["step"].to_list() == [40, 43]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + SUBSET)
 def test_forced_collapse_is_detected_and_corrected(family: str, corpus: np.ndarray, tmp_path: Path) -> None:
-    layer, at = 2, 80
+    at = 80
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        att = attach(build(family, seed=0))
+    moe = [i for i, _ in att.routers]
+    layer = 2 if 2 in moe else moe[len(moe) // 2]
+    reading = getattr(att.routers[0][1], "reading", None)
+    top = att.n_experts / (reading.top_k if reading else att.top_k) - 1  # every token to expert 0
     # The collapse detector waits out init's routing chaos (collapse.warmup, 250 steps by default);
     # 60 is enough for these tiny models and keeps the test short.
     cfg = GuardConfig(collapse=CollapseConfig(warmup=60))
@@ -148,20 +165,24 @@ def test_forced_collapse_is_detected_and_corrected(family: str, corpus: np.ndarr
     )
     events = read_table(tmp_path / "run", "events")
     maxvio = read_table(tmp_path / "run", "layers").filter(pl.col("layer") == layer).sort("step")["maxvio"]
-    assert maxvio[at] == pytest.approx(3.0)  # every token to expert 0: the largest MaxVio of top-2 of 8
+    assert maxvio[at] >= 0.9 * top  # (nearly) every token to expert 0: the largest MaxVio is E / k - 1
     acts = events.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_BIAS_CORRECT))
     assert acts.height >= 1 and acts["step"].min() > at, acts
     detail = acts["detail"][0]
-    assert f'"layer": {layer}' in detail and ('"mode": "bias"' in detail) == (family == "deepseek_v3"), detail
+    assert f'"layer": {layer}' in detail and ('"mode": "bias"' in detail) == (family in BIASED), detail
     rec = events.filter(pl.col("kind") == schema.EV_RECOVERED)
     assert rec.height >= 1
     threshold = cfg.collapse.maxvio
     assert float(maxvio.slice(rec["step"].min(), 20).median()) < threshold
     steps = read_table(tmp_path / "run", "steps")
-    assert (steps["action"] == schema.ACT_APPLY).all()  # corrected without throwing training away
+    assert steps["action"].is_in(list(schema.APPLYING_ACTIONS)).all()  # corrected, no update thrown away
+    # each correction is its step's action, counted once (guard/core/actions.py)
+    assert steps.filter(pl.col("action") == schema.ACT_BIAS_CORRECT)["step"].to_list() == sorted(
+        set(acts["step"].to_list())
+    )
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + SUBSET)
 def test_clean_run_takes_no_action(family: str, corpus: np.ndarray, tmp_path: Path) -> None:
     r = drill(family, seed=5, steps=310, corpus=corpus, run_dir=tmp_path / "run")
     assert r["actions"] == [], r["events"]

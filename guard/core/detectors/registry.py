@@ -155,18 +155,20 @@ class GradSpikes(CalibratedSeries):
         total = super().peek(report)
         if total or len(report.layer_grad_norm_L) < 2:
             return total
-        v = self.all_layers.peek(report.step, report.layer_ids_L, report.layer_grad_norm_L)
+        v = self.all_layers.peek(report.step, report.layer_ids_L, report.layer_grad_norm_L, report.loss)
         return [v] if v is not None else []
 
     def accept(self, report: StepReport) -> None:
         super().accept(report)
         if len(report.layer_grad_norm_L) >= 2:
-            self.all_layers.accept(report.step, report.layer_ids_L, report.layer_grad_norm_L)
+            self.all_layers.accept(report.step, report.layer_ids_L, report.layer_grad_norm_L, report.loss)
 
     def settle(self, report: StepReport, accepted: bool) -> None:
         super().settle(report, accepted)
         if len(report.layer_grad_norm_L) >= 2:
-            self.all_layers.settle(report.step, report.layer_ids_L, report.layer_grad_norm_L, accepted)
+            self.all_layers.settle(
+                report.step, report.layer_ids_L, report.layer_grad_norm_L, accepted, report.loss
+            )
 
     def baselines(self) -> list[CalibratedSpikeDetector]:
         return [self.det, self.all_layers.det]
