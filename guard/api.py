@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from guard.canary.slow import StepBurner
 from guard.core import actions, schema
 from guard.core.config import GuardConfig, load_guard_config
 from guard.core.events import Event
@@ -157,6 +158,8 @@ class GuardedStep:
         self.goodput = Goodput(started_at=self.session.meta["started_at"])
         self.pending_skip = 0  # batches still to drop after a rollback (the PaLM data window)
         self._data_wait = 0.0  # this rank's seconds in the loader since the last step
+        # `moeguard canary --ab ... --inject slow:PCT` on this run: PCT% of each step burnt in step()
+        self._burn = StepBurner.from_env(sync=torch.cuda.synchronize if device.type == "cuda" else None)
         self.last_decision: Decision | None = None
 
     # ---- data window ------------------------------------------------------------------------
@@ -242,6 +245,8 @@ class GuardedStep:
             self.pending_skip = d.skip_batches
             self.goodput.rolled_back(done.restored_step)
         self.probe.reset_router_stats()
+        if self._burn is not None:
+            self._burn()
         now = time.perf_counter()
         rep.step_time_s, self._t_last = now - self._t_last, now
         rep.tokens_per_s = job_tokens / rep.step_time_s if job_tokens else float("nan")

@@ -13,6 +13,9 @@ Pure pieces, one job each (no torch at module level; the model runs in a worker 
   ab.py, ab_report.py   `--ab A B`: two environments, paired, no history
   ab_format.py  ab.json's location, shape and reader, once (the app and the power bench read it)
   matrix.py     the kernel-choice matrix: each cell an A/B canary against the reference cell
+  own.py        `--ab --script CMD` / `--torchtitan JOB`: the A/B canary on the user's own training
+  proc_cpu.py   CPU time of a command's process tree, sampled from /proc (own.py's CPU timing)
+  slow.py       `--inject slow:PCT` inside a command the canary did not write (GuardedStep burns it)
   cli.py        `moeguard canary`'s arguments and dispatch
 
 The measuring worker (a Trainer that times each step) lives in trainer/canary_worker.py and

@@ -376,15 +376,26 @@ def prepare_sides(args: argparse.Namespace, setup: Setup, runs: Path) -> list[Si
     return sides
 
 
+# One worker of one side: (side, pair index, run-name stamp) -> its result, as measure_side's.
+MeasureFn = Callable[[Side, int, str], dict[str, Any]]
+
+
 def measure_pair(
-    setup: Setup, sides: list[Side], runs: Path, i: int, order: str, started: str
+    setup: Setup,
+    sides: list[Side],
+    runs: Path,
+    i: int,
+    order: str,
+    started: str,
+    measure: MeasureFn | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Pair i: one worker of each side, in `order` ('AB' or 'BA'); side name -> its worker row.
-    Raises WorkerFailed when a worker cannot run or fails."""
+    `measure`: how one worker runs (default: measure_side, the canary config's trainer; the
+    user's own training: guard/canary/own.py). Raises WorkerFailed when a worker cannot run or fails."""
     got: dict[str, dict[str, Any]] = {}
     for name in order:
         side = sides["AB".index(name)]
-        r = measure_side(setup, side, runs, i, started)
+        r = measure(side, i, started) if measure else measure_side(setup, side, runs, i, started)
         if r.get("status") == "unavailable":
             raise WorkerFailed(
                 EXIT_USAGE,
@@ -420,10 +431,12 @@ class Paired:
     elapsed_s: float
 
 
-def measure_ab(setup: Setup, sides: list[Side], runs: Path, tag: str = "") -> Paired:
+def measure_ab(
+    setup: Setup, sides: list[Side], runs: Path, tag: str = "", measure: MeasureFn | None = None
+) -> Paired:
     """Pairs of workers of A and B in ABBA (or seeded random) order, canary.ab_pairs of them, two
     more while the verdict is undecided, up to canary.ab_max_pairs; the paired statistic.
-    tag: a word for the run names (the matrix's cell). Raises WorkerFailed."""
+    tag: a word for the run names (the matrix's cell); measure: see measure_pair. Raises WorkerFailed."""
     c = setup.canary
     t0 = time.perf_counter()
     rng = random.Random(c.ab_seed)
@@ -433,7 +446,7 @@ def measure_ab(setup: Setup, sides: list[Side], runs: Path, tag: str = "") -> Pa
     orders = pair_orders(c.ab_pairs, c.ab_order, rng)
     while True:
         for i in range(len(pairs), len(orders)):
-            got = measure_pair(setup, sides, runs, i, orders[i], started)
+            got = measure_pair(setup, sides, runs, i, orders[i], started, measure)
             rows += [got[name] for name in orders[i]]  # in the order they ran
             ratios = pair_ratios(got["A"], got["B"])
             pairs.append(

@@ -53,7 +53,13 @@ day, a drift-sized one warns. Record baselines at different times (`--record` on
 merge) to narrow the line back to the configured one.
 
 `--ab A B` (guard/canary/ab.py) needs no history: it measures two environments side by side,
-interleaved, and judges the paired ratio; the host's drift hits both alike.
+interleaved, and judges the paired ratio; the host's drift hits both alike. With `--script "CMD"`
+or `--torchtitan CONFIG.toml` it measures YOUR training instead of the canary config's model
+(guard/canary/own.py): each worker runs the command, which writes its run store to
+$MOEGUARD_RUN_DIR (or the {run_dir} placeholder); the steady-state tokens/s comes from there.
+
+    moeguard canary --ab py:/opt/old/bin/python py:/opt/new/bin/python --script "{python} train.py"
+    moeguard canary --ab set: set: --torchtitan my_model.toml --steps 60 --inject slow:10
 """
 
 from __future__ import annotations
@@ -138,6 +144,36 @@ def configure(p: argparse.ArgumentParser) -> None:
         "per-pair B/A tokens/s ratio lies wholly below 1 - canary.ab_fail_pct/100 (exit 1). "
         "--inject slow:PCT slows B (a:slow:PCT slows A). Report: ab.md/ab.json in --report-dir",
     )
+    p.add_argument(
+        "--script",
+        metavar="CMD",
+        help="with --ab: the A/B canary on YOUR training: each worker runs CMD (one string; it trains "
+        "with GuardedStep or MoEGuardCallback) and the canary reads its steady-state tokens/s from the "
+        "run store it writes: the run directory is $MOEGUARD_RUN_DIR (the callback's default) and the "
+        "{run_dir} placeholder; {python} is the side's interpreter, {steps} is --steps; set:K=V sides "
+        "set environment variables (guard/canary/own.py)",
+    )
+    p.add_argument(
+        "--torchtitan",
+        metavar="JOB",
+        help="with --ab: the A/B canary on torchtitan's own trainer, guarded (torchrun -m "
+        "guard.integrations.torchtitan): JOB is a TOML file (module = ..., config = ..., [section] "
+        "keys as overrides) or torchtitan's arguments ('--module M --config F ...'); set:K=V sides "
+        "are torchtitan overrides (--K V)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --torchtitan: ranks (torchrun --nproc_per_node)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        metavar="N",
+        help="with --torchtitan: --training.steps N; with --script: {steps} and $MOEGUARD_CANARY_STEPS",
+    )
 
 
 def run(args: argparse.Namespace, trainer: TrainerSide) -> int:
@@ -146,6 +182,16 @@ def run(args: argparse.Namespace, trainer: TrainerSide) -> int:
     setup = load_setup(args.config, trainer.parse_overrides(args.set), trainer)
     if args.report_dir is None:
         args.report_dir = Path(args.runs) / REPORT_DIR
+    own = args.script is not None or args.torchtitan is not None
+    if (own or args.steps is not None) and not args.ab:
+        print("moeguard canary: --script, --torchtitan and --steps go with --ab A B", file=sys.stderr)
+        return EXIT_USAGE
+    if args.script is not None and args.torchtitan is not None:
+        print("moeguard canary: --script or --torchtitan, not both", file=sys.stderr)
+        return EXIT_USAGE
+    if args.steps is not None and not own:
+        print("moeguard canary: --steps goes with --script or --torchtitan", file=sys.stderr)
+        return EXIT_USAGE
     if args.ab:
         clash = [
             flag
@@ -164,6 +210,10 @@ def run(args: argparse.Namespace, trainer: TrainerSide) -> int:
                 file=sys.stderr,
             )
             return EXIT_USAGE
+        if own:
+            from guard.canary.own import run_own_ab
+
+            return run_own_ab(args, setup)
         from guard.canary.ab import run_ab
 
         return run_ab(args, setup)

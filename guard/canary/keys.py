@@ -46,3 +46,9 @@ ENV_KEYS = (
     "peak_flops_source",
     "world_size",
 )
+
+# What `moeguard canary --ab --script/--torchtitan` hands the training command it runs (guard/canary/
+# own.py), as environment variables: where to write its run store (MoEGuardCallback's default
+# run_dir; the torchtitan launcher is given --run-dir), how many steps to run when --steps says so,
+# and the injected slowdown (`--inject slow:PCT`, burnt inside GuardedStep.step: guard/canary/slow.py).
+RUN_DIR_ENV, STEPS_ENV, SLOW_ENV = "MOEGUARD_RUN_DIR", "MOEGUARD_CANARY_STEPS", "MOEGUARD_CANARY_SLOW_PCT"

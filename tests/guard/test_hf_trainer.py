@@ -1,0 +1,201 @@
+"""MoEGuardCallback on the real transformers 5 `Trainer` (tiny Mixtral and DeepSeek-V3, CPU).
+
+Each run is bench/hf_trainer_job.py: a real Trainer (accelerate's AcceleratedOptimizer, a cosine LR
+schedule with warm-up, max_grad_norm 1.0, gradient accumulation), the faults injected into the
+reduced gradients just before the guard decides. What must hold: a spike and a NaN are skipped with
+weights, AdamW state, LR and LR schedule bitwise unchanged; the guard decides once per OPTIMIZER
+step and its loss is the loss the Trainer logs; a rollback restores the snapshot and skips the data
+window; a forced collapse is corrected through the model; on 2 ranks (DDP on gloo, real torchrun)
+both ranks decide alike and end with the same weights; the Trainer's clip setting is given back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install accelerate")
+
+from bench.hf_trainer_job import main as job  # noqa: E402
+from guard.core import schema  # noqa: E402
+from guard.store.reader import read_table  # noqa: E402
+
+pytestmark = [pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def logged_losses(res: dict) -> list[float]:
+    return [h["loss"] for h in res["log_history"] if "loss" in h and "train_loss" not in h]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_spike_and_nan_are_skipped_bitwise_with_the_schedule_held(family: str, tmp_path: Path) -> None:
+    steps, spike, nan = 60, 45, 50
+    res = job(
+        [
+            "--family",
+            family,
+            "--steps",
+            str(steps),
+            "--grad-accum",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+            "--inject",
+            f"spike@{spike}:1000",
+            "--inject",
+            f"nan@{nan}",
+        ]
+    )
+    # every state the step could touch, bitwise (weights, AdamW moments and step, LR, schedule)
+    for step in (spike, nan):
+        assert res["checks"][str(step)] == {
+            "weights": True,
+            "optimizer": True,
+            "lr": True,
+            "scheduler": True,
+        }, (step, res["checks"])
+    assert [(i, a) for i, a in enumerate(res["actions"]) if a != schema.ACT_APPLY] == [
+        (spike, schema.ACT_SKIP),
+        (nan, schema.ACT_SKIP),
+    ]
+    # the LR schedule stood still on each skipped step and moved on every applied one
+    lrs = res["lrs"]
+    assert lrs[spike] == lrs[spike - 1] and lrs[nan] == lrs[nan - 1]
+    assert all(lrs[i] != lrs[i - 1] for i in range(10, steps) if i not in (spike, nan))
+    # one decision per optimizer step (2 micro-batches each), the Trainer's own loss
+    run = tmp_path / "out" / "moeguard"  # the callback's default run store: <output_dir>/moeguard
+    rows = read_table(run, "steps").sort("step")
+    assert rows.height == steps == res["global_step"]
+    assert (rows["tokens"] == 2 * 4 * 64).all()
+    np.testing.assert_allclose(rows["loss"].to_numpy(), logged_losses(res), rtol=1e-6)
+    # the Trainer's logging kept working, with the unclipped norm it computes itself
+    grad_norms = [h["grad_norm"] for h in res["log_history"] if "grad_norm" in h]
+    assert len(grad_norms) == steps and all(np.isfinite(grad_norms[i]) for i in range(steps) if i != nan)
+    assert res["max_grad_norm_after"] == 1.0  # the clip moved into the guard and came back
+    assert res["lr_bound"] == 3e-3  # the schedule's peak, though the warm-up starts at 0
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["flops_per_token"] > 0  # counted from the model and the first batch (MFU)
+    events = read_table(run, "events")
+    fired = events.filter(pl.col("kind") == schema.EV_VERDICT)
+    assert set(fired["step"].to_list()) == {spike, nan}
+    assert "nonfinite" in fired.filter(pl.col("step") == nan)["detector"].to_list()
+
+
+def test_rollback_restores_the_snapshot_and_skips_the_data_window(tmp_path: Path) -> None:
+    cfg = tmp_path / "guard.toml"
+    cfg.write_text("[policy]\nrollback_skip_batches = 2\n")
+    spikes = [52, 53, 54]  # three skips inside the skip window -> a rollback at the third
+    res = job(
+        [
+            "--steps",
+            "60",
+            "--out",
+            str(tmp_path / "out"),
+            "--guard",
+            str(cfg),
+            "--record-weights",
+            *[x for s in spikes for x in ("--inject", f"spike@{s}:1000")],
+        ]
+    )
+    acts = {i: a for i, a in enumerate(res["actions"]) if a != schema.ACT_APPLY}
+    assert acts == {
+        52: schema.ACT_SKIP,
+        53: schema.ACT_SKIP,
+        54: schema.ACT_ROLLBACK,
+        55: "skip",
+        56: "skip",
+    }, acts
+    events = read_table(tmp_path / "out" / "moeguard", "events")
+    rb = events.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_ROLLBACK))
+    restored = json.loads(rb["detail"][0])["restored_step"]
+    assert restored == 50  # the newest snapshot (every 25 steps) before the incident
+    hashes = res["hashes"]
+    # the snapshot labelled 50 is the state after 50 applied steps (indices 0..49)
+    assert hashes[54] == hashes[49] != hashes[53]
+    assert hashes[55] == hashes[56] == hashes[54]  # the data window: no update
+    assert hashes[57] != hashes[56]
+    lrs = res["lrs"]
+    assert lrs[51] == lrs[52] == lrs[53] == lrs[54] == lrs[55] == lrs[56] != lrs[57]  # schedule held
+
+
+def test_forced_collapse_is_corrected_through_the_model(tmp_path: Path) -> None:
+    cfg = tmp_path / "guard.toml"
+    cfg.write_text("[collapse]\nwarmup = 60\n")  # tiny models settle fast (see test_integration_transformers)
+    layer, at = 2, 80
+    job(
+        [
+            "--steps",
+            "200",
+            "--out",
+            str(tmp_path / "out"),
+            "--guard",
+            str(cfg),
+            "--balance-coef",
+            "0.01",
+            "--inject",
+            f"collapse@{at}:{layer}",
+        ]
+    )
+    run = tmp_path / "out" / "moeguard"
+    events = read_table(run, "events")
+    maxvio = read_table(run, "layers").filter(pl.col("layer") == layer).sort("step")["maxvio"]
+    assert maxvio[at] == pytest.approx(3.0)  # every token to expert 0
+    acts = events.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_BIAS_CORRECT))
+    assert acts.height >= 1 and acts["step"].min() > at, acts
+    assert f'"layer": {layer}' in acts["detail"][0] and '"mode": "aux_loss"' in acts["detail"][0]
+    rec = events.filter(pl.col("kind") == schema.EV_RECOVERED)
+    assert rec.height >= 1
+    assert float(maxvio.slice(rec["step"].min(), 20).median()) < 1.0
+    # corrected without throwing training away: every step's update applied (the correction's
+    # opening step is recorded as bias_correct, an applying action)
+    assert read_table(run, "steps")["action"].is_in(list(schema.APPLYING_ACTIONS)).all()
+
+
+@pytest.mark.integration
+def test_two_ranks_ddp_on_gloo_decide_alike(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "bench" / "hf_trainer_job.py"),
+        "--family",
+        "deepseek_v3",
+        "--steps",
+        "60",
+        "--grad-accum",
+        "2",
+        "--out",
+        str(out),
+        "--inject",
+        "spike@45:1000",
+        "--inject",
+        "nan@50",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    for r in ranks:
+        assert all(all(c.values()) for c in r["checks"].values()) and set(r["checks"]) == {"45", "50"}
+        assert [(i, a) for i, a in enumerate(r["actions"]) if a != schema.ACT_APPLY] == [
+            (45, schema.ACT_SKIP),
+            (50, schema.ACT_SKIP),
+        ]
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # replicas still identical: the same decisions
+    # only rank 0 wrote the run store; its loss is the Trainer's (mean over ranks), its tokens both ranks'
+    rows = read_table(out / "moeguard", "steps").sort("step")
+    assert rows.height == 60 and (rows["tokens"] == 2 * 2 * 4 * 64).all()
+    np.testing.assert_allclose(rows["loss"].to_numpy(), logged_losses(ranks[0]), rtol=1e-6)
