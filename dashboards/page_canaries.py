@@ -10,6 +10,7 @@ from dashboards.canary_ab_view import render_ab_section
 from dashboards.data import canaries, config
 from dashboards.data.config import AppConfig
 from dashboards.figures.canaries import canary_figure
+from guard.canary.keys import CPU_EFFICIENCY
 
 
 def _history_section(cfg: AppConfig) -> None:
@@ -52,19 +53,23 @@ def _history_section(cfg: AppConfig) -> None:
     )
     gate = canaries.canary_gate(sub, warn_pct=warn, fail_pct=fail)  # for the latest entry: baseline before it
 
+    # on a CPU class the canary gates a CPU efficiency (MFU against a per-step reference matmul), not
+    # an MFU against a datasheet peak: one name per measure on every surface (guard/canary/keys.py)
+    on_cpu = any(part.strip().startswith("cpu:") for part in str(fp).split("|"))  # the device part
+    measure = CPU_EFFICIENCY if on_cpu else "MFU"
     latest = sub.row(-1, named=True)
     deltas = canaries.canary_deltas(sub)
     m = st.columns(4)
     base = gate["baseline"]
     m[0].metric(
-        "baseline MFU (median)",
+        f"baseline {measure} (median)",
         f"{100 * base:.2f}%" if base else "—",
-        help=f"median MFU p50 of the {int(gate.get('n_baseline') or 0)} baseline entries recorded before the "
+        help=f"median {measure} p50 of the {int(gate.get('n_baseline') or 0)} baseline entries recorded before the "
         f"latest one with its fingerprint and config hash (the last {canaries.CANARY_WINDOW}: the rule `moeguard "
         "canary` judges by, guard/canary/history.py); the latest entry is never part of its own baseline",
     )
     m[1].metric(
-        "latest MFU p50",
+        f"latest {measure} p50",
         f"{100 * latest['mfu_p50']:.2f}%",
         delta=f"{deltas[-1]:+.1f}% vs baseline" if deltas[-1] is not None else None,
     )
@@ -90,16 +95,17 @@ def _history_section(cfg: AppConfig) -> None:
             "torch",
             "verdict",
             "baseline",
-            (pl.col("mfu_p50") * 100).alias("MFU p50 %"),
+            (pl.col("mfu_p50") * 100).alias(f"{measure} p50 %"),
             "vs baseline %",
             pl.col("tokens_per_s_p50").round(0),
             "config",
         ),
         hide_index=True,
         column_config={
-            "MFU p50 %": st.column_config.NumberColumn(format="%.2f"),
+            f"{measure} p50 %": st.column_config.NumberColumn(format="%.2f"),
             "vs baseline %": st.column_config.NumberColumn(
-                format="%+.1f", help="MFU p50 vs the median of the baseline entries recorded before this one"
+                format="%+.1f",
+                help=f"{measure} p50 vs the median of the baseline entries recorded before this one",
             ),
             "tokens_per_s_p50": st.column_config.NumberColumn("tokens/s p50", format="localized"),
         },

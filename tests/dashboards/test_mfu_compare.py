@@ -355,3 +355,16 @@ def test_canaries_page_top_kernels_table(tmp_path: Path, mfu_store: Path, open_p
     assert set(kern["op"]) == set(BASE_PROF)
     assert kern["raw change %"].min() > 29 and kern["vs overall %"].abs().max() < 0.01
     assert any("+30.0% overall" in c.value for c in at.caption)
+
+
+def test_a_cpu_history_names_its_measure_cpu_efficiency(tmp_path: Path, mfu_store: Path, open_page) -> None:
+    """On a CPU class the canary gates a CPU efficiency (against a reference matmul), as the CLI and
+    canary.md call it; the Canaries page names it so too, never "MFU"."""
+    hist = tmp_path / "h.jsonl"
+    cpu = "AMD EPYC (AuthenticAMD/25/1/1) x2cpu 24GiB|cpu:x86_64:1threads|ws1|fp32 | cfg 3c3aa24e00"
+    rows = [{**_entry(i, 0.40, baseline=True), "fingerprint": cpu} for i in range(3)]
+    hist.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    at = open_page("canaries", mfu_store, history=hist)
+    assert not at.exception
+    labels = [m.label for m in at.metric]
+    assert "latest CPU efficiency p50" in labels and not any("MFU" in label for label in labels)
