@@ -202,14 +202,14 @@ def test_live_mode_follows_a_running_run(tmp_path: Path, monkeypatch) -> None:
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         page.goto(base + "/health?run=live", wait_until="networkidle")
         first_metric = "document.querySelector('[data-testid=stMetricValue]')"
-        page.wait_for_function(f"{first_metric} && {first_metric}.innerText.trim() === '99'", timeout=60_000)
+        page.wait_for_function(f"{first_metric} && {first_metric}.innerText.trim() === '100'", timeout=60_000)
         page.get_by_text("Live (rerun every").click()
-        # the trainer flushes 50 more steps, through the real writer
+        # the trainer flushes 50 more steps, through the real writer (the metric counts steps: 100 -> 150)
         store = RunStore(run, flush_every=50)
         for s in range(100, 150):
             store.add_step(StepReport(step=s, time=1e9 + s, loss=2.5, grad_norm=1.0, lr=1e-4, tokens=65536))
         store.close()
-        page.wait_for_function(f"{first_metric}.innerText.trim() === '149'", timeout=30_000)
+        page.wait_for_function(f"{first_metric}.innerText.trim() === '150'", timeout=30_000)
         assert page.locator("[data-testid=stException]").count() == 0
         browser.close()
 
