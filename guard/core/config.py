@@ -88,8 +88,13 @@ class SpikeConfig:
     # rise's level instead of rel_max: the smallest per-layer rise is light-tailed (at most 2.9x on
     # a clean configs/tiny.toml run after warm-up), and the total's 8x ceiling let a whole-model
     # x8 through. Figures: docs/BENCHMARKS.md, "Every transformers MoE family".
-    all_layers_early_cap: float = 8.0
-    all_layers_rel_max: float = 4.0
+    # 2026-11-28, raised to 16 / 6 (from issue #28's 8 / 4): at 8 / 4 the clean 300-step runs of
+    # tests/guard/test_integration_transformers.py drew skips on mixtral, afmoe, ernie4_5_moe
+    # (whole-model rises of 8.5-11.6x at steps 23-35) and llama4, jetmoe, ernie (3.1-6.7 after the
+    # fit against 3.0-6.4 ceilings), and olmoe (13.2x at step 21 of a 46-step drill). x50 from step
+    # 20 and x20 stay caught; a x8-x16 whole-model spike before the fit is the trade (docs/NOTES.md).
+    all_layers_early_cap: float = 16.0
+    all_layers_rel_max: float = 6.0
     all_layers_warmup: int = 8
     # The all-layers rise is divided by max(1, loss / its level)^this: a rise the loss explains is a
     # hard batch, not a numerical fault (guard/core/detectors/all_layers.py). 0: off.

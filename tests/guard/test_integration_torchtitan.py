@@ -238,7 +238,7 @@ def test_forced_collapse_is_detected_and_corrected(
     recovered = events.filter(pl.col("kind") == schema.EV_RECOVERED)
     assert recovered["layer_"].to_list() == [layer], events.rows()
     steps = read_table(tmp_path / "collapse", "steps")
-    assert steps["action"].unique().to_list() == [schema.ACT_APPLY]
+    assert steps["action"].is_in(list(schema.APPLYING_ACTIONS)).all()  # corrected, no update thrown away
 
 
 def test_loop_without_torchtitans_hook_still_reads_one_step_each(tmp_path: Path, corpus: np.ndarray) -> None:
