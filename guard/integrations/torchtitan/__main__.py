@@ -25,6 +25,7 @@ moeguard flag or guard file; an exception ends as torchtitan's would (the run re
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     if cpu.needs_cpu():
         cpu.use_cpu()
+        os.environ.setdefault("LOCAL_RANK", "0")  # torchtitan reads it; torchrun sets it, `python -m` not
     config = ConfigManager().parse_args(rest)
     if args.no_guard:
         from torchtitan.trainer import Trainer

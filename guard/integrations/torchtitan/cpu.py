@@ -14,7 +14,6 @@ torchtitan pick gloo as the process-group backend.
 from __future__ import annotations
 
 import importlib
-import os
 import types
 from collections.abc import Callable
 from typing import Any
@@ -66,7 +65,6 @@ def use_cpu(setattr_: Callable[[Any, str, Any], None] = setattr) -> None:
     setattr_(importlib.import_module("torchtitan.distributed.utils"), "set_pg_timeouts", lambda **k: None)
     fsdp = importlib.import_module("torchtitan.distributed.fsdp")
     setattr_(fsdp, "disable_fsdp_gradient_division", _gloo_safe(fsdp.disable_fsdp_gradient_division))
-    os.environ.setdefault("LOCAL_RANK", "0")
 
 
 def _gloo_safe(disable_division: Callable[[Any], None]) -> Callable[[Any], None]:
