@@ -63,6 +63,10 @@ class BatchAssembler:
         self._phase = PHASE_TRAIN
         self._phase_changed = False
         self._last_step = -1
+        self.every = 0.0  # the declared interval of this rank's own beats (0: none)
+        self.world = 0  # > 1 on rank 0 of a job whose guard runs per-step collectives on every rank
+        self._waiting = False  # inside a collective, waiting for peers (HeartbeatPump)
+        self._ranks: dict[str, Any] | None = None  # rank 0: every rank's window vectors, once
 
     def set_meta(self, meta: dict[str, Any]) -> None:
         with self.lock:
@@ -76,10 +80,23 @@ class BatchAssembler:
             self._phase = phase
             self._phase_changed = self._phase_changed or news
 
+    def note_step(self, step: int) -> None:
+        """This rank finished `step` (a rank that sends no reports: its beats carry it)."""
+        with self.lock:
+            self._last_step = max(self._last_step, step)
+
+    def set_waiting(self, waiting: bool) -> None:
+        with self.lock:
+            self._waiting = waiting
+
+    def set_ranks(self, vectors: dict[str, Any]) -> None:
+        with self.lock:
+            self._ranks = vectors
+
     def take_news(self) -> bool:
         """Whether meta or a phase change waits for a batch (then one goes out even with no
         reports); the phase change counts as sent. Caller holds `lock`."""
-        news = self._meta is not None or self._phase_changed
+        news = self._meta is not None or self._phase_changed or self._ranks is not None
         self._phase_changed = False
         return news
 
@@ -93,6 +110,7 @@ class BatchAssembler:
         if chunk:
             self._last_step = max(self._last_step, max(step for _, _, step in chunk))
         meta, self._meta = self._meta, None
+        ranks, self._ranks = self._ranks, None
         acked = self._inbox.acknowledged
         b = Batch(
             run=self.run_id,
@@ -101,7 +119,15 @@ class BatchAssembler:
             writer=self.writer,
             events=[e for _, evs, _ in chunk for e in evs],
             final=final,
-            heartbeat=heartbeat(time.time(), max(self._last_step, 0), self._phase),
+            heartbeat=heartbeat(
+                time.time(),
+                max(self._last_step, 0),
+                self._phase,
+                every=self.every,
+                waiting=self._waiting,
+                world=self.world if chunk else 0,  # a report's step proves the others' (wire docs)
+            ),
+            ranks=ranks,
             meta=meta,
             trainer_detectors=self.trainer_detectors,
             # every batch: a lost heartbeat must not lose the acknowledgement

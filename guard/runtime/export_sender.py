@@ -64,6 +64,8 @@ class Sender:
     def _loop(self) -> None:
         self._next_poll = time.monotonic() + self.cfg.poll_s
         self._last_sent = time.monotonic()
+        if self.cfg.first_beat_s is not None:  # ranks of one job spread their beats (heartbeat.py)
+            self._last_sent += min(self.cfg.first_beat_s, self.cfg.heartbeat_s) - self.cfg.heartbeat_s
         while True:
             self.steps.wait(max(0.0, self._wait()))
             stop = self.steps.stopped  # read before the take: what was queued before stop() goes out

@@ -119,6 +119,8 @@ def heartbeat(
     return hb
 
 
+MAX_BEAT_EVERY_S = 86400.0  # a declared beat interval longer than a day is none
+
 # rank 0's per-rank vectors, each a list indexed by rank: name -> element type
 RANK_VECTORS = {"step_time_s": float, "data_wait_s": float, "tokens": int, "straggler_score": float}
 
@@ -259,8 +261,8 @@ def _parse_heartbeat(hb: Any) -> dict[str, Any] | None:
     if not math.isfinite(t):
         raise BadRequest("heartbeat.time: must be a finite number")
     every = _float(hb.get("every", 0.0), "heartbeat.every")
-    if not (math.isfinite(every) and 0.0 <= every <= 86400.0):
-        raise BadRequest(f"heartbeat.every: {every!r} not in [0, 86400] seconds")
+    if not (math.isfinite(every) and 0.0 <= every <= MAX_BEAT_EVERY_S):
+        raise BadRequest(f"heartbeat.every: {every!r} not in [0, {MAX_BEAT_EVERY_S:g}] seconds")
     waiting = hb.get("waiting", False)
     if not isinstance(waiting, bool):
         raise BadRequest("heartbeat.waiting: expected true or false")
