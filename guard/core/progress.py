@@ -58,6 +58,7 @@ class RankProgress:
     generation: int | None = None
     starting: bool = True  # no progress since this generation's first beat
     waiting: bool = False  # its last beat came from inside a collective (waiting for peers)
+    beat_seen: float = 0.0  # collector clock of its last beat (progress or not)
 
 
 @dataclass(slots=True)
@@ -97,13 +98,14 @@ class ProgressTracker:
                 last_sent=sent,
                 generation=generation,
                 waiting=waiting,
+                beat_seen=now,
             )
             return
         if (
             generation is not None and rp.generation is not None and generation < rp.generation
         ) or sent <= rp.last_sent:
             return  # an older writer's or a replayed beat: no news about progress
-        rp.waiting = waiting
+        rp.waiting, rp.beat_seen = waiting, max(rp.beat_seen, now)
         self._advance(rp, now, step, phase, sent, generation)
 
     def cover(
@@ -155,8 +157,19 @@ class ProgressTracker:
         return rp
 
     def culprits(self, stuck: list[int]) -> list[int]:
-        """Of the stuck ranks, the ones to name: those not waiting in a collective, when any are."""
-        own = [r for r in stuck if not (r in self.ranks and self.ranks[r].waiting)]
+        """Of the stuck ranks, the ones to name. First choice: those whose beat since the job last
+        advanced says they are not waiting in a collective (a stalled rank beats early to say
+        so: guard/runtime/export_sender.py); a rank that has not beaten since cannot be judged
+        yet (16,384 ranks beat once a minute). Then: any not known to wait; then all."""
+        # a beat within the first steps after the job's last progress may come from a rank still
+        # computing before it blocks in the next collective: it says nothing about the stall
+        grace = max(2.0, 2.0 * self.longest.get(PHASE_TRAIN, 0.0))
+        since = self.covered.since_seen + grace if self.covered is not None else -math.inf
+        ranks = self.ranks
+        known = [r for r in stuck if r in ranks and ranks[r].beat_seen > since and not ranks[r].waiting]
+        if known:
+            return known
+        own = [r for r in stuck if not (r in ranks and ranks[r].waiting)]
         return own or stuck
 
     def phase_deadline(self, phase: str) -> float:

@@ -66,6 +66,7 @@ class BatchAssembler:
         self.every = 0.0  # the declared interval of this rank's own beats (0: none)
         self.world = 0  # > 1 on rank 0 of a job whose guard runs per-step collectives on every rank
         self._waiting = False  # inside a collective, waiting for peers (HeartbeatPump)
+        self.progress_at = time.monotonic()  # when the last step or phase change came
         self._ranks: dict[str, Any] | None = None  # rank 0: every rank's window vectors, once
 
     def set_meta(self, meta: dict[str, Any]) -> None:
@@ -77,13 +78,20 @@ class BatchAssembler:
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} not one of {PHASES}")
         with self.lock:
+            if phase != self._phase:
+                self.progress_at = time.monotonic()
             self._phase = phase
             self._phase_changed = self._phase_changed or news
 
     def note_step(self, step: int) -> None:
         """This rank finished `step` (a rank that sends no reports: its beats carry it)."""
         with self.lock:
-            self._last_step = max(self._last_step, step)
+            if step > self._last_step:
+                self._last_step, self.progress_at = step, time.monotonic()
+
+    @property
+    def waiting(self) -> bool:
+        return self._waiting
 
     def set_waiting(self, waiting: bool) -> None:
         with self.lock:
@@ -107,8 +115,8 @@ class BatchAssembler:
 
     def body(self, chunk: list[Encoded], seq: int, final: bool = False) -> bytes:
         """The batch body for `chunk` with sequence number `seq`. Caller holds `lock`."""
-        if chunk:
-            self._last_step = max(self._last_step, max(step for _, _, step in chunk))
+        if chunk and (top := max(step for _, _, step in chunk)) > self._last_step:
+            self._last_step, self.progress_at = top, time.monotonic()
         meta, self._meta = self._meta, None
         ranks, self._ranks = self._ranks, None
         acked = self._inbox.acknowledged

@@ -78,6 +78,7 @@ class ExporterConfig:
     poll_s: float = 5.0  # seconds between GETs of operator commands (1e9: never)
     heartbeat_s: float = 10.0  # an empty batch after this many quiet seconds (1e9: never)
     first_beat_s: float | None = None  # the first one after this many (None: heartbeat_s); spreads ranks
+    stall_beat_s: float = 1e9  # one early beat when step and phase stand still this long (1e9: never)
     world: int = 1  # ranks in the job: rank 0's reports then prove the others alive (wire docs)
     backoff_max_s: float = 30.0  # longest wait between tries of the spool
     # this trainer runs the detectors itself (guard on, or observing): the collector skips its own

@@ -20,6 +20,9 @@ NEVER_S = 1e9  # an ExporterConfig interval that never comes
 # Keep it well under the collector's --heartbeat-floor (30 s by default).
 HEARTBEAT_S = 5.0
 ENV_HEARTBEAT_S = "MOEGUARD_HEARTBEAT_S"
+# A rank whose step and phase stand still this long, not waiting in a collective, beats at once
+# (once a stall): well under the collector's --progress-floor (60 s), over a long step's time.
+STALL_BEAT_S = 10.0
 
 
 def default_beat_s() -> float:
@@ -75,6 +78,10 @@ def make_exporter(
             config=ExporterConfig(
                 heartbeat_s=heartbeat_s,
                 first_beat_s=first_beat_delay_s(rank, world, heartbeat_s) if heartbeat_s < NEVER_S else None,
+                # a stalled rank says so within seconds, ranks spread over 2 s (export_sender.py)
+                stall_beat_s=STALL_BEAT_S + first_beat_delay_s(rank, world, 2.0)
+                if heartbeat_s < NEVER_S
+                else NEVER_S,
                 world=world,
                 poll_s=2.0 if rank == 0 else NEVER_S,
                 trainer_detectors=trainer_detectors,
