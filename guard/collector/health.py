@@ -295,35 +295,42 @@ class RunHealth:
         alive = (rank in hb.ranks or hb.is_covered(rank)) and not hb.age(rank, now) > hb.timeout(rank)
         return alive and self.progress.effective(rank) is not None and self.progress.stalled(rank, now)
 
-    def stuck_ranks(self, now: float, ranks: Iterable[int] | None = None) -> list[int]:
-        """The stuck ranks to name: stalled, and not waiting in a collective for a stalled peer."""
-        pool = self.heartbeats.expected() if ranks is None else ranks
-        return self.progress.culprits([r for r in pool if self.stalled(r, now)])
+    def stuck_ranks(self, now: float) -> list[int]:
+        """The stuck ranks to name: stalled, and not waiting in a collective for a stalled peer
+        (guard/core/progress.py `culprits`). Cheap while rank 0's proof is fresh (none is)."""
+        hb, pr = self.heartbeats, self.progress
+        cv = pr.covered
+        if cv is not None and now - cv.since_seen <= pr.cfg.floor_s:  # deadlines are >= the floor
+            # the job advanced within the floor: only a rank of its own (a later step, a quiet
+            # phase) or beyond the proof can be stalled
+            pool: Iterable[int] = [r for r in pr.ranks if pr.effective(r) is not cv]
+        else:
+            free = pr.free_since_stall()
+            pool = free if free is not None and any(self.stalled(r, now) for r in free) else hb.expected()
+        return pr.culprits([r for r in pool if self.stalled(r, now)])
 
     def stuck(self, rank: int, now: float) -> bool:
         return rank in self.stuck_ranks(now)
 
-    def _out_of_line(self, now: float) -> tuple[list[int], bool]:
-        """(ranks whose series /metrics exports, whether that is every rank). Past
-        PER_RANK_ALL_UP_TO ranks: only those lost, late (half their timeout gone), stalled, or
-        beating without rank 0's proof; none of them while the proof is fresh."""
-        hb, pr = self.heartbeats, self.progress
+    def _out_of_line(self, now: float) -> tuple[list[int], bool, list[int]]:
+        """(ranks whose series /metrics exports, whether that is every rank, the stuck ranks
+        named). Past PER_RANK_ALL_UP_TO ranks: only those lost, late (half their timeout gone),
+        named stuck, or beating without rank 0's proof; ranks that wait for a stalled peer are
+        in line (16,384 of them must not become 16,384 x 9 series)."""
+        hb = self.heartbeats
         expected = hb.expected()
+        named = self.stuck_ranks(now)
         if len(expected) <= PER_RANK_ALL_UP_TO:
-            return expected, True
+            return expected, True, named
         uncovered = [r for r in hb.ranks if not hb.is_covered(r)]
-        cv = pr.covered
-        if hb.proof_fresh(now) and cv is not None and now - cv.since_seen <= 0.5 * pr.cfg.floor_s:
-            pool = uncovered
-        else:
-            pool = expected
-        out = [r for r in pool if hb.age(r, now) > 0.5 * hb.timeout(r) or self.stalled(r, now)]
-        return sorted(set(out) | set(uncovered)), False
+        pool = uncovered if hb.proof_fresh(now) else expected
+        late = [r for r in pool if hb.age(r, now) > 0.5 * hb.timeout(r)]
+        return sorted(set(late) | set(uncovered) | set(named)), False, named
 
     def rank_status(self, now: float) -> dict[int, dict[str, Any]]:
         hb, pr = self.heartbeats, self.progress
-        ranks, _ = self._out_of_line(now)
-        named = set(self.stuck_ranks(now, ranks))
+        ranks, _, named_list = self._out_of_line(now)
+        named = set(named_list)
         out = {}
         for rank in ranks:
             rb, rp = hb.ranks.get(rank), pr.effective(rank)
@@ -360,8 +367,7 @@ class RunHealth:
 
     def view(self, run: str, now: float) -> RunView:
         hb, pr = self.heartbeats, self.progress
-        ranks, every = self._out_of_line(now)
-        named = self.stuck_ranks(now, ranks)
+        ranks, every, named = self._out_of_line(now)
         named_set = set(named)
         return RunView(
             run=run,

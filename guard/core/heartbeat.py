@@ -101,6 +101,7 @@ class HeartbeatTracker:
         self.covered: RankBeat | None = None
         self.world = 0
         self.ended: set[int] = set()  # ranks that stopped on purpose (not covered any more)
+        self.max_every = 0.0  # the longest own-beat interval any rank declared (a job's are equal)
 
     def beat(
         self,
@@ -117,6 +118,7 @@ class HeartbeatTracker:
             raise ValueError(f"phase {phase!r} not one of {PHASES}")
         sent = now if sent is None or not math.isfinite(sent) else sent
         self.ended.discard(rank)
+        self.max_every = max(self.max_every, every)
         rb = self.ranks.get(rank)
         if rb is None:
             self.ranks[rank] = RankBeat(last_seen=now, last_sent=sent, step=step, phase=phase, every=every)
@@ -178,8 +180,10 @@ class HeartbeatTracker:
         """Seconds of silence after which `rank` counts as lost."""
         rb = self.ranks.get(rank)
         cfg = self.cfg
-        if rb is None:
-            return max(cfg.floor_s, self._learned(self.covered)) if self.is_covered(rank) else cfg.floor_s
+        if rb is None:  # covered, not heard from yet: its first beat may be one declared interval away
+            if not self.is_covered(rank):
+                return cfg.floor_s
+            return max(cfg.floor_s, self._learned(self.covered), DECLARED_FACTOR * self.max_every)
         if rb.every > 0:  # declared own beats: their silence is judged by them, the rest by the proof
             learned = max(DECLARED_FACTOR * rb.every, self._learned(self.covered))
         else:
@@ -217,7 +221,7 @@ class HeartbeatTracker:
         """Stop watching `rank` (every rank, and the proof, if None)."""
         if rank is None:
             self.ranks.clear()
-            self.covered, self.world = None, 0
+            self.covered, self.world, self.max_every = None, 0, 0.0
             self.ended.clear()
             return
         self.ranks.pop(rank, None)

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from guard.core.heartbeat import PHASE_TRAIN, PHASES
+from guard.core.heartbeat import BUSY_PHASES, PHASE_TRAIN, PHASES
 from guard.core.tomlconf import check
 
 
@@ -148,29 +148,44 @@ class ProgressTracker:
             self.ranks.pop(rank, None)
 
     def effective(self, rank: int) -> RankProgress | None:
-        """The rank's own progress, or rank 0's proof where it is newer (ranks < world)."""
+        """The rank's own progress where it knows more than rank 0's proof (a later step, or a
+        quiet phase at the proof's step: a checkpoint), else the proof (ranks < world). A rank's
+        first beat is no progress of its own: 16,384 ranks first beat over a minute."""
         rp, cv = self.ranks.get(rank), self.covered
         if cv is None or rank >= self.world:
             return rp
-        if rp is None or cv.since_seen > rp.since_seen:
+        if rp is None or rp.step < cv.step:
             return cv
-        return rp
+        if rp.step > cv.step or (rp.phase not in BUSY_PHASES and rp.since_seen > cv.since_seen):
+            return rp
+        return cv
+
+    def free_since_stall(self) -> list[int] | None:
+        """Ranks whose beat since the job's last progress (past the grace) says they do not wait
+        in a collective; None without rank 0's proof."""
+        if self.covered is None:
+            return None
+        since = self.covered.since_seen + self._grace()
+        return [r for r, p in self.ranks.items() if p.beat_seen > since and not p.waiting]
+
+    def _grace(self) -> float:
+        # a beat within the first steps after the job's last progress may come from a rank still
+        # computing before it blocks in the next collective: it says nothing about the stall
+        return max(2.0, 2.0 * self.longest.get(PHASE_TRAIN, 0.0))
 
     def culprits(self, stuck: list[int]) -> list[int]:
         """Of the stuck ranks, the ones to name. First choice: those whose beat since the job last
         advanced says they are not waiting in a collective (a stalled rank beats early to say
         so: guard/runtime/export_sender.py); a rank that has not beaten since cannot be judged
-        yet (16,384 ranks beat once a minute). Then: any not known to wait; then all."""
-        # a beat within the first steps after the job's last progress may come from a rank still
-        # computing before it blocks in the next collective: it says nothing about the stall
-        grace = max(2.0, 2.0 * self.longest.get(PHASE_TRAIN, 0.0))
-        since = self.covered.since_seen + grace if self.covered is not None else -math.inf
+        (16,384 ranks beat once a minute). None free: a collective hangs and all are named.
+        Without rank 0's proof (one rank, an older trainer): those whose last beat does not wait."""
         ranks = self.ranks
+        if self.covered is None:  # no proof: each rank's own last word
+            own = [r for r in stuck if not (r in ranks and ranks[r].waiting)]
+            return own or stuck
+        since = self.covered.since_seen + self._grace()
         known = [r for r in stuck if r in ranks and ranks[r].beat_seen > since and not ranks[r].waiting]
-        if known:
-            return known
-        own = [r for r in stuck if not (r in ranks and ranks[r].waiting)]
-        return own or stuck
+        return known or stuck  # none free: a collective itself hangs, every rank waits
 
     def phase_deadline(self, phase: str) -> float:
         """Seconds without progress after which a rank in `phase` is stuck."""

@@ -60,7 +60,7 @@ from guard.core.report import StepReport
 from guard.core.tomlconf import check
 from guard.runtime.export_batch import BatchAssembler, chunks, encode_items
 from guard.runtime.export_commands import CommandInbox
-from guard.runtime.export_link import CollectorLink
+from guard.runtime.export_link import KEEPALIVE_S, CollectorLink
 from guard.runtime.export_queue import StepQueue
 from guard.runtime.export_sender import Sender
 from guard.runtime.export_spool import Spool
@@ -117,6 +117,7 @@ class Exporter:
         self._batches.every = cfg.heartbeat_s if cfg.heartbeat_s <= MAX_BEAT_EVERY_S else 0.0
         self._batches.world = cfg.world if rank == 0 else 0
         self._link = CollectorLink(url, token, run_id, rank, cfg.timeout_s, self._spool, self._inbox)
+        self._link.close_each = rank > 0 and cfg.world > 1 and cfg.heartbeat_s >= KEEPALIVE_S
         self._steps = StepQueue(cfg.max_queue)
         self._sender = Sender(self._steps, self._batches, self._spool, self._link, cfg)
         self._sender.start()
