@@ -9,10 +9,9 @@ connected got 503 on every batch (issue #32). Three rules, all in the event loop
     hard limit (open_files.py sizes it and says in one line what it got and what it covers).
   * a cap below that limit (`ConnectionBudget`): the service's own files (write-ahead logs,
     Parquet parts, state) keep the descriptors open_files.py sets aside; connections get the
-    rest. Half of the
-    cap (`trusted_share`) is kept for connections that have sent an authenticated request: a new
-    connection past the untrusted share closes the oldest idle unauthenticated one, or, when there
-    is none, is answered 503 with Retry-After and closed. An authenticated connection, or one
+    rest. Half of the cap (`trusted_share`) is kept for connections that have sent an
+    authenticated request: a new connection past the untrusted share closes the oldest idle
+    unauthenticated one, or, when there is none, is answered 503 with Retry-After and closed. An authenticated connection, or one
     whose request has arrived, is never closed to make room. The listen backlog (asyncio accepts
     that many in one burst, and a closed descriptor is freed only on the loop's next turn) is
     part of that reserve, so a burst cannot push the process past its limit.
