@@ -271,13 +271,13 @@ def run(args: argparse.Namespace) -> int:
     # interval every hand-off an ingest request needs (event loop, worker thread, after each
     # fdatasync) waits up to 5 ms behind it. 1 ms keeps ingest p99 low while a scrape renders.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    conns = _connection_budget(args)
-    if conns is None:
-        return 2
     try:
         http, loop = http_stack(args.http, args.loop)
     except ValueError as e:
         print(f"moeguard collector: {e}", flush=True)
+        return 2
+    conns = _connection_budget(args)
+    if conns is None:
         return 2
     collector = Collector(cfg)  # started by the app's lifespan, so it listens before the runs are scanned
     sock = bind_tcp(args.host, args.port)

@@ -212,7 +212,13 @@ def test_repeated_log_lines_are_counted_not_written(caplog: pytest.LogCaptureFix
 
 
 @pytest.mark.parametrize(
-    "flag", [("--max-connections", "2"), ("--max-connections", "99999999"), ("--header-timeout", "0")]
+    "flag",
+    [
+        ("--max-connections", "2"),
+        ("--max-connections", "99999999"),
+        ("--header-timeout", "0"),
+        ("--rank-capacity", "0"),
+    ],
 )
 def test_bad_connection_flags_are_one_line_exit_2(tmp_path: Path, flag: tuple[str, str]) -> None:
     import os
