@@ -31,7 +31,6 @@ SERVICE_MODULES = (
     "starlette",
     "uvicorn",
     "httptools",
-    "uvloop",
     "prometheus_client",
     "streamlit",
     "plotly",

@@ -21,8 +21,8 @@ connected got 503 on every batch (issue #32). Three rules, all in the event loop
     are cut; a body is bounded by BodyLimit (http_limits.py).
 
 Both of uvicorn's HTTP/1.1 parsers are guarded the same way: h11 (pure Python, always there) and
-httptools (llhttp in C, from the collector extra), which with uvloop cut the collector's CPU a
-request (docs/BENCHMARKS.md, issue #30); `http_stack` picks them when installed.
+httptools (llhttp in C, from the collector extra), which cuts the collector's CPU a small request
+by ~15% (docs/BENCHMARKS.md, issue #30); `http_stack` picks it when installed.
 """
 
 from __future__ import annotations
@@ -300,21 +300,22 @@ def _unread_bytes(transport: asyncio.BaseTransport) -> int:
 
 
 def http_stack(http: str = "auto", loop: str = "auto") -> tuple[str, str]:
-    """The HTTP parser and event loop to serve with: "auto" takes httptools and uvloop when they
-    are installed (the collector extra), h11 and asyncio when not; a named one must be installed
-    (ValueError naming the flag and the extra otherwise)."""
+    """The HTTP parser and event loop to serve with. `http` "auto" takes httptools when installed
+    (the collector extra), h11 when not. `loop` "auto" is asyncio: uvloop only when named, because
+    under EMFILE libuv accepts and at once closes every pending connection (its "EMFILE trick"),
+    so a client gets a dropped connection where asyncio keeps it waiting in the backlog until a
+    descriptor frees (bench/collector_attacks.py emfile_mid_run: held on asyncio, a new client
+    disconnected on uvloop), for a few percent of CPU (docs/BENCHMARKS.md). A named one must be
+    installed (ValueError naming the flag otherwise)."""
     if http not in HTTP_PARSERS or loop not in EVENT_LOOPS:
         raise ValueError(f"--http {http!r} / --loop {loop!r}: expected one of {HTTP_PARSERS} / {EVENT_LOOPS}")
-    out = []
-    for flag, want, fast, plain in (
-        ("--http", http, "httptools", "h11"),
-        ("--loop", loop, "uvloop", "asyncio"),
-    ):
-        have = importlib.util.find_spec(fast) is not None
-        if want == fast and not have:
-            raise ValueError(f'{flag} {fast}: not installed (pip install "moeguard[collector]" brings it)')
-        out.append(fast if want == fast or (want == "auto" and have) else plain)
-    return out[0], out[1]
+    for flag, want in (("--http", http), ("--loop", loop)):
+        if want in ("httptools", "uvloop") and importlib.util.find_spec(want) is None:
+            extra = ' (pip install "moeguard[collector]" brings it)' if want == "httptools" else ""
+            raise ValueError(f"{flag} {want}: not installed{extra}")
+    if http == "auto":
+        http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    return http, "asyncio" if loop == "auto" else loop
 
 
 def guarded_protocol(

@@ -25,7 +25,7 @@ import pytest
 
 from guard.collector.lograte import RepeatFilter
 from guard.store.reader import read_table
-from guard.wire.conn_guard import ConnectionBudget
+from guard.wire.conn_guard import ConnectionBudget, http_stack
 from tests.guard.test_collector import AUTH, CollectorProc, batch, make_report
 
 G1 = 1_700_000_000 << 32
@@ -34,10 +34,10 @@ STACKS = [
     ("h11", "asyncio"),
     pytest.param(
         "httptools",
-        "uvloop",
+        "asyncio",
         marks=pytest.mark.skipif(
-            importlib.util.find_spec("httptools") is None or importlib.util.find_spec("uvloop") is None,
-            reason="httptools / uvloop not installed (the collector extra brings them)",
+            importlib.util.find_spec("httptools") is None,
+            reason="httptools not installed (the collector extra brings it)",
         ),
     ),
 ]
@@ -229,3 +229,14 @@ def test_bad_connection_flags_are_one_line_exit_2(tmp_path: Path, flag: tuple[st
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1 and flag[0] in lines[0], (p.returncode, lines)
+
+
+def test_the_stack_is_httptools_when_installed_and_asyncio_unless_uvloop_is_named() -> None:
+    has = {m: importlib.util.find_spec(m) is not None for m in ("httptools", "uvloop")}
+    assert http_stack() == ("httptools" if has["httptools"] else "h11", "asyncio")
+    assert http_stack("h11", "asyncio") == ("h11", "asyncio")
+    if has["uvloop"]:
+        assert http_stack("auto", "uvloop")[1] == "uvloop"
+    else:
+        with pytest.raises(ValueError, match="--loop uvloop: not installed"):
+            http_stack("auto", "uvloop")
