@@ -236,12 +236,22 @@ class RunState:
         status = self.meta_file.advance(b, halted=halted, was_halted=was_halted, resumed=restart)
         if status in ENDED and was_status not in ENDED:
             self.health.end_heartbeats(self.run)  # every rank: the run is over
+        if b.ranks is not None:
+            self.health.observe_ranks(self.run, b.ranks)
         if self.meta_file.status not in ENDED:  # an ended run has no liveness to watch
-            beat = _beat_of(b)
-            if beat is not None:
-                step, phase, sent = beat
+            hb = _beat_of(b)
+            if hb is not None:
                 self.health.beat(
-                    self.run, b.rank, now, step, phase, self.order.sent(b.rank, sent, now), b.generation
+                    self.run,
+                    b.rank,
+                    now,
+                    hb["step"],
+                    hb["phase"],
+                    self.order.sent(b.rank, hb["time"], now),
+                    b.generation,
+                    every=float(hb.get("every", 0.0)),
+                    waiting=bool(hb.get("waiting", False)),
+                    world=int(hb.get("world", 0)) if b.reports else 0,  # a report's step is the proof
                 )
         if b.final:
             self.health.end_heartbeats(self.run, b.rank)
@@ -383,11 +393,11 @@ def _server_event(rep: StepReport, verdict: Any) -> dict[str, Any]:
     return ev.row()
 
 
-def _beat_of(b: Batch) -> tuple[int, str, float] | None:
-    """(step, phase, time sent) of the rank's liveness in `b`: its heartbeat, else its last report."""
+def _beat_of(b: Batch) -> dict[str, Any] | None:
+    """The rank's liveness in `b` (guard/wire/batch.py `heartbeat`): its heartbeat, else its last report."""
     if b.heartbeat is not None:
-        return b.heartbeat["step"], b.heartbeat["phase"], b.heartbeat["time"]
+        return b.heartbeat
     if b.reports:
         last = max(b.reports, key=lambda r: r.step)
-        return last.step, PHASE_TRAIN, last.time
+        return {"time": last.time, "step": last.step, "phase": PHASE_TRAIN}
     return None

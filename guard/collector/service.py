@@ -431,7 +431,7 @@ class Collector:
             ranks = {k: RankListing(**v) for k, v in self.health.rank_status(run, now).items()}
             if self.health.is_halted(run):
                 status = schema.STATUS_HALTED
-            elif status == schema.STATUS_RUNNING and ranks and all(r.lost for r in ranks.values()):
+            elif status == schema.STATUS_RUNNING and self.health.all_lost(run, now):
                 status = schema.STATUS_STALE
             last = self.health.last_step(run)
             if last is None and rs is not None and rs.last_step >= 0:
