@@ -125,6 +125,10 @@ class HealthBook:
             if rank == 0 and world > 1:
                 r.heartbeats.cover(world, now, step, phase, sent)
                 r.progress.cover(world, now, step, phase, sent)
+            elif rank == 0 and r.progress.covered is not None:  # no report: rank 0's phase only
+                r.progress.covered.phase = phase
+                if r.heartbeats.covered is not None:
+                    r.heartbeats.covered.phase = phase
 
     def observe_ranks(self, run: str, vectors: Mapping[str, Any]) -> None:
         """Rank 0's per-rank window vectors (guard/wire/batch.py `ranks`)."""
@@ -224,6 +228,10 @@ class HealthBook:
         """rank -> last report time, step, phase, age, timeout, lost, progress, stuck (GET /v1/runs)."""
         now = self.clock() if now is None else now
         return self._read(run, lambda r: r.rank_status(now), {})
+
+    def beating_ranks(self, run: str) -> int:
+        """How many ranks of the run have beaten on their own (liveness.json's size)."""
+        return self._read(run, lambda r: len(r.heartbeats.ranks), 0)
 
     def all_lost(self, run: str, now: float | None = None) -> bool:
         now = self.clock() if now is None else now

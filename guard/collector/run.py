@@ -17,7 +17,7 @@ from typing import Any
 
 from guard.collector.book import HealthBook
 from guard.collector.commands import CommandLog
-from guard.collector.config import COMMANDS_FILE, CollectorConfig
+from guard.collector.config import COMMANDS_FILE, LIVENESS_EVERY_S, CollectorConfig
 from guard.collector.errors import ClockAhead, RunEvicted, StorageFailed, busy_or_none
 from guard.collector.generations import CONFLICT, DUPLICATE, NEW, WriterGenerations
 from guard.collector.journal import (
@@ -70,6 +70,8 @@ class RunState:
         self.pending_reports: list[StepReport] = []
         self.pending_events: list[dict[str, Any]] = []
         self.dirty = False
+        self._liveness_at = -float("inf")  # monotonic time liveness.json was last handed to a checkpoint
+        self._liveness_ranks = -1  # how many ranks it held then
         self.failed: BaseException | None = None
         self.failed_at = 0.0  # monotonic time of the failure (or of the last reload attempt)
         self.detectors = _make_detectors(cfg.guard)
@@ -349,14 +351,26 @@ class RunState:
                 "last_step": self.last_step,
                 "trainer_detectors": self.trainer_detectors,
                 "report_gen": self.report_gen,
-                **liveness_state(self.health, self.run),
                 **counter_state(self.health, self.run),
             },
+            liveness=self._liveness_due(),
         )
         self.pending_reports, self.pending_events, self.dirty = [], [], False
         return ckpt
 
+    def _liveness_due(self, force: bool = False) -> dict[str, Any] | None:
+        """liveness.json's content when it is due (the set of ranks changed, LIVENESS_EVERY_S
+        passed, or `force`), else None: a 16,384-rank run does not rewrite ~1 MB a second.
+        Caller holds `lock`."""
+        n = self.health.beating_ranks(self.run)
+        now = time.monotonic()
+        if not force and n == self._liveness_ranks and now - self._liveness_at < LIVENESS_EVERY_S:
+            return None
+        self._liveness_at, self._liveness_ranks = now, n
+        return liveness_state(self.health, self.run)
+
     def close(self) -> None:
+        self._liveness_ranks = -1  # the last checkpoint writes liveness as it is now
         try:
             self.checkpoint()
         finally:
