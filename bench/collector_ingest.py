@@ -2,6 +2,7 @@
 
     python bench/collector_ingest.py [--layers 32] [--experts 64] [--batch 10] [--clients 4]
                                      [--seconds 20] [--collector-core 0] [--client-core 1]
+                                     [--collector-arg=--http=h11 ...]
 
 The collector runs as `python -m guard collector` under `taskset -c CORE` with its defaults
 (server-side detectors on, write-ahead log fdatasync'd before every 200, Parquet checkpoints
@@ -10,7 +11,10 @@ in a closed loop, each streaming rank-0 batches of `--batch` full StepReports fo
 (what one trainer's exporter sends). Bodies are built from pre-serialised report templates so
 the generator is not the bottleneck. Counted: numeric values (StepReport.n_values) acknowledged
 per second, and request latency percentiles. At the end the collector is stopped and the run
-store is checked to hold every acknowledged step exactly once.
+store is checked to hold every acknowledged step exactly once. `--collector-arg` (repeatable) is
+passed to the collector as it is, e.g. `--collector-arg=--http=h11 --collector-arg=--loop=asyncio`
+against `--collector-arg=--http=httptools --collector-arg=--loop=uvloop` for its HTTP stack's cost
+(small requests, `--layers 1 --experts 8 --batch 1 --trainer-detectors`, make the stack dominate).
 """
 
 from __future__ import annotations
@@ -114,6 +118,13 @@ def main() -> int:
         action="store_true",
         help="batches say the trainer runs its own detectors (the collector then runs none)",
     )
+    ap.add_argument(
+        "--collector-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="passed to `moeguard collector` as it is (repeatable; write --collector-arg=--http=h11)",
+    )
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="moeguard-bench-"))
@@ -138,6 +149,7 @@ def main() -> int:
         str(runs),
         "--log-level",
         "warning",
+        *args.collector_arg,
     ]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO)
     os.sched_setaffinity(0, {args.client_core})
@@ -241,8 +253,12 @@ def main() -> int:
         f"report: {args.layers} layers x {args.experts} experts = {values_per_report} values; "
         f"{args.batch} reports/request ({len(tpl[0]) * args.batch / 1e6:.2f} MB)"
     )
-    print(f"requests: {lats.size} in {elapsed:.0f} s; reports/s {reports / elapsed:.0f}")
     cpu = cpu1 - cpu0
+    print(
+        f"requests: {lats.size} in {elapsed:.0f} s ({lats.size / elapsed:.0f}/s); reports/s {reports / elapsed:.0f}; "
+        f"collector CPU {1e3 * cpu / max(1, lats.size):.3f} ms a request"
+        + (f" ({' '.join(args.collector_arg)})" if args.collector_arg else "")
+    )
     print(
         f"ingest: {vps / 1e6:.2f} M values/s wall; collector used {cpu:.1f} CPU-s in {elapsed:.0f} s "
         f"-> {reports * values_per_report / cpu / 1e6:.2f} M values per CPU-second; "

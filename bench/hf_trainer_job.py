@@ -4,6 +4,8 @@ overhead bench all run. One rank, or several under torchrun (DDP on gloo).
 
     python bench/hf_trainer_job.py --family mixtral --steps 60 --out /tmp/job
     python bench/hf_trainer_job.py --inject spike@20:1000 --inject nan@30 --grad-accum 2 --out /tmp/job
+    python bench/hf_trainer_job.py --steps 40 --save-steps 20 --out /tmp/job   # then, resumed:
+    python bench/hf_trainer_job.py --steps 40 --save-steps 20 --out /tmp/job --resume /tmp/job/checkpoint-20
     torchrun --nproc_per_node 2 bench/hf_trainer_job.py --family deepseek_v3 --out /tmp/job
     moeguard canary --ab set: set: --script "python bench/hf_trainer_job.py --steps 60 --out {run_dir}/job"
 
@@ -157,7 +159,8 @@ def training_args(out: Path, a: argparse.Namespace) -> TrainingArguments:
         warmup_steps=a.warmup,
         max_grad_norm=1.0,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if a.save_steps else "no",
+        save_steps=a.save_steps or 500,
         report_to=a.report_to,
         seed=a.seed,
         data_seed=a.seed,
@@ -175,6 +178,8 @@ def make_trainer(
     # a per-layer balancing weight instead of transformers' pooled aux loss, DeepSeek-V3's own bias
     # update (u = 1e-2), so a forced collapse can be corrected and recover.
     model = build(a.family, seed=a.seed, aux_loss_coef=0.0 if a.balance_coef > 0 else 0.01)
+    if a.resume:
+        _load_moe_weights(model, a.resume, out)
     args = training_args(out, a)
     n = a.steps * a.batch * a.grad_accum * args.world_size
     ds = ByteWindows(corpus, n=n, seq=a.seq, seed=a.seed)
@@ -195,6 +200,20 @@ def make_trainer(
     rec = Recorder(guard, weights=a.record_weights)
     callbacks.append(rec)
     return Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks), guard, faults, rec
+
+
+def _load_moe_weights(model: torch.nn.Module, resume: str, out: Path) -> None:
+    """The checkpoint's weights, loaded through transformers' key conversion. transformers 5.23's
+    Trainer resume loads `model.safetensors` with a plain load_state_dict, but save_pretrained wrote
+    the experts and routers under the hub's per-expert names: they come back as "unexpected keys"
+    and stay at their init (huggingface/transformers#48805, fix in PR #48822). from_pretrained
+    converts them; the Trainer's own load then rewrites the other weights with the same values."""
+    from transformers import AutoModelForCausalLM
+    from transformers.trainer_utils import get_last_checkpoint
+
+    folder = get_last_checkpoint(str(out)) if resume == "last" else resume
+    loaded = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    model.load_state_dict(loaded.state_dict())
 
 
 def weights_hash(model: torch.nn.Module) -> str:
@@ -231,13 +250,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="> 0: attach(balance_coef=X) and no pooled aux loss (see make_trainer); 0: attach's defaults",
     )
     ap.add_argument("--record-weights", action="store_true", help="a weights hash after every step")
+    ap.add_argument("--save-steps", type=int, default=0, help="a Trainer checkpoint every N steps (0: none)")
+    ap.add_argument(
+        "--resume", default=None, help="train(resume_from_checkpoint=...): a checkpoint folder, or 'last'"
+    )
     a = ap.parse_args(argv)
     from trainer.data import stdlib_corpus
 
     torch.set_num_threads(a.threads)
     corpus = stdlib_corpus(2_000_000)
     trainer, guard, faults, rec = make_trainer(a, a.out, corpus)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if a.resume == "last" else a.resume)
     rank = trainer.args.process_index
     res = {
         "rank": rank,

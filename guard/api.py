@@ -48,7 +48,7 @@ from guard.runtime.apply import DecisionApplier
 from guard.runtime.commands import CommandSource
 from guard.runtime.guard import Guard
 from guard.runtime.probe import Probe
-from guard.runtime.ranks import Comm, StepSync, dist_of_process_group
+from guard.runtime.ranks import Comm, HeartbeatPump, StepSync, dist_of_process_group
 from guard.runtime.service import collector_url
 from guard.runtime.session import RunSession, ending
 
@@ -150,6 +150,12 @@ class GuardedStep:
             )
             if self.ranks.world > 1
             else None
+        )
+        # marks this rank's beats `waiting` while it sits in the guard's own collectives (the
+        # framework's, inside forward and backward, are not seen: docs/NOTES.md)
+        exporter = self.session.exporter
+        self.pump = (
+            HeartbeatPump(self.comm, exporter) if exporter is not None and self.ranks.world > 1 else None
         )
         self.step_idx = 0
         self._t_last = time.perf_counter()
@@ -260,7 +266,7 @@ class GuardedStep:
             busy = rep.step_time_s - own_wait - self.comm.take_wait()
             events.extend(self.sync.end_step(self.step_idx, busy, own_wait, tokens, self.store))
             rep.straggler_score = self.sync.straggler_score
-        self.session.step(rep, events, own_wait, tokens)
+        self.session.step(rep, events, self.sync.take_vectors() if self.sync is not None else None)
         self.step_idx += 1
         self.last_decision = d
         if self.guard.after_step(self.step_idx):
@@ -342,6 +348,8 @@ class GuardedStep:
                 )
                 status, note = schema.STATUS_HALTED, f"halted at step {self.step_idx - 1}: {why}"
         self.probe.close()
+        if self.pump is not None:
+            self.pump.close()
         if self.sync is not None:
             self.sync.log.close()
         gp = self.goodput.report(time.time())

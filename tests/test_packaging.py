@@ -30,6 +30,7 @@ TORCH = os.environ.get("MOEGUARD_TORCH", "2.13.0")
 SERVICE_MODULES = (
     "starlette",
     "uvicorn",
+    "httptools",
     "prometheus_client",
     "streamlit",
     "plotly",

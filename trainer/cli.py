@@ -136,9 +136,9 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def make_exporter(cfg: Any, run_id: str, run_dir: Path, rank: int) -> Any:
-    """The rank's telemetry link (guard/runtime/service.py, shared with every integration). No idle
-    heartbeats: a beat goes out with each step's report (and from HeartbeatPump while the rank
-    waits in a collective), so a rank that stops making progress in its own code goes silent."""
+    """The rank's telemetry link (guard/runtime/service.py, shared with every integration). Rank 0
+    beats with each step's report (and from HeartbeatPump while it waits in a collective); other
+    ranks of a multi-rank job send no per-step report and beat at the job's bounded rate."""
     from guard.runtime.service import make_exporter as shared
 
     return shared(
@@ -148,6 +148,7 @@ def make_exporter(cfg: Any, run_id: str, run_dir: Path, rank: int) -> Any:
         run_dir=run_dir,
         rank=rank,
         trainer_detectors=cfg.telemetry.enabled,
+        world=int(os.environ.get("WORLD_SIZE", "1")),
     )
 
 

@@ -9,8 +9,8 @@
     stall@S:ARG      the data loader sleeps ARG seconds (default 6) before batch S
     crash@S          the process dies at S (SIGKILL: nothing is flushed, like a node loss)
     slowrank@S:ARG   from S on, every step computes ARG seconds longer (default 0.05): a straggler
-    hang@S           the process stops making progress at S (sleeps forever, outside any collective,
-                     so its heartbeat stops too: HeartbeatLost)
+    hang@S           the process stops at S (SIGSTOP: every thread, outside any collective, so
+                     its heartbeat stops too: HeartbeatLost)
     hang@S:ARG       step S blocks for ARG seconds as if inside a hung collective: the rank's
                      heartbeat goes on (trainer.distributed.HeartbeatPump) while its step does not
                      advance (RunStuck), then the run carries on (RunStuck resolves)

@@ -227,7 +227,13 @@ class Trainer:
         )
         self.rerun = RerunCheck(cfg.guard.rerun, self.guard, self.probe, self.module, rank=self.dist.rank)
         # one rank too: `--inject hang@S:SECONDS` blocks inside comm.timed() like a hung collective
-        self.pump = HeartbeatPump(self.comm, self.exporter) if self.exporter is not None else None
+        # rank 0 beats with its reports and sends no idle beats: the pump beats for it while it
+        # waits; other ranks beat at the job's bounded rate on their own and only get the flag
+        self.pump = (
+            HeartbeatPump(self.comm, self.exporter, beat_s=0.5 if self.dist.rank == 0 else None)
+            if self.exporter is not None
+            else None
+        )
 
     # ---- the TrainState, read through -------------------------------------------------------
     @property
@@ -353,7 +359,7 @@ class Trainer:
         busy = rep.step_time_s - self.comm.take_wait()
         events.extend(self.sync.end_step(self.step, busy, data_wait, own_tokens, self.store))
         rep.straggler_score = self.sync.straggler_score
-        self.record.step(rep, events, data_wait, own_tokens)
+        self.record.step(rep, events, self.sync.take_vectors())
         self.last_decision = decision
         return rep
 

@@ -111,11 +111,28 @@ class HealthBook:
         phase: str,
         sent: float | None = None,
         generation: int | None = None,
+        *,
+        every: float = 0.0,
+        waiting: bool = False,
+        world: int = 0,
     ) -> None:
+        """A rank's beat (`every`: its declared own-beat interval; `waiting`: made inside a
+        collective); rank 0's with `world` > 1 also proves every rank's progress at its step."""
         with self._lock:
             r = self._run(run)
-            r.heartbeats.beat(rank, now, step, phase, sent)
-            r.progress.beat(rank, now, step, phase, sent, generation)
+            r.heartbeats.beat(rank, now, step, phase, sent, every)
+            r.progress.beat(rank, now, step, phase, sent, generation, waiting)
+            if rank == 0 and world > 1:
+                r.heartbeats.cover(world, now, step, phase, sent)
+                r.progress.cover(world, now, step, phase, sent)
+            elif rank == 0 and r.progress.covered is not None:  # no report: rank 0's phase only
+                r.progress.covered.phase = phase
+                if r.heartbeats.covered is not None:
+                    r.heartbeats.covered.phase = phase
+
+    def observe_ranks(self, run: str, vectors: Mapping[str, Any]) -> None:
+        """Rank 0's per-rank window vectors (guard/wire/batch.py `ranks`)."""
+        self._update(run, lambda r: r.observe_ranks(vectors))
 
     def end_heartbeats(self, run: str, rank: int | None = None) -> None:
         """Stop watching `rank` (every rank if None): it stopped on purpose, so its heartbeat
@@ -124,10 +141,7 @@ class HealthBook:
             r = self._runs.get(run)
             if r is None:
                 return
-            if rank is None:
-                r.heartbeats.ranks.clear()
-            else:
-                r.heartbeats.ranks.pop(rank, None)
+            r.heartbeats.end(rank)
             r.progress.end(rank)
 
     def load_counter_state(self, run: str, st: Mapping[str, Any]) -> None:
@@ -214,6 +228,14 @@ class HealthBook:
         """rank -> last report time, step, phase, age, timeout, lost, progress, stuck (GET /v1/runs)."""
         now = self.clock() if now is None else now
         return self._read(run, lambda r: r.rank_status(now), {})
+
+    def beating_ranks(self, run: str) -> int:
+        """How many ranks of the run have beaten on their own (liveness.json's size)."""
+        return self._read(run, lambda r: len(r.heartbeats.ranks), 0)
+
+    def all_lost(self, run: str, now: float | None = None) -> bool:
+        now = self.clock() if now is None else now
+        return self._read(run, lambda r: r.all_lost(now), False)
 
     def beats(self, run: str) -> dict[int, list[Any]]:
         """rank -> [last_seen, last_sent, step, phase], to persist and restore heartbeats."""

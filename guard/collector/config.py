@@ -14,6 +14,11 @@ from guard.core.progress import ProgressConfig
 
 STATE_DIR = ".collector"  # in each run folder: the log, state.json, commands.json
 STATE_FILE, COMMANDS_FILE, QUARANTINE_FILE = "state.json", "commands.json", "quarantine.json"
+# in STATE_DIR: every rank's last beat and the learned deadlines, apart from state.json so that a
+# 16,384-rank run's ~1 MB of liveness is written when its ranks change or every LIVENESS_EVERY_S,
+# not with every checkpoint (issue #30); a restart takes ranks' ages from it (<= that much older)
+LIVENESS_FILE = "liveness.json"
+LIVENESS_EVERY_S = 30.0
 PAGING_STATE_FILE = ".paging.json"  # in --runs: the paging windows (guard/collector/paging.py)
 SUPERSEDED_DIR = "superseded"  # in STATE_DIR: rows a new generation re-ran, kept
 RETIRED_GENERATIONS = 16  # superseded generations per rank whose late retries still dedupe

@@ -43,6 +43,10 @@ EXPERT_SHARE_BUCKETS = (0.0, *(m / 2**k for k in range(8, 0, -1) for m in (1.0, 
 _BOUNDS = np.asarray(EXPERT_SHARE_BUCKETS)
 N_BUCKETS = len(EXPERT_SHARE_BUCKETS) + 1  # + the +Inf bucket
 STRAGGLER_WINDOW = 50  # per-rank step times kept for the straggler median
+# A job of at most this many ranks keeps every rank's liveness and straggler series; a larger one
+# exports per-rank series only for ranks out of line (lost, late, stuck, straggling) plus the
+# run's rank counts (issue #30: /metrics must not grow with a 16,384-rank job's healthy ranks).
+PER_RANK_ALL_UP_TO = 64
 RUN_INFO_LABELS = ("torch", "device", "attention", "expert_kernel", "compile")
 # meta keys searched (anywhere in the nested meta) for each run_info label, first match wins
 _INFO_KEYS: dict[str, tuple[str, ...]] = {
@@ -99,6 +103,10 @@ class RunView:
     step_times: dict[int, list[float]]
     rank_scores: dict[int, float]
     hw_faults: dict[str, int] = field(default_factory=dict)  # rank ("-1": unknown) -> count
+    # ranks watched / lost / stuck (named) / waiting in a collective; `beats` and `progress` list
+    # every rank up to PER_RANK_ALL_UP_TO ranks, beyond that only those out of line
+    rank_counts: dict[str, int] = field(default_factory=dict)
+    all_ranks: bool = True  # the per-rank lists hold every rank (else only those out of line)
 
 
 @dataclass(slots=True)
@@ -156,6 +164,12 @@ class RunHealth:
         self._baseline(rep, baseline)
         if rep.load_ME.size:
             self._observe_shares(rep)
+
+    def observe_ranks(self, vectors: Mapping[str, Any]) -> None:
+        """Every rank's straggler score, gathered in the job and sent in rank 0's batch."""
+        scores = np.asarray(vectors.get("straggler_score", ()), dtype=np.float64)
+        ok = np.flatnonzero(np.isfinite(scores))
+        self.rank_scores = dict(zip(ok.tolist(), scores[ok].tolist(), strict=True))
 
     def _goodput(self, rep: StepReport, now: float | None) -> None:
         """Productive time over wall time. The wall span is the trainer's report times, but only
@@ -275,31 +289,86 @@ class RunHealth:
         self.hist_rows, self.row_cache, self.rank_step_times, self.rank_scores = {}, {}, {}, {}
         self.hist_counts, self.hist_sum = np.zeros((0, N_BUCKETS), np.int64), np.zeros(0)
 
-    def stuck(self, rank: int, now: float) -> bool:
+    def stalled(self, rank: int, now: float) -> bool:
         """No progress within the deadline while the heartbeat is alive (silence is HeartbeatLost)."""
         hb = self.heartbeats
-        alive = rank in hb.ranks and not hb.age(rank, now) > hb.timeout(rank)
-        return alive and rank in self.progress.ranks and self.progress.stalled(rank, now)
+        alive = (rank in hb.ranks or hb.is_covered(rank)) and not hb.age(rank, now) > hb.timeout(rank)
+        return alive and self.progress.effective(rank) is not None and self.progress.stalled(rank, now)
+
+    def stuck_ranks(self, now: float) -> list[int]:
+        """The stuck ranks to name: stalled, and not waiting in a collective for a stalled peer
+        (guard/core/progress.py `culprits`). Cheap while rank 0's proof is fresh (none is)."""
+        hb, pr = self.heartbeats, self.progress
+        cv = pr.covered
+        if cv is not None and now - cv.since_seen <= pr.cfg.floor_s:  # deadlines are >= the floor
+            # the job advanced within the floor: only a rank of its own (a later step, a quiet
+            # phase) or beyond the proof can be stalled
+            pool: Iterable[int] = [r for r in pr.ranks if pr.effective(r) is not cv]
+        else:
+            free = pr.free_since_stall()
+            pool = free if free is not None and any(self.stalled(r, now) for r in free) else hb.expected()
+        return pr.culprits([r for r in pool if self.stalled(r, now)])
+
+    def stuck(self, rank: int, now: float) -> bool:
+        return rank in self.stuck_ranks(now)
+
+    def _out_of_line(self, now: float) -> tuple[list[int], bool, list[int]]:
+        """(ranks whose series /metrics exports, whether that is every rank, the stuck ranks
+        named). Past PER_RANK_ALL_UP_TO ranks: only those lost, late (half their timeout gone),
+        named stuck, or beating without rank 0's proof; ranks that wait for a stalled peer are
+        in line (16,384 of them must not become 16,384 x 9 series)."""
+        hb = self.heartbeats
+        expected = hb.expected()
+        named = self.stuck_ranks(now)
+        if len(expected) <= PER_RANK_ALL_UP_TO:
+            return expected, True, named
+        uncovered = [r for r in hb.ranks if not hb.is_covered(r)]
+        pool = uncovered if hb.proof_fresh(now) else expected
+        late = [r for r in pool if hb.age(r, now) > 0.5 * hb.timeout(r)]
+        return sorted(set(late) | set(uncovered) | set(named)), False, named
 
     def rank_status(self, now: float) -> dict[int, dict[str, Any]]:
         hb, pr = self.heartbeats, self.progress
-        return {
-            rank: {
-                "last_report_time": rb.last_seen,
-                "last_step": rb.step,
-                "phase": rb.phase,
+        ranks, _, named_list = self._out_of_line(now)
+        named = set(named_list)
+        out = {}
+        for rank in ranks:
+            rb, rp = hb.ranks.get(rank), pr.effective(rank)
+            out[rank] = {
+                "last_report_time": hb.seen(rank),
+                "last_step": max(rb.step if rb else -1, rp.step if rp else -1),
+                "phase": rb.phase if rb else (rp.phase if rp else "train"),
                 "age_s": hb.age(rank, now),
                 "timeout_s": hb.timeout(rank),
                 "lost": hb.age(rank, now) > hb.timeout(rank),
                 "progress_age_s": pr.age(rank, now),
                 "progress_deadline_s": pr.deadline(rank),
-                "stuck": self.stuck(rank, now),
+                "stuck": rank in named,
+                "waiting": bool(rank in pr.ranks and pr.ranks[rank].waiting),
             }
-            for rank, rb in sorted(hb.ranks.items())
+        return out
+
+    def all_lost(self, now: float) -> bool:
+        """Every watched rank silent past its timeout (the run is stale)."""
+        hb = self.heartbeats
+        if hb.proof_fresh(now):
+            return False
+        ranks = hb.expected()
+        return bool(ranks) and all(hb.age(r, now) > hb.timeout(r) for r in ranks)
+
+    def rank_counts(self, now: float, ranks: list[int], named: list[int]) -> dict[str, int]:
+        hb, pr = self.heartbeats, self.progress
+        return {
+            "watched": len(hb.expected()),
+            "lost": sum(1 for r in ranks if hb.age(r, now) > hb.timeout(r)),
+            "stuck": len(named),
+            "waiting": sum(1 for p in pr.ranks.values() if p.waiting),
         }
 
     def view(self, run: str, now: float) -> RunView:
-        hb = self.heartbeats
+        hb, pr = self.heartbeats, self.progress
+        ranks, every, named = self._out_of_line(now)
+        named_set = set(named)
         return RunView(
             run=run,
             last=self.last,
@@ -310,24 +379,18 @@ class RunHealth:
             hist_rows=dict(self.hist_rows),
             hist_counts=self.hist_counts.copy(),
             hist_sum=self.hist_sum.copy(),
-            beats=[
-                (rank, rb.last_seen, hb.age(rank, now), hb.timeout(rank))
-                for rank, rb in sorted(hb.ranks.items())
-            ],
+            beats=[(rank, hb.seen(rank), hb.age(rank, now), hb.timeout(rank)) for rank in ranks],
             progress=[
-                (
-                    rank,
-                    rp.phase,
-                    self.progress.age(rank, now),
-                    self.progress.deadline(rank),
-                    self.stuck(rank, now),
-                )
-                for rank, rp in sorted(self.progress.ranks.items())
-                if rank in hb.ranks
+                (rank, rp.phase, pr.age(rank, now), pr.deadline(rank), rank in named_set)
+                for rank in ranks
+                for rp in (pr.effective(rank),)
+                if rp is not None
             ],
             step_times={rank: list(dq) for rank, dq in self.rank_step_times.items() if dq},
             rank_scores=dict(self.rank_scores),
             hw_faults=dict(self.hw_faults),
+            rank_counts=self.rank_counts(now, ranks, named),
+            all_ranks=every,
         )
 
     def _scalars(self) -> dict[str, float]:

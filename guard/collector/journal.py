@@ -26,6 +26,7 @@ from guard.collector.storage import (
     COUNTERS_KEY,
     StoredState,
     check_run_layout,
+    commit_liveness,
     commit_state,
     initial_state,
     load_json,
@@ -33,6 +34,7 @@ from guard.collector.storage import (
     remove_uncommitted_parts,
     stored_counters,
     supersede,
+    with_liveness,
     write_rows,
 )
 from guard.collector.wal import Wal
@@ -54,6 +56,7 @@ class Checkpoint:
     reports: list[StepReport]
     events: list[dict[str, Any]]
     state: dict[str, Any]
+    liveness: dict[str, Any] | None = None  # liveness.json's new content, or None: keep it as is
 
 
 class RunJournal:
@@ -81,6 +84,7 @@ class RunJournal:
         st = load_json(self.state_dir / STATE_FILE, None)
         if st is None:
             st = initial_state(self.dir, next_part_seq(self.dir), scan_last_step(self.dir))
+        st = with_liveness(st, self.state_dir)
         p = parse_state(st)
         if COUNTERS_KEY not in st:  # first load, or a state from before counters were kept
             remove_uncommitted_parts(self.run, self.dir, p.next_part)  # counted: committed rows only
@@ -124,6 +128,8 @@ class RunJournal:
     def commit(self, ckpt: Checkpoint) -> None:
         """Write the checkpoint's rows as parts, commit state.json, delete the log it covers."""
         seq = write_rows(self.dir, ckpt.reports, ckpt.events, self.next_part)
+        if ckpt.liveness is not None:  # before state.json: a crash between keeps the newer liveness
+            commit_liveness(self.state_dir, ckpt.liveness)
         commit_state(self.state_dir, {**ckpt.state, "segment_done": ckpt.segment, "next_part_seq": seq})
         self.next_part, self.segment_done = seq, ckpt.segment
         self.wal.delete_upto(ckpt.segment)

@@ -23,14 +23,16 @@ from guard.core.limits import CollectorLimits
 from guard.core.progress import ProgressConfig
 from guard.store.layout import atomic_write_bytes
 from guard.wire.conn_guard import (
-    FILE_RESERVE_MIN,
+    EVENT_LOOPS,
     HEADER_TIMEOUT_S,
+    HTTP_PARSERS,
     KEEP_ALIVE_S,
     ConnectionBudget,
     guarded_protocol,
-    raise_open_files,
+    http_stack,
 )
 from guard.wire.listen import bind_tcp
+from guard.wire.open_files import FILE_RESERVE_MIN, plan_open_files
 
 log = logging.getLogger("moeguard.collector")
 
@@ -63,12 +65,37 @@ def _service_flags(parser: argparse.ArgumentParser) -> None:
         help="a larger request body on any endpoint gets 413, read no further",
     )
     parser.add_argument(
+        "--rank-capacity",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks streaming to this collector at once, over all its runs (default: --max-ranks, one job "
+        "of the largest size). Each keeps one keep-alive connection: at start the open-files soft limit "
+        "is raised to 2 x N connections (half kept for clients that sent the bearer token) + one log file "
+        "per --max-hot-runs + a reserve, up to the hard limit; a hard limit short of that is one WARNING "
+        "line naming it and the ranks it covers (ranks past them get 503 and retry from their spool)",
+    )
+    parser.add_argument(
         "--max-connections",
         type=int,
         default=None,
         metavar="N",
-        help="open connections at most (default: the open-files limit, raised to its hard value at "
-        "start, less a quarter kept for files); half are kept for clients that sent the bearer token",
+        help="open connections at most (default: what the open-files limit leaves after the files, see "
+        "--rank-capacity); half are kept for clients that sent the bearer token",
+    )
+    parser.add_argument(
+        "--http",
+        default="auto",
+        choices=HTTP_PARSERS,
+        help="HTTP/1.1 parser: httptools (C, from the collector extra) or h11 (pure Python); auto takes "
+        "httptools when installed (default %(default)s)",
+    )
+    parser.add_argument(
+        "--loop",
+        default="auto",
+        choices=EVENT_LOOPS,
+        help="event loop: asyncio, or uvloop when installed by hand (a few percent less CPU; under EMFILE it "
+        "drops new connections where asyncio keeps them waiting); auto is asyncio (default %(default)s)",
     )
     parser.add_argument(
         "--header-timeout",
@@ -244,6 +271,11 @@ def run(args: argparse.Namespace) -> int:
     # interval every hand-off an ingest request needs (event loop, worker thread, after each
     # fdatasync) waits up to 5 ms behind it. 1 ms keeps ingest p99 low while a scrape renders.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    try:
+        http, loop = http_stack(args.http, args.loop)
+    except ValueError as e:
+        print(f"moeguard collector: {e}", flush=True)
+        return 2
     conns = _connection_budget(args)
     if conns is None:
         return 2
@@ -253,9 +285,11 @@ def run(args: argparse.Namespace) -> int:
     if args.port_file:
         atomic_write_bytes(Path(args.port_file), str(port).encode())
     log.info(
-        "collector listening on http://%s:%d, runs in %s%s",
+        "collector listening on http://%s:%d (%s, %s), runs in %s%s",
         args.host,
         port,
+        http,
+        loop,
         cfg.runs_dir,
         "" if token else " (NO AUTH)",
     )
@@ -265,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             access_log=False,
             timeout_graceful_shutdown=10,
-            http=guarded_protocol(conns, args.header_timeout),
+            http=guarded_protocol(conns, args.header_timeout, http),
+            loop=loop,
             backlog=conns.accept_batch,
             timeout_keep_alive=KEEP_ALIVE_S,
         )
@@ -276,26 +311,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _connection_budget(args: argparse.Namespace) -> ConnectionBudget | None:
-    """Raise the open-files soft limit, cap connections below it; one line says what it got
-    (None after one line naming the bad flag)."""
-    before, nofile, hard = raise_open_files()
+    """Raise the open-files soft limit to what --rank-capacity needs, cap connections below the limit
+    in force; one line says what it got, one more when the hard limit is short (open_files.py says
+    why that is a warning, not a refusal). None after one line naming a bad flag."""
+    ranks = args.max_ranks if args.rank_capacity is None else args.rank_capacity
+    for flag, v in (("--rank-capacity", ranks), ("--max-hot-runs", args.max_hot_runs)):
+        if not v >= 1:
+            print(f"moeguard collector: {flag} {v}: must be >= 1", flush=True)
+            return None
     if not args.header_timeout > 0:
         print(f"moeguard collector: --header-timeout {args.header_timeout}: must be > 0", flush=True)
         return None
-    top = nofile - FILE_RESERVE_MIN  # the run store's files need descriptors too
+    plan = plan_open_files(ranks, args.max_hot_runs, args.max_connections)
+    top = plan.nofile - FILE_RESERVE_MIN  # the run store's files need descriptors too
     if args.max_connections is not None and not 4 <= args.max_connections <= top:
         print(
             f"moeguard collector: --max-connections {args.max_connections}: must be in [4, {top}] "
-            f"(the open-files limit, `ulimit -n`, is {nofile}; {FILE_RESERVE_MIN} stay for files)",
+            f"(the open-files limit, `ulimit -n`, is {plan.nofile}; {FILE_RESERVE_MIN} stay for files)",
             flush=True,
         )
         return None
-    conns = ConnectionBudget.for_open_files(nofile, args.max_connections)
-    raised = (
-        f" (raised from {before})" if nofile > before else f" (hard limit {hard}; raise it with `ulimit -n`)"
-    )
-    log.info("%s%s", conns.summary(nofile), raised)
-    return conns
+    log.info("%s", plan.summary())
+    warning = plan.warning()
+    if warning is not None:
+        log.warning("%s", warning)
+    return ConnectionBudget.for_plan(plan)
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:

@@ -6,7 +6,12 @@ Names come from guard/core/schema.py (alert rules are written against them); lab
   run                      on every per-run metric
   layer                    moeguard_layer_* and moeguard_expert_load_share
   rank                     last report time, heartbeat age/timeout/lost, straggler score,
-                           progress age/deadline, stuck
+                           progress age/deadline, stuck: every rank of a job of at most
+                           PER_RANK_ALL_UP_TO (64) ranks; past that only ranks out of line (lost,
+                           late, stuck, straggling), with moeguard_run_ranks{state} and
+                           moeguard_straggler_score_min for the rest (a 16,384-rank job adds a
+                           handful of series, not 16,384 x 9)
+  state                    moeguard_run_ranks: watched | lost | stuck | waiting
   phase                    moeguard_rank_stuck, moeguard_run_stuck_ranks (guard/core/progress.py)
   detector                 verdict counter (counted from verdict events)
   rank (hardware faults)   moeguard_suspected_hardware_faults_total, from transient `rerun` events
@@ -37,10 +42,17 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from guard.collector.book import HealthBook
-from guard.collector.health import EXPERT_SHARE_BUCKETS, N_BUCKETS, RUN_INFO_LABELS, RunView
+from guard.collector.health import (
+    EXPERT_SHARE_BUCKETS,
+    N_BUCKETS,
+    PER_RANK_ALL_UP_TO,
+    RUN_INFO_LABELS,
+    RunView,
+)
 from guard.core import schema
 from guard.core.heartbeat import PHASES
 from guard.core.limits import CollectorLimits
+from guard.core.straggler import StragglerConfig
 
 
 class CollectorMetrics(Collector):
@@ -179,7 +191,10 @@ def _run_series(fam: dict[str, Metric], v: RunView, budget: _Budget) -> None:
     for rank, n in sorted(v.hw_faults.items()):
         if fits(1):
             fam[schema.M_HW_FAULTS].add_metric([run, rank], n)
-    if v.beats and fits(len(PHASES)):  # RunStuck's count, per phase (0 when none is stuck)
+    if v.rank_counts and fits(len(v.rank_counts)):  # how many ranks, and how many out of line
+        for state, n in v.rank_counts.items():
+            fam[schema.M_RUN_RANKS].add_metric([run, state], n)
+    if (v.beats or v.rank_counts.get("watched")) and fits(len(PHASES)):  # RunStuck's count, per phase
         stuck_ranks = dict.fromkeys(PHASES, 0)
         for _, phase, _, _, stuck in v.progress:
             stuck_ranks[phase] += stuck
@@ -232,19 +247,30 @@ def _layer_series(fam: dict[str, Metric], v: RunView, budget: _Budget) -> None:
 
 
 def _straggler_series(fam: dict[str, Metric], v: RunView, budget: _Budget) -> None:
+    """Each rank's straggler score; past PER_RANK_ALL_UP_TO ranks only those under the
+    straggler line, plus the run's slowest score (a healthy 16,384-rank job adds one series)."""
     medians = {rank: float(np.median(ts)) for rank, ts in v.step_times.items()}
     fastest = min(medians.values(), default=math.nan)
-    for rank in sorted(set(medians) | set(v.rank_scores)):
+    ranks = set(medians) | set(v.rank_scores)
+    every = len(ranks) <= PER_RANK_ALL_UP_TO
+    slowest = math.inf
+    for rank in sorted(ranks):
         # nvidia-resiliency-ext's relative score: fastest rank's median / this rank's (1 = fastest).
         # A trainer that reports scores measured them on time outside collectives (in synchronous
         # training every rank's wall step time is the same); otherwise: from reported step times.
         med = medians.get(rank, math.nan)
         score = v.rank_scores.get(rank, fastest / med if med > 0 else math.nan)
-        if budget.fits(1):
+        if score < slowest:
+            slowest = score
+        if (every or score < STRAGGLER_LINE) and budget.fits(1):
             fam[schema.M_STRAGGLER].add_metric([v.run, str(rank)], score)
+    if ranks and math.isfinite(slowest) and budget.fits(1):
+        fam[schema.M_STRAGGLER_MIN].add_metric([v.run], slowest)
 
 
 _R, _RL, _RK = ["run"], ["run", "layer"], ["run", "rank"]
+# a rank scoring under this is exported however large the job (guard/core/straggler.py's default)
+STRAGGLER_LINE = StragglerConfig().threshold
 _FAMILY_CLASS = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 _HIST_DOC = "per-expert share of a layer's routed tokens, one observation per expert per step"
 # name, kind, labels, help: every family but the expert-share histogram
@@ -291,6 +317,13 @@ _SPECS: list[tuple[str, str, list[str], str]] = [
     (schema.M_HEARTBEAT_TIMEOUT, "gauge", _RK, "learned heartbeat timeout (5 x max interval, floored)"),
     (schema.M_HEARTBEAT_LOST, "gauge", _RK, "1 when heartbeat age exceeds the timeout"),
     (schema.M_STRAGGLER, "gauge", _RK, "fastest rank's median step time / this rank's (1 = fastest)"),
+    (
+        schema.M_RUN_RANKS,
+        "gauge",
+        ["run", "state"],
+        "ranks watched, lost, stuck (named by RunStuck) and waiting in a collective",
+    ),
+    (schema.M_STRAGGLER_MIN, "gauge", _R, "the slowest rank's straggler score"),
     (schema.M_PROGRESS_AGE, "gauge", _RK, "seconds since this rank last advanced (a new step or phase)"),
     (
         schema.M_PROGRESS_DEADLINE,

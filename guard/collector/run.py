@@ -17,7 +17,7 @@ from typing import Any
 
 from guard.collector.book import HealthBook
 from guard.collector.commands import CommandLog
-from guard.collector.config import COMMANDS_FILE, CollectorConfig
+from guard.collector.config import COMMANDS_FILE, LIVENESS_EVERY_S, CollectorConfig
 from guard.collector.errors import ClockAhead, RunEvicted, StorageFailed, busy_or_none
 from guard.collector.generations import CONFLICT, DUPLICATE, NEW, WriterGenerations
 from guard.collector.journal import (
@@ -70,6 +70,8 @@ class RunState:
         self.pending_reports: list[StepReport] = []
         self.pending_events: list[dict[str, Any]] = []
         self.dirty = False
+        self._liveness_at = -float("inf")  # monotonic time liveness.json was last handed to a checkpoint
+        self._liveness_ranks = -1  # how many ranks it held then
         self.failed: BaseException | None = None
         self.failed_at = 0.0  # monotonic time of the failure (or of the last reload attempt)
         self.detectors = _make_detectors(cfg.guard)
@@ -236,12 +238,22 @@ class RunState:
         status = self.meta_file.advance(b, halted=halted, was_halted=was_halted, resumed=restart)
         if status in ENDED and was_status not in ENDED:
             self.health.end_heartbeats(self.run)  # every rank: the run is over
+        if b.ranks is not None:
+            self.health.observe_ranks(self.run, b.ranks)
         if self.meta_file.status not in ENDED:  # an ended run has no liveness to watch
-            beat = _beat_of(b)
-            if beat is not None:
-                step, phase, sent = beat
+            hb = _beat_of(b)
+            if hb is not None:
                 self.health.beat(
-                    self.run, b.rank, now, step, phase, self.order.sent(b.rank, sent, now), b.generation
+                    self.run,
+                    b.rank,
+                    now,
+                    hb["step"],
+                    hb["phase"],
+                    self.order.sent(b.rank, hb["time"], now),
+                    b.generation,
+                    every=float(hb.get("every", 0.0)),
+                    waiting=bool(hb.get("waiting", False)),
+                    world=int(hb.get("world", 0)) if b.reports else 0,  # a report's step is the proof
                 )
         if b.final:
             self.health.end_heartbeats(self.run, b.rank)
@@ -339,14 +351,26 @@ class RunState:
                 "last_step": self.last_step,
                 "trainer_detectors": self.trainer_detectors,
                 "report_gen": self.report_gen,
-                **liveness_state(self.health, self.run),
                 **counter_state(self.health, self.run),
             },
+            liveness=self._liveness_due(),
         )
         self.pending_reports, self.pending_events, self.dirty = [], [], False
         return ckpt
 
+    def _liveness_due(self, force: bool = False) -> dict[str, Any] | None:
+        """liveness.json's content when it is due (the set of ranks changed, LIVENESS_EVERY_S
+        passed, or `force`), else None: a 16,384-rank run does not rewrite ~1 MB a second.
+        Caller holds `lock`."""
+        n = self.health.beating_ranks(self.run)
+        now = time.monotonic()
+        if not force and n == self._liveness_ranks and now - self._liveness_at < LIVENESS_EVERY_S:
+            return None
+        self._liveness_at, self._liveness_ranks = now, n
+        return liveness_state(self.health, self.run)
+
     def close(self) -> None:
+        self._liveness_ranks = -1  # the last checkpoint writes liveness as it is now
         try:
             self.checkpoint()
         finally:
@@ -383,11 +407,11 @@ def _server_event(rep: StepReport, verdict: Any) -> dict[str, Any]:
     return ev.row()
 
 
-def _beat_of(b: Batch) -> tuple[int, str, float] | None:
-    """(step, phase, time sent) of the rank's liveness in `b`: its heartbeat, else its last report."""
+def _beat_of(b: Batch) -> dict[str, Any] | None:
+    """The rank's liveness in `b` (guard/wire/batch.py `heartbeat`): its heartbeat, else its last report."""
     if b.heartbeat is not None:
-        return b.heartbeat["step"], b.heartbeat["phase"], b.heartbeat["time"]
+        return b.heartbeat
     if b.reports:
         last = max(b.reports, key=lambda r: r.step)
-        return last.step, PHASE_TRAIN, last.time
+        return {"time": last.time, "step": last.step, "phase": PHASE_TRAIN}
     return None

@@ -49,9 +49,10 @@ clock is clamped to it (logged once per rank), and a writer generation ahead of 
 clock by more than that may not take a rank over from the generation writing it (409 naming the
 skew): a clock running ahead would otherwise own the run until it caught up.
 
-Connections (guard/wire/conn_guard.py, set up in main.py): the open-files soft limit is raised to
-the hard one at start and named in one line; connections are capped below it (a quarter of the
-limit stays for files), half of the cap kept for connections that sent the bearer token; a request
+Connections (guard/wire/conn_guard.py, set up in main.py): the open-files soft limit is raised at
+start to what --rank-capacity ranks need, up to the hard limit (guard/wire/open_files.py; a short
+hard limit is one warning naming the ranks it covers); connections are capped at what the limit
+leaves after the runs' files, half of the cap kept for connections that sent the bearer token; a request
 head must arrive within --header-timeout; keep-alive is 75 s, above a step; repeated warnings are
 counted, not written (lograte.py).
 
@@ -430,7 +431,7 @@ class Collector:
             ranks = {k: RankListing(**v) for k, v in self.health.rank_status(run, now).items()}
             if self.health.is_halted(run):
                 status = schema.STATUS_HALTED
-            elif status == schema.STATUS_RUNNING and ranks and all(r.lost for r in ranks.values()):
+            elif status == schema.STATUS_RUNNING and self.health.all_lost(run, now):
                 status = schema.STATUS_STALE
             last = self.health.last_step(run)
             if last is None and rs is not None and rs.last_step >= 0:

@@ -18,7 +18,7 @@ from typing import Any
 import polars as pl
 
 from guard.collector.book import HealthBook
-from guard.collector.config import COMMANDS_FILE, STATE_DIR, STATE_FILE
+from guard.collector.config import COMMANDS_FILE, LIVENESS_FILE, STATE_DIR, STATE_FILE
 from guard.collector.errors import RunDamaged
 from guard.collector.wal import WAL_RE
 from guard.core import schema
@@ -40,6 +40,20 @@ def write_rows(run_dir: Path, reports: list[StepReport], events: list[dict[str, 
     if events:
         frames[schema.TABLE_EVENTS] = event_frame(events)
     return write_parts(run_dir, frames, seq)
+
+
+def with_liveness(st: dict[str, Any], state_dir: Path) -> dict[str, Any]:
+    """state.json with liveness.json's ranks and learned deadlines in it (a state.json written
+    before liveness had its own file keeps them inline; liveness.json, when present, is newer)."""
+    live = load_json(state_dir / LIVENESS_FILE, None)
+    if isinstance(live, dict) and "ranks" in live:
+        return {**st, "ranks": live["ranks"], "liveness": live.get("liveness", {})}
+    return st
+
+
+def commit_liveness(state_dir: Path, doc: dict[str, Any]) -> None:
+    """Replace liveness.json (whole or not at all)."""
+    atomic_write_bytes(state_dir / LIVENESS_FILE, json.dumps(doc, sort_keys=True).encode())
 
 
 def commit_state(state_dir: Path, st: dict[str, Any]) -> None:
@@ -176,6 +190,7 @@ def scan_run(run_dir: Path) -> ColdRun | None:
     st = load_json(state_dir / STATE_FILE, None)
     if st is None:
         return None
+    st = with_liveness(st, state_dir)
     p = parse_state(st)
     if COUNTERS_KEY not in st:
         return None  # its counters are counted from the run store once (RunJournal.load)

@@ -18,6 +18,12 @@ the collector only calls it stuck while its heartbeat is alive (a silent rank is
 Start-up: the interval from a rank's first beat (of a new exporter generation: a new or
 restarted trainer) to its first progress holds process start, compilation and the first step;
 it is not learned, and its deadline is never shorter than `first_deadline_s`.
+
+Many ranks (issue #30): rank 0's report of a new step is progress of every rank of the job
+(`cover`: they were all in that step's collectives), recorded once, not per rank. A rank whose
+beat says it waits inside a collective (`waiting`) is held up by a peer: when some ranks are stuck
+and others are not waiting, `culprits()` names those only (the one that stalled among 16,384, not
+the 16,383 that wait for it); when every stuck rank waits, a collective itself hangs and all are named.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from guard.core.heartbeat import PHASE_TRAIN, PHASES
+from guard.core.heartbeat import BUSY_PHASES, PHASE_TRAIN, PHASES
 from guard.core.tomlconf import check
 
 
@@ -51,6 +57,8 @@ class RankProgress:
     last_sent: float  # trainer clock of the newest beat
     generation: int | None = None
     starting: bool = True  # no progress since this generation's first beat
+    waiting: bool = False  # its last beat came from inside a collective (waiting for peers)
+    beat_seen: float = 0.0  # collector clock of its last beat (progress or not)
 
 
 @dataclass(slots=True)
@@ -60,6 +68,8 @@ class ProgressTracker:
     cfg: ProgressConfig = field(default_factory=ProgressConfig)
     longest: dict[str, float] = field(default_factory=dict)  # phase -> longest completed duration
     ranks: dict[int, RankProgress] = field(default_factory=dict)
+    covered: RankProgress | None = None  # rank 0's proof of every rank's progress (see `cover`)
+    world: int = 0
 
     def beat(
         self,
@@ -69,8 +79,10 @@ class ProgressTracker:
         phase: str = PHASE_TRAIN,
         sent: float | None = None,
         generation: int | None = None,
+        waiting: bool = False,
     ) -> None:
-        """A beat of `rank` that arrived at `now`, made at `sent` (trainer clock)."""
+        """A beat of `rank` that arrived at `now`, made at `sent` (trainer clock); `waiting`: made
+        while the rank waited inside a collective."""
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} not one of {PHASES}")
         sent = now if sent is None or not math.isfinite(sent) else sent
@@ -79,13 +91,44 @@ class ProgressTracker:
             generation is not None and rp.generation is not None and generation > rp.generation
         ):
             self.ranks[rank] = RankProgress(
-                step=step, phase=phase, since_seen=now, since_sent=sent, last_sent=sent, generation=generation
+                step=step,
+                phase=phase,
+                since_seen=now,
+                since_sent=sent,
+                last_sent=sent,
+                generation=generation,
+                waiting=waiting,
+                beat_seen=now,
             )
             return
         if (
             generation is not None and rp.generation is not None and generation < rp.generation
         ) or sent <= rp.last_sent:
             return  # an older writer's or a replayed beat: no news about progress
+        rp.waiting, rp.beat_seen = waiting, max(rp.beat_seen, now)
+        self._advance(rp, now, step, phase, sent, generation)
+
+    def cover(
+        self, world: int, now: float, step: int, phase: str = PHASE_TRAIN, sent: float | None = None
+    ) -> None:
+        """Rank 0's beat in a `world`-rank job; a new step is progress of every rank."""
+        sent = now if sent is None or not math.isfinite(sent) else sent
+        self.world = max(self.world, world)
+        cv = self.covered
+        if cv is None:
+            self.covered = RankProgress(
+                step=step, phase=phase, since_seen=now, since_sent=sent, last_sent=sent
+            )
+        elif step < cv.step and sent > cv.last_sent:  # a resume: counting starts again from its step
+            self.covered = RankProgress(
+                step=step, phase=phase, since_seen=now, since_sent=sent, last_sent=sent
+            )
+        elif sent > cv.last_sent:
+            self._advance(cv, now, step, phase, sent, None)
+
+    def _advance(
+        self, rp: RankProgress, now: float, step: int, phase: str, sent: float, generation: int | None
+    ) -> None:
         rp.last_sent = sent
         if rp.generation is None:
             rp.generation = generation
@@ -97,11 +140,52 @@ class ProgressTracker:
             rp.since_seen, rp.since_sent = now, sent
 
     def end(self, rank: int | None = None) -> None:
-        """Stop watching `rank` (every rank if None); learned durations stay."""
+        """Stop watching `rank` (every rank, and the proof, if None); learned durations stay."""
         if rank is None:
             self.ranks.clear()
+            self.covered, self.world = None, 0
         else:
             self.ranks.pop(rank, None)
+
+    def effective(self, rank: int) -> RankProgress | None:
+        """The rank's own progress where it knows more than rank 0's proof (a later step, or a
+        quiet phase at the proof's step: a checkpoint), else the proof (ranks < world). A rank's
+        first beat is no progress of its own: 16,384 ranks first beat over a minute."""
+        rp, cv = self.ranks.get(rank), self.covered
+        if cv is None or rank >= self.world:
+            return rp
+        if rp is None or rp.step < cv.step:
+            return cv
+        if rp.step > cv.step or (rp.phase not in BUSY_PHASES and rp.since_seen > cv.since_seen):
+            return rp
+        return cv
+
+    def free_since_stall(self) -> list[int] | None:
+        """Ranks whose beat since the job's last progress (past the grace) says they do not wait
+        in a collective; None without rank 0's proof."""
+        if self.covered is None:
+            return None
+        since = self.covered.since_seen + self._grace()
+        return [r for r, p in self.ranks.items() if p.beat_seen > since and not p.waiting]
+
+    def _grace(self) -> float:
+        # a beat within the first steps after the job's last progress may come from a rank still
+        # computing before it blocks in the next collective: it says nothing about the stall
+        return max(2.0, 2.0 * self.longest.get(PHASE_TRAIN, 0.0))
+
+    def culprits(self, stuck: list[int]) -> list[int]:
+        """Of the stuck ranks, the ones to name. First choice: those whose beat since the job last
+        advanced says they are not waiting in a collective (a stalled rank beats early to say
+        so: guard/runtime/export_sender.py); a rank that has not beaten since cannot be judged
+        (16,384 ranks beat once a minute). None free: a collective hangs and all are named.
+        Without rank 0's proof (one rank, an older trainer): those whose last beat does not wait."""
+        ranks = self.ranks
+        if self.covered is None:  # no proof: each rank's own last word
+            own = [r for r in stuck if not (r in ranks and ranks[r].waiting)]
+            return own or stuck
+        since = self.covered.since_seen + self._grace()
+        known = [r for r in stuck if r in ranks and ranks[r].beat_seen > since and not ranks[r].waiting]
+        return known or stuck  # none free: a collective itself hangs, every rank waits
 
     def phase_deadline(self, phase: str) -> float:
         """Seconds without progress after which a rank in `phase` is stuck."""
@@ -111,7 +195,7 @@ class ProgressTracker:
         return max(self.cfg.floor_s, self.cfg.safety_factor * longest)
 
     def deadline(self, rank: int) -> float:
-        rp = self.ranks.get(rank)
+        rp = self.effective(rank)
         if rp is None:
             return self.cfg.first_deadline_s
         d = self.phase_deadline(rp.phase)
@@ -119,7 +203,7 @@ class ProgressTracker:
 
     def age(self, rank: int, now: float) -> float:
         """Seconds since `rank` last advanced (collector clock)."""
-        rp = self.ranks.get(rank)
+        rp = self.effective(rank)
         return math.nan if rp is None else max(0.0, now - rp.since_seen)
 
     def stalled(self, rank: int, now: float) -> bool:

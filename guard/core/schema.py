@@ -246,6 +246,8 @@ M_RANK_STUCK = "moeguard_rank_stuck"  # labels: run, rank, phase; 1 when beating
 M_RUN_STUCK_RANKS = "moeguard_run_stuck_ranks"  # labels: run, phase; how many ranks are stuck
 M_QUARANTINED_RUNS = "moeguard_collector_quarantined_runs"  # runs refused at load (damaged files)
 M_STRAGGLER = "moeguard_straggler_score"  # labels: run, rank
+M_RUN_RANKS = "moeguard_run_ranks"  # labels: run, state (watched|lost|stuck|waiting): rank counts
+M_STRAGGLER_MIN = "moeguard_straggler_score_min"  # labels: run; the slowest rank's score
 M_GOODPUT = "moeguard_goodput_ratio"
 M_MFU_BASELINE = "moeguard_mfu_baseline_ratio"  # median MFU of the run's own first window
 M_TPS_BASELINE = "moeguard_tokens_per_second_baseline"
@@ -281,6 +283,8 @@ METRICS = (
     M_HEARTBEAT_TIMEOUT,
     M_HEARTBEAT_LOST,
     M_STRAGGLER,
+    M_RUN_RANKS,
+    M_STRAGGLER_MIN,
     M_GOODPUT,
     M_MFU_BASELINE,
     M_TPS_BASELINE,

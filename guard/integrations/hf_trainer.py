@@ -32,13 +32,22 @@ that does not drop batches itself). Collapse correction goes through the model
 
 Multi-rank (DDP through torchrun): every rank builds its GuardedStep, which decides from the same
 all-reduced numbers on every rank, checks that the ranks agree, and writes the run store on rank 0. Not supported (a clear error at train start): fp16 with a GradScaler
-(the gradients are scaled; use bf16), DeepSpeed. Not done: the guard's state in the Trainer's
-checkpoints (a resumed run starts the guard's windows afresh).
+(the gradients are scaled; use bf16), DeepSpeed.
+
+Checkpoints (guard/integrations/hf_resume.py): each save writes the guard's state into the
+Trainer's `checkpoint-N/` (`moeguard_guard.pt`, after the run store's rows up to N are on disk), and
+`trainer.train(resume_from_checkpoint=...)` (a path, or True for the last one) reads it back when
+the GuardedStep is built: every baseline, the skip window and the step counter carry on; the run
+store drops the rows after N (written again), meta.json counts the restart and a resume event
+names the checkpoint. A checkpoint without the file (saved without the callback) warns and resumes
+with the guard warming up afresh.
 """
 
 from __future__ import annotations
 
 import os
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +60,7 @@ from guard.canary.keys import RUN_DIR_ENV
 from guard.core import schema
 from guard.core.config import GuardConfig
 from guard.core.policy import Decision
+from guard.integrations import hf_resume
 from guard.integrations.base import Attachment
 
 
@@ -95,6 +105,7 @@ class MoEGuardCallback(TrainerCallback):
         self._model: Any = None
         self._inner: Any = None
         self._att: Attachment | None = None
+        self._resume: hf_resume.ResumePoint | None = None  # read at train start, applied at build
 
     # ---- set-up ----------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -131,6 +142,7 @@ class MoEGuardCallback(TrainerCallback):
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.step = step  # an instance attribute: the Trainer's call lands here
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
+        self._resume = hf_resume.resume_point(args, state)  # None unless train() resumed a checkpoint
 
     def _build(self, args: Any) -> GuardedStep:
         """The GuardedStep, at the first optimizer step: its FLOPs per token (MFU) need the
@@ -140,7 +152,7 @@ class MoEGuardCallback(TrainerCallback):
         flops = self.flops_per_token
         if flops is None and self._seq_len:
             flops = _flops(model, self._seq_len)
-        return GuardedStep(
+        g = GuardedStep(
             model,
             inner,
             attach=self._att,
@@ -152,6 +164,10 @@ class MoEGuardCallback(TrainerCallback):
             flops_per_token=flops,
             **self.extra,
         )
+        if self._resume is not None:
+            hf_resume.restore(g, self._resume)
+            self._resume = None
+        return g
 
     def _run_dir(self, args: Any) -> Path:
         if self.run_dir is not None:
@@ -215,6 +231,27 @@ class MoEGuardCallback(TrainerCallback):
             self._decided = False
             return None
         return self._trainer_step(*a, **k)  # not decided by the guard (e.g. called outside train())
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        """The Trainer saved checkpoint-N: the guard's state goes into it (hf_resume.py), once the
+        run store's rows up to N are on disk; the save is an event and not the next step's time."""
+        g = self.guarded
+        if g is None:
+            return  # no optimizer step yet
+        folder = hf_resume.checkpoint_dir(args, state)
+        g.session.checkpoint_starts()
+        if args.should_save:  # the process that writes trainer_state.json
+            if folder.is_dir():
+                hf_resume.save(g, folder)
+            else:  # a hyperparameter search's per-trial folder: not where transformers' naming says
+                warnings.warn(
+                    f"MoEGuardCallback: no checkpoint folder {folder} to hold the guard's state; "
+                    "a resume from this save starts the guard's baselines afresh",
+                    stacklevel=2,
+                )
+        g.session.checkpoint_saved(g.step_idx, folder, lambda: g.goodput.report(time.time()))
+        g.restart_clock()
 
     # ---- tear-down ---------------------------------------------------------------------
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -63,6 +63,11 @@ class BatchAssembler:
         self._phase = PHASE_TRAIN
         self._phase_changed = False
         self._last_step = -1
+        self.every = 0.0  # the declared interval of this rank's own beats (0: none)
+        self.world = 0  # > 1 on rank 0 of a job whose guard runs per-step collectives on every rank
+        self._waiting = False  # inside a collective, waiting for peers (HeartbeatPump)
+        self.progress_at = time.monotonic()  # when the last step or phase change came
+        self._ranks: dict[str, Any] | None = None  # rank 0: every rank's window vectors, once
 
     def set_meta(self, meta: dict[str, Any]) -> None:
         with self.lock:
@@ -73,13 +78,33 @@ class BatchAssembler:
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} not one of {PHASES}")
         with self.lock:
+            if phase != self._phase:
+                self.progress_at = time.monotonic()
             self._phase = phase
             self._phase_changed = self._phase_changed or news
+
+    def note_step(self, step: int) -> None:
+        """This rank finished `step` (a rank that sends no reports: its beats carry it)."""
+        with self.lock:
+            if step > self._last_step:
+                self._last_step, self.progress_at = step, time.monotonic()
+
+    @property
+    def waiting(self) -> bool:
+        return self._waiting
+
+    def set_waiting(self, waiting: bool) -> None:
+        with self.lock:
+            self._waiting = waiting
+
+    def set_ranks(self, vectors: dict[str, Any]) -> None:
+        with self.lock:
+            self._ranks = vectors
 
     def take_news(self) -> bool:
         """Whether meta or a phase change waits for a batch (then one goes out even with no
         reports); the phase change counts as sent. Caller holds `lock`."""
-        news = self._meta is not None or self._phase_changed
+        news = self._meta is not None or self._phase_changed or self._ranks is not None
         self._phase_changed = False
         return news
 
@@ -90,9 +115,10 @@ class BatchAssembler:
 
     def body(self, chunk: list[Encoded], seq: int, final: bool = False) -> bytes:
         """The batch body for `chunk` with sequence number `seq`. Caller holds `lock`."""
-        if chunk:
-            self._last_step = max(self._last_step, max(step for _, _, step in chunk))
+        if chunk and (top := max(step for _, _, step in chunk)) > self._last_step:
+            self._last_step, self.progress_at = top, time.monotonic()
         meta, self._meta = self._meta, None
+        ranks, self._ranks = self._ranks, None
         acked = self._inbox.acknowledged
         b = Batch(
             run=self.run_id,
@@ -101,7 +127,15 @@ class BatchAssembler:
             writer=self.writer,
             events=[e for _, evs, _ in chunk for e in evs],
             final=final,
-            heartbeat=heartbeat(time.time(), max(self._last_step, 0), self._phase),
+            heartbeat=heartbeat(
+                time.time(),
+                max(self._last_step, 0),
+                self._phase,
+                every=self.every,
+                waiting=self._waiting,
+                world=self.world if chunk else 0,  # a report's step proves the others' (wire docs)
+            ),
+            ranks=ranks,
             meta=meta,
             trainer_detectors=self.trainer_detectors,
             # every batch: a lost heartbeat must not lose the acknowledgement

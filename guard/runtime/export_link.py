@@ -48,13 +48,21 @@ class CollectorLink:
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)),
             limits=httpx.Limits(max_connections=2, keepalive_expiry=KEEPALIVE_S),
         )
+        # a rank that posts less often than KEEPALIVE_S (a beat a minute in a job of 16,384 ranks)
+        # closes each connection after its answer instead of holding one idle: the collector's
+        # open files then follow the request rate, not the rank count (issue #30)
+        self.close_each = False
         self.conflicted = False  # a 409 was answered: not everything was delivered
         self._conflict_logged = False
 
     def post(self, body: bytes, heartbeat_only: bool = False) -> bool:
         """POST one batch; True when the collector has it (200) or rejected it for good (4xx)."""
         try:
-            r = self._client.post(f"{self.url}/v1/ingest", content=body)
+            r = self._client.post(
+                f"{self.url}/v1/ingest",
+                content=body,
+                headers={"connection": "close"} if self.close_each else None,
+            )
         except httpx.HTTPError as e:
             log.debug("collector unreachable: %s", e)
             return False

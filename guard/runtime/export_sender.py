@@ -6,6 +6,11 @@ them; a batch that fails goes to the spool with everything after it, and the spo
 oldest first, on guard/wire/retry.py's backoff. Between steps it
 polls for operator commands every `poll_s` and sends an empty heartbeat batch when nothing went
 out for `heartbeat_s` (never while something is spooled: a heartbeat must not overtake it).
+
+One early beat per stall (`stall_beat_s`): a rank whose step and phase have not moved for that
+long and that is not waiting in a collective beats at once, so that among thousands of ranks
+beating once a minute the collector learns within seconds which one stalled (RunStuck names it:
+guard/core/progress.py `culprits`); the ranks waiting for it send nothing extra.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class Sender:
         self._retry = retry_schedule(cfg.backoff_max_s)
         self._retry_at = 0.0  # when the spool is tried next
         self._next_poll = self._last_sent = 0.0  # set when the thread starts
+        self._stall_beaten = 0.0  # progress_at of the stall an early beat already reported
 
     def start(self) -> None:
         self._thread.start()
@@ -64,6 +70,8 @@ class Sender:
     def _loop(self) -> None:
         self._next_poll = time.monotonic() + self.cfg.poll_s
         self._last_sent = time.monotonic()
+        if self.cfg.first_beat_s is not None:  # ranks of one job spread their beats (heartbeat.py)
+            self._last_sent += min(self.cfg.first_beat_s, self.cfg.heartbeat_s) - self.cfg.heartbeat_s
         while True:
             self.steps.wait(max(0.0, self._wait()))
             stop = self.steps.stopped  # read before the take: what was queued before stop() goes out
@@ -76,7 +84,10 @@ class Sender:
             if now >= self._next_poll:
                 self.link.poll_commands()
                 self._next_poll = now + self.cfg.poll_s
-            if now - self._last_sent >= self.cfg.heartbeat_s:
+            if self._stall_due(now):
+                self._stall_beaten = self.batches.progress_at
+                self._beat(now)
+            elif now - self._last_sent >= self.cfg.heartbeat_s:
                 self._beat(now)
             if stop or self.closing:
                 return
@@ -85,7 +96,28 @@ class Sender:
         """Seconds until the next thing due: a command poll, a heartbeat, a retry of the spool."""
         now = time.monotonic()
         retry_at = self._retry_at if len(self.spool) else now + 1.0
-        return min(self._next_poll, self._last_sent + self.cfg.heartbeat_s, retry_at) - now
+        stall_at = self.batches.progress_at + self.cfg.stall_beat_s if self._stall_watch() else now + 1.0
+        return (
+            min(self._next_poll, self._last_sent + self.cfg.heartbeat_s, retry_at, max(stall_at, now + 0.1))
+            - now
+        )
+
+    def _stall_watch(self) -> bool:
+        """An early beat may be due: own beats on, this stall not reported yet, not waiting."""
+        b = self.batches
+        return (
+            self.cfg.stall_beat_s < self.cfg.heartbeat_s
+            and b.progress_at != self._stall_beaten
+            and not b.waiting
+        )
+
+    def _stall_due(self, now: float) -> bool:
+        b = self.batches
+        return (
+            self._stall_watch()
+            and now - b.progress_at >= self.cfg.stall_beat_s
+            and self._last_sent < b.progress_at + self.cfg.stall_beat_s
+        )
 
     def _send_new(self) -> int:
         """Take the queued steps (at most batch_max), seal them (or a meta/phase change) into

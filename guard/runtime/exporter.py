@@ -60,10 +60,11 @@ from guard.core.report import StepReport
 from guard.core.tomlconf import check
 from guard.runtime.export_batch import BatchAssembler, chunks, encode_items
 from guard.runtime.export_commands import CommandInbox
-from guard.runtime.export_link import CollectorLink
+from guard.runtime.export_link import KEEPALIVE_S, CollectorLink
 from guard.runtime.export_queue import StepQueue
 from guard.runtime.export_sender import Sender
 from guard.runtime.export_spool import Spool
+from guard.wire.batch import MAX_BEAT_EVERY_S
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,6 +77,9 @@ class ExporterConfig:
     timeout_s: float = 10.0  # one HTTP request (connecting: at most 3 s of it)
     poll_s: float = 5.0  # seconds between GETs of operator commands (1e9: never)
     heartbeat_s: float = 10.0  # an empty batch after this many quiet seconds (1e9: never)
+    first_beat_s: float | None = None  # the first one after this many (None: heartbeat_s); spreads ranks
+    stall_beat_s: float = 1e9  # one early beat when step and phase stand still this long (1e9: never)
+    world: int = 1  # ranks in the job: rank 0's reports then prove the others alive (wire docs)
     backoff_max_s: float = 30.0  # longest wait between tries of the spool
     # this trainer runs the detectors itself (guard on, or observing): the collector skips its own
     trainer_detectors: bool = False
@@ -110,7 +114,10 @@ class Exporter:
         self._batches = BatchAssembler(
             run_id, rank, self._spool.next_generation(), cfg.trainer_detectors, self._inbox
         )
+        self._batches.every = cfg.heartbeat_s if cfg.heartbeat_s <= MAX_BEAT_EVERY_S else 0.0
+        self._batches.world = cfg.world if rank == 0 else 0
         self._link = CollectorLink(url, token, run_id, rank, cfg.timeout_s, self._spool, self._inbox)
+        self._link.close_each = rank > 0 and cfg.world > 1 and cfg.heartbeat_s >= KEEPALIVE_S
         self._steps = StepQueue(cfg.max_queue)
         self._sender = Sender(self._steps, self._batches, self._spool, self._link, cfg)
         self._sender.start()
@@ -165,6 +172,18 @@ class Exporter:
         self._batches.set_phase(phase, news=beat)
         if beat:
             self._steps.wake()
+
+    def note_step(self, step: int) -> None:
+        """A rank that sends no per-step report finished `step`: its next beat says so (no batch now)."""
+        self._batches.note_step(step)
+
+    def set_waiting(self, waiting: bool) -> None:
+        """Whether this rank is waiting inside a collective for its peers (its beats say so)."""
+        self._batches.set_waiting(waiting)
+
+    def set_ranks(self, vectors: dict[str, Any]) -> None:
+        """Rank 0: every rank's window timing (guard/wire/batch.py `ranks`), on the next batch."""
+        self._batches.set_ranks(vectors)
 
     def poll_commands(self) -> list[dict[str, Any]]:
         """Operator commands that arrived since the last call (no network call)."""

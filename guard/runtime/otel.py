@@ -189,6 +189,18 @@ class TeeExporter:
         if self.collector is not None:
             self.collector.set_phase(phase, beat=beat)
 
+    def set_waiting(self, waiting: bool) -> None:
+        if self.collector is not None:
+            self.collector.set_waiting(waiting)
+
+    def set_ranks(self, vectors: dict[str, Any]) -> None:
+        if self.collector is not None:
+            self.collector.set_ranks(vectors)
+
+    def note_step(self, step: int) -> None:
+        if self.collector is not None:
+            self.collector.note_step(step)
+
     def poll_commands(self) -> list[dict[str, Any]]:
         return self.collector.poll_commands() if self.collector is not None else []
 

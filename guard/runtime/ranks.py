@@ -238,6 +238,7 @@ class StepSync:
         self.straggler_score = float("nan")  # this rank's, from the last window
         self.pending: OperatorCommand | None = None  # agreed; merged at the next step
         self.log = DecisionLog(d.rank)
+        self.vectors: dict[str, Any] | None = None  # rank 0: the last window's per-rank timing, unsent
 
     def take_pending(self) -> OperatorCommand | None:
         """The command every rank agreed on at the previous step (each is handed out once)."""
@@ -293,6 +294,14 @@ class StepSync:
         g = self.window.gather(self.comm, self.device)  # [world, 4]: median busy, best busy, wait, tokens
         res = self.stragglers.update(step, g[:, 0], g[:, 2])
         self.straggler_score = float(res.relative_R[self.dist.rank])
+        if self.dist.main:  # the job's per-rank vectors leave in rank 0's next batch (wire: `ranks`)
+            self.vectors = {
+                "step": step,
+                "step_time_s": g[:, 0].tolist(),
+                "data_wait_s": g[:, 2].tolist(),
+                "tokens": g[:, 3].astype(np.int64).tolist(),
+                "straggler_score": res.relative_R.tolist(),
+            }
         if store is not None:
             w = self.dist.world
             store.add_rank_rows(
@@ -307,6 +316,11 @@ class StepSync:
             )
         return res.events
 
+    def take_vectors(self) -> dict[str, Any] | None:
+        """Rank 0: the per-rank vectors of a window that just ended (each handed out once)."""
+        v, self.vectors = self.vectors, None
+        return v
+
     def state_dict(self) -> dict[str, Any]:
         return {"stragglers": self.stragglers.state_dict()}
 
@@ -320,32 +334,52 @@ class StepSync:
 # Heartbeats that tell a hung rank from a waiting one
 # ---------------------------------------------------------------------------------------
 class HeartbeatPump:
-    """Beats for a rank that is blocked in a collective, i.e. waiting for a peer.
+    """Tells the collector that a rank blocked in a collective is waiting for a peer.
 
-    The trainer's exporters send no idle heartbeats: a beat goes out with each step's report, so
-    a rank stuck in its own code (a hung data loader, a wedged kernel launch) goes silent and the
-    collector names it (HeartbeatLost{rank}). Its peers block in the next collective; this thread
-    keeps them beating while they wait. If every rank is stuck inside a collective (a hung
-    all-reduce), they beat without advancing: the collector's progress deadline pages RunStuck
-    naming the phase and the ranks (guard/core/progress.py); after `max_wait_s` they go silent and the
-    whole run shows as lost too. Runs on one rank as well, where only `--inject hang@S:SECONDS`
-    enters a (simulated) collective."""
+    Every `interval_s` it looks whether the rank has been inside one of the guard's collectives
+    (Comm) for at least that long, and marks its beats `waiting` (the exporter's flag) until it
+    leaves. The collector's RunStuck then names the ranks that stalled, not the thousands that wait
+    for them (guard/core/progress.py `culprits`); if every stuck rank waits, a collective hangs and
+    all are named. `beat_s`: also force a beat that often while waiting, for an exporter that
+    sends no idle beats of its own (moeguard's trainer on rank 0, which beats with its reports);
+    None when the exporter beats at its own bounded rate (issue #30: no storm of beats at 2 a
+    second from every rank while one stalls). After `max_wait_s` inside one collective the
+    forced beats stop, so a whole run wedged in one shows as lost too. Runs on one rank as well,
+    where only `--inject hang@S:SECONDS` enters a (simulated) collective."""
 
-    def __init__(self, comm: Comm, exporter: Any, interval_s: float = 0.5, max_wait_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        exporter: Any,
+        interval_s: float = 0.5,
+        max_wait_s: float = 300.0,
+        beat_s: float | None = None,
+    ) -> None:
         self.comm, self.exporter = comm, exporter
-        self.interval_s, self.max_wait_s = interval_s, max_wait_s
+        self.interval_s, self.max_wait_s, self.beat_s = interval_s, max_wait_s, beat_s
+        self._waiting = False
+        self._last_forced = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moeguard-heartbeat-pump", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            since = self.comm.inside_since
-            if since is not None and self.interval_s <= time.monotonic() - since <= self.max_wait_s:
-                try:
-                    self.exporter.set_phase(PHASE_TRAIN)  # "a heartbeat goes out now"
-                except Exception:  # never let telemetry take the trainer down
-                    pass
+            try:
+                self._tick(time.monotonic())
+            except Exception:  # never let telemetry take the trainer down
+                pass
+
+    def _tick(self, now: float) -> None:
+        since = self.comm.inside_since
+        waiting = since is not None and now - since >= self.interval_s
+        if waiting != self._waiting:
+            self._waiting = waiting
+            self.exporter.set_waiting(waiting)
+        if waiting and self.beat_s is not None and now - since <= self.max_wait_s:  # type: ignore[operator]
+            if now - self._last_forced >= self.beat_s:
+                self._last_forced = now
+                self.exporter.set_phase(PHASE_TRAIN)  # "a heartbeat goes out now"
 
     def close(self) -> None:
         self._stop.set()

@@ -2,8 +2,10 @@
 the run store on rank 0 and the exporter on every rank (both write from background threads and
 never block a step), and the end-of-run summary the user reads.
 
-A non-zero rank has no run store; what its exporter sends is its own timing (its heartbeat and
-its straggler score at the collector), not the job's report.
+A non-zero rank has no run store and, in a multi-rank job, sends no per-step report (issue #30:
+the collector's per-step work must not grow with the rank count): its timing reaches rank 0
+inside the job (guard/runtime/ranks.py: the straggler window's gather) and leaves in rank 0's
+batch as per-rank vectors; its exporter only beats, carrying its last step and phase.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ class RunRecord:
         if self.exporter is not None and self.rank == 0:
             self.exporter.set_meta(read_meta(self.run_dir) or fresh_meta())
 
-    def step(self, rep: StepReport, events: list[Event], own_wait: float, own_tokens: int) -> None:
+    def step(self, rep: StepReport, events: list[Event], ranks: dict[str, Any] | None = None) -> None:
+        """One step: rank 0's report (and `ranks`, every rank's window timing, when a straggler
+        window ended) to the store and the exporter; another rank's exporter learns its step."""
         if self.store is not None:
             self.store.add_step(rep)
             for ev in events:
@@ -78,24 +82,11 @@ class RunRecord:
         if self.exporter is None:
             return
         if self.rank == 0:
+            if ranks is not None:
+                self.exporter.set_ranks(ranks)
             self.exporter.submit(rep, events)
             return
-        self.exporter.submit(  # this rank's own timing
-            StepReport(
-                step=rep.step,
-                time=rep.time,
-                loss=rep.loss,
-                grad_norm=rep.grad_norm,
-                lr=rep.lr,
-                tokens=own_tokens,
-                step_time_s=rep.step_time_s,
-                data_wait_s=own_wait,
-                tokens_per_s=own_tokens / rep.step_time_s,
-                action=rep.action,
-                rank=self.rank,
-                straggler_score=rep.straggler_score,
-            )
-        )
+        self.exporter.note_step(rep.step)
 
     # ---- around a checkpoint ------------------------------------------------------------------
     def checkpoint_starts(self) -> None:

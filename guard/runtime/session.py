@@ -1,7 +1,7 @@
 """The run around a GuardedStep: what moeguard's trainer does for its own runs, for any loop.
 
     session = RunSession(run_dir, collector=URL, rank=r, world=w, meta=...)   # meta.json, exporter
-    session.step(report, events, own_wait_s=..., own_tokens=...)          # store (rank 0) + stream
+    session.step(report, events, ranks=...)                               # store (rank 0) + stream
     session.phase(PHASE_DATA) ... session.phase(PHASE_TRAIN)               # carried by the next beat
     session.finish(status, note, counts=..., guard_actions=..., goodput=...)
 
@@ -32,16 +32,11 @@ from guard.core.report import StepReport
 from guard.runtime.envinfo import fingerprint
 from guard.runtime.peak import peak_flops
 from guard.runtime.record import RunRecord, summary_lines
-from guard.runtime.service import make_exporter
+from guard.runtime.service import default_beat_s, make_exporter
 from guard.store.reader import read_meta
 from guard.store.runstore import RunStore
 from guard.store.writer import truncate_after
 
-# An exporter beat after this many quiet seconds (GuardedStep only; the trainer beats with its
-# steps and from HeartbeatPump): the collector's load from idle ranks stays ranks / HEARTBEAT_S.
-# Keep it well under the collector's --heartbeat-floor (30 s by default).
-HEARTBEAT_S = 5.0
-ENV_HEARTBEAT_S = "MOEGUARD_HEARTBEAT_S"
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # what a process killed by SIGTERM reports: schedulers requeue it
 
 
@@ -144,7 +139,8 @@ class RunSession:
                 run_dir=run_dir,
                 rank=rank,
                 trainer_detectors=True,
-                heartbeat_s=float(os.environ.get(ENV_HEARTBEAT_S, HEARTBEAT_S)),
+                heartbeat_s=default_beat_s(),
+                world=world,
             )
         self.exporter = exporter
         self.record = RunRecord(run_dir or Path("."), store, exporter, rank=rank)
@@ -179,7 +175,7 @@ class RunSession:
             return float("nan")
         return self.flops_per_token * tokens_per_s / (self.peak * self.world)
 
-    def step(self, rep: StepReport, events: list[Event], own_wait_s: float, own_tokens: int) -> None:
+    def step(self, rep: StepReport, events: list[Event], ranks: dict[str, Any] | None = None) -> None:
         if self._first_step:
             self._first_step = False
             if rep.step == 0 and self.store is not None and self.run_dir is not None:
@@ -191,7 +187,7 @@ class RunSession:
                             step=0, kind=schema.EV_RESUME, detail={"rows_dropped": dropped, "checkpoint": ""}
                         )
                     )
-        self.record.step(rep, events, own_wait_s, own_tokens)
+        self.record.step(rep, events, ranks)
 
     def phase(self, phase: str, *, beat: bool = False) -> None:
         """The rank's phase, carried by its next beat (`beat=True`: a beat goes out now)."""

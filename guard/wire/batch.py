@@ -13,8 +13,16 @@
     reports    list of StepReport.to_json() objects, optional; report.rank must equal rank
     events     list of event rows (guard.core.events.Event.row()), optional: step and kind
                required; detail may be a JSON string or an object
-    heartbeat  {"time": float (trainer clock), "step": int, "phase": "train|checkpoint|eval"},
-               optional (a batch with reports and no heartbeat beats at its last report)
+    heartbeat  {"time": float (trainer clock), "step": int, "phase": "train|checkpoint|eval|data",
+               "every": float (optional: seconds between this rank's own beats, which the
+               collector's lost-rank timeout follows), "waiting": true (optional: made while the
+               rank waited inside a collective for its peers), "world": int (optional, rank 0
+               only: this step's collectives ran on ranks 0..world-1, so its progress proves
+               theirs)}, optional (a batch with reports and no heartbeat beats at its last report)
+    ranks      {"step": int, "step_time_s": [float], "data_wait_s": [float], "tokens": [int],
+               "straggler_score": [float]}, optional, rank 0 only: every rank's timing over the
+               last straggler window, list index = rank (at most --max-ranks long), gathered
+               inside the job (guard/runtime/ranks.py) so other ranks send no per-step reports
     commands_ack  int, optional: the highest operator-command id this rank has taken up
     trainer_detectors  bool, optional: true when the trainer runs the DetectorSuite in-process
     writer     str, optional ([A-Za-z0-9_-]{1,64}): a random id of the sending exporter instance;
@@ -35,6 +43,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from guard.core import schema
 from guard.core.heartbeat import PHASE_TRAIN, PHASES
@@ -79,6 +89,7 @@ class Batch:
     trainer_detectors: bool = False
     final: bool = False
     writer: str | None = None  # the sending exporter instance (random), when it says
+    ranks: dict[str, Any] | None = None  # rank 0: every rank's window timing (RANK_VECTORS)
 
     @property
     def generation(self) -> int:
@@ -93,9 +104,25 @@ def generation_of(seq: int) -> int:
     return seq >> GEN_SHIFT
 
 
-def heartbeat(t: float, step: int, phase: str) -> dict[str, Any]:
-    """The batch's heartbeat field: the trainer's clock, its last step, what it is doing."""
-    return {"time": t, "step": step, "phase": phase}
+def heartbeat(
+    t: float, step: int, phase: str, *, every: float = 0.0, waiting: bool = False, world: int = 0
+) -> dict[str, Any]:
+    """The batch's heartbeat field: the trainer's clock, its last step, what it is doing (the
+    optional keys only when set, so a one-rank run's beats stay as they were)."""
+    hb: dict[str, Any] = {"time": t, "step": step, "phase": phase}
+    if every > 0:
+        hb["every"] = every
+    if waiting:
+        hb["waiting"] = True
+    if world > 1:
+        hb["world"] = world
+    return hb
+
+
+MAX_BEAT_EVERY_S = 86400.0  # a declared beat interval longer than a day is none
+
+# rank 0's per-rank vectors, each a list indexed by rank: name -> element type
+RANK_VECTORS = {"step_time_s": float, "data_wait_s": float, "tokens": int, "straggler_score": float}
 
 
 # ---------------------------------------------------------------------------------------
@@ -139,6 +166,8 @@ def encode_batch(b: Batch, reports_json: Sequence[bytes] | None = None) -> bytes
         d["trainer_detectors"] = True
     if b.commands_ack is not None:
         d["commands_ack"] = b.commands_ack
+    if b.ranks is not None:
+        d["ranks"] = b.ranks
     if reports_json is None:
         reports_json = [encode_report(r) for r in b.reports]
     head = dumps(d)
@@ -231,7 +260,49 @@ def _parse_heartbeat(hb: Any) -> dict[str, Any] | None:
     t = _float(hb.get("time"), "heartbeat.time")
     if not math.isfinite(t):
         raise BadRequest("heartbeat.time: must be a finite number")
-    return heartbeat(t, parse_int(hb.get("step", 0), "heartbeat.step"), phase)
+    every = _float(hb.get("every", 0.0), "heartbeat.every")
+    if not (math.isfinite(every) and 0.0 <= every <= MAX_BEAT_EVERY_S):
+        raise BadRequest(f"heartbeat.every: {every!r} not in [0, {MAX_BEAT_EVERY_S:g}] seconds")
+    waiting = hb.get("waiting", False)
+    if not isinstance(waiting, bool):
+        raise BadRequest("heartbeat.waiting: expected true or false")
+    world = parse_int(hb.get("world", 0), "heartbeat.world", 0, MAX_RANK + 1)
+    return heartbeat(
+        t, parse_int(hb.get("step", 0), "heartbeat.step"), phase, every=every, waiting=waiting, world=world
+    )
+
+
+def _parse_ranks(raw: Any, rank: int, limits: CollectorLimits | None) -> dict[str, Any] | None:
+    """Rank 0's per-rank vectors: equal lengths, at most max_ranks, numbers of the right kind."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise BadRequest("field 'ranks': expected an object")
+    if rank != 0:
+        raise BadRequest(f"field 'ranks': only rank 0 sends per-rank vectors (this batch is rank {rank})")
+    out: dict[str, Any] = {"step": parse_int(raw.get("step"), "ranks.step")}
+    n = None
+    for name, kind in RANK_VECTORS.items():
+        v = raw.get(name)
+        if not isinstance(v, list):
+            raise BadRequest(f"ranks.{name}: expected a list")
+        if n is None:
+            n = len(v)
+            cap = limits.max_ranks if limits is not None else MAX_RANK + 1
+            if n > cap:
+                raise BadRequest(f"ranks.{name}: {n} ranks, more than max_ranks ({cap})")
+        elif len(v) != n:
+            raise BadRequest(f"ranks.{name}: {len(v)} values, expected {n} (one per rank)")
+        try:  # numpy, not a Python call per value: 16,384 ranks arrive in one batch
+            arr = np.asarray(v, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise BadRequest(f"ranks.{name}: expected numbers") from None
+        if kind is int:
+            if arr.size and not (np.isfinite(arr).all() and arr.min() >= 0 and (arr == np.floor(arr)).all()):
+                raise BadRequest(f"ranks.{name}: expected integers >= 0")
+            arr = arr.astype(np.int64)
+        out[name] = arr
+    return out
 
 
 def _parse_bool(d: dict[str, Any], name: str) -> bool:
@@ -288,6 +359,7 @@ def parse_batch(body: bytes, limits: CollectorLimits | None = None) -> Batch:
         trainer_detectors=td,
         final=final,
         writer=writer,
+        ranks=_parse_ranks(d.get("ranks"), rank, limits),
     )
 
 

@@ -7,7 +7,9 @@ the app (which reads it, dashboards/data/open_alerts.py).
     status       running | finished | halted | stale (every rank's heartbeat lost) | crashed
     last_step    the last rank-0 step the collector has (null when none)
     ranks        {"<rank>": RankListing}: last report time and step, phase, heartbeat age /
-                 timeout / lost, progress age / deadline, stuck (guard/core/progress.py)
+                 timeout / lost, progress age / deadline, stuck (guard/core/progress.py),
+                 waiting; a job of more than 64 ranks lists only its ranks out of line (lost,
+                 late, stuck, or beating outside rank 0's per-step proof of the others)
     hot          true while the collector holds the run in full in memory (not evicted)
     quarantined  only for a run the collector refused to load: why (its files are damaged)
 
@@ -43,6 +45,7 @@ class RankListing:
     progress_age_s: float | None = None
     progress_deadline_s: float | None = None
     stuck: bool = False
+    waiting: bool = False  # its last beat came from inside a collective (held up by a peer)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 ALERTS_DIR = resource("alerts")  # the checkout's, or the installed wheel's (scripts/test-wheel)
 RULES = ALERTS_DIR / "moeguard.rules.yml"
 AM_CONFIG = ALERTS_DIR / "alertmanager.yml"
+PROM_CONFIG = ALERTS_DIR / "prometheus.yml"  # the example: several collectors, one rule set
 PROMTOOL_TESTS = sorted((ALERTS_DIR / "tests").glob("*.yml"))
 PLAYBOOKS = resource("playbooks")
 PROMTOOL = shutil.which("promtool")
@@ -71,6 +72,15 @@ def test_promtool_unit_tests_pass() -> None:
     r = run(PROMTOOL, "test", "rules", *map(str, PROMTOOL_TESTS))
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("SUCCESS") == len(PROMTOOL_TESTS), r.stdout
+
+
+@needs_promtool
+def test_the_example_prometheus_config_scrapes_several_collectors_with_the_rules() -> None:
+    r = run(PROMTOOL, "check", "config", str(PROM_CONFIG))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS: 1 rule files found" in r.stdout and RULES.name in r.stdout
+    targets = re.search(r"- targets: \[(.*)\]", PROM_CONFIG.read_text())
+    assert targets is not None and targets.group(1).count(":9090") >= 2
 
 
 @needs_amtool

@@ -9,6 +9,7 @@ set in the child before it starts), as on most hosts.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import logging
 import resource
@@ -24,26 +25,38 @@ import pytest
 
 from guard.collector.lograte import RepeatFilter
 from guard.store.reader import read_table
-from guard.wire.conn_guard import ConnectionBudget
+from guard.wire.conn_guard import ConnectionBudget, http_stack
 from tests.guard.test_collector import AUTH, CollectorProc, batch, make_report
 
 G1 = 1_700_000_000 << 32
+# uvicorn's two HTTP/1.1 stacks, each under the budget and the header deadline (conn_guard.py)
+STACKS = [
+    ("h11", "asyncio"),
+    pytest.param(
+        "httptools",
+        "asyncio",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("httptools") is None,
+            reason="httptools not installed (the collector extra brings it)",
+        ),
+    ),
+]
 
 
 def _body(*a: object) -> bytes:
     return json.dumps(batch(*a)).encode()  # type: ignore[arg-type]
 
 
-def _files_1024() -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
-
-
 @contextmanager
-def _collector(tmp_path: Path, *flags: str, log: Path) -> Iterator[CollectorProc]:
-    """A real collector whose open-files limit (soft and hard) is 1,024."""
+def collector_under(
+    tmp_path: Path, *flags: str, log: Path, nofile: tuple[int, int] = (1024, 1024)
+) -> Iterator[CollectorProc]:
+    """A real collector whose open-files limit is `nofile` (soft, hard; 1,024 both by default, as
+    on many hosts), set in the child before it starts."""
     c = CollectorProc(tmp_path / "runs", "--log-level", "info", *flags, stderr=log)
     real = subprocess.Popen
-    subprocess.Popen = functools.partial(real, preexec_fn=_files_1024)  # type: ignore[misc]
+    limit = functools.partial(resource.setrlimit, resource.RLIMIT_NOFILE, nofile)
+    subprocess.Popen = functools.partial(real, preexec_fn=limit)  # type: ignore[misc]
     try:
         c.start()
     finally:
@@ -54,7 +67,7 @@ def _collector(tmp_path: Path, *flags: str, log: Path) -> Iterator[CollectorProc
         c.stop()
 
 
-def _idle_sockets(port: int, n: int) -> list[socket.socket]:
+def idle_sockets(port: int, n: int) -> list[socket.socket]:
     """`n` connections that never send a byte (this process's own open-files limit raised for them)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < n + 200:
@@ -70,11 +83,14 @@ def _idle_sockets(port: int, n: int) -> list[socket.socket]:
 
 
 @pytest.mark.integration
-def test_an_idle_connection_flood_under_1024_files_takes_nothing_down(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("http", "loop"), STACKS)
+def test_an_idle_connection_flood_under_1024_files_takes_nothing_down(
+    tmp_path: Path, http: str, loop: str
+) -> None:
     """1,100 idle connections (no credentials) while an exporter streams: its batches, a new
     authenticated client and /healthz are all answered; nothing is quarantined; the log stays small."""
     log = tmp_path / "collector.log"
-    with _collector(tmp_path, log=log) as c:
+    with collector_under(tmp_path, "--http", http, "--loop", loop, log=log) as c:
         exporter = httpx.Client(headers=AUTH, timeout=5)  # one keep-alive connection, as a rank has
         assert (
             exporter.post(
@@ -82,7 +98,7 @@ def test_an_idle_connection_flood_under_1024_files_takes_nothing_down(tmp_path: 
             ).status_code
             == 200
         )
-        flood = _idle_sockets(c.port, 1100)
+        flood = idle_sockets(c.port, 1100)
         try:
             time.sleep(0.5)
             answers = [
@@ -106,18 +122,22 @@ def test_an_idle_connection_flood_under_1024_files_takes_nothing_down(tmp_path: 
         assert fresh.status_code == 200, fresh.text
         assert health.status_code == 200 and health.json()["quarantined"] == 0
         conns = health.json()["connections"]
-        assert conns["cap"] == 768 and conns["kept_for_authenticated"] == 384 and conns["closed_for_room"] > 0
+        # 1,024 files cannot hold the default 16,384 ranks and 1,000 runs' logs: half to connections
+        assert conns["cap"] == 512 and conns["kept_for_authenticated"] == 256 and conns["closed_for_room"] > 0
     assert read_table(c.runs / "flood", "steps")["step"].to_list() == [0, 1, 2, 3, 4, 5]
     text = log.read_text()
-    assert "connections capped at 768" in text and "soft limit 1024" in text  # the one line at start
+    assert "connections capped at 512" in text and "soft limit 1024" in text  # the line at start
+    assert text.count("hard limit (ulimit -Hn) is 1024, enough for 256 ranks") == 1  # and its warning
     assert log.stat().st_size < 200_000
 
 
 @pytest.mark.integration
-def test_a_request_head_must_arrive_before_the_header_deadline(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("http", "loop"), STACKS)
+def test_a_request_head_must_arrive_before_the_header_deadline(tmp_path: Path, http: str, loop: str) -> None:
     """A connection that sends nothing, and one that trickles its headers, are closed after
     --header-timeout; a kept-alive connection may idle longer between requests."""
-    with _collector(tmp_path, "--header-timeout", "1", log=tmp_path / "collector.log") as c:
+    flags = ("--header-timeout", "1", "--http", http, "--loop", loop)
+    with collector_under(tmp_path, *flags, log=tmp_path / "collector.log") as c:
         silent = socket.create_connection(("127.0.0.1", c.port), timeout=10)
         slow = socket.create_connection(("127.0.0.1", c.port), timeout=10)
         slow.sendall(b"POST /v1/ingest HTTP/1.1\r\nHost: x\r\n")
@@ -192,7 +212,13 @@ def test_repeated_log_lines_are_counted_not_written(caplog: pytest.LogCaptureFix
 
 
 @pytest.mark.parametrize(
-    "flag", [("--max-connections", "2"), ("--max-connections", "99999999"), ("--header-timeout", "0")]
+    "flag",
+    [
+        ("--max-connections", "2"),
+        ("--max-connections", "99999999"),
+        ("--header-timeout", "0"),
+        ("--rank-capacity", "0"),
+    ],
 )
 def test_bad_connection_flags_are_one_line_exit_2(tmp_path: Path, flag: tuple[str, str]) -> None:
     import os
@@ -203,3 +229,14 @@ def test_bad_connection_flags_are_one_line_exit_2(tmp_path: Path, flag: tuple[st
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1 and flag[0] in lines[0], (p.returncode, lines)
+
+
+def test_the_stack_is_httptools_when_installed_and_asyncio_unless_uvloop_is_named() -> None:
+    has = {m: importlib.util.find_spec(m) is not None for m in ("httptools", "uvloop")}
+    assert http_stack() == ("httptools" if has["httptools"] else "h11", "asyncio")
+    assert http_stack("h11", "asyncio") == ("h11", "asyncio")
+    if has["uvloop"]:
+        assert http_stack("auto", "uvloop")[1] == "uvloop"
+    else:
+        with pytest.raises(ValueError, match="--loop uvloop: not installed"):
+            http_stack("auto", "uvloop")

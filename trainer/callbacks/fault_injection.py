@@ -147,5 +147,9 @@ def crash() -> None:
 
 
 def hang() -> None:
-    while True:  # a wedged rank: alive, holding its sockets, making no progress
-        time.sleep(3600)
+    """A wedged process: alive, holding its sockets, no thread of it running (SIGSTOP), so its
+    exporter's own beats stop too (a rank stuck in its own Python code while its threads run
+    beats on: that is hang@S:ARG's RunStuck, not this HeartbeatLost)."""
+    while True:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(3600)  # if someone sends SIGCONT: still making no progress
