@@ -4,6 +4,7 @@ reads `views()` and `counts()`."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -229,9 +230,26 @@ class HealthBook:
         now = self.clock() if now is None else now
         return self._read(run, lambda r: r.rank_status(now), {})
 
-    def beating_ranks(self, run: str) -> int:
-        """How many ranks of the run have beaten on their own (liveness.json's size)."""
-        return self._read(run, lambda r: len(r.heartbeats.ranks), 0)
+    def liveness_key(self, run: str) -> tuple[Any, ...]:
+        """What makes liveness.json worth rewriting at once: the ranks that beat on their own, and
+        what was learned (phase durations, quiet-phase intervals); cheap, not the ranks' times."""
+        return self._read(
+            run,
+            lambda r: (
+                len(r.heartbeats.ranks),
+                _grown(r.progress.longest),
+                _grown(r.heartbeats.quiet_max),
+                # the phases decide deadlines: every rank's in a small job, rank 0's and the
+                # proof's in a big one (its ranks move in step with them)
+                tuple(b.phase for b in r.heartbeats.ranks.values())
+                if len(r.heartbeats.ranks) <= 64
+                else (
+                    getattr(r.heartbeats.ranks.get(0), "phase", ""),
+                    getattr(r.progress.covered, "phase", ""),
+                ),
+            ),
+            (),
+        )
 
     def all_lost(self, run: str, now: float | None = None) -> bool:
         now = self.clock() if now is None else now
@@ -269,3 +287,9 @@ class HealthBook:
                 view = None if r is None else r.view(run, now)
             if view is not None:
                 yield view
+
+
+def _grown(durations: Mapping[str, float]) -> tuple[tuple[str, int], ...]:
+    """Learned durations in steps of 1.5x: a key that changes when one grew by half, not with
+    every new maximum by a few milliseconds."""
+    return tuple(sorted((k, int(math.log(max(v, 1e-3)) / math.log(1.5))) for k, v in durations.items()))

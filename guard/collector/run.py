@@ -71,7 +71,7 @@ class RunState:
         self.pending_events: list[dict[str, Any]] = []
         self.dirty = False
         self._liveness_at = -float("inf")  # monotonic time liveness.json was last handed to a checkpoint
-        self._liveness_ranks = -1  # how many ranks it held then
+        self._liveness_ranks: tuple[Any, ...] = ()  # liveness_key() then
         self.failed: BaseException | None = None
         self.failed_at = 0.0  # monotonic time of the failure (or of the last reload attempt)
         self.detectors = _make_detectors(cfg.guard)
@@ -359,10 +359,10 @@ class RunState:
         return ckpt
 
     def _liveness_due(self, force: bool = False) -> dict[str, Any] | None:
-        """liveness.json's content when it is due (the set of ranks changed, LIVENESS_EVERY_S
+        """liveness.json's content when it is due (the set of ranks or what was learned changed, LIVENESS_EVERY_S
         passed, or `force`), else None: a 16,384-rank run does not rewrite ~1 MB a second.
         Caller holds `lock`."""
-        n = self.health.beating_ranks(self.run)
+        n = self.health.liveness_key(self.run)
         now = time.monotonic()
         if not force and n == self._liveness_ranks and now - self._liveness_at < LIVENESS_EVERY_S:
             return None
@@ -370,7 +370,7 @@ class RunState:
         return liveness_state(self.health, self.run)
 
     def close(self) -> None:
-        self._liveness_ranks = -1  # the last checkpoint writes liveness as it is now
+        self._liveness_ranks = ()  # the last checkpoint writes liveness as it is now
         try:
             self.checkpoint()
         finally:

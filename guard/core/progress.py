@@ -106,7 +106,10 @@ class ProgressTracker:
         ) or sent <= rp.last_sent:
             return  # an older writer's or a replayed beat: no news about progress
         rp.waiting, rp.beat_seen = waiting, max(rp.beat_seen, now)
-        self._advance(rp, now, step, phase, sent, generation)
+        # under rank 0's proof a rank's own beats come every `every` seconds, many steps apart:
+        # their intervals are the beat interval, not a phase's duration (the proof teaches those)
+        learn = self.covered is None or rank >= self.world
+        self._advance(rp, now, step, phase, sent, generation, learn)
 
     def cover(
         self, world: int, now: float, step: int, phase: str = PHASE_TRAIN, sent: float | None = None
@@ -127,13 +130,20 @@ class ProgressTracker:
             self._advance(cv, now, step, phase, sent, None)
 
     def _advance(
-        self, rp: RankProgress, now: float, step: int, phase: str, sent: float, generation: int | None
+        self,
+        rp: RankProgress,
+        now: float,
+        step: int,
+        phase: str,
+        sent: float,
+        generation: int | None,
+        learn: bool = True,
     ) -> None:
         rp.last_sent = sent
         if rp.generation is None:
             rp.generation = generation
         if step > rp.step or phase != rp.phase:
-            if not rp.starting:
+            if learn and not rp.starting:
                 self.longest[rp.phase] = max(self.longest.get(rp.phase, 0.0), sent - rp.since_sent)
             rp.starting = False
             rp.step, rp.phase = max(rp.step, step), phase

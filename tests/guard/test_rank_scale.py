@@ -215,7 +215,8 @@ def test_liveness_is_written_when_ranks_change_not_with_every_checkpoint(tmp_pat
         for r in range(1, world):
             hb = heartbeat(now, 0, "train", every=8.0)
             assert c.post(batch(RUN, r, 1, [], heartbeat=hb)).status_code == 200
-        hb0 = lambda s: heartbeat(time.time(), s, "train", every=8.0, world=world)  # noqa: E731
+        # the trainer's clock: exactly 0.1 s a step, so the learned step time does not wander
+        hb0 = lambda s: heartbeat(now + 0.1 * s, s, "train", every=8.0, world=world)  # noqa: E731
         assert c.post(batch(RUN, 0, 1, [make_report(0)], heartbeat=hb0(0))).status_code == 200
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the checkpoint after the last of them
@@ -223,10 +224,14 @@ def test_liveness_is_written_when_ranks_change_not_with_every_checkpoint(tmp_pat
                 if len(json.loads((state_dir / LIVENESS_FILE).read_text())["ranks"]) == world:
                     break
             time.sleep(0.05)
-        first = (state_dir / LIVENESS_FILE).stat().st_mtime_ns
         live = json.loads((state_dir / LIVENESS_FILE).read_text())
         assert len(live["ranks"]) == world
-        for s in range(1, 15):  # 1.5 s of steps: ~15 checkpoints
+        for s in range(1, 6):  # the step's duration learned (liveness.json rewritten for it)
+            assert c.post(batch(RUN, 0, s + 1, [make_report(s)], heartbeat=hb0(s))).status_code == 200
+            time.sleep(0.1)
+        time.sleep(0.3)
+        first = (state_dir / LIVENESS_FILE).stat().st_mtime_ns
+        for s in range(6, 15):  # 0.9 s more of steps: ~9 checkpoints
             assert c.post(batch(RUN, 0, s + 1, [make_report(s)], heartbeat=hb0(s))).status_code == 200
             time.sleep(0.1)
         state = json.loads((state_dir / STATE_FILE).read_text())
@@ -238,3 +243,19 @@ def test_liveness_is_written_when_ranks_change_not_with_every_checkpoint(tmp_pat
         assert counts["watched"] == world and counts["lost"] == 0, counts
     finally:
         c.stop()
+
+
+def test_own_beats_a_minute_apart_do_not_teach_a_minute_long_step() -> None:
+    """Under rank 0's proof, a rank's own beats (8 s apart, 8 steps advanced) are no phase
+    duration: the deadline stays the floor (20 s), learned from 1 s steps, not 5 x 8 s."""
+    world, every = 2048, beat_interval_s(2048, 5.0)
+    b = HealthBook(heartbeat=HeartbeatConfig(floor_s=30.0), progress=ProgressConfig(floor_s=20.0))
+    for s in range(100):
+        t = 1000.0 + s
+        b.beat(RUN, 0, t, s, "train", t, 1, every=every, world=world)
+        for r in range(1 + s % 8, world, 8):  # each rank beats every 8 s
+            b.beat(RUN, r, t, max(s - 1, 0), "train", t, 1, every=every)
+    b.clock = lambda: 1100.0
+    view = next(b.views(1100.0))
+    assert view.rank_counts["watched"] == world
+    assert b._runs[RUN].progress.phase_deadline("train") == 20.0
