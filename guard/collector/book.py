@@ -231,12 +231,14 @@ class HealthBook:
         return self._read(run, lambda r: r.rank_status(now), {})
 
     def liveness_key(self, run: str) -> tuple[Any, ...]:
-        """What makes liveness.json worth rewriting at once: the ranks that beat on their own, and
+        """What makes liveness.json worth rewriting at once: how many ranks beat on their own, and
         what was learned (phase durations, quiet-phase intervals); cheap, not the ranks' times."""
         return self._read(
             run,
             lambda r: (
-                len(r.heartbeats.ranks),
+                # a quarter more ranks: a 16,384-rank job's first beats (spread over a minute)
+                # rewrite it a few times, not at every checkpoint of that minute
+                int(math.log(len(r.heartbeats.ranks) + 1) / math.log(1.25)),
                 _grown(r.progress.longest),
                 _grown(r.heartbeats.quiet_max),
                 # the phases decide deadlines: every rank's in a small job, rank 0's and the
