@@ -309,9 +309,6 @@ class RunHealth:
             pool = free if free is not None and any(self.stalled(r, now) for r in free) else hb.expected()
         return pr.culprits([r for r in pool if self.stalled(r, now)])
 
-    def stuck(self, rank: int, now: float) -> bool:
-        return rank in self.stuck_ranks(now)
-
     def _out_of_line(self, now: float) -> tuple[list[int], bool, list[int]]:
         """(ranks whose series /metrics exports, whether that is every rank, the stuck ranks
         named). Past PER_RANK_ALL_UP_TO ranks: only those lost, late (half their timeout gone),

@@ -153,6 +153,14 @@ class _Guarded:
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
 
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._admit(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._forget()
+        super().connection_lost(exc)  # type: ignore[misc]
+
     def _admit(self, transport: asyncio.Transport) -> None:
         """After the protocol's own connection_made: keep the connection or answer 503 and close."""
         self._key = tuple(self.client) if self.client else (id(self),)
@@ -209,14 +217,6 @@ class GuardedH11Protocol(_Guarded, H11Protocol):
     """uvicorn's h11 protocol under a ConnectionBudget and a header deadline (class attributes
     set by `guarded_protocol`)."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._admit(transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._forget()
-        super().connection_lost(exc)
-
     def data_received(self, data: bytes) -> None:
         waiting = self.conn.their_state is h11.IDLE
         if waiting and self._header_timer is None:
@@ -245,14 +245,6 @@ def _httptools_protocol() -> type:
 
         _in_message = False  # a request's first byte arrived, its end has not
         _head_done = False  # the head of the request being read (or the last one) is whole
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._admit(transport)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._forget()
-            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             if not self._in_message and self._header_timer is None:
