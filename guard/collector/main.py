@@ -13,6 +13,7 @@ from pathlib import Path
 
 from guard.collector.app import build_app
 from guard.collector.config import CollectorConfig
+from guard.collector.gc_policy import FreezeSurvivors
 from guard.collector.lograte import install as rate_limit_logs
 from guard.collector.service import Collector
 from guard.core import schema
@@ -271,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
     # interval every hand-off an ingest request needs (event loop, worker thread, after each
     # fdatasync) waits up to 5 ms behind it. 1 ms keeps ingest p99 low while a scrape renders.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    FreezeSurvivors().install()  # full collections scan what is new, not every connection (gc_policy.py)
     try:
         http, loop = http_stack(args.http, args.loop)
     except ValueError as e:
