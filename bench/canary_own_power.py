@@ -111,6 +111,9 @@ CPU-second of the command's process tree, sampled from /proc (timing: {s["timing
 {", ".join(res["config"]["sets"]) or "the defaults (6 pairs, up to 12 while undecided)"}, fail below 0.99 (canary.ab_fail_pct = 1).
 Clean = A = A; slowed = `--inject slow:{res["config"]["slow"]:g}`
 (B's guard burns {res["config"]["slow"]:g}% more CPU a step, inside the step). Arms interleaved.
+Verdicts (guard/canary/ab.py): fail = the sign-test interval of the median B/A wholly under the
+line (exit 1, the only verdict that fails CI); warn = the median under the line with the interval
+reaching it, or the interval wholly under 1 but not under the line (exit 0, said in the report).
 
 | arm | verdict | median B/A | interval | pairs | wall-clock B/A | time | load |
 |---|---|---|---|---|---|---|---|
