@@ -1,0 +1,86 @@
+"""MoEGuardCallback streams like GuardedStep: the real transformers Trainer (tiny Mixtral,
+bench/hf_trainer_job.py in its own process) with $MOEGUARD_COLLECTOR set, against a real
+collector on loopback. The collector's copy of the run equals the job's own run store step for
+step (actions included), its /metrics carries the run's MFU and the skip, /v1/runs its last step."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install accelerate")
+
+from guard.core import schema  # noqa: E402
+from guard.store.reader import read_meta, read_table  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
+from tests.guard.test_collector import AUTH, TOKEN, CollectorProc  # noqa: E402
+from tests.helpers_http import wait_until  # noqa: E402
+
+pytestmark = [pytest.mark.slow]
+STEPS, SPIKE = 30, 20
+
+
+def test_the_trainer_streams_its_run_to_the_collector(tmp_path: Path) -> None:
+    collector = CollectorProc(tmp_path / "collector-runs", "--checkpoint-interval", "0.5").start()
+    try:
+        run_dir = tmp_path / "hf-stream"
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+            schema.ENV_COLLECTOR: collector.url,
+            schema.ENV_TOKEN: TOKEN,
+        }
+        cmd = [
+            sys.executable, str(REPO / "bench" / "hf_trainer_job.py"), "--steps", str(STEPS),
+            "--out", str(tmp_path / "out"), "--run-dir", str(run_dir), "--inject", f"spike@{SPIKE}:1000",
+        ]  # fmt: skip
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+        assert p.returncode == 0, p.stderr[-3000:]
+        run = run_dir.name
+        local = read_table(run_dir, schema.TABLE_STEPS).sort("step")
+        assert local.height == STEPS
+
+        def info() -> dict | None:
+            r = httpx.get(f"{collector.url}/v1/runs", headers=AUTH, timeout=10).json()
+            x = next((x for x in r.get("runs", []) if x.get("run") == run), None)
+            return x if x is not None and x.get("last_step") == STEPS - 1 else None
+
+        wait_until(info, timeout=60, interval=0.2, what="the run's last step at the collector")
+        metrics = httpx.get(f"{collector.url}/metrics", timeout=10).text
+        # MFU as the job computed it: a number where this CPU class has a pinned peak
+        # (configs/cpu_peaks.toml), NaN (exported as such) where it has none
+        local_mfu = float(local["mfu"][-1])
+        mfu = [
+            ln for ln in metrics.splitlines() if ln.startswith(schema.M_MFU + "{") and f'run="{run}"' in ln
+        ]
+        assert len(mfu) == 1, mfu
+        exported = float(mfu[0].rsplit(" ", 1)[1])
+        if math.isnan(local_mfu):
+            assert math.isnan(exported)
+        else:
+            assert exported == pytest.approx(local_mfu) and exported > 0
+        skips = [
+            ln
+            for ln in metrics.splitlines()
+            if ln.startswith("moeguard_guard_actions_total{")
+            and f'run="{run}"' in ln
+            and 'action="skip"' in ln
+        ]
+        assert skips and float(skips[0].rsplit(" ", 1)[1]) == 1, skips
+    finally:
+        collector.stop()  # a clean stop checkpoints what it holds
+    remote = read_table(tmp_path / "collector-runs" / run, schema.TABLE_STEPS).sort("step")
+    assert remote["step"].to_list() == local["step"].to_list() == list(range(STEPS))
+    assert remote["action"].to_list() == local["action"].to_list()
+    assert local["action"][SPIKE] == schema.ACT_SKIP
+    assert remote["loss"].to_list() == local["loss"].to_list()
+    meta = read_meta(tmp_path / "collector-runs" / run)
+    assert meta["flops_per_token"] > 0 and meta["integration"]["family"]  # the FLOP accounting streamed
