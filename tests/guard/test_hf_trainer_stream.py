@@ -54,27 +54,22 @@ def test_the_trainer_streams_its_run_to_the_collector(tmp_path: Path) -> None:
             return x if x is not None and x.get("last_step") == STEPS - 1 else None
 
         wait_until(info, timeout=60, interval=0.2, what="the run's last step at the collector")
-        metrics = httpx.get(f"{collector.url}/metrics", timeout=10).text
+        samples = collector.metrics()  # (name, sorted labels) -> value, via prometheus_client's parser
+
+        def of_run(name: str, **labels: str) -> list[float]:
+            want = {"run": run, **labels}
+            return [v for (n, lab), v in samples.items() if n == name and want.items() <= dict(lab).items()]
+
         # MFU as the job computed it: a number where this CPU class has a pinned peak
         # (configs/cpu_peaks.toml), NaN (exported as such) where it has none
         local_mfu = float(local["mfu"][-1])
-        mfu = [
-            ln for ln in metrics.splitlines() if ln.startswith(schema.M_MFU + "{") and f'run="{run}"' in ln
-        ]
+        mfu = of_run(schema.M_MFU)
         assert len(mfu) == 1, mfu
-        exported = float(mfu[0].rsplit(" ", 1)[1])
         if math.isnan(local_mfu):
-            assert math.isnan(exported)
+            assert math.isnan(mfu[0])
         else:
-            assert exported == pytest.approx(local_mfu) and exported > 0
-        skips = [
-            ln
-            for ln in metrics.splitlines()
-            if ln.startswith("moeguard_guard_actions_total{")
-            and f'run="{run}"' in ln
-            and 'action="skip"' in ln
-        ]
-        assert skips and float(skips[0].rsplit(" ", 1)[1]) == 1, skips
+            assert mfu[0] == pytest.approx(local_mfu) and mfu[0] > 0
+        assert of_run(schema.M_ACTIONS, action="skip") == [1.0]
     finally:
         collector.stop()  # a clean stop checkpoints what it holds
     remote = read_table(tmp_path / "collector-runs" / run, schema.TABLE_STEPS).sort("step")
