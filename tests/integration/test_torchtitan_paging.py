@@ -155,6 +155,14 @@ def streaming(s: Stack, run: str, step: int) -> bool:
     return bool(info) and int(info.get("last_step") or -1) >= step
 
 
+def heartbeat_timeout(s: Stack, run: str, rank: int) -> float:
+    """The heartbeat timeout the collector has learned for `rank` of `run`, seconds."""
+    for (name, labels), value in s.collector.metrics().items():
+        if name == schema.M_HEARTBEAT_TIMEOUT and dict(labels) == {"run": run, "rank": str(rank)}:
+            return value
+    raise AssertionError(f"the collector exports no {schema.M_HEARTBEAT_TIMEOUT} for {run} rank {rank}")
+
+
 def worker_pid(marker: str, rank: int) -> int:
     """The pid of the worker of `rank` in the job launched with `marker` (torchrun's workers carry
     RANK and the launch's environment)."""
@@ -200,11 +208,16 @@ def test_kill_9_of_one_rank_pages_heartbeat_lost_naming_it(stack: Stack) -> None
     wait_until(lambda: streaming(s, run, 10) or job.poll() is not None, timeout=300, interval=0.5)
     os.kill(worker_pid(s.markers[-1], 1), signal.SIGKILL)
     job.wait(timeout=120)  # torchrun stops rank 0 (SIGTERM) and exits
-    wait_until(
-        lambda: "1" in {a["labels"]["rank"] for a in s.notifications("HeartbeatLost", run, "firing")},
-        timeout=60,
-        interval=0.5,
-    )
+    # The collector calls rank 1 lost after the timeout it learned from this run's own steps
+    # (5x the longest interval, floored): on a loaded 2-core box one slow step stretches it past
+    # a fixed wait. Wait for what the collector itself says, plus the scrape, rule and group path.
+    timeout_s = heartbeat_timeout(s, run, rank=1)
+    paged = lambda: {a["labels"]["rank"] for a in s.notifications("HeartbeatLost", run, "firing")}  # noqa: E731
+    try:
+        wait_until(lambda: "1" in paged(), timeout=timeout_s + 60, interval=0.5)
+    except AssertionError as e:
+        ages = {k: v for k, v in s.collector.metrics().items() if k[0].startswith("moeguard_heartbeat")}
+        raise AssertionError(f"{e}; collector timeout {timeout_s:.1f} s; paged {paged()}; {ages}") from None
     meta = read_meta(s.tmp / "runs" / run)  # rank 0 recorded how it ended, torchrun's SIGTERM or not
     assert meta["status"] == schema.STATUS_CRASHED and "peer rank is gone" in meta["status_note"], meta
 
