@@ -37,6 +37,7 @@ on_train_batch_end calls them) on test traces at the tuned settings and counts d
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 import sys
@@ -225,8 +226,8 @@ def evaluate(
         ct = out.setdefault((family, t.series, 0.0), Tally())
         ct.clean_flags += int(clean[FAULT_START:].sum())
         ct.clean_steps += len(t.values) - FAULT_START
-        for copy in range(copies):
-            _score_faulty(knob.make, value, t, fault_steps(t, copy), out)
+        for n in range(copies):
+            _score_faulty(knob.make, value, t, fault_steps(t, n), out)
     return out
 
 
@@ -263,48 +264,74 @@ def pooled(
 # ---------------------------------------------------------------------------------------
 # The peers' real code, flag for flag
 # ---------------------------------------------------------------------------------------
+class RealPeer:
+    """One peer's installed package judging one series a value at a time: `flag(x)` feeds x and
+    says whether the peer flags it. A deep copy judges a what-if value without touching the run's
+    own state (`peek`: bench/early_spikes.py judges spiked copies this way)."""
+
+    def __init__(self, name: str, value: float) -> None:
+        import torch
+
+        self.name, self.i = name, 0
+        if name == "OLMo-core":
+            from olmo_core.optim.skip_step_optimizer import SkipStepOptimizer
+
+            self.opt = SkipStepOptimizer([torch.zeros(1, requires_grad=True)], {}, sigma_factor=value)
+        elif name == "ZClip":
+            from zclip import ZClip as RealZClip
+
+            class Recording(RealZClip):
+                def _compute_clip_val(self, grad_norm):  # noqa: ANN001, ANN202 - upstream's signature
+                    self.flagged = (v := super()._compute_clip_val(grad_norm)) is not None
+                    return v
+
+            self.zc = Recording(z_thresh=value, max_grad_norm=None)
+            self.lin = torch.nn.Linear(1, 1, bias=False)
+        elif name == "Lightning":
+            from lightning.fabric.utilities.spike import SpikeDetection
+
+            self.sd = SpikeDetection(rtol=value)
+        else:
+            raise ValueError(f"no real package for peer {name!r}")
+
+    def peek(self, x: float) -> bool:
+        """Would the peer flag x now? Its state is left as it was."""
+        if self.name == "OLMo-core":  # a torch Optimizer does not deep-copy its subclass's fields
+            saved = list(self.opt._losses)
+            try:
+                return self.flag(x)
+            finally:
+                self.opt._losses, self.i = saved, self.i - 1
+        return copy.deepcopy(self).flag(x)
+
+    def flag(self, x: float) -> bool:
+        import torch
+
+        i, self.i = self.i, self.i + 1
+        if self.name == "OLMo-core":
+            self.opt.latest_loss = torch.tensor(float(x))  # one series: judged on its own (no grad norms)
+            return float(self.opt.get_step_factor()) == 0.0
+        if self.name == "ZClip":
+            self.zc.flagged = False
+            self.lin.weight.grad = torch.full((1, 1), float(x))
+            self.zc.step(self.lin)
+            return bool(self.zc.flagged)
+        # Lightning: on_train_batch_end without a Fabric: the spike test, then the update of an
+        # unflagged value
+        loss = torch.tensor(float(x))
+        spike = bool(i >= self.sd.warmup and self.sd._is_spike(loss))
+        if not spike:
+            self.sd._update_stats(loss)
+        return spike
+
+
 def real_flags(name: str, value: float, values: np.ndarray) -> np.ndarray | None:
     """Flags from the peer's installed package at this setting (None: no real package here)."""
-    import torch
-
-    out = np.zeros(len(values), dtype=bool)
-    if name == "OLMo-core":
-        from olmo_core.optim.skip_step_optimizer import SkipStepOptimizer
-
-        opt = SkipStepOptimizer([torch.zeros(1, requires_grad=True)], {}, sigma_factor=value)
-        for i, x in enumerate(values):
-            opt.latest_loss = torch.tensor(float(x))  # one series: judged on its own (no grad norms)
-            out[i] = float(opt.get_step_factor()) == 0.0
-        return out
-    if name == "ZClip":
-        from zclip import ZClip as RealZClip
-
-        class Recording(RealZClip):
-            def _compute_clip_val(self, grad_norm):  # noqa: ANN001, ANN202 - upstream's signature
-                self.flagged = (v := super()._compute_clip_val(grad_norm)) is not None
-                return v
-
-        zc = Recording(z_thresh=value, max_grad_norm=None)
-        lin = torch.nn.Linear(1, 1, bias=False)
-        for i, x in enumerate(values):
-            zc.flagged = False
-            lin.weight.grad = torch.full((1, 1), float(x))
-            zc.step(lin)
-            out[i] = zc.flagged
-        return out
-    if name == "Lightning":
-        from lightning.fabric.utilities.spike import SpikeDetection
-
-        sd = SpikeDetection(rtol=value)
-        for i, x in enumerate(values):
-            loss = torch.tensor(float(x))
-            # on_train_batch_end without a Fabric: the spike test, then the update of an unflagged value
-            spike = bool(i >= sd.warmup and sd._is_spike(loss))
-            if not spike:
-                sd._update_stats(loss)
-            out[i] = spike
-        return out
-    return None
+    try:
+        peer = RealPeer(name, value)
+    except (ValueError, ImportError):
+        return None
+    return np.array([peer.flag(x) for x in values], dtype=bool)
 
 
 def agreement(settings: dict[str, float], traces: Sequence[Trace], steps: int) -> list[str]:

@@ -4,7 +4,12 @@ gradient spike of x F (total and every layer's grad norm x F, the loss unchanged
 step verdict? One pass per run: at each step the detector suite peeks at the spiked copy of the
 step (changing nothing) and then takes the clean step, as a live run would have.
 
-    python -m bench.early_spikes RUN [RUN ...] [--guard FILE.toml] [--factors 8,20,50]
+    python -m bench.early_spikes RUN [RUN ...] [--guard FILE.toml] [--factors 8,20,50] [--peers]
+
+`--peers`: the same what-ifs judged by the peers' real code at their published defaults
+(OLMo-core's SkipStepOptimizer, Lightning's SpikeDetection, ZClip; bench/clean_actions.py), each
+on the grad-norm and loss series on its own, from step 0 (their own warm-ups apply): a copy is
+caught where the peer flags the spiked grad norm or the step's loss.
 
 Per run: the clean run's step verdicts (false alarms: a live run would skip there), the smallest
 per-layer rise of the clean steps (the all-layers statistic: min over layers of grad norm / the
@@ -18,6 +23,7 @@ import argparse
 import copy
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +45,26 @@ def spiked(rep: Any, factor: float) -> Any:
     return r
 
 
-def coverage(run_dir: Path, cfg: GuardConfig, factors: list[float]) -> dict[str, Any]:
+def peer_coverage(reps: Sequence[Any], name: str, value: float, factors: list[float]) -> dict[str, Any]:
+    """One peer's clean flags and missed spiked copies on a run's reports (see the docstring)."""
+    from bench.detector_heldout import RealPeer
+
+    on_grad, on_loss = RealPeer(name, value), RealPeer(name, value)
+    false: list[int] = []
+    missed: dict[float, list[int]] = {f: [] for f in factors}
+    for rep in reps:
+        if not rep.finite:
+            continue
+        loss_flag = on_loss.flag(rep.loss)
+        for f in factors:
+            if not (loss_flag or on_grad.peek(rep.grad_norm * f)):
+                missed[f].append(rep.step)
+        if on_grad.flag(rep.grad_norm) or loss_flag:
+            false.append(rep.step)
+    return {"false_verdict_steps": false, **{f"x{f:g}_missed": m for f, m in missed.items()}}
+
+
+def coverage(run_dir: Path, cfg: GuardConfig, factors: list[float], peers: bool = False) -> dict[str, Any]:
     reps = list(read_reports(run_dir))
     suite = DetectorSuite(cfg)
     rises = AllLayersSpike(cfg.grad_spike)  # the clean run's statistic, for the record
@@ -72,6 +97,10 @@ def coverage(run_dir: Path, cfg: GuardConfig, factors: list[float]) -> dict[str,
         m = missed[f]
         out[f"x{f:g}_missed"] = m
         out[f"x{f:g}_caught_from"] = (max(m) + 1 if m else 0) if (not m or max(m) < last) else None
+    if peers:
+        from bench.clean_actions import PEERS
+
+        out["peers"] = {name: peer_coverage(reps, name, value, factors) for name, value in PEERS}
     return out
 
 
@@ -83,11 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--guard", type=Path, help="a TOML with a [guard] table (default: GuardConfig())")
     ap.add_argument("--factors", default="8,20,50", help="comma-separated spike factors")
     ap.add_argument("--json", action="store_true", help="one JSON line per run")
+    ap.add_argument("--peers", action="store_true", help="the peers' real code on the same what-ifs")
     a = ap.parse_args(argv)
     cfg = load_guard_config(a.guard) if a.guard else GuardConfig()
     factors = [float(x) for x in a.factors.split(",")]
     for run in a.runs:
-        r = coverage(run, cfg, factors)
+        r = coverage(run, cfg, factors, peers=a.peers)
         if a.json:
             print(json.dumps(r), flush=True)
             continue

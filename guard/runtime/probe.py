@@ -23,7 +23,6 @@ holding a LogitWatch also get their max attention logit on every k-th step
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from guard.core.config import PrecursorConfig
+from guard.core.routing_stats import maxvio_and_entropy
 from guard.integrations.base import count_pending, counted_together
 from guard.runtime.attention_logits import MaxLogitSampler, find_watches
 from guard.runtime.precursor import Precursors
@@ -271,11 +271,7 @@ class Probe:
         if m:
             # No np.errstate: loads are finite counts and every divisor is clamped positive (a
             # NaN or inf entropy sum divides quietly).
-            rows = loads.sum(axis=1)
-            mean = np.maximum(rows / e, 1e-9)  # loads.mean(axis=1), bit for bit
-            maxvio = (loads.max(axis=1) - mean) / mean
-            share = loads / np.maximum(rows, 1e-9)[:, None]
-            load_ent = -(share * np.log(np.maximum(share, 1e-12))).sum(axis=1) / math.log(e)
+            maxvio, load_ent = maxvio_and_entropy(loads)
             router_ent = ent / np.maximum(cnt, 1.0)
             self._since_token_ME = np.where(loads > 0, 0, self._since_token_ME + 1)
             dead = (self._since_token_ME >= self.dead_window).sum(axis=1).astype(np.int32)

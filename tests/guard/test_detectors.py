@@ -364,19 +364,51 @@ def test_maxvio_sustained_fires_transient_does_not() -> None:
     cfg = CollapseConfig(warmup=0, maxvio=2.0, maxvio_for=10)
     det = CollapseDetector(cfg)
     for s in range(cfg.maxvio_for - 1):  # transient: one step short
-        assert det.update(moe_report(s, BALANCED, maxvio=5.0)) == []
+        assert det.update(moe_report(s, ONE_EXPERT, maxvio=5.0)) == []
     assert det.update(moe_report(100, BALANCED, maxvio=0.5)) == []
     assert det.healthy(3)
-    outs = [det.update(moe_report(200 + s, BALANCED, maxvio=5.0)) for s in range(cfg.maxvio_for)]
+    outs = [det.update(moe_report(200 + s, ONE_EXPERT, maxvio=5.0)) for s in range(cfg.maxvio_for)]
     assert all(o == [] for o in outs[:-1])
     assert [(v.detector, v.layer, v.evidence["for"]) for v in outs[-1]] == [(schema.DET_MAXVIO, 3, 10)]
     assert not det.healthy(3)
 
 
+def test_a_hot_expert_that_moves_every_step_is_no_collapse() -> None:
+    """Each batch sent to a different expert (per-step MaxVio 7, pooled over the window 0): no
+    lasting preference for a bias or a balancing gradient to correct, so no verdict; the same
+    expert hot every step is one (issue #28, LongCat-Flash's tiny build)."""
+    cfg = CollapseConfig(warmup=0, maxvio_for=4, entropy_for=4)
+    rotating, same = CollapseDetector(cfg), CollapseDetector(cfg)
+    for s in range(3 * E):
+        hot = [0] * E
+        hot[s % E] = 800
+        assert rotating.update(moe_report(s, hot, maxvio=7.0, load_h=0.0)) == []
+        out = same.update(moe_report(s, ONE_EXPERT, maxvio=7.0, load_h=0.0))
+    assert {(v.detector, v.evidence["pooled"]) for v in out} == {
+        (schema.DET_MAXVIO, 7.0),
+        (schema.DET_LOAD_ENTROPY, 0.0),
+    }
+    assert not rotating.healthy(3)  # its per-step figures are past the line: not "healthy" either
+
+
+def test_the_pooled_window_survives_a_state_round_trip() -> None:
+    cfg = CollapseConfig(warmup=0, maxvio_for=5)
+    a = CollapseDetector(cfg)
+    for s in range(3):
+        a.update(moe_report(s, ONE_EXPERT, maxvio=7.0))
+    b = CollapseDetector(cfg)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    for s in range(3, 5):  # the window's first three steps came from the checkpoint
+        assert a.update(moe_report(s, ONE_EXPERT, maxvio=7.0)) == b.update(
+            moe_report(s, ONE_EXPERT, maxvio=7.0)
+        )
+    assert [v.detector for v in b.update(moe_report(5, ONE_EXPERT, maxvio=7.0))] == [schema.DET_MAXVIO]
+
+
 def test_entropy_floors() -> None:
     cfg = CollapseConfig(warmup=0, entropy_for=3, router_entropy_floor=0.5)
     det = CollapseDetector(cfg)
-    outs = [det.update(moe_report(s, BALANCED, load_h=0.2, router_h=0.1)) for s in range(3)]
+    outs = [det.update(moe_report(s, ONE_EXPERT, load_h=0.2, router_h=0.1)) for s in range(3)]
     assert outs[:2] == [[], []]
     assert {v.detector for v in outs[2]} == {schema.DET_LOAD_ENTROPY, schema.DET_ROUTER_ENTROPY}
     off = CollapseDetector(CollapseConfig(warmup=0, entropy_for=1))  # router floor 0: disabled
@@ -385,8 +417,8 @@ def test_entropy_floors() -> None:
 
 def test_collapse_warmup_counts_updates() -> None:
     det = CollapseDetector(CollapseConfig(warmup=50, maxvio_for=1))
-    assert all(det.update(moe_report(s, BALANCED, maxvio=9.0)) == [] for s in range(50))
-    assert det.update(moe_report(50, BALANCED, maxvio=9.0))
+    assert all(det.update(moe_report(s, ONE_EXPERT, maxvio=9.0)) == [] for s in range(50))
+    assert det.update(moe_report(50, ONE_EXPERT, maxvio=9.0))
 
 
 def test_reset_layer_restarts_windows_and_healthy_confirms_recovery() -> None:
@@ -547,7 +579,7 @@ def test_suite_runs_collapse_stall_throughput() -> None:
     suite = DetectorSuite(GuardConfig(collapse=CollapseConfig(warmup=0, maxvio_for=2)))
     out = []
     for s in range(3):
-        r = moe_report(s, BALANCED, maxvio=9.0)
+        r = moe_report(s, ONE_EXPERT, maxvio=9.0)
         out += suite.update(r)
     assert [(v.detector, v.layer) for v in out] == [(schema.DET_MAXVIO, 3), (schema.DET_MAXVIO, 3)]
     assert not suite.healthy(3)

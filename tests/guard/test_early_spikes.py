@@ -41,10 +41,8 @@ def test_a_whole_model_x50_at_step_20_and_x20_at_step_50_are_skipped() -> None:
     """Before: only the total's cap acted in the first 200 steps, and only after 32 (50-100x)."""
     clean = _layers(260, 3)
     assert _run(clean) == {}, "a clean start (one-layer bursts included) draws no verdict"
-    # x50 from step 20 on. A x20 before the tail fit is NOT caught on this series with the early cap
-    # at 16 (raised from 8 so that clean transformers runs draw no action: guard/core/config.py);
-    # issue #28's x20-from-step-50 target is open (docs/NOTES.md)
-    for at, factor in ((20, 50.0), (50, 50.0), (120, 50.0)):
+    # x50 from step 20 on, x20 from step 50 on (issue #28's targets; the early cap 8x)
+    for at, factor in ((20, 50.0), (50, 50.0), (120, 50.0), (50, 20.0), (90, 20.0), (150, 20.0)):
         spiked = clean.copy()
         spiked[at] *= factor
         fired = _run(spiked)
@@ -60,12 +58,17 @@ def test_a_rise_the_loss_explains_is_a_hard_batch_not_a_fault() -> None:
     clean = _layers(260, 4)
     loss = 2.0 + 1e-3 * np.sin(np.arange(260))
     hard = clean.copy()
-    hard[90] *= 20.0  # every layer 20x at once (over the early cap, 16x) ...
+    hard[90] *= 12.0  # every layer 12x at once (over the early cap, 8x) ...
     loss[90] *= 1.5  # ... and the loss with it: a hard batch
     # (the loss rule may flag a 1.5x loss on this flat a series: the hard batch is its to judge)
     assert (schema.DET_GRAD_SPIKE, "all_layers") not in _run(hard, loss).get(90, [])
     flat = 2.0 + 1e-3 * np.sin(np.arange(260))  # the same gradients, the loss unmoved: a fault
     assert _run(hard, flat).get(90) == [(schema.DET_GRAD_SPIKE, "all_layers")]
+    # The loss explains a rise by at most 2x: every layer 30x with the same 1.5x loss is a fault
+    # (uncapped, (1.5 / 1.05)^8 = 17x of discount let it through)
+    worse = clean.copy()
+    worse[90] *= 30.0
+    assert (schema.DET_GRAD_SPIKE, "all_layers") in _run(worse, loss).get(90, [])
 
 
 def test_a_whole_model_x8_after_the_warm_up_is_skipped() -> None:

@@ -43,6 +43,15 @@ COLLAPSE_CLAIMED = tuple(f for f in (*FAMILIES, *SUBSET) if f != "longcat_flash"
 # threshold there is 6.4x): a natural excursion the whole-model rule skips. Its figure is pinned by
 # test_jetmoe_clean_run_draws_one_natural_skip instead of a zero-action claim (issue #28's trade).
 CLEAN_CLAIMED = tuple(f for f in COLLAPSE_CLAIMED if f != "jetmoe")
+# Natural early excursions that the default early cap (8x, guard/core/config.py) skips on these
+# clean seeds: every layer rose past 8x its own level at once with no fault, inside the runs'
+# first-40-step transient (lr 3e-3 from step 0, no warm-up): issue #28's trade, measured on 54
+# families in docs/BENCHMARKS.md ("Early-run spikes"). Pinned step for step, so a change in
+# either direction shows.
+NATURAL_SKIPS = {
+    5: {"mixtral": [29], "afmoe": [23], "ernie4_5_moe": [35, 36]},  # test_clean_run_takes_no_action
+    2: {"olmoe": [21], "qwen3_moe": [21]},  # test_spike_and_nan_are_skipped_...
+}
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +128,7 @@ def test_spike_and_nan_are_skipped_with_all_state_bitwise_unchanged(
     guarded = GuardedStep(model, opt, attach=attach(model), run_dir=tmp_path / "run", grad_clip=1.0)
     data = byte_batches(corpus, batch=4, seq=64, seed=2)
     faults = {40: "spike", 43: "nan"}
+    natural = NATURAL_SKIPS[2].get(family, [])
     for step in range(46):
         x = next(data)
         loss = model(input_ids=x, labels=x).loss
@@ -144,10 +154,11 @@ def test_spike_and_nan_are_skipped_with_all_state_bitwise_unchanged(
                     for k, v in before.items()
                 )
         else:
-            assert d.action == schema.ACT_APPLY, (family, step, [(v.detector, v.value) for v in d.verdicts])
+            want = schema.ACT_SKIP if step in natural else schema.ACT_APPLY
+            assert d.action == want, (family, step, [(v.detector, v.value) for v in d.verdicts])
     guarded.close()
     steps = read_table(tmp_path / "run", "steps").sort("step")
-    assert steps.filter(pl.col("action") == "skip")["step"].to_list() == [40, 43]
+    assert steps.filter(pl.col("action") == "skip")["step"].to_list() == sorted([40, 43, *natural])
 
 
 @pytest.mark.parametrize("family", COLLAPSE_CLAIMED)
@@ -193,9 +204,16 @@ def test_forced_collapse_is_detected_and_corrected(family: str, corpus: np.ndarr
 
 @pytest.mark.parametrize("family", CLEAN_CLAIMED)
 def test_clean_run_takes_no_action(family: str, corpus: np.ndarray, tmp_path: Path) -> None:
+    """No action, but for the pinned natural early skips (NATURAL_SKIPS): each a whole-model rise
+    over the early cap, judged by the grad-norm rule and skipped alone (no escalation)."""
     r = drill(family, seed=5, steps=310, corpus=corpus, run_dir=tmp_path / "run")
-    assert r["actions"] == [], r["events"]
-    assert [e for e in r["events"] if e[1] != schema.EV_CHECKPOINT] == []
+    natural = NATURAL_SKIPS[5].get(family, [])
+    assert r["actions"] == [(s, schema.ACT_SKIP) for s in natural], r["events"]
+    verdicts = [e for e in r["events"] if e[1] != schema.EV_CHECKPOINT]
+    assert [(e[0], e[1], e[2], e[3]) for e in verdicts] == [
+        (s, schema.EV_VERDICT, schema.DET_GRAD_SPIKE, schema.ACT_SKIP) for s in natural
+    ], r["events"]
+    assert all(e[4] > e[5] == GuardConfig().grad_spike.all_layers_early_cap for e in verdicts)
     assert r["final_loss"] < 3.0  # it trained (bytes start at ln 256 = 5.5)
 
 

@@ -28,7 +28,9 @@ def test_collapse_arms_where_the_detector_first_fires() -> None:
     fired = []
     for s in range(80):
         rep = make_report(s)
-        rep.maxvio_M = np.full_like(rep.maxvio_M, 3.0)  # collapsed from step 0
+        rep.maxvio_M = np.full_like(rep.maxvio_M, 3.0)  # collapsed from step 0 ...
+        rep.load_ME = np.zeros_like(rep.load_ME)
+        rep.load_ME[:, 0] = 100  # ... onto the same expert (a lasting preference)
         fired.append(bool(det.update(rep)))
     assert first_fire(fired) == arms(cfg)["collapse"] == 40
 

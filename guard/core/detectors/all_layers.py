@@ -19,8 +19,9 @@ gradient together (clean tiny transformers runs: every layer 5-9x its level at s
 of seed 0's data, the loss 1.1-1.6x its own), while a numerical fault (a gradient or loss-scale
 blow-up, what `--inject gradspike` does) scales the gradients and leaves the loss where it was.
 So before the tail fit (the early cap's phase) the judged rise is rise_t / max(1, loss_t / (loss
-level x (1 + loss_margin)))^loss_power (loss level: median of the last `level_window` accepted
-losses; the margin keeps the loss's own step noise from discounting every spike). After the fit
+level x (1 + loss_margin)))^loss_power, divided by at most loss_discount_max (loss level: median
+of the last `level_window` accepted losses; the margin keeps the loss's own step noise from
+discounting every spike; the cap keeps a hard batch from hiding a x50). After the fit
 the budget rule judges the raw rise: the discount there cost configs/tiny.toml's x4 coverage
 (missed at 213 of 400 steps after step 200, 62 without it). A bad batch that moves the loss that much is the loss
 spike rule's to flag. Without a loss (None, or not finite) the rise is judged as it is.
@@ -88,7 +89,8 @@ class AllLayersSpike:
                 and self.cfg.all_layers_loss_power > 0
             ):
                 excess = lx - median_of(self._loss.values()) - math.log1p(self.cfg.all_layers_loss_margin)
-                log_rise -= self.cfg.all_layers_loss_power * max(0.0, excess)
+                discount = self.cfg.all_layers_loss_power * max(0.0, excess)
+                log_rise -= min(discount, math.log(self.cfg.all_layers_loss_discount_max))
             out = math.exp(log_rise)
         self._cached = (step, ids, vals, lx, out)
         return out
