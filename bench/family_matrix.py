@@ -8,7 +8,8 @@ u = 1e-2, every other family a per-layer balancing weight of 1e-2, as bench/real
   loads    every step and layer of the faulty run: the stored loads equal the ids each experts
            module was handed (or, for Llama4 and JetMoE, the top-k of the router's own logits)
   faults   x50 gradient spikes at steps 30, 150, 400 and NaN gradients at 31, 151, 401 of one run:
-           each skipped with every weight, buffer and AdamW state bitwise unchanged
+           each skipped with every weight, buffer and AdamW state bitwise unchanged (or, where a
+           natural skip within 50 steps makes it the third, rolled back to an earlier snapshot)
   other    actions at any other step of that run (its clean steps: the no-action check)
   collapse layer L's router pushed to expert 0 at step 60 (collapse warm-up 40): steps until
            its MaxVio is back under the detector's threshold for 5 steps, with the guard's
@@ -30,6 +31,7 @@ import json
 import tempfile
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +124,10 @@ def faulty_run(family: str, corpus: np.ndarray, steps: int, run_dir: Path, seed:
         d = guarded.step(loss, tokens=x.numel())
         if fault:
             unchanged = _same(before, _state(model, opt))  # type: ignore[arg-type]
-            faults[step] = f"{d.action}{'' if unchanged else ' CHANGED'}"
+            if d.action == "rollback":  # a third skip in 50 steps: an earlier snapshot restored
+                faults[step] = "rollback"
+            else:
+                faults[step] = f"{d.action}{'' if unchanged else ' CHANGED'}"
     for h in handles:
         h.remove()
     guarded.close()
@@ -276,7 +281,12 @@ def table(paths: list[Path]) -> str:
         if f and all(v == "skip" for v in f.values()):
             faults = f"all {len(f)} skipped, state bitwise unchanged"
         other = r.get("other_actions")
-        other_s = "-" if other is None else (str(len(other)) if other else "0")
+        kinds = Counter(a for _, a in other or [])
+        other_s = (
+            "-"
+            if other is None
+            else (f"{len(other)} (" + ", ".join(f"{a} {n}" for a, n in kinds.items()) + ")" if other else "0")
+        )
         c, n = r.get("collapse"), r.get("control")
         coll = (
             "not run"

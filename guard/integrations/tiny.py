@@ -274,4 +274,21 @@ def build(
         cfg.output_router_logits = aux_loss_coef > 0
         cfg.router_aux_loss_coef = aux_loss_coef
     torch.manual_seed(seed)
-    return tf.AutoModelForCausalLM.from_config(cfg)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    _fill_hash_tables(model, seed)
+    return model
+
+
+def _fill_hash_tables(model: nn.Module, seed: int) -> None:
+    """DeepSeek-V4's hash-routed layers pick experts by a frozen token -> experts table
+    (`tid2eid`) that a random init leaves all zeros ("real values come from the checkpoint"): every
+    token to expert 0, a collapse by construction that no router or bias can move. Fill it as a
+    checkpoint would: each token its own top_k distinct experts, drawn per layer from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    for mod in model.modules():
+        table = getattr(mod, "tid2eid", None)
+        n_experts = getattr(mod, "num_experts", 0)
+        if isinstance(table, torch.Tensor) and n_experts and not table.is_floating_point():
+            vocab, k = table.shape
+            draws = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(vocab)])
+            table.copy_(draws.to(table.dtype))

@@ -191,3 +191,35 @@ def test_bias_updates_sign_and_smebu_move_the_bias_towards_balance() -> None:
     assert torch.allclose(b, torch.tensor([-1.5e-3, 0.5e-3, 0.5e-3, 0.5e-3]))
     with pytest.raises(ValueError, match="bias_update = 'adam'"):
         BiasCorrector(biases={}, update="adam")
+
+
+# Config keys that hold a sparse MoE's expert count (on the config, its text_config, or DBRX's
+# ffn_config); a model type whose defaults set one is a sparse-MoE family.
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "n_experts")
+
+
+def _experts_in(cfg: object) -> bool:
+    return any(getattr(c, k, None) for c in (cfg, getattr(cfg, "ffn_config", None)) for k in _EXPERT_KEYS)
+
+
+def test_all_families_is_every_sparse_moe_causal_lm_of_the_installed_transformers() -> None:
+    """tiny.py's list is checked against transformers itself: every causal-LM model type whose
+    default config has experts is in ALL_FAMILIES, directly or through its text model (llama4 ->
+    llama4_text); a new transformers that adds a family fails here, naming it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    missing = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            try:
+                cfg = CONFIG_MAPPING[model_type]()
+            except Exception:  # noqa: BLE001 - a config that cannot build from defaults is no tiny family
+                continue
+            text = getattr(cfg, "text_config", None)
+            if not (_experts_in(cfg) or (text is not None and _experts_in(text))):
+                continue
+            if model_type not in ALL_FAMILIES and getattr(text, "model_type", None) not in ALL_FAMILIES:
+                missing.append(model_type)
+    assert missing == [], f"sparse-MoE causal-LM families missing from guard/integrations/tiny.py: {missing}"
