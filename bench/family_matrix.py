@@ -13,7 +13,9 @@ u = 1e-2, every other family a per-layer balancing weight of 1e-2, as bench/real
   other    actions at any other step of that run (its clean steps: the no-action check)
   collapse layer L's router pushed to expert 0 at step 60 (collapse warm-up 40): steps until
            its MaxVio is back under the detector's threshold for 5 steps, with the guard's
-           correction and without (the control: the same run, no corrector)
+           correction and without (the control: the same run, no corrector); where per-step
+           MaxVio never gets there (a family that sends each batch to a few experts), the same
+           on the loads pooled over the detector's 10-step window, the rule its verdicts use
 
     python -m bench.family_matrix --families afmoe,llama4_text --out OUT.jsonl
     python -m bench.family_matrix --table OUT.jsonl [OUT2.jsonl ...]      # the Markdown table
@@ -42,6 +44,7 @@ import torch
 from bench.real_models import byte_batches
 from guard.api import GuardedStep
 from guard.core.config import CollapseConfig, GuardConfig
+from guard.core.routing_stats import maxvio_and_entropy
 from guard.integrations import hf_routing as rt
 from guard.integrations.base import BiasCorrector
 from guard.integrations.tiny import ALL_FAMILIES, build
@@ -72,6 +75,15 @@ def _observer(model: torch.nn.Module, att: Any) -> tuple[list[dict[int, torch.Te
 
             def fwd(m: Any, a: Any, out: Any, layer: int = layer, r: Any = r) -> None:
                 ids = out[r.logits_at].detach().reshape(-1, r.n_experts).topk(r.top_k, -1).indices
+                seen[-1][layer] = torch.bincount(ids.reshape(-1), minlength=r.n_experts)
+
+            handles.append(s.router.register_forward_hook(fwd))
+        elif r.null_as is not None:  # zaya's skip expert reaches the experts as (0, weight 0):
+            # ZayaRouter's own rule instead, top-k of softmax(logits) + balancing_biases
+
+            def fwd(m: Any, a: Any, out: Any, layer: int = layer, r: Any = r) -> None:
+                probs = out[r.logits_at].detach().reshape(-1, r.n_experts).softmax(-1).float()
+                ids = (probs + m.balancing_biases).topk(r.top_k, -1).indices
                 seen[-1][layer] = torch.bincount(ids.reshape(-1), minlength=r.n_experts)
 
             handles.append(s.router.register_forward_hook(fwd))
@@ -187,12 +199,27 @@ def collapse_run(
         if run == 5:
             back = s - 4 - at
             break
+    # the detector's own pooled rule (a layer that sends each batch to a few experts reads past
+    # the line every step; its loads summed over the detector's window say whether it prefers one)
+    ex = read_table(run_dir, "experts").filter(pl.col("layer") == layer).sort("step", "expert")
+    load_at = {int(k[0]): g["load"].to_numpy() for k, g in ex.group_by("step", maintain_order=True)}
+    w, run, back_pooled = cfg.collapse.maxvio_for, 0, None
+    for s in range(at + w, steps):
+        window = [load_at[t] for t in range(s - w + 1, s + 1) if t in load_at]
+        if not window:
+            continue
+        pooled_mv = float(maxvio_and_entropy(np.sum(window, axis=0)[None, :])[0][0])
+        run = run + 1 if pooled_mv < thr else 0
+        if run == 5:
+            back_pooled = s - 4 - at
+            break
     acts = read_table(run_dir, "steps").filter(pl.col("action") == "bias_correct")["step"].to_list()
     return {
         "layer": layer,
         "mode": mode,
         "detected": detected,
         "back_after": back,
+        "back_after_pooled": back_pooled,
         "corrections": acts,
         "peak_maxvio": round(float(mv[at:].max()), 2),
     }
@@ -293,6 +320,12 @@ def table(paths: list[Path]) -> str:
             if c is None
             else f"{c['back_after']} / {n['back_after']} (bias_correct at {c['corrections'][:2]})"
         )
+        if c is not None and c["back_after"] is None and c.get("back_after_pooled") is not None:
+            # per-step MaxVio never under the line (each batch to a few experts): the pooled rule
+            coll = (
+                f"pooled over 10 steps: {c['back_after_pooled']} / {n.get('back_after_pooled')} "
+                f"(bias_correct at {c['corrections'][:2]})"
+            )
         lines.append(
             f"| {r['family']} | ok | {r['form']} ({r['experts']}, {r['top_k']}, {r['score']}) | {r['correction']} "
             f"| {loads} | {faults} | {other_s} | {coll} |"

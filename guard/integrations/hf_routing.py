@@ -7,6 +7,9 @@ transformers 5.23 routers come in these shapes (read from its modeling code, iss
             Qwen, OLMoE, DeepSeek-V3 and its descendants, afmoe, ernie4_5_moe, zaya, inkling...);
             LongCat-Flash adds zero-computation experts (10 logits for 8 experts + 2 identities)
             and zaya a null expert: every logit is a routing target and gets a load bin.
+            ZayaRouter hands a skip-expert selection on as (expert 0, weight 0): where a dry
+            forward with the last bin's bias raised shows that rewrite (null_rewrites), such a
+            pair is counted on the last bin, not on expert 0.
   mask      `(scores, logits)`: Llama4; scores are sigmoid(top value) at the chosen experts
             and exactly 0 elsewhere, so the chosen set is the non-zero entries.
   counts    JetMoE's gating 5-tuple `(sorted order, batch index, gates, expert_size, logits)`:
@@ -72,6 +75,13 @@ class Reading:
     logits_at: int | None  # position in the output tuple; None: the output is the logits
     ids_at: int | None = None  # indices / mask / counts position
     score_func: str = "softmax"
+    weights_at: int | None = None  # the top-k weights beside the indices (FORM_INDICES)
+    # a null target's selection rewritten by the router to (this id, weight 0), zaya's skip
+    # expert to 0: such a pair is counted on the last bin (proved at attach: null_rewrites)
+    null_as: int | None = None
+    # the experts that compute (the first bins): LongCat-Flash's 2 identities and zaya's skip
+    # expert are routing targets with no weights; None when the experts module does not say
+    computing: int | None = None
 
 
 @dataclass
@@ -170,7 +180,8 @@ def read_form(site: Site, router_in: tuple, out: Any, experts_in: tuple | None) 
     for j, t in enumerate(items):  # top-k ids in the output
         if isinstance(t, torch.Tensor) and not t.dtype.is_floating_point and t.numel() and t.numel() % n == 0:
             if 0 <= int(t.min()) and int(t.max()) < e:
-                return Reading(FORM_INDICES, e, t.numel() // n, logits_at, j, score)
+                w_at = next((i for i, w in floats if i != lj and w.shape == t.shape), None)
+                return Reading(FORM_INDICES, e, t.numel() // n, logits_at, j, score, w_at)
     for j, t in enumerate(items):  # per-expert counts (JetMoE's expert_size)
         if (
             isinstance(t, list | tuple)
@@ -217,6 +228,9 @@ class FormHook(TopKRoutingHook):
         got = output[r.ids_at]
         if r.form == FORM_INDICES:
             idx = got
+            if r.null_as is not None:  # the router's (null_as, weight 0) is its null target
+                w = output[r.weights_at]
+                idx = torch.where((got == r.null_as) & (w == 0), r.n_experts - 1, got)
         elif r.form == FORM_MASK:  # the k non-zero entries of each row: topk of the 0/1 mask
             idx = (got.detach().reshape(-1, r.n_experts) != 0).to(torch.float32).topk(r.top_k, dim=-1).indices
         else:  # FORM_COUNTS: ids whose bincount is the model's own per-expert counts
@@ -246,6 +260,62 @@ def find_bias(site: Site, n_experts: int) -> tuple[nn.Module, str] | None:
             if isinstance(t, torch.Tensor) and t.numel() == n_experts:
                 return owner, name
     return None
+
+
+def null_rewrites(
+    model: nn.Module,
+    sites: dict[int, Site],
+    readings: dict[int, Reading],
+    found: dict[int, tuple[nn.Module, str]],
+    x: torch.Tensor,
+) -> dict[int, int]:
+    """Layers whose router hands a selection of its last target (a null expert that computes
+    nothing) on as another id with weight 0, {layer: that id}: zaya's ZayaRouter rewrites its skip
+    expert to (0, 0.0), which a reader of the ids alone counts on expert 0 and never on the skip
+    bin. Proved by one dry forward with every last-bin bias raised far above any score: each row
+    then holds one weight-0 slot, all on one id that is not the last bin. Biases put back bit for
+    bit; hooks reset."""
+    probe = {
+        i: f
+        for i, f in found.items()
+        if readings[i].form == FORM_INDICES and readings[i].weights_at is not None
+    }
+    if not probe:
+        return {}
+    kept = {i: bias_tensor(*f).detach().clone() for i, f in probe.items()}
+    try:
+        with torch.no_grad():
+            for f in probe.values():
+                bias_tensor(*f)[-1] += _BIAS_PROBE
+        seen = capture(model, [sites[i] for i in probe], x)
+    finally:
+        with torch.no_grad():
+            for i, f in probe.items():
+                bias_tensor(*f).copy_(kept[i])
+    out: dict[int, int] = {}
+    for i in probe:
+        got = seen.get((i, sites[i].name))
+        if got is None:
+            continue
+        r, o = readings[i], got[1]
+        ids = o[r.ids_at].reshape(-1, r.top_k)
+        w = o[r.weights_at].reshape(-1, r.top_k)
+        zero = w == 0
+        if bool((ids == r.n_experts - 1).any()) or not bool((zero.sum(-1) == 1).all()):
+            continue  # the last target is counted as itself, or no one null slot per row
+        at = ids[zero]
+        if bool((at == at[0]).all()):
+            out[i] = int(at[0])
+    return out
+
+
+def computing_experts(site: Site) -> int | None:
+    """How many experts hold weights: the smallest leading dim of the experts module's stacked 3-D
+    weights (LongCat-Flash: 8 of its 10 routing targets, zaya 8 of 9), else None."""
+    if site.experts is None:
+        return None
+    dims = [p.shape[0] for p in site.experts.parameters(recurse=False) if p.ndim == 3]
+    return int(min(dims)) if dims else None
 
 
 def bias_tensor(owner: nn.Module, name: str) -> torch.Tensor:

@@ -130,6 +130,7 @@ def attach(
             order=order,
             update_rate=bias_update_rate,
             update=bias_update,
+            balanced=_computing_bins(hooks),
         )
     else:
         if bias_update is not None:
@@ -160,6 +161,16 @@ def attach(
     )
     att.unobserved = unobserved
     return att
+
+
+def _computing_bins(hooks: dict[int, TopKRoutingHook]) -> dict[int, int]:
+    """{layer: experts that compute} where the router also routes to targets with no weights."""
+    out = {}
+    for i, h in hooks.items():
+        r = getattr(h, "reading", None)
+        if r is not None and r.computing is not None and 0 < r.computing < r.n_experts:
+            out[i] = r.computing
+    return out
 
 
 def _read_dry(
@@ -195,6 +206,7 @@ def _read_dry(
             if s.experts is not None:  # an MoE router beside experts that cannot be read: refuse
                 raise ValueError(f"{name}: layer {s.layer} router {s.name} ({type(s.router).__name__}): {r}")
             continue
+        r.computing = rt.computing_experts(s)
         keep[s.layer], readings[s.layer] = s, r
     biases: dict[int, Callable[[], torch.Tensor]] = {}
     for i, s in keep.items():
@@ -205,6 +217,10 @@ def _read_dry(
     try:
         _prove(model, x, hooks, keep)
         where = {i: f for i, s in keep.items() if (f := rt.find_bias(s, readings[i].n_experts)) is not None}
+        for i, null_id in rt.null_rewrites(model, keep, readings, where, x).items():
+            readings[i].null_as = null_id  # the hook reads the same Reading object
+        for h in hooks.values():
+            h.reset_stats()
         if where:  # a bias that does not move selection is not used to correct
             for i, ok in rt.biases_select(model, hooks, where, x).items():
                 if not ok:
@@ -295,7 +311,10 @@ def force_collapse(model: nn.Module, layer: int, margin: float = 4.0) -> None:
 
 
 def _router_linear(router: nn.Module) -> nn.Module | None:
-    """The router's logits projection: itself when it holds a 2-D weight, else its first Linear."""
+    """The router's logits projection: itself when it holds a 2-D weight, else its last Linear
+    (zaya's router is an MLP: down_proj, fc1, fc2, then out_proj to the logits; pushing its first
+    Linear's row 0 moved a hidden unit, not expert 0, and every later layer through its router
+    states)."""
     if isinstance(getattr(router, "weight", None), torch.Tensor) and router.weight.ndim == 2:
         return router
-    return next((m for m in router.modules() if isinstance(m, nn.Linear)), None)
+    return next((m for m in reversed(list(router.modules())) if isinstance(m, nn.Linear)), None)

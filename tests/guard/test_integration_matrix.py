@@ -59,6 +59,16 @@ def _independent_loads(model: nn.Module, att) -> tuple[dict[int, torch.Tensor], 
                 )
 
             handles.append(s.router.register_forward_hook(fwd))
+        elif r.null_as is not None:  # zaya: its skip expert reaches the experts as (0, weight 0);
+            # ZayaRouter's own rule, from its modeling code: top-k of softmax + balancing_biases
+
+            def fwd(m, a, out, layer=layer, r=r, e=e):
+                probs = out[r.logits_at].detach().reshape(-1, e).softmax(-1).float() + m.balancing_biases
+                got[layer] = got.get(layer, 0) + torch.bincount(
+                    probs.topk(r.top_k, -1).indices.reshape(-1), minlength=e
+                )
+
+            handles.append(s.router.register_forward_hook(fwd))
         else:
 
             def pre(m, a, layer=layer, e=e):
@@ -122,6 +132,55 @@ def test_ernie_reads_the_bias_in_moe_statics() -> None:
     statics = next(m for m in model.modules() if type(m).__name__.endswith("MoeStatics"))
     assert hook.expert_bias_E.data_ptr() == statics.e_score_correction_bias.data_ptr()
     assert hook.score_func == "softmax"
+
+
+def test_zaya_skip_expert_is_counted_on_its_own_bin_not_on_expert_0() -> None:
+    """ZayaRouter hands a skip-expert selection on as (expert 0, weight 0); read from the ids
+    alone it lands on expert 0 and the skip bin reads empty whatever the router does."""
+    model = build("zaya", seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        att = attach(model)
+    assert all(h.reading.null_as == 0 for _, h in att.routers)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "balancing_biases"):
+                m.balancing_biases[-1] = 5.0  # every token to the skip expert
+        model(input_ids=torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)))
+    for layer, hook in att.routers:
+        load = hook.tokens_per_expert_E
+        assert float(load[-1]) == 32 and float(load[:-1].sum()) == 0, (layer, load)
+
+
+def test_zero_computation_experts_that_keep_their_ids_are_not_rewritten() -> None:
+    model = build("longcat_flash", seed=0)  # 8 experts + 2 identities, ids 8 and 9 as they are
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        att = attach(model)
+    assert all(h.reading.null_as is None for _, h in att.routers)
+
+
+@pytest.mark.parametrize(("family", "computing", "targets"), [("zaya", 8, 9), ("longcat_flash", 8, 10)])
+def test_bias_updates_balance_the_experts_that_compute_and_leave_null_targets_alone(
+    family: str, computing: int, targets: int
+) -> None:
+    """A skip expert or an identity is a target whose share is the model's design: balancing it to
+    1/E raised zaya's skip bias (-1 at init) until the skip expert took 46% of a layer's tokens."""
+    model = build(family, seed=0, aux_loss_coef=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        att = attach(model, bias_update="sign", bias_update_rate=1e-2)
+    assert att.corrector.balanced == {i: computing for i, _ in att.routers}
+    biases = {i: att.corrector.biases[i]().clone() for i, _ in att.routers}
+    assert all(b.numel() == targets for b in biases.values())
+    loads_ME = torch.zeros(len(att.routers), targets)
+    loads_ME[:, 0] = 100.0  # expert 0 overloaded, every other target starved
+    att.corrector.correct({i: 10.0 for i, _ in att.routers}, loads_ME, applied=True)
+    for i, _ in att.routers:
+        now = att.corrector.biases[i]()
+        assert torch.equal(now[computing:], biases[i][computing:]), (family, i)  # null targets untouched
+        assert float(now[0]) < float(biases[i][0])  # the hot expert pushed down
+        assert abs(float((now - biases[i])[:computing].sum())) < 1e-5  # mean-centred over the experts
 
 
 class _LogitsOnly(nn.Module):

@@ -182,16 +182,30 @@ class CollapseDetector:
             st.recent_TE = []
 
     def healthy(self, layer: int) -> bool:
-        """No condition holds now on `layer`: few enough dead experts, last MaxVio and entropies in bounds.
+        """No condition holds now on `layer`: few enough dead experts, router entropy in bounds, and
+        MaxVio and load entropy in bounds on the last step or, past a line, over the run of steps
+        past it (the pooled rule the verdicts use).
 
         A layer never seen is healthy (nothing is known against it).
         """
         st = self.layers.get(int(layer))
         if st is None:
             return True
+        cfg = self.cfg
         n_exp = st.since_token_E.size
-        dead_ok = n_exp == 0 or len(st.dead(self.cfg.dead_window)) / n_exp <= self.cfg.max_dead_frac
-        return dead_ok and st.maxvio_for == 0 and st.load_entropy_for == 0 and st.router_entropy_for == 0
+        dead_ok = n_exp == 0 or len(st.dead(cfg.dead_window)) / n_exp <= cfg.max_dead_frac
+        if not dead_ok or st.router_entropy_for:
+            return False
+        if not (st.maxvio_for or st.load_entropy_for):
+            return True
+        # Past a line on this step: healthy only where the verdicts' own pooled rule would not
+        # fire (a layer that sends each batch to a few experts but none for long is not
+        # collapsed; judging it by the last step alone rolled back healthy LongCat-Flash layers)
+        if not st.recent_TE:
+            return False
+        run = max(st.maxvio_for, st.load_entropy_for)
+        mv_1, h_1 = maxvio_and_entropy(np.sum(st.recent_TE[-run:], axis=0)[None, :])
+        return not float(mv_1[0]) > cfg.maxvio and not float(h_1[0]) < cfg.load_entropy_floor
 
     def state_dict(self) -> dict[str, Any]:
         return {
