@@ -381,10 +381,6 @@ class BiasCorrector:
     smebu_beta: float = 0.5
     mode: str = MODE_BIAS
     momentum: dict[int, torch.Tensor] = field(default_factory=dict)  # SMEBU's m per layer
-    # layer -> how many leading bins to balance, where the rest are targets with no weights
-    # (LongCat-Flash's identities, zaya's skip expert): their share is the model's design (a
-    # target of its own, not 1/E), so neither the standing update nor a push moves their bias
-    balanced: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.update is None and self.update_rate > 0:
@@ -402,14 +398,12 @@ class BiasCorrector:
         if self.update is not None:
             with torch.no_grad():
                 for m, layer in enumerate(self.order):
-                    n = self.balanced.get(layer)
-                    self._standing(layer, self.biases[layer]()[:n], loads_ME[m][:n])
+                    self._standing(layer, self.biases[layer](), loads_ME[m])
         for m, layer in enumerate(self.order):
             if layer in boosts and layer in self.biases:
-                n = self.balanced.get(layer)
                 smebu_push(
-                    self.biases[layer]()[:n],
-                    loads_ME[m][:n],
+                    self.biases[layer](),
+                    loads_ME[m],
                     lam=self.lam * boosts[layer],
                     kappa=self.kappa,
                     bias_max=self.bias_max,

@@ -79,9 +79,6 @@ class Reading:
     # a null target's selection rewritten by the router to (this id, weight 0), zaya's skip
     # expert to 0: such a pair is counted on the last bin (proved at attach: null_rewrites)
     null_as: int | None = None
-    # the experts that compute (the first bins): LongCat-Flash's 2 identities and zaya's skip
-    # expert are routing targets with no weights; None when the experts module does not say
-    computing: int | None = None
 
 
 @dataclass
@@ -307,15 +304,6 @@ def null_rewrites(
         if bool((at == at[0]).all()):
             out[i] = int(at[0])
     return out
-
-
-def computing_experts(site: Site) -> int | None:
-    """How many experts hold weights: the smallest leading dim of the experts module's stacked 3-D
-    weights (LongCat-Flash: 8 of its 10 routing targets, zaya 8 of 9), else None."""
-    if site.experts is None:
-        return None
-    dims = [p.shape[0] for p in site.experts.parameters(recurse=False) if p.ndim == 3]
-    return int(min(dims)) if dims else None
 
 
 def bias_tensor(owner: nn.Module, name: str) -> torch.Tensor:

@@ -130,7 +130,6 @@ def attach(
             order=order,
             update_rate=bias_update_rate,
             update=bias_update,
-            balanced=_computing_bins(hooks),
         )
     else:
         if bias_update is not None:
@@ -161,16 +160,6 @@ def attach(
     )
     att.unobserved = unobserved
     return att
-
-
-def _computing_bins(hooks: dict[int, TopKRoutingHook]) -> dict[int, int]:
-    """{layer: experts that compute} where the router also routes to targets with no weights."""
-    out = {}
-    for i, h in hooks.items():
-        r = getattr(h, "reading", None)
-        if r is not None and r.computing is not None and 0 < r.computing < r.n_experts:
-            out[i] = r.computing
-    return out
 
 
 def _read_dry(
@@ -206,7 +195,6 @@ def _read_dry(
             if s.experts is not None:  # an MoE router beside experts that cannot be read: refuse
                 raise ValueError(f"{name}: layer {s.layer} router {s.name} ({type(s.router).__name__}): {r}")
             continue
-        r.computing = rt.computing_experts(s)
         keep[s.layer], readings[s.layer] = s, r
     biases: dict[int, Callable[[], torch.Tensor]] = {}
     for i, s in keep.items():

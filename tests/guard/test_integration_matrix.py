@@ -160,29 +160,6 @@ def test_zero_computation_experts_that_keep_their_ids_are_not_rewritten() -> Non
     assert all(h.reading.null_as is None for _, h in att.routers)
 
 
-@pytest.mark.parametrize(("family", "computing", "targets"), [("zaya", 8, 9), ("longcat_flash", 8, 10)])
-def test_bias_updates_balance_the_experts_that_compute_and_leave_null_targets_alone(
-    family: str, computing: int, targets: int
-) -> None:
-    """A skip expert or an identity is a target whose share is the model's design: balancing it to
-    1/E raised zaya's skip bias (-1 at init) until the skip expert took 46% of a layer's tokens."""
-    model = build(family, seed=0, aux_loss_coef=0.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        att = attach(model, bias_update="sign", bias_update_rate=1e-2)
-    assert att.corrector.balanced == {i: computing for i, _ in att.routers}
-    biases = {i: att.corrector.biases[i]().clone() for i, _ in att.routers}
-    assert all(b.numel() == targets for b in biases.values())
-    loads_ME = torch.zeros(len(att.routers), targets)
-    loads_ME[:, 0] = 100.0  # expert 0 overloaded, every other target starved
-    att.corrector.correct({i: 10.0 for i, _ in att.routers}, loads_ME, applied=True)
-    for i, _ in att.routers:
-        now = att.corrector.biases[i]()
-        assert torch.equal(now[computing:], biases[i][computing:]), (family, i)  # null targets untouched
-        assert float(now[0]) < float(biases[i][0])  # the hot expert pushed down
-        assert abs(float((now - biases[i])[:computing].sum())) < 1e-5  # mean-centred over the experts
-
-
 class _LogitsOnly(nn.Module):
     """A router that returns logits and a block that never hands its experts any ids."""
 
