@@ -48,7 +48,7 @@ from guard.core.routing_stats import maxvio_and_entropy
 from guard.integrations import hf_routing as rt
 from guard.integrations.base import BiasCorrector
 from guard.integrations.tiny import ALL_FAMILIES, build
-from guard.integrations.transformers import attach, decoder_layers, force_collapse
+from guard.integrations.transformers import _router_linear, attach, decoder_layers, force_collapse
 from guard.store.reader import read_table
 
 SPIKES, NANS = (30, 150, 400), (31, 151, 401)
@@ -165,12 +165,51 @@ def faulty_run(family: str, corpus: np.ndarray, steps: int, run_dir: Path, seed:
     }
 
 
+def _learned_routing_layers(model: torch.nn.Module, layers: list[int]) -> list[int]:
+    """The layers whose selection follows their router's logits: one dry forward with every
+    logits projection scrambled changes their ids. DeepSeek-V4's first MoE layers route by a fixed
+    token -> experts table, which no push on a router can move (the drill measured that, not the
+    guard, when its middle layer was one). Falls back to all layers if none shows it."""
+    blocks = decoder_layers(model)
+    sites = {s.layer: s for s in rt.find_sites(blocks) if not s.attention and s.layer in layers}
+    x = rt.dry_batch(model)
+
+    def ids() -> dict[int, torch.Tensor]:
+        return {k[0]: _ids_of(out) for k, (_, out, _) in rt.capture(model, list(sites.values()), x).items()}
+
+    before = ids()
+    lins = [lin for s in sites.values() if (lin := _router_linear(s.router)) is not None]
+    kept = [lin.weight.detach().clone() for lin in lins]
+    g = torch.Generator().manual_seed(1)
+    try:
+        with torch.no_grad():
+            for lin in lins:
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 10)
+        after = ids()
+    finally:
+        with torch.no_grad():
+            for lin, w in zip(lins, kept, strict=True):
+                lin.weight.copy_(w)
+    moved = [i for i in layers if i in before and i in after and not torch.equal(before[i], after[i])]
+    return moved or layers
+
+
+def _ids_of(out: Any) -> torch.Tensor:
+    """Everything integer in a router's output, flattened (the ids it chose), else its logits."""
+    items = out if isinstance(out, tuple | list) else [out]
+    ints = [t.reshape(-1) for t in items if isinstance(t, torch.Tensor) and not t.dtype.is_floating_point]
+    floats = [t.reshape(-1) for t in items if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
+    return torch.cat(ints) if ints else torch.cat(floats).topk(1).indices
+
+
 def collapse_run(
     family: str, corpus: np.ndarray, run_dir: Path, *, correct: bool, seed: int = 0
 ) -> dict[str, Any]:
     model = build(family, seed=seed, aux_loss_coef=0.0)
     att = _attach(model, "sign")
-    layers = [i for i, _ in att.routers]
+    layers = _learned_routing_layers(model, [i for i, _ in att.routers])
+    for _, hook in att.routers:
+        hook.reset_stats()  # the probe's dry forwards counted tokens
     layer = layers[len(layers) // 2]
     mode = att.correction_mode
     if not correct:
