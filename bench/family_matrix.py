@@ -48,7 +48,7 @@ from guard.core.routing_stats import maxvio_and_entropy
 from guard.integrations import hf_routing as rt
 from guard.integrations.base import BiasCorrector
 from guard.integrations.tiny import ALL_FAMILIES, build
-from guard.integrations.transformers import _router_linear, attach, decoder_layers, force_collapse
+from guard.integrations.transformers import attach, decoder_layers, force_collapse, router_linear
 from guard.store.reader import read_table
 
 SPIKES, NANS = (30, 150, 400), (31, 151, 401)
@@ -64,7 +64,7 @@ def _attach(model: torch.nn.Module, bias_update: str | None) -> Any:
     return att
 
 
-def _observer(model: torch.nn.Module, att: Any) -> tuple[list[dict[int, torch.Tensor]], list]:
+def independent_loads(model: torch.nn.Module, att: Any) -> tuple[list[dict[int, torch.Tensor]], list]:
     """Per forward, per layer: the expert ids the model used, read without the guard's hook."""
     seen: list[dict[int, torch.Tensor]] = [{}]
     handles = []
@@ -116,7 +116,7 @@ def faulty_run(family: str, corpus: np.ndarray, steps: int, run_dir: Path, seed:
     att = _attach(model, "sign")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     guarded = GuardedStep(model, opt, attach=att, run_dir=run_dir, max_lr=3e-3, grad_clip=1.0)
-    seen, handles = _observer(model, att)
+    seen, handles = independent_loads(model, att)
     data = byte_batches(corpus, batch=4, seq=64, seed=seed)
     faults: dict[int, str] = {}
     t0 = time.perf_counter()
@@ -178,7 +178,7 @@ def _learned_routing_layers(model: torch.nn.Module, layers: list[int]) -> list[i
         return {k[0]: _ids_of(out) for k, (_, out, _) in rt.capture(model, list(sites.values()), x).items()}
 
     before = ids()
-    lins = [lin for s in sites.values() if (lin := _router_linear(s.router)) is not None]
+    lins = [lin for s in sites.values() if (lin := router_linear(s.router)) is not None]
     kept = [lin.weight.detach().clone() for lin in lins]
     g = torch.Generator().manual_seed(1)
     try:
@@ -195,11 +195,25 @@ def _learned_routing_layers(model: torch.nn.Module, layers: list[int]) -> list[i
 
 
 def _ids_of(out: Any) -> torch.Tensor:
-    """Everything integer in a router's output, flattened (the ids it chose), else its logits."""
+    """Everything integer in a router's output, flattened (the ids it chose), else each float
+    output's per-row argmax (DBRX hands back logits only)."""
     items = out if isinstance(out, tuple | list) else [out]
-    ints = [t.reshape(-1) for t in items if isinstance(t, torch.Tensor) and not t.dtype.is_floating_point]
-    floats = [t.reshape(-1) for t in items if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
-    return torch.cat(ints) if ints else torch.cat(floats).topk(1).indices
+    tensors = [t for t in items if isinstance(t, torch.Tensor)]
+    ints = [t.reshape(-1) for t in tensors if not t.dtype.is_floating_point]
+    return torch.cat(ints or [t.argmax(-1).reshape(-1) for t in tensors])
+
+
+def _back_after(maxvio_at: dict[int, float], at: int, first: int, steps: int, thr: float) -> int | None:
+    """Steps from `at` until MaxVio (by step; steps without one are passed over) has been under
+    `thr` for 5 steps running, counted to the first of them; None if not before `steps`."""
+    run = 0
+    for s in range(first, steps):
+        if s not in maxvio_at:
+            continue
+        run = run + 1 if maxvio_at[s] < thr else 0
+        if run == 5:
+            return s - 4 - at
+    return None
 
 
 def collapse_run(
@@ -231,27 +245,18 @@ def collapse_run(
     mv = lay["maxvio"].to_numpy()
     ev = read_table(run_dir, "events")
     detected = ev.filter((pl.col("kind") == "verdict") & (pl.col("step") >= at))["step"].min()
-    thr, run = cfg.collapse.maxvio, 0
-    back = None
-    for s in range(at + 1, len(mv)):
-        run = run + 1 if mv[s] < thr else 0
-        if run == 5:
-            back = s - 4 - at
-            break
+    thr, w = cfg.collapse.maxvio, cfg.collapse.maxvio_for
+    back = _back_after(dict(zip(lay["step"].to_list(), mv.tolist(), strict=True)), at, at + 1, steps, thr)
     # the detector's own pooled rule (a layer that sends each batch to a few experts reads past
     # the line every step; its loads summed over the detector's window say whether it prefers one)
     ex = read_table(run_dir, "experts").filter(pl.col("layer") == layer).sort("step", "expert")
     load_at = {int(k[0]): g["load"].to_numpy() for k, g in ex.group_by("step", maintain_order=True)}
-    w, run, back_pooled = cfg.collapse.maxvio_for, 0, None
+    pooled_at = {}
     for s in range(at + w, steps):
         window = [load_at[t] for t in range(s - w + 1, s + 1) if t in load_at]
-        if not window:
-            continue
-        pooled_mv = float(maxvio_and_entropy(np.sum(window, axis=0)[None, :])[0][0])
-        run = run + 1 if pooled_mv < thr else 0
-        if run == 5:
-            back_pooled = s - 4 - at
-            break
+        if window:
+            pooled_at[s] = float(maxvio_and_entropy(np.sum(window, axis=0)[None, :])[0][0])
+    back_pooled = _back_after(pooled_at, at, at + w, steps, thr)
     acts = read_table(run_dir, "steps").filter(pl.col("action") == "bias_correct")["step"].to_list()
     return {
         "layer": layer,

@@ -271,7 +271,7 @@ def null_rewrites(
     expert to (0, 0.0), which a reader of the ids alone counts on expert 0 and never on the skip
     bin. Proved by one dry forward with every last-bin bias raised far above any score: each row
     then holds one weight-0 slot, all on one id that is not the last bin. Biases put back bit for
-    bit; hooks reset."""
+    bit; the real hooks counted that forward, so the caller resets them."""
     probe = {
         i: f
         for i, f in found.items()

@@ -276,7 +276,7 @@ def force_collapse(model: nn.Module, layer: int, margin: float = 4.0) -> None:
     if not sites:
         raise ValueError(f"layer {layer} of {type(model).__name__} has no MoE router")
     site = sites[0]
-    lin = _router_linear(site.router)
+    lin = router_linear(site.router)
     n = lin.weight.shape[0] if lin is not None else 0
     found = rt.find_bias(site, n) if n else None
     if found is None and isinstance(getattr(site.router, "e_score_correction_bias", None), torch.Tensor):
@@ -298,7 +298,7 @@ def force_collapse(model: nn.Module, layer: int, margin: float = 4.0) -> None:
     handle = site.router.register_forward_pre_hook(once)
 
 
-def _router_linear(router: nn.Module) -> nn.Module | None:
+def router_linear(router: nn.Module) -> nn.Module | None:
     """The router's logits projection: itself when it holds a 2-D weight, else its last Linear
     (zaya's router is an MLP: down_proj, fc1, fc2, then out_proj to the logits; pushing its first
     Linear's row 0 moved a hidden unit, not expert 0, and every later layer through its router

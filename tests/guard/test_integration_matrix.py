@@ -3,9 +3,10 @@
 Per family, on every commit (tiny random-init models, CPU): attach() succeeds, its dry forwards
 leaving weights, buffers and the RNG state as they were, or refuses naming the class; an attached
 model trains a step without error, and the loads the guard stored are the ones the model used,
-read independently of the guard's hook (the ids each experts module was handed; for Llama4, whose
-experts get none, and JetMoE, whose gating sorts them, the top-k of the router's own logits, the
-selection both models make). The long drills (spikes, clean runs, collapse) run for a subset in
+read independently of the guard's hook by bench/family_matrix.py's `independent_loads` (the ids
+each experts module was handed; for Llama4, whose experts get none, and JetMoE, whose gating sorts
+them, the top-k of the router's own logits, the selection both models make; for zaya, ZayaRouter's
+own rule). The long drills (spikes, clean runs, collapse) run for a subset in
 test_integration_transformers.py and for every family in bench/family_matrix.py.
 """
 
@@ -20,10 +21,10 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from guard.integrations import hf_routing as rt  # noqa: E402
+from bench.family_matrix import independent_loads  # noqa: E402
 from guard.integrations.base import BiasCorrector  # noqa: E402
 from guard.integrations.tiny import ALL_FAMILIES, build  # noqa: E402
-from guard.integrations.transformers import attach, decoder_layers  # noqa: E402
+from guard.integrations.transformers import attach  # noqa: E402
 
 # Families with no router of the shape a sparse MoE block has (Doge's cross-domain MoE routes
 # through product keys into embedding experts): refused at attach, the class named.
@@ -40,43 +41,6 @@ BIAS_AT = {
     "lfm2_moe": "expert_bias",
     "zaya": "balancing_biases",
 }
-
-
-def _independent_loads(model: nn.Module, att) -> tuple[dict[int, torch.Tensor], list]:
-    """Per layer, the expert ids the model used this forward, read without the guard's hook."""
-    got: dict[int, torch.Tensor] = {}
-    handles = []
-    sites = {s.layer: s for s in rt.find_sites(decoder_layers(model)) if not s.attention}
-    for layer, hook in att.routers:
-        s, r = sites[layer], hook.reading
-        e = r.n_experts
-        if r.form in (rt.FORM_MASK, rt.FORM_COUNTS):  # the model's own selection: top-k of its logits
-
-            def fwd(m, a, out, layer=layer, r=r, e=e):
-                logits = out[r.logits_at].detach().reshape(-1, e)
-                got[layer] = got.get(layer, 0) + torch.bincount(
-                    logits.topk(r.top_k, -1).indices.reshape(-1), minlength=e
-                )
-
-            handles.append(s.router.register_forward_hook(fwd))
-        elif r.null_as is not None:  # zaya: its skip expert reaches the experts as (0, weight 0);
-            # ZayaRouter's own rule, from its modeling code: top-k of softmax + balancing_biases
-
-            def fwd(m, a, out, layer=layer, r=r, e=e):
-                probs = out[r.logits_at].detach().reshape(-1, e).softmax(-1).float() + m.balancing_biases
-                got[layer] = got.get(layer, 0) + torch.bincount(
-                    probs.topk(r.top_k, -1).indices.reshape(-1), minlength=e
-                )
-
-            handles.append(s.router.register_forward_hook(fwd))
-        else:
-
-            def pre(m, a, layer=layer, e=e):
-                ids = next(t for t in a if isinstance(t, torch.Tensor) and not t.dtype.is_floating_point)
-                got[layer] = got.get(layer, 0) + torch.bincount(ids.reshape(-1), minlength=e)
-
-            handles.append(s.experts.register_forward_pre_hook(pre))
-    return got, handles
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
@@ -101,7 +65,7 @@ def test_every_family_attaches_or_is_refused_and_loads_are_the_models(family: st
         assert isinstance(att.corrector, BiasCorrector), (family, att.correction_mode)
         hook = att.routers[0][1]
         assert hook.has_selection_bias
-    seen, handles = _independent_loads(model, att)
+    seen, handles = independent_loads(model, att)  # bench/family_matrix.py's observer
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     out = model(input_ids=x, labels=x)
     out.loss.backward()
@@ -111,7 +75,7 @@ def test_every_family_attaches_or_is_refused_and_loads_are_the_models(family: st
         r = hook.reading
         stored = hook.tokens_per_expert_E
         assert float(stored.sum()) == 64 * r.top_k, (family, layer)
-        assert torch.equal(stored.long(), seen[layer].long()), (family, layer, stored, seen[layer])
+        assert torch.equal(stored.long(), seen[-1][layer].long()), (family, layer, stored, seen[-1][layer])
     att.remove()
 
 

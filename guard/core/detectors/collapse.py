@@ -40,6 +40,11 @@ class _LayerRouting:
     def dead(self, window: int) -> np.ndarray:
         return np.flatnonzero(self.since_token_E >= window)
 
+    def pooled(self, steps: int) -> tuple[float, float]:
+        """(MaxVio, load entropy) of the loads summed over the last `steps` kept steps."""
+        mv_1, h_1 = maxvio_and_entropy(np.sum(self.recent_TE[-steps:], axis=0)[None, :])
+        return float(mv_1[0]), float(h_1[0])
+
 
 class CollapseDetector:
     """Routing health per MoE layer: dead experts, sustained MaxVio, low load/router entropy.
@@ -154,8 +159,7 @@ class CollapseDetector:
                 continue
             evidence: dict[str, Any] = {"for": run}
             if detector in (schema.DET_MAXVIO, schema.DET_LOAD_ENTROPY) and len(st.recent_TE) >= needed:
-                mv_1, h_1 = maxvio_and_entropy(np.sum(st.recent_TE[-needed:], axis=0)[None, :])
-                pooled_mv, pooled_h = float(mv_1[0]), float(h_1[0])
+                pooled_mv, pooled_h = st.pooled(needed)
                 if detector == schema.DET_MAXVIO and not pooled_mv > threshold:
                     continue  # concentrated per batch, balanced over the window: no lasting preference
                 if detector == schema.DET_LOAD_ENTROPY and not pooled_h < threshold:
@@ -203,9 +207,8 @@ class CollapseDetector:
         # collapsed; judging it by the last step alone rolled back healthy LongCat-Flash layers)
         if not st.recent_TE:
             return False
-        run = max(st.maxvio_for, st.load_entropy_for)
-        mv_1, h_1 = maxvio_and_entropy(np.sum(st.recent_TE[-run:], axis=0)[None, :])
-        return not float(mv_1[0]) > cfg.maxvio and not float(h_1[0]) < cfg.load_entropy_floor
+        pooled_mv, pooled_h = st.pooled(max(st.maxvio_for, st.load_entropy_for))
+        return not pooled_mv > cfg.maxvio and not pooled_h < cfg.load_entropy_floor
 
     def state_dict(self) -> dict[str, Any]:
         return {
