@@ -8,7 +8,7 @@ decision the same way:
     skip, halt  nothing touches weights or optimizer state (NaN included)
     rollback    the guard restores its newest snapshot before the incident (model, optimizer,
                 the caller's extra); the caller skips the data window (`skip_batches`)
-    correction  the collapse boosts go to the model's corrector (guard/integrations/base.py's
+    correction  the collapse boosts go to the model's corrector (guard/runtime/routing.py's
                 Corrector protocol), told whether the update was applied
 Gradients are zeroed at the end whatever was decided.
 """
@@ -24,8 +24,8 @@ import torch
 
 from guard.core import schema
 from guard.core.policy import Decision
-from guard.integrations.base import Corrector
 from guard.runtime.guard import Guard
+from guard.runtime.routing import Corrector
 
 
 @dataclass(slots=True)

@@ -34,9 +34,9 @@ from torch import nn
 
 from guard.core.config import PrecursorConfig
 from guard.core.routing_stats import maxvio_and_entropy
-from guard.integrations.base import count_pending, counted_together
 from guard.runtime.attention_logits import MaxLogitSampler, find_watches
 from guard.runtime.precursor import Precursors
+from guard.runtime.routing import count_pending, counted_together
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from guard.integrations.base import RoutingCounters
+from guard.runtime.routing import RoutingCounters
 
 
 class RouterProbe(RoutingCounters):
