@@ -98,6 +98,45 @@ TABLE_COLUMNS: dict[str, dict[str, str]] = {
     TABLE_GROUPS: GROUPS_COLUMNS,
 }
 
+# ---------------------------------------------------------------------------------------
+# Rollups (long runs): runs/<run_id>/rollups/<table>-r<res>/part-*.parquet, one row per series
+# (the table's key columns) per bucket of `res` steps (guard/store/layout.py ROLLUP_RESOLUTIONS,
+# guard/store/rollup.py builds them). `step` is the bucket's start (step // res * res), `step_lo` /
+# `step_hi` the first and last step actually pooled, `n` the rows pooled; for each value column c of
+# the table: c_mean, c_min, c_max, c_last (the value at step_hi). NaN values are left out of
+# mean/min/max (a bucket whose values are all NaN has NaN there); c_last is the raw last value.
+# Values are Float32: extremes are exact for integers below 2**24 and to float32 precision else.
+# ---------------------------------------------------------------------------------------
+ROLLUP_KEYS: dict[str, tuple[str, ...]] = {
+    TABLE_LAYERS: ("layer",),
+    TABLE_EXPERTS: ("layer", "expert"),
+    TABLE_GROUPS: ("group",),
+    TABLE_RANKS: ("rank",),
+}
+ROLLUP_TABLES = tuple(ROLLUP_KEYS)
+ROLLUP_STATS = ("mean", "min", "max", "last")
+ROLLUP_STEP_COLUMNS: dict[str, str] = {"step": "Int64", "step_lo": "Int64", "step_hi": "Int64", "n": "Int32"}
+
+
+def rollup_value_columns(table: str) -> tuple[str, ...]:
+    """The columns of `table` that its rollups summarise (all but step and the key columns)."""
+    keys = ROLLUP_KEYS[table]
+    return tuple(c for c in TABLE_COLUMNS[table] if c != "step" and c not in keys)
+
+
+def rollup_columns(table: str) -> dict[str, str]:
+    """A rollup table's columns, in order: keys, step, step_lo, step_hi, n, then c_<stat> for each
+    value column c and stat in ROLLUP_STATS. KeyError for a table that is not rolled up."""
+    cols = {k: TABLE_COLUMNS[table][k] for k in ROLLUP_KEYS[table]}
+    cols.update(ROLLUP_STEP_COLUMNS)
+    for c in rollup_value_columns(table):
+        for stat in ROLLUP_STATS:
+            cols[f"{c}_{stat}"] = "Float32"
+    return cols
+
+
+SUMMARY_FILE = "summary.json"  # runs/<run_id>/summary.json (guard/store/summary.py)
+
 META_FILE = "meta.json"
 CHECKPOINT_DIR = "checkpoints"
 PROFILE_DIR = "profile"
@@ -111,6 +150,9 @@ STATUS_STALE = "stale"  # derived by readers: "running" but no update for a whil
 STATUS_PREEMPTED = "preempted"  # SIGTERM: checkpointed at a step boundary, resumable
 STATUS_INTERRUPTED = "interrupted"  # Ctrl-C / SIGINT: stopped where it was, no new checkpoint
 STATUS_FINISHED_NONFINITE = "finished_nonfinite"  # ran to the end, but its loss/gradient ended non-finite
+# A peer rank died (killed, OOM, a node lost): this rank stopped because of it, not of its own
+# accord (its collective lost the peer, or the launcher's SIGTERM came while a peer was silent)
+STATUS_PEER_LOST = "peer_lost"
 RUN_STATUSES = (
     STATUS_RUNNING,
     STATUS_FINISHED,
@@ -120,7 +162,12 @@ RUN_STATUSES = (
     STATUS_PREEMPTED,
     STATUS_INTERRUPTED,
     STATUS_FINISHED_NONFINITE,
+    STATUS_PEER_LOST,
 )
+# The statuses a rank's last batch may say goodbye with (guard/wire/batch.py `goodbye`): every one
+# but the readers' stale (running: stopped at `--until`, resumable). All but running end the run.
+GOODBYE_STATUSES = tuple(s for s in RUN_STATUSES if s != STATUS_STALE)
+ENDED_STATUSES = tuple(s for s in GOODBYE_STATUSES if s != STATUS_RUNNING)
 
 # ---------------------------------------------------------------------------------------
 # Guard vocabulary
@@ -139,6 +186,11 @@ DET_THROUGHPUT = "throughput_drop"
 DET_LR = "lr_spike"  # the LR about to be applied exceeds the schedule's bound
 DET_UPDATE_RATIO = "update_ratio_spike"  # precursor: a layer's update/weight ratio jumped
 DET_MAX_LOGIT = "max_logit_growth"  # precursor: a layer's max attention logit jumped or passed 100
+# The policy's own findings (guard/core/policy.py), recorded as critical verdicts so the collector
+# counts them in moeguard_guard_verdicts_total{detector} and a rule pages: a collapse still there
+# after its correction window, a step fault that came back after a rollback (not rolled back again).
+DET_COLLAPSE_NOT_RECOVERED = "collapse_not_recovered"
+DET_FAULT_RECURRED = "fault_recurred"
 DETECTORS = (
     DET_NONFINITE,
     DET_GRAD_SPIKE,
@@ -153,6 +205,8 @@ DETECTORS = (
     DET_LR,
     DET_UPDATE_RATIO,
     DET_MAX_LOGIT,
+    DET_COLLAPSE_NOT_RECOVERED,
+    DET_FAULT_RECURRED,
 )
 # Detectors whose verdict means "this update is bad, do not apply it".
 STEP_DETECTORS = (DET_NONFINITE, DET_GRAD_SPIKE, DET_LOSS_SPIKE, DET_LAYER_GRAD_SPIKE, DET_LR)

@@ -1,13 +1,30 @@
-"""The run-store layout, defined once: where things live, how parts are named, how files land.
+"""The run-store layout, defined once: where things live, how parts are named, which are live,
+how files land.
 
     runs/<run_id>/meta.json
+    runs/<run_id>/summary.json                        (guard/store/summary.py; absent in old stores)
     runs/<run_id>/<table>/part-<first_step:010d>-<seq:06d>.parquet
+    runs/<run_id>/<table>/part-<first:010d>-<hi:06d>-<lo:06d>-<last:010d>.parquet   (compacted)
+    runs/<run_id>/rollups/<table>-r<res>/part-....parquet  (ROLLUP_RESOLUTIONS; same names)
 
-readable with `polars.scan_parquet("runs/<id>/<table>/*.parquet")`. Every reader and writer
-(the in-process run store, the collector, the app, replay) goes through `part_name` /
-`parse_part_name` / `part_files`. Both numbers are zero-padded to a minimum width and grow past
-it (seq 1000000 is `part-...-1000000.parquet`), so no count can overflow the name; order is by
-the parsed integers (first step, then seq), never by the string.
+readable with `polars.scan_parquet("runs/<id>/<table>/*.parquet")` once no compaction is half
+done. Every reader and writer (the in-process run store, the collector, the app, replay) goes
+through `part_name` / `parse_part_name` / `part_files`. The numbers are zero-padded to a
+minimum width and grow past it (seq 1000000 is `part-...-1000000.parquet`), so no count can
+overflow the name; order is by the parsed integers (first step, then seq), never by the string.
+
+Compaction and the LIVE rule (guard/store/compaction.py writes compacted parts). A compacted
+part `part-<first>-<hi>-<lo>-<last>` holds every row of the parts it replaced: those of its
+folder whose seq lies in [lo, hi] and whose first step lies in [first, last]. A part is LIVE
+unless a compacted part of the same folder covers it that way (a compacted part covers a smaller
+compacted part too). `part_files` / `rollup_part_files` list live parts only, so the order
+"write the merged part (temp name, fsync, rename, fsync folder), then delete its inputs" is
+right for every reader at every instant: before the rename the inputs are live, after it the
+merged part is, and inputs a crash left behind are hidden (never read twice) and deleted by the
+next compaction or writer open (`remove_hidden`). Seqs only grow, so a part written after a
+compaction (a late event) is never covered by it; the next compaction of that span merges it.
+A part rewritten in place under the same name (retention dropping rolled-up rows, resume
+truncation) is replaced atomically by rename.
 
 Files land atomically: written to a temporary name, fsynced, renamed, so a reader sees a whole
 file or none; `fsync_dir` makes the new name itself durable.
@@ -15,9 +32,11 @@ file or none; `fsync_dir` makes the new name itself durable.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,15 +47,36 @@ from guard.core import schema
 # Minimum widths of the two numbers (older stores have exactly these; larger numbers widen).
 PART_STEP_WIDTH = 10
 PART_SEQ_WIDTH = 6
-_PART_RE = re.compile(rf"^part-(\d{{{PART_STEP_WIDTH},}})-(\d{{{PART_SEQ_WIDTH},}})\.parquet$")
+_PART_RE = re.compile(
+    rf"^part-(\d{{{PART_STEP_WIDTH},}})-(\d{{{PART_SEQ_WIDTH},}})"
+    rf"(?:-(\d{{{PART_SEQ_WIDTH},}})-(\d{{{PART_STEP_WIDTH},}}))?\.parquet$"
+)
+
+# Rollup resolutions in steps (guard/store/rollup.py): each coarser tier is built from the rows
+# of one closed segment, and SEGMENT_STEPS is a multiple of every resolution, so a segment closes
+# every tier's buckets at once. The step ranges a compaction merges are SEGMENT_STEPS long.
+ROLLUP_RESOLUTIONS = (10, 100, 1000)
+SEGMENT_STEPS = 1000
+ROLLUP_DIR = "rollups"
 
 
 class PartName(NamedTuple):
-    """A part file's numbers: the first step it holds and its writer sequence number.
-    Tuples order as readers must: by first step, then seq."""
+    """A part file's numbers: the first step it holds and its writer sequence number (a compacted
+    part's largest input seq). Tuples order as readers must: by first step, then seq."""
 
     first_step: int
     seq: int
+
+
+class PartInfo(NamedTuple):
+    """Everything a part's name says. A plain part: lo == seq, last == first_step. A compacted
+    part covers the parts of its folder with seq in [lo, seq] and first step in [first_step, last]."""
+
+    first_step: int
+    seq: int
+    lo: int
+    last: int
+    compacted: bool
 
 
 def part_name(first_step: int, seq: int) -> str:
@@ -46,28 +86,142 @@ def part_name(first_step: int, seq: int) -> str:
     return f"part-{first_step:0{PART_STEP_WIDTH}d}-{seq:0{PART_SEQ_WIDTH}d}.parquet"
 
 
+def compacted_part_name(first_step: int, last_step: int, lo: int, hi: int) -> str:
+    """The name of a part that replaces every part of its folder with seq in [lo, hi] and first
+    step in [first_step, last_step] (guard/store/compaction.py)."""
+    if not (0 <= first_step <= last_step and 0 <= lo <= hi):
+        raise ValueError(f"bad compacted part range: steps {first_step}..{last_step}, seqs {lo}..{hi}")
+    return (
+        f"part-{first_step:0{PART_STEP_WIDTH}d}-{hi:0{PART_SEQ_WIDTH}d}"
+        f"-{lo:0{PART_SEQ_WIDTH}d}-{last_step:0{PART_STEP_WIDTH}d}.parquet"
+    )
+
+
+def parse_part(name: str) -> PartInfo | None:
+    """Everything a part file name says, or None for anything else (temp files, strays)."""
+    m = _PART_RE.match(name)
+    if m is None:
+        return None
+    first, seq = int(m.group(1)), int(m.group(2))
+    if m.group(3) is None:
+        return PartInfo(first, seq, seq, first, False)
+    lo, last = int(m.group(3)), int(m.group(4))
+    if lo > seq or last < first:
+        return None
+    return PartInfo(first, seq, lo, last, True)
+
+
 def parse_part_name(name: str) -> PartName | None:
     """(first step, seq) of a part file name, or None for anything else (temp files, strays)."""
-    m = _PART_RE.match(name)
-    return PartName(int(m.group(1)), int(m.group(2))) if m else None
+    p = parse_part(name)
+    return PartName(p.first_step, p.seq) if p is not None else None
+
+
+def _covers(c: PartInfo, p: PartInfo) -> bool:
+    return (
+        c.compacted and c != p and c.lo <= p.lo and p.seq <= c.seq and c.first_step <= p.first_step <= c.last
+    )
+
+
+def _split_live(
+    infos: list[tuple[PartInfo, str]],
+) -> tuple[list[tuple[PartInfo, str]], list[tuple[PartInfo, str]]]:
+    """(live, hidden) by the LIVE rule (module docstring). O(n log n) plus the covered parts."""
+    if not any(pi.compacted for pi, _ in infos):
+        return infos, []
+    by_lo = sorted(infos, key=lambda x: x[0].lo)
+    los = [pi.lo for pi, _ in by_lo]
+    hidden: set[str] = set()
+    for c, _ in infos:
+        if not c.compacted:
+            continue
+        for pi, name in by_lo[bisect.bisect_left(los, c.lo) : bisect.bisect_right(los, c.seq)]:
+            if name not in hidden and _covers(c, pi):
+                hidden.add(name)
+    return [x for x in infos if x[1] not in hidden], [x for x in infos if x[1] in hidden]
+
+
+def _scan_parts(table_dir: str | Path) -> list[tuple[PartInfo, str]]:
+    try:
+        with os.scandir(table_dir) as it:
+            return [(pi, e.name) for e in it if (pi := parse_part(e.name)) is not None and e.is_file()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def sorted_part_names(table_dir: str | Path) -> tuple[str, ...]:
-    """Names of the part files (regular files with a part name) in a table folder, in
-    (first step, seq) order; () when the folder does not exist. Sorting (PartName, str) pairs,
-    not Path objects: thousands of parts sort in well under a millisecond."""
-    try:
-        with os.scandir(table_dir) as it:
-            named = [(pn, e.name) for e in it if (pn := parse_part_name(e.name)) is not None and e.is_file()]
-    except (FileNotFoundError, NotADirectoryError):
-        return ()
-    return tuple(name for _, name in sorted(named))
+    """Names of the LIVE part files (regular files with a part name, not covered by a compacted
+    part) in a table folder, in (first step, seq) order; () when the folder does not exist."""
+    live, _ = _split_live(_scan_parts(table_dir))
+    return tuple(name for _, name in sorted(((pi.first_step, pi.seq), n) for pi, n in live))
+
+
+def live_parts(table_dir: str | Path) -> list[tuple[PartInfo, Path]]:
+    """The live parts of a folder with what their names say, in (first step, seq) order."""
+    live, _ = _split_live(_scan_parts(table_dir))
+    d = Path(table_dir)
+    return [(pi, d / n) for pi, n in sorted(live, key=lambda x: (x[0].first_step, x[0].seq))]
+
+
+def hidden_part_files(table_dir: str | Path) -> list[Path]:
+    """Parts a compacted part covers (inputs a compaction had not deleted yet, or a crash left)."""
+    _, hidden = _split_live(_scan_parts(table_dir))
+    return [Path(table_dir) / n for _, n in hidden]
+
+
+def remove_hidden(table_dir: str | Path, *, grace_s: float = 0.0) -> int:
+    """Delete the hidden parts of a folder whose covering part is older than `grace_s` (a reader
+    that listed the folder just before a compaction may still be reading them). Returns how many."""
+    infos = _scan_parts(table_dir)
+    live, hidden = _split_live(infos)
+    if not hidden:
+        return 0
+    d = Path(table_dir)
+    now = time.time()
+    n = 0
+    for pi, name in hidden:
+        coverers = [d / cn for c, cn in live if _covers(c, pi)]
+        try:
+            young = grace_s > 0 and any(now - c.stat().st_mtime < grace_s for c in coverers)
+        except OSError:
+            young = True
+        if young:
+            continue
+        try:
+            (d / name).unlink()
+            n += 1
+        except FileNotFoundError:
+            pass
+    if n:
+        fsync_dir(d)
+    return n
 
 
 def part_files(run_dir: str | Path, table: str) -> list[Path]:
-    """A table's part files, in (first step, seq) order."""
+    """A table's LIVE part files, in (first step, seq) order."""
     d = Path(run_dir) / table
     return [d / n for n in sorted_part_names(d)]
+
+
+def rollup_table_dir(run_dir: str | Path, table: str, res: int) -> Path:
+    """Where a table's rollup at `res` steps lives: run_dir/rollups/<table>-r<res>."""
+    return Path(run_dir) / ROLLUP_DIR / f"{table}-r{res}"
+
+
+def rollup_part_files(run_dir: str | Path, table: str, res: int) -> list[Path]:
+    """A rollup table's LIVE part files, in (first step, seq) order ([] when it has none)."""
+    d = rollup_table_dir(run_dir, table, res)
+    return [d / n for n in sorted_part_names(d)]
+
+
+def rollup_resolutions(run_dir: str | Path, table: str) -> list[int]:
+    """The resolutions at which the run has rollup rows of `table` ([] for a store without)."""
+    return [r for r in ROLLUP_RESOLUTIONS if sorted_part_names(rollup_table_dir(run_dir, table, r))]
+
+
+def segment_of(step: int) -> int:
+    """The compaction / rollup segment a step belongs to."""
+    return step // SEGMENT_STEPS
 
 
 def next_part_seq(run_dir: str | Path) -> int:
@@ -80,6 +234,11 @@ def next_part_seq(run_dir: str | Path) -> int:
 def polars_schema(table: str) -> dict[str, pl.DataType]:
     """The table's columns as polars types (guard/core/schema.py names them once)."""
     return {name: getattr(pl, dtype)() for name, dtype in schema.TABLE_COLUMNS[table].items()}
+
+
+def rollup_polars_schema(table: str) -> dict[str, pl.DataType]:
+    """A rollup table's columns as polars types (schema.rollup_columns names them once)."""
+    return {name: getattr(pl, dtype)() for name, dtype in schema.rollup_columns(table).items()}
 
 
 def fsync_dir(d: str | Path) -> None:

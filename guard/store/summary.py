@@ -1,0 +1,111 @@
+"""runs/<run_id>/summary.json: what the Runs page and other readers need of a run, kept current
+as the run goes (the in-process writer thread after each flush, the collector after each
+checkpoint), so no reader has to scan a long run's tables to list it.
+
+    {"summary_version": 1, "steps_written": 1000000, "first_step": 0, "last_step": 999999,
+     "last_time": 1.7e9, "last_loss": 2.31, "last": {<the last steps row>},
+     "actions": {"skip": 3, ...}, "events": {"verdict": 12, ...}, "status": "running",
+     "updated_at": 1.7e9, "rollups": {"experts": [10, 100, 1000], ...},
+     "full_fidelity": [[lo, hi], ...], "incidents": [step, ...], "rolled_through": 998}
+
+`full_fidelity`: inclusive step ranges in which every raw layers/experts/groups/ranks row is
+kept (guard/store/retention.py keeps it; readers ask `retention.full_fidelity_ranges`).
+`rolled_through`: the last segment (guard/store/layout.py SEGMENT_STEPS) whose rollups and
+compaction are done. A store written before summaries existed has no summary.json:
+`read_summary` returns None and readers fall back to scanning (as they did).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from guard.core import actions, schema
+from guard.store.layout import atomic_write_bytes
+
+SUMMARY_VERSION = 1
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's summary.json, or None when it is missing, damaged or of a newer version."""
+    p = Path(run_dir) / schema.SUMMARY_FILE
+    try:
+        doc = json.loads(p.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("summary_version"), int):
+        return None
+    return doc if doc["summary_version"] <= SUMMARY_VERSION else None
+
+
+def write_summary(run_dir: str | Path, doc: dict[str, Any]) -> None:
+    """Replace summary.json whole (temp name, fsync, rename)."""
+    atomic_write_bytes(
+        Path(run_dir) / schema.SUMMARY_FILE, json.dumps(_jsonable(doc), sort_keys=True).encode()
+    )
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else str(v)
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def empty_summary() -> dict[str, Any]:
+    return {
+        "summary_version": SUMMARY_VERSION,
+        "steps_written": 0,
+        "first_step": None,
+        "last_step": None,
+        "last_time": None,
+        "last_loss": None,
+        "last": {},
+        "actions": actions.zero(),
+        "events": {},
+        "status": schema.STATUS_RUNNING,
+        "updated_at": time.time(),
+        "rollups": {},
+        "full_fidelity": [],
+        "incidents": [],
+        "rolled_through": -1,
+    }
+
+
+def add_steps(doc: dict[str, Any], steps: pl.DataFrame) -> None:
+    """Count a frame of new `steps` rows into the summary (rows in step order)."""
+    if steps.height == 0:
+        return
+    doc["steps_written"] += steps.height
+    lo, hi = int(steps["step"].min()), int(steps["step"].max())  # type: ignore[arg-type]
+    doc["first_step"] = lo if doc["first_step"] is None else min(doc["first_step"], lo)
+    if doc["last_step"] is None or hi >= doc["last_step"]:
+        last = steps.filter(pl.col("step") == hi).row(-1, named=True)
+        doc["last_step"], doc["last"] = hi, last
+        doc["last_time"], doc["last_loss"] = last.get("time"), last.get("loss")
+    acts = steps.filter(pl.col("action").is_in(list(actions.STEP_ACTIONS))).group_by("action").len()
+    for a, n in acts.iter_rows():
+        doc["actions"][a] = doc["actions"].get(a, 0) + int(n)
+    doc["updated_at"] = time.time()
+
+
+def add_events(doc: dict[str, Any], events: pl.DataFrame) -> None:
+    """Count a frame of new `events` rows into the summary."""
+    if events.height == 0:
+        return
+    for kind, n in events.group_by("kind").len().iter_rows():
+        doc["events"][str(kind)] = doc["events"].get(str(kind), 0) + int(n)
+    counted = events.filter(
+        (pl.col("kind") == schema.EV_ACTION) & pl.col("action").is_in(list(actions.EVENT_ACTIONS))
+    )
+    for a, n in counted.group_by("action").len().iter_rows():
+        doc["actions"][a] = doc["actions"].get(a, 0) + int(n)
+    doc["updated_at"] = time.time()
