@@ -94,7 +94,26 @@ def add_steps(doc: dict[str, Any], steps: pl.DataFrame) -> None:
     acts = steps.filter(pl.col("action").is_in(list(actions.STEP_ACTIONS))).group_by("action").len()
     for a, n in acts.iter_rows():
         doc["actions"][a] = doc["actions"].get(a, 0) + int(n)
+    _add_recent(doc, steps)
     doc["updated_at"] = time.time()
+
+
+RECENT_STEPS = 100  # the Runs page's MFU and tokens/s are medians over the last this many steps
+MFU_LIMIT = 1.0  # an MFU above it is a measurement artefact (dashboards/data/mfu_peak.py says so)
+
+
+def _add_recent(doc: dict[str, Any], steps: pl.DataFrame) -> None:
+    """Keep the finite MFU and tokens/s of the last RECENT_STEPS steps (`recent`) and count the
+    steps whose MFU is over MFU_LIMIT (`mfu_over`): the Runs page reads these, not the steps."""
+    if "mfu" not in steps.columns or "tokens_per_s" not in steps.columns:
+        return
+    tail = steps.sort("step").tail(RECENT_STEPS)
+    recent = doc.setdefault("recent", {})
+    for c in ("mfu", "tokens_per_s"):
+        vals = tail[c].filter(tail[c].is_finite()).to_list()
+        recent[c] = (list(recent.get(c, [])) + vals)[-RECENT_STEPS:]
+    over = steps.select((pl.col("mfu").is_finite() & (pl.col("mfu") > MFU_LIMIT)).sum()).item()
+    doc["mfu_over"] = int(doc.get("mfu_over", 0)) + int(over or 0)
 
 
 def add_events(doc: dict[str, Any], events: pl.DataFrame) -> None:
