@@ -116,22 +116,42 @@ def anchors(page: Path) -> set[str]:
     return out
 
 
-def test_relative_links_lead_to_a_file_and_heading() -> None:
+def broken_links(page: Path, root: Path = REPO) -> list[str]:
+    """The page's relative links (outside code blocks) whose file, or whose #anchor in a Markdown
+    file, does not exist; a missing page named in PENDING passes."""
     bad = []
-    for page in pages():
-        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
-        for target in re.findall(r"\]\(([^)\s]+)\)", text):
-            if re.match(r"[a-z]+:", target):
-                continue
-            path, _, anchor = target.partition("#")
-            dest = (page.parent / path).resolve() if path else page
-            shown = str(dest.relative_to(REPO)) if dest.is_relative_to(REPO) else str(dest)
-            if not dest.exists():
-                if shown not in PENDING:
-                    bad.append(f"{name(page)}: {target} (no such file)")
-            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
-                bad.append(f"{name(page)}: {target} (no such heading)")
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        shown = str(dest.relative_to(root)) if dest.is_relative_to(root) else str(dest)
+        if not dest.exists():
+            if shown not in PENDING:
+                bad.append(f"{page.name}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{page.name}: {target} (no such heading)")
+    return bad
+
+
+def test_relative_links_lead_to_a_file_and_heading() -> None:
+    bad = [b for page in pages() for b in broken_links(page)]
     assert not bad, "\n".join(bad)
+
+
+def test_the_link_check_catches_a_missing_page_and_a_missing_heading(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A\n\n## Two words, (and #30)\n")
+    page = tmp_path / "README.md"
+    page.write_text(
+        "[ok](docs/a.md) [ok](docs/a.md#two-words-and-30) [ok](#top) [web](https://x.org/y)\n"
+        "[gone](docs/b.md) [typo](docs/a.md#two-word)\n\n# Top\n```\n[in code](nowhere.md)\n```\n"
+    )
+    assert broken_links(page, tmp_path) == [
+        "README.md: docs/b.md (no such file)",
+        "README.md: docs/a.md#two-word (no such heading)",
+    ]
 
 
 @pytest.mark.slow
