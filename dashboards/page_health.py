@@ -37,7 +37,7 @@ steps = loaders.load_steps(path, sig)
 if steps.height == 0:
     st.info(f"Run `{run_id}` has step files but no rows yet.")
     st.stop()
-summ = loaders.load_summary(path, sig)
+summ = loaders.load_summary(path, sig, every_part=True)  # every part checked (incrementally)
 env = info.env
 ui.show_damaged(run_id, summ["damaged"])
 

@@ -4,7 +4,6 @@ bucketed over steps so a 100k-step run draws as a few hundred columns."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,20 +38,27 @@ EXPERT_ROW_BUDGET = 50_000_000
 def load_layer_heatmaps(
     path: str, sig: tuple[int, ...], lo: int, hi: int, n_buckets: int = HEAT_BUCKETS
 ) -> dict[str, dict[str, Any]]:
-    """layer x step-bucket matrices for every LAYER_SIGNALS column, in one scan."""
+    """layer x step-bucket matrices for every LAYER_SIGNALS column, in one read of the layers
+    table at the resolution [lo, hi] needs (guard/store/reader.read_series: every step of a short
+    run, a rollup of a long one; the rollups' min and max are what the bucket extremes come from)."""
     del sig
     width = bucket_grid(lo, hi, n_buckets)
+    got = reader.read_series(path, schema.TABLE_LAYERS, columns=tuple(LAYER_SIGNALS), lo=lo, hi=hi)
     aggs = []
     for c, (how, _) in LAYER_SIGNALS.items():
-        e = finite_or_null(c) if c != "dead_experts" else pl.col(c).cast(pl.Float64)
+        src = f"{c}_{how}"
+        e = finite_or_null(src) if c != "dead_experts" else pl.col(src).cast(pl.Float64)
         aggs.append((e.max() if how == "max" else e.min()).alias(c))
     # a NaN/Inf layer grad norm is dropped from the bucket max above but is the best clue to
-    # where a non-finite step came from: keep where it happened
-    aggs.append((~pl.col("grad_norm").is_finite()).any().alias("gn_nonfinite"))
+    # where a non-finite step came from: keep where it happened (a rollup's mean carries it)
+    aggs.append(
+        (~pl.col("grad_norm_mean").is_finite() | ~pl.col("grad_norm_max").is_finite())
+        .any()
+        .alias("gn_nonfinite")
+    )
     long = (
-        reader.scan_table(path, schema.TABLE_LAYERS, cached=True)
-        .select("step", "layer", *LAYER_SIGNALS)
-        .with_columns(b=((pl.col("step") - lo) // width) * width + lo)
+        got.frame.lazy()
+        .with_columns(b=((pl.col("step") - lo).clip(0) // width) * width + lo)
         .group_by("b", "layer")
         .agg(aggs)
         .collect()
@@ -66,6 +72,7 @@ def load_layer_heatmaps(
         h = long_to_heat(long, x="b", y="layer", z=c, x_values=xs, y_values=layers)
         if np.isfinite(h["z"]).any():
             h["width"] = width
+            h["resolution"] = got.resolution
             out[c] = h
     if "grad_norm" in out:
         bad = long.filter(pl.col("gn_nonfinite").fill_null(False)).sort("b", "layer")
@@ -100,26 +107,48 @@ def load_expert_share_over_time(
 ) -> dict[str, Any]:
     """expert x step-bucket matrix of one layer's load share (bucket sum of load / layer total).
 
-    Reads every part while the table is under `row_budget` rows; past that it reads evenly
-    spaced parts only and says so in "note" (load shares move slowly; spikes are in `layers`).
+    A store with rollups is read at the resolution the chart needs (reader.read_series: a few
+    hundred thousand rows at any run length; "every step" reads the finest kept). A store
+    written before rollups is read whole while its rows in [lo, hi] are under `row_budget`;
+    past that, evenly spaced parts only, said in "note" (load shares move slowly; spikes are in
+    `layers`). Its rows are estimated from the run's steps times the rows a step has, not from
+    the newest part (a one-step part written at a checkpoint read as "tiny" and the page read
+    every part).
     """
     del sig
-    parts = reader.cached_part_files(path, schema.TABLE_EXPERTS)
-    if not parts:
-        return {}
-    note = ""
-    per_part = reader.scan_table(path, schema.TABLE_EXPERTS, parts[-1:]).select(pl.len()).collect().item()
-    est = per_part * len(parts)
-    if est > row_budget:
-        stride = math.ceil(est / row_budget)
-        parts = parts[::stride]
-        note = f"sampled: every {stride}th chunk of the experts table ({len(parts)} chunks, ~{100 / stride:.0f}% of steps)"
     width = bucket_grid(lo, hi, n_buckets)
+    note = ""
+    if reader.rollup_resolutions(path, schema.TABLE_EXPERTS):
+        exact = row_budget >= 10**15
+        got = reader.read_series(
+            path,
+            schema.TABLE_EXPERTS,
+            columns=("load",),
+            lo=lo,
+            hi=hi,
+            max_points=10**12 if exact else 2000,
+            where=pl.col("layer") == layer,
+        )
+        long = got.frame.lazy().with_columns(load=pl.col("load_mean") * pl.col("n"))
+        if got.resolution > 1:
+            note = f"read at {got.resolution}-step rollups (each step kept whole around every incident)"
+    else:
+        parts = reader.cached_part_files(path, schema.TABLE_EXPERTS)
+        if not parts:
+            return {}
+        per_step = reader.rows_per_step(path, schema.TABLE_EXPERTS, parts)
+        est = per_step * (hi - lo + 1)
+        parts = reader.parts_overlapping(parts, lo, hi)
+        if est > row_budget and len(parts) > 1:
+            stride = math.ceil(est / row_budget)
+            parts = parts[::stride]
+            note = f"sampled: every {stride}th chunk of the experts table ({len(parts)} chunks, ~{100 / stride:.0f}% of steps)"
+        long = reader.scan_steps(path, schema.TABLE_EXPERTS, lo, hi, parts=parts).select(
+            "step", "layer", "expert", "load"
+        )
     long = (
-        reader.scan_table(path, schema.TABLE_EXPERTS, parts)
-        .select("step", "layer", "expert", "load")
-        .filter(pl.col("layer") == layer)
-        .with_columns(b=((pl.col("step") - lo) // width) * width + lo)
+        long.filter(pl.col("layer") == layer)
+        .with_columns(b=((pl.col("step") - lo).clip(0) // width) * width + lo)
         .group_by("b", "expert")
         .agg(pl.col("load").sum())
         .with_columns(share=pl.col("load") / pl.col("load").sum().over("b"))
@@ -135,30 +164,24 @@ def load_expert_share_over_time(
 
 @st.cache_data(max_entries=64, show_spinner=False)
 def load_expert_share_now(path: str, sig: tuple[int, ...], window: int = 100) -> dict[str, Any]:
-    """layer x expert load share over the last `window` steps (newest parts only)."""
+    """layer x expert load share over the last `window` steps (the newest parts only: the recent
+    window is always kept at full fidelity)."""
     del sig
     parts = reader.cached_part_files(path, schema.TABLE_EXPERTS)
     if not parts:
         return {}
-    # parts are named by first step: walk back until the window is covered
-    tail: list[Path] = []
-    last_step = None
-    for p in reversed(parts):
-        tail.append(p)
-        first = int(p.name.split("-")[1])
-        if last_step is None:
-            last_step = (
-                reader.scan_table(path, schema.TABLE_EXPERTS, [p])
-                .select(pl.col("step").max())
-                .collect()
-                .item()
-            )
-        if last_step is not None and first <= last_step - window:
+    last = None
+    for p in reversed(parts[-3:]):  # the newest part that reads (a checkpoint may leave a short one)
+        last = (
+            reader.scan_table(path, schema.TABLE_EXPERTS, [p]).select(pl.col("step").max()).collect().item()
+        )
+        if last is not None:
             break
+    if last is None:
+        return {}
     long = (
-        reader.scan_table(path, schema.TABLE_EXPERTS, tail)
+        reader.scan_steps(path, schema.TABLE_EXPERTS, int(last) - window + 1, int(last), parts=parts)
         .select("step", "layer", "expert", "load")
-        .filter(pl.col("step") > pl.col("step").max() - window)
         .group_by("layer", "expert")
         .agg(pl.col("load").sum(), pl.col("step").min().alias("from"), pl.col("step").max().alias("to"))
         .with_columns(share=pl.col("load") / pl.col("load").sum().over("layer"))

@@ -9,8 +9,11 @@ with projection."""
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 import streamlit as st
 
@@ -18,15 +21,12 @@ from dashboards.data.guard_events import action_marks, timeline_rows
 from dashboards.data.mfu_peak import MFU_LIMIT
 from dashboards.data.shaping import MAX_LINE_POINTS, downsample, steady_state
 from guard.core import actions, schema
-from guard.store import reader
+from guard.store import reader, summary
 from guard.store.reader import count_actions
 
 
-@st.cache_data(max_entries=512, show_spinner=False)
-def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
-    """Latest step, loss, recent MFU and tokens/s, guard action and verdict counts."""
-    del sig
-    out: dict[str, Any] = {
+def _empty_summary() -> dict[str, Any]:
+    return {
         "step": None,
         "loss": None,
         "mfu": None,
@@ -38,6 +38,60 @@ def load_summary(path: str, sig: tuple[int, ...]) -> dict[str, Any]:
         "halts": 0,
         "damaged": [],
     }
+
+
+@st.cache_data(max_entries=4096, show_spinner=False)
+def load_summary(path: str, sig: tuple[int, ...], *, every_part: bool = False) -> dict[str, Any]:
+    """Latest step, loss, recent MFU and tokens/s, guard action and verdict counts.
+
+    From the run's summary.json (guard/store/summary.py, kept current by the writer) when it has
+    one: no table is scanned, so listing 1,000 month-long runs costs 1,000 small JSON reads.
+    Damaged parts: the newest parts of each table are checked (a crash, a full disk or a copy in
+    progress damages the newest), or every part with `every_part` (the run-health page; checks
+    are incremental, guard/store/reader.py). A store without summary.json is read as before."""
+    del sig
+    summ = summary.read_summary(path)
+    if summ is None:
+        return _scanned_summary(path)
+    out = _empty_summary()
+    out["damaged"] = _damaged(path, every_part)
+    if summ.get("last_step") is not None:
+        out["step"] = int(summ["last_step"])
+        loss = summ.get("last_loss")
+        out["loss"] = float(loss) if isinstance(loss, int | float) else math.nan if loss is not None else None
+    recent = summ.get("recent") or {}
+    for c in ("mfu", "tokens_per_s"):
+        vals = [float(v) for v in recent.get(c) or [] if isinstance(v, int | float) and math.isfinite(v)]
+        out[c] = float(np.median(vals)) if vals else None
+    out["mfu_over"] = int(summ.get("mfu_over") or 0)
+    counts = actions.zero()
+    counts.update({a: int(n) for a, n in (summ.get("actions") or {}).items() if a in counts})
+    out["action_counts"] = counts
+    out["actions"] = actions.total(counts)
+    ev = summ.get("events") or {}
+    out["verdicts"] = int(ev.get(schema.EV_VERDICT, 0))
+    out["halts"] = int(ev.get(schema.EV_HALT, 0))
+    return out
+
+
+NEWEST_PARTS_CHECKED = 3  # per table, on the Runs page of a run with summary.json
+
+
+def _damaged(path: str, every_part: bool) -> list[tuple[str, str]]:
+    """(path relative to the run, reason) of each damaged part the check looked at."""
+    found = []
+    for t in schema.TABLES:
+        parts = reader.cached_part_files(path, t)
+        for p in parts if every_part else parts[-NEWEST_PARTS_CHECKED:]:
+            why = reader.part_problem(p)
+            if why is not None:
+                found.append((str(p.relative_to(path)), why))
+    return found
+
+
+def _scanned_summary(path: str) -> dict[str, Any]:
+    """load_summary of a store written before summary.json: read from its tables."""
+    out = _empty_summary()
     # (path, reason) of every part the reader skips: the pages say which files, not a traceback
     out["damaged"] = [(str(d.path.relative_to(path)), d.reason) for d in reader.damaged_parts(path)]
     parts = reader.cached_part_files(path, schema.TABLE_STEPS)
@@ -92,13 +146,46 @@ _STEP_COLS = [
 ]
 
 
-# The two raw frames are shared, not copied: cache_resource hands out the same (immutable)
-# polars frame instead of pickling 100k rows on every store and hit. Callers never mutate.
+BLOCK_STEPS = 10_000  # the steps and events tables are read and cached in blocks of this many steps
+
+
+def read_blocks(path: str, table: str, columns: tuple[str, ...] | None = None) -> pl.DataFrame:
+    """The whole table, read block by block (parts grouped by first step // BLOCK_STEPS), each
+    block cached under its parts' names, sizes and mtimes: a live run's new part changes only the
+    newest block's key, so an open tab re-reads only what is new, not the whole table."""
+    parts = reader.cached_part_files(path, table)
+    blocks: dict[int, list[tuple[str, int, int]]] = {}
+    for p in parts:
+        try:
+            st_ = os.stat(p)
+        except OSError:
+            continue
+        first = int(p.name.split("-")[1])
+        blocks.setdefault(first // BLOCK_STEPS, []).append((p.name, st_.st_size, st_.st_mtime_ns))
+    frames = [_block(path, table, tuple(b), columns) for _, b in sorted(blocks.items())]
+    frames = [f for f in frames if f.height]
+    if not frames:
+        empty = reader.scan_table(path, table, []).collect()
+        return empty if columns is None else empty.select(columns)
+    return pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else frames[0]
+
+
+# Blocks are shared, not copied: cache_resource hands out the same (immutable) polars frame
+# instead of pickling it on every store and hit. Callers never mutate.
+@st.cache_resource(max_entries=1024, show_spinner=False)
+def _block(
+    path: str, table: str, parts: tuple[tuple[str, int, int], ...], columns: tuple[str, ...] | None
+) -> pl.DataFrame:
+    lf = reader.scan_table(path, table, [Path(path, table, name) for name, _, _ in parts])
+    return (lf if columns is None else lf.select(columns)).collect()
+
+
 @st.cache_resource(max_entries=16, show_spinner=False)
 def load_steps(path: str, sig: tuple[int, ...]) -> pl.DataFrame:
-    """The steps table (projected), sorted by step."""
+    """The steps table (projected), sorted by step. The steps table is kept whole at every run
+    length (one row a step); its blocks are cached (read_blocks)."""
     del sig
-    df = reader.scan_table(path, schema.TABLE_STEPS, cached=True).select(_STEP_COLS).collect()
+    df = read_blocks(path, schema.TABLE_STEPS, tuple(_STEP_COLS))
     # parts arrive in step order; only a resumed or rolled-back run needs the sort
     return df if df["step"].is_sorted() else df.sort("step", "time")
 
@@ -106,7 +193,7 @@ def load_steps(path: str, sig: tuple[int, ...]) -> pl.DataFrame:
 @st.cache_resource(max_entries=64, show_spinner=False)
 def load_events(path: str, sig: tuple[int, ...]) -> pl.DataFrame:
     del sig
-    return reader.scan_table(path, schema.TABLE_EVENTS, cached=True).sort("step", "time").collect()
+    return read_blocks(path, schema.TABLE_EVENTS).sort("step", "time")
 
 
 @st.cache_data(max_entries=32, show_spinner=False)
@@ -128,15 +215,29 @@ def load_marks(path: str, sig: tuple[int, ...]) -> tuple[pl.DataFrame, pl.DataFr
     return action_marks(ev, steps), timeline_rows(ev)
 
 
+def series_points(frame: pl.DataFrame, column: str) -> pl.DataFrame:
+    """(step, column) rows to draw from a reader.read_series frame: every step at resolution 1;
+    each rollup bucket as its min at its first step and its max at its last (so the line spans
+    every extreme the bucket saw)."""
+    lo_pts = frame.select(pl.col("step_lo").alias("step"), pl.col(f"{column}_min").alias(column))
+    if frame.height and int(frame["n"].max()) <= 1:  # type: ignore[arg-type]
+        return lo_pts.sort("step")
+    hi_pts = frame.select(pl.col("step_hi").alias("step"), pl.col(f"{column}_max").alias(column))
+    return pl.concat([lo_pts, hi_pts]).sort("step")
+
+
 @st.cache_data(max_entries=16, show_spinner=False)
 def load_group_series(
     path: str, sig: tuple[int, ...], column: str, max_points: int = MAX_LINE_POINTS
 ) -> dict[int, pl.DataFrame]:
-    """optimizer group -> downsampled (step, `column`) rows of the `groups` table."""
+    """optimizer group -> downsampled (step, `column`) rows of the `groups` table, read at the
+    resolution the chart needs (reader.read_series)."""
     del sig
-    df = reader.scan_table(path, schema.TABLE_GROUPS, cached=True).select("step", "group", column).collect()
+    df = reader.read_series(path, schema.TABLE_GROUPS, columns=(column,), max_points=max_points).frame
     return {
-        int(g): downsample(df.filter(pl.col("group") == g), column, max_points=max_points)
+        int(g): downsample(
+            series_points(df.filter(pl.col("group") == g), column), column, max_points=max_points
+        )
         for g in sorted(df["group"].unique().to_list())
     }
 
@@ -150,17 +251,16 @@ def load_max_logits(
 ) -> dict[int, pl.DataFrame]:
     """layer -> downsampled (step, max_logit) rows of the `layers` table at the steps it was
     sampled (every guard.precursor.max_logit_every-th; the NaN rows between are dropped, not drawn
-    as gaps), and MAX_OVER_LAYERS -> the max over layers. Empty when the run never sampled it."""
+    as gaps), and MAX_OVER_LAYERS -> the max over layers. Empty when the run never sampled it.
+    Read at the resolution the chart needs (a rollup bucket's max is the max of its samples)."""
     del sig
-    df = (
-        reader.scan_table(path, schema.TABLE_LAYERS, cached=True)
-        .select("step", "layer", "max_logit")
-        .filter(pl.col("max_logit").is_finite())
-        .collect()
+    got = reader.read_series(path, schema.TABLE_LAYERS, columns=("max_logit",), max_points=max_points).frame
+    df = got.select("step", "layer", pl.col("max_logit_max").alias("max_logit")).filter(
+        pl.col("max_logit").is_finite()
     )
     if not df.height:
         return {}
-    out = {MAX_OVER_LAYERS: df.group_by("step").agg(pl.col("max_logit").max())}
+    out = {MAX_OVER_LAYERS: df.group_by("step").agg(pl.col("max_logit").max()).sort("step")}
     out.update({int(g): df.filter(pl.col("layer") == g) for g in sorted(df["layer"].unique().to_list())})
     return {k: downsample(v, "max_logit", max_points=max_points) for k, v in out.items()}
 

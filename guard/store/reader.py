@@ -12,8 +12,9 @@ and every other run still read (`damaged_parts` lists them for the app and `moeg
 
 from __future__ import annotations
 
-import functools
+import bisect
 import json
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ import polars as pl
 from guard.core import actions, schema
 from guard.core.report import StepReport
 from guard.core.rows import reports_from_columns
+from guard.store import layout, retention, summary
 from guard.store.layout import parse_part_name, part_files, polars_schema, sorted_part_names
 
 PARQUET_MAGIC = b"PAR1"  # a Parquet file starts and ends with it; the footer length sits before the end
@@ -44,20 +46,46 @@ class DamagedPart:
         return f"skipped damaged part {self.path}: {self.reason}; the rest of the run reads without it"
 
 
+# Footer checks run so far in this process (tests count them: a part is checked once, again only
+# when its size or mtime changes).
+footer_checks = 0
+# table folder -> part name -> (size, mtime_ns, problem or None). One entry per part file the
+# process has seen (about 200 bytes each); a folder's entries for parts that left it are dropped
+# when it is listed again, so nothing grows past the live parts and there is no cliff where a
+# bounded cache starts evicting and every scan re-reads every footer.
+_checked: dict[str, dict[str, tuple[int, int, str | None]]] = {}
+
+
 def part_problem(path: str | Path) -> str | None:
     """Why a part file cannot be read as Parquet (None when it can): its magic bytes, footer
-    length and footer are checked, remembered per (path, size, mtime) so a file that a copy
-    finishes later is checked again."""
+    length and footer are checked once per (path, size, mtime), so a file that a copy finishes
+    later, or that is damaged after it was first checked, is checked again, and nothing else is."""
+    global footer_checks
     try:
         st = os.stat(path)
     except OSError as e:
         return f"cannot be read ({e.strerror})"
-    return _part_problem(str(path), st.st_size, st.st_mtime_ns)
+    folder, name = os.path.split(str(path))
+    seen = _checked.setdefault(folder, {})
+    hit = seen.get(name)
+    if hit is not None and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+        return hit[2]
+    footer_checks += 1
+    why = _check_footer(str(path), st.st_size)
+    seen[name] = (st.st_size, st.st_mtime_ns, why)
+    return why
 
 
-@functools.lru_cache(maxsize=65536)
-def _part_problem(path: str, size: int, mtime_ns: int) -> str | None:
-    del mtime_ns  # cache key only
+def _forget_gone(folder: str, names: tuple[str, ...]) -> None:
+    """Drop the remembered checks of parts no longer in `folder` (compacted away, retired)."""
+    seen = _checked.get(folder)
+    if seen and len(seen) > len(names):
+        keep = set(names)
+        for n in [n for n in seen if n not in keep]:
+            del seen[n]
+
+
+def _check_footer(path: str, size: int) -> str | None:
     if size < 12:
         return f"{size} bytes, too short to be Parquet (a crash or a full disk?)"
     try:
@@ -143,16 +171,25 @@ def cached_part_files(run_dir: str | Path, table: str) -> list[Path]:
     return [Path(d, n) for n in _cached_names(d, mtime)]
 
 
-@functools.lru_cache(maxsize=256)
+# table folder -> (mtime_ns, part names): one entry per folder listed (no bound to fall off:
+# the Runs page of 1,000 runs lists 6,000 folders and must not re-list them on every rerun).
+_listings: dict[str, tuple[int, tuple[str, ...]]] = {}
+
+
 def _cached_names(table_dir: str, mtime_ns: int) -> tuple[str, ...]:
-    del mtime_ns  # cache key only
-    return sorted_part_names(table_dir)
+    hit = _listings.get(table_dir)
+    if hit is not None and hit[0] == mtime_ns:
+        return hit[1]
+    names = sorted_part_names(table_dir)
+    _listings[table_dir] = (mtime_ns, names)
+    _forget_gone(table_dir, names)
+    return names
 
 
 def clear_cache() -> None:
-    """Forget the remembered part listings (`cached_part_files`)."""
-    _cached_names.cache_clear()
-    _part_problem.cache_clear()
+    """Forget the remembered part listings (`cached_part_files`) and footer checks."""
+    _listings.clear()
+    _checked.clear()
 
 
 def scan_table(
@@ -170,6 +207,251 @@ def scan_table(
     return pl.scan_parquet(
         [str(p) for p in parts], schema=sch, missing_columns="insert", extra_columns="ignore"
     )
+
+
+def parts_overlapping(parts: list[Path], lo: int | None, hi: int | None) -> list[Path]:
+    """The parts (in (first step, seq) order) that may hold steps in [lo, hi]: a part is named by
+    its first step and holds steps up to the next part's, so the last part starting at or before
+    `lo` and every later one starting at or before `hi` (None: unbounded). Names only, no I/O."""
+    if not parts or (lo is None and hi is None):
+        return parts
+    firsts = [pn.first_step if (pn := parse_part_name(p.name)) is not None else 0 for p in parts]
+    start = 0
+    if lo is not None:
+        i = bisect.bisect_right(firsts, lo) - 1
+        start = bisect.bisect_left(firsts, firsts[i]) if i >= 0 else 0
+    stop = len(parts) if hi is None else bisect.bisect_right(firsts, hi)
+    return parts[start:stop]
+
+
+def scan_steps(
+    run_dir: str | Path,
+    table: str,
+    lo: int | None = None,
+    hi: int | None = None,
+    *,
+    parts: list[Path] | None = None,
+    cached: bool = False,
+) -> pl.LazyFrame:
+    """`scan_table` of the rows with lo <= step <= hi, opening only the parts whose names say
+    they can hold such steps; the step filter is pushed down to Parquet's row-group statistics."""
+    if parts is None:
+        parts = cached_part_files(run_dir, table) if cached else part_files(run_dir, table)
+    lf = scan_table(run_dir, table, parts_overlapping(parts, lo, hi))
+    if lo is not None:
+        lf = lf.filter(pl.col("step") >= lo)
+    if hi is not None:
+        lf = lf.filter(pl.col("step") <= hi)
+    return lf
+
+
+# ---- series at the resolution a chart needs ----------------------------------------------
+ROLLUP_AGGS = schema.ROLLUP_STATS  # a rollup's value columns: c_mean, c_min, c_max, c_last
+SERIES_KEYS: dict[str, tuple[str, ...]] = {schema.TABLE_STEPS: (), **schema.ROLLUP_KEYS}
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """What `read_series` read: `frame` has the table's key columns, `step` (the bucket's first
+    step: step // resolution * resolution), `step_lo` / `step_hi` (the steps the bucket saw), `n`
+    (rows in it), and for each value column c: c_mean, c_min, c_max, c_last. `resolution` is
+    the steps a row covers (1: every step, read from the full-fidelity rows)."""
+
+    frame: pl.DataFrame
+    resolution: int
+    lo: int
+    hi: int
+
+
+def rollup_resolutions(run_dir: str | Path, table: str) -> list[int]:
+    """The rollup resolutions the table has parts at (none in a store written before rollups)."""
+    if table not in schema.ROLLUP_KEYS:
+        return []
+    return [r for r in layout.ROLLUP_RESOLUTIONS if rollup_parts(run_dir, table, r)]
+
+
+def rollup_parts(run_dir: str | Path, table: str, res: int) -> list[Path]:
+    """The live parts of one rollup resolution of a table, in order (listed with the app's
+    per-folder cache)."""
+    d = layout.rollup_table_dir(run_dir, table, res)
+    try:
+        mtime = os.stat(d).st_mtime_ns
+    except OSError:
+        return []
+    return [Path(d, n) for n in _cached_names(str(d), mtime)]
+
+
+def raw_ranges(run_dir: str | Path) -> list[tuple[int, int]] | None:
+    """The step ranges (inclusive) whose every row is kept at full fidelity; None when the whole
+    run is (a store without summary.json was written before retention and kept every row)."""
+    if summary.read_summary(run_dir) is None:
+        return None
+    return retention.full_fidelity_ranges(run_dir)
+
+
+def _covered(ranges: list[tuple[int, int]] | None, lo: int, hi: int) -> bool:
+    return ranges is None or any(a <= lo and hi <= b for a, b in ranges)
+
+
+def run_step_range(run_dir: str | Path) -> tuple[int, int] | None:
+    """(first, last) step of the run: from summary.json when the writer keeps one, else from the
+    steps table's first and newest parts (two small reads, never the whole table)."""
+    summ = summary.read_summary(run_dir)
+    if summ is not None:
+        a, b = summ.get("first_step"), summ.get("last_step")
+        if isinstance(a, int) and isinstance(b, int) and b >= a:
+            return a, b
+    parts = good_parts(cached_part_files(run_dir, schema.TABLE_STEPS))
+    if not parts:
+        return None
+    ends = (
+        scan_table(run_dir, schema.TABLE_STEPS, list(dict.fromkeys([parts[0], *parts[-3:]])))
+        .select(pl.col("step").min().alias("a"), pl.col("step").max().alias("b"))
+        .collect()
+    )
+    a, b = ends["a"][0], ends["b"][0]
+    return None if a is None or b is None else (int(a), int(b))
+
+
+def read_series(
+    run_dir: str | Path,
+    table: str,
+    *,
+    columns: tuple[str, ...] | list[str],
+    lo: int | None = None,
+    hi: int | None = None,
+    max_points: int = 2000,
+    where: pl.Expr | None = None,
+) -> Series:
+    """The table's `columns` over steps [lo, hi] (default: the whole run) at the coarsest detail a
+    chart of `max_points` columns can show, reading only that.
+
+    Every step (resolution 1) when [lo, hi] spans at most `max_points` steps and is kept at full
+    fidelity (always, in a store without rollups); else the finest rollup (10, 100, 1,000 steps)
+    with at most `max_points` buckets in [lo, hi] (the coarsest when none is that few). The
+    rollups keep each bucket's min and max, so a one-step spike or a dead expert anywhere in the
+    run shows in the extremes at every resolution. Steps past what a rollup covers yet (the live
+    tail) are read from the next finer rollup, or the full-fidelity rows, and bucketed the same
+    way. Only parts whose names say they can hold [lo, hi] are opened; `where` (a filter on key
+    columns, e.g. one layer) and the step range are pushed down to Parquet."""
+    cols = tuple(columns)
+    if lo is None or hi is None:
+        span = run_step_range(run_dir)
+        if span is None:
+            return Series(_empty_series(table, cols), 1, 0, -1)
+        lo = span[0] if lo is None else lo
+        hi = span[1] if hi is None else hi
+    have = rollup_resolutions(run_dir, table)
+    res = 1
+    if have and not (hi - lo + 1 <= max_points and _covered(raw_ranges(run_dir), lo, hi)):
+        fits = [r for r in have if math.ceil((hi - lo + 1) / r) <= max_points]
+        res = fits[0] if fits else have[-1]
+    frame = _read_at(run_dir, table, cols, lo, hi, res, [1, *have], where)
+    return Series(frame, res, lo, hi)
+
+
+def _read_at(
+    run_dir: str | Path,
+    table: str,
+    cols: tuple[str, ...],
+    lo: int,
+    hi: int,
+    res: int,
+    finer: list[int],
+    where: pl.Expr | None,
+) -> pl.DataFrame:
+    """Rows of [lo, hi] at `res` (1: raw rows in the series shape); the part of the range the
+    rollup does not cover yet comes from the next finer resolution, re-bucketed."""
+    keys = SERIES_KEYS[table]
+    if res == 1:
+        lf = scan_steps(run_dir, table, lo, hi, cached=True)
+        if where is not None:
+            lf = lf.filter(where)
+        return lf.select(
+            *keys,
+            "step",
+            *(pl.col("step").alias(c) for c in ("step_lo", "step_hi")),
+            pl.lit(1, pl.Int32).alias("n"),
+            *(pl.col(c).alias(f"{c}_{a}") for c in cols for a in ROLLUP_AGGS),
+        ).collect()
+    parts = rollup_parts(run_dir, table, res)
+    lf = _scan_rollup(parts, table, cols, lo, hi)
+    if where is not None:
+        lf = lf.filter(where)
+    got = lf.collect()
+    covered = _rollup_hi(parts)
+    if covered is None or covered >= hi:
+        return got
+    below = [r for r in finer if r < res]
+    tail = _read_at(run_dir, table, cols, max(lo, covered + 1), hi, below[-1], below, where)
+    if tail.height == 0:
+        return got
+    both = pl.concat([got, tail.select(got.columns)], how="vertical_relaxed") if got.height else tail
+    return rebucket(both, keys, cols, res)
+
+
+def _scan_rollup(parts: list[Path], table: str, cols: tuple[str, ...], lo: int, hi: int) -> pl.LazyFrame:
+    keys = SERIES_KEYS[table]
+    want = [*keys, "step", "step_lo", "step_hi", "n", *(f"{c}_{a}" for c in cols for a in ROLLUP_AGGS)]
+    parts = good_parts(parts_overlapping(parts, lo, hi))
+    if not parts:
+        return pl.LazyFrame(schema=_series_schema(table, cols))
+    lf = pl.scan_parquet([str(p) for p in parts], missing_columns="insert", extra_columns="ignore")
+    # a bucket belongs to [lo, hi] when the steps it saw overlap it
+    return lf.filter((pl.col("step_hi") >= lo) & (pl.col("step_lo") <= hi)).select(want)
+
+
+def _rollup_hi(parts: list[Path]) -> int | None:
+    """The last step the rollup covers: the largest step_hi of its newest part (one small read)."""
+    for p in reversed(good_parts(parts)):
+        v = pl.scan_parquet(str(p)).select(pl.col("step_hi").max()).collect().item()
+        if v is not None:
+            return int(v)
+    return None
+
+
+def rebucket(df: pl.DataFrame, keys: tuple[str, ...], cols: tuple[str, ...], res: int) -> pl.DataFrame:
+    """Series rows (any resolution) merged into `res`-step buckets: means weighted by rows,
+    extremes of the extremes, the last value of the last row."""
+    n = pl.col("n").cast(pl.Float64)
+
+    def mean(c: str) -> pl.Expr:  # NaN is left out of a mean, as the rollups do
+        m = pl.col(f"{c}_mean").cast(pl.Float64).fill_nan(None)
+        return ((m * n).sum() / n.filter(m.is_not_null()).sum()).alias(f"{c}_mean")
+
+    aggs: list[pl.Expr] = [
+        pl.col("step_lo").min(),
+        pl.col("step_hi").max(),
+        pl.col("n").sum(),
+    ]
+    for c in cols:
+        aggs += [
+            mean(c),
+            pl.col(f"{c}_min").min(),
+            pl.col(f"{c}_max").max(),
+            pl.col(f"{c}_last").sort_by("step_hi").last(),
+        ]
+    return (
+        df.with_columns(step=pl.col("step") // res * res)
+        .group_by(*keys, "step")
+        .agg(aggs)
+        .sort(*keys, "step")
+    )
+
+
+def _series_schema(table: str, cols: tuple[str, ...]) -> dict[str, pl.DataType]:
+    raw = polars_schema(table)
+    out: dict[str, pl.DataType] = {k: raw[k] for k in SERIES_KEYS[table]}
+    out.update({"step": pl.Int64(), "step_lo": pl.Int64(), "step_hi": pl.Int64(), "n": pl.Int32()})
+    for c in cols:
+        out.update(
+            {f"{c}_{a}": (raw[c] if a in ("min", "max", "last") else pl.Float64()) for a in ROLLUP_AGGS}
+        )
+    return out
+
+
+def _empty_series(table: str, cols: tuple[str, ...]) -> pl.DataFrame:
+    return pl.DataFrame(schema=_series_schema(table, cols))
 
 
 def read_table(run_dir: str | Path, table: str) -> pl.DataFrame:
@@ -193,19 +475,61 @@ def last_step(run_dir: str | Path) -> int:
     return -1 if v is None else int(v)
 
 
-def read_reports(run_dir: str | Path) -> Iterator[StepReport]:
+# Expert rows held at once by `read_reports` (about 60 MB of polars and numpy columns): a
+# month-long run is replayed window by window, never whole (Trinity's shape is 14,848 expert
+# rows a step, 14.8 billion for 1M steps).
+REPORT_ROW_BOUND = 1_000_000
+
+
+def read_reports(run_dir: str | Path, *, row_bound: int = REPORT_ROW_BOUND) -> Iterator[StepReport]:
     """StepReports rebuilt from the steps, layers, experts and groups tables, in step order
-    (guard/core/rows.py is the mapping)."""
-    steps = scan_table(run_dir, schema.TABLE_STEPS).sort("step").collect()
-    layers = scan_table(run_dir, schema.TABLE_LAYERS).sort("step", "layer").collect()
-    experts = scan_table(run_dir, schema.TABLE_EXPERTS).sort("step", "layer", "expert").collect()
-    groups = scan_table(run_dir, schema.TABLE_GROUPS).sort("step", "group").collect()
-    yield from reports_from_columns(
-        steps.to_dict(as_series=False),
-        {c: layers[c].to_numpy() for c in layers.columns},
-        {c: experts[c].to_numpy() for c in experts.columns},
-        {c: groups[c].to_numpy() for c in groups.columns},
+    (guard/core/rows.py is the mapping), streamed: a window of steps at a time, sized so that at
+    most about `row_bound` expert rows are held, each table read only from the parts whose names
+    say they hold the window (guard/store/layout.py names parts by their first step)."""
+    parts = {t: part_files(run_dir, t) for t in _REPORT_TABLES}
+    steps_all = scan_table(run_dir, schema.TABLE_STEPS, parts[schema.TABLE_STEPS]).select("step")
+    bounds = steps_all.select(pl.col("step").min().alias("lo"), pl.col("step").max().alias("hi")).collect()
+    lo, hi = bounds["lo"][0], bounds["hi"][0]
+    if lo is None or hi is None:
+        return
+    window = max(
+        1, row_bound // max(1, rows_per_step(run_dir, schema.TABLE_EXPERTS, parts[schema.TABLE_EXPERTS]))
     )
+    for a in range(int(lo), int(hi) + 1, window):
+        b = min(a + window - 1, int(hi))
+        got = {
+            t: scan_steps(run_dir, t, a, b, parts=parts[t]).sort("step", *keys).collect()
+            for t, keys in _REPORT_TABLES.items()
+        }
+        if not got[schema.TABLE_STEPS].height:
+            continue
+        yield from reports_from_columns(
+            got[schema.TABLE_STEPS].to_dict(as_series=False),
+            *({c: df[c].to_numpy() for c in df.columns} for t, df in got.items() if t != schema.TABLE_STEPS),
+        )
+        del got
+
+
+_REPORT_TABLES: dict[str, tuple[str, ...]] = {  # the tables a StepReport is rebuilt from, by sort keys
+    schema.TABLE_STEPS: (),
+    schema.TABLE_LAYERS: ("layer",),
+    schema.TABLE_EXPERTS: ("layer", "expert"),
+    schema.TABLE_GROUPS: ("group",),
+}
+
+
+def rows_per_step(run_dir: str | Path, table: str, parts: list[Path]) -> int:
+    """Rows a step of the table (0 when it has none), from the newest part that holds more than
+    one step (a checkpoint's one-step part says little), else the newest that reads."""
+    best = 0
+    for p in reversed(good_parts(parts[-4:])):
+        st = scan_table(run_dir, table, [p]).select(pl.len().alias("n"), pl.col("step").n_unique().alias("s"))
+        n, s = st.collect().row(0)
+        if n:
+            best = max(1, int(n) // max(1, int(s)))
+            if s > 1:
+                break
+    return best
 
 
 def count_actions(run_dir: str | Path) -> dict[str, int]:
