@@ -45,7 +45,7 @@ class StoreConfig:
     compact_lag_steps: int = 50
     # Parts a compaction replaced are deleted once the merged part is this old (a reader that
     # listed the folder just before may still be reading them; a crash's leftovers are hidden).
-    grace_s: float = 30.0
+    grace_s: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("raw_window_steps", "r10_window_steps", "r100_window_steps", "r1000_window_steps"):

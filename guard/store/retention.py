@@ -9,7 +9,8 @@ none, or whose loss or grad norm is not finite. Windows are granted in the order
 happen until `incident_budget_steps` are spent; after that an incident keeps its own step only.
 So a window, once granted, never shrinks as the run goes on.
 
-Readers ask `full_fidelity_ranges(run_dir)` where raw rows are guaranteed (summary.json keeps it).
+Readers ask `guard.store.reader.full_fidelity_ranges(run_dir)` where raw rows are guaranteed
+(summary.json keeps them; the reader's side lives in reader.py, so this module never imports it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from pathlib import Path
 import polars as pl
 
 from guard.core import schema
-from guard.store.summary import read_summary
 
 INCIDENT_EVENT_KINDS = (
     schema.EV_VERDICT,
@@ -104,18 +104,8 @@ def keep_expr(ranges: list[tuple[int, int]]) -> pl.Expr:
 
 
 def full_fidelity_ranges(run_dir: str | Path) -> list[tuple[int, int]]:
-    """Inclusive step ranges in which every raw layers/experts/groups/ranks row of the run is
-    kept. A store without summary.json (written before retention existed) kept everything: its
-    whole step range ([] when it has no step)."""
-    doc = read_summary(run_dir)
-    if doc is not None and isinstance(doc.get("full_fidelity"), list):
-        return [(int(lo), int(hi)) for lo, hi in doc["full_fidelity"]]
-    from guard.store.reader import scan_table  # a fallback for old stores only
+    """Inclusive step ranges in which every raw layers/experts/groups/ranks row is kept (the
+    contract's name; the reader implements it, old stores included)."""
+    from guard.store.reader import full_fidelity_ranges as ranges
 
-    lo, hi = (
-        scan_table(run_dir, schema.TABLE_STEPS)
-        .select(pl.col("step").min(), pl.col("step").max())
-        .collect()
-        .row(0)
-    )
-    return [] if lo is None else [(int(lo), int(hi))]
+    return ranges(run_dir)

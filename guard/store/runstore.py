@@ -11,6 +11,7 @@ with guard/store/reader.py.
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 import threading
 import time
@@ -25,8 +26,13 @@ from guard.core.events import Event
 from guard.core.report import StepReport
 from guard.core.rows import expert_columns, group_columns, layer_columns, steps_row
 from guard.store.layout import atomic_write_json, next_part_seq
+from guard.store.maintain import StoreMaintainer
+from guard.store.policy import StoreConfig
 from guard.store.reader import read_meta
 from guard.store.writer import table_frame, write_parts
+
+log = logging.getLogger("moeguard.store")
+_UPKEEP = "<upkeep>"  # queue item: the flush's parts are written; summary, rollups, compaction
 
 # Tables whose rows are built in bulk from the buffered reports at flush time.
 _BULK_TABLES = {
@@ -76,11 +82,22 @@ class RunStore:
     Events flush on the next step so a crash right after an action still records it.
     """
 
-    def __init__(self, run_dir: str | Path, *, flush_every: int = 50, max_pending: int = 64) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        flush_every: int = 50,
+        max_pending: int = 64,
+        policy: StoreConfig | None = None,
+    ) -> None:
+        """`policy`: the `[store]` table (retention, rollups, compaction; guard/store/policy.py)."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         for t in schema.TABLES:
             (self.dir / t).mkdir(exist_ok=True)
+        # summary.json, rollups, compaction and retention, on the writer thread after each flush
+        self._maint = StoreMaintainer(self.dir, policy)
+        self._written: dict[str, list[pl.DataFrame]] = {}
         self.flush_every = flush_every
         self._buffers = {t: _TableBuffer(t) for t in schema.TABLES}
         self._first_step: dict[str, int | None] = {t: None for t in schema.TABLES}
@@ -152,6 +169,7 @@ class RunStore:
                 first = self._first_step[t] or 0
                 self._q.put((t, first, df))
                 self._first_step[t] = None
+        self._q.put((_UPKEEP, 0, pl.DataFrame()))
         self._since_flush = 0
         self._events_pending = False
         if wait:
@@ -167,6 +185,10 @@ class RunStore:
             if status is not None:
                 fields["status"] = status
             self.update_meta(**fields)
+        try:
+            self._maint.finish(status)
+        except Exception:
+            log.exception("run store %s: final rollups/compaction failed (raw rows are all kept)", self.dir)
 
     def _writer(self) -> None:
         while True:
@@ -175,15 +197,31 @@ class RunStore:
                 if item is None:
                     return
                 table, first, df = item
+                if table == _UPKEEP:
+                    self._upkeep()
+                    continue
                 if callable(df):
                     df = df()
                 # seq is only touched by this thread after __init__; it keeps growing across
                 # restarts (initialised from the parts on disk) so names never collide.
                 self._seq = write_parts(self.dir, {table: df}, self._seq, first_steps={table: first})
+                if table in (schema.TABLE_STEPS, schema.TABLE_EVENTS):
+                    self._written.setdefault(table, []).append(df)
             except BaseException as e:  # surfaced on the next flush, never lost silently
                 self._error = e
             finally:
                 self._q.task_done()
+
+    def _upkeep(self) -> None:
+        """After a flush's parts: summary.json, and a closed segment's compaction, rollups and
+        retention (guard/store/maintain.py). A failure there is logged, never raised into training:
+        raw rows stay until a later upkeep succeeds."""
+        written, self._written = self._written, {}
+        frames = {t: pl.concat(dfs, how="vertical_relaxed") for t, dfs in written.items()}
+        try:
+            self._maint.wrote(frames)
+        except Exception:
+            log.exception("run store %s: upkeep failed (raw rows are all kept; retried next flush)", self.dir)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -9,7 +9,7 @@ checkpoint), so no reader has to scan a long run's tables to list it.
      "full_fidelity": [[lo, hi], ...], "incidents": [step, ...], "rolled_through": 998}
 
 `full_fidelity`: inclusive step ranges in which every raw layers/experts/groups/ranks row is
-kept (guard/store/retention.py keeps it; readers ask `retention.full_fidelity_ranges`).
+kept (guard/store/retention.py keeps it; readers ask `reader.full_fidelity_ranges`).
 `rolled_through`: the last segment (guard/store/layout.py SEGMENT_STEPS) whose rollups and
 compaction are done. A store written before summaries existed has no summary.json:
 `read_summary` returns None and readers fall back to scanning (as they did).

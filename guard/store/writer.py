@@ -19,7 +19,16 @@ import polars as pl
 from guard.core import schema
 from guard.core.report import StepReport
 from guard.core.rows import expert_columns, group_columns, layer_columns, steps_columns
-from guard.store.layout import discard, fsync_dir, part_files, part_name, polars_schema
+from guard.store.layout import (
+    SEGMENT_STEPS,
+    discard,
+    fsync_dir,
+    part_files,
+    part_name,
+    polars_schema,
+    remove_hidden,
+    segment_of,
+)
 
 
 def table_frame(table: str, cols: Mapping[str, Any]) -> pl.DataFrame:
@@ -61,6 +70,20 @@ def write_part_file(path: Path, df: pl.DataFrame) -> None:
         raise
 
 
+def split_by_segment(df: pl.DataFrame) -> list[pl.DataFrame]:
+    """The frame cut at segment boundaries (guard/store/layout.py SEGMENT_STEPS), so no part
+    holds rows of two segments and a segment's compaction and rollups read only its own parts."""
+    if df.height == 0:
+        return [df]
+    lo, hi = df["step"].min(), df["step"].max()
+    if segment_of(lo) == segment_of(hi):  # type: ignore[arg-type]
+        return [df]
+    parts = df.with_columns((pl.col("step") // SEGMENT_STEPS).alias("_segment")).partition_by(
+        "_segment", maintain_order=True, include_key=False
+    )
+    return parts
+
+
 def write_parts(
     run_dir: Path,
     frames: Mapping[str, pl.DataFrame],
@@ -71,15 +94,19 @@ def write_parts(
     """Write each frame as a part of its table, named by its first step and seq, seq + 1, ...
     (in the frames' order), then make the names durable. Returns the next free seq.
     `first_steps`: the step each table's part is named by (default: its smallest step; the
-    in-process store names a part by the first step it buffered)."""
+    in-process store names a part by the first step it buffered). A frame whose rows span a
+    segment boundary is written as one part per segment (`split_by_segment`)."""
     touched = set()
-    for table, df in frames.items():
+    for table, frame in frames.items():
         d = run_dir / table
         d.mkdir(parents=True, exist_ok=True)
-        first = first_steps[table] if first_steps is not None else int(df["step"].min())  # type: ignore[arg-type]
-        write_part_file(d / part_name(first, seq), df)
+        for i, df in enumerate(split_by_segment(frame)):
+            first = int(df["step"].min())  # type: ignore[arg-type]
+            if i == 0 and first_steps is not None:
+                first = min(first, first_steps[table])
+            write_part_file(d / part_name(first, seq), df)
+            seq += 1
         touched.add(d)
-        seq += 1
     for d in sorted(touched):
         fsync_dir(d)
     return seq
@@ -95,6 +122,7 @@ def truncate_after(run_dir: str | Path, step: int, *, archive_dir: str | Path | 
     same archive files and drops nothing twice."""
     dropped = 0
     for t in schema.TABLES:
+        remove_hidden(Path(run_dir) / t)  # a part deleted below must not uncover a leftover
         for p in part_files(run_dir, t):
             df = pl.read_parquet(p)
             if df.height == 0 or df["step"].max() <= step:  # type: ignore[operator]
@@ -110,4 +138,7 @@ def truncate_after(run_dir: str | Path, step: int, *, archive_dir: str | Path | 
                 p.unlink()
             else:
                 write_part_file(p, keep)
+    from guard.store.maintain import drop_rollups_after  # rollups are derived: rebuilt from raw
+
+    drop_rollups_after(run_dir, step)
     return dropped
