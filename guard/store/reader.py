@@ -27,7 +27,7 @@ import polars as pl
 from guard.core import actions, schema
 from guard.core.report import StepReport
 from guard.core.rows import reports_from_columns
-from guard.store import layout, retention, summary
+from guard.store import layout, summary
 from guard.store.layout import parse_part_name, part_files, polars_schema, sorted_part_names
 
 PARQUET_MAGIC = b"PAR1"  # a Parquet file starts and ends with it; the footer length sits before the end
@@ -281,12 +281,29 @@ def rollup_parts(run_dir: str | Path, table: str, res: int) -> list[Path]:
     return [Path(d, n) for n in _cached_names(str(d), mtime)]
 
 
+def full_fidelity_ranges(run_dir: str | Path) -> list[tuple[int, int]]:
+    """Inclusive step ranges in which every raw layers/experts/groups/ranks row of the run is
+    kept. A store without summary.json (written before retention existed) kept everything: its
+    whole step range ([] when it has no step)."""
+    doc = summary.read_summary(run_dir)
+    if doc is not None and isinstance(doc.get("full_fidelity"), list):
+        return [(int(lo), int(hi)) for lo, hi in doc["full_fidelity"]]
+    # a fallback for old stores only
+    lo, hi = (
+        scan_table(run_dir, schema.TABLE_STEPS)
+        .select(pl.col("step").min().alias("lo"), pl.col("step").max().alias("hi"))
+        .collect()
+        .row(0)
+    )
+    return [] if lo is None else [(int(lo), int(hi))]
+
+
 def raw_ranges(run_dir: str | Path) -> list[tuple[int, int]] | None:
     """The step ranges (inclusive) whose every row is kept at full fidelity; None when the whole
     run is (a store without summary.json was written before retention and kept every row)."""
     if summary.read_summary(run_dir) is None:
         return None
-    return retention.full_fidelity_ranges(run_dir)
+    return full_fidelity_ranges(run_dir)
 
 
 def _covered(ranges: list[tuple[int, int]] | None, lo: int, hi: int) -> bool:
@@ -344,8 +361,12 @@ def read_series(
     have = rollup_resolutions(run_dir, table)
     res = 1
     if have and not (hi - lo + 1 <= max_points and _covered(raw_ranges(run_dir), lo, hi)):
-        fits = [r for r in have if math.ceil((hi - lo + 1) / r) <= max_points]
-        res = fits[0] if fits else have[-1]
+        # a finer rollup may be kept for the newest steps only (policy r10_window_steps): one
+        # that does not reach back to `lo` is skipped for a coarser one that does
+        starts = {r: _first_step(rollup_parts(run_dir, table, r)) for r in have}
+        reach = [r for r in have if starts[r] <= lo] or [min(have, key=lambda r: (starts[r], r))]
+        fits = [r for r in reach if math.ceil((hi - lo + 1) / r) <= max_points]
+        res = fits[0] if fits else reach[-1]
     frame = _read_at(run_dir, table, cols, lo, hi, res, [1, *have], where)
     return Series(frame, res, lo, hi)
 
@@ -399,6 +420,12 @@ def _scan_rollup(parts: list[Path], table: str, cols: tuple[str, ...], lo: int, 
     lf = pl.scan_parquet([str(p) for p in parts], missing_columns="insert", extra_columns="ignore")
     # a bucket belongs to [lo, hi] when the steps it saw overlap it
     return lf.filter((pl.col("step_hi") >= lo) & (pl.col("step_lo") <= hi)).select(want)
+
+
+def _first_step(parts: list[Path]) -> int:
+    """The first step a rollup's oldest part holds (its name says; no I/O)."""
+    pn = parse_part_name(parts[0].name) if parts else None
+    return pn.first_step if pn is not None else 0
 
 
 def _rollup_hi(parts: list[Path]) -> int | None:
