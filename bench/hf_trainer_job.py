@@ -3,14 +3,14 @@ MoEGuardCallback or not: what the callback's tests, the canary's `--script` test
 overhead bench all run. One rank, or several under torchrun (DDP on gloo).
 
     python bench/hf_trainer_job.py --family mixtral --steps 60 --out /tmp/job
-    python bench/hf_trainer_job.py --inject spike@20:1000 --inject nan@30 --grad-accum 2 --out /tmp/job
+    python bench/hf_trainer_job.py --inject gradspike@20:1000 --inject nan@30 --grad-accum 2 --out /tmp/job
     python bench/hf_trainer_job.py --steps 40 --save-steps 20 --out /tmp/job   # then, resumed:
     python bench/hf_trainer_job.py --steps 40 --save-steps 20 --out /tmp/job --resume /tmp/job/checkpoint-20
     torchrun --nproc_per_node 2 bench/hf_trainer_job.py --family deepseek_v3 --out /tmp/job
     moeguard canary --ab set: set: --script "python bench/hf_trainer_job.py --steps 60 --out {run_dir}/job"
 
 Faults (`--inject`, at optimizer step S, applied on every rank to the reduced gradients just before
-the guard decides): `spike@S:X` scales every gradient by X, `nan@S` puts a NaN in one gradient,
+the guard decides): `gradspike@S:X` scales every gradient by X, `nan@S` puts a NaN in one gradient,
 `collapse@S:LAYER` pushes that layer's router towards expert 0 at its next forward
 (guard.integrations.transformers.force_collapse). For spike and NaN the job keeps a bitwise copy of
 the weights, optimizer state and LR schedule before step S and says whether step S left them all
@@ -89,13 +89,13 @@ class Faults(TrainerCallback):
     """Fault injection at optimizer steps (list it BEFORE MoEGuardCallback: it runs first)."""
 
     def __init__(self, specs: list[str]) -> None:
+        from guard.core.inject import parse_injections
+
         self.faults: dict[int, tuple[str, float]] = {}
-        for spec in specs:
-            kind, _, rest = spec.partition("@")
-            step, _, arg = rest.partition(":")
-            if kind not in ("spike", "nan", "collapse") or not step.isdigit():
-                raise SystemExit(f"--inject {spec!r}: expected spike@S:X, nan@S or collapse@S:LAYER")
-            self.faults[int(step)] = (kind, float(arg) if arg else 1000.0 if kind == "spike" else 0.0)
+        for inj in parse_injections(specs):  # guard/core/inject.py's spec, three of its kinds
+            if inj.kind not in ("gradspike", "nan", "collapse"):
+                raise SystemExit(f"--inject {str(inj)!r}: expected gradspike@S:X, nan@S or collapse@S:LAYER")
+            self.faults[inj.step] = (inj.kind, inj.arg)
         self.before: tuple[int, dict[str, Any]] | None = None
         self.checks: dict[int, dict[str, bool]] = {}
 
@@ -108,12 +108,12 @@ class Faults(TrainerCallback):
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         kind, arg = self.faults.get(state.global_step, ("", 0.0))
-        if kind not in ("spike", "nan"):
+        if kind not in ("gradspike", "nan"):
             return
         model = kw["model"]
         self.before = (state.global_step, _clone_state(model, kw["optimizer"], kw["lr_scheduler"]))
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if kind == "spike":
+        if kind == "gradspike":
             torch._foreach_mul_(grads, arg)
         else:
             grads[0].view(-1)[0] = float("nan")

@@ -9,9 +9,11 @@ Trainer.Config). These return torchtitan's own Trainer.Config over torchtitan's 
 random windows of this Python's standard library source (no hub), checkpointing on, FSDP over
 every rank. Real users pass torchtitan's own registries (`--module deepseek_v3 ...`).
 
-Drills (tests): $MOEGUARD_TT_FAULTS, comma-separated KIND@STEP[:ARG][/rRANK] with STEP the guard's
-0-based step: `spike@S:X` multiplies the loss (and so every gradient) by X on that rank, `nan`
-makes it NaN, `hang@S:SECONDS` sleeps inside the step (its peers wait in the next collective).
+Drills (tests): $MOEGUARD_TT_FAULTS, comma-separated KIND@STEP[:ARG][/rRANK] (guard/core/inject.py's
+spec and parser) with STEP the guard's 0-based step, injected inside torchtitan's loss, so before the
+cross-rank reduction: `gradspike@S:X` multiplies the loss (and so every gradient) by X on that rank,
+`nan` makes it NaN, `hang@S:SECONDS` sleeps inside the step (its peers wait in the next collective).
+Users drill with the launcher's `--inject` (every kind, applied by GuardedStep: guard/runtime/inject.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
 from bench.torchtitan_model import SMALL_VOCAB, model_config
+from guard.core.inject import parse_injections
 
 ENV_FAULTS = "MOEGUARD_TT_FAULTS"
 # a folder: each rank writes there, at every applied step, a digest of its parameters and
@@ -48,18 +51,17 @@ CORPUS_BYTES = 1 << 20
 STEP = [0]  # the guard step the current forward belongs to (FaultyLoss keeps it)
 
 
+LOSS_FAULTS = ("gradspike", "nan", "hang")
+
+
 def parse_faults(text: str, rank: int) -> dict[int, tuple[str, float]]:
     """{step: (kind, arg)} of the faults for `rank` in $MOEGUARD_TT_FAULTS."""
     out: dict[int, tuple[str, float]] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        spec, _, on = item.partition("/r")
-        if on and int(on) != rank:
-            continue
-        kind, _, rest = spec.partition("@")
-        step, _, arg = rest.partition(":")
-        if kind not in ("spike", "nan", "hang"):
-            raise ValueError(f"{ENV_FAULTS}: {item!r}: kind must be spike, nan or hang")
-        out[int(step)] = (kind, float(arg) if arg else 1.0)
+    for inj in parse_injections(text, flag=f"${ENV_FAULTS}"):
+        if inj.kind not in LOSS_FAULTS:
+            raise ValueError(f"${ENV_FAULTS} {str(inj)!r}: kind must be one of {', '.join(LOSS_FAULTS)}")
+        if inj.rank in (None, rank):
+            out[inj.step] = (inj.kind, inj.arg)
     return out
 
 
@@ -136,7 +138,7 @@ class FaultyLoss(CrossEntropyLoss):
         if self.times is not None and (self.calls - 1) % self.grad_accum == 0:
             self.times.write(f"{step} {time.perf_counter():.6f}\n")
         kind, arg = self.faults.get(step, ("", 0.0))
-        if kind == "spike":
+        if kind == "gradspike":
             loss = loss * arg
         elif kind == "nan":
             loss = loss * float("nan")

@@ -41,12 +41,14 @@ from guard.core.config import GuardConfig, load_guard_config
 from guard.core.events import Event
 from guard.core.goodput import Goodput
 from guard.core.heartbeat import PHASE_DATA, PHASE_TRAIN
+from guard.core.inject import Injection
 from guard.core.policy import Decision
 from guard.core.report import StepReport
 from guard.integrations.base import MODE_NONE, Attachment
 from guard.runtime.apply import DecisionApplier
 from guard.runtime.commands import CommandSource
 from guard.runtime.guard import Guard
+from guard.runtime.inject import Injector, resolve
 from guard.runtime.probe import Probe
 from guard.runtime.ranks import Comm, HeartbeatPump, StepSync, dist_of_process_group
 from guard.runtime.service import collector_url
@@ -85,6 +87,7 @@ class GuardedStep:
         commands: CommandSource | None = None,
         collector: str | None = None,
         flops_per_token: float | None = None,
+        inject: str | Iterable[str | Injection] | None = None,
     ) -> None:
         """`attach`: what guard.integrations.<framework>.attach(model) found (layers, routers and
         the collapse corrector); `layers`/`routers` are the manual form of the same for a custom
@@ -98,6 +101,10 @@ class GuardedStep:
         not acknowledged yet). `flops_per_token`: training FLOPs per token (torchtitan: its
         `get_nparams_and_flops`; transformers: guard.integrations.hf_flops.flops_per_token)
         for MFU against the same peaks as `moeguard train` (guard/runtime/peak.py).
+
+        `inject`: drills, the same KIND@STEP[:ARG][/rRANK] specs and fault kinds as `moeguard
+        train --inject` (a list, or one comma-separated string; guard/core/inject.py); default
+        $MOEGUARD_INJECT. guard/runtime/inject.py says where each fault is applied.
 
         Under torchrun every rank builds a GuardedStep: the probe's one all-reduce gives every
         rank the same statistics, one MAX all-reduce checks that every rank decided the same
@@ -167,6 +174,10 @@ class GuardedStep:
         # `moeguard canary --ab ... --inject slow:PCT` on this run: PCT% of each step burnt in step()
         self._burn = StepBurner.from_env(sync=torch.cuda.synchronize if device.type == "cuda" else None)
         self.last_decision: Decision | None = None
+        drills = resolve(inject)
+        self.injector = (
+            Injector(drills, self, collapse=getattr(attach, "force_collapse", None)) if drills else None
+        )
 
     # ---- data window ------------------------------------------------------------------------
     def batches(self, loader: Iterable[T]) -> Iterator[T]:
@@ -201,6 +212,7 @@ class GuardedStep:
         """Call after backward with this rank's mean loss and the tokens THIS rank processed this
         step (summed over ranks here). Steps the optimizer only if the guard allows it."""
         world, rank = self.ranks.world, self.ranks.rank
+        drilled = self.injector.before_step(self.step_idx) if self.injector is not None else []
         own_wait, self._data_wait = self._data_wait, 0.0
         extra = None
         if world > 1:  # each rank's data wait (one-hot) and token count ride in the probe's all-reduce
@@ -232,6 +244,7 @@ class GuardedStep:
             **pr.precursors,
         )
         d, events = self._decide(rep, planned[0])
+        events[:0] = drilled
         if d.applies_update and self.pending_skip > 0:
             # A rollback asked to skip a data window and this loop does not drop batches through
             # batches(): skip the update of each batch of the window instead.
@@ -247,6 +260,8 @@ class GuardedStep:
             events.append(ev)
         rep.lr = planned[0] * d.lr_scale if d.applies_update else planned[0]
         done = self.applier.apply(d, grad_norm=pr.grad_norm, loads_ME=self.probe.loads_ME)
+        if self.injector is not None:
+            self.injector.after_step()
         if done.restored_step is not None:
             self.pending_skip = d.skip_batches
             self.goodput.rolled_back(done.restored_step)
@@ -348,6 +363,8 @@ class GuardedStep:
                 )
                 status, note = schema.STATUS_HALTED, f"halted at step {self.step_idx - 1}: {why}"
         self.probe.close()
+        if self.injector is not None:
+            self.injector.remove()
         if self.pump is not None:
             self.pump.close()
         if self.sync is not None:

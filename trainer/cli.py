@@ -42,18 +42,9 @@ DEFAULT_CONFIG = resource("configs", "tiny.toml")
 
 def inject_help() -> str:
     """The --help section on fault injection: what STEP and ARG mean for every kind."""
-    from trainer.inject import INJECT_HELP
+    from guard.core.inject import help_lines
 
-    width = max(map(len, schema.INJECT_KINDS)) + len("@STEP[:ARG]")
-    lines = [
-        f"  {k + '@STEP' + ('' if INJECT_HELP[k].startswith('no ARG') else ':ARG'):<{width}}  {INJECT_HELP[k]}"
-        for k in schema.INJECT_KINDS
-    ]
-    return (
-        "Fault injection, --inject KIND@STEP[:ARG][/rRANK] (repeatable). STEP is the 0-based step it\n"
-        "fires at (0 .. steps-1); /rRANK injects on that rank only (default: every rank):\n"
-        + "\n".join(lines)
-    )
+    return help_lines()
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -235,23 +226,12 @@ def check_run_id(run_dir: Path) -> None:
         )
 
 
-def check_injections(injections: list[Any], steps: int) -> None:
-    """An injection at or past the last step would never fire: a drill that silently does nothing."""
-    late = [str(i) for i in injections if i.step >= steps]
-    if late:
-        raise ConfigError(
-            f"--inject {', '.join(late)}: past the run's last step ({steps - 1}; the run has "
-            f"{steps} steps, 0..{steps - 1}): it would never fire; inject at an earlier step "
-            "or raise --steps"
-        )
-
-
 def run(args: argparse.Namespace) -> int:
     from guard.store.layout import run_dir_problem
     from guard.store.reader import read_meta
     from trainer.checkpoint import latest_checkpoint
     from trainer.distributed import restart_count
-    from trainer.inject import parse_injection
+    from trainer.inject import check_injections, parse_injection
     from trainer.loop import Trainer
     from trainer.memcheck import check_model_fits
     from trainer.outcome import EXIT_HALTED

@@ -50,7 +50,7 @@ def test_spike_and_nan_are_skipped_bitwise_with_the_schedule_held(family: str, t
             "--out",
             str(tmp_path / "out"),
             "--inject",
-            f"spike@{spike}:1000",
+            f"gradspike@{spike}:1000",
             "--inject",
             f"nan@{nan}",
         ]
@@ -103,7 +103,7 @@ def test_rollback_restores_the_snapshot_and_skips_the_data_window(tmp_path: Path
             "--guard",
             str(cfg),
             "--record-weights",
-            *[x for s in spikes for x in ("--inject", f"spike@{s}:1000")],
+            *[x for s in spikes for x in ("--inject", f"gradspike@{s}:1000")],
         ]
     )
     acts = {i: a for i, a in enumerate(res["actions"]) if a != schema.ACT_APPLY}
@@ -179,7 +179,7 @@ def test_two_ranks_ddp_on_gloo_decide_alike(tmp_path: Path) -> None:
         "--out",
         str(out),
         "--inject",
-        "spike@45:1000",
+        "gradspike@45:1000",
         "--inject",
         "nan@50",
     ]

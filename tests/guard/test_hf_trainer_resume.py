@@ -123,7 +123,7 @@ def test_resume_restores_the_guards_state_and_the_run_store_keeps_each_step_once
 def test_a_spike_right_after_the_resume_is_skipped_by_the_restored_baselines(tmp_path: Path) -> None:
     out = tmp_path / "out"
     job([*RUN, "--out", str(out)])
-    spike = ["--inject", "spike@20:50"]  # the first optimizer step after the resume
+    spike = ["--inject", "gradspike@20:50"]  # the first optimizer step after the resume
     shutil.rmtree(out / "checkpoint-40")  # so `resume_from_checkpoint=True` finds checkpoint-20
     kept = job([*RUN, "--out", str(out), "--resume", "last", *spike])
     assert kept["actions"][0] == schema.ACT_SKIP, kept["actions"]
@@ -186,7 +186,7 @@ def test_two_ranks_resume_with_the_guards_state(tmp_path: Path) -> None:
     torchrun()
     saved = torch.load(out / "checkpoint-20" / GUARD_STATE_FILE, weights_only=False)
     assert saved["step"] == 20 and "sync" in saved  # the straggler windows of a 2-rank run
-    ranks = torchrun("--resume", str(out / "checkpoint-20"), "--inject", "spike@20:50")
+    ranks = torchrun("--resume", str(out / "checkpoint-20"), "--inject", "gradspike@20:50")
     for r in ranks:
         assert r["world_size"] == 2 and r["global_step"] == 40
         assert r["actions"][0] == schema.ACT_SKIP and set(r["actions"][1:]) == {schema.ACT_APPLY}

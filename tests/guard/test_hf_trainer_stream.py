@@ -40,7 +40,7 @@ def test_the_trainer_streams_its_run_to_the_collector(tmp_path: Path) -> None:
         }
         cmd = [
             sys.executable, str(REPO / "bench" / "hf_trainer_job.py"), "--steps", str(STEPS),
-            "--out", str(tmp_path / "out"), "--run-dir", str(run_dir), "--inject", f"spike@{SPIKE}:1000",
+            "--out", str(tmp_path / "out"), "--run-dir", str(run_dir), "--inject", f"gradspike@{SPIKE}:1000",
         ]  # fmt: skip
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
         assert p.returncode == 0, p.stderr[-3000:]

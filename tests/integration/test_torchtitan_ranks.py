@@ -126,7 +126,7 @@ def test_a_fault_on_one_rank_is_one_decision_on_every_rank_and_the_replicas_stay
         "2",
         "--parallelism.data_parallel_shard_degree",
         "1",
-        env={"MOEGUARD_TT_FAULTS": "spike@35:1000/r1,nan@40/r0"},
+        env={"MOEGUARD_TT_FAULTS": "gradspike@35:1000/r1,nan@40/r0"},
     )
     assert finish(proc, tmp_path, run) == 0, (tmp_path / f"{run}.log").read_text()[-4000:]
     r0, r1 = decisions(tmp_path, 0), decisions(tmp_path, 1)

@@ -27,10 +27,9 @@ from guard.core import schema
 from guard.core.events import Event
 from guard.core.tomlconf import ConfigError
 from trainer.callbacks.callback import Callback
-from trainer.inject import Injection
+from trainer.inject import PROCESS_FAULTS, Injection
 
 COLLAPSE_LOGIT_OFFSET = 8.0
-PROCESS_FAULTS = ("crash", "hang")  # they end the attempt: a torchrun restart does not replay them
 
 
 class FaultInjection(Callback):
