@@ -11,6 +11,7 @@ from guard.core.config import GuardConfig
 from guard.core.heartbeat import HeartbeatConfig
 from guard.core.limits import CollectorLimits
 from guard.core.progress import ProgressConfig
+from guard.store.policy import StoreConfig
 
 STATE_DIR = ".collector"  # in each run folder: the log, state.json, commands.json
 STATE_FILE, COMMANDS_FILE, QUARANTINE_FILE = "state.json", "commands.json", "quarantine.json"
@@ -41,6 +42,7 @@ class CollectorConfig:
     alert_resend_s: float = 60.0
     alert_resolve_delay_s: float = 120.0  # guard/collector/paging.py RESOLVE_DELAY_S
     limits: CollectorLimits = field(default_factory=CollectorLimits)  # guard/core/limits.py
+    store: StoreConfig = field(default_factory=StoreConfig)  # [store]: guard/store/policy.py, --store-config
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:

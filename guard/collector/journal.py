@@ -32,16 +32,19 @@ from guard.collector.storage import (
     load_json,
     parse_state,
     remove_uncommitted_parts,
+    row_frames,
     stored_counters,
     supersede,
     with_liveness,
-    write_rows,
 )
 from guard.collector.wal import Wal
 from guard.core import schema
 from guard.core.report import StepReport
 from guard.store.layout import next_part_seq
+from guard.store.maintain import StoreMaintainer
+from guard.store.policy import StoreConfig
 from guard.store.reader import last_step as scan_last_step
+from guard.store.writer import write_parts
 from guard.wire.batch import BadRequest, Batch, parse_batch
 
 log = logging.getLogger("moeguard.collector")
@@ -63,10 +66,13 @@ class RunJournal:
     """The log and state.json of one run. `lock` serialises checkpoints and truncations (the
     writers of parts); a caller that also needs the run's memory lock takes this one first."""
 
-    def __init__(self, run: str, run_dir: Path) -> None:
+    def __init__(self, run: str, run_dir: Path, policy: StoreConfig | None = None) -> None:
         """Check the run folder's layout (RunDamaged before anything is created or changed),
-        then make the run store's tables and the collector's state folder."""
+        then make the run store's tables and the collector's state folder. `policy`: the
+        `[store]` table (summary.json, rollups, compaction, retention after each checkpoint)."""
         self.run, self.dir = run, run_dir
+        self.policy = policy
+        self._maint: StoreMaintainer | None = None  # made at the first commit (after replay's cleanup)
         self.state_dir = run_dir / STATE_DIR
         check_run_layout(run_dir)
         for t in schema.TABLES:
@@ -126,13 +132,42 @@ class RunJournal:
         return self.wal.rotate()
 
     def commit(self, ckpt: Checkpoint) -> None:
-        """Write the checkpoint's rows as parts, commit state.json, delete the log it covers."""
-        seq = write_rows(self.dir, ckpt.reports, ckpt.events, self.next_part)
+        """Write the checkpoint's rows as parts, commit state.json, delete the log it covers;
+        then the run store's upkeep (summary.json, and a closed segment's compaction, rollups and
+        retention: guard/store/maintain.py), which only reads and rewrites committed parts."""
+        if self._maint is None:
+            self._maint = self._maintainer()
+        frames = row_frames(ckpt.reports, ckpt.events)
+        seq = write_parts(self.dir, frames, self.next_part)
         if ckpt.liveness is not None:  # before state.json: a crash between keeps the newer liveness
             commit_liveness(self.state_dir, ckpt.liveness)
         commit_state(self.state_dir, {**ckpt.state, "segment_done": ckpt.segment, "next_part_seq": seq})
         self.next_part, self.segment_done = seq, ckpt.segment
         self.wal.delete_upto(ckpt.segment)
+        if self._maint is not None:
+            try:
+                self._maint.wrote(frames)
+            except Exception:  # the checkpoint is committed; raw rows stay until a later upkeep
+                log.exception(
+                    "run %s: store upkeep failed (rows all kept; retried next checkpoint)", self.run
+                )
+
+    def _maintainer(self) -> StoreMaintainer | None:
+        try:
+            return StoreMaintainer(self.dir, self.policy)
+        except Exception:
+            log.exception(
+                "run %s: no summary/rollups/compaction for this run (its rows are all kept)", self.run
+            )
+            return None
+
+    def finish(self) -> None:
+        """The run ended (or is evicted): its last open segment's rollups written."""
+        if self._maint is not None:
+            try:
+                self._maint.finish()
+            except Exception:
+                log.exception("run %s: final store upkeep failed (rows all kept)", self.run)
 
     def supersede(
         self, batch: Batch, first: int, pending: tuple[list[StepReport], list[dict[str, Any]]]
@@ -156,6 +191,8 @@ class RunJournal:
         )
 
     def close(self) -> None:
+        with self.lock:
+            self.finish()
         self.wal.close()
 
 

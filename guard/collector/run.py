@@ -61,7 +61,8 @@ class RunState:
         self.lock = threading.Lock()
         self.evicted = False  # set under both locks; a request that finds it set goes to the collector again
         self.last_touch = time.monotonic()  # LRU order for eviction
-        self.journal = RunJournal(run, run_dir)  # raises RunDamaged before anything is created or changed
+        # raises RunDamaged before anything is created or changed
+        self.journal = RunJournal(run, run_dir, cfg.store)
         self.gens = WriterGenerations()
         self.last_step = -1  # last rank-0 step stored or pending
         self.report_gen = -1  # generation of rank 0's last batch with reports (restart detection)

@@ -33,13 +33,18 @@ log = logging.getLogger("moeguard.collector")
 COUNTERS_KEY = "counters"  # state.json: the run's counters as of the checkpoint (RunHealth.counter_state)
 
 
-def write_rows(run_dir: Path, reports: list[StepReport], events: list[dict[str, Any]], seq: int) -> int:
-    """Rank-0 reports and event rows as parts of the run store (first part number `seq`);
-    returns the next free part number."""
+def row_frames(reports: list[StepReport], events: list[dict[str, Any]]) -> dict[str, pl.DataFrame]:
+    """The table frames of rank-0 reports and event rows."""
     frames = report_frames(reports)
     if events:
         frames[schema.TABLE_EVENTS] = event_frame(events)
-    return write_parts(run_dir, frames, seq)
+    return frames
+
+
+def write_rows(run_dir: Path, reports: list[StepReport], events: list[dict[str, Any]], seq: int) -> int:
+    """Rank-0 reports and event rows as parts of the run store (first part number `seq`);
+    returns the next free part number."""
+    return write_parts(run_dir, row_frames(reports, events), seq)
 
 
 def with_liveness(st: dict[str, Any], state_dir: Path) -> dict[str, Any]:
