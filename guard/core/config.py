@@ -359,11 +359,20 @@ class PolicyConfig:
     halt: bool = True
     snapshot_every: int = 25  # in-memory snapshot cadence (steps)
     ring_size: int = 4  # snapshots kept in memory
-    rollback_after_skips: int = 3  # this many skips within skip_window -> roll back
+    rollback_after_skips: int = 3  # this many skips in one incident within skip_window -> roll back
     skip_window: int = 50
+    # An incident ends after this many steps without a step verdict: its skips no longer count
+    # towards a rollback (issue #39: a x50 batch at 160 and a routing change at 200 added up to a
+    # rollback at 201 that could not help).
+    incident_gap: int = 10
     rollback_skip_batches: int = 20  # data batches skipped after a rollback (PaLM skipped 200-500)
-    halt_after_rollbacks: int = 3  # this many rollbacks within rollback_window -> halt and page
+    # A fault that escalates again within rollback_window of a rollback is not rolled back again
+    # (guard/core/policy.py's ladder): it pages and training goes on, unless it threatens the
+    # weights (non-finite, or a loss / total grad-norm spike of diverge_ratio x its level): then
+    # it is rolled back until halt_after_rollbacks rollbacks, and the next escalation halts.
+    halt_after_rollbacks: int = 1
     rollback_window: int = 500
+    diverge_ratio: float = 10.0  # Megatron's spiky-loss line: 10x the level
     cooldown_factor: float = 0.5  # LR multiplier after a rollback ...
     cooldown_steps: int = 50  # ... ramping back to 1 over this many steps
     bias_boost: float = 10.0  # expert-bias correction: rate multiplier for a collapsing layer
@@ -380,6 +389,7 @@ class PolicyConfig:
             "halt_after_rollbacks",
             "rollback_window",
             "bias_boost_steps",
+            "incident_gap",
         ):
             v = getattr(self, key)
             check(isinstance(v, int) and v >= 1, key, v, "must be an integer >= 1")
@@ -391,6 +401,7 @@ class PolicyConfig:
         )
         check(0 < self.cooldown_factor <= 1, "cooldown_factor", self.cooldown_factor, "must be in (0, 1]")
         check(self.bias_boost >= 1, "bias_boost", self.bias_boost, "must be >= 1")
+        check(self.diverge_ratio > 1, "diverge_ratio", self.diverge_ratio, "must be > 1")
         check(self.aux_boost >= 1, "aux_boost", self.aux_boost, "must be >= 1")
 
 

@@ -1,16 +1,37 @@
-"""Policy: turn fired verdicts into one Decision per step, with escalation.
+"""Policy: turn fired verdicts into one Decision per step, with an escalation that fits the fault.
 
 Pure logic (no torch, no I/O), so the trainer, the library Guard and `moeguard replay` share it.
+A rollback is for what a bad batch or a transient fault caused: it restores weights from before
+the fault and skips the data window. It cannot remove a cause that stays (a router that prefers
+one expert, a learning rate too high for the model), so the guard rolls back once per
+`rollback_window` and then lets a person decide; it halts only for what threatens the weights.
 
-Escalation ladder
-    step verdict (spike, NaN)          -> skip the update
-    rollback_after_skips skips         -> roll back to the last snapshot before the incident,
-      within skip_window steps            skip a data window, cool the LR down
-    collapse verdict on a layer        -> boost that layer's expert-bias correction for
-                                          bias_boost_steps, then check it recovered;
-                                          not recovered -> roll back
-    halt_after_rollbacks rollbacks     -> halt: checkpoint, critical event, page a human
-      within rollback_window steps
+Escalation ladder, per fault kind (docs/escalation.md has the why and the figures):
+
+  non-finite loss/gradient (nonfinite)
+    1. skip the update (weights and optimizer state untouched)
+    2. rollback_after_skips skips in one incident -> roll back to the last snapshot before it,
+       skip rollback_skip_batches batches, cool the LR
+    3. it recurs (the same escalation again within rollback_window, after
+       halt_after_rollbacks rollbacks) -> halt: checkpoint, critical event, RunHalted page
+  spike (grad norm total / per layer / all layers, loss, LR bound)
+    1. skip;  2. roll back as above
+    3. it recurs after a rollback -> no second rollback: keep skipping each flagged step, record
+       a `fault_recurred` verdict (critical: the FaultRecurred page) and let a person decide;
+       halt only if the incident diverges: a loss or total grad-norm spike at least
+       diverge_ratio x its level (Megatron's spiky-loss line is 10x), which threatens the weights
+  routing collapse (dead experts, MaxVio, load or router entropy of one layer)
+    1. correct the layer (selection-bias push, or a per-layer balancing gradient) for
+       bias_boost_steps, then check it recovered
+    2. not recovered -> keep correcting (the one action that can help; the push stays bounded and
+       acts on that layer only), record a `collapse_not_recovered` verdict once per episode
+       (critical: the CollapseNotRecovered page)
+    never a rollback (a restored snapshot cannot remove a cause that is not in the data) and
+    never a halt: an imbalance costs capacity, not the weights.
+
+An incident is a run of step verdicts with fewer than incident_gap clean steps between them: two
+unrelated transients (a x50 batch at 160, a routing change at 200) are two incidents, and their
+skips never add up to a rollback.
 """
 
 from __future__ import annotations
@@ -54,8 +75,13 @@ class Decision:
 class _Correction:
     layer: int
     started: int
-    until: int
+    until: int  # the next recovery check
     detector: str
+    paged: bool = False  # collapse_not_recovered recorded for this episode
+
+
+# Verdicts of a step fault that threaten the weights when the fault recurs after a rollback.
+_DIVERGING = (schema.DET_LOSS_SPIKE, schema.DET_GRAD_SPIKE)
 
 
 class Policy:
@@ -74,6 +100,8 @@ class Policy:
         self.rollbacks: list[int] = []
         self.corrections: dict[int, _Correction] = {}
         self.incident_start: int | None = None  # first step verdict of the current incident
+        self.last_fault_step = -(10**9)  # the latest step verdict (closes incidents after a gap)
+        self.threat = False  # the open incident has a verdict that threatens the weights
         self.cooldown_from: int | None = None
         self.last_verdict_step = -(10**9)
         # Collapse verdicts are level-triggered (every step while the condition holds); record an
@@ -98,8 +126,18 @@ class Policy:
         other_v = [v for v in verdicts if v not in step_v and v not in collapse_v]
         if step_v or collapse_v:  # informational verdicts (stalls, throughput) never change state
             self.last_verdict_step = step
+        if (
+            not step_v
+            and self.incident_start is not None
+            and step - self.last_fault_step > self.p.incident_gap
+        ):
+            self._close_incident()  # a clean gap: the next fault is a new incident
 
         if step_v and acting:
+            if self.incident_start is not None and step - self.last_fault_step > self.p.incident_gap:
+                self._close_incident()
+            self.last_fault_step = step
+            self.threat = self.threat or any(self._threatens(v) for v in step_v)
             d.action = self._on_step_verdict(step, d)
         if acting:
             self._on_collapse(step, collapse_v, d, healthy)
@@ -123,13 +161,24 @@ class Policy:
             d.events.append(Event.from_verdict(step, v, act))
         for v in other_v:
             d.events.append(Event.from_verdict(step, v, schema.ACT_NONE))
-        if (
-            not step_v
-            and self.incident_start is not None
-            and step - self.last_verdict_step > self.p.skip_window
-        ):
-            self.incident_start = None
         return d
+
+    def _threatens(self, v: Verdict) -> bool:
+        """A non-finite value, or a loss / total grad-norm spike of diverge_ratio x its level."""
+        if v.detector == schema.DET_NONFINITE:
+            return True
+        level = v.evidence.get("median")
+        return (
+            v.detector in _DIVERGING
+            and isinstance(level, int | float)
+            and level > 0
+            and v.value >= self.p.diverge_ratio * level
+        )
+
+    def _close_incident(self) -> None:
+        self.incident_start = None
+        self.skips.clear()
+        self.threat = False
 
     def _on_step_verdict(self, step: int, d: Decision) -> str:
         p = self.p
@@ -140,30 +189,57 @@ class Policy:
         if p.skip:
             self.skips.append(step)
         if p.rollback and len(self.skips) >= p.rollback_after_skips:
-            action = self._rollback(step, d, reason=f"{len(self.skips)} skips within {p.skip_window} steps")
+            reason = f"{len(self.skips)} skips in one incident within {p.skip_window} steps"
+            self.rollbacks = [s for s in self.rollbacks if s > step - p.rollback_window]
+            if not self.rollbacks:
+                return self._rollback(step, d, reason=reason)
+            # The fault came back after a rollback: a second rollback would drop another data
+            # window and cool the LR again without removing a cause that stays.
+            if self.threat and len(self.rollbacks) < p.halt_after_rollbacks:
+                return self._rollback(step, d, reason=reason)
+            if self.threat and p.halt:
+                return self._halt(step, d, reason=f"{reason}, after rollback(s) at {self.rollbacks}")
+            self._recurred(step, d, reason)
         return action
+
+    def _recurred(self, step: int, d: Decision, reason: str) -> None:
+        """Record that a fault recurred after a rollback (paged: FaultRecurred); the incident's
+        count starts again, so it pages again only if the fault keeps coming."""
+        d.events.append(
+            Event(
+                step=step,
+                kind=schema.EV_VERDICT,
+                detector=schema.DET_FAULT_RECURRED,
+                value=len(self.skips),
+                threshold=self.p.rollback_after_skips,
+                action=schema.ACT_SKIP if self.p.skip else schema.ACT_NONE,
+                detail={
+                    "severity": "critical",
+                    "reason": f"{reason} after rollback(s) at {self.rollbacks}: not rolled back again",
+                    "rollbacks": self.rollbacks[:],
+                    "incident_start": self.incident_start,
+                },
+            )
+        )
+        self.skips.clear()
+
+    def _halt(self, step: int, d: Decision, reason: str) -> str:
+        d.events.append(
+            Event(
+                step=step,
+                kind=schema.EV_HALT,
+                action=schema.ACT_HALT,
+                value=len(self.rollbacks) + 1,
+                threshold=self.p.halt_after_rollbacks,
+                detail={"severity": "critical", "reason": reason, "rollbacks": self.rollbacks[:]},
+            )
+        )
+        self.halted_at = step
+        return schema.ACT_HALT
 
     def _rollback(self, step: int, d: Decision, reason: str) -> str:
         p = self.p
         self.rollbacks = [s for s in self.rollbacks if s > step - p.rollback_window]
-        if p.halt and len(self.rollbacks) + 1 > p.halt_after_rollbacks:
-            d.events.append(
-                Event(
-                    step=step,
-                    kind=schema.EV_HALT,
-                    action=schema.ACT_HALT,
-                    value=len(self.rollbacks) + 1,
-                    threshold=p.halt_after_rollbacks,
-                    detail={
-                        "severity": "critical",
-                        "reason": f"{len(self.rollbacks) + 1} rollbacks within {p.rollback_window} steps "
-                        f"({reason})",
-                        "rollbacks": self.rollbacks[:],
-                    },
-                )
-            )
-            self.halted_at = step
-            return schema.ACT_HALT
         self.rollbacks.append(step)
         before = self.incident_start if self.incident_start is not None else step
         d.rollback_before = before
@@ -189,20 +265,21 @@ class Policy:
                     detail={"steps": p.cooldown_steps},
                 )
             )
-        self.skips.clear()
-        self.incident_start = None
+        self._close_incident()
         return schema.ACT_ROLLBACK
 
     def _on_collapse(
         self, step: int, verdicts: list[Verdict], d: Decision, healthy: Callable[[int], bool] | None
     ) -> None:
         p = self.p
-        # 1) corrections whose window ended: recovered, or escalate to a rollback
+        # 1) corrections due a check: recovered (the correction ends), or not: the correction goes
+        # on (it is the one action that can help; a rollback cannot remove a cause that stays in
+        # the model) and the first failed check pages (collapse_not_recovered)
         for layer, c in list(self.corrections.items()):
             if step < c.until:
                 continue
-            del self.corrections[layer]
             if healthy is None or healthy(layer):
+                del self.corrections[layer]
                 d.events.append(
                     Event(
                         step=step,
@@ -212,9 +289,29 @@ class Policy:
                         detail={"layer": layer, "corrected_for": step - c.started},
                     )
                 )
-            elif p.rollback and d.action == schema.ACT_APPLY:
-                self.incident_start = c.started
-                d.action = self._rollback(step, d, reason=f"layer {layer} did not recover from {c.detector}")
+                continue
+            c.until = step + p.bias_boost_steps
+            if not c.paged:
+                c.paged = True
+                d.events.append(
+                    Event(
+                        step=step,
+                        kind=schema.EV_VERDICT,
+                        detector=schema.DET_COLLAPSE_NOT_RECOVERED,
+                        value=step - c.started,
+                        threshold=p.bias_boost_steps,
+                        action=schema.ACT_NONE,
+                        detail={
+                            "severity": "critical",
+                            "layer": layer,
+                            "collapse": c.detector,
+                            "corrected_since": c.started,
+                            "mode": self.correction,
+                            "reason": f"layer {layer} still collapsed ({c.detector}) after "
+                            f"{step - c.started} steps of correction: correcting on, not rolled back",
+                        },
+                    )
+                )
         # 2) new collapse verdicts start a bounded correction on that layer (only where the model
         # offers a way to apply one: a claimed correction that changes nothing is worse than none)
         if not p.bias_correct or self.correction == CORRECT_NONE:
@@ -270,22 +367,20 @@ class Policy:
 
     def incident_anchor(self) -> int | None:
         """The earliest step a pending rollback would have to restore to before (the open
-        incident's first flagged step, or the start of an open collapse correction), or None."""
-        starts = [c.started for c in self.corrections.values()]
-        if self.incident_start is not None:
-            starts.append(self.incident_start)
-        return min(starts) if starts else None
+        incident's first flagged step), or None. A collapse correction never rolls back, so it
+        holds no snapshot: a long one would otherwise stop the ring from taking new ones."""
+        return self.incident_start
 
     def calm(self, step: int) -> bool:
         """No incident under way: a good moment for a snapshot."""
-        return self.incident_start is None and not self.corrections and step - self.last_verdict_step > 2
+        return self.incident_start is None and step - self.last_fault_step > 2
 
     def _operator_resumed(self) -> None:
         """A human resumed a halted run: they have looked at it, so the escalation ladder starts
         again from skip. Kept: open collapse corrections and the detectors' windows. Without this
         the first marginal verdict after the resume would halt the run again at once. Decided
         from the policy's own saved state, so every rank of a multi-rank run does the same."""
-        self.skips, self.rollbacks = [], []
+        self.skips, self.rollbacks, self.threat = [], [], False
         self.incident_start, self.cooldown_from, self.halted_at = None, None, None
 
     # ---- state ---------------------------------------------------------------------
@@ -294,9 +389,12 @@ class Policy:
             "skips": self.skips[:],
             "rollbacks": self.rollbacks[:],
             "corrections": {
-                str(k): [c.layer, c.started, c.until, c.detector] for k, c in self.corrections.items()
+                str(k): [c.layer, c.started, c.until, c.detector, c.paged]
+                for k, c in self.corrections.items()
             },
             "incident_start": self.incident_start,
+            "last_fault_step": self.last_fault_step,
+            "threat": self.threat,
             "cooldown_from": self.cooldown_from,
             "last_verdict_step": self.last_verdict_step,
             "open_conditions": sorted([list(c) for c in self.open_conditions]),
@@ -308,6 +406,8 @@ class Policy:
         self.rollbacks = list(s["rollbacks"])
         self.corrections = {int(k): _Correction(*v) for k, v in s["corrections"].items()}
         self.incident_start = s["incident_start"]
+        self.last_fault_step = s.get("last_fault_step", s["last_verdict_step"])
+        self.threat = bool(s.get("threat", False))
         self.cooldown_from = s["cooldown_from"]
         self.last_verdict_step = s["last_verdict_step"]
         self.open_conditions = {(int(a), str(b)) for a, b in s.get("open_conditions", [])}

@@ -364,6 +364,8 @@ ALERTS = (
     "DeadExperts",
     "RouterEntropyLow",
     "GuardRollbackStorm",
+    "FaultRecurred",
+    "CollapseNotRecovered",
     "RunHalted",
     "MFUDrop",
     "ThroughputDrop",

@@ -63,6 +63,20 @@ def switch_loss_grad(logits_NE: torch.Tensor, counts_E: torch.Tensor) -> torch.T
     return (e / max(n, 1)) * p * (f_E - (p @ f_E).unsqueeze(-1))
 
 
+def load_shift_grad_W(counts_E: torch.Tensor, h_ND: torch.Tensor) -> torch.Tensor:
+    """[E, D]: a gradient for a bias-free router's weight that lowers every token's logit of an
+    overloaded expert and raises an underloaded one's along the mean router input:
+    (f_e - 1/E) x mean_t h_t, f = this forward's assignment shares. Zero on a balanced layer,
+    mean-free over experts (softmax-invariant). It is what a selection bias's update would do,
+    in weight space: unlike the switch loss's gradient p * (f - p.f) it does not vanish when the
+    softmax saturates (a router sending every token to one expert with p ~ 1, e.g. a logit 10
+    above the rest), and it reaches the router's weight only, never the hidden states below it
+    (issue #39: through the logits it raised earlier layers' gradients 50x and was skipped)."""
+    e = counts_E.numel()
+    f_E = counts_E.float() / counts_E.sum().clamp_min(1.0)
+    return (f_E - 1.0 / e).unsqueeze(1) * h_ND.detach().float().mean(0).unsqueeze(0)
+
+
 def smebu_push(
     bias_E: torch.Tensor,
     load_E: torch.Tensor,
@@ -131,6 +145,7 @@ class TopKRoutingHook(RoutingCounters):
         self.has_selection_bias = bias is not None  # else expert_bias_E is always zeros
         self._no_bias_E = torch.zeros_like(self._tokens_per_expert_E)
         self.aux_coef = 0.0
+        self.shift: LoadShift | None = None  # armed by an AuxGradCorrector while a correction is open
         self._zeroed = False  # the accumulators hold nothing since reset_stats (not yet zero-filled)
         # (batch, row): the accumulators are that row of a CountedBatch, not yet taken as views
         self.counted: tuple[CountedBatch, int] | None = None
@@ -191,6 +206,8 @@ class TopKRoutingHook(RoutingCounters):
         shape; ids outside 0..E-1 are not counted). Arms the balancing gradient when asked."""
         logits_NE = logits.detach().reshape(-1, self.n_experts)
         self.pending.append((logits_NE, idx.detach().reshape(-1)))
+        if self.shift is not None and logits.requires_grad:
+            self.shift.record(idx, self.n_experts)
         if self.aux_coef > 0 and logits.requires_grad:
             with torch.no_grad():
                 counts_E = torch.bincount(idx.reshape(-1), minlength=self.n_experts)[: self.n_experts]
@@ -202,6 +219,48 @@ class TopKRoutingHook(RoutingCounters):
                 return g + coef * extra.to(g.dtype)
 
             logits.register_hook(add_balance_grad)
+
+
+class LoadShift:
+    """The load-shift gradient (load_shift_grad_W) on one router's weight while a correction is
+    open: a forward pre-hook keeps the router's input, the routing hook's record() turns it and
+    the ids into the [E, D] gradient, and a hook on the weight adds it, scaled to `ratio` x the
+    norm of the weight's own gradient, on its way to the optimizer (so DDP reduces it with the
+    rest). Bounded that way it never dominates the layer's gradient norm (no spike verdict, no
+    clipping of the other weights) while Adam, which normalises per element, still moves the
+    weight along it at about its learning rate."""
+
+    def __init__(self, router: nn.Module, weight: torch.Tensor, ratio: float) -> None:
+        self.weight, self.ratio = weight, ratio
+        self.pending: torch.Tensor | None = None
+        self._h: torch.Tensor | None = None
+        self._handles = [
+            router.register_forward_pre_hook(self._keep_input),
+            weight.register_hook(self._add),
+        ]
+
+    def _keep_input(self, module: nn.Module, args: tuple) -> None:
+        self._h = next((a for a in args if isinstance(a, torch.Tensor)), None)
+
+    def record(self, idx: torch.Tensor, n_experts: int) -> None:
+        if self._h is None or self._h.shape[-1] != self.weight.shape[1]:
+            return
+        with torch.no_grad():
+            counts_E = torch.bincount(idx.reshape(-1), minlength=n_experts)[:n_experts]
+            g_ED = load_shift_grad_W(counts_E, self._h.reshape(-1, self._h.shape[-1]))
+        self.pending = g_ED if self.pending is None else self.pending + g_ED
+        self._h = None
+
+    def _add(self, g: torch.Tensor) -> torch.Tensor:
+        if self.pending is None or self.pending.shape != g.shape:
+            return g
+        extra, self.pending = self.pending, None
+        scale = self.ratio * g.detach().float().norm() / extra.norm().clamp_min(1e-12)
+        return g + (extra * scale).to(g.dtype)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
 
 
 BIAS_UPDATES = ("sign", "smebu")
@@ -299,6 +358,8 @@ class AuxGradCorrector:
     # A standing per-layer balancing weight on every router (0: none). transformers' own aux loss
     # balances the load summed over all layers, so a single layer can collapse under it.
     balance_coef: float = 0.0
+    # The load-shift gradient's norm relative to the router weight's own gradient (LoadShift)
+    shift_ratio: float = 1.0
     mode: str = MODE_AUX
 
     def __post_init__(self) -> None:
@@ -309,6 +370,14 @@ class AuxGradCorrector:
         for layer, hook in self.hooks.items():
             boost = self.base_coef * boosts[layer] if layer in boosts else 0.0
             hook.aux_coef = self.balance_coef + boost
+            # ... and the load-shift gradient on the router's weight, which a saturated softmax
+            # does not silence (load_shift_grad_W); both only on a layer under correction
+            w = getattr(hook.router, "weight", None)
+            if boost and hook.shift is None and isinstance(w, nn.Parameter) and w.ndim == 2:
+                hook.shift = LoadShift(hook.router, w, self.shift_ratio)
+            elif not boost and hook.shift is not None:
+                hook.shift.remove()
+                hook.shift = None
 
 
 @dataclass(kw_only=True)

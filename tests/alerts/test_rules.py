@@ -33,6 +33,8 @@ PAGING = {
     "NonFiniteLoss",
     "ExpertCollapse",
     "GuardRollbackStorm",
+    "FaultRecurred",
+    "CollapseNotRecovered",
     "RunHalted",
     "HeartbeatLost",
     "RunStuck",
@@ -80,7 +82,10 @@ def test_the_example_prometheus_config_scrapes_several_collectors_with_the_rules
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS: 1 rule files found" in r.stdout and RULES.name in r.stdout
     targets = re.search(r"- targets: \[(.*)\]", PROM_CONFIG.read_text())
-    assert targets is not None and targets.group(1).count(":9090") >= 2
+    # every target on `moeguard collector`'s default port (9090 is Prometheus's own)
+    from guard.collector.main import DEFAULT_PORT
+
+    assert targets is not None and targets.group(1).count(f":{DEFAULT_PORT}") >= 2
 
 
 @needs_amtool

@@ -1,0 +1,107 @@
+"""The escalation ladder per fault kind (guard/core/policy.py, issue #39): a rollback once for a
+transient fault, no second rollback for a fault that recurs (a page instead), a halt only for
+what threatens the weights, and a collapse that is corrected, never rolled back or halted."""
+
+from __future__ import annotations
+
+from guard.core import schema
+from guard.core.config import GuardConfig
+from guard.core.events import Verdict
+from guard.core.policy import Policy
+
+
+def spike(ratio: float = 3.0, detector: str = schema.DET_GRAD_SPIKE) -> Verdict:
+    return Verdict(detector=detector, fired=True, value=ratio, threshold=1.5, evidence={"median": 1.0})
+
+
+def nan() -> Verdict:
+    return Verdict(detector=schema.DET_NONFINITE, fired=True, value=float("nan"), severity="critical")
+
+
+def collapse(layer: int = 1) -> Verdict:
+    return Verdict(detector=schema.DET_MAXVIO, fired=True, value=3.0, threshold=2.0, layer=layer)
+
+
+def drive(policy: Policy, faults: dict[int, list[Verdict]], steps: int, healthy=None) -> dict[int, object]:  # type: ignore[no-untyped-def]
+    return {s: policy.decide(s, faults.get(s, []), healthy=healthy) for s in range(steps)}
+
+
+def kinds(ds: dict, detector: str) -> list[int]:  # type: ignore[type-arg]
+    return [
+        s for s, d in ds.items() for e in d.events if e.kind == schema.EV_VERDICT and e.detector == detector
+    ]
+
+
+def test_two_unrelated_transients_do_not_add_up_to_a_rollback() -> None:
+    # issue #39: a x50 batch at 160 and the grad-norm jump of a routing change at 200, 201 made
+    # three skips within 50 steps and a rollback at 201; 40 clean steps apart they are two incidents
+    p = Policy(GuardConfig())
+    ds = drive(p, {160: [spike(50)], 200: [spike()], 201: [spike()]}, 260)
+    assert [s for s, d in ds.items() if d.action != schema.ACT_APPLY] == [160, 200, 201]
+    assert {ds[s].action for s in (160, 200, 201)} == {schema.ACT_SKIP}
+    # three in one incident still roll back
+    ds = drive(Policy(GuardConfig()), {40: [spike()], 43: [spike()], 46: [spike()]}, 60)
+    assert ds[46].action == schema.ACT_ROLLBACK and ds[46].rollback_before == 40
+
+
+def test_a_spike_that_recurs_after_a_rollback_pages_and_is_not_rolled_back_again() -> None:
+    p = Policy(GuardConfig())
+    faults = {s: [spike()] for s in (40, 41, 42, 100, 101, 102, 103, 104, 105, 200, 201, 202)}
+    ds = drive(p, faults, 300)
+    assert ds[42].action == schema.ACT_ROLLBACK
+    assert [s for s, d in ds.items() if d.action == schema.ACT_ROLLBACK] == [42]
+    assert not any(d.halt for d in ds.values())
+    # each recurrence's third skip pages once; every flagged step is still skipped
+    assert kinds(ds, schema.DET_FAULT_RECURRED) == [102, 105, 202]
+    assert all(ds[s].action == schema.ACT_SKIP for s in faults if s != 42)
+    ev = next(e for e in ds[102].events if e.detector == schema.DET_FAULT_RECURRED)
+    assert ev.detail["severity"] == "critical" and ev.detail["rollbacks"] == [42]
+    # past rollback_window the fault is a new one: a rollback again
+    late = drive(Policy(GuardConfig()), {s: [spike()] for s in (40, 41, 42, 600, 601, 602)}, 610)
+    assert [s for s, d in late.items() if d.action == schema.ACT_ROLLBACK] == [42, 602]
+
+
+def test_only_what_threatens_the_weights_halts() -> None:
+    # a non-finite fault that recurs after the rollback halts
+    ds = drive(Policy(GuardConfig()), {s: [nan()] for s in (40, 41, 42, 80, 81, 82)}, 100)
+    assert ds[42].action == schema.ACT_ROLLBACK and ds[82].halt
+    assert [e.kind for e in ds[82].events if e.kind == schema.EV_HALT] == [schema.EV_HALT]
+    # so does divergence: a loss 10x its level, back after a rollback
+    big = [spike(12.0, schema.DET_LOSS_SPIKE)]
+    ds = drive(Policy(GuardConfig()), dict.fromkeys((40, 41, 42, 80, 81, 82), big), 100)
+    assert ds[82].halt
+    # halt_after_rollbacks = 2: one more rollback first
+    cfg = GuardConfig()
+    cfg.policy.halt_after_rollbacks = 2
+    ds = drive(Policy(cfg), {s: [nan()] for s in (40, 41, 42, 80, 81, 82, 120, 121, 122)}, 130)
+    assert [s for s, d in ds.items() if d.action == schema.ACT_ROLLBACK] == [42, 82] and ds[122].halt
+
+
+def test_a_collapse_that_does_not_recover_is_corrected_on_and_paged_never_rolled_back() -> None:
+    cfg = GuardConfig()
+    p = Policy(cfg, correction="aux_loss")
+    n = 400
+    ds = drive(p, {s: [collapse()] for s in range(250, n)}, n, healthy=lambda layer: False)
+    assert ds[250].action == schema.ACT_BIAS_CORRECT and ds[250].aux_boost == {1: cfg.policy.aux_boost}
+    assert not any(d.halt or d.action == schema.ACT_ROLLBACK for d in ds.values())
+    # the correction stays on every step; one page at the first failed check
+    assert all(ds[s].aux_boost == {1: cfg.policy.aux_boost} for s in range(250, n))
+    assert kinds(ds, schema.DET_COLLAPSE_NOT_RECOVERED) == [250 + cfg.policy.bias_boost_steps]
+    # it recovers later: the correction ends at the next check and a new collapse starts afresh
+    p = Policy(cfg, correction="aux_loss")
+    ends = {}
+    for s in range(250, 500):
+        d = p.decide(s, [collapse()] if s < 330 or s >= 450 else [], healthy=lambda layer, s=s: s >= 330)
+        ends[s] = d
+    assert [s for s, d in ends.items() if any(e.kind == schema.EV_RECOVERED for e in d.events)] == [350]
+    assert ends[450].action == schema.ACT_BIAS_CORRECT and not ends[400].aux_boost
+
+
+def test_an_open_correction_holds_no_snapshot_back_and_survives_a_resume() -> None:
+    p = Policy(GuardConfig(), correction="aux_loss")
+    drive(p, {s: [collapse()] for s in range(250, 320)}, 320, healthy=lambda layer: False)
+    assert p.corrections and p.incident_anchor() is None  # a correction holds no snapshot back
+    state = p.state_dict()
+    q = Policy(GuardConfig(), correction="aux_loss")
+    q.load_state_dict(state)
+    assert q.corrections[1].paged and q.state_dict() == state
