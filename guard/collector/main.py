@@ -1,6 +1,10 @@
 """`moeguard collector`: flags, then the HTTP service (see service.py for what it does).
 
-MOEGUARD_TOKEN=... moeguard collector --host 127.0.0.1 --port 9090 --runs runs/
+MOEGUARD_TOKEN=... moeguard collector --host 127.0.0.1 --port 18321 --runs runs/
+
+The default port, 18321, is one no common service uses (9090, the default until issue #37, is
+Prometheus's own: a collector beside Prometheus failed to start, or a job streamed into Prometheus).
+A port another process holds is one line and exit 2, before anything is read or written.
 """
 
 from __future__ import annotations
@@ -34,25 +38,48 @@ from guard.wire.conn_guard import (
 )
 from guard.wire.listen import bind_tcp
 from guard.wire.open_files import FILE_RESERVE_MIN, plan_open_files
+from guard.wire.redact import quiet_http_logs
 
 log = logging.getLogger("moeguard.collector")
 
 SWITCH_INTERVAL_S = 0.001  # see run()
+DEFAULT_PORT = 18321  # no common service's (IANA-unassigned, below Linux's ephemeral range)
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """`--help` names every flag's default (a help text that already says it is left alone)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = DefaultsShown
     _service_flags(parser)
     _detection_flags(parser)
     _progress_flags(parser)
     _peer_flags(parser)
     _limit_flags(parser)
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="log lines at this level and above",
+    )
 
 
 def _service_flags(parser: argparse.ArgumentParser) -> None:
     """Where it listens, where runs are stored, who may write, how often rows move to Parquet."""
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=9090, help="0 picks a free port (see --port-file)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help="port to listen on; 0 picks a free one (see --port-file). A port in use is one line and exit 2",
+    )
     parser.add_argument("--runs", default="runs", help="run store directory (runs/<run_id>/...)")
     parser.add_argument(
         "--insecure-no-auth",
@@ -231,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_http_logs()  # httpx's INFO line per request (the Alertmanager client) stays out of the log
     token = os.environ.get(schema.ENV_TOKEN) or None
     if token is None and not args.insecure_no_auth:
         print(
@@ -278,11 +306,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"moeguard collector: {e}", flush=True)
         return 2
+    try:  # before anything else starts: a port in use is one line, and touches no run
+        sock = bind_tcp(args.host, args.port)
+    except OSError as e:
+        print(port_problem(args.host, args.port, e), file=sys.stderr, flush=True)
+        return 2
     conns = _connection_budget(args)
     if conns is None:
+        sock.close()
         return 2
     collector = Collector(cfg)  # started by the app's lifespan, so it listens before the runs are scanned
-    sock = bind_tcp(args.host, args.port)
     port = sock.getsockname()[1]
     if args.port_file:
         atomic_write_bytes(Path(args.port_file), str(port).encode())
@@ -335,9 +368,28 @@ def _connection_budget(args: argparse.Namespace) -> ConnectionBudget | None:
         return None
     log.info("%s", plan.summary())
     warning = plan.warning()
-    if warning is not None:
-        log.warning("%s", warning)
+    if warning is not None and args.rank_capacity is not None:
+        log.warning("%s", warning)  # the capacity asked for is short: said at once
+    elif warning is not None:
+        # The default capacity is --max-ranks (16,384), the largest job, not the job at hand: most
+        # hosts' hard limit is short of it, and a warning at every start for 2 ranks cried wolf.
+        # Said here at debug level; ConnectionBudget warns once when ranks are actually turned away.
+        log.debug("%s", warning)
     return ConnectionBudget.for_plan(plan)
+
+
+def port_problem(host: str, port: int, e: OSError) -> str:
+    """The one line for a port the collector cannot listen on."""
+    import errno
+
+    where = f"{host}:{port}"
+    if e.errno == errno.EADDRINUSE:
+        return (
+            f"moeguard collector: --port {port}: {where} is in use by another process (find it with "
+            f"`ss -ltnp 'sport = :{port}'`); stop it, or pick another port with --port N (0: any free one, "
+            "written to --port-file)"
+        )
+    return f"moeguard collector: cannot listen on {where}: {e.strerror or e}"
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """`moeguard collector`: the HTTP service trainers stream telemetry to.
 
-    MOEGUARD_TOKEN=... moeguard collector --host 127.0.0.1 --port 9090 --runs runs/
+    MOEGUARD_TOKEN=... moeguard collector --host 127.0.0.1 --port 18321 --runs runs/
 
 Endpoints
     POST /v1/ingest                 a batch (below); bearer token required

@@ -68,6 +68,11 @@ def make_exporter(
     link = None
     if url:
         from guard.runtime.exporter import Exporter, ExporterConfig
+        from guard.wire.redact import quiet_http_logs
+
+        # httpx logs every ingest and command poll at INFO: under a framework's INFO root logger
+        # (torchtitan's init_logger) that was half of a run's log lines
+        quiet_http_logs()
 
         link = Exporter(
             url,

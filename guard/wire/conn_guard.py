@@ -75,6 +75,9 @@ class ConnectionBudget:
         # burst may hold this many more than the cap (open_files.py keeps room for it).
         self.accept_batch = backlog if backlog is not None else min(2048, max(64, cap // 8))
         self.ranks_wanted: int | None = None  # what the service was asked to serve (for /healthz)
+        # open_files' WARNING when the limit is short of the capacity asked for: logged once, when a
+        # connection is first turned away (the ranks connected need more than the limit covers)
+        self.short_warning: str | None = None
         # client address -> connection, each in the order it was admitted (oldest first)
         self._untrusted: dict[tuple[Any, ...], _Conn] = {}
         self._trusted: dict[tuple[Any, ...], _Conn] = {}
@@ -87,6 +90,7 @@ class ConnectionBudget:
         """The budget open_files.plan_open_files shared out."""
         budget = cls(plan.cap, backlog=plan.backlog)
         budget.ranks_wanted = plan.ranks_wanted
+        budget.short_warning = plan.warning()
         return budget
 
     @property
@@ -105,6 +109,10 @@ class ConnectionBudget:
             victim = next((c for c in self._untrusted.values() if c.proto.idle()), None)
             if victim is None:
                 self.refused += 1
+                if self.refused == 1 and self.short_warning is not None:
+                    log.warning(
+                        "a connection was turned away (503) at %d open: %s", total, self.short_warning
+                    )
                 return False
             self.evicted += 1
             del self._untrusted[victim.key]  # now, not when the loop reports it closed: the next may pick

@@ -49,11 +49,11 @@ def test_start_up_raises_the_soft_limit_to_what_the_ranks_need(tmp_path: Path) -
 
 
 @pytest.mark.integration
-def test_a_hard_limit_short_of_the_ranks_is_one_warning_line_naming_it(tmp_path: Path) -> None:
-    """Hard 1,024 and the default capacity (16,384 ranks, --max-ranks): the collector starts, says in
-    one WARNING line the limit, its value and the ranks it covers, and serves."""
+def test_a_hard_limit_short_of_the_ranks_asked_is_one_warning_line_naming_it(tmp_path: Path) -> None:
+    """Hard 1,024 and --rank-capacity 16,384 asked: the collector starts, says in one WARNING line
+    the limit, its value and the ranks it covers, and serves."""
     log = tmp_path / "collector.log"
-    with collector_under(tmp_path, log=log, nofile=(1024, 1024)) as c:
+    with collector_under(tmp_path, "--rank-capacity", "16384", log=log, nofile=(1024, 1024)) as c:
         assert c.proc is not None and _soft_nofile(c.proc.pid) == ("1024", "1024")
         r = httpx.post(f"{c.url}/v1/ingest", content=_body("r", 0, G1 | 1, [make_report(0)]), headers=AUTH)
         assert r.status_code == 200, r.text
@@ -62,6 +62,23 @@ def test_a_hard_limit_short_of_the_ranks_is_one_warning_line_naming_it(tmp_path:
     w = warnings[0]
     assert "hard limit (ulimit -Hn) is 1024" in w and "enough for 256 ranks" in w
     assert "--rank-capacity asks 16384" in w and f"raise the hard limit to {files_needed(16384, 1000)}" in w
+
+
+@pytest.mark.integration
+def test_the_default_capacity_short_of_the_limit_is_said_at_debug_level_only(tmp_path: Path) -> None:
+    """Hard 1,024 and the default capacity (--max-ranks, 16,384: the largest job, not the 2 ranks
+    at hand): no WARNING at start (issue #37: one at every start cried wolf); --log-level debug
+    shows the same line once, at DEBUG."""
+    for level, want in (("info", 0), ("debug", 1)):
+        log = tmp_path / f"collector-{level}.log"
+        with collector_under(tmp_path, "--log-level", level, log=log, nofile=(1024, 1024)) as c:
+            r = httpx.post(
+                f"{c.url}/v1/ingest", content=_body("r", 0, G1 | 1, [make_report(0)]), headers=AUTH
+            )
+            assert r.status_code == 200, r.text
+        lines = [ln for ln in log.read_text().splitlines() if "hard limit (ulimit -Hn)" in ln]
+        assert " WARNING " not in log.read_text()
+        assert len(lines) == want and all(" DEBUG " in ln for ln in lines), lines
 
 
 @pytest.mark.integration
