@@ -458,8 +458,10 @@ class Trainer:
         finally:
             self.callbacks.close()
             self.console.close()
-            self.preemption.uninstall()
-            self._finish(end)
+            try:  # a SIGTERM now only sets the flag: torchrun's, after a peer died, must not cut
+                self._finish(end)  # meta.json or the goodbye batch short (issue #37)
+            finally:
+                self.preemption.uninstall()
         return end.code
 
     def _stop_early(self) -> outcome.Ending | None:
@@ -517,6 +519,6 @@ class Trainer:
         if (
             self.dist.world > 1
             and dist.is_initialized()
-            and end.status not in (schema.STATUS_CRASHED, schema.STATUS_INTERRUPTED)
+            and end.status not in (schema.STATUS_CRASHED, schema.STATUS_INTERRUPTED, schema.STATUS_PEER_LOST)
         ):
-            self.comm.barrier()  # after a crash or Ctrl-C a peer may be gone: do not wait for it
+            self.comm.barrier()  # after a crash, Ctrl-C or a dead peer a peer may be gone: do not wait for it

@@ -8,6 +8,7 @@ meta.json["status_note"], and the process exit code; and the SIGTERM flag that e
     preempted          143    SIGTERM: checkpointed at the step boundary; --resume continues
     interrupted        130    Ctrl-C: stopped where it was, no new checkpoint
     crashed        (raises)   an exception; meta.json says which
+    peer_lost      (raises)   a collective failed because a peer rank died (this rank did not crash)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from guard.core import schema
+from guard.runtime.session import peer_failed
 
 EXIT_HALTED = 3  # the guard halted the run (a checkpoint and a critical event were written)
 # SIGTERM (preemption): checkpoint, then exit 128 + SIGTERM, what a process killed by SIGTERM reports.
@@ -75,6 +77,14 @@ def interrupted(step: int, checkpoint: Path | None) -> Ending:
 
 
 def crashed(step: int, e: BaseException) -> Ending:
+    """An exception ended the run; when it only says a peer rank is gone, the run is peer_lost (this
+    rank says goodbye, so only the rank that died is paged lost: issue #37)."""
+    if peer_failed(e):
+        return Ending(
+            schema.STATUS_PEER_LOST,
+            EXIT_CRASHED,
+            f"stopped during step {step}: a collective failed because a peer rank is gone: {e}"[:500],
+        )
     return Ending(
         schema.STATUS_CRASHED, EXIT_CRASHED, f"crashed during step {step}: {type(e).__name__}: {e}"[:500]
     )

@@ -66,6 +66,14 @@ STATUS_STYLES: dict[str, StatusStyle] = {
         "warning",
         "Ctrl-C stopped it where it was, without a new checkpoint; --resume continues from the newest one",
     ),
+    schema.STATUS_PEER_LOST: StatusStyle(
+        "peer lost",
+        ":material/link_off:",
+        "red",
+        "error",
+        "a peer rank died (killed, OOM, its node lost) and this run stopped because of it; the "
+        "HeartbeatLost page names the rank; relaunch to resume from the newest checkpoint",
+    ),
     schema.STATUS_STALE: StatusStyle(
         "stale",
         ":material/schedule:",

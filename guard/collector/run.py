@@ -31,7 +31,7 @@ from guard.collector.journal import (
 from guard.collector.ordering import WriterOrder
 from guard.collector.paging import AlertmanagerNotifier
 from guard.collector.run_meta import RunMeta
-from guard.collector.status import ENDED, resume_event
+from guard.collector.status import resume_event
 from guard.collector.storage import StoredState, load_commands
 from guard.core import schema
 from guard.core.config import GuardConfig
@@ -237,11 +237,13 @@ class RunState:
             self.health.observe_events(self.run, events)
         halted = self.health.is_halted(self.run)
         status = self.meta_file.advance(b, halted=halted, was_halted=was_halted, resumed=restart)
-        if status in ENDED and was_status not in ENDED:
-            self.health.end_heartbeats(self.run)  # every rank: the run is over
+        if status == schema.STATUS_HALTED and was_status != schema.STATUS_HALTED:
+            self.health.end_heartbeats(self.run)  # every rank: RunHalted pages a halted run
         if b.ranks is not None:
             self.health.observe_ranks(self.run, b.ranks)
-        if self.meta_file.status not in ENDED:  # an ended run has no liveness to watch
+        # Any other ending keeps watching the ranks that have not said goodbye (status.py): a
+        # rank that is silent with no final batch pages, whatever its peers said.
+        if self.meta_file.status != schema.STATUS_HALTED:
             hb = _beat_of(b)
             if hb is not None:
                 self.health.beat(

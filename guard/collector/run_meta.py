@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from guard.collector.status import minimal_meta, next_status
+from guard.collector.status import goodbye_status, minimal_meta, next_status
 from guard.collector.storage import write_meta
 from guard.core import schema
 from guard.store.reader import read_meta
@@ -40,6 +40,10 @@ class RunMeta:
             "updated_at": time.time(),
         }
         meta.setdefault("run_id", self.run)
+        sent_status = meta.get("status")
+        if self.status == schema.STATUS_PEER_LOST != sent_status and sent_status in schema.ENDED_STATUSES:
+            # a peer said a rank died: rank 0's own later "preempted" does not make it a clean stop
+            meta["status"], meta["status_note"] = self.status, (self.doc or {}).get("status_note", "")
         self._set(meta)
         self.status = meta.get("status", self.status)
         return meta
@@ -55,7 +59,11 @@ class RunMeta:
         status does."""
         status = next_status(self.status, b, halted=halted, was_halted=was_halted, resumed=resumed)
         if status != self.status and status is not None:
-            self._set({**(self.doc or minimal_meta(self.run)), "status": status, "updated_at": time.time()})
+            doc = {**(self.doc or minimal_meta(self.run)), "status": status, "updated_at": time.time()}
+            if status == goodbye_status(b):  # the goodbye says why, in the rank's words
+                note = (b.goodbye or {}).get("note", "")
+                doc["status_note"] = note if b.rank == 0 else f"rank {b.rank}: {note}"
+            self._set(doc)
             self.status = status
         return status
 

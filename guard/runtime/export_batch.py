@@ -113,8 +113,11 @@ class BatchAssembler:
         self._counter += 1
         return make_seq(self.generation, self._counter)
 
-    def body(self, chunk: list[Encoded], seq: int, final: bool = False) -> bytes:
-        """The batch body for `chunk` with sequence number `seq`. Caller holds `lock`."""
+    def body(
+        self, chunk: list[Encoded], seq: int, final: bool = False, goodbye: dict[str, str] | None = None
+    ) -> bytes:
+        """The batch body for `chunk` with sequence number `seq` (`goodbye`: why the rank ends,
+        on its final batch). Caller holds `lock`."""
         if chunk and (top := max(step for _, _, step in chunk)) > self._last_step:
             self._last_step, self.progress_at = top, time.monotonic()
         meta, self._meta = self._meta, None
@@ -127,6 +130,7 @@ class BatchAssembler:
             writer=self.writer,
             events=[e for _, evs, _ in chunk for e in evs],
             final=final,
+            goodbye=goodbye if final else None,
             heartbeat=heartbeat(
                 time.time(),
                 max(self._last_step, 0),

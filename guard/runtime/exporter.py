@@ -201,11 +201,14 @@ class Exporter:
                 return False
             time.sleep(0.01)
 
-    def close(self, timeout: float = 30.0, final: bool | None = None) -> bool:
+    def close(
+        self, timeout: float = 30.0, final: bool | None = None, goodbye: dict[str, str] | None = None
+    ) -> bool:
         """Drain and stop. True when everything reached the collector; otherwise the rest is
         on disk in the spool and a later Exporter for the same run and rank sends it.
         `final`: end with a final batch (this rank stopped on purpose); None = unless an
-        exception is propagating (close() called from a `finally` during a crash)."""
+        exception is propagating (close() called from a `finally` during a crash). `goodbye`:
+        why the rank ends, carried by the final batch (guard/wire/batch.py `goodbye`)."""
         if final is None:
             final = sys.exc_info()[0] is None
         ok = self.flush(timeout)
@@ -216,16 +219,16 @@ class Exporter:
             with self._batches.lock:
                 self._spool_locked(chunk)
         if final:
-            ok = self._send_final() and ok
+            ok = self._send_final(goodbye) and ok
         self._link.close()
         return ok and not leftover and not self._link.conflicted
 
-    def _send_final(self) -> bool:
+    def _send_final(self, goodbye: dict[str, str] | None = None) -> bool:
         """The final batch, last in seq order: POSTed when nothing is spooled and the sender has
         stopped (a batch still in flight must not land after it), else spooled behind the rest."""
         with self._batches.lock:
             seq = self._batches.next_seq()
-            body = self._batches.body([], seq, final=True)
+            body = self._batches.body([], seq, final=True, goodbye=goodbye)
             if len(self._spool) or self._sender.is_alive():
                 self._spool.write(seq, body)
                 return False

@@ -204,8 +204,14 @@ class TeeExporter:
     def poll_commands(self) -> list[dict[str, Any]]:
         return self.collector.poll_commands() if self.collector is not None else []
 
-    def close(self, timeout: float = 30.0, final: bool | None = None) -> bool:
+    def close(
+        self, timeout: float = 30.0, final: bool | None = None, goodbye: dict[str, str] | None = None
+    ) -> bool:
         """Close both; True when the collector got everything (OTLP is best effort)."""
-        ok = self.collector.close(timeout=timeout, final=final) if self.collector is not None else True
+        ok = (
+            self.collector.close(timeout=timeout, final=final, goodbye=goodbye)
+            if self.collector is not None
+            else True
+        )
         self.otel.close(timeout_s=timeout)
         return ok

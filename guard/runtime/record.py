@@ -21,6 +21,7 @@ from guard.core.report import StepReport
 from guard.store.reader import read_meta, scan_table
 from guard.store.runstore import RunStore
 from guard.store.writer import truncate_after
+from guard.wire.batch import goodbye
 
 
 class RunRecord:
@@ -121,8 +122,10 @@ class RunRecord:
             if self.exporter is not None:
                 self.exporter.set_meta(read_meta(self.run_dir) or {})
         if self.exporter is not None:
-            # a crash sends no final batch, so its silence pages; a Ctrl-C or SIGTERM was on purpose
-            self.exporter.close(timeout=30, final=status != schema.STATUS_CRASHED)
+            # A crash sends no final batch, so its silence pages; any other ending says goodbye
+            # with why (a rank killed -9 says none, and is paged lost whatever its peers say).
+            bye = status != schema.STATUS_CRASHED
+            self.exporter.close(timeout=30, final=bye, goodbye=goodbye(status, note) if bye else None)
 
 
 def verdict_summary(run_dir: Any) -> str:

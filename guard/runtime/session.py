@@ -30,6 +30,7 @@ from guard.core.events import Event
 from guard.core.heartbeat import PHASE_TRAIN
 from guard.core.report import StepReport
 from guard.runtime.envinfo import fingerprint
+from guard.runtime.goodbye import Goodbyes
 from guard.runtime.peak import peak_flops
 from guard.runtime.record import RunRecord, summary_lines
 from guard.runtime.service import default_beat_s, make_exporter
@@ -66,7 +67,7 @@ def ending(exc: BaseException | None) -> tuple[str, str]:
     """(run status, note) for a run whose process is leaving with `exc` propagating (None: a
     normal close)."""
     if peer_failed(exc):
-        return schema.STATUS_CRASHED, f"a collective failed because a peer rank is gone: {exc}"[:500]
+        return schema.STATUS_PEER_LOST, f"a collective failed because a peer rank is gone: {exc}"[:500]
     if exc is None:
         return schema.STATUS_FINISHED, ""
     if isinstance(exc, Preempted):
@@ -161,6 +162,9 @@ class RunSession:
         self.closed = False
         self._first_step = True
         self._sigterm_prev: Any = None
+        self._sigterm = False  # a SIGTERM reached the session's handler
+        # multi-rank: say goodbye in the job's store on SIGTERM, and ask who else did (goodbye.py)
+        self.goodbyes = Goodbyes.for_job(rank, world)
         self._install_sigterm()
         atexit.register(self._at_exit)
 
@@ -221,11 +225,37 @@ class RunSession:
         # record of how the run ended short: it is held until meta.json and the last batch are out.
         held = self._hold_sigterm()
         try:
+            status, note = self._judge(status, note)
             self.record.finish(status, note, **fields)
         finally:
             self._uninstall_sigterm()
+            if self.goodbyes is not None:
+                self.goodbyes.close()
             if held is not None and held[0]:
                 os.kill(os.getpid(), signal.SIGTERM)  # delivered now, to whoever handles it
+
+    def _judge(self, status: str, note: str) -> tuple[str, str]:
+        """A SIGTERM ending in a multi-rank job: preempted when every peer said goodbye too (the
+        whole job was stopped), peer_lost naming the ranks that did not (torchrun stopping the
+        survivors of a rank that died: issue #37). A collective that lost its peer after a SIGTERM
+        every peer had too is the same preemption (the peer just left first)."""
+        g = self.goodbyes
+        if g is None:
+            return status, note
+        sigterm = self._sigterm or g.sigterm.is_set()
+        if status == schema.STATUS_PREEMPTED or (status == schema.STATUS_PEER_LOST and sigterm):
+            silent = g.silent_peers()
+            if silent:
+                ranks = ", ".join(map(str, silent))
+                return schema.STATUS_PEER_LOST, (
+                    f"rank {ranks} said no goodbye (killed, or hung) when this rank got SIGTERM "
+                    f"(torchrun stops the survivors when a rank dies); {note}"
+                )[:500]
+            if status == schema.STATUS_PEER_LOST:
+                return schema.STATUS_PREEMPTED, (
+                    "SIGTERM (preemption) reached every rank; a peer left first. " + ending(Preempted())[1]
+                )
+        return status, note
 
     def summary(self, **fields: Any) -> list[str]:
         if self.run_dir is None or self.rank != 0:
@@ -238,6 +268,8 @@ class RunSession:
         if self.closed:
             return
         exc = getattr(sys, "last_value", None)
+        if exc is None and self._sigterm:  # Preempted is a SystemExit: it leaves no last_value
+            exc = Preempted()
         status, note = ending(exc)
         if exc is None:
             status, note = schema.STATUS_CRASHED, "the process exited without GuardedStep.close()"
@@ -251,6 +283,9 @@ class RunSession:
             return  # the framework or the user handles it; their handler decides
 
         def on_sigterm(signum: int, frame: Any) -> None:
+            self._sigterm = True
+            if self.goodbyes is not None:
+                self.goodbyes.heard_sigterm()
             raise Preempted()
 
         self._sigterm_prev = signal.signal(signal.SIGTERM, on_sigterm)

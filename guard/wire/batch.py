@@ -28,6 +28,10 @@
     writer     str, optional ([A-Za-z0-9_-]{1,64}): a random id of the sending exporter instance;
                two writers whose generations are equal (started in the same second) differ here
     final      bool, optional: true on the last batch of a rank that stopped on purpose
+    goodbye    {"status": str, "note": str}, optional, only beside final: why this rank ends, one
+               of schema.GOODBYE_STATUSES (finished, preempted, interrupted, halted, peer_lost, ...)
+               and in words (at most GOODBYE_NOTE_MAX characters). A rank whose beats stop with
+               no final is lost, whatever its peers say (guard/collector/status.py)
 Unknown top-level keys are ignored (newer exporters may send more).
 
 What the collector does with each field is in guard/collector/ (service.py's docstring). This
@@ -90,6 +94,7 @@ class Batch:
     final: bool = False
     writer: str | None = None  # the sending exporter instance (random), when it says
     ranks: dict[str, Any] | None = None  # rank 0: every rank's window timing (RANK_VECTORS)
+    goodbye: dict[str, str] | None = None  # with final: {"status", "note"}: why this rank ends
 
     @property
     def generation(self) -> int:
@@ -117,6 +122,16 @@ def heartbeat(
     if world > 1:
         hb["world"] = world
     return hb
+
+
+GOODBYE_NOTE_MAX = 500
+
+
+def goodbye(status: str, note: str = "") -> dict[str, str]:
+    """The final batch's goodbye field: why this rank ends (schema.GOODBYE_STATUSES), in words."""
+    if status not in schema.GOODBYE_STATUSES:
+        raise ValueError(f"goodbye status {status!r} is not one of {schema.GOODBYE_STATUSES}")
+    return {"status": status, "note": note[:GOODBYE_NOTE_MAX]}
 
 
 MAX_BEAT_EVERY_S = 86400.0  # a declared beat interval longer than a day is none
@@ -158,6 +173,8 @@ def encode_batch(b: Batch, reports_json: Sequence[bytes] | None = None) -> bytes
     d["events"] = b.events
     if b.final:
         d["final"] = True
+        if b.goodbye is not None:
+            d["goodbye"] = b.goodbye
     if b.heartbeat is not None:
         d["heartbeat"] = b.heartbeat
     if b.meta is not None:
@@ -305,6 +322,21 @@ def _parse_ranks(raw: Any, rank: int, limits: CollectorLimits | None) -> dict[st
     return out
 
 
+def _parse_goodbye(v: Any, final: bool) -> dict[str, str] | None:
+    if v is None:
+        return None
+    if not final:
+        raise BadRequest("field 'goodbye': only on a final batch")
+    if not isinstance(v, dict) or v.get("status") not in schema.GOODBYE_STATUSES:
+        raise BadRequest(
+            f'field \'goodbye\': expected {{"status": one of {list(schema.GOODBYE_STATUSES)}, "note": str}}'
+        )
+    note = v.get("note", "")
+    if not isinstance(note, str) or len(note) > GOODBYE_NOTE_MAX:
+        raise BadRequest(f"field 'goodbye.note': expected a string of at most {GOODBYE_NOTE_MAX} characters")
+    return {"status": v["status"], "note": note}
+
+
 def _parse_bool(d: dict[str, Any], name: str) -> bool:
     v = d.get(name, False)
     if not isinstance(v, bool):
@@ -358,6 +390,7 @@ def parse_batch(body: bytes, limits: CollectorLimits | None = None) -> Batch:
         commands_ack=ack,
         trainer_detectors=td,
         final=final,
+        goodbye=_parse_goodbye(d.get("goodbye"), final),
         writer=writer,
         ranks=_parse_ranks(d.get("ranks"), rank, limits),
     )

@@ -779,8 +779,12 @@ def test_trainer_meta_status_ends_the_run_but_only_a_new_process_resumes_it(inpr
     ingest(c, batch("ms", 0, G2 | 2, [make_report(s) for s in range(5, 9)]))
     ingest(c, beat("ms", 1, G2 | 1))
     assert halted(c, "ms") == 0 and set(lost_series(c, "ms")) == {"0", "1"}
-    # the end of the run, told by meta alone (no final flag): every rank stops being watched
+    # the end of the run, told by meta alone: finished, but only a rank's own final batch stops
+    # the collector watching it (issue #37: a rank that never says goodbye is lost)
     ingest(c, beat("ms", 0, G2 | 3, step=8, meta={"status": schema.STATUS_FINISHED}))
+    assert set(lost_series(c, "ms")) == {"0", "1"} and c.list_runs()[0].status == schema.STATUS_FINISHED
+    ingest(c, beat("ms", 1, G2 | 2, final=True))
+    ingest(c, beat("ms", 0, G2 | 4, step=8, final=True))
     assert lost_series(c, "ms") == {} and c.list_runs()[0].status == schema.STATUS_FINISHED
     c.close()
     ev = read_table(c.cfg.runs_dir / "ms", schema.TABLE_EVENTS).sort("step")
