@@ -19,11 +19,19 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "otel": ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"),
     "grafana": ("grafana_client",),
     "profile": ("torch_tb_profiler",),
+    # the frameworks the adapters drive (pinned in pyproject.toml as CI tests them)
+    "torchtitan": ("torchtitan",),
+    "transformers": ("transformers", "accelerate"),
 }
 
 
 class MissingExtra(ImportError):
     """An optional part was used without its extra; the message is one line that names it."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        # raised while the framework's own ImportError is handled: that one is not shown with it
+        self.__suppress_context__ = True
 
 
 def missing(extra: str) -> str | None:

@@ -53,7 +53,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
+
+from guard.extras import require
+
+try:
+    from transformers import TrainerCallback
+except ImportError:  # one line naming the extra (guard/extras.py), not transformers' traceback
+    require("transformers", "guard.integrations.hf_trainer (MoEGuardCallback)")
+    raise
 
 from guard.api import GuardedStep
 from guard.canary.keys import RUN_DIR_ENV

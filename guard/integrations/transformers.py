@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from guard.extras import require
 from guard.integrations import hf_routing as rt
 from guard.integrations.base import (
     Attachment,
@@ -108,6 +109,7 @@ def attach(
       (guard/integrations/transformers_logits.py says what is and is not exact). Off by default:
       nothing is added to the model or its forward.
     """
+    require("transformers", "guard.integrations.transformers.attach")
     name = type(model).__name__
     blocks = decoder_layers(model)
     hooks, biases, unobserved = (_read_dry if dry_run else _read_static)(model, blocks)
@@ -159,6 +161,8 @@ def attach(
         undo=undo,
     )
     att.unobserved = unobserved
+    # drills: `inject collapse@S:LAYER` (guard/runtime/inject.py) pushes that layer's router
+    att.force_collapse = lambda layer: force_collapse(model, layer)  # type: ignore[attr-defined]
     return att
 
 
