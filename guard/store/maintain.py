@@ -202,10 +202,8 @@ class StoreMaintainer:
             roller = rollers.get(t)
             feed = roller.feed if roller is not None else None
             if self.policy.compact and compact:
-                out = compact_span(
-                    d, lo, hi, polars_schema(t), grace_s=self.policy.grace_s, feed=feed, force=True
-                )
-                if out is None and feed is not None:  # a damaged part: roll what reads
+                out = compact_span(d, lo, hi, polars_schema(t), grace_s=self.policy.grace_s, feed=feed)
+                if out is None and feed is not None:  # one part already, or a damaged one: roll what reads
                     self._feed_parts(d, lo, hi, feed)
             elif feed is not None:
                 self._feed_parts(d, lo, hi, feed)
@@ -217,11 +215,20 @@ class StoreMaintainer:
                 fsync_dir(rd)
 
     def _feed_parts(self, d: Path, lo: int, hi: int, feed: Any) -> None:
+        """Feed the segment's rows part by part, row group by row group (a plain part of the
+        segment before may hold a few of its rows: one written before parts were cut at segments)."""
+        import pyarrow.parquet as pq
+
         from guard.store.reader import good_parts
 
-        parts = [p for pi, p in live_parts(d) if lo - SEGMENT_STEPS <= pi.first_step <= hi]
+        parts = [
+            p
+            for pi, p in live_parts(d)
+            if lo <= pi.first_step <= hi or (lo - SEGMENT_STEPS <= pi.first_step < lo and not pi.compacted)
+        ]
         for p in good_parts(parts):
-            feed(pl.read_parquet(p))
+            for batch in pq.ParquetFile(p).iter_batches(batch_size=1 << 18):
+                feed(pl.from_arrow(batch))
 
     def _retire(self, last: int) -> None:
         """Retention: raw rows of old rolled-up segments outside incident windows; old rollups."""
