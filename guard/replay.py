@@ -38,6 +38,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--all", action="store_true", help="list every step with a verdict (default: first 50)")
     p.add_argument("--json", action="store_true", help="print the replayed events as JSON lines")
+    p.add_argument(
+        "--ladder",
+        action="store_true",
+        help="first print the escalation ladder per fault kind at these settings",
+    )
 
 
 @dataclass(slots=True)
@@ -114,6 +119,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, cfg: GuardConfig, max_lr: float | None) -> int:
+    if getattr(args, "ladder", False) and not args.json:
+        from guard.core.policy import ladder
+
+        print("escalation ladder (guard/core/policy.py, docs/escalation.md):")
+        for kind, rungs in ladder(cfg):
+            print(f"  {kind}: " + "; ".join(f"{i}. {r}" for i, r in enumerate(rungs, 1)))
     rows = replay(args.run_dir, cfg, max_lr)
     if args.json:
         for r in rows:

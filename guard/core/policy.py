@@ -48,6 +48,50 @@ CORRECT_BIAS, CORRECT_AUX, CORRECT_NONE = "bias", "aux_loss", "none"
 CORRECTIONS = (CORRECT_BIAS, CORRECT_AUX, CORRECT_NONE)
 
 
+def ladder(cfg: GuardConfig) -> list[tuple[str, list[str]]]:
+    """The escalation ladder per fault kind with `cfg`'s numbers (what `moeguard replay --ladder`
+    prints): the module docstring's ladder, as this configuration runs it."""
+    p = cfg.policy
+    if not cfg.acting:
+        return [("every fault", ["observe only: verdicts are recorded, nothing is acted on"])]
+    skip = "skip the update (weights and optimizer state untouched)" if p.skip else "apply (skip off)"
+    rb = (
+        f"{p.rollback_after_skips} skips in one incident (gaps under {p.incident_gap} steps, within "
+        f"{p.skip_window}) -> roll back to the snapshot before it, skip {p.rollback_skip_batches} "
+        f"batches" + (f", LR x{p.cooldown_factor} for {p.cooldown_steps} steps" if p.lr_cooldown else "")
+        if p.rollback
+        else "no rollback (rollback off)"
+    )
+    halt = (
+        f"after {p.halt_after_rollbacks} rollback(s) within {p.rollback_window} steps -> halt and page (RunHalted)"
+        if p.halt
+        else "halt off: recorded as fault_recurred (FaultRecurred)"
+    )
+    again = (
+        f"escalates again within {p.rollback_window} steps of a rollback -> no second rollback: "
+        "keep skipping, fault_recurred (FaultRecurred page)"
+    )
+    correct = (
+        f"correct the layer ({'bias push or balancing gradient' if p.bias_correct else 'off'}) for "
+        f"{p.bias_boost_steps} steps, then check"
+    )
+    return [
+        ("non-finite", [skip, rb, f"recurs: {halt}"]),
+        (
+            "spike",
+            [skip, rb, again, f"diverging (loss or grad norm >= {p.diverge_ratio}x its level): {halt}"],
+        ),
+        (
+            "collapse",
+            [
+                correct,
+                "not recovered -> keep correcting, collapse_not_recovered once (CollapseNotRecovered page)",
+                "never a rollback, never a halt",
+            ],
+        ),
+    ]
+
+
 @dataclass(kw_only=True, slots=True)
 class Decision:
     step: int

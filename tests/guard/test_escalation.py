@@ -105,3 +105,20 @@ def test_an_open_correction_holds_no_snapshot_back_and_survives_a_resume() -> No
     q = Policy(GuardConfig(), correction="aux_loss")
     q.load_state_dict(state)
     assert q.corrections[1].paged and q.state_dict() == state
+
+
+def test_replay_prints_the_ladder_at_the_runs_settings(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from guard.cli import main as cli_main
+    from tests.guard.test_replay import recorded_run
+
+    run = recorded_run(tmp_path / "r")
+    override = tmp_path / "g.toml"
+    override.write_text("[guard.policy]\nhalt_after_rollbacks = 2\ndiverge_ratio = 20.0\n")
+    assert cli_main(["replay", str(run), "--ladder", "--guard", str(override)]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if ln.startswith("  ") and ":" in ln}
+    assert set(lines) == {"non-finite", "spike", "collapse"}
+    assert "after 2 rollback(s) within 500 steps -> halt" in lines["non-finite"]
+    assert "no second rollback" in lines["spike"] and ">= 20.0x its level" in lines["spike"]
+    assert "never a rollback, never a halt" in lines["collapse"]
+    assert "grad_norm_spike" in out  # the replay itself still follows
