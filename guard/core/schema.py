@@ -114,6 +114,9 @@ ROLLUP_KEYS: dict[str, tuple[str, ...]] = {
     TABLE_RANKS: ("rank",),
 }
 ROLLUP_TABLES = tuple(ROLLUP_KEYS)
+# The finest resolution written per table where it is coarser than ROLLUP_RESOLUTIONS' first: rank
+# rows come every straggler_every (20) steps, so a 10-step rollup would be larger than its rows.
+ROLLUP_MIN_RESOLUTION: dict[str, int] = {TABLE_RANKS: 100}
 ROLLUP_STATS = ("mean", "min", "max", "last")
 ROLLUP_STEP_COLUMNS: dict[str, str] = {"step": "Int64", "step_lo": "Int64", "step_hi": "Int64", "n": "Int32"}
 
@@ -140,6 +143,13 @@ SUMMARY_FILE = "summary.json"  # runs/<run_id>/summary.json (guard/store/summary
 META_FILE = "meta.json"
 CHECKPOINT_DIR = "checkpoints"
 PROFILE_DIR = "profile"
+
+# The training framework a run is driven by: meta.json["framework"] (RunHalted says how to resume it)
+FRAMEWORK_MOEGUARD = "moeguard"  # `moeguard train`
+FRAMEWORK_TORCHTITAN = "torchtitan"
+FRAMEWORK_TRANSFORMERS = "transformers"  # the Trainer with MoEGuardCallback, or a transformers model
+FRAMEWORK_PYTORCH = "pytorch"  # any other loop with GuardedStep
+FRAMEWORKS = (FRAMEWORK_MOEGUARD, FRAMEWORK_TORCHTITAN, FRAMEWORK_TRANSFORMERS, FRAMEWORK_PYTORCH)
 
 # Run status, kept in meta.json["status"] (meta.json["status_note"] says what happened in words).
 STATUS_RUNNING = "running"
@@ -288,6 +298,10 @@ M_VERDICTS = "moeguard_guard_verdicts_total"  # labels: run, detector
 M_ACTIONS = "moeguard_guard_actions_total"  # labels: run, action (guard/core/actions.py)
 M_NONFINITE = "moeguard_nonfinite_steps_total"
 M_HALTED = "moeguard_run_halted"  # 1 when the run halted itself
+# 1 while the run is halted, labelled with what halted it: RunHalted's annotations read it
+M_HALT_INFO = "moeguard_run_halt_info"
+HALT_INFO_LABELS = ("step", "halted_by", "detector", "reason", "framework")
+HALTED_BY_GUARD, HALTED_BY_OPERATOR = "guard", "operator"
 M_LAST_SEEN = "moeguard_last_report_timestamp_seconds"  # labels: run, rank
 M_HEARTBEAT_AGE = "moeguard_heartbeat_age_seconds"  # labels: run, rank
 M_HEARTBEAT_TIMEOUT = "moeguard_heartbeat_timeout_seconds"  # labels: run, rank

@@ -66,6 +66,7 @@ class StoreMaintainer:
     def __init__(self, run_dir: str | Path, policy: StoreConfig | None = None) -> None:
         self.dir = Path(run_dir)
         self.policy = policy or StoreConfig()
+        self.dir.mkdir(parents=True, exist_ok=True)
         self._mtime: int | None = None
         for d in self._folders():
             clean_temps(d)
@@ -209,6 +210,8 @@ class StoreMaintainer:
                 self._feed_parts(d, lo, hi, feed)
         for t, roller in rollers.items():
             for res, df in roller.frames().items():
+                if res < schema.ROLLUP_MIN_RESOLUTION.get(t, 0):
+                    continue
                 rd = rollup_table_dir(self.dir, t, res)
                 rd.mkdir(parents=True, exist_ok=True)
                 write_part_file(rd / part_name(lo, k), df)

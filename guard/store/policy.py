@@ -37,7 +37,7 @@ class StoreConfig:
     # step only (still full fidelity), so a detector that fires every step cannot fill the disk.
     incident_budget_steps: int = 20_000
     # Rollup rows kept for the newest this many steps per resolution (0: forever), coarsest last.
-    r10_window_steps: int = 100_000
+    r10_window_steps: int = 50_000
     r100_window_steps: int = 0
     r1000_window_steps: int = 0
     # A segment is compacted and rolled up once the run is this many steps past its end (rows of
