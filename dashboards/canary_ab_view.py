@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import streamlit as st
 
+from dashboards import ui
 from dashboards.data import canary_ab
 from dashboards.data.config import AppConfig
 from dashboards.figures.canary_ab import ab_pairs_figure
-from guard.canary.ab_format import AB_JSON, Report
+from guard.canary.ab_format import AB_JSON, RATIO_LABELS, SPEED, TPS_RAW, Report
+from guard.canary.config import TIMING_CPU
 
 VERDICT_BOX = {"pass": st.success, "warn": st.warning, "fail": st.error}
 RATIO_FORMAT = st.column_config.NumberColumn(format="%.4f")
@@ -48,9 +50,8 @@ def render_ab_section(cfg: AppConfig) -> None:
     st.plotly_chart(ab_pairs_figure(rep, pairs), key="ab_pairs")
     st.caption(
         "Each pair is one worker process of A and one of B, run back to back (ABBA order: a drift slower "
-        "than two processes hits both sides alike). Filled: the gated ratio (CPU: tokens per CPU-second, "
-        "normalised by each process's own reference matmul); open grey: the raw tokens/s ratio. The band is "
-        "the median's sign-test interval: the verdict fails only when it lies wholly below the fail line."
+        f"than two processes hits both sides alike). {ratio_words(rep)} The band is the median's sign-test "
+        "interval: the verdict fails only when it lies wholly below the fail line."
     )
     st.subheader("Environment diff")
     env = canary_ab.env_table(rep)
@@ -61,16 +62,28 @@ def render_ab_section(cfg: AppConfig) -> None:
         else "A and B report the same environment (only the injected slowdown, if any, differs)."
     )
     env = env.sort("differs", descending=True, maintain_order=True)  # what differs first
-    st.dataframe(env, hide_index=True, height=ROW_PX * (env.height + 1) + 3)  # every row, no inner scroll
+    ui.dataframe(env, hide_index=True, height=ROW_PX * (env.height + 1) + 3)  # every row, no inner scroll
     _changed_ops(rep)
     with st.expander("Pairs and per-side medians"):
-        st.dataframe(
+        ui.dataframe(
             pairs,
             hide_index=True,
             column_config={c: RATIO_FORMAT for c in pairs.columns if c.startswith("B/A")}
             | {"load": st.column_config.NumberColumn(format="%.1f")},
         )
-        st.dataframe(canary_ab.sides_table(rep), hide_index=True)
+        ui.dataframe(canary_ab.sides_table(rep), hide_index=True)
+
+
+def ratio_words(rep: Report) -> str:
+    """What the chart's two marks are, in ab.md's own words (RATIO_LABELS, defined once): on CPU
+    timing the gated ratio is normalised by each process's reference matmul and the grey one is
+    not; on wall timing neither is, and they are one ratio."""
+    if rep.get("timing") == TIMING_CPU:
+        return f"Filled: the gated ratio, {RATIO_LABELS[SPEED]}; open grey: {RATIO_LABELS[TPS_RAW]}."
+    return (
+        f"Filled: the gated ratio, wall-clock tokens/s (timing {rep.get('timing')}: not normalised by a "
+        "reference matmul, so the open grey raw tokens/s ratio is the same number)."
+    )
 
 
 def _verdict(rep: Report) -> None:
@@ -115,7 +128,7 @@ def _changed_ops(rep: Report) -> None:
             continue
         shown = True
         st.markdown(f"**{title}** (B - A, median over each side's profiled workers)")
-        st.dataframe(
+        ui.dataframe(
             ops,
             hide_index=True,
             column_config={

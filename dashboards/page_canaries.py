@@ -6,6 +6,7 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
+from dashboards import ui
 from dashboards.canary_ab_view import render_ab_section
 from dashboards.data import canaries, config
 from dashboards.data.config import AppConfig
@@ -80,13 +81,13 @@ def _history_section(cfg: AppConfig) -> None:
             "The latest entry has no baseline before it (the first `--record` makes one); nothing to judge it by."
         )
 
-    st.plotly_chart(canary_figure(sub, gate, fingerprint=fp), key="canary")
+    st.plotly_chart(canary_figure(sub, gate, fingerprint=fp, measure=measure), key="canary")
     st.caption(
         "Band: the latest entry's baseline ± warn %. Dashed red: fail threshold. Verdicts are the canary's own "
-        "(recorded at the time with its thresholds; on CPU it gates host-adjusted MFU, so its delta can differ "
+        f"(recorded at the time with its thresholds; on CPU it gates the host-adjusted {CPU_EFFICIENCY}, so its delta can differ "
         "from the raw one here); the band uses the thresholds above."
     )
-    st.dataframe(
+    ui.dataframe(
         sub.with_columns(deltas)
         .sort("n", descending=True)
         .select(
@@ -126,7 +127,7 @@ def _history_section(cfg: AppConfig) -> None:
             "when it moved relative to the rest (`vs overall`, share change), not when it moved with everything: "
             "a uniform slowdown raises every op's raw time and no op's share. Sorted by share change."
         )
-        st.dataframe(
+        ui.dataframe(
             kern.head(15),
             hide_index=True,
             column_config={

@@ -8,8 +8,9 @@ import polars as pl
 import streamlit as st
 
 from dashboards import ui
-from dashboards.data import compare, config, loaders, mfu_peak, runs
+from dashboards.data import compare, config, guard_events, loaders, mfu_peak, runs
 from dashboards.figures.compare import compare_distributions, compare_overlay
+from guard.core import schema
 
 cfg = config.app_config()
 st.title("Compare runs")
@@ -25,6 +26,39 @@ if not chosen:
 sel = [by_id[r] for r in chosen]
 sigs = {i.run_id: runs.run_signature(i.path) for i in sel}
 perf = {i.run_id: loaders.load_steady_perf(i.path, sigs[i.run_id]) for i in sel}
+ident = {i.run_id: compare.speed_identity(i.meta) for i in infos}
+
+
+def same_config_spread(run_ids: list[str]) -> compare.Spread | None:
+    """The widest run-to-run spread of steady tokens/s among the store's runs that share a
+    config and environment with any of `run_ids` (None without such a repeat): the noise a
+    within-run interval or a violin of steps cannot see."""
+    spreads = []
+    for run in run_ids:
+        peers = [i for i in infos if ident[i.run_id] == ident[run]]
+        if len(peers) > 1:
+            medians = {
+                i.run_id: compare.steady_median(loaders.load_steady_perf(i.path, runs.run_signature(i.path)))
+                for i in peers
+            }
+            spreads.append(compare.run_spread(medians))
+    return max((x for x in spreads if x is not None), key=lambda x: x.pct, default=None)
+
+
+def injected_faults(i: runs.RunInfo) -> str:
+    """The faults a run injected on purpose (`--inject`: meta.json "injections"; a loop that
+    injects through GuardedStep records only its inject events), "none" when it injected none."""
+    planned = i.meta.get("injections")
+    if isinstance(planned, list) and planned:
+        return ", ".join(map(str, planned))
+    ev = loaders.load_events(i.path, sigs.get(i.run_id) or runs.run_signature(i.path))
+    ev = ev.filter(pl.col("kind") == schema.EV_INJECT) if ev.height else ev
+    seen = []
+    for step, detail in ev.select("step", "detail").iter_rows():
+        d = guard_events.parse_detail(detail)
+        seen.append(str(d.get("injection") or f"{d.get('kind', '?')}@{step}"))
+    return ", ".join(seen) or "none"
+
 
 # ---- the runs side by side --------------------------------------------------------------
 rows = []
@@ -54,7 +88,7 @@ for i in sel:
 table = pl.DataFrame(rows, infer_schema_length=None)
 if table["MFU p50 %"].null_count() == table.height:  # no peak anywhere: a column of "None" says nothing
     table = table.drop("MFU p50 %")
-st.dataframe(
+ui.dataframe(
     table,
     hide_index=True,
     column_config={
@@ -106,20 +140,8 @@ else:
     if r is None:
         st.info("Not enough steady-state steps (10 per run) to compare throughput.")
     else:
-        ident = {i.run_id: compare.speed_identity(i.meta) for i in infos}
         same_ab = ident[run_a] == ident[run_b]
-        spreads = []
-        for run in (run_a, run_b):
-            peers = [i for i in infos if ident[i.run_id] == ident[run]]
-            if len(peers) > 1 and not same_ab:
-                medians = {
-                    i.run_id: compare.steady_median(
-                        loaders.load_steady_perf(i.path, runs.run_signature(i.path))
-                    )
-                    for i in peers
-                }
-                spreads.append(compare.run_spread(medians))
-        spread = max((x for x in spreads if x is not None), key=lambda x: x.pct, default=None)
+        spread = None if same_ab else same_config_spread([run_a, run_b])
         st.markdown(
             compare.speedup_sentence(f"A ({run_a})", f"B ({run_b})", r, spread=spread, same_config=same_ab)
         )
@@ -187,7 +209,13 @@ if dist.height == 0:
         "acted on are left out)."
     )
 else:
-    st.plotly_chart(compare_distributions(dist, label), key="dist")
+    noise = same_config_spread(chosen) if len(sel) > 1 else None
+    caveat = (
+        f"same-config runs here vary by up to {noise.pct:.0f}% run to run: a gap between groups smaller than that is noise"
+        if noise
+        else "run-to-run noise not shown (no same-config repeat here): `moeguard canary --ab` decides"
+    )
+    st.plotly_chart(compare_distributions(dist, label, caveat=caveat), key="dist")
     grouped = (
         dist.group_by("group")
         .agg(
@@ -201,7 +229,10 @@ else:
         .sort("tokens/s p50", descending=True, nulls_last=True)
         .rename({"group": label})
     )
-    st.dataframe(
+    mfu_cols = ["MFU p50 %", "MFU p10 %", "MFU p90 %"]
+    if all(grouped[c].fill_nan(None).null_count() == grouped.height for c in mfu_cols):
+        grouped = grouped.drop(mfu_cols)  # no run has MFU (no peak): three columns of nothing
+    ui.dataframe(
         grouped,
         hide_index=True,
         column_config={
@@ -210,7 +241,17 @@ else:
         | {"tokens/s p50": st.column_config.NumberColumn(format="localized")},
     )
     st.caption(
-        "Steady state: steps after the first 10% (at least 20) on which the guard did not skip or roll back."
+        "Steady state: steps after the first 10% (at least 20) on which the guard did not skip or roll back. "
+        "A violin is the spread of its runs' steps, within each run; runs made at different times also differ "
+        "by host drift and other load, which no violin shows. "
+        + (
+            f"Same-config runs in this store ({', '.join(noise.runs)}) vary by up to {noise.pct:.1f}% in "
+            "steady tokens/s run to run: a gap between groups smaller than that is not a speed difference "
+            "this store can show (as *Is B faster than A?* says)."
+            if noise
+            else "This store has no same-config repeat to measure that noise: read a gap between groups as "
+            "run-to-run variation until `moeguard canary --ab A B` (A and B interleaved on one host) decides."
+        )
     )
 
 st.subheader("Environment and config differences")
@@ -218,9 +259,16 @@ if len(sel) < 2:
     st.info("Pick two or more runs to see what differs.")
 else:
     diff = compare.env_differences(
-        {i.run_id: {"env": i.env, "config": i.meta.get("config") or {}} for i in sel}
+        {
+            i.run_id: {
+                "env": i.env,
+                "config": i.meta.get("config") or {},
+                "injected faults": injected_faults(i),
+            }
+            for i in sel
+        }
     )
     if diff.height == 0:
         st.success("Environment and config are identical across the chosen runs.")
     else:
-        st.dataframe(diff, hide_index=True)
+        ui.dataframe(diff, hide_index=True)

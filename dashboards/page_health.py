@@ -11,12 +11,13 @@ import streamlit as st
 
 from dashboards import ui
 from dashboards.data import config, guard_events, heatmaps, loaders, mfu_peak, runs, shaping, warmups
-from dashboards.figures.health import health_timeline, perf_figure
-from dashboards.figures.heatmap import heatmap
+from dashboards.figures.health import goodput_figure, health_timeline, perf_figure
+from dashboards.figures.heatmap import heatmap, share_colors
 from dashboards.figures.nonfinite_marks import nonfinite_steps
 from dashboards.figures.precursors import precursor_figure
-from dashboards.figures.warmup_marks import shade_warmups
+from dashboards.figures.warmup_marks import shade_warmups, warmup_label
 from guard.core import actions, schema
+from guard.core.goodput import DEFINITION as GOODPUT_DEFINITION
 from guard.store import reader
 
 ROUTING_SIGNALS = ("maxvio", "dead_experts", "router_entropy", "load_entropy")  # the collapse detector's
@@ -109,18 +110,20 @@ if info.compat == runs.COMPAT_OLDER:
         st.caption(f"Not in this run's steps table (older writer): {', '.join(miss)}")
 
 # ---- loss / grad norm with guard marks ------------------------------------------------
-series = loaders.load_step_series(path, sig, ("loss", "grad_norm"))
+series = loaders.load_step_series(path, sig, ("loss", "grad_norm", "lr"))
 marks, timeline = loaders.load_marks(path, sig)
 first_step = int(steps["step"].min())  # type: ignore[arg-type]
-fig = health_timeline(series, marks, timeline)
+# one step axis for every chart of the page: the run's own steps (style.step_range)
+span = (first_step, int(steps["step"].max()))  # type: ignore[arg-type]
+fig = health_timeline(series, marks, timeline, steps=span)
 warm = warmups.spans(info.meta, first_step, warmups.SPIKE + warmups.ROUTING)
-shade_warmups(fig, warm)
+shade_warmups(fig, warm, steps=span)
 st.plotly_chart(fig, key="timeline")
 if warm:
     st.caption(
         "Grey bands: detector warm-ups. A detector gives no verdict before it arms (its baseline fills, "
         "routing settles); a fault inside a band is not judged by it: "
-        + "; ".join(s.label for s in warm)
+        + "; ".join(warmup_label(s, span[1]) for s in warm)
         + ". Set in the run's guard settings."
     )
 if steps.height > shaping.MAX_LINE_POINTS:
@@ -143,7 +146,9 @@ if not pre_series["update_ratio"]["update_ratio"].is_finite().any() and not grou
     )
 else:
     nonfinite = nonfinite_steps(steps, ("loss", "grad_norm"))
-    st.plotly_chart(precursor_figure(pre_series, groups, events, logits, nonfinite), key="precursors")
+    st.plotly_chart(
+        precursor_figure(pre_series, groups, events, logits, nonfinite, steps=span), key="precursors"
+    )
     n_pre = events.filter(
         (pl.col("kind") == schema.EV_VERDICT) & pl.col("detector").is_in(schema.PRECURSOR_DETECTORS)
     ).height
@@ -187,7 +192,7 @@ else:
             .alias(c)
         )
 
-    st.dataframe(
+    ui.dataframe(
         ev.select(
             "step",
             pl.from_epoch(pl.col("time"), time_unit="s").alias("time (UTC)"),
@@ -240,9 +245,11 @@ else:
                 log=log,
                 zmin=zmin,
                 zmax=zmax,
+                steps=span,
             )
             if name in ROUTING_SIGNALS:
-                shade_warmups(fig, warmups.spans(info.meta, first_step, warmups.ROUTING), over_heatmap=True)
+                routing_warm = warmups.spans(info.meta, first_step, warmups.ROUTING)
+                shade_warmups(fig, routing_warm, steps=span, over_heatmap=True)
             col.plotly_chart(fig, key=f"layer-{name}")
     if heats:
         st.caption(
@@ -288,16 +295,16 @@ def expert_load() -> None:
                         x_title="step",
                         y_title="expert",
                         z_title="share %",
-                        colorscale="RdBu_r",
-                        zmid=100 / n_exp,
                         z_scale=100,
                         hover_z="%{z:.2f}%",
+                        steps=span,
+                        **share_colors(100 * np.asarray(h["z"], dtype=float), n_exp),
                     ),
                     key="expert-time",
                 )
                 st.caption(
-                    f"Red: above the uniform share ({100 / n_exp:.2f}%), blue: below; dark blue is an expert "
-                    f"that got no tokens. {h['note']}"
+                    f"White: the uniform share ({100 / n_exp:.2f}%); red above it, blue below; dark blue is "
+                    f"an expert that got no tokens (0%). Both load-share charts use this one scale. {h['note']}"
                 )
         with right:
             window = st.select_slider(
@@ -313,10 +320,9 @@ def expert_load() -> None:
                         x_title="expert",
                         y_title="layer",
                         z_title="share %",
-                        colorscale="RdBu_r",
-                        zmid=100 / n_exp,
                         z_scale=100,
                         hover_z="%{z:.2f}%",
+                        **share_colors(100 * np.asarray(now["z"], dtype=float), n_exp),
                     ),
                     key="expert-now",
                 )
@@ -329,8 +335,23 @@ st.subheader("Throughput and memory")
 perf = loaders.load_step_series(
     path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes")
 )
-st.plotly_chart(perf_figure(perf, peak), key="perf")
+st.plotly_chart(perf_figure(perf, peak, steps=span), key="perf")
 st.caption(f"MFU = analytic training FLOPs x tokens/s / (peak x ranks); peak {peak.label()} ({peak.source}).")
+
+# ---- goodput ---------------------------------------------------------------------------
+st.subheader("Goodput")
+gp = info.meta.get("goodput")
+if isinstance(gp, dict) and isinstance(gp.get("wall_s"), int | float) and gp["wall_s"] > 0:
+    st.plotly_chart(goodput_figure(gp), key="goodput")
+    st.caption(
+        f"{GOODPUT_DEFINITION}. As of the run's end, or of its last checkpoint while it runs "
+        "(meta.json `goodput`, guard/core/goodput.py)."
+    )
+else:
+    st.info(
+        "No goodput recorded for this run: it is written at each checkpoint and when the run ends "
+        "(meta.json `goodput`), and this run has neither yet or was written before goodput existed."
+    )
 
 with st.expander("Run metadata (meta.json)"):
     st.json(info.meta, expanded=False)

@@ -61,7 +61,8 @@ for info in infos:
             "loss": summ.get("loss"),
             "tokens/s": None if summ.get("tokens_per_s") is None else round(summ["tokens_per_s"]),
             "MFU %": None if mfu is None else 100 * mfu,
-            "open alerts": alerts.get(info.run_id) if cfg.collector and not alert_error else None,
+            # the collector lists runs that have open alerts: one it does not list has none
+            "open alerts": alerts.get(info.run_id, 0) if cfg.collector and not alert_error else None,
             "guard actions": summ.get("actions"),
             "verdicts": summ.get("verdicts"),
             "MFU peak": ("artefact · " if artefact else "") + peak.cell() if info.readable else "",
@@ -89,7 +90,7 @@ if same:
 # every column on screen at 1,600 px (sidebar open: ~1,140 px of table): short labels (the help
 # says the rest), the run's name is its health page's link (the id stays in the data as "run"),
 # long texts clipped in their cells and spelled out under the table
-st.dataframe(
+ui.dataframe(
     df,
     hide_index=True,
     height=ui.table_height(df.height),  # every run on screen: a scrolled-away row is a run nobody sees
@@ -159,8 +160,8 @@ for info in infos:
         )
 if (cfg.runs_dir / runs.WORKER_RUNS_DIR).is_dir():
     st.caption(
-        f"Canary worker runs are kept apart in `{runs.WORKER_RUNS_DIR}/`: "
-        f"`moeguard app --runs {cfg.runs_dir / runs.WORKER_RUNS_DIR}` opens them."
+        f"Canary worker runs are kept apart in `{runs.WORKER_RUNS_DIR}/`: the sidebar's *Show canary worker "
+        f"runs* lists them here, `moeguard app --runs {cfg.runs_dir / runs.WORKER_RUNS_DIR}` opens them alone."
     )
 stray = runs.stray_folders(cfg.runs_dir)
 if stray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -13,6 +14,21 @@ import streamlit as st
 from dashboards.data import config, runs
 from dashboards.data import status as run_status
 from guard.core import schema
+from guard.store.reader import list_runs
+
+# What every table cell, metric and label shows where there is no value (not measured, not
+# applicable, no peak): one rendering on every page, never "None" or "nan".
+NO_VALUE = "—"
+
+
+def dataframe(data: pl.DataFrame, **kwargs: Any) -> Any:
+    """st.dataframe with the app's one "no value" rendering: a null shows as NO_VALUE (Streamlit's
+    own placeholder is the word "None"), and a NaN in a float column is a null first (a median of
+    no finite values, a run with no peak), so it shows as NO_VALUE too, not "NaN"."""
+    floats = [c for c, t in data.schema.items() if t.is_float()]
+    if floats:
+        data = data.with_columns(pl.col(floats).fill_nan(None))
+    return st.dataframe(data, placeholder=NO_VALUE, **kwargs)
 
 
 def status_badge(status: str, help: str | None = None) -> None:
@@ -136,7 +152,7 @@ def show_status(info: runs.RunInfo) -> None:
 
 def age(ts: float | None) -> str:
     if ts is None:
-        return "—"
+        return NO_VALUE
     s = max(0.0, time.time() - ts)
     for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
         if s >= n:
@@ -180,10 +196,23 @@ def runs_or_stop(cfg: config.AppConfig) -> list[runs.RunInfo]:
         st.stop()
     infos = runs.discover(cfg.runs_dir, stale_after_s=stale_after())
     mine, canary = runs.split_canary(infos)
-    if mine and canary and not st.session_state.get("show_canary", False):
+    # new canaries keep their workers' runs apart, under RUNS/canary-runs/; older ones wrote beside
+    # the user's runs (meta.json "canary"). The sidebar toggle shows both kinds, the former named
+    # canary-runs/<run> (a run id there may repeat one of the user's)
+    workers_dir = cfg.runs_dir / runs.WORKER_RUNS_DIR
+    n_workers = len(list_runs(workers_dir)) if workers_dir.is_dir() else 0
+    if st.session_state.get("show_canary", False):
+        if n_workers:
+            apart = [
+                dataclasses.replace(i, run_id=f"{runs.WORKER_RUNS_DIR}/{i.run_id}")
+                for i in runs.discover(workers_dir, stale_after_s=stale_after())
+            ]
+            infos = sorted([*infos, *apart], key=lambda r: -(r.updated_at or 0.0))
+    elif mine and (canary or n_workers):
         infos = mine  # a store of canary runs only (RUNS/canary-runs) shows them all
         st.caption(
-            f"{len(canary)} canary worker run(s) hidden; the sidebar's *Show canary worker runs* lists them."
+            f"{len(canary) + n_workers} canary worker run(s) hidden; the sidebar's *Show canary worker runs* "
+            "lists them."
         )
     if not infos:
         stray = runs.stray_folders(cfg.runs_dir)

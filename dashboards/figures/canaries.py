@@ -1,4 +1,4 @@
-"""The Canaries page's chart: MFU p50 per canary run in history order, the gate's band around
+"""The Canaries page's chart: MFU (CPU efficiency on a CPU class) p50 per canary run in history order, the gate's band around
 the baseline median, each verdict marked, torch changes called out."""
 
 from __future__ import annotations
@@ -13,9 +13,13 @@ from dashboards.figures.style import (
 )
 
 
-def canary_figure(df: pl.DataFrame, gate: dict[str, float | None], *, fingerprint: str) -> go.Figure:
-    """MFU p50 per canary run in history order, the gate band around the baseline median,
-    each verdict marked (failures as large red crosses)."""
+def canary_figure(
+    df: pl.DataFrame, gate: dict[str, float | None], *, fingerprint: str, measure: str = "MFU"
+) -> go.Figure:
+    """`measure` p50 per canary run in history order, the gate band around the baseline median,
+    each verdict marked (failures as large red crosses). `measure` names what the history's
+    mfu_p50 holds: MFU against a datasheet peak, or on a CPU class (no peak) the CPU efficiency
+    the canary gates (guard/canary/keys.py); title, axis, legend and hover say it."""
     fig = go.Figure()
     x = df["n"].to_list()
     # sha and day/time: baselines and re-runs of one build share a sha, and ten identical ticks say nothing
@@ -30,14 +34,14 @@ def canary_figure(df: pl.DataFrame, gate: dict[str, float | None], *, fingerprin
             x=x,
             y=(df["mfu_p50"] * 100).to_list(),
             mode="lines",
-            name="MFU p50",
+            name=f"{measure} p50",
             line={"color": "#1f77b4", "width": 1},
             hoverinfo="skip",
             meta=MFU_META,
         )
     )
     mark_mfu_artefacts(fig, x, (df["mfu_p50"] * 100).to_numpy())
-    _verdict_marks(fig, df, x)
+    _verdict_marks(fig, df, x, measure)
     _torch_changes(fig, df, x)
     step = max(1, -(-len(x) // 20))
     fig.update_xaxes(
@@ -46,9 +50,9 @@ def canary_figure(df: pl.DataFrame, gate: dict[str, float | None], *, fingerprin
         tickangle=-45,
         title_text="canary run (git sha, UTC time), oldest first",
     )
-    fig.update_yaxes(title_text="MFU p50 (%)")
+    fig.update_yaxes(title_text=f"{measure} p50 (%)")
     fig.update_layout(
-        title={"text": f"Canary MFU history: {fingerprint}", "x": 0, "xanchor": "left"},
+        title={"text": f"Canary {measure} history: {fingerprint}", "x": 0, "xanchor": "left"},
         height=480,
         legend=LEGEND,
         margin={**MARGIN, "t": 100, "b": 80},
@@ -56,10 +60,10 @@ def canary_figure(df: pl.DataFrame, gate: dict[str, float | None], *, fingerprin
     return fig
 
 
-def _hover(df: pl.DataFrame) -> list[str]:
-    """Each canary run's hover text: commit, torch, time, MFU and tokens/s p50, verdict, config."""
+def _hover(df: pl.DataFrame, measure: str) -> list[str]:
+    """Each canary run's hover text: commit, torch, time, measure and tokens/s p50, verdict, config."""
     return [
-        f"#{n} {s}<br>torch {t}<br>{tm}<br>MFU p50 {m * 100:.2f}%<br>tokens/s p50 {tps if tps is None else f'{tps:,.0f}'}"
+        f"#{n} {s}<br>torch {t}<br>{tm}<br>{measure} p50 {m * 100:.2f}%<br>tokens/s p50 {tps if tps is None else f'{tps:,.0f}'}"
         f"<br>verdict <b>{v}</b>{' (baseline)' if b else ''}<br>config {c[:80]}"
         for n, s, t, tm, m, tps, v, b, c in df.select(
             "n", "git_sha", "torch", "time", "mfu_p50", "tokens_per_s_p50", "verdict", "baseline", "config"
@@ -99,9 +103,9 @@ def _gate_band(fig: go.Figure, gate: dict[str, float | None], x: list[int]) -> N
             )
 
 
-def _verdict_marks(fig: go.Figure, df: pl.DataFrame, x: list[int]) -> None:
+def _verdict_marks(fig: go.Figure, df: pl.DataFrame, x: list[int], measure: str) -> None:
     """A marker per canary run by its verdict (failures as large red crosses); baseline runs ringed."""
-    hover = _hover(df)
+    hover = _hover(df, measure)
     styles = {
         "pass": ("circle", "#1f77b4", 8),
         "warn": ("triangle-down", "#ff7f0e", 12),

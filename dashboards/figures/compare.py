@@ -55,6 +55,12 @@ def compare_overlay(
         )
         if metric == "mfu":
             first = not mark_mfu_artefacts(fig, x, y, first=first) and first
+    if metric == "mfu" and not any(has_mfu(y) for y in ys):
+        fig.add_annotation(
+            text=NO_MFU, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font={"size": 14}
+        )
+        fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
+        fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False)
     smooth = f", rolling median over {window} steps" if window > 1 else ""
     fig.update_xaxes(title_text=x_title)
     ytitle: dict[str, Any] = {"title_text": label}
@@ -72,15 +78,32 @@ def compare_overlay(
     return fig
 
 
-def compare_distributions(df: pl.DataFrame, group_key: str) -> go.Figure:
-    """Violins (with box) of steady-state MFU and tokens/s per value of `group_key`.
+NO_MFU = "no run has MFU (no peak for its device): tokens/s is the measure"
+
+
+def has_mfu(values: object) -> bool:
+    """Whether any MFU value is finite (a run with no peak records NaN)."""
+    v = np.asarray(values, dtype=float)
+    return bool(np.isfinite(v).any())
+
+
+def compare_distributions(df: pl.DataFrame, group_key: str, *, caveat: str | None = None) -> go.Figure:
+    """Violins (with box) of steady-state MFU and tokens/s per value of `group_key`; tokens/s
+    alone, saying why, when no run has MFU (empty MFU axes read as a broken chart). `caveat`: what
+    the violins cannot show (run-to-run noise), under the title, so it travels with the chart.
 
     `df` has columns group, run, mfu, tokens_per_s (one row per steady-state step)."""
+    with_mfu = df.height > 0 and has_mfu(df["mfu"].cast(pl.Float64).fill_null(float("nan")).to_numpy())
+    panels = [("mfu", 100.0), ("tokens_per_s", 1.0)] if with_mfu else [("tokens_per_s", 1.0)]
     fig = make_subplots(
         rows=1,
-        cols=2,
+        cols=len(panels),
         horizontal_spacing=0.1,
-        subplot_titles=("MFU (%), steady state", "Throughput (tokens/s), steady state"),
+        subplot_titles=(
+            ("MFU (%), steady state", "Throughput (tokens/s), steady state")
+            if with_mfu
+            else (f"Throughput (tokens/s), steady state; {NO_MFU}",)
+        ),
     )
     groups = sorted(set(df["group"].to_list())) if df.height else []
     artefacts = False
@@ -88,7 +111,7 @@ def compare_distributions(df: pl.DataFrame, group_key: str) -> go.Figure:
         sub = df.filter(pl.col("group") == g)
         color = RUN_COLORS[i % len(RUN_COLORS)]
         runs = ", ".join(sorted(set(sub["run"].to_list())))
-        for k, (c, scale) in enumerate((("mfu", 100.0), ("tokens_per_s", 1.0)), 1):
+        for k, (c, scale) in enumerate(panels, 1):
             y = sub[c].cast(pl.Float64).fill_null(float("nan")).to_numpy() * scale
             fig.add_trace(
                 go.Violin(
@@ -113,12 +136,15 @@ def compare_distributions(df: pl.DataFrame, group_key: str) -> go.Figure:
             if c == "mfu":
                 marked = mark_mfu_artefacts(fig, [str(g)] * len(y), y, row=1, col=1, first=not artefacts)
                 artefacts = artefacts or marked > 0
-    fig.update_yaxes(title_text="MFU (%)", row=1, col=1)
-    fig.update_yaxes(title_text="tokens/s", row=1, col=2)
-    fig.update_xaxes(title_text=group_key, row=1, col=1)
-    fig.update_xaxes(title_text=group_key, row=1, col=2)
+    for k, (c, _) in enumerate(panels, 1):
+        fig.update_yaxes(title_text="MFU (%)" if c == "mfu" else "tokens/s", row=1, col=k)
+        fig.update_xaxes(title_text=group_key, row=1, col=k)
+    what = "MFU and throughput" if with_mfu else "throughput"
+    title: dict[str, Any] = {"text": f"Steady-state {what} by {group_key}", "x": 0, "xanchor": "left"}
+    if caveat:
+        title["subtitle"] = {"text": caveat}
     fig.update_layout(
-        title={"text": f"Steady-state MFU and throughput by {group_key}", "x": 0, "xanchor": "left"},
+        title=title,
         height=460,
         legend={**LEGEND_RIGHT, "title": {"text": group_key}},
         margin={**MARGIN, "t": 80},

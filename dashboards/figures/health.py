@@ -19,8 +19,10 @@ from dashboards.figures.style import (
     GRAD_COLOR,
     LEGEND_RIGHT,
     LOSS_COLOR,
+    LR_COLOR,
     MARGIN,
     column_values,
+    fit_step_axis,
     log_ticks,
     series_xy,
 )
@@ -33,36 +35,63 @@ def health_timeline(
     timeline: pl.DataFrame,
     *,
     title: str = "Loss and grad norm with guard verdicts and actions",
+    steps: tuple[int, int] | None = None,
 ) -> go.Figure:
-    """Loss (top), grad norm (middle, log) with a mark per guard action on both, and a
-    timeline lane per detector / event kind (bottom). Hover on a mark shows its evidence."""
+    """Loss (top), grad norm (log) with a mark per guard action on both, the learning rate as
+    the optimizer applied it (when the run recorded it: an LR cool-down shows as a step down
+    under the loss), and a timeline lane per detector / event kind (bottom), all on one step
+    axis: zooming one panel zooms them all. Hover on a mark shows its evidence. `steps` =
+    (first, last) step of the run: the x-axis range (style.step_range)."""
+    has_lr = "lr" in series and bool(series["lr"]["lr"].cast(pl.Float64).is_finite().any())
+    titles = ["Loss", "Grad norm (total L2 before clipping, log scale)"]
+    heights = [0.38, 0.38]
+    if has_lr:
+        titles.append("Learning rate (as the optimizer applied it)")
+        heights = [0.32, 0.32, 0.14]
+    titles.append("Guard timeline: verdicts by detector, other events by kind")
+    heights.append(1 - sum(heights))
+    lane_row = len(titles)
     fig = make_subplots(
-        rows=3,
+        rows=lane_row,
         cols=1,
         shared_xaxes=True,
-        vertical_spacing=0.07,
-        row_heights=[0.38, 0.38, 0.24],
-        subplot_titles=(
-            "Loss",
-            "Grad norm (total L2 before clipping, log scale)",
-            "Guard timeline: verdicts by detector, other events by kind",
-        ),
+        vertical_spacing=0.06 if has_lr else 0.07,
+        row_heights=heights,
+        subplot_titles=titles,
     )
     gn_ticks = _add_lines(fig, series)
     _add_nonfinite_steps(fig, series)
     _add_action_marks(fig, marks)
-    _add_timeline(fig, timeline)
+    if has_lr:
+        x, y = series_xy(series["lr"], "lr")
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                name="learning rate",
+                line={"color": LR_COLOR, "width": 1.2},
+                showlegend=False,
+                hovertemplate="step %{x}<br>LR %{y:.3g}<extra></extra>",
+            ),
+            row=3,
+            col=1,
+        )
+        fig.update_yaxes(title_text="LR", exponentformat="e", rangemode="tozero", row=3, col=1)
+    _add_timeline(fig, timeline, row=lane_row)
     fig.update_yaxes(title_text="loss (nats/token)", row=1, col=1)
     fig.update_yaxes(title_text="grad norm", type="log", row=2, col=1, **gn_ticks)
-    fig.update_yaxes(title_text="lane", row=3, col=1)
-    fig.update_xaxes(title_text="step", row=3, col=1)
+    fig.update_yaxes(title_text="lane", row=lane_row, col=1)
+    fig.update_xaxes(title_text="step", row=lane_row, col=1)
     fig.update_layout(
         title={"text": title, "x": 0, "xanchor": "left"},
-        height=820,
+        height=940 if has_lr else 820,
         legend={**LEGEND_RIGHT, "title": {"text": "marks (hover for evidence)"}},
         margin={**MARGIN, "t": 80},
         hovermode="closest",
     )
+    if steps is not None:
+        fit_step_axis(fig, *steps)
     return fig
 
 
@@ -170,8 +199,8 @@ def _add_action_marks(fig: go.Figure, marks: pl.DataFrame) -> None:
                 )
 
 
-def _add_timeline(fig: go.Figure, timeline: pl.DataFrame) -> None:
-    """A lane per detector / event kind (row 3), and a dashed line at every halt."""
+def _add_timeline(fig: go.Figure, timeline: pl.DataFrame, *, row: int) -> None:
+    """A lane per detector / event kind (the bottom row), and a dashed line at every halt."""
     if timeline.height == 0:
         return
     lanes = sorted(set(timeline["lane"].to_list()))
@@ -194,17 +223,23 @@ def _add_timeline(fig: go.Figure, timeline: pl.DataFrame) -> None:
                 hovertext=column_values(t, "hover"),
                 hoverinfo="text",
             ),
-            row=3,
+            row=row,
             col=1,
         )
-    fig.update_yaxes(categoryorder="array", categoryarray=lanes, row=3, col=1)
+    fig.update_yaxes(categoryorder="array", categoryarray=lanes, row=row, col=1)
     for s in timeline.filter(pl.col("kind") == schema.EV_HALT)["step"].to_list():
         fig.add_vline(x=s, line={"color": "#111111", "dash": "dash", "width": 1})
 
 
-def perf_figure(series: dict[str, pl.DataFrame], peak: mfu_peak.Peak | None = None) -> go.Figure:
-    """MFU, tokens/s, step time vs data wait, peak memory: 2 x 2, shared step axis. The MFU
-    panel names the peak it divides by; points above 100% are marked as artefacts."""
+def perf_figure(
+    series: dict[str, pl.DataFrame],
+    peak: mfu_peak.Peak | None = None,
+    *,
+    steps: tuple[int, int] | None = None,
+) -> go.Figure:
+    """MFU, tokens/s, step time vs data wait, peak memory: 2 x 2, shared step axis (`steps`:
+    the run's range, style.step_range). The MFU panel names the peak it divides by; points above
+    100% are marked as artefacts."""
     mfu_title = "MFU (%)"
     if peak is not None:
         mfu_title = (
@@ -263,4 +298,71 @@ def perf_figure(series: dict[str, pl.DataFrame], peak: mfu_peak.Peak | None = No
         legend=LEGEND_RIGHT,
         margin={**MARGIN, "t": 80},
     )
+    fig.update_xaxes(matches="x")  # 2 x 2: shared_xaxes links columns only, so zoom links all four
+    if steps is not None:
+        fit_step_axis(fig, *steps)
     return fig
+
+
+# where the wall time went (guard/core/goodput.py's split), productive first, in its colour
+GOODPUT_PARTS: tuple[tuple[str, str, str], ...] = (
+    ("productive_s", "productive (goodput)", "#2ca02c"),
+    ("startup_s", "start-up", "#9edae5"),
+    ("data_wait_s", "data wait", "#ff7f0e"),
+    ("checkpoint_s", "checkpoints", "#7f7f7f"),
+    ("skipped_s", "skipped by the guard", "#d62728"),
+    ("nonfinite_s", "non-finite, applied", "#b2182b"),
+    ("rolled_back_s", "rolled back", "#9467bd"),
+    ("restarts_s", "restarts", "#17becf"),
+    ("other_s", "other (logging, telemetry, rounding)", "#c7c7c7"),
+)
+
+
+def goodput_figure(gp: dict[str, Any]) -> go.Figure:
+    """One bar of the run's wall time split into goodput and badput by cause (meta.json
+    "goodput", guard/core/goodput.py), each part's seconds and share in its hover and, when wide
+    enough, on the bar."""
+    wall = float(gp.get("wall_s") or 0.0)
+    fig = go.Figure()
+    for key, label, color in GOODPUT_PARTS:
+        v = gp.get(key)
+        if not isinstance(v, int | float) or v <= 0 or wall <= 0:
+            continue
+        share = v / wall
+        fig.add_trace(
+            go.Bar(
+                x=[100 * share],
+                y=["wall time"],
+                orientation="h",
+                name=f"{label} {100 * share:.1f}%",
+                marker={"color": color},
+                text=[f"{label.split(' (')[0]} {100 * share:.0f}%" if share >= 0.08 else ""],
+                textposition="inside",
+                insidetextanchor="middle",
+                hovertemplate=f"{label}<br>{v:,.1f} s = {100 * share:.1f}% of {wall:,.1f} s<extra></extra>",
+            )
+        )
+    g = gp.get("goodput")
+    head = f"Goodput {100 * g:.1f}%" if isinstance(g, int | float) else "Goodput"
+    fig.update_layout(
+        title={
+            "text": f"{head}: where the run's {_duration(wall)} of wall time went",
+            "x": 0,
+            "xanchor": "left",
+        },
+        barmode="stack",
+        height=230,
+        legend={"orientation": "h", "yanchor": "top", "y": -0.35, "xanchor": "left", "x": 0},
+        margin={**MARGIN, "t": 50, "b": 40},
+        xaxis={"range": [0, 100], "title": {"text": "% of wall time since the run's first start"}},
+        yaxis={"showticklabels": False},
+    )
+    return fig
+
+
+def _duration(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    if s >= 120:
+        return f"{s / 60:.1f} min"
+    return f"{s:.0f} s"

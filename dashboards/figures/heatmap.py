@@ -8,9 +8,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from dashboards.figures.style import (
-    MARGIN,
-)
+from dashboards.figures.style import MARGIN, fit_step_axis
 
 
 def heatmap(
@@ -28,25 +26,34 @@ def heatmap(
     hover_z: str = "%{z:.3g}",
     zmin: float | None = None,
     zmax: float | None = None,
+    steps: tuple[int, int] | None = None,
+    colorbar: dict[str, Any] | None = None,
 ) -> go.Figure:
-    """A heatmap from {"x", "y", "z"} (dashboards.data.shaping.long_to_heat); `log` plots log10(z)."""
+    """A heatmap from {"x", "y", "z"} (dashboards.data.shaping.long_to_heat); `log` plots log10(z).
+
+    `steps` = (first, last) step of the run when x is the step: the x-axis is the run's step
+    range (style.step_range), the one every chart of the page has. A column of `width` > 1 steps
+    (x its first step) is drawn over the steps it covers, not centred on its first step."""
     z = np.asarray(h["z"], dtype=float) * z_scale
     if log:
         with np.errstate(divide="ignore", invalid="ignore"):
             z = np.where(z > 0, np.log10(z), np.nan)
         z_title = f"log10 {z_title}"
-    width = h.get("width")
-    xlabel = f"steps %{{x}}..+{width - 1}" if width and width > 1 else "step %{x}"
+    width = h.get("width") or 1
+    shift = (width - 1) / 2  # a column's centre from its first step
+    x = np.asarray(h["x"])
+    xlabel = f"steps %{{customdata}}..+{width - 1}" if width > 1 else "step %{x}"
     fig = go.Figure(
         go.Heatmap(
-            x=np.asarray(h["x"]),
+            x=x + shift if width > 1 else x,
             y=np.asarray(h["y"]),
             z=z,
+            customdata=np.broadcast_to(x, z.shape) if width > 1 and z.size else None,
             colorscale=colorscale,
             zmid=zmid,
             zmin=zmin,
             zmax=zmax,
-            colorbar={"title": {"text": z_title, "side": "right"}},
+            colorbar={"title": {"text": z_title, "side": "right"}, **(colorbar or {})},
             hovertemplate=f"{xlabel}<br>{y_title} %{{y}}<br>{z_title} {hover_z}<extra></extra>",
             hoverongaps=False,
         )
@@ -55,8 +62,9 @@ def heatmap(
         mx, my, label = h["marks"]
         fig.add_trace(
             go.Scatter(
-                x=mx,
+                x=np.asarray(mx) + shift if width > 1 else mx,
                 y=my,
+                customdata=mx,
                 mode="markers",
                 name=label,
                 showlegend=True,
@@ -66,7 +74,7 @@ def heatmap(
                     "color": "#d62728",
                     "line": {"width": 1, "color": "white"},
                 },
-                hovertemplate=f"{label}<br>step %{{x}}<br>{y_title} %{{y}}<extra></extra>",
+                hovertemplate=f"{label}<br>{xlabel}<br>{y_title} %{{y}}<extra></extra>",
             )
         )
         fig.update_layout(
@@ -82,4 +90,43 @@ def heatmap(
     )
     if n_y <= 40:
         fig.update_yaxes(dtick=1 if n_y <= 16 else 4)
+    if steps is not None:
+        fit_step_axis(fig, *steps)
     return fig
+
+
+SHARE_BLUE, SHARE_WHITE, SHARE_RED = "#053061", "#f7f7f7", "#67001f"  # RdBu_r's ends and middle
+
+
+def share_colors(z_pct: Any, n_experts: int) -> dict[str, Any]:
+    """The one colour rule of every expert load-share chart (share in %, fixed meaning): 0% (an
+    expert that got no tokens) is dark blue, the uniform share 100 / n_experts is white, the
+    largest share drawn (at least twice uniform) dark red. The scale never runs below 0 (a
+    diverging scale centred on uniform ran to -20 "share %") and is not auto-fitted to the
+    values (a window whose shares were 11-14% coloured a 12% expert dark blue, the caption's
+    colour for no tokens). Returns heatmap() keyword arguments."""
+    uniform = 100.0 / max(1, n_experts)
+    z = np.asarray(z_pct, dtype=float)
+    top = float(np.nanmax(z)) if z.size and np.isfinite(z).any() else 0.0
+    zmax = max(2 * uniform, top)
+    mid = uniform / zmax
+    ticks = sorted({0.0, uniform, zmax})
+    return {
+        "colorscale": [
+            [0.0, SHARE_BLUE],
+            [mid / 2, "#4393c3"],
+            [mid, SHARE_WHITE],
+            [(1 + mid) / 2, "#d6604d"],
+            [1.0, SHARE_RED],
+        ],
+        "zmin": 0.0,
+        "zmax": zmax,
+        "zmid": None,
+        "colorbar": {
+            "tickvals": ticks,
+            "ticktext": [
+                "0 (no tokens)" if t == 0 else f"{t:.1f} (uniform)" if t == uniform else f"{t:.1f}"
+                for t in ticks
+            ],
+        },
+    }

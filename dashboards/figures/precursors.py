@@ -10,7 +10,15 @@ from plotly.subplots import make_subplots
 
 from dashboards.data import guard_events
 from dashboards.figures.nonfinite_marks import mark_nonfinite_steps, panel_top
-from dashboards.figures.style import LEGEND_RIGHT, LOSS_COLOR, MARGIN, column_values, log_ticks, series_xy
+from dashboards.figures.style import (
+    LEGEND_RIGHT,
+    LOSS_COLOR,
+    MARGIN,
+    column_values,
+    fit_step_axis,
+    log_ticks,
+    series_xy,
+)
 from guard.core import schema
 
 PRECURSOR_COLOR = "#e377c2"
@@ -28,6 +36,8 @@ def precursor_figure(
     events: pl.DataFrame,
     logits: dict[int, pl.DataFrame] | None = None,
     nonfinite: np.ndarray | list[int] = (),
+    *,
+    steps: tuple[int, int] | None = None,
 ) -> go.Figure:
     """The precursor signals on a shared step axis: the update ratio ||ΔW|| / ||W|| (log) with
     every precursor verdict and, as dotted lines, the loss spikes they may precede; the grad norm
@@ -35,7 +45,8 @@ def precursor_figure(
     attention logit per layer when it was sampled (`logits`: layer -> rows, -1 the max over
     layers, from dashboards.data.loaders.load_max_logits). `nonfinite`: the run's steps whose loss
     or grad norm was NaN/Inf (nonfinite_marks.nonfinite_steps): the signals have no value there,
-    so each panel marks them as the health chart does instead of its lines just ending."""
+    so each panel marks them as the health chart does instead of its lines just ending. `steps` =
+    (first, last) step of the run: the x-axis range of every chart of the page (style.step_range)."""
     has_v = "adam_v_ratio" in series and series["adam_v_ratio"]["adam_v_ratio"].is_finite().any()
     titles = [
         "Update ratio ||ΔW|| / ||W|| (all parameters; markers: precursor verdicts)",
@@ -76,6 +87,8 @@ def precursor_figure(
         legend=LEGEND_RIGHT,
         margin={**MARGIN, "t": 80},
     )
+    if steps is not None:
+        fit_step_axis(fig, *steps)
     return fig
 
 

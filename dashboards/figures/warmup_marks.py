@@ -1,22 +1,43 @@
 """Warm-up spans on a chart: a grey band from the run's first step to the step a detector arms,
-labelled with the detector and its setting, so a fault inside it reads as "not judged yet", not
-as "the guard ignored it" (dashboards/data/warmups.py computes the spans)."""
+named in the legend with the detector and its setting, so a fault inside it reads as "not judged
+yet", not as "the guard ignored it" (dashboards/data/warmups.py computes the spans).
+
+The band is clipped to the run's steps (the page's one step axis, style.step_range): a 20-step
+run with the collapse detector arming at step 250 is grey from end to end and its legend says the
+detector never armed, instead of the axis running to 250. The label is a legend entry, not text on
+the plot: text at the top of the loss panel sat on the loss line's first, highest steps."""
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
 
 from dashboards.data.warmups import Span
+from dashboards.figures.style import step_range
 
 WARMUP_FILL = "rgba(120, 120, 120, 0.10)"
 WARMUP_LINE = "rgba(90, 90, 90, 0.75)"
+WARMUP_LEGEND = "warm-up"  # the bands' legend group (tests find them by it)
 
 
-def shade_warmups(fig: go.Figure, spans: list[Span], *, over_heatmap: bool = False) -> None:
+def warmup_label(s: Span, hi: int) -> str:
+    """The span's legend text; one that reaches past the run's last step `hi` says so."""
+    if s.x1 > hi:
+        return f"{s.label}: not armed in this run (last step {hi:,})"
+    return s.label
+
+
+def shade_warmups(
+    fig: go.Figure, spans: list[Span], *, steps: tuple[int, int], over_heatmap: bool = False
+) -> None:
     """A band per span behind the lines (a dashed outline above a heatmap, which would hide a
-    band), spanning every subplot; its label at the top, from the band's left edge rightwards (a
-    label that reached left of the first step would widen the axis to negative steps)."""
-    for i, s in enumerate(spans):
+    band), spanning every subplot, clipped to `steps` = (first, last) step of the run; each named
+    in the legend."""
+    lo, hi = steps
+    left, right = step_range(lo, hi)
+    for s in spans:
+        x0, x1 = max(left, s.x0 - 0.5), min(right, s.x1 - 0.5)  # steps x0 .. x1-1 are not judged
+        if x1 <= x0:
+            continue
         if over_heatmap:
             shape = {
                 "fillcolor": "rgba(0,0,0,0)",
@@ -25,17 +46,15 @@ def shade_warmups(fig: go.Figure, spans: list[Span], *, over_heatmap: bool = Fal
         else:
             shape = {"fillcolor": WARMUP_FILL, "line": {"width": 0}, "layer": "below"}
         fig.add_shape(
-            type="rect", xref="x", yref="paper", x0=s.x0, x1=s.x1, y0=0, y1=1, name=s.label, **shape
-        )
-        fig.add_annotation(
-            x=s.x0,
+            type="rect",
             xref="x",
-            y=1 - 0.045 * i,
             yref="paper",
-            xanchor="left",
-            yanchor="top",
-            text=s.label,
-            showarrow=False,
-            font={"size": 10, "color": "#444"},
-            bgcolor="rgba(255,255,255,0.7)",
+            x0=x0,
+            x1=x1,
+            y0=0,
+            y1=1,
+            name=warmup_label(s, hi),
+            showlegend=True,
+            legendgroup=WARMUP_LEGEND,
+            **shape,
         )

@@ -268,7 +268,10 @@ def test_health_shows_every_section(store: Path, open_page) -> None:
     assert max(v for v in dead["z"][layer_row] if v is not None) == 3, "the 3 dead experts of layer 1"
     gn = chart_titled(at, "Per-layer grad norm")
     bad = traces(gn, "non-finite grad norm")[0]
-    assert list(zip(bad["x"], bad["y"], strict=True)) == [(240, 2)], "where the NaN at step 240 came from"
+    # where the NaN at step 240 came from: the column of steps 240..241 (600 steps, 2 a column), drawn
+    # at its centre (issue #40: a column covers its steps on the page's one step axis)
+    assert list(zip(bad["customdata"], bad["y"], strict=True)) == [(240, 2)], bad
+    assert bad["x"] == [240.5] and "steps %{customdata}..+1" in bad["hovertemplate"]
     perf = chart_titled(at, "Throughput, efficiency and memory")
     assert {t["name"] for t in perf["data"]} == {"MFU", "tokens/s", "step time", "data wait", "peak memory"}
     for f in charts(at):  # every chart is labelled

@@ -25,11 +25,17 @@ def test_runs_page_hides_canary_workers_and_says_where_they_are(tmp_path: Path, 
     assert not at.exception, [e.value for e in at.exception]
     assert list(at.dataframe[0].value["run"]) == ["mine"]
     captions = " ".join(c.value for c in at.caption)
-    assert "3 canary worker run(s) hidden" in captions
+    assert "4 canary worker run(s) hidden" in captions  # 3 beside the user's runs, 1 in canary-runs/
     assert "kept apart in `canary-runs/`" in captions
     assert "Ignored" not in captions  # canary-runs/ and canary-report/ are moeguard's own, not strays
     at.sidebar.toggle(key="show_canary").set_value(True).run()
-    assert set(at.dataframe[0].value["run"]) == {"mine", "tiny-canary-0", "tiny-canary-1", "tiny-canary-2"}
+    assert set(at.dataframe[0].value["run"]) == {
+        "mine",
+        "tiny-canary-0",
+        "tiny-canary-1",
+        "tiny-canary-2",
+        "canary-runs/tiny-canary-new",  # issue #40: the toggle did nothing for canaries in canary-runs/
+    }
 
 
 def test_compare_defaults_to_the_users_runs(tmp_path: Path, open_page) -> None:
