@@ -1,0 +1,2 @@
+"""Every GPU figure in one prepared run: `bench/gpu/run.sh` (issue #42). common.py says what it
+measures; run.sh --help prints it."""

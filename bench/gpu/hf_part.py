@@ -1,0 +1,205 @@
+"""Part `hf_trainer`: the transformers Trainer, plain vs with MoEGuardCallback streaming to a
+collector on loopback, on a Mixtral-shaped model: the overhead, and host syncs a step.
+
+bench/trainer_overhead.py's method (each Trainer in its own thread, held at `on_step_begin` until
+the measuring thread lets one optimizer step through; bench/integration_overhead.py's `interleave`
+and `summary`), on the device: the gate synchronizes the device before it reports a step done, so
+a step's time is its whole work in both variants. Blocks of STEPS_PER_BLOCK steps alternate A B /
+B A while the time box allows. Host syncs: SYNC_STEPS steps of each variant (after the warm-up,
+before the timed blocks) run under set_sync_debug_mode; their per-step median, plain vs guarded.
+
+  gpu: Mixtral-shaped, hidden 1024, 8 layers, 16 heads (4 KV), 8 experts of 2816 top-2, vocab
+       32000 (byte ids), ~0.64 B parameters, bf16 autocast (TrainingArguments.bf16), SDPA,
+       batch 4 x 2048
+  dry: the same config class at hidden 64, 2 layers, 4 experts, CPU, fp32, batch 2 x 64
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.gpu.common import SKIPPED_CUDA, TARGET_OVERHEAD, PartLog
+from bench.gpu.tt_main import count_syncs
+
+# (hidden, layers, heads, kv heads, expert hidden, experts, top-k, vocab, batch, seq)
+SIZES = {"gpu": (1024, 8, 16, 4, 2816, 8, 2, 32000, 4, 2048), "dry": (64, 2, 4, 2, 128, 4, 2, 256, 2, 64)}
+WARMUP, SYNC_STEPS, STEPS_PER_BLOCK = 5, 4, 10
+MAX_ROUNDS = {"gpu": 20, "dry": 2}  # rounds at most, each A B then B A
+LR, CLIP = 3e-4, 1.0
+
+
+def mixtral(size: str, seed: int = 0) -> torch.nn.Module:
+    import transformers as tf
+
+    hidden, layers, heads, kv, ffn, experts, k, vocab, _, seq = SIZES[size]
+    cfg = tf.MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=ffn,
+        num_local_experts=experts,
+        num_experts_per_tok=k,
+        max_position_embeddings=max(seq, 512),
+        tie_word_embeddings=False,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+    )
+    cfg._attn_implementation = "sdpa"
+    cfg.eos_token_id = cfg.bos_token_id = cfg.pad_token_id = None
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(cfg)
+
+
+class Driven:
+    """One variant (bench/trainer_overhead.py's Driven, on this model and device)."""
+
+    def __init__(
+        self, size: str, *, guarded: bool, corpus: np.ndarray, steps: int, tmp: Path, url: str
+    ) -> None:
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+
+        from bench.hf_trainer_job import ByteWindows
+        from bench.trainer_overhead import _Gate
+
+        cuda = torch.cuda.is_available()
+
+        class Gate(_Gate):
+            def on_step_begin(self, *a: Any, **k: Any) -> Any:
+                if cuda:
+                    torch.cuda.synchronize()  # the previous step's device work belongs to it
+                return super().on_step_begin(*a, **k)
+
+        batch, seq = SIZES[size][-2:]
+        self.model = mixtral(size)
+        self.data = itertools.repeat(None)
+        name = "guarded" if guarded else "plain"
+        args = TrainingArguments(
+            output_dir=str(tmp / name),
+            max_steps=steps,
+            per_device_train_batch_size=batch,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            max_grad_norm=CLIP,
+            logging_steps=10,
+            save_strategy="no",
+            report_to="none",
+            seed=0,
+            data_seed=0,
+            use_cpu=not cuda,
+            bf16=cuda,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        self.gate = Gate()
+        callbacks: list[TrainerCallback] = []
+        self.guard = None
+        if guarded:
+            from guard.integrations.hf_trainer import MoEGuardCallback
+
+            self.guard = MoEGuardCallback(run_dir=tmp / "run", collector=url)
+            callbacks.append(self.guard)
+        callbacks.append(self.gate)
+        ds = ByteWindows(corpus, n=steps * batch, seq=seq, seed=0)
+        self.trainer = Trainer(model=self.model, args=args, train_dataset=ds, callbacks=callbacks)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"trainer-{name}", daemon=True)
+        self.thread.start()
+        while not self.gate.ready.wait(0.1):
+            if self.error is not None or not self.thread.is_alive():
+                raise RuntimeError(f"the Trainer thread failed: {self.error!r}") from self.error
+
+    def _run(self) -> None:
+        try:
+            self.trainer.train()
+        except BaseException as e:  # noqa: BLE001 - surfaced by step()/close()
+            self.error = e
+        finally:
+            self.gate.ready.set()
+            self.gate.done.release()
+
+    def step(self, _: Any) -> None:
+        self.gate.go.release()
+        self.gate.done.acquire()
+        if self.error is not None:
+            raise RuntimeError(f"the Trainer thread failed: {self.error!r}") from self.error
+
+    def close(self) -> None:
+        self.gate.stop = True
+        self.gate.go.release()
+        self.thread.join(timeout=120)
+
+
+def run(log: PartLog, *, dry: bool, deadline: float) -> None:
+    from bench.integration_overhead import interleave, run_block, summary
+    from bench.torchtitan_launch_overhead import TOKEN, start_collector
+    from trainer.data import stdlib_corpus
+
+    size = "dry" if dry else "gpu"
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)
+    os.environ["MOEGUARD_TOKEN"] = TOKEN
+    corpus = stdlib_corpus(4_000_000)
+    steps = WARMUP + SYNC_STEPS + 2 * MAX_ROUNDS[size] * STEPS_PER_BLOCK + 20
+    log.put("setup", {"size": size, "shape": SIZES[size], "steps_per_block": STEPS_PER_BLOCK, "bf16": cuda})
+    with tempfile.TemporaryDirectory(prefix="moeguard-gpu-hf-") as d:
+        tmp = Path(d)
+        collector, url = start_collector(tmp)
+        a = b = None
+        try:
+            a = Driven(size, guarded=False, corpus=corpus, steps=steps, tmp=tmp, url=url)
+            b = Driven(size, guarded=True, corpus=corpus, steps=steps, tmp=tmp, url=url)
+            log.put("params", sum(p.numel() for p in a.model.parameters()))
+            run_block(a, WARMUP)
+            run_block(b, WARMUP)
+            if cuda:
+                per_a = [count_syncs(lambda: a.step(None))[1] for _ in range(SYNC_STEPS)]
+                per_b = [count_syncs(lambda: b.step(None))[1] for _ in range(SYNC_STEPS)]
+                log.put(
+                    "syncs",
+                    {
+                        "plain_per_step": statistics.median(per_a),
+                        "guarded_per_step": statistics.median(per_b),
+                        "guard_extra_per_step": statistics.median(per_b) - statistics.median(per_a),
+                        "plain_all": per_a,
+                        "guarded_all": per_b,
+                        "target_extra": 1,
+                    },
+                )
+            else:
+                log.put("syncs", SKIPPED_CUDA + " (torch.cuda.set_sync_debug_mode)")
+            m: dict[str, list[float]] = {}
+            t_round = 0.0  # one round: two pairs of blocks (A B, B A)
+            for i in range(MAX_ROUNDS[size]):
+                if i > 0 and deadline - time.monotonic() < 1.2 * t_round + 5:
+                    break
+                t0 = time.monotonic()
+                got = interleave(a, b, blocks=2, steps_per_block=STEPS_PER_BLOCK)
+                t_round = time.monotonic() - t0
+                for k, v in got.items():
+                    m.setdefault(k, []).extend(v)
+                assert b.guard is not None and b.guard.guarded is not None
+                res = summary(m, a.model, b.guard.guarded, seed=0)
+                lo, hi = res["overhead_ci95"]
+                res.update(target=TARGET_OVERHEAD, met=(hi <= TARGET_OVERHEAD) if cuda else None)
+                log.put("overhead", res)
+            if not m:
+                log.not_done("overhead", "time box: no block pair fitted after the warm-up")
+        finally:
+            for v in (a, b):
+                if v is not None:
+                    v.close()
+            collector.terminate()
+            collector.wait(30)
