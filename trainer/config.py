@@ -6,6 +6,7 @@
 [train]      TrainLoopConfig
 [telemetry]  TelemetryConfig
 [guard]      guard.core.config.GuardConfig
+[store]      guard.store.policy.StoreConfig (retention, rollups, compaction: docs/long-runs.md)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from guard.core.config import GuardConfig
 from guard.core.tomlconf import check, check_choice, from_dict, load_toml
+from guard.store.policy import StoreConfig
 from guard.wire.batch import valid_run_id
 from trainer.data import DataConfig
 from trainer.model import ModelConfig
@@ -124,6 +126,7 @@ class TrainConfig:
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
         check(

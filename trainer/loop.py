@@ -177,7 +177,11 @@ class Trainer:
         self.preemption = outcome.Preemption()
         self.progress = progress and d.main
         self.console = Console(self.run_dir.name, cfg.train.steps)
-        self.store = RunStore(self.run_dir, flush_every=cfg.telemetry.flush_every) if d.main else None
+        self.store = (
+            RunStore(self.run_dir, flush_every=cfg.telemetry.flush_every, policy=cfg.store)
+            if d.main
+            else None
+        )
         self.record = RunRecord(self.run_dir, self.store, exporter, rank=d.rank)
         builtin = builtin_callbacks(cfg, self.run_dir, self.device, rank=d.rank, injections=injections or [])
         self.callbacks = Callbacks(self, [*(callbacks or []), *builtin])

@@ -27,6 +27,7 @@ from guard.core.limits import FLAGS as LIMIT_FLAGS
 from guard.core.limits import CollectorLimits
 from guard.core.progress import ProgressConfig
 from guard.store.layout import atomic_write_bytes
+from guard.store.policy import StoreConfig, load_store_config
 from guard.wire.conn_guard import (
     EVENT_LOOPS,
     HEADER_TIMEOUT_S,
@@ -147,6 +148,13 @@ def _detection_flags(parser: argparse.ArgumentParser) -> None:
         "--guard", default=None, help="guard TOML for the server-side detectors (default config)"
     )
     parser.add_argument("--no-detectors", action="store_true", help="do not run detectors server-side")
+    parser.add_argument(
+        "--store-config",
+        default=None,
+        metavar="FILE",
+        help="TOML whose [store] table sets retention, rollups and compaction of the runs' stores "
+        "(default: guard/store/policy.py's; docs/long-runs.md)",
+    )
     parser.add_argument(
         "--heartbeat-floor", type=float, default=30.0, help="minimum heartbeat timeout, seconds"
     )
@@ -271,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         limits = CollectorLimits(**{k: getattr(args, k) for k in LIMIT_FLAGS})
         alert_labels = parse_labels(args.alert_label)
+        store = load_store_config(args.store_config) if args.store_config else StoreConfig()
     except ValueError as e:
         print(f"moeguard collector: {e}", flush=True)
         return 2
@@ -280,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
             token=token,
             max_body_bytes=args.max_body_bytes,
             limits=limits,
+            store=store,
             checkpoint_interval_s=args.checkpoint_interval,
             guard=guard_cfg,
             heartbeat=HeartbeatConfig(floor_s=args.heartbeat_floor),

@@ -31,7 +31,6 @@ from guard.core import schema
 from guard.store import retention, summary
 from guard.store.compaction import clean_temps, compact_span
 from guard.store.layout import (
-    ROLLUP_DIR,
     ROLLUP_RESOLUTIONS,
     SEGMENT_STEPS,
     fsync_dir,
@@ -274,26 +273,4 @@ class StoreMaintainer:
         self.save()
 
 
-def drop_rollups_after(run_dir: str | Path, step: int) -> None:
-    """Rollup parts of segments after the one holding `step` + 1 removed, and that segment's
-    marked to be rolled again (truncate_after on a resume): summary.json is told to recount."""
-    d = Path(run_dir)
-    seg = segment_of(step + 1)
-    root = d / ROLLUP_DIR
-    if root.is_dir():
-        for t in schema.ROLLUP_TABLES:
-            for res in ROLLUP_RESOLUTIONS:
-                for pi, f in live_parts(rollup_table_dir(d, t, res)):
-                    if pi.first_step >= seg * SEGMENT_STEPS:
-                        f.unlink()
-    doc = summary.read_summary(d)
-    if doc is not None:
-        ret = doc.get("retired")
-        floor = segment_of(ret[1]) if ret else -1
-        doc["rolled_through"] = max(min(doc.get("rolled_through", -1), seg - 1), floor)
-        doc["granted"] = [g for g in doc.get("granted", []) if g[0] <= step]
-        doc["recount"] = True
-        summary.write_summary(d, doc)
-
-
-__all__ = ["StoreMaintainer", "drop_rollups_after", "part_files"]
+__all__ = ["StoreMaintainer", "part_files"]

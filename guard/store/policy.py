@@ -36,15 +36,18 @@ class StoreConfig:
     # The raw steps all incidents' windows may keep in total. Past it a new incident keeps its own
     # step only (still full fidelity), so a detector that fires every step cannot fill the disk.
     incident_budget_steps: int = 20_000
-    # Rollup rows kept for the newest this many steps per resolution (0: forever), coarsest last.
+    # Rollup rows kept for the newest this many steps per resolution (0: forever). Measured at
+    # Trinity shape (bench/store_tiers.py): r10 ~29 KB a step, r100 ~3.4 KB, r1000 ~0.37 KB.
     r10_window_steps: int = 50_000
     r100_window_steps: int = 0
     r1000_window_steps: int = 0
     # A segment is compacted and rolled up once the run is this many steps past its end (rows of
     # a late flush, or events logged a step late, land first).
     compact_lag_steps: int = 50
-    # Parts a compaction replaced are deleted once the merged part is this old (a reader that
-    # listed the folder just before may still be reading them; a crash's leftovers are hidden).
+    # Parts a compaction replaced are deleted once the merged part is this old. 0: at once, so a
+    # plain `scan_parquet("<table>/*.parquet")` never sees a row twice for more than an instant; a
+    # guard/store reader that listed the folder just before lists it again (and a crash's
+    # leftovers are hidden from it either way). > 0 trades that for readers that never re-list.
     grace_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -67,12 +70,12 @@ class StoreConfig:
             f"must be in [0, {SEGMENT_STEPS})",
         )
         check(self.grace_s >= 0, "store.grace_s", self.grace_s, "must be >= 0")
-        windows = [w for w in self.windows().values() if w]
+        kept = [w or float("inf") for w in self.windows().values()]  # 0: forever
         check(
-            windows == sorted(windows),
+            kept == sorted(kept),
             "store.r10_window_steps",
-            self.r10_window_steps,
-            "each coarser resolution must be kept at least as long as a finer one",
+            self.windows(),
+            "each coarser resolution must be kept at least as long as a finer one (0 = forever)",
         )
 
     def windows(self) -> dict[int, int]:

@@ -19,14 +19,19 @@ import polars as pl
 from guard.core import schema
 from guard.core.report import StepReport
 from guard.core.rows import expert_columns, group_columns, layer_columns, steps_columns
+from guard.store import summary
 from guard.store.layout import (
+    ROLLUP_DIR,
+    ROLLUP_RESOLUTIONS,
     SEGMENT_STEPS,
     discard,
     fsync_dir,
+    live_parts,
     part_files,
     part_name,
     polars_schema,
     remove_hidden,
+    rollup_table_dir,
     segment_of,
 )
 
@@ -138,7 +143,27 @@ def truncate_after(run_dir: str | Path, step: int, *, archive_dir: str | Path | 
                 p.unlink()
             else:
                 write_part_file(p, keep)
-    from guard.store.maintain import drop_rollups_after  # rollups are derived: rebuilt from raw
-
-    drop_rollups_after(run_dir, step)
+    drop_rollups_after(run_dir, step)  # rollups are derived: rebuilt from the raw rows
     return dropped
+
+
+def drop_rollups_after(run_dir: str | Path, step: int) -> None:
+    """Rollup parts of segments after the one holding `step` + 1 removed, and that segment's
+    marked to be rolled again (truncate_after on a resume): summary.json is told to recount."""
+    d = Path(run_dir)
+    seg = segment_of(step + 1)
+    root = d / ROLLUP_DIR
+    if root.is_dir():
+        for t in schema.ROLLUP_TABLES:
+            for res in ROLLUP_RESOLUTIONS:
+                for pi, f in live_parts(rollup_table_dir(d, t, res)):
+                    if pi.first_step >= seg * SEGMENT_STEPS:
+                        f.unlink()
+    doc = summary.read_summary(d)
+    if doc is not None:
+        ret = doc.get("retired")
+        floor = segment_of(ret[1]) if ret else -1
+        doc["rolled_through"] = max(min(doc.get("rolled_through", -1), seg - 1), floor)
+        doc["granted"] = [g for g in doc.get("granted", []) if g[0] <= step]
+        doc["recount"] = True
+        summary.write_summary(d, doc)

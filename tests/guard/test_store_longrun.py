@@ -325,3 +325,7 @@ def test_store_config_names_the_bad_key(tmp_path: Path) -> None:
     f = tmp_path / "s.toml"
     f.write_text("[store]\nraw_window_steps = 0\n")
     assert not load_store_config(f).retires_raw
+    assert load_store_config(ROOT / "configs" / "store.toml") == StoreConfig()  # the documented defaults
+    from trainer.config import load_config  # the training config's [store] table
+
+    assert load_config(overrides={"store.raw_window_steps": 0}).store.raw_window_steps == 0
