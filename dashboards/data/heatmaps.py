@@ -107,9 +107,10 @@ def load_expert_share_over_time(
 ) -> dict[str, Any]:
     """expert x step-bucket matrix of one layer's load share (bucket sum of load / layer total).
 
-    A store with rollups is read at the resolution the chart needs (reader.read_series: a few
-    hundred thousand rows at any run length; "every step" reads the finest kept). A store
-    written before rollups is read whole while its rows in [lo, hi] are under `row_budget`;
+    A range that needs rollups is read at the resolution the chart needs (reader.read_series: a
+    few hundred thousand rows at any run length; "every step" reads the finest kept). A range
+    kept at full fidelity (a short run, a store written before rollups) is read whole while its
+    rows in [lo, hi] are under `row_budget`;
     past that, evenly spaced parts only, said in "note" (load shares move slowly; spikes are in
     `layers`). Its rows are estimated from the run's steps times the rows a step has, not from
     the newest part (a one-step part written at a checkpoint read as "tiny" and the page read
@@ -118,21 +119,20 @@ def load_expert_share_over_time(
     del sig
     width = bucket_grid(lo, hi, n_buckets)
     note = ""
-    if reader.rollup_resolutions(path, schema.TABLE_EXPERTS):
-        exact = row_budget >= 10**15
+    max_points = 10**12 if row_budget >= 10**15 else 2000  # "every step": the finest kept
+    if reader.pick_resolution(path, schema.TABLE_EXPERTS, lo, hi, max_points) > 1:
         got = reader.read_series(
             path,
             schema.TABLE_EXPERTS,
             columns=("load",),
             lo=lo,
             hi=hi,
-            max_points=10**12 if exact else 2000,
+            max_points=max_points,
             where=pl.col("layer") == layer,
         )
         long = got.frame.lazy().with_columns(load=pl.col("load_mean") * pl.col("n"))
-        if got.resolution > 1:
-            note = f"read at {got.resolution}-step rollups (each step kept whole around every incident)"
-    else:
+        note = f"read at {got.resolution}-step rollups (each step kept whole around every incident)"
+    else:  # every step is kept (a short run, a store without rollups): read raw, within the budget
         parts = reader.cached_part_files(path, schema.TABLE_EXPERTS)
         if not parts:
             return {}

@@ -46,9 +46,9 @@ def load_summary(path: str, sig: tuple[int, ...], *, every_part: bool = False) -
 
     From the run's summary.json (guard/store/summary.py, kept current by the writer) when it has
     one: no table is scanned, so listing 1,000 month-long runs costs 1,000 small JSON reads.
-    Damaged parts: the newest parts of each table are checked (a crash, a full disk or a copy in
-    progress damages the newest), or every part with `every_part` (the run-health page; checks
-    are incremental, guard/store/reader.py). A store without summary.json is read as before."""
+    Damaged parts: checked for truncation, every part of a short table and the newest parts of a
+    long one (_damaged), or every footer parsed with `every_part` (the run-health page; checks are
+    incremental, guard/store/reader.py). A store without summary.json is read as before."""
     del sig
     summ = summary.read_summary(path)
     if summ is None:
@@ -57,8 +57,7 @@ def load_summary(path: str, sig: tuple[int, ...], *, every_part: bool = False) -
     out["damaged"] = _damaged(path, every_part)
     if summ.get("last_step") is not None:
         out["step"] = int(summ["last_step"])
-        loss = summ.get("last_loss")
-        out["loss"] = float(loss) if isinstance(loss, int | float) else math.nan if loss is not None else None
+        out["loss"] = _json_float(summ.get("last_loss"))
     recent = summ.get("recent") or {}
     for c in ("mfu", "tokens_per_s"):
         vals = [float(v) for v in recent.get(c) or [] if isinstance(v, int | float) and math.isfinite(v)]
@@ -66,6 +65,8 @@ def load_summary(path: str, sig: tuple[int, ...], *, every_part: bool = False) -
     out["mfu_over"] = int(summ.get("mfu_over") or 0)
     counts = actions.zero()
     counts.update({a: int(n) for a, n in (summ.get("actions") or {}).items() if a in counts})
+    if not counts[schema.ACT_BIAS_CORRECT]:  # corrections logged as events only (reader.count_actions)
+        counts[schema.ACT_BIAS_CORRECT] = int(summ.get("bias_correct_event_steps") or 0)
     out["action_counts"] = counts
     out["actions"] = actions.total(counts)
     ev = summ.get("events") or {}
@@ -74,7 +75,20 @@ def load_summary(path: str, sig: tuple[int, ...], *, every_part: bool = False) -
     return out
 
 
-NEWEST_PARTS_CHECKED = 3  # per table, on the Runs page of a run with summary.json
+def _json_float(v: Any) -> float:
+    """A float summary.json stored: NaN is written as null and +-inf as a string."""
+    try:
+        return math.nan if v is None else float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+# On the Runs page, a run with summary.json has each table's parts checked for truncation (magic
+# bytes and footer length: a crash, a full disk or a copy in progress), all of them while a table
+# has at most ALL_PARTS_UP_TO, else the newest NEWEST_PARTS (older ones were read and rewritten by
+# compaction). The run-health page parses every part's footer (incrementally).
+ALL_PARTS_UP_TO = 32
+NEWEST_PARTS = 2
 
 
 def _damaged(path: str, every_part: bool) -> list[tuple[str, str]]:
@@ -82,10 +96,12 @@ def _damaged(path: str, every_part: bool) -> list[tuple[str, str]]:
     found = []
     for t in schema.TABLES:
         parts = reader.cached_part_files(path, t)
-        for p in parts if every_part else parts[-NEWEST_PARTS_CHECKED:]:
-            why = reader.part_problem(p)
-            if why is not None:
-                found.append((str(p.relative_to(path)), why))
+        if every_part:
+            bad = ((p, reader.part_problem(p)) for p in parts)
+        else:
+            few = parts if len(parts) <= ALL_PARTS_UP_TO else parts[-NEWEST_PARTS:]
+            bad = ((p, reader.part_truncated(p)) for p in few)
+        found += [(str(p.relative_to(path)), why) for p, why in bad if why is not None]
     return found
 
 

@@ -85,7 +85,18 @@ def _forget_gone(folder: str, names: tuple[str, ...]) -> None:
             del seen[n]
 
 
-def _check_footer(path: str, size: int) -> str | None:
+def part_truncated(path: str | Path) -> str | None:
+    """`part_problem`'s cheap half (a few bytes read, the footer not parsed, nothing cached): why
+    the file is not whole Parquet (too short, no magic bytes, no footer), None when it looks
+    whole. For listing many runs (the Runs page); readers use part_problem."""
+    try:
+        size = os.stat(path).st_size
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    return _check_footer(str(path), size, parse=False)
+
+
+def _check_footer(path: str, size: int, *, parse: bool = True) -> str | None:
     if size < 12:
         return f"{size} bytes, too short to be Parquet (a crash or a full disk?)"
     try:
@@ -101,6 +112,8 @@ def _check_footer(path: str, size: int) -> str | None:
         return "has no Parquet footer: truncated (a crash, a full disk or a copy in progress?)"
     if int.from_bytes(tail[:4], "little") + 12 > size:
         return "its footer length points before the file's start (damaged)"
+    if not parse:
+        return None
     try:
         pl.read_parquet_schema(path)
     except Exception as e:  # polars raises several kinds for a bad footer
@@ -358,17 +371,22 @@ def read_series(
             return Series(_empty_series(table, cols), 1, 0, -1)
         lo = span[0] if lo is None else lo
         hi = span[1] if hi is None else hi
-    have = rollup_resolutions(run_dir, table)
-    res = 1
-    if have and not (hi - lo + 1 <= max_points and _covered(raw_ranges(run_dir), lo, hi)):
-        # a finer rollup may be kept for the newest steps only (policy r10_window_steps): one
-        # that does not reach back to `lo` is skipped for a coarser one that does
-        starts = {r: _first_step(rollup_parts(run_dir, table, r)) for r in have}
-        reach = [r for r in have if starts[r] <= lo] or [min(have, key=lambda r: (starts[r], r))]
-        fits = [r for r in reach if math.ceil((hi - lo + 1) / r) <= max_points]
-        res = fits[0] if fits else reach[-1]
-    frame = _read_at(run_dir, table, cols, lo, hi, res, [1, *have], where)
+    res = pick_resolution(run_dir, table, lo, hi, max_points)
+    frame = _read_at(run_dir, table, cols, lo, hi, res, [1, *rollup_resolutions(run_dir, table)], where)
     return Series(frame, res, lo, hi)
+
+
+def pick_resolution(run_dir: str | Path, table: str, lo: int, hi: int, max_points: int = 2000) -> int:
+    """The resolution read_series reads [lo, hi] at (1: every step). Names and summary.json only."""
+    have = rollup_resolutions(run_dir, table)
+    if not have or (hi - lo + 1 <= max_points and _covered(raw_ranges(run_dir), lo, hi)):
+        return 1
+    # a finer rollup may be kept for the newest steps only (policy r10_window_steps): one that
+    # does not reach back to `lo` is skipped for a coarser one that does
+    starts = {r: _first_step(rollup_parts(run_dir, table, r)) for r in have}
+    reach = [r for r in have if starts[r] <= lo] or [min(have, key=lambda r: (starts[r], r))]
+    fits = [r for r in reach if math.ceil((hi - lo + 1) / r) <= max_points]
+    return fits[0] if fits else reach[-1]
 
 
 def _read_at(

@@ -127,4 +127,8 @@ def add_events(doc: dict[str, Any], events: pl.DataFrame) -> None:
     )
     for a, n in counted.group_by("action").len().iter_rows():
         doc["actions"][a] = doc["actions"].get(a, 0) + int(n)
+    # a run recorded before issue #28 logged bias corrections as events only: count_actions
+    # counts their steps when the steps table has none, and the Runs page does the same from here
+    bias = events.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_BIAS_CORRECT))
+    doc["bias_correct_event_steps"] = int(doc.get("bias_correct_event_steps", 0)) + bias["step"].n_unique()
     doc["updated_at"] = time.time()
