@@ -213,7 +213,7 @@ else:
     caveat = (
         f"same-config runs here vary by up to {noise.pct:.0f}% run to run: a gap between groups smaller than that is noise"
         if noise
-        else "run-to-run noise not shown (no same-config repeat here): `moeguard canary --ab` decides"
+        else "run-to-run noise not shown (no same-config repeat here): moeguard canary --ab decides"
     )
     st.plotly_chart(compare_distributions(dist, label, caveat=caveat), key="dist")
     grouped = (

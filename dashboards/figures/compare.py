@@ -145,9 +145,9 @@ def compare_distributions(df: pl.DataFrame, group_key: str, *, caveat: str | Non
         title["subtitle"] = {"text": caveat}
     fig.update_layout(
         title=title,
-        height=460,
+        height=490 if caveat else 460,
         legend={**LEGEND_RIGHT, "title": {"text": group_key}},
-        margin={**MARGIN, "t": 80},
+        margin={**MARGIN, "t": 110 if caveat else 80},  # the subtitle above the panels' titles
         violinmode="group",
     )
     return fig

@@ -77,7 +77,9 @@ def health_timeline(
             row=3,
             col=1,
         )
-        fig.update_yaxes(title_text="LR", exponentformat="e", rangemode="tozero", row=3, col=1)
+        top = float(np.nanmax(y)) if np.isfinite(y).any() else 1.0
+        # headroom: a constant LR ran along the panel's top edge, under its title
+        fig.update_yaxes(title_text="LR", exponentformat="e", range=[0, 1.2 * top], row=3, col=1)
     _add_timeline(fig, timeline, row=lane_row)
     fig.update_yaxes(title_text="loss (nats/token)", row=1, col=1)
     fig.update_yaxes(title_text="grad norm", type="log", row=2, col=1, **gn_ticks)
@@ -351,9 +353,18 @@ def goodput_figure(gp: dict[str, Any]) -> go.Figure:
             "xanchor": "left",
         },
         barmode="stack",
-        height=230,
-        legend={"orientation": "h", "yanchor": "top", "y": -0.35, "xanchor": "left", "x": 0},
-        margin={**MARGIN, "t": 50, "b": 40},
+        height=300,
+        # the parts in the bar's order (a horizontal legend of stacked bars runs backwards), below
+        # the axis title
+        legend={
+            "orientation": "h",
+            "yanchor": "top",
+            "y": -0.6,
+            "xanchor": "left",
+            "x": 0,
+            "traceorder": "normal",
+        },
+        margin={**MARGIN, "t": 50, "b": 110},
         xaxis={"range": [0, 100], "title": {"text": "% of wall time since the run's first start"}},
         yaxis={"showticklabels": False},
     )

@@ -20,10 +20,18 @@ WARMUP_LEGEND = "warm-up"  # the bands' legend group (tests find them by it)
 
 
 def warmup_label(s: Span, hi: int) -> str:
-    """The span's legend text; one that reaches past the run's last step `hi` says so."""
+    """The span's full text (the chart's caption); one that reaches past the run's last step
+    `hi` says so."""
     if s.x1 > hi:
         return f"{s.label}: not armed in this run (last step {hi:,})"
     return s.label
+
+
+def legend_name(s: Span, hi: int) -> str:
+    """The band's short legend entry (the caption under the chart has warmup_label's full text):
+    a long entry squeezed a 20-step run's plot to a third of the chart's width."""
+    who = s.label.split(" warm-up")[0]
+    return f"{who} warm-up: to step {s.x1:,}" + ("<br>(not armed in this run)" if s.x1 > hi else "")
 
 
 def shade_warmups(
@@ -53,8 +61,12 @@ def shade_warmups(
             x1=x1,
             y0=0,
             y1=1,
-            name=warmup_label(s, hi),
+            name=legend_name(s, hi),
             showlegend=True,
             legendgroup=WARMUP_LEGEND,
             **shape,
+        )
+    if over_heatmap and spans:  # a heatmap's colour bar holds the right: the legend goes above the plot
+        fig.update_layout(
+            legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1}
         )
