@@ -163,8 +163,9 @@ def sizes(segments: int, out: Path) -> dict[str, Any]:
         t: len([p for p in part_files(run, t) if int(p.name.split("-")[1]) < closed]) for t in schema.TABLES
     }
     res["files_per_1000_steps"] = {t: n_ / segments for t, n_ in files.items()}
-    res["rollup_files_per_1000_steps"] = {
-        f"{t}-r{r}": len(rollup_part_files(run, t, r)) / (segments + 1)
+    res["rollup_files_per_1000_steps"] = {  # per closed segment (retired blocks merge further)
+        f"{t}-r{r}": len([p for p in rollup_part_files(run, t, r) if int(p.name.split("-")[1]) < closed])
+        / segments
         for t in schema.ROLLUP_TABLES
         for r in ROLLUP_RESOLUTIONS
     }

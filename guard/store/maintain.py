@@ -39,7 +39,7 @@ from guard.store.layout import (
     part_name,
     polars_schema,
     remove_hidden,
-    rollup_part_files,
+    rollup_polars_schema,
     rollup_table_dir,
     segment_of,
 )
@@ -48,6 +48,8 @@ from guard.store.rollup import SegmentRoller
 from guard.store.writer import write_part_file
 
 log = logging.getLogger("moeguard.store")
+# Retired segments whose rollup parts are merged into one, per resolution (guard/store/layout.py).
+ROLLUP_BLOCK_SEGMENTS = {100: 10, 1000: 100}
 
 
 def _scan(run_dir: Path, table: str, after: int | None = None) -> pl.DataFrame:
@@ -255,15 +257,30 @@ class StoreMaintainer:
                     compact_span(
                         self.dir / t, lo, hi, polars_schema(t), grace_s=p.grace_s, keep=keep, force=True
                     )
+                self._merge_rollup_blocks(j)
         for res, window in p.windows().items():
             if not window:
                 continue
             for t in schema.ROLLUP_TABLES:
-                for f in rollup_part_files(self.dir, t, res):
-                    pn = f.name
-                    first = int(pn.split("-")[1])
-                    if first + SEGMENT_STEPS - 1 < last - window:
+                d = rollup_table_dir(self.dir, t, res)
+                remove_hidden(d)  # a part deleted below must not uncover a leftover
+                for pi, f in live_parts(d):
+                    if pi.last + SEGMENT_STEPS - 1 < last - window:
                         f.unlink()
+
+    def _merge_rollup_blocks(self, j: int) -> None:
+        """Once segment `j` is retired: if it ends a block of ROLLUP_BLOCK_SEGMENTS[res] segments,
+        that block's per-segment rollup parts at `res` are merged into one (1,000 files a table
+        at 1M steps become 100 at r100 and 10 at r1000). Only retired segments: a resume never
+        re-rolls them, so a merged block is never partly rewritten."""
+        for res, n in ROLLUP_BLOCK_SEGMENTS.items():
+            if (j + 1) % n:
+                continue
+            lo, hi = (j + 1 - n) * SEGMENT_STEPS, (j + 1) * SEGMENT_STEPS - 1
+            for t in schema.ROLLUP_TABLES:
+                d = rollup_table_dir(self.dir, t, res)
+                if d.is_dir():
+                    compact_span(d, lo, hi, rollup_polars_schema(t), grace_s=self.policy.grace_s)
 
     def finish(self, status: str | None = None) -> None:
         """A run that ends: its last segment rolled up and compacted, the status saved."""

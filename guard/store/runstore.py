@@ -98,6 +98,7 @@ class RunStore:
         # summary.json, rollups, compaction and retention, on the writer thread after each flush
         self._maint = StoreMaintainer(self.dir, policy)
         self._written: dict[str, list[pl.DataFrame]] = {}
+        self._status: str | None = None  # meta.json's status, for summary.json
         self.flush_every = flush_every
         self._buffers = {t: _TableBuffer(t) for t in schema.TABLES}
         self._first_step: dict[str, int | None] = {t: None for t in schema.TABLES}
@@ -118,6 +119,8 @@ class RunStore:
     def write_meta(self, meta: dict[str, Any]) -> None:
         meta = {**meta, "schema_version": schema.SCHEMA_VERSION, "updated_at": time.time()}
         atomic_write_json(self.dir / schema.META_FILE, meta)
+        if isinstance(meta.get("status"), str):
+            self._status = meta["status"]  # summary.json takes it at the next upkeep (writer thread)
 
     def update_meta(self, **fields: Any) -> None:
         meta = read_meta(self.dir) or {}
@@ -186,7 +189,7 @@ class RunStore:
                 fields["status"] = status
             self.update_meta(**fields)
         try:
-            self._maint.finish(status)
+            self._maint.finish(status or self._status)
         except Exception:
             log.exception("run store %s: final rollups/compaction failed (raw rows are all kept)", self.dir)
 
@@ -219,6 +222,8 @@ class RunStore:
         written, self._written = self._written, {}
         frames = {t: pl.concat(dfs, how="vertical_relaxed") for t, dfs in written.items()}
         try:
+            if self._status is not None:
+                self._maint.doc["status"] = self._status
             self._maint.wrote(frames)
         except Exception:
             log.exception("run store %s: upkeep failed (raw rows are all kept; retried next flush)", self.dir)

@@ -151,7 +151,10 @@ def drop_rollups_after(run_dir: str | Path, step: int) -> None:
     """Rollup parts of segments after the one holding `step` + 1 removed, and that segment's
     marked to be rolled again (truncate_after on a resume): summary.json is told to recount."""
     d = Path(run_dir)
-    seg = segment_of(step + 1)
+    doc = summary.read_summary(d)
+    ret = doc.get("retired") if doc is not None else None
+    # a retired segment is never rolled again (its raw rows are thinned): its rollups stay
+    seg = max(segment_of(step + 1), segment_of(ret[1]) + 1 if ret else 0)
     root = d / ROLLUP_DIR
     if root.is_dir():
         for t in schema.ROLLUP_TABLES:
@@ -159,11 +162,8 @@ def drop_rollups_after(run_dir: str | Path, step: int) -> None:
                 for pi, f in live_parts(rollup_table_dir(d, t, res)):
                     if pi.first_step >= seg * SEGMENT_STEPS:
                         f.unlink()
-    doc = summary.read_summary(d)
     if doc is not None:
-        ret = doc.get("retired")
-        floor = segment_of(ret[1]) if ret else -1
-        doc["rolled_through"] = max(min(doc.get("rolled_through", -1), seg - 1), floor)
+        doc["rolled_through"] = min(doc.get("rolled_through", -1), seg - 1)
         doc["granted"] = [g for g in doc.get("granted", []) if g[0] <= step]
         doc["recount"] = True
         summary.write_summary(d, doc)

@@ -329,3 +329,31 @@ def test_store_config_names_the_bad_key(tmp_path: Path) -> None:
     from trainer.config import load_config  # the training config's [store] table
 
     assert load_config(overrides={"store.raw_window_steps": 0}).store.raw_window_steps == 0
+
+
+def test_retired_rollup_segments_merge_into_blocks_and_read_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from guard.store import maintain
+
+    monkeypatch.setattr(maintain, "ROLLUP_BLOCK_SEGMENTS", {100: 2, 1000: 2})
+    run = tmp_path / "r"
+    store = RunStore(run, flush_every=100, policy=SMALL)
+    reps = [report(s) for s in range(3100)]
+    for r in reps:
+        store.add_step(r)
+    store.close()
+    truth = pl.DataFrame(expert_columns(reps))
+    for res in (100, 1000):
+        names = [p.name for p in rollup_part_files(run, schema.TABLE_EXPERTS, res)]
+        assert layout.parse_part(names[0]).compacted and len(names) == 3, names  # type: ignore[union-attr]
+        assert not layout.hidden_part_files(layout.rollup_table_dir(run, schema.TABLE_EXPERTS, res))
+        got = pl.read_parquet(rollup_part_files(run, schema.TABLE_EXPERTS, res))
+        want = (
+            truth.with_columns((pl.col("step") // res * res).alias("step"))
+            .group_by("layer", "expert", "step")
+            .agg(pl.col("load").max(), pl.len().alias("rows"))
+        )
+        j = got.join(want, on=["layer", "expert", "step"])
+        assert j.height == got.height == want.height  # every bucket once, none lost
+        assert (j["load_max"] == j["load"].cast(pl.Float32)).all() and (j["n"] == j["rows"]).all()
