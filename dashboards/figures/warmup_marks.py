@@ -66,7 +66,14 @@ def shade_warmups(
             legendgroup=WARMUP_LEGEND,
             **shape,
         )
-    if over_heatmap and spans:  # a heatmap's colour bar holds the right: the legend goes above the plot
-        fig.update_layout(
-            legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1}
+    if over_heatmap and spans:
+        # a heatmap's colour bar holds the right and its title the top: the legend goes under the
+        # step axis' title, the figure taller by as much
+        margin = fig.layout.margin.to_plotly_json()
+        height, bottom = (fig.layout.height or 260) + 45, (margin.get("b") or 50) + 45
+        plot_px = max(60, height - bottom - (margin.get("t") or 70))
+        fig.update_layout(  # legend y is a fraction of the plot's height: 58 px below it
+            legend={"orientation": "h", "yanchor": "top", "y": -58 / plot_px, "xanchor": "left", "x": 0},
+            margin={**margin, "b": bottom},
+            height=height,
         )
