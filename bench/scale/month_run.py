@@ -164,6 +164,7 @@ def ensure(root: Path, build: str, shape: dict[str, Any]) -> Path:
             incident_every=shape["incident_every"],
             recent=shape["recent"],
             radius=shape["radius"],
+            tile=shape["steps"] > 20_000,
         )
     else:
         from bench.big_run import write_big_run
@@ -218,9 +219,9 @@ def add_step_latency(steps: int, layers: int, experts: int, dirpath: Path) -> di
             "writer_cpu_ms_per_step": 1000 * other_cpu / steps, "steps": steps}  # fmt: skip
 
 
-def measure(run: Path, runs_dir: Path, code_root: Path, repeat: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for page in (*PAGES, "replay"):
+def measure(run: Path, runs_dir: Path, code_root: Path, repeat: int, replay: bool = True) -> dict[str, Any]:
+    out: dict[str, Any] = {"replay": {"wall_s": math.nan, "peak_rss_mb": math.nan, "skipped": True}}
+    for page in (*PAGES, "replay") if replay else PAGES:
         other = f"{RUN_ID}-0001" if page == "compare" else ""
         reps = [
             child(page, runs_dir, run, code_root, other) for _ in range(1 if page == "replay" else repeat)
@@ -292,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         "--runs", type=int, default=1000, help="runs on the Runs page (the run and symlinks to it)"
     )
     p.add_argument("--incident-every", type=int, default=25_000)
-    p.add_argument("--recent", type=int, default=2_000, help="steps kept at full fidelity at the end")
-    p.add_argument("--radius", type=int, default=100, help="steps kept at full fidelity around an incident")
+    p.add_argument("--recent", type=int, default=10_000, help="steps kept at full fidelity at the end")
+    p.add_argument("--radius", type=int, default=25, help="steps kept at full fidelity around an incident")
     p.add_argument("--repeat", type=int, default=3, help="cold opens per page (median)")
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "moeguard-bench" / "month_run")
     p.add_argument(
@@ -301,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--baseline-rev", default="ea1e43a")
     p.add_argument("--baseline-max", type=int, default=10_000, help="largest size built in today's layout")
+    p.add_argument(
+        "--baseline-replay-max",
+        type=int,
+        default=2000,
+        help="largest size today's replay runs at (it holds the whole experts table: ~1.3 GB per 1,000 steps)",
+    )
     p.add_argument("--add-step", type=int, default=2000, help="steps of the add_step timing (0: skip)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -332,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
             runs = runs_dir_with(root, args.runs)
             res["results"][f"{label}-{n}"] = {
                 "store": store_stats(run),
-                "measured": measure(run, runs, code, args.repeat),
+                "measured": measure(
+                    run, runs, code, args.repeat, label == "new" or n <= args.baseline_replay_max
+                ),
             }
             print(
                 json.dumps({label: n, **res["results"][f"{label}-{n}"]["measured"]}, default=float),

@@ -83,12 +83,16 @@ def write_month_run(
     ranks: int = 2048,
     rank_every: int = 20,
     incident_every: int = 25_000,
-    recent: int = 2_000,
-    radius: int = 100,
+    recent: int = 10_000,
+    radius: int = 25,
+    r10_window: int = 100_000,
+    tile: bool = False,
     seed: int = 0,
     status: str = schema.STATUS_FINISHED,
 ) -> dict[str, Any]:
-    """Build the run; returns {"ranges": full-fidelity ranges, "incidents": steps,
+    """Build the run (defaults: guard/store/policy.py StoreConfig's retention). `tile`: quiet
+    segments (no incident, before the recent window) after the first are that one's rows shifted
+    (the same files, bytes and rows a generated one has, minutes instead of hours at 1M steps). Returns {"ranges": full-fidelity ranges, "incidents": steps,
     "extremes": {table: {column: (min, max)}} of the raw rows before any was retired}."""
     rng = np.random.default_rng(seed)
     d = Path(run_dir)
@@ -104,7 +108,35 @@ def write_month_run(
     seq = 0
     loss_last = math.nan
     extremes: dict[str, dict[str, list[float]]] = {}
+    if tile and incident_every % SEGMENT:
+        raise ValueError(f"tile needs incident_every a multiple of {SEGMENT}, got {incident_every}")
+    # kind ("quiet" / "incident") -> (first step, {(table, res: 0 for raw): frame}, its events)
+    templates: dict[str, tuple[int, dict[tuple[str, int], pl.DataFrame], list[dict[str, Any]]]] = {}
     for seg in range(0, steps, SEGMENT):
+        old_seg = seg + SEGMENT <= steps - recent
+        near = any(seg - radius <= s < seg + SEGMENT + radius for s in incidents)
+        kind = "incident" if near else "quiet"
+        if tile and old_seg and kind in templates:  # the template's rows, shifted
+            tmpl_seg, template, tmpl_ev = templates[kind]
+            off = seg - tmpl_seg
+            for r in tmpl_ev:
+                ev_rows.append({**r, "step": r["step"] + off, "time": r["time"] + 2.0 * off})
+            if tmpl_ev:
+                summary.add_events(doc, _events(ev_rows[-len(tmpl_ev) :]))
+            for (t, res), df in template.items():
+                if res == layout.ROLLUP_RESOLUTIONS[0] and r10_window and seg + SEGMENT <= steps - r10_window:
+                    continue
+                sh = df.with_columns(
+                    pl.col(c) + off for c in ("step", "step_lo", "step_hi") if c in df.columns
+                )
+                if "time" in sh.columns:
+                    sh = sh.with_columns(pl.col("time") + 2.0 * off)
+                od = d / t if res == 0 else layout.rollup_table_dir(d, t, res)
+                write_part_file(od / layout.part_name(seg, seq), sh)
+                seq += 1
+                if t == schema.TABLE_STEPS:
+                    summary.add_steps(doc, sh)
+            continue
         rollers = {t: SegmentRoller(t, seg, seg + SEGMENT - 1) for t in schema.ROLLUP_KEYS}
         raw: dict[str, list[pl.DataFrame]] = {t: [] for t in schema.TABLES}
         n_ev = len(ev_rows)
@@ -136,21 +168,31 @@ def write_month_run(
                     df = _kept(df, ranges)
                 if df.height:
                     raw[t].append(df)
+        written: dict[tuple[str, int], pl.DataFrame] = {}
         for t, dfs in raw.items():  # one compacted part per table per segment
             if dfs:
                 df = pl.concat(dfs)
                 write_part_file(d / t / layout.part_name(int(df["step"].min()), seq), df)  # type: ignore[arg-type]
                 seq += 1
+                written[(t, 0)] = df
         for t, roller in rollers.items():
             for res, df in roller.frames().items():
                 od = layout.rollup_table_dir(d, t, res)
                 od.mkdir(parents=True, exist_ok=True)
                 write_part_file(od / layout.part_name(seg, seq), df)
                 seq += 1
+                written[(t, res)] = df
+        if tile and old_seg and kind not in templates:
+            templates[kind] = (seg, written, ev_rows[n_ev:])
         summary.add_steps(doc, pl.concat(raw[schema.TABLE_STEPS]))
         new_ev = ev_rows[n_ev:]
         if new_ev:
             summary.add_events(doc, _events(new_ev))
+    if r10_window:  # the finest rollup is kept for the newest r10_window steps only
+        for t in schema.ROLLUP_KEYS:
+            for p in layout.rollup_part_files(d, t, layout.ROLLUP_RESOLUTIONS[0]):
+                if int(p.name.split("-")[1]) + SEGMENT <= steps - r10_window:
+                    p.unlink()
     if ev_rows:
         write_part_file(d / schema.TABLE_EVENTS / layout.part_name(0, seq), _events(ev_rows))
     doc["status"] = status
