@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from guard.core import schema
 from guard.core.tomlconf import to_dict
 from guard.runtime.envinfo import fingerprint
 from guard.runtime.record import RunRecord
@@ -24,6 +25,7 @@ def run_meta(t: Trainer, status: str) -> dict[str, Any]:
     return {
         "run_id": t.run_dir.name,
         "name": t.cfg.name,
+        "framework": schema.FRAMEWORK_MOEGUARD,
         "status": status,
         "started_at": t.gp.started_at,
         "config": to_dict(t.cfg),

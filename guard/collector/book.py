@@ -218,6 +218,10 @@ class HealthBook:
     def is_halted(self, run: str) -> bool:
         return self._read(run, lambda r: r.halted, False)
 
+    def halt_labels(self, run: str) -> dict[str, str] | None:
+        """What halted the run (schema.HALT_INFO_LABELS), while it is halted; None if not known."""
+        return self._read(run, lambda r: r.halt_labels(), None)
+
     def detectors(self, run: str) -> list[str]:
         """Detector names this run's verdict counters hold."""
         return self._read(run, lambda r: list(r.verdicts), [])

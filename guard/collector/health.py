@@ -107,6 +107,7 @@ class RunView:
     # every rank up to PER_RANK_ALL_UP_TO ranks, beyond that only those out of line
     rank_counts: dict[str, int] = field(default_factory=dict)
     all_ranks: bool = True  # the per-rank lists hold every rank (else only those out of line)
+    halt: dict[str, str] | None = None  # schema.HALT_INFO_LABELS while halted (RunHealth.halt_labels)
 
 
 @dataclass(slots=True)
@@ -140,6 +141,8 @@ class RunHealth:
     rank_scores: dict[int, float] = field(default_factory=dict)  # straggler scores the trainer reported
     goodput: float | None = None  # the trainer's own figure (meta["goodput"]), when it sent one
     stored_step: int | None = None  # last stored step, for a run whose last report is not in memory
+    halt_info: dict[str, str] | None = None  # what halted it (halt_info_of), while it is halted
+    framework: str = ""  # meta.json["framework"]
     complete: bool = False  # restored from the run store (or seen from its start) by this process
 
     def observe_report(self, rep: StepReport, baseline: BaselineConfig, now: float | None = None) -> None:
@@ -236,20 +239,27 @@ class RunHealth:
         """Verdict events count by detector, LR cool-down events by action (step decisions,
         corrections included, are counted from reports: guard/core/actions.py); a halt sets
         halted, a resume clears it (in event order, so a batch may resume and halt again)."""
+        detectors: dict[int, set[str]] = {}  # step -> detectors whose verdicts came with it
         for ev in rows:
             if ev.get("kind") == schema.EV_VERDICT:
                 self.verdicts[str(ev.get("detector") or "unknown")] += 1
+                detectors.setdefault(int(ev.get("step", -1)), set()).add(str(ev.get("detector") or ""))
             elif ev.get("kind") == schema.EV_RERUN and ev.get("detector") == schema.RERUN_TRANSIENT:
                 for rank in rerun_ranks(ev):
                     self.hw_faults[rank] += 1
             guard_actions.tally(self.actions, None, [ev])
             if is_halt(ev):
                 self.halted = True
+                self.halt_info = halt_info_of(ev, detectors.get(int(ev.get("step", -1)), set()))
+            elif ev.get("kind") == schema.EV_OPERATOR and ev.get("action") == schema.ACT_HALT:
+                self.halt_info = halt_info_of(ev, set())  # its latch comes with meta's status
             elif ev.get("kind") == schema.EV_RESUME:
-                self.halted = False
+                self.halted, self.halt_info = False, None
 
     def set_meta(self, meta: Mapping[str, Any]) -> None:
         self.info = {k: _find_key(meta, keys) for k, keys in _INFO_KEYS.items()}
+        if isinstance(meta.get("framework"), str):
+            self.framework = meta["framework"]
         g = meta.get("goodput")
         if (
             isinstance(g, Mapping)
@@ -362,6 +372,12 @@ class RunHealth:
             "waiting": sum(1 for p in pr.ranks.values() if p.waiting),
         }
 
+    def halt_labels(self) -> dict[str, str] | None:
+        """schema.HALT_INFO_LABELS while halted by a halt this collector saw (None otherwise)."""
+        if not self.halted or self.halt_info is None:
+            return None
+        return {**self.halt_info, "framework": self.framework or "unknown"}
+
     def view(self, run: str, now: float) -> RunView:
         hb, pr = self.heartbeats, self.progress
         ranks, every, named = self._out_of_line(now)
@@ -388,6 +404,7 @@ class RunHealth:
             hw_faults=dict(self.hw_faults),
             rank_counts=self.rank_counts(now, ranks, named),
             all_ranks=every,
+            halt=self.halt_labels(),
         )
 
     def _scalars(self) -> dict[str, float]:
@@ -418,6 +435,23 @@ def _counts(d: Any) -> dict[str, int]:
     if not isinstance(d, Mapping):
         raise TypeError(f"expected counts by name, got {type(d).__name__}")
     return {str(k): _count(v) for k, v in d.items()}
+
+
+def halt_info_of(ev: Mapping[str, Any], detectors: set[str]) -> dict[str, str]:
+    """What halted the run, from its halt event (or an operator's halt command event) and the
+    detectors whose verdicts came at the same step: step, halted_by, detector, reason."""
+    detail = ev.get("detail")
+    try:
+        d = json.loads(detail) if isinstance(detail, str) else dict(detail or {})
+    except (ValueError, TypeError):
+        d = {}
+    operator = ev.get("kind") == schema.EV_OPERATOR
+    return {
+        "step": str(ev.get("step", "")),
+        "halted_by": schema.HALTED_BY_OPERATOR if operator else schema.HALTED_BY_GUARD,
+        "detector": "" if operator else ",".join(sorted(x for x in detectors if x)),
+        "reason": str(d.get("reason") or ("an operator command" if operator else "the guard's policy"))[:300],
+    }
 
 
 def rerun_ranks(ev: Mapping[str, Any]) -> list[str]:

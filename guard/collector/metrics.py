@@ -179,6 +179,8 @@ def _run_series(fam: dict[str, Metric], v: RunView, budget: _Budget) -> None:
     for name, val in scalars:
         if fits(1):
             fam[name].add_metric([run], float(val))
+    if v.halt is not None and fits(1):
+        fam[schema.M_HALT_INFO].add_metric([run, *(v.halt[k] for k in schema.HALT_INFO_LABELS)], 1.0)
     info = v.info
     if info is not None and fits(1):
         fam[schema.M_RUN_INFO].add_metric([run, *(info[k] for k in RUN_INFO_LABELS)], 1.0)
@@ -312,6 +314,13 @@ _SPECS: list[tuple[str, str, list[str], str]] = [
         "flagged steps whose recompute came out clean (guard.rerun), by rank",
     ),
     (schema.M_HALTED, "gauge", _R, "1 when the run halted itself (a halt event arrived), until it resumes"),
+    (
+        schema.M_HALT_INFO,
+        "gauge",
+        ["run", *schema.HALT_INFO_LABELS],
+        "1 while halted, labelled with the halt's step, who halted it (guard|operator), the "
+        "detector(s), the reason and the run's framework (RunHalted's annotations)",
+    ),
     (schema.M_LAST_SEEN, "gauge", _RK, "unix time the collector last heard from this rank"),
     (schema.M_HEARTBEAT_AGE, "gauge", _RK, "seconds since the collector last heard from this rank"),
     (schema.M_HEARTBEAT_TIMEOUT, "gauge", _RK, "learned heartbeat timeout (5 x max interval, floored)"),

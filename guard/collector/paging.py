@@ -247,7 +247,9 @@ class AlertmanagerNotifier:
                     touched |= set(self.health.runs()) | set(self._book.latched(RUN_HALTED))
                     next_scan = now + min(self.resend_s, 5.0)
                 for run in touched:
-                    self._book.latch(RUN_HALTED, run, self.health.is_halted(run), now)
+                    self._book.latch(
+                        RUN_HALTED, run, self.health.is_halted(run), now, info=self.health.halt_labels(run)
+                    )
                 self._publish(now)
             except Exception:  # a bug here must not end paging for good
                 log.exception("paging: deciding what fires failed")

@@ -21,8 +21,10 @@ collector does with its fields:
                phase's learned deadline is stuck (guard/core/progress.py, RunStuck)
     trainer_detectors  true: the trainer runs the DetectorSuite in-process (guard on, or
                --no-guard observing); the collector then runs none for the run
-    final      the rank's heartbeat is dropped (no HeartbeatLost for a run that ended), and
-               rank 0's final sets the run's status to finished (halted if it halted)
+    final      the rank's heartbeat is dropped (no HeartbeatLost for a rank that said goodbye);
+               its `goodbye` sets the run's status (rank 0's, or peer_lost from any rank;
+               status.py). Only a rank's own final ends its watch: a rank that goes silent with
+               none is paged HeartbeatLost even when its peers ended the run (issue #37)
 The listing GET /v1/runs answers is guard/wire/runs.py.
 
 Answers: 200 {"ok": true, "duplicate": bool, "commands": [...]} once the batch is durably on

@@ -44,6 +44,9 @@ class Engine:
         self.lr_bound = LRBoundDetector(max_lr) if max_lr else None
         self.policy = Policy(cfg, has_bias=has_bias, correction=correction)
         self.commands = CommandInbox()
+        # steps whose rollback found no snapshot and was applied as a skip (the policy still counts
+        # them as its rollbacks; a halt's reason says which were skips, as the counts do)
+        self.fell_back: list[int] = []
 
     def verdicts(self, report: StepReport, lr: float | None = None) -> list[Verdict]:
         """Every fired verdict for this step (detectors, then the LR bound); updates their state."""
@@ -70,6 +73,9 @@ class Engine:
             before = d.rollback_before if d.rollback_before is not None else d.step
             if snapshot_before(before) is None:
                 _skip_instead(d)
+                self.fell_back = [*self.fell_back[-63:], d.step]
+        if d.action == schema.ACT_HALT:
+            self._say_which_were_skips(d)
         if command is not None:
             self.commands.applied_id = max(self.commands.applied_id, command.id)
             can_roll_back = snapshot_before is None or snapshot_before(report.step) is not None
@@ -78,11 +84,27 @@ class Engine:
             )
         return d
 
+    def _say_which_were_skips(self, d: Decision) -> None:
+        """A halt whose reason lists rollbacks that found no snapshot: say they were applied as
+        skips (meta.json counts them as skips, issue #37: "rollback 0" beside "4 rollbacks")."""
+        for ev in d.events:
+            if ev.kind != schema.EV_HALT:
+                continue
+            listed = [int(s) for s in ev.detail.get("rollbacks", [])]
+            skipped = [s for s in listed if s in self.fell_back]
+            if skipped:
+                ev.detail["rollbacks_applied_as_skips"] = skipped
+                ev.detail["reason"] = (
+                    f"{ev.detail.get('reason', '')}; {len(skipped)} of those {len(listed)} rollback(s) "
+                    "found no snapshot and were applied as skips"
+                )
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "detectors": self.detectors.state_dict(),
             "policy": self.policy.state_dict(),
             "commands": self.commands.state_dict(),
+            "fell_back": list(self.fell_back),
         }
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
@@ -90,6 +112,7 @@ class Engine:
         self.policy.load_state_dict(s["policy"])
         if "commands" in s:  # absent from a checkpoint written before the engine kept them
             self.commands.load_state_dict(s["commands"])
+        self.fell_back = [int(x) for x in s.get("fell_back", [])]
 
 
 def _skip_instead(d: Decision) -> None:

@@ -46,10 +46,31 @@ RUN_HALTED = PagedAlert(
     0.0,
     1,
     ("run",),
-    "Run {run} halted itself",
-    "The stability guard halted run {run} after its automatic actions (skip, rollback, LR "
-    "cooldown) did not recover it. The GPUs are idle until a human resumes or abandons the run.",
+    "Run {run} halted",
+    "Run {run} was halted (by the stability guard after its automatic actions did not recover it, "
+    "or by an operator). Its GPUs are idle until a human resumes or abandons it; "
+    "playbooks/RunHalted.md says how to resume it for moeguard train, torchtitan and the "
+    "transformers Trainer.",
 )
+
+
+def halted_annotations(run: str, info: dict[str, str]) -> dict[str, str]:
+    """RunHalted's summary and description when the halt is known (schema.HALT_INFO_LABELS), plus
+    one annotation per label. The rule in alerts/moeguard.rules.yml renders the very same text
+    from moeguard_run_halt_info (tests/guard/test_halt_page.py renders both), so Alertmanager shows
+    the same words whichever source updated the alert last."""
+    det = f" ({info['detector']})" if info.get("detector") else ""
+    return {
+        "summary": f"Run {run} halted at step {info['step']} by {info['halted_by']}{det}",
+        "description": (
+            f"Run {run} ({info['framework']}) was halted at step {info['step']} by "
+            f"{info['halted_by']}{det}: {info['reason']}. Its GPUs are idle until a human resumes or "
+            f"abandons it; playbooks/RunHalted.md says how to resume a {info['framework']} run."
+        ),
+        **{k: info[k] for k in schema.HALT_INFO_LABELS},
+    }
+
+
 REPEATED_NONFINITE = PagedAlert(
     "NonFiniteLoss",
     1800.0,
@@ -107,6 +128,7 @@ class _Series:
     labels: dict[str, str]
     times: deque = field(default_factory=deque)  # signal times within the window (a window alert)
     on: bool = False  # a latch's state
+    info: dict[str, str] | None = None  # a latch's labels of what set it (RunHalted: HALT_INFO_LABELS)
     since: float | None = None  # when it started firing
 
 
@@ -128,11 +150,15 @@ class PageBook:
         """One more occurrence (a window alert)."""
         self._get(alert, run, rank).times.append(now)
 
-    def latch(self, alert: PagedAlert, run: str, on: bool, now: float) -> None:
-        """Set a latch alert's state (a latch never seen on is not created by turning it off)."""
+    def latch(
+        self, alert: PagedAlert, run: str, on: bool, now: float, info: dict[str, str] | None = None
+    ) -> None:
+        """Set a latch alert's state (a latch never seen on is not created by turning it off);
+        `info`: what set it, for the annotations (RunHalted: halted_annotations)."""
         key = key_of(alert_labels(alert, run))
         if on or key in self._series:
-            self._get(alert, run, None).on = on
+            s = self._get(alert, run, None)
+            s.on, s.info = on, info
 
     def latched(self, alert: PagedAlert) -> list[str]:
         """Runs whose `alert` latch is on."""
@@ -178,13 +204,12 @@ class PageBook:
             if s.since is None:
                 s.since = now
             fmt = {"run": s.labels["run"], "rank": s.labels.get("rank", ""), "count": count}
+            ann = {"summary": a.summary.format(**fmt), "description": a.description.format(**fmt)}
+            if a is RUN_HALTED and s.info is not None:
+                ann = halted_annotations(s.labels["run"], s.info)
             out[key] = Firing(
                 labels=dict(s.labels),
-                annotations={
-                    "summary": a.summary.format(**fmt),
-                    "description": a.description.format(**fmt),
-                    "runbook_url": runbook_url(a.alertname, runbook_base),
-                },
+                annotations={**ann, "runbook_url": runbook_url(a.alertname, runbook_base)},
                 starts_at=s.since,
             )
         return out

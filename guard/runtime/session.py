@@ -87,6 +87,17 @@ def compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
+def framework_of(model: torch.nn.Module) -> str:
+    """The framework whose model this is (meta.json["framework"]: RunHalted says how to resume
+    it): transformers or torchtitan by the module of a class it is made of (FSDP's wrapper class
+    derives from the model's), else plain PyTorch."""
+    for cls in type(model).__mro__:
+        top = cls.__module__.split(".", 1)[0]
+        if top in (schema.FRAMEWORK_TRANSFORMERS, schema.FRAMEWORK_TORCHTITAN):
+            return top
+    return schema.FRAMEWORK_PYTORCH
+
+
 def attention_backend_of(model: torch.nn.Module) -> str:
     """What attention the model runs: transformers' `_attn_implementation`, torchtitan's inner
     attention class, or 'unknown'."""
@@ -154,6 +165,7 @@ class RunSession:
             "restarts": before.get("restarts", 0),
             "env": self.env,
             "flops_per_token": flops_per_token,
+            "framework": framework_of(model),
             **meta,
         }
         self.record.started(self.meta, restarted=False)

@@ -162,7 +162,15 @@ def test_a_halt_is_posted_at_once_to_every_alertmanager_resent_and_resolved_on_r
         "cluster": "test",
     }
     assert alert["annotations"]["runbook_url"] == f"{RUNBOOKS}/playbooks/RunHalted.md"
-    assert alert["annotations"]["summary"] == "Run h halted itself"
+    # what halted it (issue #37): the step, guard or operator, the reason, the run's framework
+    assert alert["annotations"]["summary"] == "Run h halted at step 3 by guard"
+    assert {k: alert["annotations"][k] for k in schema.HALT_INFO_LABELS} == {
+        "step": "3",
+        "halted_by": "guard",
+        "detector": "",
+        "reason": "2 rollbacks within 500 steps",
+        "framework": "unknown",  # this run sent no meta.json
+    }
     assert ts(alert["endsAt"]) - ts(alert["startsAt"]) == pytest.approx(4 * 0.5, abs=1.0)
     # re-sent while it fires (same startsAt, a later endsAt)
     resent = am.wait_for(_with("h", "RunHalted", True), count=6, timeout=20)

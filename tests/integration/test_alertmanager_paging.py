@@ -140,7 +140,7 @@ def test_one_page_and_one_resolve_through_a_cluster_that_loses_and_regains_a_mem
     ingest(c.collector.url, batch("halted", 0, G1 | 1, [make_report(s) for s in range(4)], [halt_row(3)]))
     [trig] = st.wait_pd("trigger", run="halted", timeout=60)
     assert_trigger(trig.json, "RunHalted", "halted")
-    assert trig.json["payload"]["summary"] == "Run halted halted itself"
+    assert trig.json["payload"]["summary"] == "Run halted halted at step 3 by guard"
     assert trig.time - t0 < 30  # the collector's path: no scrape, no rule `for`
     key = trig.json["dedup_key"]
 
@@ -189,7 +189,7 @@ def test_one_page_and_one_resolve_through_a_cluster_that_loses_and_regains_a_mem
     mine = [r for r in st.sink.received("/pd") if r.json.get("dedup_key") == key]
     assert pagerduty_story(mine) == [("page", key), ("resolve", key)]
     assert [r.json["event_action"] for r in mine] == ["trigger", "resolve"]  # not even an update
-    firing = [r for r in st.slack() if "[FIRING CRITICAL] Run halted halted itself" in _title(r)]
+    firing = [r for r in st.slack() if "[FIRING CRITICAL] Run halted halted at step 3" in _title(r)]
     resolved = [r for r in st.slack() if _title(r).startswith("[RESOLVED]") and "halted" in _title(r)]
     assert len(firing) == 1 and len(resolved) == 1, [_title(r) for r in st.slack()]
 

@@ -264,7 +264,15 @@ def test_guard_halt_pages_once_and_resume_resolves_it(stack: Stack) -> None:
     s.mark("halt_trigger")
     pd = trig.json
     assert_pagerduty_trigger(pd, "RunHalted", run)
-    assert pd["payload"]["summary"] == f"Run {run} halted itself"  # the collector's (the rule adds the step)
+    # what halted it, in the collector's words and the rule's alike (issue #37)
+    assert (
+        pd["payload"]["summary"].startswith(f"Run {run} halted at step ")
+        and " by guard" in pd["payload"]["summary"]
+    )
+    assert (
+        f"Run {run} ({schema.FRAMEWORK_MOEGUARD}) was halted"
+        in pd["payload"]["custom_details"]["description"]
+    )
     assert wait_exit(trainer, 120) == EXIT_HALTED
     halt_time = _halt_event_time(s.tmp / "train" / run)
     latency = time.time() - (time.monotonic() - trig.time) - halt_time
