@@ -1,6 +1,7 @@
 """`moeguard replay RUN_DIR [--guard FILE.toml]`: run the detectors and policy over a recorded run.
 
-It rebuilds each step's StepReport from the run store (guard/store/reader.py) and feeds the same
+It rebuilds each step's StepReport from the run store (guard/store/reader.py, a window of steps at
+a time: memory stays bounded at any run length) and feeds the same
 engine (detectors, LR bound, policy: guard/core/engine.py) the trainer uses, then prints what
 they would have done next to what the run did. Use
 it to tune thresholds: a verdict on a step you know was healthy is a false alarm to fix.
@@ -24,7 +25,14 @@ from guard.core import schema
 from guard.core.config import GuardConfig
 from guard.core.engine import Engine
 from guard.core.tomlconf import ConfigError, from_dict, load_toml, to_dict
-from guard.store.reader import DamagedPartWarning, damaged_parts, read_meta, read_reports, scan_table
+from guard.store.reader import (
+    DamagedPartWarning,
+    damaged_parts,
+    raw_ranges,
+    read_meta,
+    read_reports,
+    scan_table,
+)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -152,6 +160,13 @@ def _run(args: argparse.Namespace, cfg: GuardConfig, max_lr: float | None) -> in
         )
     else:
         print(f"replayed {n_steps} steps of {args.run_dir.name} with the recorded guard settings")
+    kept = raw_ranges(args.run_dir)
+    if kept is not None:  # a long run: per-layer / per-expert rows retired outside these ranges
+        n_kept = sum(b - a + 1 for a, b in kept)
+        print(
+            f"per-layer and per-expert rows are kept for {n_kept:,} of those steps ({len(kept)} ranges: around "
+            "every incident and the newest steps); elsewhere only the step-level detectors had rows to judge"
+        )
     if not rows:
         print("no verdicts: the detectors would have stayed quiet on every step")
         return 0
