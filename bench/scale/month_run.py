@@ -73,7 +73,9 @@ elif page == "replay":
     out["verdicts"] = len(replay(Path(run), cfg, lr))
 out["wall_s"] = time.perf_counter() - t0
 out["cpu_s"] = time.process_time() - c0
-out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# VmHWM: this process image's peak (ru_maxrss would carry the parent's peak across exec)
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")]
+out["peak_rss_mb"] = int(hwm[0].split()[1]) / 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps(out, default=float))
 """
 
