@@ -236,15 +236,60 @@ def add_step_timing(n: int, out: Path, pace_s: float) -> dict[str, Any]:
     return res
 
 
+def collector_files(n: int, out: Path) -> dict[str, Any]:
+    """The collector's copy through its real ingest path (in process): one batch of 3 steps and one
+    checkpoint after it, as a 1 s checkpoint at a 3 s step leaves; files per table per 1,000 steps
+    (closed segments) and in the live tail. Small shape: file counts do not depend on it."""
+    from guard.collector.config import CollectorConfig
+    from guard.collector.service import Collector
+
+    runs = out / "collector"
+    shutil.rmtree(runs, ignore_errors=True)
+    c = Collector(CollectorConfig(runs_dir=runs, token=None, checkpoint_interval_s=3600.0, guard=None))
+    c.start()
+    gen = np.random.default_rng(0)
+    try:
+        for seq, s0 in enumerate(range(0, n, 3)):
+            reps = []
+            for s in range(s0, min(n, s0 + 3)):
+                r = StepReport(step=s, time=1.76e9 + 3 * s, loss=2.0, grad_norm=1.0, lr=3e-4, tokens=4096)
+                r.layer_ids_L = r.moe_layer_ids_M = np.arange(4, dtype=np.int32)
+                r.layer_grad_norm_L = gen.random(4)
+                for f in ("router_entropy_M", "load_entropy_M", "maxvio_M", "bias_norm_M"):
+                    setattr(r, f, gen.random(4))
+                r.dead_experts_M = np.zeros(4, np.int32)
+                r.load_ME, r.bias_ME = gen.integers(0, 100, (4, 8)), gen.random((4, 8))
+                reps.append(r)
+            body = json.dumps({"run": "r", "rank": 0, "seq": seq, "reports": [r.to_json() for r in reps]})
+            status, ans = c.ingest(body.encode())
+            assert status == 200, ans
+            c.with_run("r", lambda st: st.checkpoint())
+    finally:
+        c.close()
+    run = runs / "r"
+    closed = (n - StoreConfig().compact_lag_steps) // SEGMENT_STEPS * SEGMENT_STEPS
+    res: dict[str, Any] = {"steps": n, "checkpoints": (n + 2) // 3, "closed_steps": closed}
+    for t in schema.TABLES:
+        names = [p.name for p in part_files(run, t)]
+        old = [x for x in names if int(x.split("-")[1]) < closed]
+        res[t] = {
+            "files_per_1000_steps_closed": len(old) / max(1, closed / 1000),
+            "live_tail_files": len(names) - len(old),
+        }
+    shutil.rmtree(runs, ignore_errors=True)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--segments", type=int, default=0, help="whole 1,000-step segments to size (0: skip)")
     ap.add_argument("--add-step", type=int, default=0, help="steps through a real RunStore to time (0: skip)")
     ap.add_argument("--pace-ms", type=float, default=20.0, help="one step every this many ms (--add-step)")
+    ap.add_argument("--collector", type=int, default=0, help="steps through the collector's ingest (0: skip)")
     ap.add_argument("--dir", default=None, help="scratch folder (default: a temp folder)")
     ap.add_argument("--json", default=None, help="write the figures here")
     a = ap.parse_args(argv)
-    if a.segments < 0 or a.add_step < 0 or a.pace_ms < 0:
+    if a.segments < 0 or a.add_step < 0 or a.pace_ms < 0 or a.collector < 0:
         print("store_tiers: --segments, --add-step and --pace-ms must be >= 0", file=sys.stderr)
         return 2
     out = Path(a.dir or tempfile.mkdtemp(prefix="store-tiers-"))
@@ -252,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}
     if a.segments:
         res["sizes"] = sizes(a.segments, out)
+    if a.collector:
+        res["collector_files"] = collector_files(a.collector, out)
     if a.add_step:
         res["add_step"] = add_step_timing(a.add_step, out, a.pace_ms / 1e3)
     text = json.dumps(res, indent=2)
