@@ -89,7 +89,8 @@ class MoEGuardCallback(TrainerCallback):
         the Trainer's model at train start, with its defaults). `max_lr`: the LR bound (default:
         the schedule's base LR, `initial_lr`, the peak of transformers' schedules; a warm-up has
         already set `lr` to 0 at train start). `guarded`: any other GuardedStep keyword
-        (dead_window, commands, ...)."""
+        (dead_window, commands, inject: drills such as "nan@120,collapse@300:2", default
+        $MOEGUARD_INJECT; guard/core/inject.py, guard/runtime/inject.py)."""
         self.run_dir, self.config, self.collector = run_dir, config, collector
         self.flops_per_token, self.attach, self.max_lr = flops_per_token, attach, max_lr
         self.extra = guarded
