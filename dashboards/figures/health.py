@@ -21,6 +21,7 @@ from dashboards.figures.style import (
     LOSS_COLOR,
     LR_COLOR,
     MARGIN,
+    STEP_MARGIN,
     column_values,
     fit_step_axis,
     log_ticks,
@@ -89,7 +90,7 @@ def health_timeline(
         title={"text": title, "x": 0, "xanchor": "left"},
         height=940 if has_lr else 820,
         legend={**LEGEND_RIGHT, "title": {"text": "marks (hover for evidence)"}},
-        margin={**MARGIN, "t": 80},
+        margin=STEP_MARGIN,
         hovermode="closest",
     )
     if steps is not None:
@@ -298,7 +299,7 @@ def perf_figure(
         title={"text": "Throughput, efficiency and memory", "x": 0, "xanchor": "left"},
         height=560,
         legend=LEGEND_RIGHT,
-        margin={**MARGIN, "t": 80},
+        margin=STEP_MARGIN,
     )
     fig.update_xaxes(matches="x")  # 2 x 2: shared_xaxes links columns only, so zoom links all four
     if steps is not None:

@@ -13,7 +13,7 @@ from dashboards.figures.nonfinite_marks import mark_nonfinite_steps, panel_top
 from dashboards.figures.style import (
     LEGEND_RIGHT,
     LOSS_COLOR,
-    MARGIN,
+    STEP_MARGIN,
     column_values,
     fit_step_axis,
     log_ticks,
@@ -85,7 +85,7 @@ def precursor_figure(
         title={"text": "Precursors: signals that move before a loss spike", "x": 0, "xanchor": "left"},
         height=260 * len(titles) + 80,
         legend=LEGEND_RIGHT,
-        margin={**MARGIN, "t": 80},
+        margin=STEP_MARGIN,
     )
     if steps is not None:
         fit_step_axis(fig, *steps)

@@ -66,6 +66,12 @@ LEGEND_RIGHT = {"orientation": "v", "yanchor": "top", "y": 1.0, "xanchor": "left
 MARGIN = {"l": 60, "r": 20, "t": 70, "b": 50}
 
 
+# The full-width step charts of a page (loss, precursors, throughput) share their margins, so the
+# plot areas have one width and a step sits at the same x on each (the legend lives in the right
+# margin; a wider legend had narrowed one chart's plot and put step 10 elsewhere on each chart)
+STEP_MARGIN = {"l": 80, "r": 290, "t": 80, "b": 50}
+
+
 def step_range(lo: int, hi: int) -> list[float]:
     """The step axis of every chart of a run: the run's own steps, half a step either side (a
     heatmap cell of step s spans s +- 0.5). Not stretched to a detector's warm-up, a checkpoint or

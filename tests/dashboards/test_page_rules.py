@@ -25,7 +25,7 @@ from dashboards.figures.canaries import canary_figure
 from dashboards.figures.compare import NO_MFU, compare_distributions, compare_overlay
 from dashboards.figures.heatmap import SHARE_BLUE, SHARE_WHITE, heatmap, share_colors
 from dashboards.figures.precursors import precursor_figure
-from dashboards.figures.style import step_range
+from dashboards.figures.style import STEP_MARGIN, step_range
 from dashboards.figures.warmup_marks import WARMUP_LEGEND
 from guard.canary.ab_format import RATIO_LABELS, SPEED, TPS_RAW
 from tests.dashboards import synth_store as synth
@@ -66,6 +66,11 @@ def test_a_short_run_fills_every_chart_on_one_step_axis(tmp_path: Path, open_pag
     assert {b["name"].split(":")[0] for b in bands} == {"collapse warm-up", "spike detectors warm-up"}
     assert not [a for a in health["layout"].get("annotations", []) if "warm-up" in a.get("text", "")]
     assert any("not armed in this run" in c.value for c in at.caption)
+    # the full-width step charts have one plot width: a step sits at the same x on each
+    wide = [chart_titled(at, t)["layout"]["margin"] for t in (HEALTH_TITLE, "Throughput, efficiency")]
+    assert wide[0] == wide[1] == STEP_MARGIN
+    ratio = pl.DataFrame({"step": np.arange(20), "update_ratio": np.full(20, 1e-3)})
+    assert precursor_figure({"update_ratio": ratio}, {}, pl.DataFrame()).layout.margin.r == STEP_MARGIN["r"]
 
 
 def test_a_long_runs_bands_end_where_the_detectors_arm(tmp_path: Path, open_page) -> None:
