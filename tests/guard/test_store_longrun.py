@@ -357,3 +357,35 @@ def test_retired_rollup_segments_merge_into_blocks_and_read_the_same(
         j = got.join(want, on=["layer", "expert", "step"])
         assert j.height == got.height == want.height  # every bucket once, none lost
         assert (j["load_max"] == j["load"].cast(pl.Float32)).all() and (j["n"] == j["rows"]).all()
+
+
+def test_a_resume_mid_segment_rolls_that_segment_up_again_from_the_new_timeline(tmp_path: Path) -> None:
+    from guard.store.writer import truncate_after
+
+    run = tmp_path / "r"
+    store = RunStore(run, flush_every=50, policy=SMALL)
+    for s in range(2600):
+        store.add_step(report(s))
+    store.close()
+    assert truncate_after(run, 1499) > 0  # resumed from a checkpoint at step 1499
+    store = RunStore(run, flush_every=50, policy=SMALL)
+    store.add_event(Event(step=1500, kind=schema.EV_RESUME))
+    final = []
+    for s in range(1500, 3200):
+        r = report(s)
+        r.loss = 3.0  # the new timeline differs
+        r.load_ME = r.load_ME + 1000
+        store.add_step(r)
+        final.append(r)
+    store.close()
+    steps = read_table(run, schema.TABLE_STEPS).sort("step")
+    assert steps["step"].to_list() == list(range(3200))  # nothing doubled, nothing lost
+    assert (steps.filter(pl.col("step") >= 1500)["loss"] == 3.0).all()
+    r1000 = pl.read_parquet(rollup_part_files(run, schema.TABLE_EXPERTS, 1000))
+    seg1 = r1000.filter(pl.col("step") == 1000)
+    assert (seg1["n"] == 1000).all() and (seg1["step_hi"] == 1999).all()
+    assert (seg1["load_max"] >= 1000).all()  # the new timeline's rows are in it
+    assert r1000.group_by("layer", "expert", "step").len()["len"].max() == 1
+    doc = read_summary(run)
+    assert doc is not None and doc["steps_written"] == 3200 and doc["last_step"] == 3199
+    assert 1500 in doc["incidents"]  # the restart is an incident: its neighbourhood stays raw
