@@ -108,7 +108,9 @@ class StoreMaintainer:
         keep = {k: doc.get(k) for k in ("rolled_from", "rolled_through", "retired", "rollups", "status")}
         fresh = summary.empty_summary()
         fresh.update({k: v for k, v in keep.items() if v is not None})
-        fresh["granted"] = [g for g in doc.get("granted", [])]
+        for k in ("granted", "incident_points", "incident_count", "incidents"):
+            if k in doc:
+                fresh[k] = doc[k]
         doc.clear()
         doc.update(fresh)
         self._count(doc, None)
@@ -128,14 +130,11 @@ class StoreMaintainer:
             summary.add_events(doc, events)
         new = retention.incident_steps(steps, events)
         if new:
-            doc["granted"] = retention.grant_windows(
-                doc.get("granted", []), new, self.policy.incident_steps, self.policy.incident_budget_steps
-            )
-            doc["incidents"] = [g[0] for g in doc["granted"]]
+            retention.grant(doc, new, self.policy.incident_steps, self.policy.incident_budget_steps)
 
     def _refresh_ranges(self, doc: dict[str, Any]) -> None:
         first, last = doc.get("first_step"), doc.get("last_step")
-        ranges: list[tuple[int, int]] = list(retention.windows_of(doc.get("granted", [])))
+        ranges: list[tuple[int, int]] = list(retention.kept_windows(doc))
         if first is not None and last is not None:
             ret = doc.get("retired")
             if ret is None:
@@ -249,7 +248,7 @@ class StoreMaintainer:
                 keep = retention.keep_expr(
                     [
                         (max(a, lo), min(b, hi))
-                        for a, b in retention.windows_of(self.doc["granted"])
+                        for a, b in retention.kept_windows(self.doc)
                         if a <= hi and b >= lo
                     ]
                 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -65,34 +66,45 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def grant_windows(
-    granted: list[list[int]], new_incidents: Iterable[int], half: int, budget: int
-) -> list[list[int]]:
-    """`granted` (the [step, half-width] pairs already granted, in grant order) with windows for
-    incidents not granted yet: +-half while the budget lasts (steps newly covered are counted),
-    then +-0. Returns the new list (the old pairs unchanged, first)."""
-    out = [list(g) for g in granted]
-    seen = {g[0] for g in out}
-    used = sum(hi - lo + 1 for lo, hi in windows_of(out))
-    for s in sorted(set(new_incidents) - seen):
-        w = half if used + 2 * half + 1 <= budget else 0
-        out.append([s, w])
-        used = sum(hi - lo + 1 for lo, hi in windows_of(out))
-    return out
+NEWEST_INCIDENTS = 1000  # incident steps summary.json lists (all are counted and kept)
+
+
+def grant(doc: dict[str, Any], new_incidents: Iterable[int], half: int, budget: int) -> None:
+    """Grant windows to incidents not seen yet, in step order, into summary `doc`: +-half while
+    `budget` raw steps last (doc["granted"]: [step, half] pairs, at most budget / (2 half + 1) of
+    them), then the incident's own step (doc["incident_points"]: merged ranges, so a detector that
+    fires every step adds one range, not a million entries). doc["incident_count"] counts them,
+    doc["incidents"] lists the newest NEWEST_INCIDENTS."""
+    granted: list[list[int]] = doc.setdefault("granted", [])
+    points = [tuple(r) for r in doc.get("incident_points", [])]
+    seen = {g[0] for g in granted}
+    used = sum(hi - lo + 1 for lo, hi in windows_of(granted))
+    new = [s for s in sorted(set(new_incidents)) if s not in seen and not _inside(points, s)]
+    for s in new:
+        if half > 0 and used + 2 * half + 1 <= budget:
+            granted.append([s, half])
+            used = sum(hi - lo + 1 for lo, hi in windows_of(granted))
+        else:
+            points.append((s, s))
+    doc["incident_points"] = [list(r) for r in merge_ranges(points)]
+    doc["incident_count"] = int(doc.get("incident_count", 0)) + len(new)
+    doc["incidents"] = sorted({*doc.get("incidents", []), *new})[-NEWEST_INCIDENTS:]
+
+
+def _inside(ranges: list[tuple[int, ...]], s: int) -> bool:
+    return any(lo <= s <= hi for lo, hi in ranges)
+
+
+def kept_windows(doc: dict[str, Any]) -> list[tuple[int, int]]:
+    """Every raw step incidents keep (their windows and, past the budget, their own steps), merged."""
+    return merge_ranges(
+        [*windows_of(doc.get("granted", [])), *(tuple(r) for r in doc.get("incident_points", []))]
+    )  # type: ignore[misc]
 
 
 def windows_of(granted: Iterable[list[int]]) -> list[tuple[int, int]]:
     """The inclusive step ranges the granted incident windows keep, merged."""
     return merge_ranges((max(0, s - w), s + w) for s, w in granted)
-
-
-def kept_ranges(
-    granted: Iterable[list[int]], retired_through: int, last_step: int | None
-) -> list[tuple[int, int]]:
-    """Where raw rows are guaranteed: the incident windows, plus everything after the last step
-    retention may have thinned (`retired_through`; -1: nothing thinned yet)."""
-    tail = [(retired_through + 1, last_step)] if last_step is not None and last_step > retired_through else []
-    return merge_ranges([*windows_of(granted), *tail])
 
 
 def keep_expr(ranges: list[tuple[int, int]]) -> pl.Expr:

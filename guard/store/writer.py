@@ -165,5 +165,9 @@ def drop_rollups_after(run_dir: str | Path, step: int) -> None:
     if doc is not None:
         doc["rolled_through"] = min(doc.get("rolled_through", -1), seg - 1)
         doc["granted"] = [g for g in doc.get("granted", []) if g[0] <= step]
+        doc["incident_points"] = [
+            [lo, min(hi, step)] for lo, hi in doc.get("incident_points", []) if lo <= step
+        ]
+        doc["incidents"] = [s for s in doc.get("incidents", []) if s <= step]
         doc["recount"] = True
         summary.write_summary(d, doc)

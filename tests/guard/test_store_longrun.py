@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -164,6 +165,7 @@ _CHILD = r"""
 import sys, time
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
+from typing import Any
 from guard.store.policy import StoreConfig
 from guard.store.runstore import RunStore
 from guard.store.writer import truncate_after
@@ -389,3 +391,16 @@ def test_a_resume_mid_segment_rolls_that_segment_up_again_from_the_new_timeline(
     doc = read_summary(run)
     assert doc is not None and doc["steps_written"] == 3200 and doc["last_step"] == 3199
     assert 1500 in doc["incidents"]  # the restart is an incident: its neighbourhood stays raw
+
+
+def test_a_detector_firing_every_step_cannot_grow_the_summary_or_the_raw_rows() -> None:
+    doc: dict[str, Any] = {}
+    retention.grant(doc, [10, 500], half=25, budget=60)  # the first window fits, the second not
+    assert doc["granted"] == [[10, 25]] and doc["incident_points"] == [[500, 500]]
+    for s0 in range(1000, 101_000, 50):  # a detector fires on every step, flush after flush
+        retention.grant(doc, range(s0, s0 + 50), half=25, budget=60)
+    assert doc["incident_count"] == 2 + 100_000
+    assert doc["incident_points"] == [[500, 500], [1000, 100_999]]  # one range, not 100,000 entries
+    assert len(doc["incidents"]) == retention.NEWEST_INCIDENTS and doc["incidents"][-1] == 100_999
+    assert retention.kept_windows(doc)[:2] == [(0, 35), (500, 500)]
+    assert len(json.dumps(doc)) < 20_000
