@@ -8,6 +8,11 @@ checkpoint), so no reader has to scan a long run's tables to list it.
      "updated_at": 1.7e9, "rollups": {"experts": [10, 100, 1000], ...},
      "full_fidelity": [[lo, hi], ...], "incidents": [step, ...], "rolled_through": 998}
 
+`incidents`: the newest 1,000 incident steps (`incident_count` counts all); `granted` ([step,
+half-width] windows) and `incident_points` (steps kept alone once the budget is spent, as merged
+ranges) are what retention keeps (guard/store/retention.py); `retired`: the [first, last] step
+range whose raw rows were thinned; `rolled_from`: the first segment this store rolls up (a store
+written before rollups keeps its older rows raw).
 `full_fidelity`: inclusive step ranges in which every raw layers/experts/groups/ranks row is
 kept (guard/store/retention.py keeps it; readers ask `reader.full_fidelity_ranges`).
 `rolled_through`: the last segment (guard/store/layout.py SEGMENT_STEPS) whose rollups and
