@@ -245,3 +245,18 @@ def test_run_health_shows_lr_and_goodput(tmp_path: Path, open_page) -> None:
     assert parts["productive (goodput) 50.0%"] == 50.0 and parts["rolled back 7.5%"] == 7.5
     assert not [n for n in parts if n.startswith(("non-finite", "restarts"))], "a zero part takes no space"
     assert sum(parts.values()) == 100.0
+
+
+def test_compare_violins_carry_the_measured_run_to_run_spread(tmp_path: Path, open_page) -> None:
+    """Item 9: with a same-config repeat in the store, the violins' caveat gives its spread, the
+    figure "Is B faster than A?" sets a difference against."""
+    for run, seed in (("a", 1), ("a-again", 2), ("b", 3)):
+        env = {**ENV_A, "expert_kernel": "loop"} if run == "b" else dict(ENV_A)
+        write_run(tmp_path, SynthRun(run_id=run, steps=120, env=env, faults=[], seed=seed))
+    at = open_page("compare", tmp_path)
+    assert not at.exception, [e.value for e in at.exception]
+    dist = chart_titled(at, "Steady-state MFU and throughput by torch")
+    sub = dist["layout"]["title"]["subtitle"]["text"]
+    assert sub.startswith("same-config runs here vary by up to") and "noise" in sub, sub
+    said = " ".join(c.value for c in at.caption)
+    assert "Same-config runs in this store (a, a-again) vary by up to" in said
