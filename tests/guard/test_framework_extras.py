@@ -14,6 +14,8 @@ import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
+
 from guard.extras import EXTRAS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,6 +49,23 @@ def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
+
+
+TT_LINE = (
+    "python -m guard.integrations.torchtitan needs the 'torchtitan' extra: "
+    "pip install \"moeguard[torchtitan]\" (no module 'torchtitan')"
+)
+
+
+@pytest.mark.parametrize("launch", [[], ["--nproc-per-node", "2"]])
+def test_the_torchtitan_launcher_without_torchtitan_is_one_line_and_exit_2(
+    tmp_path: Path, launch: list[str]
+) -> None:
+    env = without(tmp_path, "torchtitan")
+    p = run(env, "-m", "guard.integrations.torchtitan", *launch, "--module", "deepseek_v3", "--config", "x")
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines() == [TT_LINE]  # no traceback, no torchrun spawned
+    assert run(env, "-m", "guard.integrations.torchtitan", "--help").returncode == 0  # help needs none
 
 
 def test_the_transformers_entry_points_without_transformers_name_the_extra(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from guard.core import schema
 from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_DATA, PHASE_EVAL, PHASE_TRAIN
-from guard.integrations.torchtitan import OptimizersView, attach
+from guard.integrations.torchtitan import OptimizersView, attach, force_collapse
 
 STATE_KEY = "moeguard"  # the guard's entry in torchtitan's checkpoint
 
@@ -69,6 +69,12 @@ def default_run_dir(config: Any) -> Path:
     return Path("runs") / box[0]
 
 
+def _drillable(att: Any, parts: list[torch.nn.Module]) -> Any:
+    """The attachment, able to force a collapse for `inject collapse@S:LAYER` (guard/runtime/inject.py)."""
+    att.force_collapse = lambda layer: force_collapse(parts, layer)
+    return att
+
+
 def guarded_trainer() -> type:
     from torchtitan.trainer import Trainer
 
@@ -84,7 +90,9 @@ def guarded_trainer() -> type:
             guard_config: Any = None,
             run_dir: str | Path | None = None,
             collector: str | None = None,
+            inject: list[str] | None = None,
         ) -> None:
+            """`inject`: drills (guard/core/inject.py specs; None: $MOEGUARD_INJECT)."""
             super().__init__(config)
             if len(self.model_parts) != 1:
                 raise NotImplementedError(
@@ -95,12 +103,13 @@ def guarded_trainer() -> type:
             self.guarded = GuardedStep(
                 self.model_parts[0],
                 view,  # type: ignore[arg-type]
-                attach=attach(self.model_parts),
+                attach=_drillable(attach(self.model_parts), self.model_parts),
                 run_dir=run_dir if run_dir is not None else default_run_dir(config),
                 config=guard_config,
                 grad_clip=max(clip, 0.0),
                 collector=collector,
                 flops_per_token=float(self.metrics_processor.num_flops_per_token),
+                inject=inject,
             )
             # torchtitan's loss is a local sum / the GLOBAL token count; the guard wants local means
             pd = self.parallel_dims
@@ -109,6 +118,7 @@ def guarded_trainer() -> type:
             self._tokens = 0
             self.guard_decision: Any = None
             self.halted = False
+            self.guarded_steps = 0  # in this process (0 after a relaunch that had nothing to train)
             self.optimizers = _Steps(self, self.optimizers)  # type: ignore[assignment]
             if self.checkpointer.enable:
                 self.checkpointer.states[STATE_KEY] = GuardState(self.guarded)
@@ -150,6 +160,7 @@ def guarded_trainer() -> type:
             assert self._loss is not None, "optimizer step without a forward/backward"
             # this rank's tokens; GuardedStep sums them over the ranks
             self.guard_decision = self.guarded.step(self._loss, tokens=self._tokens)
+            self.guarded_steps += 1
             self._loss, self._tokens = None, 0
             self.halted = self.halted or self.guard_decision.halt
 
