@@ -44,6 +44,7 @@ from guard.store.layout import next_part_seq
 from guard.store.maintain import StoreMaintainer
 from guard.store.policy import StoreConfig
 from guard.store.reader import last_step as scan_last_step
+from guard.store.reader import read_meta
 from guard.store.writer import write_parts
 from guard.wire.batch import BadRequest, Batch, parse_batch
 
@@ -191,8 +192,13 @@ class RunJournal:
         )
 
     def close(self) -> None:
-        with self.lock:
-            self.finish()
+        """Close the log; a run that has ended (meta.json's status) gets its last segment rolled
+        up. A live run's tail stays raw (readers read it raw): an eviction or a shutdown of a
+        collector holding many runs does not re-read every run's tail."""
+        meta = read_meta(self.dir) or {}
+        if meta.get("status") not in (None, schema.STATUS_RUNNING, schema.STATUS_STALE):
+            with self.lock:
+                self.finish()
         self.wal.close()
 
 

@@ -32,7 +32,7 @@ from guard.store.rollup import rollup
 from guard.store.runstore import RunStore
 from guard.store.summary import read_summary
 from guard.store.writer import report_frames, write_parts
-from tests.guard.test_collector import batch, ingest, make_report
+from tests.guard.test_collector import batch, beat, ingest, make_report
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = StoreConfig(raw_window_steps=1000, incident_steps=3, r10_window_steps=2000, compact_lag_steps=10)
@@ -263,6 +263,15 @@ def test_the_collectors_copy_is_compacted_and_rolled_up_through_ingest(tmp_path:
             ingest(c, batch("r1", 0, seq, reps[i : i + 20], events))
             if seq % 10 == 0:
                 time.sleep(0.06)  # let checkpoints happen: one part per table per checkpoint
+        run = tmp_path / "runs" / "r1"
+        deadline = time.monotonic() + 60
+        while len(rollup_part_files(run, schema.TABLE_EXPERTS, 1000)) < 2:  # segment 1's upkeep
+            assert time.monotonic() < deadline, "segment 1 was never rolled up"
+            time.sleep(0.05)
+        r100 = pl.read_parquet(rollup_part_files(run, schema.TABLE_EXPERTS, 100))
+        assert r100["step"].max() == 1900  # closed segments only; the live tail stays raw
+        # the run ends (rank 0's final beat): its tail is rolled up when the collector closes it
+        ingest(c, beat("r1", 0, seq + 1, step=2599, final=True))
     finally:
         c.close()
     run = tmp_path / "runs" / "r1"
@@ -279,7 +288,7 @@ def test_the_collectors_copy_is_compacted_and_rolled_up_through_ingest(tmp_path:
         .agg(pl.col("load").max())
     )
     j = got.join(want, on=["layer", "expert", "step"])
-    assert j.height == got.height and got["step"].max() >= 2500  # the live tail rolled at close
+    assert j.height == got.height and got["step"].max() == 2500
     assert (j["load_max"] == j["load"].cast(pl.Float32)).all()
     doc = read_summary(run)
     assert doc is not None and doc["steps_written"] == 2600 and 1500 in doc["incidents"]
