@@ -193,9 +193,12 @@ keys = {
     "compile mode": "compile",
     "run": "run",
 }
+# open on the environment key the chosen runs differ in (two kernels: by kernel, not one violin
+# of both under their common torch)
+differs = [k for k, c in keys.items() if c != "run" and len({str(i.env.get(c)) for i in sel}) > 1]
+first = differs[0] if differs else "torch"
 label = (
-    st.segmented_control("Group by", list(keys), default="torch", key="group_by", bind="query-params")
-    or "torch"
+    st.segmented_control("Group by", list(keys), default=first, key="group_by", bind="query-params") or first
 )
 key = keys[label]
 frames = []

@@ -163,7 +163,7 @@ def test_compare_without_mfu_and_with_faults(tmp_path: Path, open_page) -> None:
         synth.set_meta(d, injections=["gradspike@40:1000"] if kernel == "loop" else [])
     at = open_page("compare", tmp_path)
     assert not at.exception, [e.value for e in at.exception]
-    dist = chart_titled(at, "Steady-state throughput by torch")
+    dist = chart_titled(at, "Steady-state throughput by expert kernel")  # what the two runs differ in
     assert [a["text"] for a in dist["layout"]["annotations"]] == [
         f"Throughput (tokens/s), steady state; {NO_MFU}"
     ]
@@ -255,7 +255,7 @@ def test_compare_violins_carry_the_measured_run_to_run_spread(tmp_path: Path, op
         write_run(tmp_path, SynthRun(run_id=run, steps=120, env=env, faults=[], seed=seed))
     at = open_page("compare", tmp_path)
     assert not at.exception, [e.value for e in at.exception]
-    dist = chart_titled(at, "Steady-state MFU and throughput by torch")
+    dist = chart_titled(at, "Steady-state MFU and throughput by expert kernel")
     sub = dist["layout"]["title"]["subtitle"]["text"]
     assert sub.startswith("same-config runs here vary by up to") and "noise" in sub, sub
     said = " ".join(c.value for c in at.caption)
