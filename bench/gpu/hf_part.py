@@ -164,9 +164,9 @@ def run(log: PartLog, *, dry: bool, deadline: float) -> None:
             log.put("params", sum(p.numel() for p in a.model.parameters()))
             run_block(a, WARMUP)
             run_block(b, WARMUP)
+            per_a = [count_syncs(lambda: a.step(None))[1] for _ in range(SYNC_STEPS)]
+            per_b = [count_syncs(lambda: b.step(None))[1] for _ in range(SYNC_STEPS)]
             if cuda:
-                per_a = [count_syncs(lambda: a.step(None))[1] for _ in range(SYNC_STEPS)]
-                per_b = [count_syncs(lambda: b.step(None))[1] for _ in range(SYNC_STEPS)]
                 log.put(
                     "syncs",
                     {
@@ -179,7 +179,11 @@ def run(log: PartLog, *, dry: bool, deadline: float) -> None:
                     },
                 )
             else:
-                log.put("syncs", SKIPPED_CUDA + " (torch.cuda.set_sync_debug_mode)")
+                log.put(
+                    "syncs",
+                    f"{SKIPPED_CUDA} (torch.cuda.set_sync_debug_mode); the counter ran on "
+                    f"{len(per_a)} + {len(per_b)} steps",
+                )
             m: dict[str, list[float]] = {}
             t_round = 0.0  # one round: two pairs of blocks (A B, B A)
             for i in range(MAX_ROUNDS[size]):

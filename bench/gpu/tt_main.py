@@ -4,10 +4,10 @@
         python -m bench.gpu.tt_main --module bench.gpu.tt_registry --config gpu_moe [--no-guard] ...
 
 Every argument goes to guard.integrations.torchtitan's main unchanged (plain with --no-guard,
-guarded otherwise). With $MOEGUARD_GPU_SYNCS=FIRST:LAST on a CUDA host, torchtitan's
+guarded otherwise). With $MOEGUARD_GPU_SYNCS=FIRST:LAST, torchtitan's
 `Trainer.train_step` for torchtitan steps FIRST..LAST runs under
 `torch.cuda.set_sync_debug_mode("warn")`, and the number of synchronizing CUDA calls it warned
-about is appended to $MOEGUARD_GPU_SYNC_FILE, one JSON line a step. The guard's step runs inside
+about is appended to $MOEGUARD_GPU_SYNC_FILE, one JSON line a step (null without CUDA). The guard's step runs inside
 train_step (it is the optimizer step torchtitan calls), so plain vs guarded is the guard's own.
 Only those steps pay for the warnings: keep them in the warm-up that the timing leaves out.
 """
@@ -24,10 +24,14 @@ ENV_SYNC_FILE = "MOEGUARD_GPU_SYNC_FILE"
 SYNC_WORD = "synchroniz"  # torch's warning: "called a synchronizing CUDA operation"
 
 
-def count_syncs(fn: Any) -> tuple[Any, int]:
-    """fn() under the sync debug mode: (its result, the synchronizing CUDA calls it made)."""
+def count_syncs(fn: Any) -> tuple[Any, int | None]:
+    """fn() under the sync debug mode: (its result, the synchronizing CUDA calls it made). Without
+    CUDA, fn() alone and None: the count needs CUDA, the plumbing around it does not (the dry run
+    exercises it)."""
     import torch
 
+    if not torch.cuda.is_available():
+        return fn(), None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -57,12 +61,10 @@ def install_counter(first: int, last: int, path: str) -> None:
 
 
 def main() -> int:
-    import torch
-
     from guard.integrations.torchtitan.__main__ import main as titan_main
 
     spec, path = os.environ.get(ENV_SYNCS, ""), os.environ.get(ENV_SYNC_FILE, "")
-    if spec and path and torch.cuda.is_available():
+    if spec and path:  # without CUDA the counter writes null counts (count_syncs)
         first, _, last = spec.partition(":")
         install_counter(int(first), int(last), path)
     return titan_main()

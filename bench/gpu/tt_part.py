@@ -262,11 +262,14 @@ def _summarise(log: PartLog, pairs: list[dict[str, Any]], warmup: int, cuda: boo
             "launch_wall_s": [round(p[g]["wall_s"], 1) for p in pairs for g in (False, True)],
         },
     )
-    if not cuda:
-        log.put("syncs", SKIPPED_CUDA + " (torch.cuda.set_sync_debug_mode)")
-        return
     a = [x["syncs"] for p in pairs for x in p[False]["syncs"]]
     b = [x["syncs"] for p in pairs for x in p[True]["syncs"]]
+    if not cuda:
+        log.put(
+            "syncs",
+            f"{SKIPPED_CUDA} (torch.cuda.set_sync_debug_mode); the counter ran on {len(a)} + {len(b)} steps",
+        )
+        return
     if not a or not b:
         log.not_done("syncs", "no step was counted (the sync counter wrote nothing)")
         return

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from bench.gpu.common import FORMAT, PART_NAMES, PARTS, SKIPPED_CUDA, STATUS_OK  # noqa: E402
+from bench.gpu.hf_part import SYNC_STEPS  # noqa: E402
 from bench.gpu.report import merge  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,11 +62,16 @@ def test_dry_run_writes_every_part_within_the_device_tools_limits(dry: tuple[Pat
 def test_dry_run_figures(dry: tuple[Path, dict]) -> None:
     out, res = dry
     tt, hf = res["parts"]["torchtitan"]["results"], res["parts"]["hf_trainer"]["results"]
+    first, last = tt["setup"]["sync_steps"]
+    n_tt = (last - first + 1) * tt["overhead"]["pairs"]
     for r in (tt, hf):
         o = r["overhead"]
         lo, hi = o["overhead_ci95"]
         assert lo <= o["overhead"] <= hi and o["pairs"] >= 1
-        assert r["syncs"].startswith(SKIPPED_CUDA)  # set_sync_debug_mode is CUDA's
+        # set_sync_debug_mode is CUDA's; the counter around it ran on every step it was given
+        assert r["syncs"].startswith(SKIPPED_CUDA), r["syncs"]
+    assert tt["syncs"].endswith(f"ran on {n_tt} + {n_tt} steps"), tt["syncs"]
+    assert hf["syncs"].endswith(f"ran on {SYNC_STEPS} + {SYNC_STEPS} steps"), hf["syncs"]
     assert tt["runs_streamed"] == tt["overhead"]["pairs"]  # every guarded launch reached the collector
     mfu = tt["mfu"]
     # ours is NaN on a CPU class with no pinned peak (guard/runtime/peak.py): a number, not a figure
