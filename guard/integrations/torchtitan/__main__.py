@@ -41,13 +41,15 @@ PROG = "guard.integrations.torchtitan"
 
 
 def parser() -> argparse.ArgumentParser:
+    from guard.core.inject import help_lines
+
     p = argparse.ArgumentParser(
-        prog="torchrun [torchrun args] -m guard.integrations.torchtitan",
+        prog="torchrun [torchrun args] -m guard.integrations.torchtitan (or python -m ... --nproc-per-node N)",
         description="torchtitan's own Trainer with the moeguard guard deciding every optimizer step, "
         "streaming to the collector and saving its state in torchtitan's checkpoint. Arguments "
         "not listed here go to torchtitan (e.g. --module deepseek_v3 --config deepseek_v3_debugmodel "
         "--training.steps 100).",
-        epilog="\n\n".join(__doc__.split("\n\n")[4:]),
+        epilog="\n\n".join([*__doc__.split("\n\n")[4:], help_lines()]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         add_help=False,
     )
@@ -64,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="KIND@STEP[:ARG][/rRANK]",
         help="a drill, repeatable (default $MOEGUARD_INJECT): the fault kinds of `moeguard train "
-        "--inject` (its --help says what ARG means for each), STEP the guard's 0-based step",
+        "--inject` (below: what ARG means for each), STEP the guard's 0-based step",
     )
     p.add_argument(
         "--nproc-per-node",
