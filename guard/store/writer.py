@@ -148,26 +148,32 @@ def truncate_after(run_dir: str | Path, step: int, *, archive_dir: str | Path | 
 
 
 def drop_rollups_after(run_dir: str | Path, step: int) -> None:
-    """Rollup parts of segments after the one holding `step` + 1 removed, and that segment's
-    marked to be rolled again (truncate_after on a resume): summary.json is told to recount."""
+    """Rollups of the segments after step `step` removed (truncate_after on a resume: they are
+    rolled again from the new timeline's rows) and summary.json told to recount. A merged block
+    reaching past the step goes too. Retired segments after the step stop being retired; the one
+    holding step + 1, if retired, is rolled again from the raw rows it kept (docs/long-runs.md,
+    Limits)."""
     d = Path(run_dir)
-    doc = summary.read_summary(d)
-    ret = doc.get("retired") if doc is not None else None
-    # a retired segment is never rolled again (its raw rows are thinned): its rollups stay
-    seg = max(segment_of(step + 1), segment_of(ret[1]) + 1 if ret else 0)
-    root = d / ROLLUP_DIR
-    if root.is_dir():
+    cut = segment_of(step + 1) * SEGMENT_STEPS
+    if (d / ROLLUP_DIR).is_dir():
         for t in schema.ROLLUP_TABLES:
             for res in ROLLUP_RESOLUTIONS:
-                for pi, f in live_parts(rollup_table_dir(d, t, res)):
-                    if pi.first_step >= seg * SEGMENT_STEPS:
+                rd = rollup_table_dir(d, t, res)
+                remove_hidden(rd)  # a part deleted below must not uncover a leftover
+                for pi, f in live_parts(rd):
+                    if pi.first_step >= cut or pi.last >= cut:
                         f.unlink()
+    doc = summary.read_summary(d)
     if doc is not None:
-        doc["rolled_through"] = min(doc.get("rolled_through", -1), seg - 1)
+        ret = doc.get("retired")
+        if ret is not None:
+            doc["retired"] = [ret[0], min(ret[1], cut - 1)] if cut - 1 >= ret[0] else None
+        doc["rolled_through"] = min(doc.get("rolled_through", -1), cut // SEGMENT_STEPS - 1)
         doc["granted"] = [g for g in doc.get("granted", []) if g[0] <= step]
         doc["incident_points"] = [
             [lo, min(hi, step)] for lo, hi in doc.get("incident_points", []) if lo <= step
         ]
         doc["incidents"] = [s for s in doc.get("incidents", []) if s <= step]
+        doc["incident_count"] = len(doc["granted"]) + sum(hi - lo + 1 for lo, hi in doc["incident_points"])
         doc["recount"] = True
         summary.write_summary(d, doc)

@@ -413,3 +413,26 @@ def test_a_detector_firing_every_step_cannot_grow_the_summary_or_the_raw_rows() 
     assert len(doc["incidents"]) == retention.NEWEST_INCIDENTS and doc["incidents"][-1] == 100_999
     assert retention.kept_windows(doc)[:2] == [(0, 35), (500, 500)]
     assert len(json.dumps(doc)) < 20_000
+
+
+def test_a_resume_into_retired_segments_keeps_older_rollups_and_doubles_nothing(tmp_path: Path) -> None:
+    from guard.store.writer import truncate_after
+
+    run = tmp_path / "r"
+    store = RunStore(run, flush_every=50, policy=SMALL)
+    for s in range(3600):
+        store.add_step(report(s))
+    store.close()
+    assert read_summary(run)["retired"] == [0, 1999]  # type: ignore[index]
+    truncate_after(run, 1499)  # resumed from a checkpoint whose segment was already thinned
+    assert read_summary(run)["retired"] == [0, 999]  # type: ignore[index]
+    store = RunStore(run, flush_every=50, policy=SMALL)
+    for s in range(1500, 3600):
+        store.add_step(report(s))
+    store.close()
+    assert sorted(read_table(run, schema.TABLE_STEPS)["step"].to_list()) == list(range(3600))
+    r1000 = pl.read_parquet(rollup_part_files(run, schema.TABLE_EXPERTS, 1000))
+    assert r1000.group_by("layer", "expert", "step").len()["len"].max() == 1  # no bucket twice
+    n = dict(r1000.group_by("step").agg(pl.col("n").min()).iter_rows())
+    assert n[0] == n[2000] == 1000  # untouched before, whole after
+    assert 500 <= n[1000] < 1000  # the resumed-into segment: its thinned rows plus the new ones
