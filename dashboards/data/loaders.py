@@ -87,7 +87,7 @@ def _json_float(v: Any) -> float:
 # bytes and footer length: a crash, a full disk or a copy in progress), all of them while a table
 # has at most ALL_PARTS_UP_TO, else the newest NEWEST_PARTS (older ones were read and rewritten by
 # compaction). The run-health page parses every part's footer (incrementally).
-ALL_PARTS_UP_TO = 32
+ALL_PARTS_UP_TO = 8
 NEWEST_PARTS = 2
 
 
