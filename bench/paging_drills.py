@@ -77,6 +77,10 @@ HEARTBEAT_FLOOR_S = 4.0  # the collector's floor: no rank is lost sooner
 ALERT_PATH_S = (
     15.0  # kill-to-page beyond the learned timeout: scrape 1 s + eval 1 s + for 1 s + group_wait 1 s, loaded
 )
+# Prometheus re-sends a firing alert every RESEND_S and Alertmanager holds it for 4x that: with
+# 1 s, a re-send held up more than 4 s on a loaded box resolved HeartbeatLost and the next one
+# paged again (20-40 incidents per dead rank in one 60-drill run); a new alert still goes at once.
+RESEND_S = 5.0
 RACE_DELAY_S = 0.2  # the survivor's SIGTERM after the kill, as torchrun's agent on a loaded host
 MARKER = "MOEGUARD_DRILL_JOB"
 RACES = ("first", "after", "")
@@ -220,7 +224,7 @@ def stack(tmp: Path) -> Iterator[Stack]:
             am = start_alertmanager(tmp, int(sink.url.rsplit(":", 1)[1]))
             procs.append(am)
             rules = fast_rules(RULES.read_text(), speedup=60, alerts={"HeartbeatLost"})
-            prom = start_prometheus(tmp, [col.hostport], am.port, rules)
+            prom = start_prometheus(tmp, [col.hostport], am.port, rules, resend_delay_s=RESEND_S)
             procs.append(prom)
             wait_http(f"{prom.url}/-/ready", timeout=60)
             yield Stack(tmp, sink, col.url)
@@ -304,7 +308,7 @@ def drill(st: Stack, d: Drill, start_timeout_s: float = 600.0) -> Result:
             if job.poll() is not None or time.monotonic() > deadline:
                 res.error = f"the job never reached step {d.step} (exit {job.poll()}); see {log}"
                 return res
-            time.sleep(0.1)
+            time.sleep(0.2)
         pids = job_pids(marker)
         res.timeout_s = st.timeout_of(d.run, d.rank)
         killed_at = time.monotonic()

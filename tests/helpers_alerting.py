@@ -387,9 +387,14 @@ def start_alertmanager(tmp: Path, sink_port: int) -> AlertmanagerProc:
 # ---------------------------------------------------------------------------------------
 # Prometheus and the collector
 # ---------------------------------------------------------------------------------------
-def start_prometheus(tmp: Path, targets: list[str], am_ports: int | list[int], rules: str) -> Proc:
+def start_prometheus(
+    tmp: Path, targets: list[str], am_ports: int | list[int], rules: str, resend_delay_s: float = 1.0
+) -> Proc:
     """Scrapes `targets` every second, evaluates `rules` every second, alerts every Alertmanager
-    in `am_ports`; the external label runbook_base makes runbook links absolute, as in production."""
+    in `am_ports`; the external label runbook_base makes runbook links absolute, as in production.
+    `resend_delay_s`: a firing alert is re-sent this often and is valid for 4x as long (endsAt);
+    on a loaded box a 1 s delay lets Alertmanager resolve an alert whose re-send came late, and the
+    next one pages again. A new firing alert is sent at once whatever this is."""
     assert PROMETHEUS is not None
     am_ports = [am_ports] if isinstance(am_ports, int) else am_ports
     port = free_port()
@@ -415,7 +420,7 @@ def start_prometheus(tmp: Path, targets: list[str], am_ports: int | list[int], r
                 f"--config.file={tmp / 'prometheus.yml'}",
                 f"--storage.tsdb.path={tmp / 'prom-data'}",
                 f"--web.listen-address=127.0.0.1:{port}",
-                "--rules.alert.resend-delay=1s",
+                f"--rules.alert.resend-delay={resend_delay_s:g}s",
                 "--log.level=warn",
             ],
             stdout=f,
