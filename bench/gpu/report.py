@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.common import FORMAT, INSTALL_BOX_S, PARTS, STATUS_OK, STATUS_PARTIAL
+from bench.gpu.common import FORMAT, INSTALL_BOX_S, PARTS, STATUS_OK, STATUS_PARTIAL, TARGET_MFU_AGREE_PP
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_RCS = (124, 137)  # `timeout`'s exit status, and SIGKILL after its -k grace
@@ -184,6 +184,12 @@ def _figures(parts: dict[str, Any]) -> list[str]:
             f"| {_num(m.get('ours_pct'))}% vs {_num(m.get('torchtitan_pct'))}% (diff {_num(m.get('diff_pp'), '+.2f')} pp; "
             f"peaks {_num(pk.get('ours'), '.3g')} / {_num(pk.get('torchtitan'), '.3g')}) | within 2 pp |"
         )
+        if isinstance(m.get("diff_pp"), float) and abs(m["diff_pp"]) > TARGET_MFU_AGREE_PP:
+            out.append(
+                "| (MFU differs by more than 2 pp: both use torchtitan's FLOPs a token; ours divides by "
+                "the guard's per-step wall time, torchtitan's by its log interval, which holds its own "
+                "logging; compare the peaks above first) | | |"
+            )
     for key, r in parts["matrix"]["results"].items():
         if key.startswith("matrix ") and isinstance(r, dict):
             cells = "; ".join(
