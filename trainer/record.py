@@ -15,12 +15,12 @@ from guard.runtime.envinfo import fingerprint
 from guard.runtime.record import RunRecord
 
 if TYPE_CHECKING:
-    from trainer.loop import Trainer
+    from trainer.view import TrainerView
 
 JOB_KEY = "torchelastic_run_id"  # meta.json: the torchrun job that started the run (kept across its restarts)
 
 
-def run_meta(t: Trainer, status: str) -> dict[str, Any]:
+def run_meta(t: TrainerView, status: str) -> dict[str, Any]:
     """meta.json of a run that starts now (the run store adds how it ended)."""
     return {
         "run_id": t.run_dir.name,
@@ -38,7 +38,7 @@ def run_meta(t: Trainer, status: str) -> dict[str, Any]:
     }
 
 
-def run_environment(t: Trainer) -> dict[str, Any]:
+def run_environment(t: TrainerView) -> dict[str, Any]:
     """meta.json["env"]: what this run ran on and with (guard/runtime/envinfo.py)."""
     return fingerprint(
         device=t.device,

@@ -39,27 +39,28 @@ import json
 import math
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from guard.canary.ab_format import MFU_R, SPEED, TPS_RAW, TPS_WALL, Pair, Ratios
+from guard.canary.ab_parts import ENV_DIFF_KEYS as ENV_DIFF_KEYS
+from guard.canary.ab_parts import Paired, Side, paired_statistic
+from guard.canary.ab_parts import sign_test_interval as sign_test_interval
+from guard.canary.ab_report import build_report, print_summary, write_reports
 from guard.canary.config import (
     EXIT_FAIL,
     EXIT_PASS,
     EXIT_USAGE,
     REPO,
     TIMING_CPU,
-    CanaryConfig,
     Setup,
     parse_slow,
 )
-from guard.canary.gate import FAIL, PASS, WARN
+from guard.canary.gate import FAIL
 from guard.canary.keys import LOSS, MEM, MFU, REF, TPS
 from guard.canary.measure import new_run_dir, progress, spawn_measurement, stamp, worker_spec
 from guard.canary.stats import profiled_steps, summarize
@@ -69,42 +70,10 @@ SYNTAX = (
     "py:PATH (another Python interpreter, e.g. /opt/venv/bin/python) or set:KEY=VALUE[,KEY=VALUE...] "
     "(this interpreter with config overrides; set: alone = the config unchanged)"
 )
-ENV_DIFF_KEYS = (
-    "torch",
-    "cuda",
-    "python",
-    "python_executable",
-    "numpy",
-    "moeguard",
-    "device",
-    "attention_backend",
-    "expert_kernel",
-    "compile",
-    "dtype",
-    "peak_flops_source",
-    "world_size",
-    "git_sha",
-    "overrides",
-)
 
 
 # ---------------------------------------------------------------------------------------------
 # Environments.
-
-
-@dataclass(kw_only=True, slots=True)
-class Side:
-    """One environment of the A/B: which interpreter runs the worker and with what config."""
-
-    name: str  # "A" | "B"
-    spec: str  # as given on the command line
-    python: str | None = None  # None: this interpreter
-    overrides: dict[str, Any] = field(default_factory=dict)
-    slow_pct: float = 0.0
-    probe: dict[str, Any] = field(default_factory=dict)  # py: what the interpreter says about itself
-    extra_env: dict[str, str] = field(default_factory=dict)
-    cwd: str | None = None
-    worker: tuple[str, ...] | None = None  # py: with its own moeguard: its worker; None: this one's
 
 
 def parse_side(spec: str, name: str, parse_overrides: Callable[[list[str]], dict[str, Any]]) -> Side:
@@ -214,62 +183,6 @@ def pair_orders(n: int, order: str, rng: random.Random, start: int = 0) -> list[
     if order == "abba":
         return ["AB" if i % 2 == 0 else "BA" for i in range(start, start + n)]
     return ["AB" if rng.random() < 0.5 else "BA" for _ in range(n)]
-
-
-def sign_test_interval(xs: list[float], confidence: float) -> tuple[float, float, float]:
-    """(lo, hi, coverage): the distribution-free interval [x_(k), x_(n+1-k)] for the median, k the
-    largest with coverage 1 - 2 P(Bin(n, 1/2) <= k - 1) >= confidence (k = 1 when none reaches it:
-    the full range, with the coverage it has)."""
-    xs = sorted(xs)
-    n = len(xs)
-    if n == 0:
-        return float("nan"), float("nan"), 0.0
-
-    def coverage(k: int) -> float:
-        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
-
-    k = 1
-    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= confidence:
-        k += 1
-    return xs[k - 1], xs[n - k], coverage(k)
-
-
-def paired_statistic(ratios: list[float], c: CanaryConfig) -> dict[str, Any]:
-    """Median B/A ratio, its sign-test interval and the verdict (see the module docstring)."""
-    lo, hi, cov = sign_test_interval(ratios, c.ab_confidence)
-    med = statistics.median(ratios) if ratios else float("nan")
-    line = 1 - c.ab_fail_pct / 100
-    if hi < line:
-        verdict, state = (
-            FAIL,
-            f"B is slower than A by more than {c.ab_fail_pct:g}%: the whole interval is below {line:.3f}",
-        )
-    elif med < line:
-        verdict, state = (
-            WARN,
-            (
-                f"undecided: the median is below {line:.3f} but the interval reaches it "
-                f"(B may be slower by more than {c.ab_fail_pct:g}%)"
-            ),
-        )
-    elif hi < 1:
-        verdict, state = WARN, f"B is slower than A, by less than the {c.ab_fail_pct:g}% line"
-    elif lo > 1:
-        verdict, state = PASS, "B is faster than A (the whole interval is above 1)"
-    else:
-        verdict, state = PASS, f"no slowdown beyond {c.ab_fail_pct:g}% (the interval reaches 1)"
-    return {
-        "median": med,
-        "ci": [lo, hi],
-        "coverage": cov,
-        "n_pairs": len(ratios),
-        "fail_below": line,
-        "delta_pct": 100 * (med - 1),
-        "b_faster_pairs": sum(r > 1 for r in ratios),
-        "verdict": verdict,
-        "state": state,
-        "undecided": med < line <= hi,
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,16 +334,6 @@ def measure_pair(
     return got
 
 
-@dataclass(kw_only=True, slots=True)
-class Paired:
-    """What measure_ab measured: every worker row (in the order they ran), the pairs, the verdict."""
-
-    rows: list[dict[str, Any]]
-    pairs: list[Pair]
-    stat: dict[str, Any]
-    elapsed_s: float
-
-
 def measure_ab(
     setup: Setup, sides: list[Side], runs: Path, tag: str = "", measure: MeasureFn | None = None
 ) -> Paired:
@@ -476,8 +379,6 @@ def measure_ab(
 
 
 def run_ab(args: argparse.Namespace, setup: Setup) -> int:
-    from guard.canary.ab_report import build_report, print_summary, write_reports
-
     c = setup.canary
     sides = prepare_sides(args, setup, Path(args.runs).resolve())
     progress(

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from guard.canary.ab import ENV_DIFF_KEYS, Paired, Side, paired_statistic
 from guard.canary.ab_format import (
     AB_JSON,
     FORMAT,
@@ -22,6 +21,7 @@ from guard.canary.ab_format import (
     Report,
     SideSummary,
 )
+from guard.canary.ab_parts import ENV_DIFF_KEYS, Paired, Side, paired_statistic
 from guard.canary.config import EXIT_FAIL, EXIT_PASS, Setup
 from guard.canary.gate import FAIL
 from guard.canary.history import finite

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from guard.collector.config import QUARANTINE_FILE, STATE_DIR
 from guard.collector.errors import RunDamaged, RunQuarantined, StorageFailed
@@ -19,9 +20,27 @@ from guard.store.layout import atomic_write_bytes
 from guard.wire.batch import valid_run_id
 
 if TYPE_CHECKING:
-    from guard.collector.service import Collector
+    from guard.collector.book import HealthBook
+    from guard.collector.config import CollectorConfig
+    from guard.collector.run import RunState
 
 log = logging.getLogger("moeguard.collector")
+
+
+class Collector(Protocol):
+    """What the start-up scan and the quarantine use of the Collector (service.py), named here so
+    that this module does not import the service that calls it (no import circle)."""
+
+    cfg: CollectorConfig
+    health: HealthBook
+    runs: dict[str, RunState]
+    quarantined: dict[str, str]  # run -> why it was not loaded
+    runs_lock: threading.Lock
+    stop_event: threading.Event
+    pending_load: int
+    loaded: threading.Event
+
+    def run_state(self, run: str) -> RunState: ...
 
 
 def load_all(collector: Collector) -> None:

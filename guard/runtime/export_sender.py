@@ -26,7 +26,7 @@ from guard.runtime.export_spool import Spool
 from guard.wire.retry import Backoff, RetryPolicy
 
 if TYPE_CHECKING:
-    from guard.runtime.exporter import ExporterConfig
+    from guard.runtime.export_config import ExporterConfig
 
 
 def retry_schedule(backoff_max_s: float) -> Backoff:

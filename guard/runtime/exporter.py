@@ -20,8 +20,9 @@ refusal is logged at ERROR once per run.
 The batch format (encoding, seq and generations) is guard/wire/batch.py, shared with the collector.
 The pieces, one job each: export_queue.py (the bounded queue), export_batch.py (seqs and batch
 bodies), export_spool.py (the spool), export_link.py (HTTP and what each answer means),
-export_sender.py (the thread: sending, retries, heartbeats, the command poll) and
-export_commands.py (operator commands). This module wires them and is the trainer's interface.
+export_sender.py (the thread: sending, retries, heartbeats, the command poll),
+export_commands.py (operator commands) and export_config.py (ExporterConfig). This module wires
+them and is the trainer's interface.
 
 Sequence numbers. The collector dedupes by (run, rank, seq) with a high-water mark, so a batch
 must never be sent after a batch with a larger seq was accepted, and a retried batch keeps its
@@ -51,45 +52,19 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from guard.core.events import Event
 from guard.core.report import StepReport
-from guard.core.tomlconf import check
 from guard.runtime.export_batch import BatchAssembler, chunks, encode_items
 from guard.runtime.export_commands import CommandInbox
+from guard.runtime.export_config import ExporterConfig
 from guard.runtime.export_link import KEEPALIVE_S, CollectorLink
 from guard.runtime.export_queue import StepQueue
 from guard.runtime.export_sender import Sender
 from guard.runtime.export_spool import Spool
 from guard.wire.batch import MAX_BEAT_EVERY_S
-
-
-@dataclass(kw_only=True, slots=True)
-class ExporterConfig:
-    """How an Exporter batches, retries and paces; the defaults suit one trainer rank."""
-
-    max_queue: int = 1024  # steps held in memory for the sender; past it submit() spills to the spool
-    batch_max: int = 32  # steps in one batch at most
-    max_body_bytes: int = 8 << 20  # a batch body stays under this (the collector's --max-body-bytes)
-    timeout_s: float = 10.0  # one HTTP request (connecting: at most 3 s of it)
-    poll_s: float = 5.0  # seconds between GETs of operator commands (1e9: never)
-    heartbeat_s: float = 10.0  # an empty batch after this many quiet seconds (1e9: never)
-    first_beat_s: float | None = None  # the first one after this many (None: heartbeat_s); spreads ranks
-    stall_beat_s: float = 1e9  # one early beat when step and phase stand still this long (1e9: never)
-    world: int = 1  # ranks in the job: rank 0's reports then prove the others alive (wire docs)
-    backoff_max_s: float = 30.0  # longest wait between tries of the spool
-    # this trainer runs the detectors itself (guard on, or observing): the collector skips its own
-    trainer_detectors: bool = False
-
-    def __post_init__(self) -> None:
-        check(self.max_queue >= 1, "max_queue", self.max_queue, "must be >= 1")
-        check(self.batch_max >= 1, "batch_max", self.batch_max, "must be >= 1")
-        check(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "must be > 0")
-        check(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
-        check(self.backoff_max_s > 0, "backoff_max_s", self.backoff_max_s, "must be > 0")
 
 
 class Exporter:

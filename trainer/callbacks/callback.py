@@ -29,12 +29,12 @@ from guard.core.events import Event
 from guard.core.report import StepReport
 
 if TYPE_CHECKING:
-    from trainer.loop import Trainer
+    from trainer.view import TrainerView
 
 
 class Callback:
     name = "callback"  # the key of its state in the checkpoint; unique per trainer
-    trainer: Trainer  # set by Callbacks before the first hook runs
+    trainer: TrainerView  # set by Callbacks before the first hook runs
 
     def pre_train(self) -> None:
         """Runs once, when the training loop starts."""
@@ -79,7 +79,7 @@ class Callback:
 class Callbacks:
     """The trainer's callbacks, each hook called on every one in order."""
 
-    def __init__(self, trainer: Trainer, callbacks: list[Callback]) -> None:
+    def __init__(self, trainer: TrainerView, callbacks: list[Callback]) -> None:
         names = [cb.name for cb in callbacks]
         if len(set(names)) != len(names):
             raise ValueError(f"callback names must be unique (their checkpoint keys): {names}")

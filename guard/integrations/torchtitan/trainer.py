@@ -30,7 +30,7 @@ import torch
 
 from guard.core import schema
 from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_DATA, PHASE_EVAL, PHASE_TRAIN
-from guard.integrations.torchtitan import OptimizersView, attach, force_collapse
+from guard.integrations.torchtitan.adapter import OptimizersView, attach, force_collapse
 
 STATE_KEY = "moeguard"  # the guard's entry in torchtitan's checkpoint
 
