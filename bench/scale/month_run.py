@@ -230,6 +230,11 @@ def measure(run: Path, runs_dir: Path, code_root: Path, repeat: int, replay: boo
         ]
         best = sorted(reps, key=lambda r: r["wall_s"])[len(reps) // 2]
         out[page] = best
+        print(
+            f"  {run.parent.parent.name} {page}: {json.dumps(best, default=float)}",
+            file=sys.stderr,
+            flush=True,
+        )
     return out
 
 
