@@ -163,6 +163,22 @@ def _r(v: Any) -> str:
     return "—" if v is None else f"{v:.4f}"
 
 
+def mfu_not_shown(rep: dict[str, Any]) -> str:
+    """Why a report has no MFU ratio, the real reason (issue #40: it said "different FLOPs per
+    token" when both sides did 1,781,760 and neither had a peak): no peak on a side, else
+    different FLOPs per token (pair_ratios drops MFU then), else no pair measured MFU on both."""
+    no_peak = [n for n in ("A", "B") if rep["sides"][n].get("mfu_median") is None]
+    if no_peak:
+        return (
+            f"no peak FLOP/s for {' and '.join(no_peak)}'s device, so no MFU (not computed, not guessed); "
+            "tokens/s is the measure"
+        )
+    fpt = {n: {w.get("flops_per_token") for w in rep["workers"] if w.get("side") == n} for n in ("A", "B")}
+    if fpt["A"] != fpt["B"]:
+        return "A and B do different FLOPs per token, so MFU is no speed to compare"
+    return "no pair measured MFU on both sides"
+
+
 def render_markdown(rep: dict[str, Any]) -> str:
     st, sides = rep["statistic"], rep["sides"]
     lo, hi = st["ci"]
@@ -188,9 +204,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
         for k, s in rep["other_ratios"].items():
             out.append(f"| {RATIO_LABELS[k]} | {_r(s['median'])} | [{_r(s['ci'][0])}, {_r(s['ci'][1])}] |")
         if MFU_R not in rep["other_ratios"]:
-            out.append(
-                "\nMFU ratio not shown: A and B do different FLOPs per token, so MFU is no speed to compare."
-            )
+            out.append(f"\nMFU ratio not shown: {mfu_not_shown(rep)}.")
         out.append("")
     out += [
         "## Pairs",
