@@ -178,7 +178,8 @@ def run(
         thr = cfg.collapse.maxvio
         mv = dict(zip(lay["step"].to_list(), lay["maxvio"].to_list(), strict=True))
         out["collapse_onset"] = onset
-        out["collapse_back_after"] = _back_after(mv, onset, thr)
+        # a run that stopped before the onset (unguarded, NaN weights) has nothing to come back from
+        out["collapse_back_after"] = _back_after(mv, onset, thr) if st.height > onset else None
     return out
 
 
@@ -212,6 +213,10 @@ def _back_after(maxvio_at: dict[int, float], onset: int, thr: float, run: int = 
     return None if rose else 0
 
 
+def _fmt(r: dict[str, Any] | None) -> str:
+    return "-" if r is None else f"{r['eval_loss']:.3f}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     by = {(r["family"], r["faults"], r["guarded"]): r for r in rows}
     lines = [
@@ -224,7 +229,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         cg = by.get((fam, "clean", True))
         if cg is not None:
             lines.append(
-                f"| {fam} | clean | {cg['eval_loss']:.3f} / {clean['eval_loss'] if clean else '-'} / - "
+                f"| {fam} | clean | {cg['eval_loss']:.3f} / {_fmt(clean)} / - "
                 f"| - | {len(cg['actions'])} {cg['actions'][:6]} | {cg['halted_at']} | - |"
             )
         for f in ("nan", "x50", "collapse", "nan+x50+collapse"):
