@@ -21,7 +21,7 @@ from dashboards.data.guard_events import action_marks, timeline_rows
 from dashboards.data.mfu_peak import MFU_LIMIT
 from dashboards.data.shaping import MAX_LINE_POINTS, downsample, steady_state
 from guard.core import actions, schema
-from guard.store import reader, summary
+from guard.store import layout, reader, summary
 from guard.store.reader import count_actions
 
 
@@ -46,8 +46,8 @@ def load_summary(path: str, sig: tuple[int, ...], *, every_part: bool = False) -
 
     From the run's summary.json (guard/store/summary.py, kept current by the writer) when it has
     one: no table is scanned, so listing 1,000 month-long runs costs 1,000 small JSON reads.
-    Damaged parts: checked for truncation, every part of a short table and the newest parts of a
-    long one (_damaged), or every footer parsed with `every_part` (the run-health page; checks are
+    Damaged parts: checked for truncation, every part of the open segment and the newest ones
+    before it (_runs_page_parts), or every footer parsed with `every_part` (the run-health page; checks are
     incremental, guard/store/reader.py). A store without summary.json is read as before."""
     del sig
     summ = summary.read_summary(path)
@@ -84,11 +84,22 @@ def _json_float(v: Any) -> float:
 
 
 # On the Runs page, a run with summary.json has each table's parts checked for truncation (magic
-# bytes and footer length: a crash, a full disk or a copy in progress), all of them while a table
-# has at most ALL_PARTS_UP_TO, else the newest NEWEST_PARTS (older ones were read and rewritten by
-# compaction). The run-health page parses every part's footer (incrementally).
-ALL_PARTS_UP_TO = 8
+# bytes and footer length: a crash, a full disk or a copy in progress): every part of the open
+# segment (the live tail, at most SEGMENT_STEPS / flush_every parts however long the run) and the
+# newest NEWEST_PARTS before it (older segments were read whole by the store's upkeep when it
+# compacted and rolled them up), so the cost is flat in the run's length. The run-health page
+# parses every part's footer (incrementally).
 NEWEST_PARTS = 2
+
+
+def _runs_page_parts(parts: list[Path]) -> list[Path]:
+    """The parts the Runs page checks: the open segment's, and the newest NEWEST_PARTS before it."""
+    named = [(info.first_step, p) for p in parts if (info := layout.parse_part(p.name)) is not None]
+    if not named:
+        return parts
+    open_from = layout.segment_of(max(s for s, _ in named)) * layout.SEGMENT_STEPS
+    older = [p for s, p in named if s < open_from]
+    return older[-NEWEST_PARTS:] + [p for s, p in named if s >= open_from]
 
 
 def _damaged(path: str, every_part: bool) -> list[tuple[str, str]]:
@@ -99,8 +110,7 @@ def _damaged(path: str, every_part: bool) -> list[tuple[str, str]]:
         if every_part:
             bad = ((p, reader.part_problem(p)) for p in parts)
         else:
-            few = parts if len(parts) <= ALL_PARTS_UP_TO else parts[-NEWEST_PARTS:]
-            bad = ((p, reader.part_truncated(p)) for p in few)
+            bad = ((p, reader.part_truncated(p)) for p in _runs_page_parts(parts))
         found += [(str(p.relative_to(path)), why) for p, why in bad if why is not None]
     return found
 
