@@ -378,14 +378,16 @@ def _connection_budget(args: argparse.Namespace) -> ConnectionBudget | None:
         return None
     log.info("%s", plan.summary())
     warning = plan.warning()
+    budget = ConnectionBudget.for_plan(plan)
     if warning is not None and args.rank_capacity is not None:
         log.warning("%s", warning)  # the capacity asked for is short: said at once
+        budget.short_warning = None  # and not again when the cap is reached
     elif warning is not None:
         # The default capacity is --max-ranks (16,384), the largest job, not the job at hand: most
         # hosts' hard limit is short of it, and a warning at every start for 2 ranks cried wolf.
-        # Said here at debug level; ConnectionBudget warns once when ranks are actually turned away.
+        # Said here at debug level; ConnectionBudget warns once when the cap is actually reached.
         log.debug("%s", warning)
-    return ConnectionBudget.for_plan(plan)
+    return budget
 
 
 def port_problem(host: str, port: int, e: OSError) -> str:

@@ -75,9 +75,11 @@ class ConnectionBudget:
         # burst may hold this many more than the cap (open_files.py keeps room for it).
         self.accept_batch = backlog if backlog is not None else min(2048, max(64, cap // 8))
         self.ranks_wanted: int | None = None  # what the service was asked to serve (for /healthz)
-        # open_files' WARNING when the limit is short of the capacity asked for: logged once, when a
-        # connection is first turned away (the ranks connected need more than the limit covers)
+        # open_files' WARNING when the limit is short of the capacity asked for: logged once, when the
+        # cap is first reached (the connections at hand need more than the limit covers); None when
+        # the service already said it at start
         self.short_warning: str | None = None
+        self._warned_short = False
         # client address -> connection, each in the order it was admitted (oldest first)
         self._untrusted: dict[tuple[Any, ...], _Conn] = {}
         self._trusted: dict[tuple[Any, ...], _Conn] = {}
@@ -106,19 +108,23 @@ class ConnectionBudget:
         O(1) in the common case: the oldest unauthenticated connection is idle."""
         total, trusted = self.counts()
         if total - trusted >= self.untrusted_max or total >= self.cap:
+            self._warn_short_once(total)
             victim = next((c for c in self._untrusted.values() if c.proto.idle()), None)
             if victim is None:
                 self.refused += 1
-                if self.refused == 1 and self.short_warning is not None:
-                    log.warning(
-                        "a connection was turned away (503) at %d open: %s", total, self.short_warning
-                    )
                 return False
             self.evicted += 1
             del self._untrusted[victim.key]  # now, not when the loop reports it closed: the next may pick
             victim.proto.close_idle()
         self._untrusted[key] = _Conn(key, proto)
         return True
+
+    def _warn_short_once(self, total: int) -> None:
+        """open_files' WARNING, the first time the cap is reached (a connection is turned away or
+        an idle one closed for room): the connections at hand need more than the limit covers."""
+        if self.short_warning is not None and not self._warned_short:
+            self._warned_short = True
+            log.warning("the connection cap was reached at %d open: %s", total, self.short_warning)
 
     def gone(self, key: tuple[Any, ...], proto: Any) -> None:
         for d in (self._untrusted, self._trusted):
