@@ -95,8 +95,11 @@ class RunStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         for t in schema.TABLES:
             (self.dir / t).mkdir(exist_ok=True)
-        # summary.json, rollups, compaction and retention, on the writer thread after each flush
-        self._maint = StoreMaintainer(self.dir, policy)
+        # summary.json, rollups, compaction and retention, on the writer thread after each flush.
+        # Made at the first upkeep, not here: opening a store must read and write nothing of it (a
+        # resume that a damaged part or checkpoint then refuses leaves the run folder as it was).
+        self._policy = policy
+        self._maint: StoreMaintainer | None = None
         self._written: dict[str, list[pl.DataFrame]] = {}
         self._status: str | None = None  # meta.json's status, for summary.json
         self.flush_every = flush_every
@@ -188,6 +191,8 @@ class RunStore:
             if status is not None:
                 fields["status"] = status
             self.update_meta(**fields)
+        if self._maint is None:  # nothing was written by this process: nothing to roll up
+            return
         try:
             self._maint.finish(status or self._status)
         except Exception:
@@ -222,9 +227,16 @@ class RunStore:
         written, self._written = self._written, {}
         frames = {t: pl.concat(dfs, how="vertical_relaxed") for t, dfs in written.items()}
         try:
+            first = self._maint is None
+            if first:  # counts every row on disk, this flush's too (so they are not noted twice)
+                self._maint = StoreMaintainer(self.dir, self._policy)
             if self._status is not None:
                 self._maint.doc["status"] = self._status
-            self._maint.wrote(frames)
+            if first:
+                self._maint.upkeep()
+                self._maint.save()
+            else:
+                self._maint.wrote(frames)
         except Exception:
             log.exception("run store %s: upkeep failed (raw rows are all kept; retried next flush)", self.dir)
 

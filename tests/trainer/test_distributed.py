@@ -190,7 +190,7 @@ class FakeExporter:
     def set_phase(self, phase: str) -> None:
         self.phases.append(phase)
 
-    def close(self, timeout: float = 30, final: bool | None = None) -> bool:
+    def close(self, timeout: float = 30, final: bool | None = None, goodbye: dict | None = None) -> bool:
         return True
 
 
