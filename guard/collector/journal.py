@@ -79,7 +79,9 @@ class RunJournal:
         for t in schema.TABLES:
             (run_dir / t).mkdir(parents=True, exist_ok=True)
         self.state_dir.mkdir(exist_ok=True)
-        self.lock = threading.Lock()
+        # Re-entrant: RunState.evict holds it around close(), which takes it again to roll up an
+        # ended run's tail (a plain Lock deadlocked the evictor and, behind it, the checkpointer).
+        self.lock = threading.RLock()
         self.wal = Wal(self.state_dir)
         self.segment_done = 0  # the last log segment whose batches are in parts
         self.next_part = 0  # the next part number a checkpoint writes
