@@ -13,8 +13,10 @@ import pytest
 import yaml
 
 from guard.collector.main import DEFAULT_PORT
+from guard.resources import resource
 
-ALERTS = Path(__file__).resolve().parents[2] / "alerts"
+# The checkout's alerts/, or the installed wheel's share/moeguard/alerts (scripts/test-wheel).
+ALERTS = resource("alerts")
 PROMTOOL = shutil.which("promtool")
 
 
