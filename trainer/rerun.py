@@ -30,7 +30,7 @@ otherwise the event says rank -1 (unknown). The recompute's decision is checked 
 Cost: a flagged step runs its forward/backward, the probe and the guard twice (2.2-2.3x that step);
 every step, when enabled, pickles the guard's state (to put it back; 0.05-0.5 ms of host time) and,
 with several ranks, adds the flag's all-reduce and (ddp) one norm over this rank's gradients
-(bench/rerun_overhead.py, docs/BENCHMARKS.md).
+(bench/overhead/rerun_overhead.py, docs/BENCHMARKS.md).
 Known approximation: with `guard.precursor.adam_v_ratio` on, a rerun step's second-moment ratio
 enters its running median twice.
 """

@@ -1,7 +1,7 @@
 """Part `acting`: the guard acting on the device, in the transformers Trainer (the same drill as
 tests/guard/test_hf_trainer.py, on CUDA when there is one).
 
-One guarded run of guard/integrations/tiny.py's Mixtral (fp32) with bench/hf_trainer_job.py's
+One guarded run of guard/integrations/tiny.py's Mixtral (fp32) with bench/common/hf_trainer_job.py's
 fault injection (its `Faults` callback: at optimizer step S, into the reduced gradients just
 before the guard decides, with a bitwise copy of weights, AdamW state, LR and schedule taken
 before): a NaN at NAN_AT and a x50 spike at SPIKE_AT must be skipped with all of them unchanged;
@@ -24,7 +24,7 @@ GUARD_TOML = "[collapse]\nwarmup = 60\n"  # tiny models settle fast (tests/guard
 
 
 def _faults(faults: Any) -> Any:
-    """bench/hf_trainer_job.Faults for our three faults; its gradient spike is `gradspike` (the
+    """bench/common/hf_trainer_job.Faults for our three faults; its gradient spike is `gradspike` (the
     spec of guard/core/inject.py), `spike` before that."""
     rest = [f"nan@{NAN_AT}", f"collapse@{COLLAPSE_AT}:{LAYER}"]
     try:
@@ -37,7 +37,7 @@ def run(log: PartLog, *, dry: bool, deadline: float) -> None:
     import polars as pl
     from transformers import Trainer, TrainingArguments
 
-    from bench.hf_trainer_job import ByteWindows, Faults, Recorder
+    from bench.common.hf_trainer_job import ByteWindows, Faults, Recorder
     from guard.core import schema
     from guard.integrations.hf_trainer import MoEGuardCallback
     from guard.integrations.tiny import build

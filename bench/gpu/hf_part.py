@@ -1,8 +1,8 @@
 """Part `hf_trainer`: the transformers Trainer, plain vs with MoEGuardCallback streaming to a
 collector on loopback, on a Mixtral-shaped model: the overhead, and host syncs a step.
 
-bench/trainer_overhead.py's method (each Trainer in its own thread, held at `on_step_begin` until
-the measuring thread lets one optimizer step through; bench/integration_overhead.py's `interleave`
+bench/overhead/trainer_overhead.py's method (each Trainer in its own thread, held at `on_step_begin` until
+the measuring thread lets one optimizer step through; bench/overhead/integration_overhead.py's `interleave`
 and `summary`), on the device: the gate synchronizes the device before it reports a step done, so
 a step's time is its whole work in both variants. Blocks of STEPS_PER_BLOCK steps alternate A B /
 B A while the time box allows. Host syncs: SYNC_STEPS steps of each variant (after the warm-up,
@@ -63,15 +63,15 @@ def mixtral(size: str, seed: int = 0) -> torch.nn.Module:
 
 
 class Driven:
-    """One variant (bench/trainer_overhead.py's Driven, on this model and device)."""
+    """One variant (bench/overhead/trainer_overhead.py's Driven, on this model and device)."""
 
     def __init__(
         self, size: str, *, guarded: bool, corpus: np.ndarray, steps: int, tmp: Path, url: str
     ) -> None:
         from transformers import Trainer, TrainerCallback, TrainingArguments
 
-        from bench.hf_trainer_job import ByteWindows
-        from bench.trainer_overhead import _Gate
+        from bench.common.hf_trainer_job import ByteWindows
+        from bench.overhead.trainer_overhead import _Gate
 
         cuda = torch.cuda.is_available()
 
@@ -142,8 +142,8 @@ class Driven:
 
 
 def run(log: PartLog, *, dry: bool, deadline: float) -> None:
-    from bench.integration_overhead import interleave, run_block, summary
-    from bench.torchtitan_launch_overhead import TOKEN, start_collector
+    from bench.overhead.integration_overhead import interleave, run_block, summary
+    from bench.overhead.torchtitan_launch_overhead import TOKEN, start_collector
     from trainer.data import stdlib_corpus
 
     size = "dry" if dry else "gpu"

@@ -4,7 +4,7 @@ torchtitan's own mfu(%), and host syncs a step.
 
 Each launch is one process (`python -m bench.gpu.tt_main`, one rank: RANK/WORLD_SIZE/MASTER_* set
 here rather than by torchrun, whose start-up would eat the box) training bench/gpu/tt_registry.py's
-model for `steps` steps. Step times: FaultyLoss's timer (bench/torchtitan_registry.py, the same in
+model for `steps` steps. Step times: FaultyLoss's timer (bench/common/torchtitan_registry.py, the same in
 A and B) at each step's loss; a launch's step time is the mean interval over its steady steps
 (after `warmup`), which is the total time of those steps whatever runs ahead on the device.
 Overhead = median over pairs of B/A - 1; its 95% interval is a bootstrap over the pairs and, within
@@ -182,7 +182,7 @@ def peaks() -> dict[str, Any]:
 
 
 def run(log: PartLog, *, dry: bool, deadline: float) -> None:
-    from bench.torchtitan_launch_overhead import TOKEN, start_collector
+    from bench.overhead.torchtitan_launch_overhead import TOKEN, start_collector
 
     config, steps, warmup, max_pairs = SIZES["dry" if dry else "gpu"]
     os.environ["MOEGUARD_TOKEN"] = TOKEN

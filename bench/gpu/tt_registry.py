@@ -10,7 +10,7 @@ seq 4096. Attention is torchtitan's ScaledDotProductAttention (SDPA: flash on an
 bf16; bench/torchtitan_model.with_cpu_attention) so one config runs on CUDA and on the CPU of the
 dry run. `dry_moe` is the same builder at dim 64, 3 blocks, 8 experts top-2, seq 64.
 
-The Trainer.Config is bench/torchtitan_registry.py's job (byte tokenizer, stdlib windows, its
+The Trainer.Config is bench/common/torchtitan_registry.py's job (byte tokenizer, stdlib windows, its
 FaultyLoss with the step timer of $MOEGUARD_TT_TIMING_DIR, torchtitan's own balancing hook) with
 this model swapped in, checkpointing off (a 1.4 B model's save would eat the time box).
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.torchtitan_model import SMALL_VOCAB, with_cpu_attention
-from bench.torchtitan_registry import job
+from bench.common.torchtitan_model import SMALL_VOCAB, with_cpu_attention
+from bench.common.torchtitan_registry import job
 
 LOG_FREQ = 5  # torchtitan's log steps (its mfu(%), and a host sync the overhead window starts on)
 # name: (dim, blocks, heads, kv_lora, qk_nope, qk_rope, v_head, dense hidden, moe hidden,

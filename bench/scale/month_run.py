@@ -11,12 +11,12 @@ raw rows kept around incidents and for the recent window, summary.json), then me
 a fresh process with the run's files evicted from the page cache (posix_fadvise DONTNEED):
 - store bytes and files per table;
 - the app's pages' data paths: Runs (discovery + every run's summary, with `--runs` runs: the
-  run and symlinks to it), Run health (bench/app_load.py's page_data_path: every loader, figure
+  run and symlinks to it), Run health (bench/scale/app_load.py's page_data_path: every loader, figure
   and the figure JSON), Compare (two runs' steady-state perf and loss overlay);
 - `moeguard replay`'s peak RSS and time;
 - RunStore.add_step p50 / p99 / p99.9 at the shape, and the CPU of the other threads per step;
 and fits a growth law t = a * steps^b across the sizes (b ~ 0: flat; b ~ 1: linear).
-`--baseline` also builds the store today's layout leaves (bench/big_run.py: one part per 50 steps
+`--baseline` also builds the store today's layout leaves (bench/scale/big_run.py: one part per 50 steps
 per table, every row raw) and opens it with the code of `--baseline-rev` (a git worktree in
 /tmp), at sizes up to `--baseline-max`.
 """
@@ -51,7 +51,7 @@ logging.getLogger("streamlit").setLevel(logging.ERROR)
 page, runs_dir, run = sys.argv[1], sys.argv[2], sys.argv[3]
 t_imp = time.perf_counter()
 from dashboards.data import compare, loaders, runs  # imports are not the page's cost: timed apart
-import bench.app_load, guard.replay, plotly.io
+import bench.scale.app_load, guard.replay, plotly.io
 out = {"import_s": time.perf_counter() - t_imp}
 t0 = time.perf_counter(); c0 = time.process_time()
 if page == "runs":
@@ -59,7 +59,7 @@ if page == "runs":
     summ = [loaders.load_summary(i.path, runs.run_signature(i.path)) for i in infos if i.readable]
     out["runs"] = len(summ); out["steps"] = summ[0]["step"]
 elif page == "health":
-    from bench.app_load import page_data_path
+    from bench.scale.app_load import page_data_path
     out["stages"] = page_data_path(__import__("pathlib").Path(run))
 elif page == "compare":
     for p in (run, os.path.join(runs_dir, sys.argv[4])):
@@ -169,7 +169,7 @@ def ensure(root: Path, build: str, shape: dict[str, Any]) -> Path:
             tile=shape["steps"] > 20_000,
         )
     else:
-        from bench.big_run import write_big_run
+        from bench.scale.big_run import write_big_run
 
         write_big_run(
             run, steps=shape["steps"], layers=shape["layers"], experts=shape["experts"], part_steps=50

@@ -6,7 +6,7 @@ per table one part per 1,000-step segment (compacted), the steps and events tabl
 layers / experts / groups / ranks rows at full fidelity only in the recent window and +-radius
 steps around every incident, and everything older as 10 / 100 / 1,000-step rollups built by the
 writer's own code (guard/store/rollup.py SegmentRoller, one segment at a time), summary.json by
-guard/store/summary.py. Rows are bench/big_run.py's (plausible, not physical); Parquet lands
+guard/store/summary.py. Rows are bench/scale/big_run.py's (plausible, not physical); Parquet lands
 through guard/store/writer.py. Row by row through RunStore would take days at 58 x 256.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from bench.big_run import _frame, _meta, _routing_parts, _steps_part
+from bench.scale.big_run import _frame, _meta, _routing_parts, _steps_part
 from guard.core import schema
 from guard.store import layout, summary
 from guard.store.rollup import SegmentRoller

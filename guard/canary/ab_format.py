@@ -1,7 +1,7 @@
 """ab.json, the A/B canary's report: where it goes, its shape, and its reader; defined once.
 
 The writer (guard/canary/ab.py, ab_report.py) builds these TypedDicts; the readers (the app's
-Canaries page, dashboards/data/canary_ab.py; bench/canary_power.py) read through `read_report` /
+Canaries page, dashboards/data/canary_ab.py; bench/canary/canary_power.py) read through `read_report` /
 `parse_report`, which checks every key declared here (type and presence) and names the first bad
 one. A key added here is a key the writer must write and every reader may rely on; a report
 without `format` (written before this module) is read as format 1, which has the same keys.

@@ -52,7 +52,7 @@ class CanaryConfig:
     loss_fail_pct: float = 5.0
     # CPU timing: MFU may fail only against baseline entries recorded over at least this many hours.
     # A baseline from one sitting holds one state of a shared host; judged against one,
-    # bench/canary_power.py saw 5 false alarms in 10 clean runs (docs/BENCHMARKS.md, canary).
+    # bench/canary/canary_power.py saw 5 false alarms in 10 clean runs (docs/BENCHMARKS.md, canary).
     baseline_min_span_h: float = 0.0
     # ... but a baseline that spans less does not disarm the MFU gate: it widens the fail line to
     # max(mfu_fail_pct, min(young_fail_cap_pct, max(young_spread_factor x the baseline's own spread,

@@ -4,7 +4,7 @@ A collector serving a big job holds ~45 long-lived objects per open rank connect
 transport, protocol, keep-alive timer, ...): ~385k at 8,192 ranks. CPython's full (generation 2)
 collection scans every one of them, and it runs every few seconds under the steady request churn:
 measured on one core, 150-280 ms each, during which no request is answered (rank 0's ack p99
-went from ~6 ms to 175-210 ms; bench/rank_scale.py, docs/BENCHMARKS.md).
+went from ~6 ms to 175-210 ms; bench/scale/rank_scale.py, docs/BENCHMARKS.md).
 
 After each full collection the survivors are frozen (`gc.freeze()`: CPython's own tool for a
 long-lived heap, moved out of the scanned generations), so the next one scans only what is new:

@@ -45,7 +45,7 @@ BUSY_PHASES = (PHASE_TRAIN, PHASE_DATA)
 
 # A run's own-beat budget: its ranks together send at most this many heartbeats a second, so a
 # 16,384-rank job costs a collector what 256 ranks beating every second would (guard/runtime's
-# exporter and docs/ARCHITECTURE.md; bench/rank_scale.py measures it).
+# exporter and docs/ARCHITECTURE.md; bench/scale/rank_scale.py measures it).
 BEAT_BUDGET_PER_S = 256.0
 # A rank that declares its beat interval is lost after this many intervals of silence (at least).
 DECLARED_FACTOR = 2.5

@@ -24,7 +24,7 @@ a copy, a gather of S strided weights, a subtract, a square, one segmented sum, 
 kernels, none as large as the weights). On a CPU: 4S fp32; the same arithmetic in 6 numpy calls
 on the buffers' memory (UpdateSampler says why); on the tiny model (guard/integrations/tiny.py
 mixtral, 0.87M weights, S = 16,874) ~0.12 ms of the post-hook per step, measured in the step
-(bench/precursor_overhead.py measures the total).
+(bench/overhead/precursor_overhead.py measures the total).
 
 Adam second moments (off by default): at collect time, a gather of `exp_avg_sq` at the same
 sampled positions and one segmented sum (~0.1 ms on the CPU tiny model), and on the host each

@@ -37,7 +37,7 @@ class StoreConfig:
     # step only (still full fidelity), so a detector that fires every step cannot fill the disk.
     incident_budget_steps: int = 20_000
     # Rollup rows kept for the newest this many steps per resolution (0: forever). Measured at
-    # Trinity shape (bench/store_tiers.py): r10 ~29 KB a step, r100 ~3.4 KB, r1000 ~0.37 KB.
+    # Trinity shape (bench/scale/store_tiers.py): r10 ~29 KB a step, r100 ~3.4 KB, r1000 ~0.37 KB.
     r10_window_steps: int = 50_000
     r100_window_steps: int = 0
     r1000_window_steps: int = 0

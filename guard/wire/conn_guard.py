@@ -310,7 +310,7 @@ def http_stack(http: str = "auto", loop: str = "auto") -> tuple[str, str]:
     (the collector extra), h11 when not. `loop` "auto" is asyncio: uvloop only when named, because
     under EMFILE libuv accepts and at once closes every pending connection (its "EMFILE trick"),
     so a client gets a dropped connection where asyncio keeps it waiting in the backlog until a
-    descriptor frees (bench/collector_attacks.py emfile_mid_run: held on asyncio, a new client
+    descriptor frees (bench/attacks/collector_attacks.py emfile_mid_run: held on asyncio, a new client
     disconnected on uvloop), for a few percent of CPU (docs/BENCHMARKS.md). A named one must be
     installed (ValueError naming the flag otherwise)."""
     if http not in HTTP_PARSERS or loop not in EVENT_LOOPS:

@@ -1,4 +1,4 @@
-"""bench/clean_actions.py on one short recorded run of a real transformers family with a 50x
+"""bench/drills/clean_actions.py on one short recorded run of a real transformers family with a 50x
 gradient spike injected: ours (replayed) and the peers' real code both flag that step, and the
 table counts it for each (the full bench over twelve clean 1,000-step runs is in
 docs/BENCHMARKS.md)."""
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("olmo_core")
 
-from bench import clean_actions, real_models  # noqa: E402
+from bench.drills import clean_actions, real_models  # noqa: E402
 
 SPIKE = 160
 

@@ -1,4 +1,4 @@
-"""bench/collector_attacks.py on a fast subset against the real collector: the clean control,
+"""bench/attacks/collector_attacks.py on a fast subset against the real collector: the clean control,
 one damaged run folder at start-up, a second writer on a run id. Rows lost must be 0 and each
 answer the designed one (the whole bench is run by hand; its table is in docs/BENCHMARKS.md)."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.attacks.collector_attacks import ATTACKS, main, markdown, run_one
 from bench.attacks.kit import CollectorProc, Ledger, Row, batch, halt, report
-from bench.collector_attacks import ATTACKS, main, markdown, run_one
 from guard.collector.config import STATE_DIR, SUPERSEDED_DIR
 from guard.store.writer import event_frame, report_frames, write_parts
 from guard.wire.batch import parse_event
@@ -53,7 +53,7 @@ def test_table_marks_defects_and_unknown_losses() -> None:
         Row(attack="ok", item="held", what="fine", answer="200 | ok", up=True, held=True),
         Row(attack="bad", item="9", what="broken", answer="the attack failed", lost=-1),
     ]
-    text = markdown(rows, "python bench/collector_attacks.py", "a machine", 1.0)
+    text = markdown(rows, "python bench/attacks/collector_attacks.py", "a machine", 1.0)
     assert "| `ok`: fine | held | 200 \\| ok | yes | 0 | 0 | held |" in text
     assert "| `bad`: broken | 9 | the attack failed | **no** | ? | 0 | **DEFECT** |" in text
     assert "1/2 held; rows lost in all: 0; services down after an attack: 1." in text
@@ -103,5 +103,5 @@ def test_issue32_figures_sum_over_its_attacks() -> None:
         ),
         Row(attack="old", item="held", what="o", answer="a", up=False, lost=5),
     ]
-    text = markdown(rows, "python bench/collector_attacks.py", "a machine", 1.0)
+    text = markdown(rows, "python bench/attacks/collector_attacks.py", "a machine", 1.0)
     assert "| 2 | 0 (target 0) | 2 (target 0) | 1 (target 0) | 120 ms (target < 1 s) |" in text

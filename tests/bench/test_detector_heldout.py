@@ -1,12 +1,12 @@
-"""bench/detector_heldout.py: scoring, calibration, and the re-implementations against the peers' real code."""
+"""bench/detection/detector_heldout.py: scoring, calibration, and the re-implementations against the peers' real code."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench import detector_heldout as dh
-from bench.trace_families import FAMILIES, family_traces
+from bench.detection import detector_heldout as dh
+from bench.detection.trace_families import FAMILIES, family_traces
 
 
 def test_score_copy_counts_hits_within_tolerance_and_false_positives():

@@ -1,20 +1,20 @@
-"""bench/detector_recorded.py: knobs set on recorded calibration runs only, scored on the other set, both ways."""
+"""bench/detection/detector_recorded.py: knobs set on recorded calibration runs only, scored on the other set, both ways."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench import detector_heldout as dh
-from bench import detector_recorded as dr
-from bench.trace_families import family_traces
-from bench.traces import recorded_traces
+from bench.detection import detector_heldout as dh
+from bench.detection import detector_recorded as dr
+from bench.detection.trace_families import family_traces
+from bench.detection.traces import recorded_traces
 
 STEPS = 800
 
 
 def write_run(path, seed: int, spike_every: int | None) -> str:
-    """A run store like bench/real_models.py --keep writes; `spike_every` adds natural 4x grad-norm
+    """A run store like bench/drills/real_models.py --keep writes; `spike_every` adds natural 4x grad-norm
     spikes (a noisier run than the calibration runs)."""
     from guard.core.report import StepReport
     from guard.store.runstore import RunStore

@@ -1,10 +1,10 @@
 """The command line a benchmark writes into docs/BENCHMARKS.md names no path of the machine that ran
-it (bench._docs.shown_command, which every docs-writing bench calls)."""
+it (bench.common.docs.shown_command, which every docs-writing bench calls)."""
 
 from __future__ import annotations
 
-from bench._docs import shown_command
-from bench.detector_recorded import command_line
+from bench.common.docs import shown_command
+from bench.detection.detector_recorded import command_line
 
 
 def test_absolute_paths_are_masked_and_the_rest_is_kept(tmp_path):
@@ -22,4 +22,4 @@ def test_recorded_runs_keep_their_names_and_other_paths_are_masked(tmp_path):
     run = tmp_path / "clean1k" / "olmoe-0"
     shown = command_line([str(run), "--out", str(tmp_path / "o.json")], {str(run)})
     assert str(tmp_path) not in shown
-    assert shown == "python bench/detector_recorded.py RUNS/olmoe-0 --out OUT.json"
+    assert shown == "python bench/detection/detector_recorded.py RUNS/olmoe-0 --out OUT.json"

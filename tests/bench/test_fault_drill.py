@@ -1,5 +1,5 @@
 """The guard never leaves a run worse than no guard (issue #39), drilled on tiny Mixtral and
-Qwen3-MoE (bench/fault_drill.py, shortened for CI: 200 iterations, faults at batches 30 / 45 / 60,
+Qwen3-MoE (bench/drills/fault_drill.py, shortened for CI: 200 iterations, faults at batches 30 / 45 / 60,
 collapse warm-up 40). Guarded vs unguarded (the same loop observing only) vs clean, the same data
 and seed: held-out loss at the end, actions, halts, and the pushed layer's MaxVio.
 
@@ -11,7 +11,7 @@ run's. SPREAD is what one dropped batch does to these tiny models at 200 iterati
 no fault at all: skipping batch 45 (the x50 drill: every weight untouched at the skip) ended Mixtral
 2.3% above the clean run and 2.0% above the unguarded x50 run, whose clipped step keeps the batch;
 skipping batch 30 (NaN) ended it 0.2% below. At 400 iterations (the issue's table,
-`python -m bench.fault_drill`, docs/escalation.md) the runs are judged against 1%.
+`python -m bench.drills.fault_drill`, docs/escalation.md) the runs are judged against 1%.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench import fault_drill as fd
+from bench.drills import fault_drill as fd
 from guard.core.config import CollapseConfig, GuardConfig
 
 STEPS = 200  # the collapse onset (60) + BACK_WITHIN, with room to spare

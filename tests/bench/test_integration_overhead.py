@@ -1,4 +1,4 @@
-"""Smoke test of bench/integration_overhead.py: the JSON it writes, not the timings."""
+"""Smoke test of bench/overhead/integration_overhead.py: the JSON it writes, not the timings."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 
 def test_integration_overhead_smoke(tmp_path):
-    from bench.integration_overhead import main, markdown
+    from bench.overhead.integration_overhead import main, markdown
 
     out = tmp_path / "r.json"
     main(
@@ -48,7 +48,7 @@ def test_integration_overhead_smoke(tmp_path):
 
 
 def test_integration_overhead_rejects_unknown_family():
-    from bench.integration_overhead import main
+    from bench.overhead.integration_overhead import main
 
     with pytest.raises(SystemExit):
         main(["--families", "mixtral,llama", "--no-progress"])

@@ -1,4 +1,4 @@
-"""bench/rank_scale.py, small and short, against the real collector process: a 512-rank job whose
+"""bench/scale/rank_scale.py, small and short, against the real collector process: a 512-rank job whose
 rank 77 stalls 25 s. The whole bench (256 .. 16,384 ranks) is run by hand; its table is in
 docs/BENCHMARKS.md. Here: the JSON has the issue's fields, nothing is lost or doubled, RunStuck's
 series names rank 77 and nobody else, and no rank is called lost."""
@@ -38,7 +38,7 @@ def test_a_stalled_rank_among_512_is_named_and_nothing_is_lost(tmp_path: Path) -
     args += ["--stall-at", "3", "--progress-floor", "12", "--layers", "8", "--moe-layers", "6"]
     args += ["--experts", "16", "--collector-core", str(cores[0]), "--client-core", str(cores[1])]
     p = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "rank_scale.py"), *args, "--json", str(out)],
+        [sys.executable, str(REPO / "bench" / "scale" / "rank_scale.py"), *args, "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=240,

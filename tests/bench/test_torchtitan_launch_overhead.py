@@ -1,10 +1,10 @@
-"""bench/torchtitan_launch_overhead.py: its arguments are checked before anything launches."""
+"""bench/overhead/torchtitan_launch_overhead.py: its arguments are checked before anything launches."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import torchtitan_launch_overhead as bench
+from bench.overhead import torchtitan_launch_overhead as bench
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Smoke test of bench/torchtitan_overhead.py on the small model: the JSON and table it writes,
+"""Smoke test of bench/overhead/torchtitan_overhead.py on the small model: the JSON and table it writes,
 not the timings; and its argument checks."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytest.importorskip(
 
 
 def test_torchtitan_overhead_smoke(tmp_path):
-    from bench.torchtitan_overhead import main, markdown
+    from bench.overhead.torchtitan_overhead import main, markdown
 
     out = tmp_path / "r.json"
     argv = ["--model", "small", "--blocks", "2", "--steps-per-block", "3", "--warmup", "1"]
@@ -43,7 +43,7 @@ def test_torchtitan_overhead_smoke(tmp_path):
     ],
 )
 def test_torchtitan_overhead_rejects_bad_values_by_name(argv, named, capsys):
-    from bench.torchtitan_overhead import parse_args
+    from bench.overhead.torchtitan_overhead import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(argv)

@@ -2,7 +2,7 @@
 
 The end-to-end tests run real canary measurements (worker processes) on the shipped canary
 model run short; the gate is loosened and the injected slowdown made large (40%) so the verdicts are
-unambiguous on a loaded 2-core machine. The bench (bench/canary_power.py) measures the real
+unambiguous on a loaded 2-core machine. The bench (bench/canary/canary_power.py) measures the real
 gate's power.
 """
 
@@ -510,9 +510,9 @@ def test_host_fit_does_not_extrapolate_or_overfit() -> None:
 
 
 def test_power_bench_judges_against_every_other_clean_measurement() -> None:
-    """bench/canary_power.py's leave-one-out judgement: a clean run never sits in its own baseline,
+    """bench/canary/canary_power.py's leave-one-out judgement: a clean run never sits in its own baseline,
     injected runs never enter one, and the gate's rule (warn line, then mean of both runs) applies."""
-    from bench.canary_power import spanning
+    from bench.canary.canary_power import spanning
 
     def rep(*runs: tuple[float, float]) -> dict[str, object]:
         # each run: 5 processes at (MFU, reference ms); MFU/ref spread a little so the fit has data

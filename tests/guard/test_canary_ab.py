@@ -2,7 +2,7 @@
 
 The end-to-end tests run real worker processes (the history canary's worker) on the shipped canary
 model run short (test_canary.SHORT), with a loose line (10%) and a large injected slowdown (40%,
-B/A ~0.71) so the verdicts are unambiguous on a loaded or idle 2-core machine. bench/canary_power.py --ab measures the
+B/A ~0.71) so the verdicts are unambiguous on a loaded or idle 2-core machine. bench/canary/canary_power.py --ab measures the
 real defaults' power.
 """
 
@@ -363,9 +363,9 @@ def test_paired_verdicts() -> None:
 
 
 def test_power_bench_replays_the_ab_rule_on_recorded_pairs() -> None:
-    """bench/canary_power.py --ab re-judges recorded canaries under other lines: the same sequential
+    """bench/canary/canary_power.py --ab re-judges recorded canaries under other lines: the same sequential
     rule, on the pairs that were measured; a replay that would need more pairs is 'unjudged'."""
-    from bench.canary_power import ab_rejudge
+    from bench.canary.canary_power import ab_rejudge
 
     c = config.CanaryConfig(ab_fail_pct=1.0)
     slow = [0.95, 0.96, 0.94, 0.97, 0.95, 0.96]

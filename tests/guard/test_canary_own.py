@@ -1,7 +1,7 @@
 """`moeguard canary --ab A B --script CMD` / `--torchtitan CONFIG`: the A/B canary on the user's
 own training. The end-to-end tests run real commands: a plain GuardedStep loop
 (tests/guard/own_loop.py) and the real transformers Trainer with MoEGuardCallback
-(bench/hf_trainer_job.py); each writes its run store where the canary says and the canary reads
+(bench/common/hf_trainer_job.py); each writes its run store where the canary says and the canary reads
 the steady state back. A large injected slowdown (50%) and a loose line (10%) keep the verdicts
 unambiguous on a loaded 2-core machine; docs/BENCHMARKS.md measures the real defaults.
 """
@@ -75,7 +75,7 @@ def test_a_script_with_b_slowed_fails_and_every_run_is_the_commands_own(tmp_path
 def test_a_equals_a_on_the_real_trainer_passes_and_a_py_side_runs_the_command(tmp_path: Path) -> None:
     """The real transformers Trainer with MoEGuardCallback (run store from $MOEGUARD_RUN_DIR), A =
     this interpreter, B = the same interpreter as py:PATH ({python} and a bare `python` are it)."""
-    job = f"{{python}} {REPO / 'bench' / 'hf_trainer_job.py'} --steps 30 --out {{run_dir}}/out"
+    job = f"{{python}} {REPO / 'bench' / 'common' / 'hf_trainer_job.py'} --steps 30 --out {{run_dir}}/out"
     code, rep = _own(tmp_path, "--ab", "set:", f"py:{sys.executable}", "--script", job)
     assert code == 0 and rep["verdict"] in ("pass", "warn"), rep.get("state")
     assert 0.85 < rep["statistic"]["median"] < 1.15
@@ -193,7 +193,7 @@ def test_torchtitan_job_from_a_toml_file_or_torchtitans_arguments(tmp_path: Path
 @pytest.mark.integration
 def test_torchtitans_own_trainer_with_b_slowed_fails(tmp_path: Path) -> None:
     """torchtitan's Trainer through moeguard's launcher under torchrun, one rank on the CPU
-    (bench/torchtitan_registry.py's tiny DeepSeek-V3: byte tokenizer, stdlib windows). 24 steady
+    (bench/common/torchtitan_registry.py's tiny DeepSeek-V3: byte tokenizer, stdlib windows). 24 steady
     steps a run: with 8 (~0.8 s of CPU) one CI pair read B/A 0.94 under a 50% slowdown."""
     pytest.importorskip("torchtitan", reason="torchtitan (and triton) not installed")
     code, rep = _own(
@@ -202,7 +202,7 @@ def test_torchtitans_own_trainer_with_b_slowed_fails(tmp_path: Path) -> None:
         "set:",
         "set:training.local_batch_size=8",
         "--torchtitan",
-        "--module bench.torchtitan_registry --config tiny_moe",
+        "--module bench.common.torchtitan_registry --config tiny_moe",
         "--steps",
         "32",
         "--inject",

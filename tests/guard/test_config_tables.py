@@ -3,7 +3,7 @@
 Before 2026-11-24 a `[guard.loss_spike]` table was built from SpikeConfig's class defaults, so
 naming one key silently swapped GuardConfig's budget rule (early z 6, 8x ceiling) for a bare
 rule: configs/tiny.toml's loss rule had no early z, a x5 loss spike at step 148 passed, joined
-the tail fit, and every later x5 passed too (bench/detector_quality.py on recorded tiny runs).
+the tail fit, and every later x5 passed too (bench/detection/detector_quality.py on recorded tiny runs).
 """
 
 from __future__ import annotations

@@ -604,7 +604,7 @@ def test_new_config_fields_are_validated() -> None:
 # ---------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_bench_quick_fixed_z_rule_beats_every_published_rule() -> None:
-    from bench.detector_quality import OURS, run
+    from bench.detection.detector_quality import OURS, run
 
     res, _, _ = run(quick=True, cfg=GuardConfig(grad_spike=GRAD, loss_spike=LOSS))
     overall = res.overall()
@@ -623,8 +623,8 @@ def test_bench_quick_budget_default_raises_no_false_alarm() -> None:
     """The default (budget) rule on the same quick traces: no false alarm, and ahead of every
     published rule but the NaN-safe OLMo-core fork (0.853 vs 0.900 F1 when written): these faults
     start at step 128 and the budget rule has no tail to fit before 200 accepted steps. The fair
-    comparison is bench/detector_heldout.py (every rule tuned to the same false-alarm rate)."""
-    from bench.detector_quality import OURS, run
+    comparison is bench/detection/detector_heldout.py (every rule tuned to the same false-alarm rate)."""
+    from bench.detection.detector_quality import OURS, run
 
     res, _, _ = run(quick=True)
     overall = res.overall()
@@ -637,8 +637,8 @@ def test_bench_quick_budget_default_raises_no_false_alarm() -> None:
 def test_bench_reads_recorded_runs(tmp_path) -> None:
     import polars as pl
 
-    from bench.detector_quality import evaluate
-    from bench.traces import load_run_traces
+    from bench.detection.detector_quality import evaluate
+    from bench.detection.traces import load_run_traces
 
     n = 400
     g, lo = noisy(n, 0), noisy(n, 1, sigma=0.02, level=3.0)

@@ -1,6 +1,6 @@
 """MoEGuardCallback on the real transformers 5 `Trainer` (tiny Mixtral and DeepSeek-V3, CPU).
 
-Each run is bench/hf_trainer_job.py: a real Trainer (accelerate's AcceleratedOptimizer, a cosine LR
+Each run is bench/common/hf_trainer_job.py: a real Trainer (accelerate's AcceleratedOptimizer, a cosine LR
 schedule with warm-up, max_grad_norm 1.0, gradient accumulation), the faults injected into the
 reduced gradients just before the guard decides. What must hold: a spike and a NaN are skipped with
 weights, AdamW state, LR and LR schedule bitwise unchanged; the guard decides once per OPTIMIZER
@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install accelerate")
 
-from bench.hf_trainer_job import main as job  # noqa: E402
+from bench.common.hf_trainer_job import main as job  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.store.reader import read_table  # noqa: E402
 
@@ -169,7 +169,7 @@ def test_two_ranks_ddp_on_gloo_decide_alike(tmp_path: Path) -> None:
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        str(REPO / "bench" / "hf_trainer_job.py"),
+        str(REPO / "bench" / "common" / "hf_trainer_job.py"),
         "--family",
         "deepseek_v3",
         "--steps",

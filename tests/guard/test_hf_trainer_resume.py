@@ -1,6 +1,6 @@
 """MoEGuardCallback across a transformers `Trainer` resume (tiny Mixtral, CPU, the real Trainer).
 
-Each run is bench/hf_trainer_job.py in this process: a first Trainer saves checkpoint-20 (and 40),
+Each run is bench/common/hf_trainer_job.py in this process: a first Trainer saves checkpoint-20 (and 40),
 then a NEW Trainer with a NEW callback resumes from checkpoint-20 (a path, moved out of output_dir,
 or `resume_from_checkpoint=True`) and trains to 40. What must hold:
 the guard's state comes back exactly as it was saved in checkpoint-20/moeguard_guard.pt; the run
@@ -30,7 +30,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install accelerate")
 
-from bench.hf_trainer_job import main as job  # noqa: E402
+from bench.common.hf_trainer_job import main as job  # noqa: E402
 from guard.api import GuardedStep  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.integrations.hf_resume import GUARD_STATE_FILE  # noqa: E402
@@ -172,7 +172,7 @@ def test_two_ranks_resume_with_the_guards_state(tmp_path: Path) -> None:
             "torch.distributed.run",
             "--standalone",
             "--nproc_per_node=2",
-            str(REPO / "bench" / "hf_trainer_job.py"),
+            str(REPO / "bench" / "common" / "hf_trainer_job.py"),
             *RUN,
             "--out",
             str(out),

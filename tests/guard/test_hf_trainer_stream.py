@@ -1,5 +1,5 @@
 """MoEGuardCallback streams like GuardedStep: the real transformers Trainer (tiny Mixtral,
-bench/hf_trainer_job.py in its own process) with $MOEGUARD_COLLECTOR set, against a real
+bench/common/hf_trainer_job.py in its own process) with $MOEGUARD_COLLECTOR set, against a real
 collector on loopback. The collector's copy of the run equals the job's own run store step for
 step (actions included), its /metrics carries the run's MFU and the skip, /v1/runs its last step."""
 
@@ -39,7 +39,7 @@ def test_the_trainer_streams_its_run_to_the_collector(tmp_path: Path) -> None:
             schema.ENV_TOKEN: TOKEN,
         }
         cmd = [
-            sys.executable, str(REPO / "bench" / "hf_trainer_job.py"), "--steps", str(STEPS),
+            sys.executable, str(REPO / "bench" / "common" / "hf_trainer_job.py"), "--steps", str(STEPS),
             "--out", str(tmp_path / "out"), "--run-dir", str(run_dir), "--inject", f"gradspike@{SPIKE}:1000",
         ]  # fmt: skip
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)

@@ -3,11 +3,11 @@
 Per family, on every commit (tiny random-init models, CPU): attach() succeeds, its dry forwards
 leaving weights, buffers and the RNG state as they were, or refuses naming the class; an attached
 model trains a step without error, and the loads the guard stored are the ones the model used,
-read independently of the guard's hook by bench/family_matrix.py's `independent_loads` (the ids
+read independently of the guard's hook by bench/drills/family_matrix.py's `independent_loads` (the ids
 each experts module was handed; for Llama4, whose experts get none, and JetMoE, whose gating sorts
 them, the top-k of the router's own logits, the selection both models make; for zaya, ZayaRouter's
 own rule). The long drills (spikes, clean runs, collapse) run for a subset in
-test_integration_transformers.py and for every family in bench/family_matrix.py.
+test_integration_transformers.py and for every family in bench/drills/family_matrix.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from bench.family_matrix import independent_loads  # noqa: E402
+from bench.drills.family_matrix import independent_loads  # noqa: E402
 from guard.integrations.base import BiasCorrector  # noqa: E402
 from guard.integrations.tiny import ALL_FAMILIES, build  # noqa: E402
 from guard.integrations.transformers import attach  # noqa: E402
@@ -65,7 +65,7 @@ def test_every_family_attaches_or_is_refused_and_loads_are_the_models(family: st
         assert isinstance(att.corrector, BiasCorrector), (family, att.correction_mode)
         hook = att.routers[0][1]
         assert hook.has_selection_bias
-    seen, handles = independent_loads(model, att)  # bench/family_matrix.py's observer
+    seen, handles = independent_loads(model, att)  # bench/drills/family_matrix.py's observer
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     out = model(input_ids=x, labels=x)
     out.loss.backward()

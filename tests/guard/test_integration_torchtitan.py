@@ -2,8 +2,8 @@
 torchtitan's own counters, bad steps are skipped bit-exactly, a forced collapse is corrected through
 torchtitan's `expert_bias_E`, and a clean run draws no action.
 
-The model is torchtitan's DeepSeek-V3 built from its own config builders (bench/torchtitan_model.py's
-"small", shared with bench/torchtitan_overhead.py), smaller than `debugmodel`
+The model is torchtitan's DeepSeek-V3 built from its own config builders (bench/common/torchtitan_model.py's
+"small", shared with bench/overhead/torchtitan_overhead.py), smaller than `debugmodel`
 (dim 64, 4 blocks: 1 dense + 3 MoE, 8 experts top-2, softmax scores, expert_bias_E), with
 torchtitan's own ScaledDotProductAttention as inner attention: torchtitan refuses "sdpa" for
 language models, FlexAttention has no CPU backward and varlen needs CUDA. torchtitan's own
@@ -27,7 +27,7 @@ pytest.importorskip(
     "torchtitan", reason="torchtitan (and triton) not installed: pip install torchtitan==0.3.0 triton"
 )
 
-from bench.torchtitan_model import SMALL_VOCAB, build, one_process_group, small_config  # noqa: E402
+from bench.common.torchtitan_model import SMALL_VOCAB, build, one_process_group, small_config  # noqa: E402
 from guard.api import GuardedStep  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.core.config import CollapseConfig, GuardConfig  # noqa: E402
@@ -40,7 +40,7 @@ VOCAB, BATCH, SEQ = SMALL_VOCAB, 8, 64
 
 
 def model_config() -> object:
-    """The small DeepSeekV3Model.Config (bench/torchtitan_model.py), with its own SDPA inner attention."""
+    """The small DeepSeekV3Model.Config (bench/common/torchtitan_model.py), with its own SDPA inner attention."""
     return small_config(max_seq_len=SEQ)
 
 
@@ -310,7 +310,7 @@ def test_torchtitans_own_trainer_is_guarded(
 
     _cpu_shim(monkeypatch)
 
-    from bench.torchtitan_registry import Bytes, Windows  # no hub download: bytes, stdlib windows
+    from bench.common.torchtitan_registry import Bytes, Windows  # no hub download: bytes, stdlib windows
 
     class Spiky(GuardedTrainer):  # type: ignore[misc, valid-type]
         def forward_backward_step(self, **kwargs: object) -> torch.Tensor:

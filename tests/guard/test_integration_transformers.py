@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from bench.real_models import byte_batches, drill  # noqa: E402
+from bench.drills.real_models import byte_batches, drill  # noqa: E402
 from guard.api import GuardedStep  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.core.config import CollapseConfig, GuardConfig  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from bench.big_run import write_big_run
+from bench.scale.big_run import write_big_run
 from bench.scale.month_store import write_month_run
 from guard.core import schema
 from guard.core.rows import reports_from_columns

@@ -4,7 +4,7 @@ and its /metrics must not grow with the rank count; a stalled rank is named by R
 
 These drive the collector's HealthBook (guard/collector/book.py, what ingest writes and /metrics
 reads) with the beats the exporter sends (guard/wire/batch.py), with explicit clocks; the
-collector process end to end is bench/rank_scale.py's (tests/bench/test_rank_scale.py).
+collector process end to end is bench/scale/rank_scale.py's (tests/bench/test_rank_scale.py).
 """
 
 from __future__ import annotations

@@ -36,7 +36,15 @@ def env(**extra: str) -> dict[str, str]:
 
 def titan(tmp: Path, *args: str, steps: int = 8, **extra: str) -> subprocess.CompletedProcess[str]:
     """The launcher starting its own single rank (torchrun --standalone underneath)."""
-    cmd = [sys.executable, "-m", PROG, "--nproc-per-node", "1", "--module", "bench.torchtitan_registry"]
+    cmd = [
+        sys.executable,
+        "-m",
+        PROG,
+        "--nproc-per-node",
+        "1",
+        "--module",
+        "bench.common.torchtitan_registry",
+    ]
     cmd += ["--config", "tiny_moe", "--training.steps", str(steps), "--dump_folder", str(tmp / "out")]
     cmd += ["--run-dir", str(tmp / "run"), *args]
     return subprocess.run(cmd, cwd=REPO, env=env(**extra), capture_output=True, text=True, timeout=400)
@@ -102,7 +110,14 @@ def test_the_transformers_trainer_takes_drills_from_the_environment(tmp_path: Pa
     """MoEGuardCallback() with no inject=: $MOEGUARD_INJECT reaches its GuardedStep."""
     out = tmp_path / "job"
     p = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "hf_trainer_job.py"), "--steps", "12", "--out", str(out)],
+        [
+            sys.executable,
+            str(REPO / "bench" / "common" / "hf_trainer_job.py"),
+            "--steps",
+            "12",
+            "--out",
+            str(out),
+        ],
         cwd=REPO,
         env=env(**{ENV_INJECT: "collapse@3:0,nan@5"}),
         capture_output=True,

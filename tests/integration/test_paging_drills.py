@@ -1,5 +1,5 @@
 """kill -9 under real torchrun pages HeartbeatLost naming the dead rank, once (issue #37): the short
-CI version of bench/paging_drills.py (the full 60-drill figures are in docs/BENCHMARKS.md).
+CI version of bench/drills/paging_drills.py (the full 60-drill figures are in docs/BENCHMARKS.md).
 
 Per framework (torchtitan's launcher, the transformers Trainer with MoEGuardCallback, `moeguard
 train`), all under `torchrun --standalone` with 2 gloo ranks: 3 kills of rank 0 and 3 of rank 1,
@@ -10,7 +10,7 @@ kill; plus one control, the whole job preempted (SIGTERM to torchrun), that must
 One collector, Prometheus and Alertmanager for the module (the production rules and config, made
 fast: tests/helpers_alerting.py); a framework's drills run concurrently.
 
-Asserted per drill (bench/paging_drills.py Result.problems): exactly one HeartbeatLost incident
+Asserted per drill (bench/drills/paging_drills.py Result.problems): exactly one HeartbeatLost incident
 for the run, naming the dead rank and no other, within the timeout the collector learned for it
 plus the alert path; no other page; the run's status peer_lost at the collector and in the job's
 own meta.json (when the dead rank is not rank 0, whose process writes it); the control preempted
@@ -32,7 +32,7 @@ pytestmark = [
     pytest.mark.skipif(PROMETHEUS is None or ALERTMANAGER is None, reason="needs prometheus + alertmanager"),
 ]
 
-drills = pytest.importorskip("bench.paging_drills")
+drills = pytest.importorskip("bench.drills.paging_drills")
 KILLS_PER_RANK = 3
 CONCURRENCY = 4
 

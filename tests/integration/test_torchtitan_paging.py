@@ -12,7 +12,7 @@ shortened (60x), as in tests/integration/test_e2e_paging.py. Each rank beats eve
    RunHalted notifies once; the same command again resumes from it and RunHalted resolves.
 2. kill -9 of rank 1: HeartbeatLost names rank 1. Rank 0's next collective fails because its
    peer is gone: it records the run as peer_lost, saying so ("a peer rank is gone"), and says
-   goodbye, so only the dead rank is paged (bench/paging_drills.py drills every variant).
+   goodbye, so only the dead rank is paged (bench/drills/paging_drills.py drills every variant).
 3. Rank 1 hangs inside a step for 40 s while its process lives (its peer waits in the next
    collective): RunStuck names rank 1 within the learned deadline; no HeartbeatLost.
 """
@@ -33,7 +33,7 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan (and triton) not installed")
 
-from bench.torchtitan_launch import torchrun_command  # noqa: E402
+from bench.common.torchtitan_launch import torchrun_command  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.store.reader import read_meta  # noqa: E402
 from tests.conftest import REPO  # noqa: E402

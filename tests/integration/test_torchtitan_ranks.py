@@ -1,11 +1,11 @@
 """torchtitan's own Trainer on two ranks, guarded through the one launch command:
 
     torchrun --nproc_per_node 2 -m guard.integrations.torchtitan \
-        --module bench.torchtitan_registry --config tiny_moe ...
+        --module bench.common.torchtitan_registry --config tiny_moe ...
 
 Real torchrun, real torchtitan (its DeepSeek-V3, its FSDP2 / replicate, its DCP checkpointer), gloo
 on CPU (the launcher points torchtitan at the CPU on a host without CUDA). Faults come from
-$MOEGUARD_TT_FAULTS inside torchtitan's own loss (bench/torchtitan_registry.py); each rank writes its
+$MOEGUARD_TT_FAULTS inside torchtitan's own loss (bench/common/torchtitan_registry.py); each rank writes its
 decisions ($MOEGUARD_DECISION_LOG), a digest of its parameters and torchtitan's own expert counters
 ($MOEGUARD_TT_PROBE_DIR) for the comparisons.
 """
@@ -28,7 +28,7 @@ pytest.importorskip(
     "torchtitan", reason="torchtitan (and triton) not installed: pip install torchtitan==0.3.0 triton"
 )
 
-from bench.torchtitan_launch import torchrun_command  # noqa: E402
+from bench.common.torchtitan_launch import torchrun_command  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.store.reader import read_meta, read_table  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
