@@ -1,6 +1,9 @@
 """Attacks on the collector's HTTP surface: oversized and deeply nested bodies (issue #13
 item 6's, on the collector), slow clients, path traversal in run ids, hostile /metrics label
 values, tokens, malformed fields, and limits on cardinality (item 7).
+
+Writes docs/BENCHMARKS.md: no section of its own; part of Collector › Collector and pager under
+attack (issues #13 and #32, `bench/attacks/collector_attacks.py`).
 """
 
 from __future__ import annotations

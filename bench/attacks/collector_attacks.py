@@ -21,6 +21,9 @@ RLIMIT_FSIZE stands in); trainer clocks an hour, a day and a month off; validati
 The attacks live in bench/attacks/ (store.py, writers.py, abuse.py, liveness.py, resilience.py,
 edges.py; the pager's attacks went with `moeguard pager`, issue #29);
 --write-docs writes the table into docs/BENCHMARKS.md (section collector_attacks).
+
+Writes docs/BENCHMARKS.md › Collector › Collector and pager under attack (issues #13 and #32,
+`bench/attacks/collector_attacks.py`).
 """
 
 from __future__ import annotations

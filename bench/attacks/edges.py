@@ -1,5 +1,9 @@
 """Issue #32's clock and validation attacks: trainers whose clocks run ahead or behind, and inputs
-that must be refused at the edge (the collector's batch checks, `moeguard train`'s start)."""
+that must be refused at the edge (the collector's batch checks, `moeguard train`'s start).
+
+Writes docs/BENCHMARKS.md: no section of its own; part of Collector › Collector and pager under
+attack (issues #13 and #32, `bench/attacks/collector_attacks.py`).
+"""
 
 from __future__ import annotations
 

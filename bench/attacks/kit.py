@@ -1,6 +1,9 @@
 """What every attack needs: the real `moeguard collector` in a temp dir on
 loopback, a recording receiver, raw-socket requests, and the ledger of acknowledged rows that
 decides "rows lost" (read back through guard/store/reader.py, the one run-store reader).
+
+Writes docs/BENCHMARKS.md: no section of its own; part of Collector › Collector and pager under
+attack (issues #13 and #32, `bench/attacks/collector_attacks.py`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """A rank that hangs while its heartbeats go on (issue #13 item 10): the collector must call it
 stuck, by name, within its learned deadline, and let go when it moves again.
+
+Writes docs/BENCHMARKS.md: no section of its own; part of Collector › Collector and pager under
+attack (issues #13 and #32, `bench/attacks/collector_attacks.py`).
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@ running out mid-run, skewed trainer clocks, and inputs that must be refused at t
 
 Each returns a Row; `quarantined_after` counts runs still quarantined once the condition cleared,
 `p99_ms` the client p99 latency measured during a flood.
+
+Writes docs/BENCHMARKS.md: no section of its own; part of Collector › Collector and pager under
+attack (issues #13 and #32, `bench/attacks/collector_attacks.py`).
 """
 
 from __future__ import annotations

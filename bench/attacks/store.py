@@ -1,6 +1,9 @@
 """Attacks on what the collector keeps on disk: a clean control run, damaged run folders at
 start-up (issue #13 item 1), part numbers past 999,999 (item 2), an I/O error inside an ingest
 and inside a checkpoint (items 3 and 9), and replays of acknowledged batches across a kill -9.
+
+Writes docs/BENCHMARKS.md: no section of its own; part of Collector › Collector and pager under
+attack (issues #13 and #32, `bench/attacks/collector_attacks.py`).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 started in the same second, a batch of an older generation, and seq = 2**63 - 1.
 
 seq = generation << 32 | counter, generation = the exporter's start second (guard/wire/batch.py).
+
+Writes docs/BENCHMARKS.md: no section of its own; part of Collector › Collector and pager under
+attack (issues #13 and #32, `bench/attacks/collector_attacks.py`).
 """
 
 from __future__ import annotations

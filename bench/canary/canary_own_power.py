@@ -11,6 +11,10 @@ interleaved with the `--clean` ones (clean, slowed, clean, ...) so the host's dr
 arms. A clean canary that fails is a false alarm; a slowed one that fails is a detection. Every
 per-pair B/A ratio is kept: their spread on the clean arm is the per-pair noise the sign test works
 against. Each canary is 12-24 fresh Trainer processes: minutes each on a shared 2-core host.
+
+Writes docs/BENCHMARKS.md › Canaries › A/B canary on your own training (`moeguard canary --ab
+--script`, issue #27) and, with `--torchtitan`, › A/B canary on torchtitan's own Trainer (`moeguard
+canary --ab --torchtitan`, issue #27).
 """
 
 from __future__ import annotations

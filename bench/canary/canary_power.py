@@ -21,6 +21,9 @@ slowed (`--inject slow:PCT` slows B), interleaved. Its table (printed, kept in O
 is appended to docs/BENCHMARKS.md by hand; `--rejudge OUT --ab` re-analyses a kept bench.
 Each canary run is a real training run in a worker process, so this bench is slow and, on a
 shared machine, noisy: the load average at every run is recorded and reported.
+
+Writes docs/BENCHMARKS.md › Canaries › Canary power (`moeguard canary`) and, with `--ab`, › A/B
+canary (`moeguard canary --ab`, issue #15).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Write one benchmark's section of docs/BENCHMARKS.md between its markers, leaving the rest alone."""
+"""Write one benchmark's section of docs/BENCHMARKS.md between its markers, leaving the rest alone.
+
+Writes docs/BENCHMARKS.md › Benchmarks (the whole file): the marked section of whichever bench calls
+`write_section`, none of its own.
+"""
 
 from __future__ import annotations
 

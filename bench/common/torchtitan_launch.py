@@ -5,6 +5,9 @@
          -m guard.integrations.torchtitan --module bench.common.torchtitan_registry --config tiny_moe ...
 
 The README's recipe, with `bench/common/torchtitan_registry.py`'s CPU configs.
+
+Writes docs/BENCHMARKS.md: no section of its own; the launcher of Overhead › Guard overhead inside
+torchtitan's Trainer, 2 ranks, streaming (debugmodel) and of the paging drills.
 """
 
 from __future__ import annotations

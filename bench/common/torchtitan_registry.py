@@ -14,6 +14,9 @@ spec and parser) with STEP the guard's 0-based step, injected inside torchtitan'
 cross-rank reduction: `gradspike@S:X` multiplies the loss (and so every gradient) by X on that rank,
 `nan` makes it NaN, `hang@S:SECONDS` sleeps inside the step (its peers wait in the next collective).
 Users drill with the launcher's `--inject` (every kind, applied by GuardedStep: guard/runtime/inject.py).
+
+Writes docs/BENCHMARKS.md: no section of its own; the registry that torchtitan's Trainer loads in
+Overhead › Guard overhead inside torchtitan's Trainer, 2 ranks, streaming (debugmodel).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""How well the detectors catch faults against the peers' rules: docs/BENCHMARKS.md › Detection."""

@@ -32,6 +32,9 @@ The peers run as re-implementations (bench/detection/detector_quality.py, fast e
 `--agreement` drives the peers' real code (ai2-olmo-core's SkipStepOptimizer.get_step_factor,
 zclip's ZClip.step, lightning's SpikeDetection._is_spike/_update_stats as its
 on_train_batch_end calls them) on test traces at the tuned settings and counts differing flags.
+
+Writes docs/BENCHMARKS.md › Detection › Detection on held-out traces at matched false-alarm rates
+and, with `--recorded`, › Detection on recorded real-model traces at matched false-alarm rates.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ point of the comparison), and judge each series on its own:
               loss_spike for losses: the false-alarm budget rule since issue #16, the fixed-z
               SpikeDetector before), and NonFiniteDetector for NaN/Inf, as the DetectorSuite
               runs them (the all-layers rule needs per-layer norms: not here).
+
+Writes docs/BENCHMARKS.md › Detection › Detector quality (synthetic traces) and › Detector quality
+on recorded traces (`--runs`).
 """
 
 from __future__ import annotations

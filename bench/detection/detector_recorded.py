@@ -21,6 +21,9 @@ Where ours misses: every grad-norm fault of the test runs, caught or not by ours
 peer, by size, by family and by when it came; and which of ours' rules judged it (budget: the
 fitted tail's threshold; rel_max: the ceiling, when the fitted threshold sits above rel_max x the
 level), with the median threshold as a multiple of the level.
+
+Writes docs/BENCHMARKS.md › Detection › Detection on recorded real-model traces, every knob set on
+recorded runs.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ Per run: the clean run's step verdicts (false alarms: a live run would skip ther
 per-layer rise of the clean steps (the all-layers statistic: min over layers of grad norm / the
 median of the layer's last 16 accepted values) before and after step 200, and for each factor the
 steps where the copy is missed, and the first step from which every copy is caught.
+
+Writes docs/BENCHMARKS.md › transformers families and early-run spikes › Every transformers MoE
+family (issue #28) (its early-run spike table).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ catch, one spike per copy of the run.
 
 A spike counts as caught when the replay would act (skip, roll back, halt) at its step or the next.
 Uses `moeguard replay --json`, the same detectors and policy as a live run.
+
+Writes docs/BENCHMARKS.md › Detection › Spike rules on configs/tiny.toml (issue #16) (its replay
+rows).
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ What the generator models, and why (each piece is something a detector must NOT 
              hump at the end of warm-up and AR(1) log-normal noise with sigma 0.008..0.025.
   both       a few smooth benign bumps (data-mixture shifts): +10..35 % on the grad norm and
              +2..6 % on the loss, 15..80 steps wide, at the same steps in both series.
+
+Writes docs/BENCHMARKS.md: no section of its own; the traces of Detection's detector sections.
 """
 
 from __future__ import annotations

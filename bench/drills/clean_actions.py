@@ -12,6 +12,9 @@ Ours counts steps where the replay would skip, roll back or halt (grad norm, per
 loss, non-finite); routing corrections (bias_correct) are counted apart: they change no step.
 Peers judge the total grad norm and the loss, each series on its own, from step 0 (their own
 warm-ups apply). "Shared" counts our acting steps that a peer flags too (same step).
+
+Writes docs/BENCHMARKS.md › Detection › Actions on clean runs of real models: ours vs the peers'
+real code at their defaults.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ injection, the first step from which the 10-step median stays under the detector
 threshold (recovered), and the guard's corrections in the events table.
 
     python bench/drills/collapse_control.py --seeds 0,1 --steps 300 --out /tmp/collapse_control.json
+
+Writes docs/BENCHMARKS.md › transformers families and early-run spikes › The correction's own effect
+on aux-loss families (`bench/drills/collapse_control.py`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ u = 1e-2, every other family a per-layer balancing weight of 1e-2, as bench/dril
 --quick runs attach and the load check only (12 steps), for every family in minutes.
 --bias-updates FAMILY: the same family three times over --steps, with SMEBU, the sign update and
 no bias update: MaxVio per layer (mean over the last 100 steps) and the final loss.
+
+Writes docs/BENCHMARKS.md › transformers families and early-run spikes › Every transformers MoE
+family (issue #28).
 """
 
 from __future__ import annotations

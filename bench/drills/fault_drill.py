@@ -26,6 +26,9 @@ defaults), unguarded (the same loop with mode = "observe": telemetry, no action)
 --self-collapse: clean runs with attach()'s defaults (no standing per-layer balance: the family's
 aux loss pools the load over all layers, and layers 2-3 of the tiny Mixtral collapse on their own
 from step ~20), guarded vs observe-only: each layer's MaxVio over the last 50 steps.
+
+Writes docs/BENCHMARKS.md › Detection › Escalation drill: the guard never leaves a run worse than no
+guard (issue #39).
 """
 
 from __future__ import annotations

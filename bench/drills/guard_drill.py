@@ -4,6 +4,8 @@
 
 Acceptance (issue 3): the guarded run ends within 2% of the clean run's final loss; the
 unguarded run ends measurably worse or diverges.
+
+Writes docs/BENCHMARKS.md › Detection › Guard drill (issue 3).
 """
 
 from __future__ import annotations

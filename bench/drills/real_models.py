@@ -6,6 +6,10 @@ every verdict and action of the run. A clean run must show none; `--inject` adds
     python -m bench.drills.real_models --families mixtral,deepseek_v3 --seeds 0,1 --steps 310
     python -m bench.drills.real_models --observe --seeds 0,1 --steps 1000 --batch 8 --seq 128 --keep DIR
     python -m bench.drills.real_models --inject gradspike@150:1000 --inject nan@200 --inject collapse@120:2
+
+Writes docs/BENCHMARKS.md › transformers families and early-run spikes › Every transformers MoE
+family (issue #28) (its drill table); its `--observe --keep` runs are the recorded traces of
+Detection's real-model sections.
 """
 
 from __future__ import annotations

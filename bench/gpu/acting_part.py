@@ -7,6 +7,8 @@ before the guard decides, with a bitwise copy of weights, AdamW state, LR and sc
 before): a NaN at NAN_AT and a x50 spike at SPIKE_AT must be skipped with all of them unchanged;
 `force_collapse` at COLLAPSE_AT sends every token of layer LAYER to expert 0, which the guard must
 correct (a bias_correct action after it, a recovered event, the layer's MaxVio back under 1).
+
+Writes docs/BENCHMARKS.md › GPU, through `bench/gpu/report.py`: no section of its own.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ matrix: `--matrix attention=flash,efficient,math` and `--matrix experts=grouped_
         the five of the 3 x 2 product, to fit the box), each cell's MFU and B/A ratio.
 canary: `--ab set: set:` (A = A: no false alarm expected) and `--ab set: set: --inject slow:5`
         (B slowed 5%: caught expected), PAIRS worker pairs each.
+
+Writes docs/BENCHMARKS.md › GPU, through `bench/gpu/report.py`: no section of its own.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ A part is `python -m bench.gpu.parts NAME --work DIR [--dry]`, run by run.sh und
 `timeout BOX`. It writes DIR/NAME.json as it goes (`PartLog.save` after every piece), so a part
 killed at its time box still hands over what it finished; report.py marks such a part
 "timed out" and keeps its pieces. Every piece that could not run says why in `not_done`.
+
+Writes docs/BENCHMARKS.md › GPU, through `bench/gpu/report.py`: no section of its own.
 """
 
 from __future__ import annotations

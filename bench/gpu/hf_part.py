@@ -12,6 +12,8 @@ before the timed blocks) run under set_sync_debug_mode; their per-step median, p
        32000 (byte ids), ~0.64 B parameters, bf16 autocast (TrainingArguments.bf16), SDPA,
        batch 4 x 2048
   dry: the same config class at hidden 64, 2 layers, 4 experts, CPU, fp32, batch 2 x 64
+
+Writes docs/BENCHMARKS.md › GPU, through `bench/gpu/report.py`: no section of its own.
 """
 
 from __future__ import annotations

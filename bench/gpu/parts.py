@@ -1,5 +1,8 @@
 """One part of the GPU bench: `python -m bench.gpu.parts NAME --work DIR [--dry]` (run.sh runs
-each under `timeout`; bench/gpu/common.py lists the parts). Writes DIR/NAME.json as it goes."""
+each under `timeout`; bench/gpu/common.py lists the parts). Writes DIR/NAME.json as it goes.
+
+Writes docs/BENCHMARKS.md › GPU, through `bench/gpu/report.py`: no section of its own.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ section for docs/BENCHMARKS.md).
 A part whose file is missing or whose process run.sh's `timeout` killed is still in gpu.json, with
 what it finished, its exit status and the tail of its log: one part's failure never loses the
 others' figures.
+
+Writes docs/BENCHMARKS.md › GPU (its `gpu.md`, pasted under the area heading).
 """
 
 from __future__ import annotations

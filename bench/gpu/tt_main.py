@@ -10,6 +10,8 @@ guarded otherwise). With $MOEGUARD_GPU_SYNCS=FIRST:LAST, torchtitan's
 about is appended to $MOEGUARD_GPU_SYNC_FILE, one JSON line a step (null without CUDA). The guard's step runs inside
 train_step (it is the optimizer step torchtitan calls), so plain vs guarded is the guard's own.
 Only those steps pay for the warnings: keep them in the warm-up that the timing leaves out.
+
+Writes docs/BENCHMARKS.md › GPU, through `bench/gpu/report.py`: no section of its own.
 """
 
 from __future__ import annotations

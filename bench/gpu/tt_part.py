@@ -12,6 +12,8 @@ each launch, over its steps (so a one-pair run still gets an interval from its s
 Host syncs: steps SYNC_STEPS (in the warm-up) run under set_sync_debug_mode in both variants.
 MFU: ours is the guard's run store (rank 0) `mfu` over the steady steps, torchtitan's the `mfu:`
 of its log lines at those steps; both peaks are recorded.
+
+Writes docs/BENCHMARKS.md › GPU, through `bench/gpu/report.py`: no section of its own.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ dry run. `dry_moe` is the same builder at dim 64, 3 blocks, 8 experts top-2, seq
 The Trainer.Config is bench/common/torchtitan_registry.py's job (byte tokenizer, stdlib windows, its
 FaultyLoss with the step timer of $MOEGUARD_TT_TIMING_DIR, torchtitan's own balancing hook) with
 this model swapped in, checkpointing off (a 1.4 B model's save would eat the time box).
+
+Writes docs/BENCHMARKS.md › GPU, through `bench/gpu/report.py`: no section of its own.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""What the guard costs a training step: docs/BENCHMARKS.md › Overhead."""

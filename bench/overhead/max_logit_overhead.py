@@ -8,6 +8,9 @@ Two measurements, CPU time (process_time: on a shared box wall time mostly measu
           case; the default 10 costs a tenth of the every-step figure).
 
     python bench/overhead/max_logit_overhead.py --steps 120 --block 10
+
+Writes docs/BENCHMARKS.md › Detection › Precursor signals: lead time on an LR ramp, and their cost
+(issue #16) (the max-logit cost).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ sampler's hooks around optimizer.step(), the extra numbers in the probe's one ho
 host-side bincounts (and, with --adam-v, the pass over Adam's second moments).
 
     python bench/overhead/precursor_overhead.py --families mixtral --blocks 6
+
+Writes docs/BENCHMARKS.md › Detection › Precursor signals: lead time on an LR ramp, and their cost
+(issue #16) (its cost table).
 """
 
 from __future__ import annotations

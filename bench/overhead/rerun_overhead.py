@@ -9,6 +9,8 @@ step, so the machine's drift is shared):
            recomputed (transient) and applied from the recompute, so it trains like the others
 
     python bench/overhead/rerun_overhead.py --config tests/data/micro.toml --steps 240
+
+Writes docs/BENCHMARKS.md › Overhead › Rerun check cost (`[guard.rerun]`, issue #16).
 """
 
 from __future__ import annotations

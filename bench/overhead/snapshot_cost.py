@@ -1,6 +1,8 @@
 """Cost of the in-memory snapshot ring (take, restore) against one training step, tiny config.
 
 python bench/overhead/snapshot_cost.py --write-docs
+
+Writes docs/BENCHMARKS.md › Overhead › Snapshot ring and rollback cost (issue 3).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Two Trainers on the same config and seed; blocks of --block steps alternate betw
 (A B A B ...) so machine-load drift hits both equally. Overhead = median paired block ratio - 1.
 
     python bench/overhead/telemetry_overhead.py --steps 200 --block 10 --write-docs
+
+Writes docs/BENCHMARKS.md › Overhead › Telemetry overhead (issue 2).
 """
 
 from __future__ import annotations

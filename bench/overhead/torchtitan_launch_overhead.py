@@ -10,6 +10,9 @@ rank a step, FSDP over the two ranks, gloo, CPU, one thread a rank). Launches al
 each launch's step time is the median over its steady steps (after `--warmup`) of the interval
 between consecutive steps' first loss on rank 0 ($MOEGUARD_TT_TIMING_DIR, the same probe in both),
 and each pair gives B/A - 1. Overhead = median over pairs, with a 95% bootstrap interval.
+
+Writes docs/BENCHMARKS.md › Overhead › Guard overhead inside torchtitan's Trainer, 2 ranks,
+streaming (debugmodel).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ dir) with its background writer, as a user's would.
 
     python bench/overhead/trainer_overhead.py --blocks 20 --out OUT.json --write-docs
     python bench/overhead/trainer_overhead.py --blocks 2 --steps-per-block 10 --warmup 5   # smoke
+
+Writes docs/BENCHMARKS.md › Overhead › Guard overhead on the transformers Trainer (mixtral), 1,024
+tokens a step.
 """
 
 from __future__ import annotations

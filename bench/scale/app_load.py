@@ -13,6 +13,8 @@ Each repeat runs in new processes; the report gives medians.
 
 `--record` writes the results into docs/BENCHMARKS.md between the app_load markers.
 Target: under 3 s to open the page.
+
+Writes docs/BENCHMARKS.md › App › App load: run-health page on a big run.
 """
 
 from __future__ import annotations

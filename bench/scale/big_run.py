@@ -6,6 +6,9 @@ columns and types, the part names, the atomic write), one part per `part_steps` 
 table as RunStore's default flush_every (50) leaves behind. Values are plausible, not
 physical: loss decays like a power law, load shares drift slowly, a few steps carry guard
 verdicts and actions; precursor columns are NaN (not measured). Nothing here needs torch.
+
+Writes docs/BENCHMARKS.md: no section of its own; the big run of App › App load: run-health page on
+a big run and of Long runs and store size › Reading a long run (`bench/scale/month_run.py`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ store is checked to hold every acknowledged step exactly once. `--collector-arg`
 passed to the collector as it is, e.g. `--collector-arg=--http=h11 --collector-arg=--loop=asyncio`
 against `--collector-arg=--http=httptools --collector-arg=--loop=uvloop` for its HTTP stack's cost
 (small requests, `--layers 1 --experts 8 --batch 1 --trainer-detectors`, make the stack dominate).
+
+Writes docs/BENCHMARKS.md › Collector › Collector ingest (`bench/scale/collector_ingest.py`) and ›
+Collector HTTP stack: h11 vs httptools, asyncio vs uvloop (issue #30).
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ so the same load measures before and after. Steps, all on loopback, one collecto
   4. One report of `--big-layers` layers (every layer MoE): its answer and time, and, when it
      is accepted, the next scrape and the ingest latency while that scrape renders.
   5. RSS at the end. Prints one JSON line of every figure (and a Markdown table).
+
+Writes docs/BENCHMARKS.md › Scale › Collector at 10k runs (issue #13 item 7,
+`bench/scale/collector_scale.py`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ and fits a growth law t = a * steps^b across the sizes (b ~ 0: flat; b ~ 1: line
 `--baseline` also builds the store today's layout leaves (bench/scale/big_run.py: one part per 50 steps
 per table, every row raw) and opens it with the code of `--baseline-rev` (a git worktree in
 /tmp), at sizes up to `--baseline-max`.
+
+Writes docs/BENCHMARKS.md › Long runs and store size › Reading a long run
+(`bench/scale/month_run.py`).
 """
 
 from __future__ import annotations

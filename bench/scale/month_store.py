@@ -8,6 +8,9 @@ steps around every incident, and everything older as 10 / 100 / 1,000-step rollu
 writer's own code (guard/store/rollup.py SegmentRoller, one segment at a time), summary.json by
 guard/store/summary.py. Rows are bench/scale/big_run.py's (plausible, not physical); Parquet lands
 through guard/store/writer.py. Row by row through RunStore would take days at 58 x 256.
+
+Writes docs/BENCHMARKS.md: no section of its own; the long-run store of Long runs and store size ›
+Reading a long run (`bench/scale/month_run.py`).
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ false_heartbeat_lost and false_stuck (ranks the collector ever called lost, or n
 than K, from /metrics scraped every 2 s), the stalled rank's detection time, metrics_render_s
 (GET /metrics, p50 and max), collector_cpu (CPU seconds per second over the measured window) and
 its peak RSS.
+
+Writes docs/BENCHMARKS.md › Scale › One job at 256 .. 16,384 ranks through one collector (issue #30,
+`bench/scale/rank_scale.py`).
 """
 
 from __future__ import annotations

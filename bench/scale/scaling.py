@@ -8,6 +8,9 @@ goes first alternating) so load drift hits both. Rank 0's step times are the job
 ends in a collective). Overhead = median over paired blocks of median(on) / median(off) - 1.
 
     python bench/scale/scaling.py --worlds 1 2 4 --steps 60 --block 10 --write-docs
+
+Writes docs/BENCHMARKS.md › Scale › Multi-rank telemetry and guard overhead
+(`bench/scale/scaling.py`).
 """
 
 from __future__ import annotations

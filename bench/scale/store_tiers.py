@@ -10,6 +10,9 @@ noise, selection biases move by +-1e-3 a step, 2,048 ranks' timings every 20 ste
 RunStore leaves them (50-step parts, guard/store/writer.py) and kept by the store's own upkeep
 (guard/store/maintain.py: compaction, rollups), then measured on disk. The month projection
 applies the [store] policy (guard/store/policy.py) to the per-step figures.
+
+Writes docs/BENCHMARKS.md › Long runs and store size › Store size and the training step at Trinity
+shape (`bench/scale/store_tiers.py`).
 """
 
 from __future__ import annotations
