@@ -226,15 +226,25 @@ def check_run_id(run_dir: Path) -> None:
         )
 
 
+def check_device(device: str) -> None:
+    """train.device = "cuda" on a host with no CUDA device: one line before anything is built (a
+    GPU-sized model on the CPU grew to 21.7 GB in minutes, with no word, issue #40)."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device = 'cuda' but this host has no CUDA device (torch "
+            f"{torch.__version__}, built with CUDA {torch.version.cuda or 'none'}); to train on the CPU "
+            "anyway, pass --set train.device=cpu (and a CPU-sized model, e.g. the default configs/tiny.toml)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    from guard.store.layout import run_dir_problem
-    from guard.store.reader import read_meta
-    from trainer.checkpoint import latest_checkpoint
-    from trainer.distributed import restart_count
+    # The config and the command line first: every mistake there is one line in well under a
+    # second, before torch's import (seconds on a busy host; issue #40).
     from trainer.inject import check_injections, parse_injection
-    from trainer.loop import Trainer
-    from trainer.memcheck import check_model_fits
-    from trainer.outcome import EXIT_HALTED
 
     cfg = build_config(args)
     if args.collector:
@@ -245,6 +255,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--until {args.until}: must be a step >= 0")
     run_dir = args.run_dir or default_run_dir(cfg)
     check_run_id(run_dir)
+    check_device(cfg.train.device)
+
+    from guard.store.layout import run_dir_problem
+    from guard.store.reader import read_meta
+    from trainer.checkpoint import latest_checkpoint
+    from trainer.distributed import restart_count
+    from trainer.loop import Trainer
+    from trainer.memcheck import check_model_fits
+    from trainer.outcome import EXIT_HALTED
+
     if args.resume and not run_dir.is_dir():
         raise ConfigError(f"--resume: run folder {str(run_dir)!r} does not exist")
     rank = int(os.environ.get("RANK", "0"))

@@ -1,7 +1,7 @@
 """The training config: one TOML file, one typed dataclass per table, validated on load.
 
-[model]      trainer.model.ModelConfig
-[data]       trainer.data.DataConfig
+[model]      trainer.model_config.ModelConfig
+[data]       trainer.data_config.DataConfig
 [optim]      OptimConfig
 [train]      TrainLoopConfig
 [telemetry]  TelemetryConfig
@@ -20,8 +20,8 @@ from guard.core.config import GuardConfig
 from guard.core.tomlconf import check, check_choice, from_dict, load_toml
 from guard.store.policy import StoreConfig
 from guard.wire.batch import valid_run_id
-from trainer.data import DataConfig
-from trainer.model import ModelConfig
+from trainer.data_config import DataConfig
+from trainer.model_config import ModelConfig
 
 MAX_NAME_LEN = 100  # room for the "-<timestamp>" a default run folder adds (a run id is <= 128)
 

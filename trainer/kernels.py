@@ -13,10 +13,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from guard.core.tomlconf import check_choice
-
-ATTENTION_CHOICES = ("auto", "math", "flash", "efficient", "cudnn")
-EXPERTS_KERNELS = ("loop", "bmm", "grouped_mm")
-
+from trainer.model_config import ATTENTION_CHOICES as ATTENTION_CHOICES
+from trainer.model_config import EXPERTS_KERNELS as EXPERTS_KERNELS
 
 # ---------------------------------------------------------------------------------------------
 # Backend resolution: decide once per (device, dtype) what will actually run, and fail early.

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from guard.core.tomlconf import ConfigError
-from trainer.model import ModelConfig
+from trainer.model_config import ModelConfig
 
 BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 
