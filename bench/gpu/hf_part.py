@@ -1,10 +1,11 @@
 """Part `hf_trainer`: the transformers Trainer, plain vs with MoEGuardCallback streaming to a
 collector on loopback, on a Mixtral-shaped model: the overhead, and host syncs a step.
 
-bench/overhead/trainer_overhead.py's method (each Trainer in its own thread, held at `on_step_begin` until
-the measuring thread lets one optimizer step through; bench/overhead/integration_overhead.py's `interleave`
-and `summary`), on the device: the gate synchronizes the device before it reports a step done, so
-a step's time is its whole work in both variants. Blocks of STEPS_PER_BLOCK steps alternate A B /
+bench/overhead/trainer_overhead.py's method and its `Driven` (each Trainer in its own thread, held
+at `on_step_begin` until the measuring thread lets one optimizer step through;
+bench/overhead/integration_overhead.py's `interleave` and `summary`), on the device: with `cuda`
+the gate synchronizes the device before it reports a step done, so a step's time is its whole work
+in both variants. Blocks of STEPS_PER_BLOCK steps alternate A B /
 B A while the time box allows. Host syncs: SYNC_STEPS steps of each variant (after the warm-up,
 before the timed blocks) run under set_sync_debug_mode; their per-step median, plain vs guarded.
 
@@ -18,16 +19,13 @@ Writes docs/BENCHMARKS.md › GPU, through `bench/gpu/report.py`: no section of 
 
 from __future__ import annotations
 
-import itertools
 import os
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from bench.gpu.common import SKIPPED_CUDA, TARGET_OVERHEAD, PartLog
@@ -64,88 +62,10 @@ def mixtral(size: str, seed: int = 0) -> torch.nn.Module:
     return tf.AutoModelForCausalLM.from_config(cfg)
 
 
-class Driven:
-    """One variant (bench/overhead/trainer_overhead.py's Driven, on this model and device)."""
-
-    def __init__(
-        self, size: str, *, guarded: bool, corpus: np.ndarray, steps: int, tmp: Path, url: str
-    ) -> None:
-        from transformers import Trainer, TrainerCallback, TrainingArguments
-
-        from bench.common.hf_trainer_job import ByteWindows
-        from bench.overhead.trainer_overhead import _Gate
-
-        cuda = torch.cuda.is_available()
-
-        class Gate(_Gate):
-            def on_step_begin(self, *a: Any, **k: Any) -> Any:
-                if cuda:
-                    torch.cuda.synchronize()  # the previous step's device work belongs to it
-                return super().on_step_begin(*a, **k)
-
-        batch, seq = SIZES[size][-2:]
-        self.model = mixtral(size)
-        self.data = itertools.repeat(None)
-        name = "guarded" if guarded else "plain"
-        args = TrainingArguments(
-            output_dir=str(tmp / name),
-            max_steps=steps,
-            per_device_train_batch_size=batch,
-            learning_rate=LR,
-            lr_scheduler_type="constant",
-            max_grad_norm=CLIP,
-            logging_steps=10,
-            save_strategy="no",
-            report_to="none",
-            seed=0,
-            data_seed=0,
-            use_cpu=not cuda,
-            bf16=cuda,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-        )
-        self.gate = Gate()
-        callbacks: list[TrainerCallback] = []
-        self.guard = None
-        if guarded:
-            from guard.integrations.hf_trainer import MoEGuardCallback
-
-            self.guard = MoEGuardCallback(run_dir=tmp / "run", collector=url)
-            callbacks.append(self.guard)
-        callbacks.append(self.gate)
-        ds = ByteWindows(corpus, n=steps * batch, seq=seq, seed=0)
-        self.trainer = Trainer(model=self.model, args=args, train_dataset=ds, callbacks=callbacks)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=f"trainer-{name}", daemon=True)
-        self.thread.start()
-        while not self.gate.ready.wait(0.1):
-            if self.error is not None or not self.thread.is_alive():
-                raise RuntimeError(f"the Trainer thread failed: {self.error!r}") from self.error
-
-    def _run(self) -> None:
-        try:
-            self.trainer.train()
-        except BaseException as e:  # noqa: BLE001 - surfaced by step()/close()
-            self.error = e
-        finally:
-            self.gate.ready.set()
-            self.gate.done.release()
-
-    def step(self, _: Any) -> None:
-        self.gate.go.release()
-        self.gate.done.acquire()
-        if self.error is not None:
-            raise RuntimeError(f"the Trainer thread failed: {self.error!r}") from self.error
-
-    def close(self) -> None:
-        self.gate.stop = True
-        self.gate.go.release()
-        self.thread.join(timeout=120)
-
-
 def run(log: PartLog, *, dry: bool, deadline: float) -> None:
     from bench.overhead.integration_overhead import interleave, run_block, summary
     from bench.overhead.torchtitan_launch_overhead import TOKEN, start_collector
+    from bench.overhead.trainer_overhead import Driven
     from trainer.data import stdlib_corpus
 
     size = "dry" if dry else "gpu"
@@ -161,8 +81,10 @@ def run(log: PartLog, *, dry: bool, deadline: float) -> None:
         collector, url = start_collector(tmp)
         a = b = None
         try:
-            a = Driven(size, guarded=False, corpus=corpus, steps=steps, tmp=tmp, url=url)
-            b = Driven(size, guarded=True, corpus=corpus, steps=steps, tmp=tmp, url=url)
+            batch, seq = SIZES[size][-2:]
+            kw: dict[str, Any] = dict(seed=0, corpus=corpus, batch=batch, seq=seq, steps=steps, tmp=tmp)
+            a = Driven(mixtral(size), guarded=False, cuda=cuda, **kw)
+            b = Driven(mixtral(size), guarded=True, cuda=cuda, collector=url, **kw)
             log.put("params", sum(p.numel() for p in a.model.parameters()))
             run_block(a, WARMUP)
             run_block(b, WARMUP)
@@ -206,6 +128,6 @@ def run(log: PartLog, *, dry: bool, deadline: float) -> None:
         finally:
             for v in (a, b):
                 if v is not None:
-                    v.close()
+                    v.close(check=False)  # the block that failed has raised already
             collector.terminate()
             collector.wait(30)

@@ -46,15 +46,19 @@ CLIP = 1.0
 
 
 class _Gate(TrainerCallback):
-    """Holds the Trainer at each step's start until the measuring thread releases one step."""
+    """Holds the Trainer at each step's start until the measuring thread releases one step; with
+    `sync_device` it first waits for the GPU, so a step's time is all its device work."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, sync_device: bool = False) -> None:
         self.go, self.done = threading.Semaphore(0), threading.Semaphore(0)
         self.ready = threading.Event()  # the Trainer is set up (accelerate prepared) and waits
         self.started = False
         self.stop = False
+        self.sync_device = sync_device
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+        if self.sync_device:
+            torch.cuda.synchronize()  # the previous step's device work belongs to it
         if self.started:
             self.done.release()  # the previous step, its logging and the next batch are over
         self.started = True
@@ -66,11 +70,13 @@ class _Gate(TrainerCallback):
 
 
 class Driven:
-    """One variant: a Trainer in its own thread, one optimizer step per step() call."""
+    """One variant: a Trainer over `model` in its own thread, one optimizer step per step() call.
+    On CPU (fp32) here; `cuda` is the GPU bench's (bench/gpu/hf_part.py: bf16, the gate waits for the
+    device), `collector` streams B's guard there."""
 
     def __init__(
         self,
-        family: str,
+        model: torch.nn.Module,
         *,
         guarded: bool,
         seed: int,
@@ -79,8 +85,10 @@ class Driven:
         seq: int,
         steps: int,
         tmp: Path,
+        cuda: bool = False,
+        collector: str | None = None,
     ) -> None:
-        self.model = build(family, seed=seed)
+        self.model = model
         self.data = itertools.repeat(
             None
         )  # interleave()'s run_block draws from it; batches are the Trainer's
@@ -97,17 +105,18 @@ class Driven:
             report_to="none",
             seed=seed,
             data_seed=seed,
-            use_cpu=True,
+            use_cpu=not cuda,
+            bf16=cuda,
             disable_tqdm=True,
             dataloader_num_workers=0,
         )
-        self.gate = _Gate()
+        self.gate = _Gate(sync_device=cuda)
         callbacks: list[TrainerCallback] = []
         self.guard = None
         if guarded:
             from guard.integrations.hf_trainer import MoEGuardCallback
 
-            self.guard = MoEGuardCallback(run_dir=tmp / "run")
+            self.guard = MoEGuardCallback(run_dir=tmp / "run", collector=collector)
             callbacks.append(self.guard)
         callbacks.append(self.gate)  # last: the guard's on_step_begin work (none) is inside the step
         ds = ByteWindows(corpus, n=steps * batch, seq=seq, seed=seed)
@@ -135,11 +144,12 @@ class Driven:
         if self.error is not None:
             raise RuntimeError(f"the Trainer thread failed: {self.error!r}") from self.error
 
-    def close(self) -> None:
+    def close(self, *, check: bool = True) -> None:
+        """Stop the Trainer; with `check`, raise what its thread raised."""
         self.gate.stop = True
         self.gate.go.release()
         self.thread.join(timeout=120)
-        if self.error is not None:
+        if check and self.error is not None:
             raise RuntimeError(f"the Trainer thread failed: {self.error!r}") from self.error
 
 
@@ -157,8 +167,9 @@ def measure(
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
     steps = warmup + blocks * steps_per_block + 10
-    a = Driven(family, guarded=False, seed=seed, corpus=corpus, batch=batch, seq=seq, steps=steps, tmp=tmp)
-    b = Driven(family, guarded=True, seed=seed, corpus=corpus, batch=batch, seq=seq, steps=steps, tmp=tmp)
+    kw: dict[str, Any] = dict(seed=seed, corpus=corpus, batch=batch, seq=seq, steps=steps, tmp=tmp)
+    a = Driven(build(family, seed=seed), guarded=False, **kw)
+    b = Driven(build(family, seed=seed), guarded=True, **kw)
     try:
         run_block(a, warmup)
         run_block(b, warmup)
