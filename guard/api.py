@@ -88,6 +88,8 @@ class GuardedStep:
         collector: str | None = None,
         flops_per_token: float | None = None,
         inject: str | Iterable[str | Injection] | None = None,
+        started_at: float | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         """`attach`: what guard.integrations.<framework>.attach(model) found (layers, routers and
         the collapse corrector); `layers`/`routers` are the manual form of the same for a custom
@@ -105,6 +107,14 @@ class GuardedStep:
         `inject`: drills, the same KIND@STEP[:ARG][/rRANK] specs and fault kinds as `moeguard
         train --inject` (a list, or one comma-separated string; guard/core/inject.py); default
         $MOEGUARD_INJECT. guard/runtime/inject.py says where each fault is applied.
+
+        `started_at`: when the loop's work began (time.time(); default: now). Step 0's time and
+        the run's wall time start there: a loop that builds its GuardedStep late (MoEGuardCallback,
+        at the first optimizer step) passes its train start, so step 0 is timed over the whole
+        step like every other (from the previous step's end, or this start, to the decision).
+        `autocast`: the dtype the forward runs in under torch.autocast (meta.json env "dtype");
+        default: read from the model's forwards before the first step (a forward under
+        `with torch.autocast(...)` says so), else the parameters' dtype.
 
         Under torchrun every rank builds a GuardedStep: the probe's one all-reduce gives every
         rank the same statistics, one MAX all-reduce checks that every rank decided the same
@@ -142,7 +152,21 @@ class GuardedStep:
             after_step=attach.after_step if attach is not None else None,
         )
         self.session = _open_session(
-            run_dir, collector, model, device, self.ranks, flops_per_token, attach, mode, self.cfg
+            run_dir,
+            collector,
+            model,
+            device,
+            self.ranks,
+            flops_per_token,
+            attach,
+            mode,
+            self.cfg,
+            started_at=started_at,
+            autocast=autocast,
+        )
+        # until the first step: a forward under torch.autocast tells the dtype the step computes in
+        self._autocast_hook = (
+            model.register_forward_pre_hook(self._note_autocast) if autocast is None else None
         )
         self.store = self.session.store
         self.sync = (
@@ -165,7 +189,9 @@ class GuardedStep:
             HeartbeatPump(self.comm, exporter) if exporter is not None and self.ranks.world > 1 else None
         )
         self.step_idx = 0
-        self._t_last = time.perf_counter()
+        # the step clock: a step's time runs from the previous step's decision (or the start)
+        # to its own, so every step, step 0 included, holds its data wait, forward and backward
+        self._t_last = time.perf_counter() - max(0.0, time.time() - self.session.started_at)
         self.counts: dict[str, int] = {}
         self.guard_actions = actions.zero()
         self.goodput = Goodput(started_at=self.session.meta["started_at"])
@@ -203,6 +229,17 @@ class GuardedStep:
         """The time until now is not the next step's (a checkpoint save, an eval in between)."""
         self._t_last = time.perf_counter()
 
+    def _note_autocast(self, module: nn.Module, args: Any) -> None:
+        device_type = self.probe.device.type
+        if torch.is_autocast_enabled(device_type):
+            self.session.computes_in(torch.get_autocast_dtype(device_type))
+            self._stop_autocast_watch()
+
+    def _stop_autocast_watch(self) -> None:
+        if self._autocast_hook is not None:
+            self._autocast_hook.remove()
+            self._autocast_hook = None
+
     def note_data_wait(self, seconds: float) -> None:
         """A loop that does not use batches() adds its own data wait for the current step here."""
         self._data_wait += seconds
@@ -212,6 +249,7 @@ class GuardedStep:
         """Call after backward with this rank's mean loss and the tokens THIS rank processed this
         step (summed over ranks here). Steps the optimizer only if the guard allows it."""
         world, rank = self.ranks.world, self.ranks.rank
+        self._stop_autocast_watch()
         drilled = self.injector.before_step(self.step_idx) if self.injector is not None else []
         own_wait, self._data_wait = self._data_wait, 0.0
         extra = None
@@ -314,6 +352,7 @@ class GuardedStep:
             "counts": dict(self.counts),
             "guard_actions": dict(self.guard_actions),
             "goodput": self.goodput.state_dict(),
+            "saved_at": time.time(),  # a resume books the time from here to its start as restarts_s
         }
         if self.sync is not None:
             s["sync"] = self.sync.state_dict()
@@ -332,6 +371,8 @@ class GuardedStep:
         self.guard_actions = {**actions.zero(), **s.get("guard_actions", {})}
         if "goodput" in s:
             self.goodput.load_state_dict(s["goodput"])
+            if "saved_at" in s:  # progress after the checkpoint, and the time the job was down
+                self.goodput.resumed(float(s["saved_at"]), self.session.started_at)
         if self.sync is not None and "sync" in s:
             self.sync.load_state_dict(s["sync"])
         if "corrector" in s and hasattr(self.corrector, "load_state_dict"):
@@ -363,6 +404,7 @@ class GuardedStep:
                 )
                 status, note = schema.STATUS_HALTED, f"halted at step {self.step_idx - 1}: {why}"
         self.probe.close()
+        self._stop_autocast_watch()
         if self.injector is not None:
             self.injector.remove()
         if self.pump is not None:
@@ -400,6 +442,9 @@ def _open_session(
     attach: Attachment | None,
     mode: str,
     cfg: GuardConfig,
+    *,
+    started_at: float | None,
+    autocast: torch.dtype | None,
 ) -> RunSession:
     """The run around the step: store (rank 0), exporter, meta.json, how the run ends."""
     run_dir = Path(run_dir) if run_dir is not None else None
@@ -416,6 +461,8 @@ def _open_session(
         model=model,
         device=device,
         flops_per_token=flops_per_token,
+        started_at=started_at,
+        autocast=autocast,
         meta={
             "integration": {"family": attach.family if attach else type(model).__name__, "correction": mode},
             "config": {"guard": _asdict(cfg)},

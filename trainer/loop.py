@@ -172,6 +172,7 @@ class Trainer:
         self.peak, self.peak_source = peak_flops(self.device, self.dtype)
         self.env = {**run_environment(self), "parallel": self.parallel}
         self.gp = Goodput(started_at=self._t_start)
+        self.final_goodput: dict[str, float] | None = None  # taken once, when the run ends
         self.last_decision: Decision | None = None
         self.last_checkpoint: Path | None = None
         self.preemption = outcome.Preemption()
@@ -504,8 +505,15 @@ class Trainer:
         return outcome.Ending(schema.STATUS_FINISHED, 0)
 
     def goodput(self) -> dict[str, float]:
-        """meta.json["goodput"]: goodput, wall_s and the badput split (guard/core/goodput.py)."""
+        """meta.json["goodput"]: goodput, wall_s and the badput split (guard/core/goodput.py); once
+        the run has ended, the figure meta.json got (the end-of-run summary prints the same one)."""
+        if self.final_goodput is not None:
+            return self.final_goodput
         return self.gp.report(time.time())
+
+    def _final_goodput(self) -> dict[str, float]:
+        self.final_goodput = self.gp.report(time.time())
+        return self.final_goodput
 
     def _finish(self, end: outcome.Ending) -> None:
         if self.pump is not None:
@@ -517,7 +525,7 @@ class Trainer:
             final_step=self.step,
             counts=self.state.counts,
             guard_actions=self.state.guard_actions,
-            goodput=self.goodput(),
+            goodput=self._final_goodput(),
             nonfinite_steps=self.state.nonfinite_steps,
         )
         if (

@@ -185,7 +185,13 @@ def timeline_rows(events: pl.DataFrame) -> pl.DataFrame:
         text = evidence_text(r) + (
             f"<br>action: {r['action']}" if r["action"] not in (schema.ACT_NONE, "", None) else ""
         )
-        dots.setdefault((int(r["step"]), lane, r["kind"]), []).append(text)
+        step = int(r["step"])
+        if r["kind"] == schema.EV_CHECKPOINT and step > 0:
+            # checkpoint-N holds steps 0..N-1: its dot sits on the last step it holds, so a
+            # 20-step run's final checkpoint (step 20) is on the run's axis (style.step_range)
+            step -= 1
+            text += f"<br>saved after step {step}"
+        dots.setdefault((step, lane, r["kind"]), []).append(text)
     return pl.DataFrame(
         {
             "step": [k[0] for k in dots],

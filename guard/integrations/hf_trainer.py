@@ -114,10 +114,13 @@ class MoEGuardCallback(TrainerCallback):
         self._inner: Any = None
         self._att: Attachment | None = None
         self._resume: hf_resume.ResumePoint | None = None  # read at train start, applied at build
+        self._began: float | None = None  # time.time() at train start: step 0's clock starts there
+        self._mark = 0.0  # perf_counter at the Trainer's last hook before a save (the save's start)
 
     # ---- set-up ----------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         """Attach to the model, build the GuardedStep, take over the step and the clip."""
+        began = time.time()  # the Trainer's own train_runtime starts just before this hook
         model, optimizer = kw.get("model"), kw.get("optimizer")
         if model is None or optimizer is None:
             raise ValueError("MoEGuardCallback: the Trainer handed no model or optimizer at train start")
@@ -151,6 +154,7 @@ class MoEGuardCallback(TrainerCallback):
         optimizer.step = step  # an instance attribute: the Trainer's call lands here
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
         self._resume = hf_resume.resume_point(args, state)  # None unless train() resumed a checkpoint
+        self._began = began
 
     def _build(self, args: Any) -> GuardedStep:
         """The GuardedStep, at the first optimizer step: its FLOPs per token (MFU) need the
@@ -170,6 +174,10 @@ class MoEGuardCallback(TrainerCallback):
             grad_clip=max(self._clip or 0.0, 0.0),
             collector=self.collector,
             flops_per_token=flops,
+            # built at the first optimizer step: step 0 and the run's wall time start at train
+            # start, as every later step runs from the previous step's decision (issue #40)
+            started_at=self._began,
+            autocast=_autocast(args),
             **self.extra,
         )
         if self._resume is not None:
@@ -241,12 +249,25 @@ class MoEGuardCallback(TrainerCallback):
         return self._trainer_step(*a, **k)  # not decided by the guard (e.g. called outside train())
 
     # ---- checkpoints ---------------------------------------------------------------------
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        """The Trainer's save (if any) starts after this hook, its log and its evaluation."""
+        self._mark = time.perf_counter()
+
+    def on_log(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._mark = time.perf_counter()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._mark = time.perf_counter()
+
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         """The Trainer saved checkpoint-N: the guard's state goes into it (hf_resume.py), once the
-        run store's rows up to N are on disk; the save is an event and not the next step's time."""
+        run store's rows up to N are on disk; the save is an event and not the next step's time.
+        The Trainer's save (from its last hook before it) and the guard's are goodput's
+        checkpoint_s, as `moeguard train` books its own saves."""
         g = self.guarded
         if g is None:
             return  # no optimizer step yet
+        t0 = self._mark or time.perf_counter()
         folder = hf_resume.checkpoint_dir(args, state)
         g.session.checkpoint_starts()
         if args.should_save:  # the process that writes trainer_state.json
@@ -258,6 +279,7 @@ class MoEGuardCallback(TrainerCallback):
                     "a resume from this save starts the guard's baselines afresh",
                     stacklevel=2,
                 )
+        g.goodput.add("checkpoint_s", time.perf_counter() - t0)
         g.session.checkpoint_saved(g.step_idx, folder, lambda: g.goodput.report(time.time()))
         g.restart_clock()
 
@@ -279,6 +301,15 @@ class MoEGuardCallback(TrainerCallback):
             self._own_attach.remove()
         self.guarded = None
         self._reset()
+
+
+def _autocast(args: Any) -> torch.dtype | None:
+    """The dtype the Trainer's forward runs in under autocast (accelerate's mixed precision)."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return None
 
 
 def _peak_lr(optimizer: torch.optim.Optimizer) -> float:

@@ -87,6 +87,19 @@ def compute_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
+AUTOCAST_LABELS = {torch.bfloat16: "bf16-autocast", torch.float16: "fp16-autocast"}  # moeguard train's words
+
+
+def dtype_label(model: torch.nn.Module, autocast: torch.dtype | None = None) -> str:
+    """meta.json env "dtype": what the step computes in, so Compare tells bf16 and fp32 runs apart:
+    the autocast dtype ("bf16-autocast", as `moeguard train` writes it) when the forward runs under
+    torch.autocast, else the parameters' own dtype ("float32")."""
+    if autocast is not None:
+        return AUTOCAST_LABELS.get(autocast, f"{str(autocast).removeprefix('torch.')}-autocast")
+    p = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return str(p).removeprefix("torch.")
+
+
 def framework_of(model: torch.nn.Module) -> str:
     """The framework whose model this is (meta.json["framework"]: RunHalted says how to resume
     it): transformers or torchtitan by the module of a class it is made of (FSDP's wrapper class
@@ -122,17 +135,21 @@ class RunSession:
         device: torch.device,
         flops_per_token: float | None,
         meta: dict[str, Any],
+        started_at: float | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         """`meta`: what the caller knows of the run (integration, guard config); the session adds
-        the run id, status, start time, the environment fingerprint and the FLOP accounting."""
+        the run id, status, start time, the environment fingerprint and the FLOP accounting.
+        `started_at`: when this process's training began (default now); `autocast`: the dtype the
+        forward runs in under torch.autocast, when the caller knows it (see dtype_label)."""
         self.run_dir, self.rank, self.world = run_dir, rank, world
-        self.started_at = time.time()
+        self.started_at = started_at if started_at is not None else time.time()
         dtype = compute_dtype(model, device)
         self.peak, peak_source = peak_flops(device, dtype)
         self.flops_per_token = flops_per_token
         self.env = fingerprint(
             device=device,
-            dtype=str(dtype).removeprefix("torch."),
+            dtype=dtype_label(model, autocast),
             peak_flops=self.peak,
             peak_source=peak_source,
             attention_backend=attention_backend_of(model),
@@ -217,6 +234,16 @@ class RunSession:
         if self.run_dir is not None:
             where = Path(checkpoint or "the loop's own checkpoint")
             self.record.resumed(step, where, self.env, lambda: self.meta, **detail)
+
+    def computes_in(self, autocast: torch.dtype) -> None:
+        """The forward was seen running under torch.autocast(dtype=...): meta.json's env says so."""
+        label = dtype_label(torch.nn.Module(), autocast)
+        if self.env.get("dtype") == label:
+            return
+        self.env["dtype"] = label
+        if self.store is not None:
+            self.store.update_meta(env=self.env)
+        self.record.announce(lambda: self.meta)
 
     def checkpoint_starts(self) -> None:
         self.record.checkpoint_starts()

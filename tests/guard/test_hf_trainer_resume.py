@@ -96,6 +96,9 @@ def test_resume_restores_the_guards_state_and_the_run_store_keeps_each_step_once
     assert len(loaded) == 1
     state, checkpoint = loaded[0]
     assert Path(checkpoint) == moved
+    # goodput books the time since the save as restarts_s (issue #40): the rest as it was saved
+    assert state.pop("saved_at") > saved.pop("saved_at")
+    assert state["goodput"]["split"].pop("restarts_s") > saved["goodput"]["split"].pop("restarts_s")
     assert same(state, saved) == []  # every baseline, window, counter as it was saved
     assert resumed["global_step"] == 40 and len(resumed["actions"]) == 20  # steps 20..39 only
     assert resumed["weights"] == first["weights"]  # a faithful resume: the same end as one run
