@@ -13,6 +13,7 @@ import sys
 
 from guard.core.tomlconf import ConfigError
 from guard.extras import MissingExtra, require
+from guard.store.full import EXIT_DISK_FULL, disk_full_line
 
 # name -> (module, one-line help). Order is the order --help lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -99,3 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"moeguard {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a full disk is one line (guard/store/full.py), anything else a traceback
+        line = disk_full_line(e)
+        if line is None:
+            raise
+        print(f"moeguard {args.command}: {line}", file=sys.stderr)
+        return EXIT_DISK_FULL

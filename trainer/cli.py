@@ -17,6 +17,10 @@ Exit status (meta.json "status" in brackets; "status_note" says what happened in
   1    crashed [crashed]
   2    bad command line or config, nothing trained
   3    the guard or an operator halted the run, with a checkpoint [halted]
+  4    a disk filled up (the run store, a checkpoint): one line names the path and the space
+       left [crashed, the note says which write; still running when even meta.json could not
+       be written, and the line says so]; rows written before are kept; free some space and
+       continue with --resume
   130  Ctrl-C / SIGINT: stopped at once, no new checkpoint [interrupted]
   143  SIGTERM (preemption): the step in flight finishes, a checkpoint is written, then exit
        [preempted]; --resume continues. 143 = 128 + SIGTERM, as if killed by it, so schedulers

@@ -25,6 +25,7 @@ from guard.core import schema
 from guard.core.events import Event
 from guard.core.report import StepReport
 from guard.core.rows import expert_columns, group_columns, layer_columns, steps_row
+from guard.store.full import StoreFull, full_errno, full_text
 from guard.store.layout import atomic_write_json, next_part_seq
 from guard.store.maintain import StoreMaintainer
 from guard.store.policy import StoreConfig
@@ -183,7 +184,13 @@ class RunStore:
             self._raise_if_failed()
 
     def close(self, status: str | None = None, **meta_fields: Any) -> None:
-        self.flush(wait=True)
+        try:
+            self.flush(wait=True)
+        except StoreFull as full:
+            self._q.put(None)
+            self._thread.join(timeout=60)
+            self._end_full(full, meta_fields.get("status_note", ""), meta_fields)
+            raise
         self._q.put(None)
         self._thread.join(timeout=60)
         if status is not None or meta_fields:
@@ -197,6 +204,21 @@ class RunStore:
             self._maint.finish(status or self._status)
         except Exception:
             log.exception("run store %s: final rollups/compaction failed (raw rows are all kept)", self.dir)
+
+    def _end_full(self, full: StoreFull, note: str, fields: dict[str, Any]) -> None:
+        """The disk filled up: meta.json still says how the run ended (crashed, the full disk as its
+        note; the parts written before are kept), or the error says it could not."""
+        kept = "the rows written before it are kept"
+        if note and str(full) in note:  # the loop's own note names the step: "crashed during step N: ..."
+            why = f"{note}; {kept}"
+        else:
+            why = f"{full}; {kept}" + (f"; {note}" if note else "")
+        try:
+            self.update_meta(**{**fields, "status": schema.STATUS_CRASHED, "status_note": why})
+        except OSError as e:
+            raise StoreFull(
+                f"{full}; meta.json could not be written either ({e.strerror}): it still says running"
+            ) from e
 
     def _writer(self) -> None:
         while True:
@@ -243,4 +265,6 @@ class RunStore:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
+            if (code := full_errno(err)) is not None:  # one line, not polars' IO error text
+                raise StoreFull(f"disk full: run store {full_text(self.dir, code)}") from err
             raise RuntimeError(f"run store writer failed: {err!r}") from err
