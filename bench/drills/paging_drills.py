@@ -20,8 +20,9 @@ What is judged, per drill: a HeartbeatLost page (a PagerDuty incident) for the r
 naming the dead rank and no other; its latency from the kill to the page, against the timeout
 the collector learned for that rank (read just before the kill) plus ALERT_PATH_S (a scrape, an
 evaluation, `for`, Alertmanager's group_wait, on a loaded box); no other page for the run (a
-false page); and the run's status: peer_lost at the collector and, when the dead rank is not
-rank 0 (whose process writes it), in the job's own meta.json. Prints one line per drill and a
+false page); and the run's status: peer_lost at the collector and in the job's own meta.json
+(rank 0 writes it; when rank 0 is the dead one, the survivor does: guard/runtime/record.py).
+Prints one line per drill and a
 JSON summary (pages, kill-to-page latency p50/max, false pages); --json writes it.
 
 Uses tests/helpers_alerting.py for the Prometheus/Alertmanager set-up (the one definition of how
@@ -149,7 +150,7 @@ class Result:
             out.append(f"false pages {self.false_pages}")
         if self.collector_status != schema.STATUS_PEER_LOST:
             out.append(f"collector status {self.collector_status!r}")
-        if d.rank != 0 and self.job_status != schema.STATUS_PEER_LOST:
+        if self.job_status != schema.STATUS_PEER_LOST:
             out.append(f"job status {self.job_status!r}")
         return out
 

@@ -15,6 +15,12 @@ the Python-level handler (the session's Preempted) still runs in the main thread
 someone else owns the wakeup fd (an asyncio loop in the main thread), the watch stands aside and
 the goodbye is said when the main thread handles the signal.
 
+A dead rank 0 cannot record how the run ended in the job's meta.json (only rank 0 writes the
+run store): its meta.json said `running` while the collector's copy said `peer_lost`. So rank 0
+says in the store that it is recording its ending (say_ending), and a survivor ending `peer_lost`
+asks rank0_gone: no goodbye and no ending of rank 0's within GOODBYE_WAIT_S (or no store: it lived
+with rank 0) and the survivor records `peer_lost` for it (guard/runtime/record.py).
+
 The store is the one torch.distributed was initialised with (torchrun: the agent's, prefixed per
 restart attempt, so one attempt's goodbyes never answer for the next).
 """
@@ -25,10 +31,12 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 GOODBYE_WAIT_S = 5.0  # how long a rank ending on SIGTERM waits for its peers' goodbyes
 _KEY = "moeguard/goodbye/{}"
+_ENDED = "moeguard/ended/{}"  # this rank is alive and records how it ended (any ending)
 
 
 def default_store() -> Any:
@@ -133,3 +141,36 @@ class Goodbyes:
         for s in self._sock:
             s.close()
         self._sock = None
+
+
+def say_ending(rank: int, store: Any = None) -> None:
+    """This rank is alive and records how it ends (rank 0: in the job's meta.json); nothing
+    without a process group. Not a goodbye: silent_peers' preempted-or-dead question is apart."""
+    store = store if store is not None else default_store()
+    if store is None:
+        return
+    try:
+        store.set(_ENDED.format(rank), "1")
+    except Exception:
+        pass
+
+
+def rank0_gone(
+    store: Any, wait_s: float = GOODBYE_WAIT_S, recorded: Callable[[], bool] = lambda: False
+) -> bool:
+    """Whether rank 0 is gone (killed, its host lost): within `wait_s` it neither said goodbye nor
+    began recording its ending, and `recorded()` (its meta.json says the run ended) stayed False.
+    True at once when the store does not answer: whoever hosted it is gone."""
+    keys = [_KEY.format(0), _ENDED.format(0)]
+    deadline = time.monotonic() + wait_s
+    while True:
+        if recorded():
+            return False
+        try:
+            if any(store.check([k]) for k in keys):
+                return False
+        except Exception:
+            return True
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)

@@ -6,10 +6,16 @@ A non-zero rank has no run store and, in a multi-rank job, sends no per-step rep
 the collector's per-step work must not grow with the rank count): its timing reaches rank 0
 inside the job (guard/runtime/ranks.py: the straggler window's gather) and leaves in rank 0's
 batch as per-rank vectors; its exporter only beats, carrying its last step and phase.
+
+Only when rank 0 died does another rank write meta.json: a survivor ending `peer_lost` that finds
+rank 0 gone (guard/runtime/goodbye.py rank0_gone) and sees the run's folder (a shared
+filesystem) records `peer_lost` there, naming rank 0, in the words its goodbye gives the
+collector; a status rank 0 already wrote is left as it is.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +24,8 @@ from guard.core import actions, schema
 from guard.core.events import Event
 from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_TRAIN
 from guard.core.report import StepReport
+from guard.runtime.goodbye import default_store, rank0_gone, say_ending
+from guard.store.layout import atomic_write_json
 from guard.store.reader import read_meta, scan_table
 from guard.store.runstore import RunStore
 from guard.store.writer import truncate_after
@@ -108,6 +116,8 @@ class RunRecord:
     def finish(self, status: str, note: str, **fields: Any) -> None:
         """meta.json gets how the run ended and its final figures; the exporter sends its last batch."""
         if self.store is not None:
+            # a survivor that sees this leaves meta.json to rank 0 (_for_lost_rank0)
+            say_ending(self.rank, default_store())
             fields["restarts"] = (read_meta(self.run_dir) or {}).get("restarts", 0)
             try:
                 self.store.close(status=status, status_note=note, **fields)
@@ -121,11 +131,49 @@ class RunRecord:
                 self.store.close(status=status, status_note=note.lstrip("; "), **fields)
             if self.exporter is not None:
                 self.exporter.set_meta(read_meta(self.run_dir) or {})
+        elif self.rank != 0 and status == schema.STATUS_PEER_LOST:
+            note = self._for_lost_rank0(note)
         if self.exporter is not None:
             # A crash sends no final batch, so its silence pages; any other ending says goodbye
             # with why (a rank killed -9 says none, and is paged lost whatever its peers say).
             bye = status != schema.STATUS_CRASHED
             self.exporter.close(timeout=30, final=bye, goodbye=goodbye(status, note) if bye else None)
+
+    def _for_lost_rank0(self, note: str) -> str:
+        """A survivor's peer_lost: when rank 0 is the rank that is gone, the note names it and the
+        job's meta.json (where this rank sees it) says peer_lost, as the collector's will."""
+        meta = read_meta(self.run_dir)
+        visible = meta is not None and meta.get("run_id") == self.run_dir.name
+        store = default_store()
+        if store is None or (not visible and self.exporter is None):
+            return note
+        if not rank0_gone(store, recorded=lambda: visible and _ended(self.run_dir)):
+            return note
+        note = f"rank 0 is gone (no goodbye, no ending of its own: killed, or its host lost); {note}"[:500]
+        if visible:
+            record_for_rank0(self.run_dir, self.rank, schema.STATUS_PEER_LOST, note)
+        return note
+
+
+def _ended(run_dir: Path) -> bool:
+    return (read_meta(run_dir) or {}).get("status") in schema.ENDED_STATUSES
+
+
+def record_for_rank0(run_dir: Path, rank: int, status: str, note: str) -> bool:
+    """Rank `rank` writes how the run ended into meta.json for a dead rank 0 (write-rename, so a
+    reader sees the old document or the new one); False when meta.json is missing or already says
+    the run ended (rank 0's own word stands). The note reads as the collector's copy does."""
+    meta = read_meta(run_dir)
+    if meta is None or meta.get("status") in schema.ENDED_STATUSES:
+        return False
+    meta.update(
+        status=status,
+        status_note=f"rank {rank}: {note}",
+        status_by_rank=rank,
+        updated_at=time.time(),
+    )
+    atomic_write_json(run_dir / schema.META_FILE, meta)
+    return True
 
 
 def verdict_summary(run_dir: Any) -> str:

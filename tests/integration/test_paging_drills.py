@@ -13,8 +13,8 @@ fast: tests/helpers_alerting.py); a framework's drills run concurrently.
 Asserted per drill (bench/drills/paging_drills.py Result.problems): exactly one HeartbeatLost incident
 for the run, naming the dead rank and no other, within the timeout the collector learned for it
 plus the alert path; no other page; the run's status peer_lost at the collector and in the job's
-own meta.json (when the dead rank is not rank 0, whose process writes it); the control preempted
-in both and silent.
+own meta.json (a killed rank 0's written by the survivor); the control preempted in both and
+silent.
 """
 
 from __future__ import annotations
