@@ -94,10 +94,14 @@ ui.dataframe(
     column_config={
         "run": st.column_config.TextColumn(pinned=True),
         "status": ui.status_column([i.status for i in sel]),
-        "tokens/s p50": st.column_config.NumberColumn(format="localized", help="steady state (below)"),
+        "tokens/s p50": st.column_config.NumberColumn(format="localized", help=ui.TPS_STEADY),
         "MFU p50 %": st.column_config.NumberColumn(format="%.1f", help="steady state, of the peak beside it"),
         "MFU peak": st.column_config.TextColumn(help="the peak FLOP/s MFU divides by, and its source"),
     },
+)
+st.caption(
+    f"tokens/s p50 and MFU p50 on this page: {ui.TPS_STEADY} (Runs and Run health show the "
+    f"{ui.TPS_RECENT}, so their figures differ)."
 )
 traces = [(i, t) for i in sel if (t := compare.profiler_trace(i.path)) is not None]
 if traces:

@@ -63,12 +63,12 @@ c[1].metric(
 c[2].metric(
     "tokens/s",
     f"{summ['tokens_per_s']:,.0f}" if summ["tokens_per_s"] is not None else "—",
-    help="median, last 100 steps",
+    help=ui.TPS_RECENT,
 )
 c[3].metric(
     "MFU" + (" (artefact)" if mfu is not None and mfu > mfu_peak.MFU_LIMIT else ""),
     f"{100 * mfu:.1f}%" if mfu is not None else "—",
-    help=f"median, last 100 steps, of peak {peak.label()}. Peak source: {peak.source}",
+    help=f"{ui.TPS_RECENT}, of peak {peak.label()}. Peak source: {peak.source}",
 )
 c[4].metric(
     "guard actions",
@@ -79,7 +79,7 @@ c[4].metric(
 c[5].metric("verdicts", summ["verdicts"])
 note = mfu_peak.mfu_note(mfu, peak)
 st.caption(
-    f"MFU peak: **{peak.short()}** — {peak.source}"
+    f"tokens/s and MFU above: {ui.TPS_RECENT}. MFU peak: **{peak.short()}** — {peak.source}"
     + (f". **{note}**" if note else "")
     + (f". {summ['mfu_over']:,} step(s) above 100% (marked in the MFU chart)" if summ.get("mfu_over") else "")
 )

@@ -142,7 +142,7 @@ ui.dataframe(
 )
 st.caption(
     f"Stale: marked running but nothing written for more than {ui.stale_after():.0f} s "
-    "(change it in the sidebar). tokens/s and MFU are medians of the last 100 steps; MFU compares only "
+    f"(change it in the sidebar). tokens/s and MFU: {ui.TPS_RECENT}; MFU compares only "
     "between runs with the same peak, tokens/s between runs of the same model."
 )
 

@@ -20,6 +20,15 @@ from guard.store.reader import list_runs
 # applicable, no peak): one rendering on every page, never "None" or "nan".
 NO_VALUE = "—"
 
+# tokens/s (and MFU) is taken over one of three windows; wherever a figure is shown, it says which
+# (issue #40). The Runs table and Run health's metrics read the recent past, Compare the steady
+# state of each run, `moeguard train`'s progress line the step just run.
+TPS_RECENT = "median of the last 100 steps"
+TPS_STEADY = (
+    "steady state: the median over steps after warm-up (the first 10%, at least 20 steps) whose update "
+    "the guard applied"
+)
+
 
 def dataframe(data: pl.DataFrame, **kwargs: Any) -> Any:
     """st.dataframe with the app's one "no value" rendering: a null shows as NO_VALUE (Streamlit's

@@ -97,7 +97,7 @@ class Console:
     def __init__(self, desc: str, total: int) -> None:
         self.desc, self.total = desc, total
         self.bar: Any = None
-        self.plain = False  # no terminal: plain progress lines beside the bar
+        self.plain = False  # no terminal: plain progress lines instead of the bar
         self._acts = -1  # guard actions the bar's postfix shows
         self._t0 = 0.0
 
@@ -110,9 +110,12 @@ class Console:
 
     def progress(self, initial: int) -> None:
         self._t0 = time.monotonic()
-        # No terminal: the bar's carriage-return redraws may reach a CI log only at the end (a line
-        # ends at "\n"), so a plain, newline-ended line comes every plain_every() steps as well.
+        # No terminal: no bar. Its carriage-return redraws reach a CI log as one flood of partial
+        # lines beside the plain ones (issue #40); a plain, newline-ended line comes every
+        # plain_every() steps instead.
         self.plain = not sys.stderr.isatty()
+        if self.plain:
+            return
         from tqdm import tqdm
 
         self.bar = tqdm(
@@ -152,4 +155,5 @@ class Console:
 def postfix(rep: StepReport, guard_actions: dict[str, int]) -> str:
     mfu = f"{rep.mfu * 100:.2f}%" if math.isfinite(rep.mfu) else "n/a"
     acts = actions.total(guard_actions)
-    return f"loss {rep.loss:.3f} | {rep.tokens_per_s:,.0f} tok/s | MFU {mfu} | guard actions {acts}"
+    # tokens/s and MFU of the step just run (the app's figures say which window they take)
+    return f"loss {rep.loss:.3f} | {rep.tokens_per_s:,.0f} tok/s last step | MFU {mfu} | guard actions {acts}"

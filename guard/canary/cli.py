@@ -222,7 +222,11 @@ def run(args: argparse.Namespace, trainer: TrainerSide) -> int:
 
         return run_matrix(args, setup)
     if args.history is None:
-        print("moeguard canary: --history FILE is required (or use --matrix)", file=sys.stderr)
+        print(
+            "moeguard canary: --history FILE is required (the gate against a recorded baseline); "
+            "or --ab A B (two environments side by side, no history), or --matrix AXIS=V1,V2 (a kernel matrix)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if args.accept and not args.record:
         print("moeguard canary: --accept only makes sense with --record", file=sys.stderr)

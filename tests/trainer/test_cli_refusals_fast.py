@@ -82,3 +82,24 @@ def test_the_override_it_names_gets_past_the_refusal() -> None:
 
     check_device("cpu")  # what --set train.device=cpu asks for: no refusal
     check_device("auto")
+
+
+def test_an_injection_is_echoed_as_written() -> None:
+    p = subprocess.run(
+        [sys.executable, "-c", PROBE, "train", "--steps", "3", "--inject", "nan@999"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = p.stderr.splitlines()[0]
+    assert "--inject nan@999: past the run's last step" in line and "nan@999:0" not in line, line
+
+
+def test_canary_without_history_names_every_mode() -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "guard", "canary"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 2, p.stderr
+    line = one_line_error(p)
+    assert "--history FILE is required" in line and "--ab A B" in line and "--matrix" in line, line

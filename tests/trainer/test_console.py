@@ -47,10 +47,15 @@ def test_a_skip_on_many_verdicts_is_one_short_line_naming_the_worst() -> None:
     assert one == "guard step 7: skip <- grad_norm_spike = 81.7 (threshold 11.1)"
 
 
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 def run_console(
-    monkeypatch: pytest.MonkeyPatch, total: int, acted_at: int
-) -> tuple[console.Console, list[str]]:
-    err = io.StringIO()  # not a terminal, like a CI runner's log
+    monkeypatch: pytest.MonkeyPatch, total: int, acted_at: int, *, tty: bool = False
+) -> tuple[console.Console, list[str], str]:
+    err = Terminal() if tty else io.StringIO()  # StringIO: not a terminal, like a CI runner's log
     monkeypatch.setattr(sys, "stderr", err)
     c = console.Console("r", total)
     c.progress(0)
@@ -60,22 +65,35 @@ def run_console(
         if step == acted_at:
             acts[schema.ACT_SKIP] = 1
         c.advance(step, make_report(step - 1), acts)
-        postfixes.append(c.bar.postfix or "")
+        postfixes.append(c.bar.postfix or "" if c.bar is not None else "")
     c.close()
-    return c, [
-        ln for ln in err.getvalue().replace("\r", "\n").splitlines() if ln.startswith("progress r:")
-    ] + ["\x00".join(postfixes)]
+    return (
+        c,
+        [ln for ln in err.getvalue().replace("\r", "\n").splitlines() if ln.startswith("progress r:")]
+        + ["\x00".join(postfixes)],
+        err.getvalue(),
+    )
 
 
 def test_the_bars_action_count_is_current_and_plain_lines_come_without_a_terminal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _, out = run_console(monkeypatch, 100, acted_at=13)
-    *plain, postfixes = out
-    per_step = postfixes.split("\x00")
+    _, out, _ = run_console(monkeypatch, 100, acted_at=13, tty=True)
+    per_step = out[-1].split("\x00")
     assert "guard actions 0" in per_step[11] and "guard actions 1" in per_step[12]  # step 13, not 15
+    assert "tok/s last step" in per_step[-1]  # which tokens/s it is
+    _, out, _ = run_console(monkeypatch, 100, acted_at=13)
+    plain = out[:-1]
     assert len(plain) == 20 and plain[0].startswith("progress r: step 5/100 | loss")
     assert plain[-1].startswith("progress r: step 100/100") and "guard actions 1" in plain[-1]
+
+
+def test_no_bar_floods_a_log_that_is_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    c, out, text = run_console(monkeypatch, 100, acted_at=13)
+    assert c.bar is None
+    assert "\r" not in text and "it/s" not in text and "step/s" not in text and "%|" not in text, text[:500]
+    lines = text.splitlines()
+    assert len(lines) == 20 and all(ln.startswith("progress r: step ") for ln in lines), lines[:3]
 
 
 def test_the_summary_counts_warnings(tmp_path: Path) -> None:
