@@ -6,8 +6,9 @@ to open, at 10k / 100k / 1M steps, side by side with the code before the long-ru
 
 For each size it builds (once; reused while the shape matches) Trinity's shape, 58 MoE layers x
 256 experts, 2,048 ranks' vectors every 20 steps, an incident every 25,000 steps, in the
-long-run layout (bench/scale/month_store.py: compacted parts, rollups by guard/store/rollup.py,
-raw rows kept around incidents and for the recent window, summary.json), then measures, each in
+long-run layout as RunStore leaves it under the `[store]` defaults (bench/scale/month_store.py's
+fast build: the writer's functions and the real StoreMaintainer, old segments tiled; the build's
+wall and CPU seconds are recorded), then measures, each in
 a fresh process with the run's files evicted from the page cache (posix_fadvise DONTNEED):
 - store bytes and files per table;
 - the app's pages' data paths: Runs (discovery + every run's summary, with `--runs` runs: the
@@ -155,7 +156,7 @@ def ensure(root: Path, build: str, shape: dict[str, Any]) -> Path:
     import shutil
 
     shutil.rmtree(root / "runs", ignore_errors=True)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     print(f"building {build} store: {shape} ...", file=sys.stderr, flush=True)
     if build == "new":
         from bench.scale.month_store import write_month_run
@@ -169,7 +170,6 @@ def ensure(root: Path, build: str, shape: dict[str, Any]) -> Path:
             incident_every=shape["incident_every"],
             recent=shape["recent"],
             radius=shape["radius"],
-            tile=shape["steps"] > 20_000,
         )
     else:
         from bench.scale.big_run import write_big_run
@@ -181,7 +181,9 @@ def ensure(root: Path, build: str, shape: dict[str, Any]) -> Path:
         meta["config"]["guard"] = {}
         (run / "meta.json").write_text(json.dumps(meta))
     stamp.write_text(json.dumps(shape))
-    print(f"  built in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    built = {"wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c, "load": os.getloadavg()}
+    (root / "build.json").write_text(json.dumps(built))
+    print(f"  built in {built['wall_s']:.1f} s ({built['cpu_s']:.1f} s CPU)", file=sys.stderr, flush=True)
     return run
 
 
@@ -350,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
             root = args.dir / f"{label}-{n}"
             run = ensure(root, label, {**shape, "steps": n})
             runs = runs_dir_with(root, args.runs)
+            build = root / "build.json"
             res["results"][f"{label}-{n}"] = {
+                "build": json.loads(build.read_text()) if build.is_file() else None,
                 "store": store_stats(run),
                 "measured": measure(
                     run, runs, code, args.repeat, label == "new" or n <= args.baseline_replay_max

@@ -183,7 +183,7 @@ def month(bps: dict[str, float], p: StoreConfig, steps: int = 1_000_000) -> dict
     def kept(window: int) -> int:
         return steps if window == 0 else min(steps, window)
 
-    raw_thinned = sum(bps[f"{t}/raw"] for t in schema.ROLLUP_TABLES)
+    raw_thinned = sum(bps[f"{t}/raw"] for t in schema.THINNED_TABLES)
     raw_whole = bps["steps/raw"] + bps["events/raw"]
     parts = {
         "steps+events (whole)": raw_whole * steps,

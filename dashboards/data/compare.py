@@ -13,9 +13,10 @@ import numpy as np
 import polars as pl
 import streamlit as st
 
-from dashboards.data.loaders import load_steps
+from dashboards.data.loaders import load_steps, long_run_span
 from dashboards.data.shaping import MAX_LINE_POINTS, downsample
 from guard.core import schema
+from guard.store import reader
 
 ENV_KEYS = ("torch", "attention_backend", "expert_kernel", "compile")
 
@@ -93,10 +94,60 @@ def overlay_series(
     )
 
 
+def overlay_buckets(frame: pl.DataFrame, metric: str, x_axis: str, window: int, res: int) -> pl.DataFrame:
+    """(step, x, y) for one run from its steps rollups (a reader.read_series frame at `res`
+    steps a bucket). Unsmoothed (`window` <= res): each bucket's min at its first step and max at
+    its last, so a one-step spike shows; smoothed: the rolling median of bucket means over
+    window / res buckets, at each bucket's middle. Tokens: cumulated from bucket means x rows."""
+    empty = pl.DataFrame(schema={"step": pl.Int64, "x": pl.Float64, "y": pl.Float64})
+    if frame.height == 0:
+        return empty
+    f = frame.sort("step")
+    tok = pl.col("tokens_mean").cast(pl.Float64).fill_nan(0).fill_null(0) * pl.col("n")
+    f = f.with_columns(tok_hi=tok.cum_sum())
+    f = f.with_columns(tok_lo=pl.col("tok_hi") - tok + pl.col("tokens_mean").cast(pl.Float64).fill_nan(0))
+    if x_axis == "tokens":
+        x_lo, x_hi = pl.col("tok_lo"), pl.col("tok_hi")
+    elif x_axis == "wall":  # minutes; the chart picks the unit (wall_unit)
+        t0 = f["time_min"].cast(pl.Float64).min()
+        x_lo = (pl.col("time_min").cast(pl.Float64) - t0) / 60.0
+        x_hi = (pl.col("time_max").cast(pl.Float64) - t0) / 60.0
+    else:
+        x_lo, x_hi = pl.col("step_lo").cast(pl.Float64), pl.col("step_hi").cast(pl.Float64)
+    if window <= res:
+        lo = f.select(pl.col("step_lo").alias("step"), x_lo.alias("x"), pl.col(f"{metric}_min").alias("y"))
+        hi = f.select(pl.col("step_hi").alias("step"), x_hi.alias("x"), pl.col(f"{metric}_max").alias("y"))
+        out = pl.concat([lo, hi]).sort("step", maintain_order=True)
+    else:
+        y = f[f"{metric}_mean"].cast(pl.Float64)
+        y = y.set(~y.is_finite().fill_null(False), None)
+        out = f.select(
+            ((pl.col("step_lo") + pl.col("step_hi")) // 2).alias("step"),
+            ((x_lo + x_hi) / 2).alias("x"),
+            smooth(y, max(1, round(window / res))).alias("y"),
+        )
+    out = out.with_columns(pl.col("y").cast(pl.Float64), pl.col("step").cast(pl.Int64))
+    return out.with_columns(y=pl.when(pl.col("y").is_finite()).then(pl.col("y")))
+
+
 @st.cache_data(max_entries=64, show_spinner=False)
 def load_overlay(path: str, sig: tuple[int, ...], metric: str, x_axis: str, window: int = 1) -> pl.DataFrame:
-    """One run's `metric` against `x_axis` (X_AXES), smoothed over `window` steps, downsampled."""
-    return overlay_series(load_steps(path, sig), metric, x_axis, window)
+    """One run's `metric` against `x_axis` (X_AXES), smoothed over `window` steps, downsampled.
+    A run longer than loaders.FULL_READ_STEPS is read from its steps rollups at the resolution
+    that fits the chart (reader.read_series: ~1,000 buckets, whatever the run's length); a store
+    without steps rollups (written before them) is read whole, as before."""
+    span = long_run_span(path)
+    if span is None or not reader.rollup_resolutions(path, schema.TABLE_STEPS):
+        return overlay_series(load_steps(path, sig), metric, x_axis, window)
+    got = reader.read_series(
+        path,
+        schema.TABLE_STEPS,
+        columns=tuple(dict.fromkeys((metric, "tokens", "time"))),
+        lo=span[0],
+        hi=span[1],
+        max_points=MAX_LINE_POINTS // 2,  # two points a bucket (its min and max)
+    )
+    return overlay_buckets(got.frame, metric, x_axis, window, got.resolution)
 
 
 def steady_median(perf: pl.DataFrame) -> float:

@@ -19,7 +19,7 @@ import streamlit as st
 
 from dashboards.data.guard_events import action_marks, timeline_rows
 from dashboards.data.mfu_peak import MFU_LIMIT
-from dashboards.data.shaping import MAX_LINE_POINTS, downsample, steady_state
+from dashboards.data.shaping import MAX_LINE_POINTS, downsample, steady_state, warmup_end
 from guard.core import actions, schema
 from guard.store import layout, reader, summary
 from guard.store.reader import count_actions
@@ -291,13 +291,55 @@ def load_max_logits(
     return {k: downsample(v, "max_logit", max_points=max_points) for k, v in out.items()}
 
 
+# Compare reads a run of up to FULL_READ_STEPS steps whole (exact, and cheap at that size); a
+# longer one at a bounded size however long it is: its perf sample from PERF_SEGMENTS whole
+# segments (load_steady_perf), its overlay from the steps rollups (compare.load_overlay).
+FULL_READ_STEPS = 20_000
+PERF_SEGMENTS = 32
+
+
+def long_run_span(path: str) -> tuple[int, int] | None:
+    """(first, last) step of a run Compare reads in bounded samples (longer than FULL_READ_STEPS),
+    None for a shorter one (read whole). From summary.json or two part reads: no table scan."""
+    span = reader.run_step_range(path)
+    return span if span is not None and span[1] - span[0] + 1 > FULL_READ_STEPS else None
+
+
 @st.cache_data(max_entries=64, show_spinner=False)
 def load_steady_perf(path: str, sig: tuple[int, ...], max_points: int = 3000) -> pl.DataFrame:
-    """Steady-state (step, mfu, tokens_per_s), evenly thinned to max_points for violins."""
-    steps = steady_state(load_steps(path, sig)).select("step", "mfu", "tokens_per_s")
+    """Steady-state (step, mfu, tokens_per_s), evenly thinned to max_points for violins.
+
+    A run longer than FULL_READ_STEPS is sampled, not read whole: PERF_SEGMENTS 1,000-step
+    segments evenly spread over its steady state (one compacted part each), every step of them,
+    with the same warm-up cut (from the run's whole span) and the same action filter; then
+    thinned as a short run is. Per-step values (a bucket mean would narrow the violin and the
+    bootstrap interval), ~32k rows read at any run length."""
+    span = long_run_span(path)
+    if span is None:
+        steps = steady_state(load_steps(path, sig))
+    else:
+        steps = steady_state(_perf_sample(path, span), span=span)
+    steps = steps.select("step", "mfu", "tokens_per_s")
     if steps.height > max_points:
         steps = steps.gather_every(math.ceil(steps.height / max_points))
     return steps
+
+
+def _perf_sample(path: str, span: tuple[int, int]) -> pl.DataFrame:
+    """Every steps row of PERF_SEGMENTS segments spread evenly over [warm-up end, last step]."""
+    first, last = layout.segment_of(warmup_end(*span)), layout.segment_of(span[1])
+    segs = sorted({int(k) for k in np.linspace(first, last, PERF_SEGMENTS).round()})
+    seg = layout.SEGMENT_STEPS
+    parts = reader.cached_part_files(path, schema.TABLE_STEPS)
+    chosen = [p for k in segs for p in reader.parts_overlapping(parts, k * seg, (k + 1) * seg - 1)]
+    keep = pl.any_horizontal([pl.col("step").is_between(k * seg, (k + 1) * seg - 1) for k in segs])
+    return (
+        reader.scan_table(path, schema.TABLE_STEPS, list(dict.fromkeys(chosen)))
+        .select("step", "mfu", "tokens_per_s", "action")
+        .filter(keep)
+        .collect()
+        .sort("step")
+    )
 
 
 def clear_caches() -> None:

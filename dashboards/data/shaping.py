@@ -84,13 +84,24 @@ def long_to_heat(
     return {"x": xs, "y": ys, "z": zz}
 
 
-def steady_state(steps: pl.DataFrame, *, warmup_frac: float = 0.1, min_warmup: int = 20) -> pl.DataFrame:
-    """Steps after warm-up (compile, ramp) where the guard did not intervene."""
+def warmup_end(lo: int, hi: int, *, warmup_frac: float = 0.1, min_warmup: int = 20) -> int:
+    """The first steady-state step of a run spanning steps [lo, hi]."""
+    return lo + max(min_warmup, int((hi - lo) * warmup_frac))
+
+
+def steady_state(
+    steps: pl.DataFrame,
+    *,
+    warmup_frac: float = 0.1,
+    min_warmup: int = 20,
+    span: tuple[int, int] | None = None,
+) -> pl.DataFrame:
+    """Steps after warm-up (compile, ramp) where the guard did not intervene. `span`: the run's
+    (first, last) step when `steps` is a sample of it (default: the frame's own)."""
     if steps.height == 0:
         return steps
-    lo = steps["step"].min()
-    hi = steps["step"].max()
-    cut = lo + max(min_warmup, int((hi - lo) * warmup_frac))  # type: ignore[operator]
+    lo, hi = span if span is not None else (steps["step"].min(), steps["step"].max())
+    cut = warmup_end(lo, hi, warmup_frac=warmup_frac, min_warmup=min_warmup)  # type: ignore[arg-type]
     return steps.filter(
         (pl.col("step") >= cut)
         & pl.col("action").fill_null(schema.ACT_APPLY).is_in([*schema.APPLYING_ACTIONS, schema.ACT_NONE])

@@ -107,13 +107,18 @@ TABLE_COLUMNS: dict[str, dict[str, str]] = {
 # mean/min/max (a bucket whose values are all NaN has NaN there); c_last is the raw last value.
 # Values are Float32: extremes are exact for integers below 2**24 and to float32 precision else.
 # ---------------------------------------------------------------------------------------
+# The steps table (one series, no key) is rolled up too, so a chart of a month-long run's loss or
+# tokens/s reads ~2,000 buckets (their min and max) instead of 1M rows; its raw rows are kept whole.
 ROLLUP_KEYS: dict[str, tuple[str, ...]] = {
     TABLE_LAYERS: ("layer",),
     TABLE_EXPERTS: ("layer", "expert"),
     TABLE_GROUPS: ("group",),
     TABLE_RANKS: ("rank",),
+    TABLE_STEPS: (),
 }
 ROLLUP_TABLES = tuple(ROLLUP_KEYS)
+# Tables whose old raw rows retention thins (guard/store/retention.py); steps and events stay whole.
+THINNED_TABLES = (TABLE_LAYERS, TABLE_EXPERTS, TABLE_GROUPS, TABLE_RANKS)
 # The finest resolution written per table where it is coarser than ROLLUP_RESOLUTIONS' first: rank
 # rows come every straggler_every (20) steps, so a 10-step rollup would be larger than its rows.
 ROLLUP_MIN_RESOLUTION: dict[str, int] = {TABLE_RANKS: 100}
@@ -122,9 +127,11 @@ ROLLUP_STEP_COLUMNS: dict[str, str] = {"step": "Int64", "step_lo": "Int64", "ste
 
 
 def rollup_value_columns(table: str) -> tuple[str, ...]:
-    """The columns of `table` that its rollups summarise (all but step and the key columns)."""
+    """The columns of `table` that its rollups summarise (all but step, the key columns and text
+    columns: the steps table's `action`)."""
     keys = ROLLUP_KEYS[table]
-    return tuple(c for c in TABLE_COLUMNS[table] if c != "step" and c not in keys)
+    cols = TABLE_COLUMNS[table]
+    return tuple(c for c, t in cols.items() if c != "step" and c not in keys and t != "String")
 
 
 def rollup_columns(table: str) -> dict[str, str]:

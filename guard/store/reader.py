@@ -379,7 +379,8 @@ def read_series(
 def pick_resolution(run_dir: str | Path, table: str, lo: int, hi: int, max_points: int = 2000) -> int:
     """The resolution read_series reads [lo, hi] at (1: every step). Names and summary.json only."""
     have = rollup_resolutions(run_dir, table)
-    if not have or (hi - lo + 1 <= max_points and _covered(raw_ranges(run_dir), lo, hi)):
+    whole = table not in schema.THINNED_TABLES  # the steps table's raw rows are all kept
+    if not have or (hi - lo + 1 <= max_points and (whole or _covered(raw_ranges(run_dir), lo, hi))):
         return 1
     # a finer rollup may be kept for the newest steps only (policy r10_window_steps): one that
     # does not reach back to `lo` is skipped for a coarser one that does

@@ -36,7 +36,7 @@ INCIDENT_EVENT_KINDS = (
 # Step decisions that are not incidents by themselves.
 _QUIET_ACTIONS = (schema.ACT_APPLY, schema.ACT_NONE)
 # Tables whose old raw rows retention drops (once rolled up); the rest are kept whole.
-THINNED_TABLES = schema.ROLLUP_TABLES
+THINNED_TABLES = schema.THINNED_TABLES
 
 
 def incident_steps(steps: pl.DataFrame | None, events: pl.DataFrame | None) -> list[int]:

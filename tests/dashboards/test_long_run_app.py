@@ -32,7 +32,7 @@ def long_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
             experts=8,
             ranks=16,
             incident_every=1000,
-            recent=500,
+            recent=1000,
             radius=20,
         )["extremes"]
     )

@@ -24,14 +24,16 @@ STEPS = 3000
 def month(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     d = tmp_path_factory.mktemp("long") / "month"
     info = write_month_run(
-        d, steps=STEPS, layers=4, experts=8, ranks=16, incident_every=1000, recent=500, radius=20
+        d, steps=STEPS, layers=4, experts=8, ranks=16, incident_every=1000, recent=1000, radius=20
     )
     return d, info
 
 
 def test_read_series_picks_the_resolution_that_fits(month) -> None:
     d, info = month
-    assert info["ranges"] == [(313, 353), (1313, 1353), (2313, 2353), (2500, 2999)]
+    # retention retires whole segments: 0 and 1 (past the 1,000-step raw window) keep their
+    # incidents' windows, segment 2 (2000..2999) is whole
+    assert info["ranges"] == [(313, 353), (1313, 1353), (2000, 2999)]
     whole = reader.read_series(d, schema.TABLE_EXPERTS, columns=("load",))
     assert (whole.lo, whole.hi, whole.resolution) == (0, STEPS - 1, 10)  # 300 buckets <= 2,000
     assert whole.frame["step"].n_unique() == STEPS // 10
@@ -74,10 +76,9 @@ def test_the_live_tail_past_the_rollups_is_read_from_finer_tiers(month, tmp_path
             if int(p.name.split("-")[1]) >= 2000:
                 p.unlink()
     got = reader.read_series(d, schema.TABLE_EXPERTS, columns=("load",), max_points=100)
-    # (this copy's raw rows in 2000..2499 were retired before the rollups went: only the kept
-    # windows 2313..2353 and 2500..2999 are left past step 1999)
+    # (segment 2, the newest, keeps every raw row)
     kept_raw = reader.read_table(d, schema.TABLE_EXPERTS).filter(pl.col("step") >= 2000).height
-    assert kept_raw == (41 + 500) * 4 * 8
+    assert kept_raw == 1000 * 4 * 8
     assert got.resolution == 100 and got.frame["n"].sum() == 2000 * 4 * 8 + kept_raw
     tail = got.frame.filter(pl.col("step") >= 2500)
     raw = reader.read_table(d, schema.TABLE_EXPERTS).filter(pl.col("step") >= 2500)
@@ -156,4 +157,5 @@ def test_a_finer_rollup_kept_for_recent_steps_only_is_not_read_for_the_whole_run
             p.unlink()
     whole = reader.read_series(d, schema.TABLE_LAYERS, columns=("maxvio",))
     assert whole.resolution == 100 and whole.frame["n"].sum() == STEPS * 4
-    assert reader.read_series(d, schema.TABLE_LAYERS, columns=("maxvio",), lo=2000, hi=2400).resolution == 10
+    recent = reader.read_series(d, schema.TABLE_LAYERS, columns=("maxvio",), lo=2000, hi=2999, max_points=200)
+    assert recent.resolution == 10
