@@ -261,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
     check_run_id(run_dir)
     check_device(cfg.train.device)
 
+    from guard.runtime.elastic import tell_launcher
     from guard.store.layout import run_dir_problem
     from guard.store.reader import read_meta
     from trainer.checkpoint import latest_checkpoint
@@ -286,12 +287,13 @@ def run(args: argparse.Namespace) -> int:
     ):
         # The guard (or an operator) halted the run and paged a human: a torchrun restart must
         # not carry on past that. Each remaining restart ends here at once; --resume overrides.
+        line = (
+            f"moeguard train: {run_dir} is halted; not resuming it automatically "
+            "(look at its halt event, then rerun with --resume)"
+        )
+        tell_launcher(f"{line} (exit {EXIT_HALTED})")
         if rank == 0:
-            print(
-                f"moeguard train: {run_dir} is halted; not resuming it automatically "
-                "(look at its halt event, then rerun with --resume)",
-                file=sys.stderr,
-            )
+            print(line, file=sys.stderr)
         return EXIT_HALTED
     if not resume and restart_count() > 0 and latest_checkpoint(run_dir / schema.CHECKPOINT_DIR) is not None:
         resume = True  # torchrun restarted the job after a failure: continue from the last good checkpoint
@@ -313,6 +315,9 @@ def run(args: argparse.Namespace) -> int:
         for line in notices(cfg.guard, cfg.train.steps, [(i.kind, i.step, str(i)) for i in injections]):
             print(f"moeguard train: note: {line}", file=sys.stderr)
     code = trainer.run(until=args.until)
+    if code == EXIT_HALTED:  # under plain torchrun, its failure report names the halt, not a link
+        note = (read_meta(run_dir) or {}).get("status_note") or "the guard or an operator halted the run"
+        tell_launcher(f"moeguard train: {note} (exit {EXIT_HALTED})")
     if trainer.dist.main:
         summarize(trainer, run_dir)
     if trainer.dist.world > 1:

@@ -165,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    if rank0 and (line := ending_line(trainer, config)):
+    line = ending_line(trainer, config)
+    if halted:  # under plain torchrun, its failure report names the halt (guard/runtime/elastic.py)
+        from guard.runtime.elastic import tell_launcher
+
+        tell_launcher(line)
+    if rank0 and line:
         print(line, file=sys.stderr, flush=True)
     return EXIT_HALTED if halted else 0
 
