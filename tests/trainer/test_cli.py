@@ -134,7 +134,10 @@ def test_guard_actions_print_one_line_each_above_the_progress_bar(tmp_path: Path
     )
     assert p.returncode == 0, p.stderr[-3000:]
     err = p.stderr
-    assert "%|" in err, "the progress bar is drawn on stderr"
+    # captured, stderr is no terminal: no bar (its redraws flooded CI logs, issue #40), plain
+    # progress lines instead (the bar on a terminal: tests/trainer/test_console.py)
+    assert "%|" not in err and "\r" not in err, err[-3000:]
+    assert re.search(r"^progress r: step 20/20 \| ", err, re.M), err[-3000:]
     assert "USDT" not in err, err[-3000:]
     # each guard line stands on a line of its own: the bar is cleared before it and redrawn after
     lines = re.split(r"[\r\n]", err)
