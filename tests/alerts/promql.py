@@ -58,7 +58,10 @@ def label_values(expr: str, label: str) -> set[str]:
     return out
 
 
+PROMETHEUS_OWN = {"up"}  # written by Prometheus per scrape target (HeartbeatLost reads it)
+
+
 def known_metric(name: str, metrics: set[str]) -> bool:
-    if name in metrics:
+    if name in metrics or name in PROMETHEUS_OWN:
         return True
     return any(name.endswith(suf) and name[: -len(suf)] in metrics for suf in HISTOGRAM_SUFFIXES)
