@@ -69,6 +69,17 @@ def default_run_dir(config: Any) -> Path:
     return Path("runs") / box[0]
 
 
+def _compute_dtype(config: Any, model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype torchtitan computes in on an accelerator: training.mixed_precision_param (FSDP's
+    param dtype, or AMP's autocast without FSDP), for meta.json's env dtype; None on a CPU, where
+    the parameters' dtype is what runs."""
+    p = next(model.parameters(), None)
+    want = getattr(getattr(config, "training", None), "mixed_precision_param", None)
+    if p is None or p.device.type == "cpu" or want != "bfloat16":
+        return None
+    return torch.bfloat16
+
+
 def _drillable(att: Any, parts: list[torch.nn.Module]) -> Any:
     """The attachment, able to force a collapse for `inject collapse@S:LAYER` (guard/runtime/inject.py)."""
     att.force_collapse = lambda layer: force_collapse(parts, layer)
@@ -110,6 +121,7 @@ def guarded_trainer() -> type:
                 collector=collector,
                 flops_per_token=float(self.metrics_processor.num_flops_per_token),
                 inject=inject,
+                autocast=_compute_dtype(config, self.model_parts[0]),
             )
             # torchtitan's loss is a local sum / the GLOBAL token count; the guard wants local means
             pd = self.parallel_dims
