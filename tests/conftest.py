@@ -38,3 +38,28 @@ def train_micro(
     )
     t.exit_code = t.run(until=until)
     return t
+
+
+def _defines_module_fixture(module: str, _seen: dict[str, bool] = {}) -> bool:  # noqa: B006 (a cache)
+    if module not in _seen:
+        path = REPO / module
+        _seen[module] = path.is_file() and 'scope="module"' in path.read_text()
+    return _seen[module]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """scripts/test's parallel phase (pytest-xdist, `-n N`): hand tests out one by one, except that a
+    module defining a module-scoped fixture (a trained run, a started server) goes whole to one
+    worker, so the fixture is built once; those modules, the heavy ones, are handed out first.
+    (xdist's own --dist loadgroup does not group under pytest 9: it renames node ids, which pytest 9
+    no longer lets a plugin do.)"""
+    if config.getvalue("dist") != "load":
+        return None  # an explicit --dist other than the default: xdist's own scheduler
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if _defines_module_fixture(module) else nodeid
+
+    return ModuleFixtureScheduling(config, log)
