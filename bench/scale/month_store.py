@@ -1,6 +1,7 @@
 """A long run exactly as the in-process run store leaves it (issue #38), built fast enough for a
 month of Trinity (1M steps of 58 x 256 experts) in minutes, for bench/scale/month_run.py and the
-tests of the read side.
+tests of the read side. Writes docs/BENCHMARKS.md: no section of its own; it builds the store of
+Long runs and store size › Reading a long run (`bench/scale/month_run.py`).
 
 Two paths over the same rows (bench/scale/big_run.py's plausible values, as StepReports, events
 and rank rows; deterministic in the shape and seed):
