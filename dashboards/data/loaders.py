@@ -54,7 +54,9 @@ def load_summary(path: str, sig: tuple[int, ...], *, every_part: bool = False) -
     if summ is None:
         return _scanned_summary(path)
     out = _empty_summary()
-    out["damaged"] = _damaged(path, every_part)
+    last = summ.get("last_step")
+    open_from = layout.segment_of(int(last)) * layout.SEGMENT_STEPS if isinstance(last, int) else None
+    out["damaged"] = _damaged(path, every_part, open_from)
     if summ.get("last_step") is not None:
         out["step"] = int(summ["last_step"])
         out["loss"] = _json_float(summ.get("last_loss"))
@@ -102,14 +104,20 @@ def _runs_page_parts(parts: list[Path]) -> list[Path]:
     return older[-NEWEST_PARTS:] + [p for s, p in named if s >= open_from]
 
 
-def _damaged(path: str, every_part: bool) -> list[tuple[str, str]]:
-    """(path relative to the run, reason) of each damaged part the check looked at."""
+def _damaged(path: str, every_part: bool, open_from: int | None = None) -> list[tuple[str, str]]:
+    """(path relative to the run, reason) of each damaged part the check looked at. `open_from`:
+    the open segment's first step (from summary.json): the Runs page lists only the newest parts
+    (layout.newest_part_names), not the 1,000 a table of a month-long run has."""
     found = []
     for t in schema.TABLES:
-        parts = reader.cached_part_files(path, t)
         if every_part:
-            bad = ((p, reader.part_problem(p)) for p in parts)
+            bad = ((p, reader.part_problem(p)) for p in reader.cached_part_files(path, t))
+        elif open_from is not None:
+            d = os.path.join(path, t)
+            names = layout.newest_part_names(d, open_from, NEWEST_PARTS)
+            bad = ((p, reader.part_truncated(p)) for p in (Path(d, n) for n in names))
         else:
+            parts = reader.cached_part_files(path, t)
             bad = ((p, reader.part_truncated(p)) for p in _runs_page_parts(parts))
         found += [(str(p.relative_to(path)), why) for p, why in bad if why is not None]
     return found

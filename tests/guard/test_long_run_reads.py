@@ -159,3 +159,20 @@ def test_a_finer_rollup_kept_for_recent_steps_only_is_not_read_for_the_whole_run
     assert whole.resolution == 100 and whole.frame["n"].sum() == STEPS * 4
     recent = reader.read_series(d, schema.TABLE_LAYERS, columns=("maxvio",), lo=2000, hi=2999, max_points=200)
     assert recent.resolution == 10
+
+
+def test_newest_part_names_lists_the_open_segment_and_the_newest_before(month, tmp_path: Path) -> None:
+    """The Runs page's listing (layout.newest_part_names): the live parts from a step on and the
+    `before` newest before it, as a full listing would give them; temp files are not parts."""
+    d = tmp_path / "copy"
+    shutil.copytree(month[0], d)
+    (d / schema.TABLE_STEPS / ".compact-part-x.parquet.1").write_bytes(b"")
+    for t in (schema.TABLE_STEPS, schema.TABLE_EXPERTS, schema.TABLE_RANKS, schema.TABLE_EVENTS):
+        live = layout.sorted_part_names(d / t)
+        for from_step, before in ((2000, 2), (2000, 0), (1000, 1), (0, 2), (5000, 2)):
+            firsts = [layout.parse_part(n).first_step for n in live]
+            newer = [n for n, f in zip(live, firsts, strict=True) if f >= from_step]
+            older = (
+                [n for n, f in zip(live, firsts, strict=True) if f < from_step][-before:] if before else []
+            )
+            assert layout.newest_part_names(d / t, from_step, before) == tuple(older + newer), (t, from_step)
