@@ -6,7 +6,8 @@ import polars as pl
 import streamlit as st
 
 from dashboards import ui
-from dashboards.data import config, loaders, mfu_peak, open_alerts, runs
+from dashboards.data import config, loaders, mfu_peak, open_alerts, run_filter, runs
+from guard.core.tags import run_tags
 
 RUN_LINK_TEXT = r"health\?run=(.*)"  # the link's text: the run id out of its URL
 
@@ -19,9 +20,47 @@ def damaged_note(summ: dict) -> str:
     return f"{n} damaged part(s) skipped" if n else ""
 
 
+def filters(infos: list[runs.RunInfo]) -> run_filter.RunFilter:
+    """The filter row above the table: name, status, tag, started-at date (unset: every run)."""
+    name_col, status_col, tag_col, date_col = st.columns([3, 3, 3, 3])
+    name = name_col.text_input("Name contains", key="runs_name", placeholder="run id")
+    statuses = status_col.multiselect(
+        "Status", sorted({i.status for i in infos}), key="runs_status", placeholder="any"
+    )
+    tags = run_filter.all_tags(infos)
+    picked = tag_col.multiselect(
+        "Tag",
+        tags,
+        key="runs_tags",
+        placeholder="any" if tags else "no run has tags",
+        disabled=not tags,
+        help='runs with any of these tags (meta.json "tags": `moeguard train --tag X`, GuardedStep(tags=...))',
+    )
+    since = until = None
+    span = run_filter.date_span(infos)
+    if span is not None:
+        picked_days = date_col.date_input(
+            "Started", value=span, min_value=span[0], max_value=span[1], key="runs_dates"
+        )
+        days = list(picked_days) if isinstance(picked_days, tuple | list) else [picked_days]
+        # the full span is no filter (a run without a start time stays listed)
+        since = days[0] if days and days[0] > span[0] else None
+        until = days[-1] if len(days) == 2 and days[1] < span[1] else None
+    return run_filter.RunFilter(
+        name=name, statuses=frozenset(statuses), tags=frozenset(picked), since=since, until=until
+    )
+
+
 cfg = config.app_config()
 st.title("Runs")
-infos = ui.runs_or_stop(cfg)
+every_run = ui.runs_or_stop(cfg)
+chosen = filters(every_run)
+infos = run_filter.apply(every_run, chosen)
+if chosen.active:
+    st.caption(f"{len(infos)} of {len(every_run)} runs match the filters.")
+if not infos:
+    st.info("No run matches the filters: clear one to see more.")
+    st.stop()
 
 alerts: dict[str, int] = {}
 alert_error = None
@@ -52,6 +91,7 @@ for info in infos:
             "run": info.run_id,
             "health": f"health?run={info.run_id}",
             "status": ui.status_cell(info.status),
+            "tags": run_tags(info.meta),
             "torch": env.get("torch"),
             "attention": env.get("attention_backend"),
             "expert kernel": env.get("expert_kernel"),
@@ -81,6 +121,8 @@ if not cfg.collector:
 # a column with nothing to say takes no width (a wide empty "note" pushed the kernels off screen)
 if (df["note"].fill_null("") == "").all():
     df = df.drop("note")
+if df["tags"].list.len().sum() == 0:
+    df = df.drop("tags")
 
 # one badge per status present, with its count, in the table's colours
 st.markdown(ui.status_counts([i.status for i in infos]))
@@ -104,6 +146,7 @@ ui.dataframe(
             help="the run's folder name; opens its health page",
         ),
         "status": ui.status_column([i.status for i in infos]),
+        "tags": st.column_config.ListColumn(help='the run\'s tags (meta.json "tags")'),
         "attention": st.column_config.TextColumn("attn", help="attention backend"),
         "expert kernel": st.column_config.TextColumn(
             "kernel", help="expert kernel (the MoE layers' expert matmuls)"

@@ -44,6 +44,7 @@ from guard.core.heartbeat import PHASE_DATA, PHASE_TRAIN
 from guard.core.inject import Injection
 from guard.core.policy import Decision
 from guard.core.report import StepReport
+from guard.core.tags import clean_tags
 from guard.integrations.base import MODE_NONE, Attachment
 from guard.runtime.apply import DecisionApplier
 from guard.runtime.commands import CommandSource
@@ -90,6 +91,7 @@ class GuardedStep:
         inject: str | Iterable[str | Injection] | None = None,
         started_at: float | None = None,
         autocast: torch.dtype | None = None,
+        tags: Iterable[str] | None = None,
     ) -> None:
         """`attach`: what guard.integrations.<framework>.attach(model) found (layers, routers and
         the collapse corrector); `layers`/`routers` are the manual form of the same for a custom
@@ -115,6 +117,7 @@ class GuardedStep:
         `autocast`: the dtype the forward runs in under torch.autocast (meta.json env "dtype");
         default: read from the model's forwards before the first step (a forward under
         `with torch.autocast(...)` says so), else the parameters' dtype.
+        `tags`: meta.json "tags", what the Runs page filters by (guard/core/tags.py).
 
         Under torchrun every rank builds a GuardedStep: the probe's one all-reduce gives every
         rank the same statistics, one MAX all-reduce checks that every rank decided the same
@@ -163,6 +166,7 @@ class GuardedStep:
             self.cfg,
             started_at=started_at,
             autocast=autocast,
+            tags=clean_tags(tags),
         )
         # until the first step: a forward under torch.autocast tells the dtype the step computes in
         self._autocast_hook = (
@@ -445,6 +449,7 @@ def _open_session(
     *,
     started_at: float | None,
     autocast: torch.dtype | None,
+    tags: list[str],
 ) -> RunSession:
     """The run around the step: store (rank 0), exporter, meta.json, how the run ends."""
     run_dir = Path(run_dir) if run_dir is not None else None
@@ -467,6 +472,7 @@ def _open_session(
             "integration": {"family": attach.family if attach else type(model).__name__, "correction": mode},
             "config": {"guard": _asdict(cfg)},
             "world_size": ranks.world,
+            schema.META_TAGS: tags,
         },
     )
 

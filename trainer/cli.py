@@ -96,6 +96,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--collector", help=f"collector URL to stream telemetry to (default: ${schema.ENV_COLLECTOR})"
     )
+    p.add_argument(
+        "--tag",
+        action="append",
+        default=[],
+        metavar="TAG",
+        help='tag the run (repeatable; added to the config\'s `tags`): meta.json "tags", the Runs page filters by them',
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -123,6 +130,13 @@ def build_config(args: argparse.Namespace) -> Any:
     if args.seed is not None:
         overrides["train.seed"] = args.seed
     cfg = load_config(args.config or DEFAULT_CONFIG, overrides)
+    if args.tag:
+        from guard.core.tags import clean_tags
+
+        try:
+            cfg.tags = clean_tags([*cfg.tags, *args.tag], "--tag")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if args.guard is not None:
         cfg.guard = load_guard_config(args.guard)
     if args.no_guard:

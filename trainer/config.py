@@ -7,6 +7,7 @@
 [telemetry]  TelemetryConfig
 [guard]      guard.core.config.GuardConfig
 [store]      guard.store.policy.StoreConfig (retention, rollups, compaction: docs/long-runs.md)
+name, tags   at the top level: the run's name (its folder) and its tags (guard/core/tags.py)
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from guard.core.config import GuardConfig
-from guard.core.tomlconf import check, check_choice, from_dict, load_toml
+from guard.core.tags import clean_tags
+from guard.core.tomlconf import ConfigError, check, check_choice, from_dict, load_toml
 from guard.store.policy import StoreConfig
 from guard.wire.batch import valid_run_id
 from trainer.data_config import DataConfig
@@ -120,6 +122,8 @@ class TelemetryConfig:
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     name: str = "run"
+    # meta.json "tags": what the Runs page filters by (`moeguard train --tag X` adds to them)
+    tags: list[str] = field(default_factory=list)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -136,6 +140,10 @@ class TrainConfig:
             f"must be a run id: letters, digits, '.', '_' or '-', starting with a letter or digit, "
             f"at most {MAX_NAME_LEN} characters (it names the run's folder and its id on the collector)",
         )
+        try:
+            self.tags = clean_tags(self.tags)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         check(
             self.data.seq_len <= self.model.max_seq_len,
             "data.seq_len",

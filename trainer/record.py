@@ -25,6 +25,7 @@ def run_meta(t: TrainerView, status: str) -> dict[str, Any]:
     return {
         "run_id": t.run_dir.name,
         "name": t.cfg.name,
+        schema.META_TAGS: list(t.cfg.tags),
         "framework": schema.FRAMEWORK_MOEGUARD,
         "status": status,
         "started_at": t.gp.started_at,

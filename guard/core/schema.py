@@ -148,6 +148,8 @@ def rollup_columns(table: str) -> dict[str, str]:
 SUMMARY_FILE = "summary.json"  # runs/<run_id>/summary.json (guard/store/summary.py)
 
 META_FILE = "meta.json"
+# meta.json["tags"]: the run's tags, a list of strings (guard/core/tags.py says what a tag may be)
+META_TAGS = "tags"
 CHECKPOINT_DIR = "checkpoints"
 PROFILE_DIR = "profile"
 

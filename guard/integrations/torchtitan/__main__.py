@@ -12,6 +12,7 @@ Every argument but moeguard's own goes to torchtitan's ConfigManager untouched (
                       $MOEGUARD_TOKEN); OTLP too when $OTEL_EXPORTER_OTLP_ENDPOINT is set
   --run-dir DIR       the run store (rank 0) and the exporter's spool; its name is the run id
                       (default runs/tt-<model>-<torchrun run id>)
+  --tag TAG           tag the run (repeatable): meta.json "tags", the app's Runs page filters by them
   --inject SPEC       a drill (repeatable): the fault kinds and spec of `moeguard train --inject`,
                       STEP the guard's 0-based step (default $MOEGUARD_INJECT, comma-separated);
                       guard/runtime/inject.py says where each fault is applied
@@ -69,6 +70,13 @@ def parser() -> argparse.ArgumentParser:
         "--inject` (below: what ARG means for each), STEP the guard's 0-based step",
     )
     p.add_argument(
+        "--tag",
+        action="append",
+        default=[],
+        metavar="TAG",
+        help='tag the run (repeatable): meta.json "tags", the Runs page filters by them',
+    )
+    p.add_argument(
         "--nproc-per-node",
         "--nproc_per_node",
         type=int,
@@ -93,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         p.print_help()
         return 0
     from guard.core.inject import ENV_INJECT, check_injections, from_env, parse_injections
+    from guard.core.tags import clean_tags
     from guard.core.tomlconf import ConfigError
     from guard.extras import MissingExtra, require
 
@@ -109,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         from guard.integrations.torchtitan.launch import launch
 
         return launch(args.nproc_per_node, argv)
+    try:
+        tags = clean_tags(args.tag, "--tag")
+    except ValueError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
     if drills and args.no_guard:
         print(
             f"{PROG}: --inject / ${ENV_INJECT}: the drills run in the guard; drop --no-guard", file=sys.stderr
@@ -154,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir=args.run_dir,
             collector=args.collector,
             inject=[str(d) for d in drills],
+            tags=tags,
         )
     try:
         trainer.train()

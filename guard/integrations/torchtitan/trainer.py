@@ -102,8 +102,10 @@ def guarded_trainer() -> type:
             run_dir: str | Path | None = None,
             collector: str | None = None,
             inject: list[str] | None = None,
+            tags: list[str] | None = None,
         ) -> None:
-            """`inject`: drills (guard/core/inject.py specs; None: $MOEGUARD_INJECT)."""
+            """`inject`: drills (guard/core/inject.py specs; None: $MOEGUARD_INJECT); `tags`: meta.json
+            "tags" (guard/core/tags.py)."""
             super().__init__(config)
             if len(self.model_parts) != 1:
                 raise NotImplementedError(
@@ -121,6 +123,7 @@ def guarded_trainer() -> type:
                 collector=collector,
                 flops_per_token=float(self.metrics_processor.num_flops_per_token),
                 inject=inject,
+                tags=tags,
                 autocast=_compute_dtype(config, self.model_parts[0]),
             )
             # torchtitan's loss is a local sum / the GLOBAL token count; the guard wants local means
