@@ -10,7 +10,17 @@ import polars as pl
 import streamlit as st
 
 from dashboards import ui
-from dashboards.data import config, guard_events, heatmaps, loaders, mfu_peak, runs, shaping, warmups
+from dashboards.data import (
+    config,
+    guard_events,
+    heatmaps,
+    loaders,
+    mfu_peak,
+    runs,
+    shaping,
+    side_tables,
+    warmups,
+)
 from dashboards.figures.health import goodput_figure, health_timeline, perf_figure
 from dashboards.figures.heatmap import heatmap, share_colors
 from dashboards.figures.nonfinite_marks import nonfinite_steps
@@ -113,12 +123,24 @@ if info.compat == runs.COMPAT_OLDER:
 series = loaders.load_step_series(path, sig, ("loss", "grad_norm", "lr"))
 marks, timeline = loaders.load_marks(path, sig)
 first_step = int(steps["step"].min())  # type: ignore[arg-type]
-# one step axis for every chart of the page: the run's own steps (style.step_range)
+evals = side_tables.load_evals(path, sig) if info.tables.get(schema.TABLE_EVALS) else {}
+# one step axis for every chart of the page: the run's own steps (style.step_range), and any step
+# an evaluation was reported at (one before the first step: an evaluation before training)
 span = (first_step, int(steps["step"].max()))  # type: ignore[arg-type]
-fig = health_timeline(series, marks, timeline, steps=span)
+if (ev_span := side_tables.eval_step_range(evals)) is not None:
+    span = (min(span[0], ev_span[0]), max(span[1], ev_span[1]))
+fig = health_timeline(series, marks, timeline, steps=span, evals=side_tables.loss_like(evals))
 warm = warmups.spans(info.meta, first_step, warmups.SPIKE + warmups.ROUTING)
 shade_warmups(fig, warm, steps=span)
 st.plotly_chart(fig, key="timeline")
+if evals:
+    others = {k: v for k, v in evals.items() if k not in side_tables.loss_like(evals)}
+    last = "; ".join(f"{k} {df[k][-1]:.4g} (step {df['step'][-1]})" for k, df in sorted(others.items()))
+    st.caption(
+        "Dashed with dots: the evaluation losses the loop reported (GuardedStep.log, the Trainer's "
+        "evaluate), at the last step taken before each evaluation."
+        + (f" Other evaluation metrics, last value: {last}." if last else "")
+    )
 if warm:
     st.caption(
         "Grey bands: detector warm-ups. A detector gives no verdict before it arms (its baseline fills, "

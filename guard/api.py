@@ -332,6 +332,22 @@ class GuardedStep:
             )
         return d
 
+    def log(self, step: int | None = None, **metrics: float) -> None:
+        """Record evaluation metrics, e.g. `guarded.log(eval_loss=2.31)`, in the run store's `evals`
+        table (rank 0; other ranks' calls are ignored, as their metrics are the same after the loop's
+        all-reduce). `step`: the last step taken before they were measured (default: the last step()'s,
+        0-based; the Trainer's global_step - 1), where the app draws them over the train loss.
+        Values: numbers, or one-element tensors (read on the host)."""
+        vals: dict[str, float] = {}
+        for name, v in metrics.items():
+            if isinstance(v, torch.Tensor):
+                v = v.detach().float().item()
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise TypeError(f"GuardedStep.log({name}={v!r}): a metric must be a number")
+            vals[name] = float(v)
+        if self.store is not None:
+            self.store.add_evals(self.step_idx - 1 if step is None else int(step), time.time(), vals)
+
     def _decide(self, rep: StepReport, lr: float) -> tuple[Decision, list[Event]]:
         """The engine's decision, with the operator's command; on several ranks, agreed by all."""
         if self.sync is None:  # one rank: a command polled now applies now

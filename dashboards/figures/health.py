@@ -37,12 +37,15 @@ def health_timeline(
     *,
     title: str = "Loss and grad norm with guard verdicts and actions",
     steps: tuple[int, int] | None = None,
+    evals: dict[str, pl.DataFrame] | None = None,
 ) -> go.Figure:
     """Loss (top), grad norm (log) with a mark per guard action on both, the learning rate as
     the optimizer applied it (when the run recorded it: an LR cool-down shows as a step down
     under the loss), and a timeline lane per detector / event kind (bottom), all on one step
     axis: zooming one panel zooms them all. Hover on a mark shows its evidence. `steps` =
-    (first, last) step of the run: the x-axis range (style.step_range)."""
+    (first, last) step of the run: the x-axis range (style.step_range). `evals`: evaluation
+    losses (name -> (step, name) rows: dashboards/data/side_tables.py), drawn over the train loss
+    as dots joined by a dashed line; none: nothing is added."""
     has_lr = "lr" in series and bool(series["lr"]["lr"].cast(pl.Float64).is_finite().any())
     titles = ["Loss", "Grad norm (total L2 before clipping, log scale)"]
     heights = [0.38, 0.38]
@@ -61,6 +64,7 @@ def health_timeline(
         subplot_titles=titles,
     )
     gn_ticks = _add_lines(fig, series)
+    _add_evals(fig, evals or {})
     _add_nonfinite_steps(fig, series)
     _add_action_marks(fig, marks)
     if has_lr:
@@ -131,6 +135,28 @@ def _add_lines(fig: go.Figure, series: dict[str, pl.DataFrame]) -> dict[str, Any
             col=1,
         )
     return gn_ticks
+
+
+EVAL_COLORS = ("#ff7f0e", "#17becf", "#e377c2", "#bcbd22")
+
+
+def _add_evals(fig: go.Figure, evals: dict[str, pl.DataFrame]) -> None:
+    """Each evaluation loss on the loss panel (row 1): a dot per evaluation, a dashed line between."""
+    for i, (name, df) in enumerate(sorted(evals.items())):
+        x, y = series_xy(df, name)
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines+markers",
+                name=name,
+                line={"color": EVAL_COLORS[i % len(EVAL_COLORS)], "width": 1.2, "dash": "dash"},
+                marker={"size": 7},
+                hovertemplate=f"evaluated after step %{{x}}<br>{name} %{{y:.4f}}<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
 
 
 def _add_nonfinite_steps(fig: go.Figure, series: dict[str, pl.DataFrame]) -> None:

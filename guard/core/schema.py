@@ -19,7 +19,8 @@ TABLE_EXPERTS = "experts"
 TABLE_EVENTS = "events"
 TABLE_RANKS = "ranks"
 TABLE_GROUPS = "groups"
-TABLES = (TABLE_STEPS, TABLE_LAYERS, TABLE_EXPERTS, TABLE_EVENTS, TABLE_RANKS, TABLE_GROUPS)
+TABLE_EVALS = "evals"
+TABLES = (TABLE_STEPS, TABLE_LAYERS, TABLE_EXPERTS, TABLE_EVENTS, TABLE_RANKS, TABLE_GROUPS, TABLE_EVALS)
 
 # name -> polars dtype name (kept as strings so this module imports without polars)
 STEPS_COLUMNS: dict[str, str] = {
@@ -89,6 +90,16 @@ GROUPS_COLUMNS: dict[str, str] = {
     "grad_norm": "Float64",
     "update_ratio": "Float64",
 }
+# Evaluation metrics the loop reports (GuardedStep.log, MoEGuardCallback from the Trainer's
+# evaluate), one row per metric: `step` is the last step taken before it was measured (0-based: the
+# Trainer's global_step - 1), so it is drawn where W&B and TensorBoard draw it beside the train loss.
+# A new table, not a new shape of one: a store without it reads as a run without evaluations.
+EVALS_COLUMNS: dict[str, str] = {
+    "step": "Int64",
+    "time": "Float64",
+    "name": "String",  # the loop's own name for it: eval_loss, eval_accuracy, ...
+    "value": "Float64",
+}
 TABLE_COLUMNS: dict[str, dict[str, str]] = {
     TABLE_STEPS: STEPS_COLUMNS,
     TABLE_LAYERS: LAYERS_COLUMNS,
@@ -96,6 +107,7 @@ TABLE_COLUMNS: dict[str, dict[str, str]] = {
     TABLE_EVENTS: EVENTS_COLUMNS,
     TABLE_RANKS: RANKS_COLUMNS,
     TABLE_GROUPS: GROUPS_COLUMNS,
+    TABLE_EVALS: EVALS_COLUMNS,
 }
 
 # ---------------------------------------------------------------------------------------

@@ -257,7 +257,18 @@ class MoEGuardCallback(TrainerCallback):
         self._mark = time.perf_counter()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        """The Trainer's evaluation metrics (eval_loss, ...) go to the run store's `evals` table at
+        the last step taken (its global_step - 1, 0-based as the guard counts); an evaluation before the first optimizer step, or after
+        train() ended, has no run to land in."""
         self._mark = time.perf_counter()
+        metrics = kw.get("metrics") or {}
+        if self.guarded is not None:
+            nums = {
+                k: float(v)
+                for k, v in metrics.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            }
+            self.guarded.log(step=int(state.global_step) - 1, **nums)
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         """The Trainer saved checkpoint-N: the guard's state goes into it (hf_resume.py), once the

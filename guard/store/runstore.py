@@ -155,6 +155,18 @@ class RunStore:
         self._buffers[schema.TABLE_EVENTS].add_row(ev.row())
         self._events_pending = True
 
+    def add_evals(self, step: int, time_s: float, metrics: dict[str, float]) -> None:
+        """Evaluation metrics measured at `step` (schema.EVALS_COLUMNS); written with the next step's
+        flush check, as events are, or at close."""
+        if not metrics:
+            return
+        self._note_first(schema.TABLE_EVALS, step)
+        for name, value in metrics.items():
+            self._buffers[schema.TABLE_EVALS].add_row(
+                {"step": step, "time": time_s, "name": name, "value": value}
+            )
+        self._events_pending = True
+
     def add_rank_rows(self, cols: dict[str, list]) -> None:
         if cols["step"]:
             self._note_first(schema.TABLE_RANKS, cols["step"][0])
