@@ -22,7 +22,7 @@ per table, every row raw) and opens it with the code of `--baseline-rev` (a git 
 /tmp), at sizes up to `--baseline-max`.
 
 Writes docs/BENCHMARKS.md › Long runs and store size › Reading a long run
-(`bench/scale/month_run.py`).
+(`bench/scale/month_run.py`) and › A month at 1M steps, measured (`bench/scale/month_run.py`).
 """
 
 from __future__ import annotations
