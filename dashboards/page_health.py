@@ -21,7 +21,7 @@ from dashboards.data import (
     side_tables,
     warmups,
 )
-from dashboards.figures.health import goodput_figure, health_timeline, perf_figure
+from dashboards.figures.health import goodput_figure, health_timeline, host_figure, perf_figure
 from dashboards.figures.heatmap import heatmap, share_colors
 from dashboards.figures.nonfinite_marks import nonfinite_steps
 from dashboards.figures.precursors import precursor_figure
@@ -359,6 +359,14 @@ perf = loaders.load_step_series(
 )
 st.plotly_chart(perf_figure(perf, peak, steps=span), key="perf")
 st.caption(f"MFU = analytic training FLOPs x tokens/s / (peak x ranks); peak {peak.label()} ({peak.source}).")
+host = side_tables.load_host(path, sig) if info.tables.get(schema.TABLE_HOST) else None
+if host is not None and host.height and side_tables.host_series(host):
+    st.plotly_chart(host_figure(host, steps=span), key="host")
+    st.caption(
+        "Sampled by a thread of its own at most once a second and once a step (MOEGUARD_HOST_EVERY_S), "
+        "at the last step finished: CPU is the training process's CPU time over wall time (100% = one core); "
+        "GPU utilisation needs pynvml, GPU memory is the device's, every process's."
+    )
 
 # ---- goodput ---------------------------------------------------------------------------
 st.subheader("Goodput")

@@ -36,3 +36,25 @@ def eval_step_range(evals: dict[str, pl.DataFrame]) -> tuple[int, int] | None:
 def loss_like(evals: dict[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """The evaluation losses (a name with "loss" in it): they share the train loss's axis."""
     return {k: v for k, v in evals.items() if "loss" in k.lower()}
+
+
+HOST_VALUES = (
+    "cpu_pct",
+    "rss_bytes",
+    "host_mem_used_bytes",
+    "host_mem_total_bytes",
+    "gpu_util_pct",
+    "gpu_mem_used_bytes",
+)
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def load_host(path: str, sig: tuple[int, ...]) -> pl.DataFrame:
+    """The host table in step order (columns of schema.HOST_COLUMNS); empty when the run has none."""
+    del sig
+    return reader.scan_table(path, schema.TABLE_HOST, cached=True).collect().sort("step", "time")
+
+
+def host_series(host: pl.DataFrame) -> list[str]:
+    """The host columns that have at least one value (a CPU-only run has no GPU columns)."""
+    return [c for c in HOST_VALUES if c in host.columns and host[c].drop_nulls().drop_nans().len()]

@@ -333,6 +333,68 @@ def perf_figure(
     return fig
 
 
+HOST_SPECS = (
+    # column, row, scale, name, hover format, colour
+    ("cpu_pct", 1, 1.0, "process CPU", "%{y:.0f}%", "#2ca02c"),
+    ("gpu_util_pct", 1, 1.0, "GPU utilisation", "%{y:.0f}%", "#d62728"),
+    ("rss_bytes", 2, 1 / 2**30, "process RSS", "%{y:.2f} GiB", "#9467bd"),
+    ("host_mem_used_bytes", 2, 1 / 2**30, "host memory used", "%{y:.2f} GiB", "#8c564b"),
+    ("gpu_mem_used_bytes", 2, 1 / 2**30, "GPU memory used", "%{y:.2f} GiB", "#e377c2"),
+)
+
+
+def host_figure(host: pl.DataFrame, *, steps: tuple[int, int] | None = None) -> go.Figure:
+    """Host utilisation sampled beside the steps (the host table, rank 0's host): CPU and GPU
+    utilisation (%) over memory (GiB), on the page's step axis. A column with no value (no GPU, no
+    pynvml) draws no line."""
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        shared_xaxes=True,
+        horizontal_spacing=0.08,
+        subplot_titles=("Utilisation (% of one core / of the GPU)", "Memory (GiB)"),
+    )
+    total = host["host_mem_total_bytes"].drop_nulls() if "host_mem_total_bytes" in host.columns else None
+    for c, col, scale, name, fmt, color in HOST_SPECS:
+        if c not in host.columns or not host[c].cast(pl.Float64).drop_nulls().drop_nans().len():
+            continue
+        x, y = series_xy(host, c, scale)
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines+markers" if host.height <= 60 else "lines",
+                marker={"size": 4},
+                name=name,
+                line={"color": color, "width": 1.2},
+                hovertemplate=f"step %{{x}}<br>{name} {fmt}<extra></extra>",
+            ),
+            row=1,
+            col=col,
+        )
+    mem_title = "GiB"
+    if total is not None and total.len():
+        mem_title = f"GiB (host has {float(total[-1]) / 2**30:.0f})"
+    fig.update_yaxes(title_text="%", row=1, col=1, rangemode="tozero")
+    fig.update_yaxes(title_text=mem_title, row=1, col=2, rangemode="tozero")
+    fig.update_xaxes(title_text="step", row=1, col=1)
+    fig.update_xaxes(title_text="step", row=1, col=2)
+    fig.update_layout(
+        title={
+            "text": "Host utilisation (rank 0's host, sampled off the step's path)",
+            "x": 0,
+            "xanchor": "left",
+        },
+        height=340,
+        legend=LEGEND_RIGHT,
+        margin=STEP_MARGIN,
+    )
+    fig.update_xaxes(matches="x")
+    if steps is not None:
+        fit_step_axis(fig, *steps)
+    return fig
+
+
 # where the wall time went (guard/core/goodput.py's split), productive first, in its colour
 GOODPUT_PARTS: tuple[tuple[str, str, str], ...] = (
     ("productive_s", "productive (goodput)", "#2ca02c"),

@@ -20,7 +20,17 @@ TABLE_EVENTS = "events"
 TABLE_RANKS = "ranks"
 TABLE_GROUPS = "groups"
 TABLE_EVALS = "evals"
-TABLES = (TABLE_STEPS, TABLE_LAYERS, TABLE_EXPERTS, TABLE_EVENTS, TABLE_RANKS, TABLE_GROUPS, TABLE_EVALS)
+TABLE_HOST = "host"
+TABLES = (
+    TABLE_STEPS,
+    TABLE_LAYERS,
+    TABLE_EXPERTS,
+    TABLE_EVENTS,
+    TABLE_RANKS,
+    TABLE_GROUPS,
+    TABLE_EVALS,
+    TABLE_HOST,
+)
 
 # name -> polars dtype name (kept as strings so this module imports without polars)
 STEPS_COLUMNS: dict[str, str] = {
@@ -100,6 +110,19 @@ EVALS_COLUMNS: dict[str, str] = {
     "name": "String",  # the loop's own name for it: eval_loss, eval_accuracy, ...
     "value": "Float64",
 }
+# Rank 0's host, sampled off the training thread (guard/runtime/host.py) at most once a step and
+# once per MOEGUARD_HOST_EVERY_S (1 s): `step` is the last step finished when it was sampled. Null:
+# not measurable here (no /proc, no CUDA device, no pynvml for the GPU's utilisation). A new table.
+HOST_COLUMNS: dict[str, str] = {
+    "step": "Int64",
+    "time": "Float64",
+    "cpu_pct": "Float64",  # the training process's CPU time over wall time since the last sample, % of one core
+    "rss_bytes": "Int64",  # the process's resident memory
+    "host_mem_used_bytes": "Int64",  # the host's memory in use (MemTotal - MemAvailable)
+    "host_mem_total_bytes": "Int64",
+    "gpu_util_pct": "Float64",  # the device's utilisation (torch.cuda.utilization: needs pynvml)
+    "gpu_mem_used_bytes": "Int64",  # the device's memory in use, every process's (cudaMemGetInfo)
+}
 TABLE_COLUMNS: dict[str, dict[str, str]] = {
     TABLE_STEPS: STEPS_COLUMNS,
     TABLE_LAYERS: LAYERS_COLUMNS,
@@ -108,6 +131,7 @@ TABLE_COLUMNS: dict[str, dict[str, str]] = {
     TABLE_RANKS: RANKS_COLUMNS,
     TABLE_GROUPS: GROUPS_COLUMNS,
     TABLE_EVALS: EVALS_COLUMNS,
+    TABLE_HOST: HOST_COLUMNS,
 }
 
 # ---------------------------------------------------------------------------------------
@@ -430,6 +454,7 @@ INJECT_KINDS = (
 # Environment variables
 ENV_TOKEN = "MOEGUARD_TOKEN"
 ENV_COLLECTOR = "MOEGUARD_COLLECTOR"  # URL of the collector for the trainer's exporter
+ENV_HOST_EVERY = "MOEGUARD_HOST_EVERY_S"  # seconds between host samples (the host table); 0: none
 
 # The collector's own health and limits (guard/core/limits.py); not run metrics, so not in METRICS.
 M_COLLECTOR_HOT_RUNS = "moeguard_collector_hot_runs"  # runs with full state in memory

@@ -24,6 +24,7 @@ from guard.core import actions, schema
 from guard.core.events import Event
 from guard.core.heartbeat import PHASE_CHECKPOINT, PHASE_TRAIN
 from guard.core.report import StepReport
+from guard.runtime import host
 from guard.runtime.goodbye import default_store, rank0_gone, say_ending
 from guard.store.layout import atomic_write_json
 from guard.store.reader import read_meta, scan_table
@@ -38,6 +39,8 @@ class RunRecord:
         self.store = store  # rank 0 only
         self.exporter = exporter  # any rank, or None
         self.rank = rank
+        # rank 0's host utilisation beside its steps, sampled off the training thread (host.py)
+        self.host = host.start(store) if store is not None else None
 
     def started(self, meta: dict[str, Any], *, restarted: bool) -> None:
         """A new run: meta.json says running (a torchrun restart before the first checkpoint starts clean)."""
@@ -86,6 +89,8 @@ class RunRecord:
         window ended) to the store and the exporter; another rank's exporter learns its step."""
         if self.store is not None:
             self.store.add_step(rep)
+            if self.host is not None:
+                self.host.note_step(rep.step)
             for ev in events:
                 self.store.add_event(ev)
         if self.exporter is None:
@@ -119,6 +124,9 @@ class RunRecord:
             # a survivor that sees this leaves meta.json to rank 0 (_for_lost_rank0)
             say_ending(self.rank, default_store())
             fields["restarts"] = (read_meta(self.run_dir) or {}).get("restarts", 0)
+            if self.host is not None:
+                self.host.close()  # its last sample goes into the store's final flush
+                self.host = None
             try:
                 self.store.close(status=status, status_note=note, **fields)
             except RuntimeError as e:

@@ -105,6 +105,7 @@ class RunStore:
         self._status: str | None = None  # meta.json's status, for summary.json
         self.flush_every = flush_every
         self._buffers = {t: _TableBuffer(t) for t in schema.TABLES}
+        self._side_lock = threading.Lock()  # the host table's buffer: filled from the sampler's thread
         self._first_step: dict[str, int | None] = {t: None for t in schema.TABLES}
         self._seq = next_part_seq(self.dir)
         self._since_flush = 0
@@ -167,6 +168,13 @@ class RunStore:
             )
         self._events_pending = True
 
+    def add_host_row(self, row: dict[str, Any]) -> None:
+        """A host sample (schema.HOST_COLUMNS), from the sampler's own thread (guard/runtime/host.py):
+        the only table written from outside the training thread, so it takes the lock flush() does."""
+        with self._side_lock:
+            self._note_first(schema.TABLE_HOST, int(row["step"]))
+            self._buffers[schema.TABLE_HOST].add_row(row)
+
     def add_rank_rows(self, cols: dict[str, list]) -> None:
         if cols["step"]:
             self._note_first(schema.TABLE_RANKS, cols["step"][0])
@@ -181,13 +189,16 @@ class RunStore:
         self._raise_if_failed()
         reps, self._reports = self._reports, []
         for t, buf in self._buffers.items():
-            df: pl.DataFrame | Callable[[], pl.DataFrame] | None = buf.take()
+            with self._side_lock:
+                df: pl.DataFrame | Callable[[], pl.DataFrame] | None = buf.take()
+                first = self._first_step[t] or 0
+                if df is not None:
+                    self._first_step[t] = None
             if t in _BULK_TABLES and reps and self._first_step[t] is not None:
                 df = functools.partial(_bulk_frame, t, reps)  # built on the writer thread
-            if df is not None:
-                first = self._first_step[t] or 0
-                self._q.put((t, first, df))
                 self._first_step[t] = None
+            if df is not None:
+                self._q.put((t, first, df))
         self._q.put((_UPKEEP, 0, pl.DataFrame()))
         self._since_flush = 0
         self._events_pending = False
