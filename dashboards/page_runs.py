@@ -23,15 +23,16 @@ def damaged_note(summ: dict) -> str:
 def filters(infos: list[runs.RunInfo]) -> run_filter.RunFilter:
     """The filter row above the table: name, status, tag, started-at date (unset: every run)."""
     name_col, status_col, tag_col, date_col = st.columns([3, 3, 3, 3])
-    name = name_col.text_input("Name contains", key="runs_name", placeholder="run id")
+    name = name_col.text_input("Name contains", key="runs_name", placeholder="run id", bind="query-params")
     statuses = status_col.multiselect(
-        "Status", sorted({i.status for i in infos}), key="runs_status", placeholder="any"
+        "Status", sorted({i.status for i in infos}), key="runs_status", placeholder="any", bind="query-params"
     )
     tags = run_filter.all_tags(infos)
     picked = tag_col.multiselect(
         "Tag",
         tags,
         key="runs_tags",
+        bind="query-params",  # a filtered view is a link: /runs?runs_tags=ablation
         placeholder="any" if tags else "no run has tags",
         disabled=not tags,
         help='runs with any of these tags (meta.json "tags": `moeguard train --tag X`, GuardedStep(tags=...))',

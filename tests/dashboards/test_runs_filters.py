@@ -91,3 +91,19 @@ def test_runs_page_filters_before_the_table(tagged_store: Path, open_page) -> No
     assert set(at.dataframe[0].value["run"]) == {"ablation-b", "baseline"}
     at.text_input(key="runs_name").set_value("nothing-like-this").run()
     assert not at.dataframe and any("No run matches" in i.value for i in at.info)
+
+
+def test_a_filtered_view_is_a_link(tagged_store: Path, open_page, monkeypatch) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    from dashboards.data import config
+    from tests.dashboards.conftest import APP
+
+    monkeypatch.setenv(config.ENV_RUNS, str(tagged_store))
+    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    at.switch_page("page_canaries.py").run()  # the Runs page's widgets are forgotten
+    at.query_params["runs_tags"] = "ablation"
+    at.query_params["runs_name"] = "-b"
+    at.switch_page("page_runs.py").run()  # opened from a link
+    assert not at.exception, [e.value for e in at.exception]
+    assert set(at.dataframe[0].value["run"]) == {"ablation-b"}
