@@ -14,7 +14,8 @@ shortened (60x), as in tests/integration/test_e2e_paging.py. Each rank beats eve
    peer is gone: it records the run as peer_lost, saying so ("a peer rank is gone"), and says
    goodbye, so only the dead rank is paged (bench/drills/paging_drills.py drills every variant).
 3. Rank 1 hangs inside a step for 40 s while its process lives (its peer waits in the next
-   collective): RunStuck names rank 1 within the learned deadline; no HeartbeatLost.
+   collective): RunStuck names rank 1 within the learned deadline; no HeartbeatLost. This job starts
+   with the stack (its run names no other test's), so its hang overlaps drills 1 and 2.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 UNDER_TEST = {"RunHalted", "HeartbeatLost", "RunStuck"}
 HEARTBEAT_FLOOR_S = 8.0  # well above the ranks' 1 s beats and a loaded box's hiccups
 PROGRESS_FLOOR_S = 4.0
+STUCK, STUCK_ARGS = "tt-stuck", ("--training.steps", "60", "--checkpoint.interval", "1000")
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Stack:
     collector: CollectorProc
     jobs: list[subprocess.Popen]
     markers: list[str]
+    stuck: subprocess.Popen | None = None  # drill 3's job, launched with the stack
 
     def launch(self, run: str, *args: str, faults: str = "") -> subprocess.Popen:
         marker = f"{self.tmp}:{run}"
@@ -135,7 +138,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             procs.append(prom)
             wait_http(f"{am.url}/-/ready", timeout=60)
             wait_http(f"{prom.url}/-/ready", timeout=60)
-            yield Stack(tmp, sink, collector, jobs, markers)
+            s = Stack(tmp, sink, collector, jobs, markers)
+            s.stuck = s.launch(STUCK, *STUCK_ARGS, faults="hang@30:40/r1")
+            yield s
         finally:
             for marker in markers:
                 kill_job(marker)
@@ -177,7 +182,8 @@ def worker_pid(marker: str, rank: int) -> int:
 @pytest.mark.timeout(600)
 def test_an_operators_halt_pages_once_and_the_relaunch_resolves_it(stack: Stack) -> None:
     s, run = stack, "tt-halt"
-    job = s.launch(run, "--training.steps", "90", "--checkpoint.interval", "1000")
+    # the halt lands ~3 steps after step 10 (0.2 s steps): 50 leaves it room on a loaded box
+    job = s.launch(run, "--training.steps", "50", "--checkpoint.interval", "1000")
     wait_until(lambda: streaming(s, run, 10) or job.poll() is not None, timeout=300, interval=0.5)
     assert job.poll() is None, (s.tmp / f"{run}.log").read_text()[-3000:]
     r = httpx.post(
@@ -192,12 +198,12 @@ def test_an_operators_halt_pages_once_and_the_relaunch_resolves_it(stack: Stack)
     assert meta["status"] == schema.STATUS_HALTED and "operator" in meta["status_note"]
     halted_at = meta["final_step"]
     wait_until(lambda: s.notifications("RunHalted", run, "firing"), timeout=120, interval=0.5)
-    again = s.launch(run, "--training.steps", "90", "--checkpoint.interval", "1000")
+    again = s.launch(run, "--training.steps", "50", "--checkpoint.interval", "1000")
     assert again.wait(timeout=400) == 0, (s.tmp / f"{run}.log").read_text()[-3000:]
     wait_until(lambda: s.notifications("RunHalted", run, "resolved"), timeout=120, interval=0.5)
     assert len(s.notifications("RunHalted", run, "firing")) == 1
     meta = read_meta(s.tmp / "runs" / run)
-    assert meta["status"] == schema.STATUS_FINISHED and meta["restarts"] == 1 and halted_at < 90
+    assert meta["status"] == schema.STATUS_FINISHED and meta["restarts"] == 1 and halted_at < 50
 
 
 @pytest.mark.timeout(600)
@@ -205,7 +211,7 @@ def test_kill_9_of_one_rank_pages_heartbeat_lost_naming_it(stack: Stack) -> None
     s, run = stack, "tt-killed"
     job = s.launch(run, "--training.steps", "2000", "--checkpoint.interval", "1000")
     wait_until(lambda: streaming(s, run, 10) or job.poll() is not None, timeout=300, interval=0.5)
-    os.kill(worker_pid(s.markers[-1], 1), signal.SIGKILL)
+    os.kill(worker_pid(f"{s.tmp}:{run}", 1), signal.SIGKILL)
     job.wait(timeout=120)  # torchrun stops rank 0 (SIGTERM) and exits
     # The collector calls rank 1 lost after the timeout it learned from this run's own steps
     # (5x the longest interval, floored): on a loaded 2-core box one slow step stretches it past
@@ -223,8 +229,8 @@ def test_kill_9_of_one_rank_pages_heartbeat_lost_naming_it(stack: Stack) -> None
 
 @pytest.mark.timeout(600)
 def test_a_rank_hung_inside_a_step_pages_run_stuck_naming_it(stack: Stack) -> None:
-    s, run = stack, "tt-stuck"
-    job = s.launch(run, "--training.steps", "60", "--checkpoint.interval", "1000", faults="hang@30:40/r1")
+    s, run, job = stack, STUCK, stack.stuck
+    assert job is not None
     # Rank 0 waits for rank 1 inside FSDP's collectives, which GuardedStep cannot see (only its
     # own are marked `waiting`): both stall, both are named, rank 0 possibly a beat first.
     named = lambda: {a["labels"]["rank"] for a in s.notifications("RunStuck", run, "firing")}  # noqa: E731
