@@ -4,11 +4,14 @@ For every family: the stored loads are the router's real top-k counts (read inde
 what the experts module was handed), a grad spike and a NaN are skipped with every weight,
 buffer and AdamW state bitwise unchanged, a forced collapse is detected and corrected through
 the model (selection bias or per-layer balancing gradient), and a clean run takes no action.
+The clean run and the collapse are one run per family (`long_runs`): the collapse is forced
+after the clean steps, once every detector is armed.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,7 @@ pytest.importorskip("transformers")
 from bench.drills.real_models import byte_batches, drill  # noqa: E402
 from guard.api import GuardedStep  # noqa: E402
 from guard.core import schema  # noqa: E402
-from guard.core.config import CollapseConfig, GuardConfig  # noqa: E402
+from guard.core.config import GuardConfig  # noqa: E402
 from guard.integrations.tiny import FAMILIES, build  # noqa: E402
 from guard.integrations.transformers import _router_of, attach, decoder_layers  # noqa: E402
 from guard.store.reader import read_table  # noqa: E402
@@ -161,30 +164,64 @@ def test_spike_and_nan_are_skipped_with_all_state_bitwise_unchanged(
     assert steps.filter(pl.col("action") == "skip")["step"].to_list() == sorted([40, 43, *natural])
 
 
+# One guarded run per family (seed 5, GuardConfig's defaults) serves both the clean-run claim and
+# the collapse claim: clean for CLEAN_STEPS steps, long enough for every detector to be armed (the
+# spike rules' tail fit from 200 accepted steps, the collapse detector from collapse.warmup = 250,
+# its MaxVio rule 10 steps later), then every token of one MoE layer forced to expert 0 at
+# CLEAN_STEPS. The correction opens ~10 steps later and is confirmed recovered at the end of its
+# window (policy.bias_boost_steps = 50); the run goes on for the 20 steps judged after that.
+CLEAN_STEPS = 310
+COLLAPSE_STEPS = 90
+LongRuns = Callable[[str], tuple[Path, int, float]]
+
+
+@pytest.fixture(scope="module")
+def long_runs(corpus: np.ndarray, tmp_path_factory: pytest.TempPathFactory) -> LongRuns:
+    """family -> (run dir, the collapsed layer, its largest MaxVio), each run made once."""
+    runs: dict[str, tuple[Path, int, float]] = {}
+
+    def get(family: str) -> tuple[Path, int, float]:
+        if family not in runs:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                att = attach(build(family, seed=0))
+            moe = [i for i, _ in att.routers]
+            layer = 2 if 2 in moe else moe[len(moe) // 2]
+            reading = getattr(att.routers[0][1], "reading", None)
+            top = att.n_experts / (reading.top_k if reading else att.top_k) - 1  # every token to expert 0
+            run_dir = tmp_path_factory.mktemp(family) / "run"
+            drill(
+                family,
+                seed=5,
+                steps=CLEAN_STEPS + COLLAPSE_STEPS,
+                corpus=corpus,
+                run_dir=run_dir,
+                injections=[("collapse", CLEAN_STEPS, layer)],
+            )
+            runs[family] = run_dir, layer, top
+        return runs[family]
+
+    return get
+
+
+def _clean_part(run_dir: Path) -> tuple[list[tuple], list[tuple], float]:
+    """The clean steps' (before the collapse) actions, events and final loss, as drill() reports them."""
+    steps = read_table(run_dir, "steps").filter(pl.col("step") < CLEAN_STEPS).sort("step")
+    events = read_table(run_dir, "events").filter(pl.col("step") < CLEAN_STEPS)
+    assert steps["step"].to_list() == list(range(CLEAN_STEPS))
+    actions = steps.filter(pl.col("action") != "apply").select("step", "action").rows()
+    rows = events.select("step", "kind", "detector", "action", "value", "threshold").rows()
+    return actions, rows, float(steps["loss"].tail(20).mean())
+
+
 @pytest.mark.parametrize("family", COLLAPSE_CLAIMED)
-def test_forced_collapse_is_detected_and_corrected(family: str, corpus: np.ndarray, tmp_path: Path) -> None:
-    at = 80
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        att = attach(build(family, seed=0))
-    moe = [i for i, _ in att.routers]
-    layer = 2 if 2 in moe else moe[len(moe) // 2]
-    reading = getattr(att.routers[0][1], "reading", None)
-    top = att.n_experts / (reading.top_k if reading else att.top_k) - 1  # every token to expert 0
-    # The collapse detector waits out init's routing chaos (collapse.warmup, 250 steps by default);
-    # 60 is enough for these tiny models and keeps the test short.
-    cfg = GuardConfig(collapse=CollapseConfig(warmup=60))
-    drill(
-        family,
-        seed=0,
-        steps=200,
-        corpus=corpus,
-        run_dir=tmp_path / "run",
-        cfg=cfg,
-        injections=[("collapse", at, layer)],
-    )
-    events = read_table(tmp_path / "run", "events")
-    maxvio = read_table(tmp_path / "run", "layers").filter(pl.col("layer") == layer).sort("step")["maxvio"]
+def test_forced_collapse_is_detected_and_corrected(family: str, long_runs: LongRuns) -> None:
+    run_dir, layer, top = long_runs(family)
+    at = CLEAN_STEPS
+    threshold = GuardConfig().collapse.maxvio
+    events = read_table(run_dir, "events")
+    maxvio = read_table(run_dir, "layers").filter(pl.col("layer") == layer).sort("step")["maxvio"]
+    assert maxvio.len() == CLEAN_STEPS + COLLAPSE_STEPS
     assert maxvio[at] >= 0.9 * top  # (nearly) every token to expert 0: the largest MaxVio is E / k - 1
     acts = events.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_BIAS_CORRECT))
     assert acts.height >= 1 and acts["step"].min() > at, acts
@@ -192,10 +229,14 @@ def test_forced_collapse_is_detected_and_corrected(family: str, corpus: np.ndarr
     assert f'"layer": {layer}' in detail and ('"mode": "bias"' in detail) == (family in BIASED), detail
     rec = events.filter(pl.col("kind") == schema.EV_RECOVERED)
     assert rec.height >= 1
-    threshold = cfg.collapse.maxvio
-    assert float(maxvio.slice(rec["step"].min(), 20).median()) < threshold
-    steps = read_table(tmp_path / "run", "steps")
-    assert steps["action"].is_in(list(schema.APPLYING_ACTIONS)).all()  # corrected, no update thrown away
+    recovered = rec["step"].min()
+    assert recovered + 20 <= maxvio.len(), recovered  # 20 steps to judge after the recovery
+    assert float(maxvio.slice(recovered, 20).median()) < threshold
+    # corrected, no update thrown away: every step applied but the clean part's pinned natural skips
+    steps = read_table(run_dir, "steps").sort("step")
+    thrown = steps.filter(~pl.col("action").is_in(list(schema.APPLYING_ACTIONS)))["step"].to_list()
+    natural = NATURAL_SKIPS[5].get(family, [221] if family == "jetmoe" else [])
+    assert thrown == natural, thrown
     # each correction is its step's action, counted once (guard/core/actions.py)
     assert steps.filter(pl.col("action") == schema.ACT_BIAS_CORRECT)["step"].to_list() == sorted(
         set(acts["step"].to_list())
@@ -203,26 +244,26 @@ def test_forced_collapse_is_detected_and_corrected(family: str, corpus: np.ndarr
 
 
 @pytest.mark.parametrize("family", CLEAN_CLAIMED)
-def test_clean_run_takes_no_action(family: str, corpus: np.ndarray, tmp_path: Path) -> None:
+def test_clean_run_takes_no_action(family: str, long_runs: LongRuns) -> None:
     """No action, but for the pinned natural early skips (NATURAL_SKIPS): each a whole-model rise
     over the early cap, judged by the grad-norm rule and skipped alone (no escalation)."""
-    r = drill(family, seed=5, steps=310, corpus=corpus, run_dir=tmp_path / "run")
+    actions, events, final_loss = _clean_part(long_runs(family)[0])
     natural = NATURAL_SKIPS[5].get(family, [])
-    assert r["actions"] == [(s, schema.ACT_SKIP) for s in natural], r["events"]
-    verdicts = [e for e in r["events"] if e[1] != schema.EV_CHECKPOINT]
+    assert actions == [(s, schema.ACT_SKIP) for s in natural], events
+    verdicts = [e for e in events if e[1] != schema.EV_CHECKPOINT]
     assert [(e[0], e[1], e[2], e[3]) for e in verdicts] == [
         (s, schema.EV_VERDICT, schema.DET_GRAD_SPIKE, schema.ACT_SKIP) for s in natural
-    ], r["events"]
+    ], events
     assert all(e[4] > e[5] == GuardConfig().grad_spike.all_layers_early_cap for e in verdicts)
-    assert r["final_loss"] < 3.0  # it trained (bytes start at ln 256 = 5.5)
+    assert final_loss < 3.0  # it trained (bytes start at ln 256 = 5.5)
 
 
-def test_jetmoe_clean_run_draws_one_natural_skip(corpus: np.ndarray, tmp_path: Path) -> None:
-    r = drill("jetmoe", seed=5, steps=310, corpus=corpus, run_dir=tmp_path / "run")
-    assert [(e[0], e[2], e[3]) for e in r["events"] if e[1] == schema.EV_VERDICT] == [
+def test_jetmoe_clean_run_draws_one_natural_skip(long_runs: LongRuns) -> None:
+    _, events, final_loss = _clean_part(long_runs("jetmoe")[0])
+    assert [(e[0], e[2], e[3]) for e in events if e[1] == schema.EV_VERDICT] == [
         (221, schema.DET_GRAD_SPIKE, schema.ACT_SKIP)
-    ], r["events"]
-    assert r["final_loss"] < 3.0
+    ], events
+    assert final_loss < 3.0
 
 
 def test_a_model_without_a_router_is_refused_by_name() -> None:
