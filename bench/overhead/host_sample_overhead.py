@@ -4,6 +4,8 @@
 per-sample cost made visible), interleaved round by round (the order rotating), so host-load
 drift hits every variant alike.
 
+Writes docs/BENCHMARKS.md › Overhead: what the guard costs a step › Host sampling (issue #40).
+
 Per variant: the median over rounds of the run's median step_time_s and of its summed step time
 (the whole loop's cost: a sample's GIL share lands in whichever step it overlaps).
 
