@@ -370,7 +370,7 @@ def test_killed_trainer_pages_heartbeat_lost(stack: Stack) -> None:
 # ---------------------------------------------------------------------------------------
 @pytest.mark.timeout(240)
 def test_hung_step_pages_run_stuck_and_resolves_when_it_moves(stack: Stack) -> None:
-    s, run, hang_s = stack, "e2e-hang", 30
+    s, run, hang_s = stack, "e2e-hang", 20  # the page comes ~8 s into the hang (deadline 4 s + path)
     trainer = s.train(run, "--steps", "40", "--inject", f"hang@25:{hang_s}")
     [trig] = s.sink.wait_for(
         lambda r: (
