@@ -3,7 +3,9 @@ own training. The end-to-end tests run real commands: a plain GuardedStep loop
 (tests/guard/own_loop.py) and the real transformers Trainer with MoEGuardCallback
 (bench/common/hf_trainer_job.py); each writes its run store where the canary says and the canary reads
 the steady state back. A large injected slowdown (50%) and a loose line (10%) keep the verdicts
-unambiguous on a loaded 2-core machine; docs/BENCHMARKS.md measures the real defaults.
+unambiguous on a loaded 2-core machine; docs/BENCHMARKS.md measures the real defaults. The runs
+whose verdict is a measured ratio (B slowed fails, A = A passes) are `serial`: scripts/test runs
+them alone, after the parallel phase.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def _own(tmp: Path, *extra: str, pairs: int = 2, sets: tuple[str, ...] = ()) -> 
 
 # ---- real commands -------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_script_with_b_slowed_fails_and_every_run_is_the_commands_own(tmp_path: Path) -> None:
     code, rep = _own(
         tmp_path, "--ab", "set:", "set:OWN_FLAG=1", "--script", f"{LOOP} --steps 40", "--inject", "slow:50"
@@ -72,6 +75,7 @@ def test_a_script_with_b_slowed_fails_and_every_run_is_the_commands_own(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_equals_a_on_the_real_trainer_passes_and_a_py_side_runs_the_command(tmp_path: Path) -> None:
     """The real transformers Trainer with MoEGuardCallback (run store from $MOEGUARD_RUN_DIR), A =
     this interpreter, B = the same interpreter as py:PATH ({python} and a bare `python` are it)."""
@@ -190,6 +194,7 @@ def test_torchtitan_job_from_a_toml_file_or_torchtitans_arguments(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.integration
 def test_torchtitans_own_trainer_with_b_slowed_fails(tmp_path: Path) -> None:
     """torchtitan's Trainer through moeguard's launcher under torchrun, one rank on the CPU
