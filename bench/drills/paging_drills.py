@@ -171,6 +171,19 @@ def plan(frameworks: list[str], kills: int) -> list[Drill]:
     return out
 
 
+def interleave(drills: list[Drill]) -> list[Drill]:
+    """`drills` round-robin across frameworks, controls first: run a few at a time, one
+    framework's start-ups (torchtitan's the heaviest) overlap another's idle waits for a page, and
+    the controls' fixed wait for a page that must not come overlaps everything else."""
+    by_fw: dict[str, list[Drill]] = {}
+    for d in sorted(drills, key=lambda d: d.rank != PREEMPT):
+        by_fw.setdefault(d.framework, []).append(d)
+    queues, out = list(by_fw.values()), []
+    while any(queues):
+        out += [q.pop(0) for q in queues if q]
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # The stack: collector -> Prometheus -> Alertmanager -> the recording sink
 # ---------------------------------------------------------------------------------------

@@ -8,18 +8,21 @@ before the kill, so it handles the signal before any collective notices the dead
 agent's order (SIGTERM 0.2 s after), no SIGTERM of ours, with and without a checkpoint before the
 kill; plus one control, the whole job preempted (SIGTERM to torchrun), that must page nothing.
 One collector, Prometheus and Alertmanager for the module (the production rules and config, made
-fast: tests/helpers_alerting.py); a framework's drills run concurrently.
+fast: tests/helpers_alerting.py). Every framework's drills run in one batch, CONCURRENCY at a time
+(one framework's start-ups overlap another's waits for a page), once for the module; each test
+judges its own framework's drills.
 
 Asserted per drill (bench/drills/paging_drills.py Result.problems): exactly one HeartbeatLost incident
 for the run, naming the dead rank and no other, within the timeout the collector learned for it
 plus the alert path; no other page; the run's status peer_lost at the collector and in the job's
 own meta.json (a killed rank 0's written by the survivor); the control preempted in both and
-silent.
+silent. `serial`: the latency bound is the drills' own; a neighbour test's load would skew it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,29 +32,43 @@ from tests.helpers_alerting import ALERTMANAGER, PROMETHEUS
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
+    pytest.mark.serial,
     pytest.mark.skipif(PROMETHEUS is None or ALERTMANAGER is None, reason="needs prometheus + alertmanager"),
 ]
 
 drills = pytest.importorskip("bench.drills.paging_drills")
 KILLS_PER_RANK = 3
 CONCURRENCY = 4
+NEEDS = {"moeguard": None, "transformers": "transformers", "torchtitan": "torchtitan"}
+
+
+@dataclass
+class Batch:
+    tmp: Path
+    plan: list[drills.Drill]
+    results: list[drills.Result]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[drills.Stack]:
+def batch(tmp_path_factory: pytest.TempPathFactory) -> Batch:
+    """Every installed framework's drills, run once for the module."""
+    fws = [fw for fw, mod in NEEDS.items() if mod is None or importlib.util.find_spec(mod) is not None]
+    plan = drills.interleave(drills.plan(fws, KILLS_PER_RANK))
     with drills.stack(tmp_path_factory.mktemp("drills")) as st:
-        yield st
+        return Batch(st.tmp, plan, drills.run_drills(st, plan, CONCURRENCY))
 
 
-def check(st: drills.Stack, framework: str) -> None:
-    plan = drills.plan([framework], KILLS_PER_RANK)
+def check(b: Batch, framework: str) -> None:
+    plan = [d for d in b.plan if d.framework == framework]
     kills = [d for d in plan if d.rank != drills.PREEMPT]
+    assert len(plan) == 2 * KILLS_PER_RANK + 1 and len(kills) == 2 * KILLS_PER_RANK
     assert {d.rank for d in kills} == {0, 1} and len({(d.rank, d.step) for d in kills}) == 2 * KILLS_PER_RANK
     assert {d.race for d in kills} == set(drills.RACES)
     assert {bool(d.checkpoint) for d in kills} == {True, False}
-    results = drills.run_drills(st, plan, CONCURRENCY)
+    results = [r for r in b.results if r.drill.framework == framework]
+    assert [r.drill for r in results] == plan
     failed = {r.drill.run: r.problems() for r in results if not r.ok}
-    logs = {run: _tail(st.tmp / "jobs" / f"{run}.log") for run in failed}
+    logs = {run: _tail(b.tmp / "jobs" / f"{run}.log") for run in failed}
     assert not failed, f"{failed}\n{logs}"
 
 
@@ -59,18 +76,18 @@ def _tail(p: Path) -> str:
     return p.read_text(errors="replace")[-1500:] if p.is_file() else ""
 
 
-@pytest.mark.timeout(600)
-def test_moeguard_train_kill_9_drills(stack: drills.Stack) -> None:
-    check(stack, "moeguard")
+@pytest.mark.timeout(900)
+def test_moeguard_train_kill_9_drills(batch: Batch) -> None:
+    check(batch, "moeguard")
 
 
-@pytest.mark.timeout(600)
-def test_transformers_trainer_kill_9_drills(stack: drills.Stack) -> None:
+@pytest.mark.timeout(900)
+def test_transformers_trainer_kill_9_drills(batch: Batch) -> None:
     pytest.importorskip("transformers")
-    check(stack, "transformers")
+    check(batch, "transformers")
 
 
-@pytest.mark.timeout(600)
-def test_torchtitan_kill_9_drills(stack: drills.Stack) -> None:
+@pytest.mark.timeout(900)
+def test_torchtitan_kill_9_drills(batch: Batch) -> None:
     pytest.importorskip("torchtitan", reason="torchtitan (and triton) not installed")
-    check(stack, "torchtitan")
+    check(batch, "torchtitan")
