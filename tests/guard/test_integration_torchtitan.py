@@ -30,7 +30,7 @@ pytest.importorskip(
 from bench.common.torchtitan_model import SMALL_VOCAB, build, one_process_group, small_config  # noqa: E402
 from guard.api import GuardedStep  # noqa: E402
 from guard.core import schema  # noqa: E402
-from guard.core.config import CollapseConfig, GuardConfig  # noqa: E402
+from guard.core.config import GuardConfig  # noqa: E402
 from guard.integrations.torchtitan import attach, force_collapse  # noqa: E402
 from guard.store.reader import read_table  # noqa: E402
 
@@ -126,12 +126,21 @@ def _loads(run_dir: Path) -> dict[tuple[int, int], list[int]]:
     return out
 
 
+# One run serves the clean-run claims and the collapse claim: GuardConfig's defaults, clean for
+# CLEAN_STEPS steps (every detector armed: the spike rules' tail fit from 200 accepted steps, the
+# collapse detector from collapse.warmup = 250), then layer COLLAPSE_LAYER's tokens forced to
+# expert 0 at CLEAN_STEPS and COLLAPSE_STEPS more steps to correct it and stay corrected.
+CLEAN_STEPS, COLLAPSE_STEPS, COLLAPSE_LAYER = 300, 100, 2
+
+
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory: pytest.TempPathFactory, corpus: np.ndarray, parallel_dims: object):
     run_dir = tmp_path_factory.mktemp("tt") / "clean"
     run = Run(run_dir, corpus, parallel_dims)
     seen: dict[tuple[int, int], list[int]] = {}
-    for step in range(300):
+    for step in range(CLEAN_STEPS + COLLAPSE_STEPS):
+        if step == CLEAN_STEPS:
+            force_collapse(run.model, COLLAPSE_LAYER, margin=0.5)
         loss = run.backward()
         seen |= {(step, i): c.round().long().tolist() for i, c in run.counts().items()}
         run.step(loss)
@@ -142,7 +151,7 @@ def clean_run(tmp_path_factory: pytest.TempPathFactory, corpus: np.ndarray, para
 def test_stored_loads_are_torchtitans_own_counters(clean_run) -> None:
     run, run_dir, seen = clean_run
     stored = _loads(run_dir)
-    assert set(stored) == set(seen) and len(seen) == 300 * 3
+    assert set(stored) == set(seen) and len(seen) == (CLEAN_STEPS + COLLAPSE_STEPS) * 3
     assert stored == seen
     # one step's tokens each (torchtitan's hook zeroes them on every applied step): top-2 of B*SEQ
     assert {sum(v) for v in seen.values()} == {2 * BATCH * SEQ}
@@ -151,10 +160,10 @@ def test_stored_loads_are_torchtitans_own_counters(clean_run) -> None:
 
 def test_clean_run_draws_no_action(clean_run) -> None:
     _, run_dir, _ = clean_run
-    steps = read_table(run_dir, "steps")
-    events = read_table(run_dir, "events")
+    steps = read_table(run_dir, "steps").filter(pl.col("step") < CLEAN_STEPS)
+    events = read_table(run_dir, "events").filter(pl.col("step") < CLEAN_STEPS)
     fired = events.select("step", "kind", "detector", "action", "value", "threshold", "detail").rows()
-    assert steps.height == 300
+    assert steps.height == CLEAN_STEPS
     assert steps["action"].unique().to_list() == [schema.ACT_APPLY], fired
     # a collapse correction leaves the step's action at "apply": no guard event either (the host's
     # data-stall and throughput notes are informational and depend on this shared VM's load)
@@ -202,21 +211,14 @@ def test_spike_and_nan_are_skipped_bit_exactly(
     assert actions["step"].to_list() == [60, 70]
 
 
-def test_forced_collapse_is_detected_and_corrected(
-    tmp_path: Path, corpus: np.ndarray, parallel_dims: object
-) -> None:
-    # This model's routing is chaotic until torchtitan's balancing catches up (MaxVio near its top,
-    # 3, on layers 1-3 around steps 30-90, under 1.6 from step 100 on): a warm-up of 150 instead of
-    # the default 250, which is meant for runs of thousands of steps.
-    cfg = GuardConfig(collapse=CollapseConfig(warmup=150))
-    run = Run(tmp_path / "collapse", corpus, parallel_dims, config=cfg)
-    layer, at = 2, 160
-    for step in range(260):
-        if step == at:
-            force_collapse(run.model, layer, margin=0.5)
-        run.step(run.backward())
-    run.guarded.close()
-    events = read_table(tmp_path / "collapse", "events")
+def test_forced_collapse_is_detected_and_corrected(clean_run) -> None:
+    # The collapse is forced on the clean run once it is past collapse.warmup (250, the default):
+    # this model's routing is chaotic until torchtitan's balancing catches up (MaxVio near its top,
+    # 3, on layers 1-3 around steps 30-90, under 1.6 from step 100 on).
+    _, run_dir, _ = clean_run
+    cfg = GuardConfig()
+    layer, at = COLLAPSE_LAYER, CLEAN_STEPS
+    events = read_table(run_dir, "events")
     detail = [json.loads(d) if d else {} for d in events["detail"].to_list()]
     events = events.with_columns(pl.Series("layer_", [d.get("layer", -1) for d in detail]))
     verdicts = events.filter(
@@ -226,7 +228,7 @@ def test_forced_collapse_is_detected_and_corrected(
     acts = events.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_BIAS_CORRECT))
     assert acts.height >= 1 and set(acts["layer_"].to_list()) == {layer}, acts.rows()
     started = int(acts["step"].min())
-    maxvio = read_table(tmp_path / "collapse", "layers").filter(pl.col("layer") == layer).sort("step")
+    maxvio = read_table(run_dir, "layers").filter(pl.col("layer") == layer).sort("step")
     before = maxvio.filter(pl.col("step").is_between(started - 5, started))["maxvio"]
     assert before.min() > cfg.collapse.maxvio, before.to_list()
     after = maxvio.filter(pl.col("step") > started)
@@ -237,7 +239,7 @@ def test_forced_collapse_is_detected_and_corrected(
     )
     recovered = events.filter(pl.col("kind") == schema.EV_RECOVERED)
     assert recovered["layer_"].to_list() == [layer], events.rows()
-    steps = read_table(tmp_path / "collapse", "steps")
+    steps = read_table(run_dir, "steps")
     assert steps["action"].is_in(list(schema.APPLYING_ACTIONS)).all()  # corrected, no update thrown away
 
 
