@@ -65,6 +65,31 @@ def same(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if type(a) is type(b) and a == b else [f"{where}: {a!r} != {b!r}"]
 
 
+@pytest.fixture(scope="module")
+def first_attempt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], int]:
+    """The guarded first attempt (steps 0..39, checkpoint-20 and -40), run once for the tests that
+    resume it (each on its own copy: `resumable`), with how many guard states it loaded."""
+    out = tmp_path_factory.mktemp("first") / "out"
+    real = GuardedStep.load_state_dict
+    calls: list[str] = []
+
+    def spy(self: GuardedStep, s: dict[str, Any], *, checkpoint: str = "") -> None:
+        calls.append(checkpoint)
+        real(self, s, checkpoint=checkpoint)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GuardedStep, "load_state_dict", spy)
+        res = job([*RUN, "--out", str(out)])
+    return out, res, len(calls)
+
+
+def resumable(first_attempt: tuple[Path, dict[str, Any], int], tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """A copy of the first attempt's output_dir (checkpoints and run store) and its result."""
+    out = tmp_path / "out"
+    shutil.copytree(first_attempt[0], out)
+    return out, first_attempt[1]
+
+
 @pytest.fixture
 def loaded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict[str, Any], str]]:
     """Each GuardedStep.load_state_dict call: the guard's state right after it, and the checkpoint named."""
@@ -80,14 +105,13 @@ def loaded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict[str, Any], str]]:
 
 
 def test_resume_restores_the_guards_state_and_the_run_store_keeps_each_step_once(
-    tmp_path: Path, loaded: list[tuple[dict[str, Any], str]]
+    tmp_path: Path, loaded: list[tuple[dict[str, Any], str]], first_attempt: tuple[Path, dict[str, Any], int]
 ) -> None:
-    out = tmp_path / "out"
-    first = job([*RUN, "--out", str(out)])
+    out, first = resumable(first_attempt, tmp_path)
     saved = torch.load(out / "checkpoint-20" / GUARD_STATE_FILE, weights_only=False)
     assert saved["step"] == 20 and saved["counts"] == {schema.ACT_APPLY: 20}
     assert saved["guard"]["detectors"]["grad_spike"]["n_accepted"] == 20  # a baseline worth keeping
-    assert not loaded  # a fresh start loads nothing
+    assert first_attempt[2] == 0 and not loaded  # a fresh start loads nothing
 
     # moved out of output_dir (copied off a cluster, say): found from the path train() was given
     moved = tmp_path / "kept" / "checkpoint-20"
@@ -123,9 +147,10 @@ def test_resume_restores_the_guards_state_and_the_run_store_keeps_each_step_once
     assert [json.loads(d)["path"] for d in saves["detail"]] == ["checkpoint-40"]  # 20's went with the tail
 
 
-def test_a_spike_right_after_the_resume_is_skipped_by_the_restored_baselines(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    job([*RUN, "--out", str(out)])
+def test_a_spike_right_after_the_resume_is_skipped_by_the_restored_baselines(
+    tmp_path: Path, first_attempt: tuple[Path, dict[str, Any], int]
+) -> None:
+    out, _ = resumable(first_attempt, tmp_path)
     spike = ["--inject", "gradspike@20:50"]  # the first optimizer step after the resume
     shutil.rmtree(out / "checkpoint-40")  # so `resume_from_checkpoint=True` finds checkpoint-20
     kept = job([*RUN, "--out", str(out), "--resume", "last", *spike])
