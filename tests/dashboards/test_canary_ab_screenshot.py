@@ -1,5 +1,5 @@
 """A real A/B canary on the Canaries page, in Chromium: `moeguard canary --ab` (the shipped canary
-model run short, 3 pairs, B with the loop expert kernel (the config's is bmm) and slowed 25%) writes ab.json where it writes
+model run short, 2 pairs, B with the loop expert kernel (the config's is bmm) and slowed 25%) writes ab.json where it writes
 by default (RUNS/canary-report/), `moeguard app --runs RUNS` finds it there, and the page is saved
 to test-output/screenshots/canaries-ab.png for a person to look at."""
 
@@ -25,7 +25,7 @@ def test_a_real_ab_canary_on_the_canaries_page(tmp_path: Path) -> None:
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} not installed")
     runs = tmp_path / "runs"
-    sets = [*SHORT, "canary.ab_fail_pct=10", "canary.ab_pairs=3", "canary.ab_max_pairs=3"]
+    sets = [*SHORT, "canary.ab_fail_pct=10", "canary.ab_pairs=2", "canary.ab_max_pairs=2"]
     code = main(
         [
             "canary",
@@ -41,7 +41,7 @@ def test_a_real_ab_canary_on_the_canaries_page(tmp_path: Path) -> None:
     )
     written = runs / ab_format.REPORT_DIR / ab_format.AB_JSON
     rep = ab_format.read_report(written)
-    assert code == rep["exit_code"] and rep["statistic"]["n_pairs"] == 3
+    assert code == rep["exit_code"] and rep["statistic"]["n_pairs"] == 2
     OUT.mkdir(parents=True, exist_ok=True)
     shot = tmp_path / "canaries-ab.png"
     with serve(runs, tmp_path / "no-history.jsonl", tmp_path / "app.log") as base:
