@@ -36,7 +36,9 @@ def _sets(items: list[str]) -> list[str]:
     return [x for i in items for x in ("--set", i)]
 
 
-def _own(tmp: Path, *extra: str, pairs: int = 2, sets: tuple[str, ...] = ()) -> tuple[int, dict]:
+def _own(
+    tmp: Path, *extra: str, pairs: int = 2, max_pairs: int = 0, sets: tuple[str, ...] = ()
+) -> tuple[int, dict]:
     code = main(
         [
             "canary",
@@ -45,7 +47,7 @@ def _own(tmp: Path, *extra: str, pairs: int = 2, sets: tuple[str, ...] = ()) -> 
             str(tmp / "runs"),
             "--report-dir",
             str(tmp / "rep"),
-            *_sets([*FAST, *sets, f"canary.ab_pairs={pairs}", f"canary.ab_max_pairs={pairs}"]),
+            *_sets([*FAST, *sets, f"canary.ab_pairs={pairs}", f"canary.ab_max_pairs={max_pairs or pairs}"]),
         ]
     )
     path = tmp / "rep" / "ab.json"
@@ -56,19 +58,33 @@ def _own(tmp: Path, *extra: str, pairs: int = 2, sets: tuple[str, ...] = ()) -> 
 @pytest.mark.slow
 @pytest.mark.serial
 def test_a_script_with_b_slowed_fails_and_every_run_is_the_commands_own(tmp_path: Path) -> None:
+    # Up to 4 pairs, as the canary itself extends an undecided verdict: on a fresh clone's CI the
+    # first worker once ran at half the speed of the later A (27k vs 55k tokens/s), and two pairs
+    # with one such pair are undecided.
     code, rep = _own(
-        tmp_path, "--ab", "set:", "set:OWN_FLAG=1", "--script", f"{LOOP} --steps 40", "--inject", "slow:50"
+        tmp_path,
+        "--ab",
+        "set:",
+        "set:OWN_FLAG=1",
+        "--script",
+        f"{LOOP} --steps 40",
+        "--inject",
+        "slow:50",
+        max_pairs=4,
     )
     assert code == 1 and rep["verdict"] == "fail", rep.get("state")
     read_report(tmp_path / "rep" / "ab.json")  # the report the app and the power bench read
-    assert rep["sequence"] == "ABBA" and [w["side"] for w in rep["workers"]] == list("ABBA")
+    assert rep["sequence"][:4] == "ABBA" and len(rep["sequence"]) in (4, 8)
+    assert [w["side"] for w in rep["workers"]] == list(rep["sequence"])
     assert rep["config_label"] == f"script: {LOOP} --steps 40"
     for w in rep["workers"]:  # each worker is the command's own run store, in the canary's runs
         run = Path(w["run_dir"])
         assert run.parent == tmp_path / "runs" / WORKER_RUNS_DIR and (run / "meta.json").is_file()
         assert w["window_steps"] == 30 and w["timing"] == "cpu"  # steps 10..39; CPU host
-    ratios = [p["ratio"]["speed"] for p in rep["pairs"]]
-    assert all(0.45 < r < 0.85 for r in ratios), ratios  # 50% more CPU per step: ~0.67
+    ratios = sorted(p["ratio"]["speed"] for p in rep["pairs"])
+    assert 0.45 < ratios[len(ratios) // 2 - 1] and ratios[len(ratios) // 2] < 0.85, (
+        ratios
+    )  # 50% more CPU a step: ~0.67
     diff = {d["key"]: d for d in rep["env_diff"]}
     assert diff["overrides"]["differs"] and not diff["torch"]["differs"]
     assert rep["sides"]["B"]["slow_pct"] == 50
