@@ -15,7 +15,7 @@ from bench.scale.big_run import write_big_run
 from bench.scale.month_store import write_month_run
 from guard.core import schema
 from guard.core.rows import reports_from_columns
-from guard.store import layout, reader
+from guard.store import damage, layout, reader
 
 STEPS = 3000
 
@@ -102,16 +102,16 @@ def test_damaged_checks_are_incremental(tmp_path: Path) -> None:
     d = write_big_run(tmp_path / "r", steps=500, layers=2, experts=4, part_steps=50)
     reader.clear_cache()
     n_parts = sum(len(layout.part_files(d, t)) for t in schema.TABLES)
-    before = reader.footer_checks
+    before = damage.footer_checks
     assert reader.damaged_parts(d) == []
-    assert reader.footer_checks - before == n_parts
-    assert reader.damaged_parts(d) == [] and reader.footer_checks - before == n_parts  # none again
+    assert damage.footer_checks - before == n_parts
+    assert reader.damaged_parts(d) == [] and damage.footer_checks - before == n_parts  # none again
     victim = layout.part_files(d, schema.TABLE_LAYERS)[2]
     victim.write_bytes(victim.read_bytes()[:-20])
     assert [x.path for x in reader.damaged_parts(d)] == [victim]
-    assert reader.footer_checks - before == n_parts + 1
+    assert damage.footer_checks - before == n_parts + 1
     assert [x.path for x in reader.damaged_parts(d)] == [victim]
-    assert reader.footer_checks - before == n_parts + 1
+    assert damage.footer_checks - before == n_parts + 1
 
 
 def test_replay_reads_in_bounded_windows_with_the_same_reports(tmp_path: Path, monkeypatch) -> None:
