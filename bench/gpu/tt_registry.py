@@ -20,9 +20,10 @@ Writes docs/BENCHMARKS.md › GPU, through `bench/gpu/report.py`: no section of 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from bench.common.torchtitan_model import MoEShape, moe_config
+from bench.common.torchtitan_model import SMALL, MoEShape, moe_config
 from bench.common.torchtitan_registry import job
 
 LOG_FREQ = 5  # torchtitan's log steps (its mfu(%), and a host sync the overhead window starts on)
@@ -47,22 +48,10 @@ SIZES: dict[str, tuple[MoEShape, int, int]] = {
         2,
         4096,
     ),
+    # the test model's shape (bench/common/torchtitan_model.SMALL), one block less, with the GPU
+    # shape's sigmoid router, so the dry run drives the same router code as the GPU run
     "dry": (
-        MoEShape(
-            dim=64,
-            blocks=3,
-            heads=4,
-            kv_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=16,
-            v_head_dim=16,
-            dense_hidden=128,
-            moe_hidden=64,
-            experts=8,
-            shared_experts=1,
-            top_k=2,
-            score_func="sigmoid",
-        ),
+        replace(SMALL, blocks=3, score_func="sigmoid"),
         2,
         64,
     ),
