@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 import streamlit as st
 
-from dashboards import ui
+from dashboards import step_axis, ui
 from dashboards.data import (
     config,
     guard_events,
@@ -19,6 +19,7 @@ from dashboards.data import (
     runs,
     shaping,
     side_tables,
+    step_zoom,
     warmups,
 )
 from dashboards.figures.health import goodput_figure, health_timeline, host_figure, perf_figure
@@ -120,7 +121,6 @@ if info.compat == runs.COMPAT_OLDER:
         st.caption(f"Not in this run's steps table (older writer): {', '.join(miss)}")
 
 # ---- loss / grad norm with guard marks ------------------------------------------------
-series = loaders.load_step_series(path, sig, ("loss", "grad_norm", "lr"))
 marks, timeline = loaders.load_marks(path, sig)
 first_step = int(steps["step"].min())  # type: ignore[arg-type]
 evals = side_tables.load_evals(path, sig) if info.tables.get(schema.TABLE_EVALS) else {}
@@ -129,10 +129,25 @@ evals = side_tables.load_evals(path, sig) if info.tables.get(schema.TABLE_EVALS)
 span = (first_step, int(steps["step"].max()))  # type: ignore[arg-type]
 if (ev_span := side_tables.eval_step_range(evals)) is not None:
     span = (min(span[0], ev_span[0]), max(span[1], ev_span[1]))
-fig = health_timeline(series, marks, timeline, steps=span, evals=side_tables.loss_like(evals))
+# the zoom (a drag on any step chart, or the sidebar's slider): every step chart draws `view`
+view = step_axis.control(span)
+zoomed = step_zoom.is_zoomed(view, span)
+if zoomed:
+    st.caption(
+        f"Zoomed to {step_zoom.describe(view, span)} on every step chart. *Reset zoom* in the sidebar."
+    )
+# lines cut to the zoom, so their y-axes fit what is shown (plotly's autorange spans every point)
+series = step_zoom.clip(loaders.load_step_series(path, sig, ("loss", "grad_norm", "lr")), view)
+fig = health_timeline(
+    series,
+    step_zoom.clip(marks, view),
+    step_zoom.clip(timeline, view),
+    steps=view,
+    evals=step_zoom.clip(side_tables.loss_like(evals), view),
+)
 warm = warmups.spans(info.meta, first_step, warmups.SPIKE + warmups.ROUTING)
 shade_warmups(fig, warm, steps=span)
-st.plotly_chart(fig, key="timeline")
+step_axis.chart(fig, key="timeline", span=span)
 if evals:
     others = {k: v for k, v in evals.items() if k not in side_tables.loss_like(evals)}
     last = "; ".join(f"{k} {df[k][-1]:.4g} (step {df['step'][-1]})" for k, df in sorted(others.items()))
@@ -158,18 +173,30 @@ events = loaders.load_events(path, sig)
 
 # ---- precursors -----------------------------------------------------------------------
 st.subheader("Precursors")
-pre_series = loaders.load_step_series(path, sig, ("update_ratio", "adam_v_ratio"))
+pre_series = step_zoom.clip(loaders.load_step_series(path, sig, ("update_ratio", "adam_v_ratio")), view)
 groups = loaders.load_group_series(path, sig, "grad_norm") if info.tables.get(schema.TABLE_GROUPS) else {}
 logits = loaders.load_max_logits(path, sig) if info.tables.get(schema.TABLE_LAYERS) else {}
+groups, logits = step_zoom.clip(groups, view), step_zoom.clip(logits, view)
 if not pre_series["update_ratio"]["update_ratio"].is_finite().any() and not groups and not logits:
     st.info(
-        "No precursor signals in this run: it was written before they existed, its loop gave the "
+        f"No precursor signals in {step_zoom.describe(view, span)} (the zoom)."
+        if zoomed
+        else "No precursor signals in this run: it was written before they existed, its loop gave the "
         "probe no optimizer, or `[guard.precursor] enabled = false`."
     )
 else:
     nonfinite = nonfinite_steps(steps, ("loss", "grad_norm"))
-    st.plotly_chart(
-        precursor_figure(pre_series, groups, events, logits, nonfinite, steps=span), key="precursors"
+    step_axis.chart(
+        precursor_figure(
+            pre_series,
+            groups,
+            step_zoom.clip(events, view),
+            logits,
+            step_zoom.clip(nonfinite, view),
+            steps=view,
+        ),
+        key="precursors",
+        span=span,
     )
     n_pre = events.filter(
         (pl.col("kind") == schema.EV_VERDICT) & pl.col("detector").is_in(schema.PRECURSOR_DETECTORS)
@@ -235,7 +262,9 @@ else:
 
 # ---- per-layer signals ----------------------------------------------------------------
 st.subheader("Per layer")
-lo, hi = int(steps["step"].min()), int(steps["step"].max())  # type: ignore[arg-type]
+# the heatmaps are read for the steps shown: a zoom gets finer buckets, not wider ones
+lo, hi = max(view[0], first_step), min(view[1], int(steps["step"].max()))  # type: ignore[arg-type]
+lo, hi = (lo, hi) if lo <= hi else (first_step, int(steps["step"].max()))  # type: ignore[arg-type]
 if not info.tables.get(schema.TABLE_LAYERS):
     st.info(
         "This run has no `layers` table (yet): per-layer grad norms and routing statistics are not available."
@@ -267,12 +296,12 @@ else:
                 log=log,
                 zmin=zmin,
                 zmax=zmax,
-                steps=span,
+                steps=view,
             )
             if name in ROUTING_SIGNALS:
                 routing_warm = warmups.spans(info.meta, first_step, warmups.ROUTING)
                 shade_warmups(fig, routing_warm, steps=span, over_heatmap=True)
-            col.plotly_chart(fig, key=f"layer-{name}")
+            step_axis.chart(fig, key=f"layer-{name}", span=span, where=col)
     if heats:
         st.caption(
             f"Each column covers {next(iter(heats.values()))['width']} step(s). Dense layers have no routing "
@@ -310,7 +339,7 @@ def expert_load() -> None:
             )
             if h:
                 n_exp = len(h["y"])
-                st.plotly_chart(
+                step_axis.chart(
                     heatmap(
                         h,
                         title=f"Layer {layer}: load share per expert over time",
@@ -319,11 +348,14 @@ def expert_load() -> None:
                         z_title="share %",
                         z_scale=100,
                         hover_z="%{z:.2f}%",
-                        steps=span,
+                        steps=view,
                         **share_colors(100 * np.asarray(h["z"], dtype=float), n_exp),
                     ),
                     key="expert-time",
+                    span=span,
                 )
+                if step_zoom.clamp(st.session_state.get(step_zoom.KEY, span), span) != view:
+                    st.rerun(scope="app")  # zoomed from this fragment's chart: redraw the whole page
                 st.caption(
                     f"White: the uniform share ({100 / n_exp:.2f}%); red above it, blue below; dark blue is "
                     f"an expert that got no tokens (0%). Both load-share charts use this one scale. {h['note']}"
@@ -357,11 +389,12 @@ st.subheader("Throughput and memory")
 perf = loaders.load_step_series(
     path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes")
 )
-st.plotly_chart(perf_figure(perf, peak, steps=span), key="perf")
+perf = step_zoom.clip(perf, view)
+step_axis.chart(perf_figure(perf, peak, steps=view), key="perf", span=span)
 st.caption(f"MFU = analytic training FLOPs x tokens/s / (peak x ranks); peak {peak.label()} ({peak.source}).")
 host = side_tables.load_host(path, sig) if info.tables.get(schema.TABLE_HOST) else None
 if host is not None and host.height and side_tables.host_series(host):
-    st.plotly_chart(host_figure(host, steps=span), key="host")
+    step_axis.chart(host_figure(step_zoom.clip(host, view), steps=view), key="host", span=span)
     st.caption(
         "Sampled by a thread of its own at most once a second and once a step (MOEGUARD_HOST_EVERY_S), "
         "at the last step finished: CPU is the training process's CPU time over wall time (100% = one core); "
