@@ -267,13 +267,10 @@ def perf_figure(
     steps: tuple[int, int] | None = None,
 ) -> go.Figure:
     """MFU, tokens/s, step time vs data wait, peak memory: 2 x 2, shared step axis (`steps`:
-    the run's range, style.step_range). The MFU panel names the peak it divides by; points above
-    100% are marked as artefacts."""
-    mfu_title = "MFU (%)"
-    if peak is not None:
-        mfu_title = (
-            f"MFU (%) of peak {peak.label()}" if peak.flops else "MFU: no peak (tokens/s is the measure)"
-        )
+    the run's range, style.step_range). The MFU panel names the peak it divides by (mfu_title;
+    the peak's key in the MFU line's hover); points above 100% are marked as artefacts."""
+    mfu_title = panel_mfu_title(peak)
+    peak_hover = f"<br>of peak {peak.label()}" if peak is not None and peak.flops else ""
     fig = make_subplots(
         rows=2,
         cols=2,
@@ -308,7 +305,7 @@ def perf_figure(
                 name=name,
                 line={"color": color, "width": 1.2},
                 meta=MFU_META if c == "mfu" else None,
-                hovertemplate=f"step %{{x}}<br>{name} {fmt}<extra></extra>",
+                hovertemplate=f"step %{{x}}<br>{name} {fmt}{peak_hover if c == 'mfu' else ''}<extra></extra>",
             ),
             row=r,
             col=k,
@@ -331,6 +328,24 @@ def perf_figure(
     if steps is not None:
         fit_step_axis(fig, *steps)
     return fig
+
+
+PEAK_WORDS = {
+    mfu_peak.PEAK_TABLE: "datasheet",
+    mfu_peak.PEAK_PINNED: "pinned",
+    mfu_peak.PEAK_SELF: "self-measured",
+}
+
+
+def panel_mfu_title(peak: mfu_peak.Peak | None) -> str:
+    """The MFU panel's title: the peak's size and kind only ("MFU (%) of peak 107 GFLOP/s, pinned").
+    Its key (the CPU class and dtype, the datasheet row) is in the line's hover and the caption: a
+    pinned CPU peak's full label outgrew the half-width panel and was cut at its left edge."""
+    if peak is None:
+        return "MFU (%)"
+    if not peak.flops:
+        return "MFU: no peak (tokens/s is the measure)"
+    return f"MFU (%) of peak {mfu_peak.fmt_flops(peak.flops)}, {PEAK_WORDS.get(peak.kind, peak.kind)}"
 
 
 HOST_SPECS = (

@@ -141,9 +141,9 @@ def test_health_shows_the_peak_and_its_source_beside_mfu(mfu_store: Path, open_p
     cap = " ".join(c.value for c in at.caption)
     assert "self-measured by the run, not comparable" in cap and "measurement artefact" in cap
     perf = chart_titled(at, "Throughput, efficiency and memory")
-    assert any(
-        "MFU (%) of peak 16 GFLOP/s, self-measured" in a["text"] for a in perf["layout"]["annotations"]
-    )
+    # the panel's title: the peak's size and kind; what kind of peak it is, in the MFU line's hover
+    assert "MFU (%) of peak 16 GFLOP/s, self-measured" in _panel_titles(perf)
+    assert "of peak 16 GFLOP/s, self-measured by the run, not comparable" in _mfu_hover(perf)
     # the metrics read tokens/s before MFU: tokens/s needs no peak
     labels = [m.label for m in at.metric]
     assert labels.index("tokens/s") < labels.index("MFU (artefact)")
@@ -154,8 +154,22 @@ def test_health_shows_the_peak_and_its_source_beside_mfu(mfu_store: Path, open_p
         "214 GFLOP/s, pinned (cpu-authenticamd-amd-epyc-f26-m2-2c fp32)" in cap
         and "configs/cpu_peaks.toml" in cap
     )
+    # a pinned CPU peak's key (class, dtype) made the title outgrow its half-width panel, cut at the
+    # left edge: the title says the peak and that it is pinned, the hover and caption say which
+    perf = chart_titled(at, "Throughput, efficiency and memory")
+    assert "MFU (%) of peak 214 GFLOP/s, pinned" in _panel_titles(perf)
+    assert max(len(t) for t in _panel_titles(perf)) <= 40
+    assert "of peak 214 GFLOP/s, pinned (cpu-authenticamd-amd-epyc-f26-m2-2c fp32)" in _mfu_hover(perf)
     at = open_page("health", mfu_store, run=synth.GUARDED)
     assert "989 TFLOP/s, datasheet (H100 SXM bf16 dense)" in " ".join(c.value for c in at.caption)
+
+
+def _panel_titles(fig: dict) -> list[str]:
+    return [a["text"] for a in fig["layout"]["annotations"]]
+
+
+def _mfu_hover(fig: dict) -> str:
+    return next(t["hovertemplate"] for t in fig["data"] if t.get("name") == "MFU")
 
 
 def test_a_run_with_no_peak_reads_tokens_per_s(tmp_path: Path, open_page) -> None:
