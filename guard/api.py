@@ -345,8 +345,7 @@ class GuardedStep:
             if isinstance(v, bool) or not isinstance(v, int | float):
                 raise TypeError(f"GuardedStep.log({name}={v!r}): a metric must be a number")
             vals[name] = float(v)
-        if self.store is not None:
-            self.store.add_evals(self.step_idx - 1 if step is None else int(step), time.time(), vals)
+        self.session.record.evals(self.step_idx - 1 if step is None else int(step), time.time(), vals)
 
     def _decide(self, rep: StepReport, lr: float) -> tuple[Decision, list[Event]]:
         """The engine's decision, with the operator's command; on several ranks, agreed by all."""

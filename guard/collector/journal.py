@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from guard.collector.book import HealthBook
 from guard.collector.config import STATE_DIR, STATE_FILE, SUPERSEDED_DIR
 from guard.collector.storage import (
     COUNTERS_KEY,
+    Side,
     StoredState,
     check_run_layout,
     commit_liveness,
@@ -61,6 +62,7 @@ class Checkpoint:
     events: list[dict[str, Any]]
     state: dict[str, Any]
     liveness: dict[str, Any] | None = None  # liveness.json's new content, or None: keep it as is
+    side: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # rank 0's evals, host rows
 
 
 class RunJournal:
@@ -140,7 +142,7 @@ class RunJournal:
         retention: guard/store/maintain.py), which only reads and rewrites committed parts."""
         if self._maint is None:
             self._maint = self._maintainer()
-        frames = row_frames(ckpt.reports, ckpt.events)
+        frames = row_frames(ckpt.reports, ckpt.events, ckpt.side)
         seq = write_parts(self.dir, frames, self.next_part)
         if ckpt.liveness is not None:  # before state.json: a crash between keeps the newer liveness
             commit_liveness(self.state_dir, ckpt.liveness)
@@ -173,7 +175,7 @@ class RunJournal:
                 log.exception("run %s: final store upkeep failed (rows all kept)", self.run)
 
     def supersede(
-        self, batch: Batch, first: int, pending: tuple[list[StepReport], list[dict[str, Any]]]
+        self, batch: Batch, first: int, pending: tuple[list[StepReport], list[dict[str, Any]], Side]
     ) -> None:
         """Before a new generation's re-run of steps >= `first` is stored: move every row after
         `first - 1` (in parts, and still `pending`) out of the live tables into

@@ -70,6 +70,7 @@ class RunState:
         self.meta_file = RunMeta(run, run_dir)
         self.pending_reports: list[StepReport] = []
         self.pending_events: list[dict[str, Any]] = []
+        self.pending_side: dict[str, list[dict[str, Any]]] = {}  # rank 0's evals and host rows
         self.dirty = False
         self._liveness_at = -float("inf")  # monotonic time liveness.json was last handed to a checkpoint
         self._liveness_ranks: tuple[Any, ...] = ()  # liveness_key() then
@@ -192,7 +193,7 @@ class RunState:
         b.reports = self.order.steps(b, self.last_step, self.report_gen, strict=not replay)
         first = min(r.step for r in b.reports) if self._needs_truncate(b) else None
         if first is not None:
-            self.journal.supersede(b, first, (self.pending_reports, self.pending_events))
+            self.journal.supersede(b, first, (self.pending_reports, self.pending_events, self.pending_side))
         changes = _changes_state(b) or (b.trainer_detectors and not self.trainer_detectors)
         if body is not None and (changes or self.commands.is_new_ack(b.rank, b.commands_ack)):
             self.journal.append(body)  # the commit point: the batch is durable from here on
@@ -235,6 +236,8 @@ class RunState:
         if events:
             self.pending_events.extend(events)
             self.health.observe_events(self.run, events)
+        for t, rows in b.side.items():  # rank 0's evals and host samples, stored as they came
+            self.pending_side.setdefault(t, []).extend(rows)
         halted = self.health.is_halted(self.run)
         status = self.meta_file.advance(b, halted=halted, was_halted=was_halted, resumed=restart)
         if status == schema.STATUS_HALTED and was_status != schema.STATUS_HALTED:
@@ -268,6 +271,9 @@ class RunState:
         """Forget pending rows of steps >= `first` (journal.supersede kept them)."""
         self.pending_reports = [r for r in self.pending_reports if r.step < first]
         self.pending_events = [e for e in self.pending_events if e["step"] < first]
+        self.pending_side = {
+            t: [r for r in rows if r["step"] < first] for t, rows in self.pending_side.items()
+        }
         self.last_step = first - 1
 
     def _take_reports(self, b: Batch, now: float) -> list[dict[str, Any]]:
@@ -348,6 +354,7 @@ class RunState:
             segment=self.journal.end_segment(),
             reports=self.pending_reports,
             events=self.pending_events,
+            side=self.pending_side,
             state={
                 **self.gens.state_dict(),
                 "acks": dict(self.commands.acks),
@@ -358,7 +365,7 @@ class RunState:
             },
             liveness=self._liveness_due(),
         )
-        self.pending_reports, self.pending_events, self.dirty = [], [], False
+        self.pending_reports, self.pending_events, self.pending_side, self.dirty = [], [], {}, False
         return ckpt
 
     def _liveness_due(self, force: bool = False) -> dict[str, Any] | None:
@@ -387,9 +394,9 @@ def _make_detectors(cfg: GuardConfig | None) -> Engine | None:
 
 def _changes_state(b: Batch) -> bool:
     """Whether `b` carries what a restart must bring back, so it is logged: events, meta, rank
-    0's rows, a rank's end (so do a new commands ack and the trainer taking over detection).
+    0's rows (reports, evals, host samples), a rank's end (so do a new commands ack and the trainer taking over detection).
     Other ranks' reports and heartbeats only feed live health, learned again after a restart."""
-    return bool(b.events or b.meta or (b.rank == 0 and b.reports) or b.final)
+    return bool(b.events or b.meta or (b.rank == 0 and (b.reports or b.side)) or b.final)
 
 
 def _verdict_detectors(b: Batch) -> set[str]:

@@ -26,25 +26,36 @@ from guard.core.heartbeat import PHASES
 from guard.core.report import StepReport
 from guard.store.layout import atomic_write_bytes, fsync_dir, parse_part_name, part_files
 from guard.store.reader import count_actions, read_meta, scan_table
-from guard.store.writer import event_frame, report_frames, truncate_after, write_parts
+from guard.store.writer import event_frame, report_frames, table_frame, truncate_after, write_parts
 from guard.wire.batch import generation_of
+
+Side = dict[
+    str, list[dict[str, Any]]
+]  # rank 0's evals and host rows by table (guard/wire/batch.py SIDE_TABLES)
 
 log = logging.getLogger("moeguard.collector")
 COUNTERS_KEY = "counters"  # state.json: the run's counters as of the checkpoint (RunHealth.counter_state)
 
 
-def row_frames(reports: list[StepReport], events: list[dict[str, Any]]) -> dict[str, pl.DataFrame]:
-    """The table frames of rank-0 reports and event rows."""
+def row_frames(
+    reports: list[StepReport], events: list[dict[str, Any]], side: Side | None = None
+) -> dict[str, pl.DataFrame]:
+    """The table frames of rank-0 reports, event rows and side rows (evals, host)."""
     frames = report_frames(reports)
     if events:
         frames[schema.TABLE_EVENTS] = event_frame(events)
+    for t, rows in (side or {}).items():
+        if rows:
+            frames[t] = table_frame(t, {c: [r[c] for r in rows] for c in schema.TABLE_COLUMNS[t]})
     return frames
 
 
-def write_rows(run_dir: Path, reports: list[StepReport], events: list[dict[str, Any]], seq: int) -> int:
-    """Rank-0 reports and event rows as parts of the run store (first part number `seq`);
-    returns the next free part number."""
-    return write_parts(run_dir, row_frames(reports, events), seq)
+def write_rows(
+    run_dir: Path, reports: list[StepReport], events: list[dict[str, Any]], seq: int, side: Side | None = None
+) -> int:
+    """Rank-0 reports, event rows and side rows as parts of the run store (first part number
+    `seq`); returns the next free part number."""
+    return write_parts(run_dir, row_frames(reports, events, side), seq)
 
 
 def with_liveness(st: dict[str, Any], state_dir: Path) -> dict[str, Any]:
@@ -84,17 +95,20 @@ def remove_uncommitted_parts(run: str, run_dir: Path, next_part: int) -> None:
 
 
 def supersede(
-    run_dir: Path, dest: Path, first: int, pending: tuple[list[StepReport], list[dict[str, Any]]], seq: int
+    run_dir: Path,
+    dest: Path,
+    first: int,
+    pending: tuple[list[StepReport], list[dict[str, Any]], Side],
+    seq: int,
 ) -> int:
-    """Move every row after step `first - 1` (stored in parts, and the still `pending` reports and
-    events) out of the live tables into `dest`, a store of the same layout. Nothing is deleted.
+    """Move every row after step `first - 1` (stored in parts, and the still `pending` reports,
+    events and side rows) out of the live tables into `dest`, a store of the same layout. Nothing is deleted.
     Idempotent (redone after a failure or in replay). Returns the rows moved."""
     moved = truncate_after(run_dir, first - 1, archive_dir=dest)
     reports = [r for r in pending[0] if r.step >= first]
     events = [e for e in pending[1] if e["step"] >= first]
-    frames = report_frames(reports)
-    if events:
-        frames[schema.TABLE_EVENTS] = event_frame(events)
+    side = {t: [r for r in rows if r["step"] >= first] for t, rows in pending[2].items()}
+    frames = row_frames(reports, events, side)
     write_parts(dest, frames, seq)
     return moved + sum(df.height for df in frames.values())
 

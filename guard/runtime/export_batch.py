@@ -16,7 +16,15 @@ from typing import Any
 from guard.core.heartbeat import PHASE_TRAIN, PHASES
 from guard.core.report import StepReport
 from guard.runtime.export_commands import CommandInbox
-from guard.wire.batch import Batch, encode_batch, encode_report, heartbeat, make_seq
+from guard.wire.batch import (
+    MAX_SIDE_ROWS,
+    SIDE_TABLES,
+    Batch,
+    encode_batch,
+    encode_report,
+    heartbeat,
+    make_seq,
+)
 
 Item = tuple[StepReport, list[dict[str, Any]]]  # one submitted step: its report and event rows
 Encoded = tuple[bytes, list[dict[str, Any]], int]  # report JSON, its events, its step
@@ -68,6 +76,10 @@ class BatchAssembler:
         self._waiting = False  # inside a collective, waiting for peers (HeartbeatPump)
         self.progress_at = time.monotonic()  # when the last step or phase change came
         self._ranks: dict[str, Any] | None = None  # rank 0: every rank's window vectors, once
+        # rank 0's evals and host rows, riding on the next batch; a lock of their own: `lock` is
+        # held across a send, and the training thread (an eval) must not wait on the network
+        self._side_lock = threading.Lock()
+        self._side: dict[str, list[dict[str, Any]]] = {t: [] for t in SIDE_TABLES}
 
     def set_meta(self, meta: dict[str, Any]) -> None:
         with self.lock:
@@ -100,6 +112,20 @@ class BatchAssembler:
     def set_ranks(self, vectors: dict[str, Any]) -> None:
         with self.lock:
             self._ranks = vectors
+
+    def add_side(self, table: str, row: dict[str, Any]) -> None:
+        """A row of one of SIDE_TABLES (guard/wire/batch.py), sent with the next batch."""
+        if table not in self._side:
+            raise ValueError(f"table {table!r} is not one of {SIDE_TABLES}")
+        with self._side_lock:
+            self._side[table].append(row)
+
+    def _take_side(self) -> dict[str, list[dict[str, Any]]]:
+        with self._side_lock:
+            out = {t: rows[:MAX_SIDE_ROWS] for t, rows in self._side.items() if rows}
+            for t, rows in out.items():
+                del self._side[t][: len(rows)]
+        return out
 
     def take_news(self) -> bool:
         """Whether meta or a phase change waits for a batch (then one goes out even with no
@@ -140,6 +166,7 @@ class BatchAssembler:
                 world=self.world if chunk else 0,  # a report's step proves the others' (wire docs)
             ),
             ranks=ranks,
+            side=self._take_side(),
             meta=meta,
             trainer_detectors=self.trainer_detectors,
             # every batch: a lost heartbeat must not lose the acknowledgement

@@ -129,6 +129,11 @@ class Exporter:
         if spilled:
             self._steps.handled(spilled)
 
+    def add_side(self, table: str, row: dict[str, Any]) -> None:
+        """A row of rank 0's `evals` or `host` table (guard/wire/batch.py SIDE_TABLES): it rides
+        on the next batch (a step's, a beat, the final one). Never waits on the network."""
+        self._batches.add_side(table, row)
+
     def _spool_locked(self, chunk: list) -> None:
         """One batch of encoded steps to the spool with the next seq (the caller holds the seq lock)."""
         seq = self._batches.next_seq()

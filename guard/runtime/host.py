@@ -153,7 +153,8 @@ class HostSampler:
             log.exception("host sample failed")
 
 
-def start(store: Any) -> HostSampler | None:
-    """A sampler into `store.add_host_row`, or None when $MOEGUARD_HOST_EVERY_S turns it off."""
+def start(sink: Any) -> HostSampler | None:
+    """A sampler into `sink(row)` (guard/runtime/record.py: the run store and the exporter), or
+    None when $MOEGUARD_HOST_EVERY_S turns it off."""
     every = every_s_from_env()
-    return HostSampler(store.add_host_row, every_s=every) if every > 0 else None
+    return HostSampler(sink, every_s=every) if every > 0 else None

@@ -201,6 +201,10 @@ class TeeExporter:
         if self.collector is not None:
             self.collector.note_step(step)
 
+    def add_side(self, table: str, row: dict[str, Any]) -> None:
+        if self.collector is not None:
+            self.collector.add_side(table, row)
+
     def poll_commands(self) -> list[dict[str, Any]]:
         return self.collector.poll_commands() if self.collector is not None else []
 

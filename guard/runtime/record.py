@@ -39,8 +39,28 @@ class RunRecord:
         self.store = store  # rank 0 only
         self.exporter = exporter  # any rank, or None
         self.rank = rank
-        # rank 0's host utilisation beside its steps, sampled off the training thread (host.py)
-        self.host = host.start(store) if store is not None else None
+        # rank 0's host utilisation beside its steps, sampled off the training thread (host.py),
+        # to the run store and, like evaluations, to the collector (its copy has them too)
+        self.host = host.start(self._host_row) if store is not None else None
+
+    def _host_row(self, row: dict[str, Any]) -> None:
+        """A host sample (the sampler's thread): to the run store and the exporter."""
+        if self.store is not None:
+            self.store.add_host_row(row)
+        if self.exporter is not None:
+            self.exporter.add_side(schema.TABLE_HOST, row)
+
+    def evals(self, step: int, time_s: float, metrics: dict[str, float]) -> None:
+        """Evaluation metrics measured after `step` (rank 0): to the run store's `evals` table and
+        the exporter (guard/wire/batch.py `evals`), one row per metric."""
+        if self.store is None or not metrics:
+            return
+        self.store.add_evals(step, time_s, metrics)
+        if self.exporter is not None:
+            for name, value in metrics.items():
+                self.exporter.add_side(
+                    schema.TABLE_EVALS, {"step": step, "time": time_s, "name": name, "value": value}
+                )
 
     def started(self, meta: dict[str, Any], *, restarted: bool) -> None:
         """A new run: meta.json says running (a torchrun restart before the first checkpoint starts clean)."""

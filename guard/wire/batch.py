@@ -27,6 +27,13 @@
     trainer_detectors  bool, optional: true when the trainer runs the DetectorSuite in-process
     writer     str, optional ([A-Za-z0-9_-]{1,64}): a random id of the sending exporter instance;
                two writers whose generations are equal (started in the same second) differ here
+    evals      list of rows of the run store's `evals` table (schema.EVALS_COLUMNS: step, time, name,
+               value), optional, rank 0 only: the evaluation metrics the loop reported
+               (GuardedStep.log, the Trainer's evaluate), stored as the run store stores them
+    host       list of rows of the `host` table (schema.HOST_COLUMNS: step, time and the sampled
+               values, null where not measurable), optional, rank 0 only: rank 0's host samples
+               (guard/runtime/host.py). A missing column is null; unknown keys are ignored. At most
+               MAX_SIDE_ROWS rows of each per batch.
     final      bool, optional: true on the last batch of a rank that stopped on purpose
     goodbye    {"status": str, "note": str}, optional, only beside final: why this rank ends, one
                of schema.GOODBYE_STATUSES (finished, preempted, interrupted, halted, peer_lost, ...)
@@ -95,6 +102,7 @@ class Batch:
     writer: str | None = None  # the sending exporter instance (random), when it says
     ranks: dict[str, Any] | None = None  # rank 0: every rank's window timing (RANK_VECTORS)
     goodbye: dict[str, str] | None = None  # with final: {"status", "note"}: why this rank ends
+    side: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # SIDE_TABLES' rows (rank 0)
 
     @property
     def generation(self) -> int:
@@ -138,6 +146,10 @@ MAX_BEAT_EVERY_S = 86400.0  # a declared beat interval longer than a day is none
 
 # rank 0's per-rank vectors, each a list indexed by rank: name -> element type
 RANK_VECTORS = {"step_time_s": float, "data_wait_s": float, "tokens": int, "straggler_score": float}
+
+# rank 0's run-store tables that ride on a batch beside the reports; the wire key is the table name
+SIDE_TABLES = (schema.TABLE_EVALS, schema.TABLE_HOST)
+MAX_SIDE_ROWS = 10_000  # rows of one side table in one batch
 
 
 # ---------------------------------------------------------------------------------------
@@ -185,6 +197,9 @@ def encode_batch(b: Batch, reports_json: Sequence[bytes] | None = None) -> bytes
         d["commands_ack"] = b.commands_ack
     if b.ranks is not None:
         d["ranks"] = b.ranks
+    for t in SIDE_TABLES:
+        if b.side.get(t):
+            d[t] = b.side[t]
     if reports_json is None:
         reports_json = [encode_report(r) for r in b.reports]
     head = dumps(d)
@@ -337,6 +352,50 @@ def _parse_goodbye(v: Any, final: bool) -> dict[str, str] | None:
     return {"status": v["status"], "note": note}
 
 
+def _side_value(v: Any, dtype: str, where: str) -> Any:
+    if dtype == "String":
+        if not isinstance(v, str) or not 0 < len(v) <= 200:
+            raise BadRequest(f"{where}: expected a string of 1 to 200 characters")
+        return v
+    if v is None:
+        return None
+    if dtype == "Int64":
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        return parse_int(v, where, -(1 << 63), MAX_SEQ)
+    return _float(v, where)
+
+
+def _parse_side(d: dict[str, Any], rank: int) -> dict[str, list[dict[str, Any]]]:
+    """SIDE_TABLES' rows: each a full row of its table (a missing value column is null)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for t in SIDE_TABLES:
+        raw = d.get(t)
+        if raw is None:
+            continue
+        if not isinstance(raw, list):
+            raise BadRequest(f"field {t!r}: expected a list")
+        if raw and rank != 0:
+            raise BadRequest(f"field {t!r}: only rank 0 sends {t} rows (this batch is rank {rank})")
+        if len(raw) > MAX_SIDE_ROWS:
+            raise BadRequest(f"field {t!r}: {len(raw)} rows, more than {MAX_SIDE_ROWS} in one batch")
+        rows = []
+        for i, r in enumerate(raw):
+            where = f"{t}[{i}]"
+            if not isinstance(r, dict):
+                raise BadRequest(f"{where}: expected an object")
+            if "step" not in r:
+                raise BadRequest(f"{where}: missing field 'step'")
+            row = {c: _side_value(r.get(c), dt, f"{where}.{c}") for c, dt in schema.TABLE_COLUMNS[t].items()}
+            row["step"] = parse_int(r["step"], f"{where}.step")
+            if row["time"] is None or not math.isfinite(row["time"]):
+                row["time"] = time.time()
+            rows.append(row)
+        if rows:
+            out[t] = rows
+    return out
+
+
 def _parse_bool(d: dict[str, Any], name: str) -> bool:
     v = d.get(name, False)
     if not isinstance(v, bool):
@@ -393,6 +452,7 @@ def parse_batch(body: bytes, limits: CollectorLimits | None = None) -> Batch:
         goodbye=_parse_goodbye(d.get("goodbye"), final),
         writer=writer,
         ranks=_parse_ranks(d.get("ranks"), rank, limits),
+        side=_parse_side(d, rank),
     )
 
 

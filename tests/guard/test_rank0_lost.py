@@ -37,6 +37,9 @@ class Exporter:
     def set_meta(self, meta: dict[str, Any]) -> None:
         pass
 
+    def add_side(self, table: str, row: dict[str, Any]) -> None:
+        pass
+
 
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> dist.Store:

@@ -190,6 +190,9 @@ class FakeExporter:
     def set_phase(self, phase: str) -> None:
         self.phases.append(phase)
 
+    def add_side(self, table: str, row: dict[str, Any]) -> None:
+        pass
+
     def close(self, timeout: float = 30, final: bool | None = None, goodbye: dict | None = None) -> bool:
         return True
 
