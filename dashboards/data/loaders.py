@@ -46,24 +46,28 @@ def load_summary(path: str, sig: tuple[int, ...], *, every_part: bool = False) -
 
     From the run's summary.json (guard/store/summary.py, kept current by the writer) when it has
     one: no table is scanned, so listing 1,000 month-long runs costs 1,000 small JSON reads.
-    Damaged parts: checked for truncation, every part of the open segment and the newest ones
-    before it (_runs_page_parts), or every footer parsed with `every_part` (the run-health page; checks are
-    incremental, guard/store/reader.py). A store without summary.json is read as before."""
+    Damaged parts: the open segment's and the newest ones before it, checked by one stat() each
+    against the sizes summary.json lists when it is current, else listed and checked for
+    truncation (reader.newest_damaged), or every footer parsed with `every_part` (the run-health
+    page; checks are incremental, guard/store/reader.py). A store without summary.json is read as
+    before."""
     del sig
     summ = summary.read_summary(path)
     if summ is None:
         return _scanned_summary(path)
     out = _empty_summary()
-    last = summ.get("last_step")
-    open_from = layout.segment_of(int(last)) * layout.SEGMENT_STEPS if isinstance(last, int) else None
-    out["damaged"] = _damaged(path, every_part, open_from)
+    if every_part:
+        out["damaged"] = _damaged(path, every_part)
+    else:
+        out["damaged"] = [
+            (str(x.path.relative_to(path)), x.reason) for x in reader.newest_damaged(path, summ)
+        ]
     if summ.get("last_step") is not None:
         out["step"] = int(summ["last_step"])
         out["loss"] = _json_float(summ.get("last_loss"))
     recent = summ.get("recent") or {}
     for c in ("mfu", "tokens_per_s"):
-        vals = [float(v) for v in recent.get(c) or [] if isinstance(v, int | float) and math.isfinite(v)]
-        out[c] = float(np.median(vals)) if vals else None
+        out[c] = _finite_median(recent.get(c))
     out["mfu_over"] = int(summ.get("mfu_over") or 0)
     counts = actions.zero()
     counts.update({a: int(n) for a, n in (summ.get("actions") or {}).items() if a in counts})
@@ -77,6 +81,17 @@ def load_summary(path: str, sig: tuple[int, ...], *, every_part: bool = False) -
     return out
 
 
+def _finite_median(vals: Any) -> float | None:
+    """The median of the finite numbers in a summary.json list (NaN is written as null and +-inf
+    as a string), None when there is none."""
+    try:
+        a = np.asarray(vals or [], dtype=np.float64)  # null -> NaN, "inf" -> inf: both dropped
+    except (TypeError, ValueError):
+        a = np.asarray([v for v in vals if isinstance(v, int | float)], dtype=np.float64)
+    a = a[np.isfinite(a)] if a.ndim == 1 else np.empty(0)
+    return float(np.median(a)) if a.size else None
+
+
 def _json_float(v: Any) -> float:
     """A float summary.json stored: NaN is written as null and +-inf as a string."""
     try:
@@ -85,13 +100,14 @@ def _json_float(v: Any) -> float:
         return math.nan
 
 
-# On the Runs page, a run with summary.json has each table's parts checked for truncation (magic
-# bytes and footer length: a crash, a full disk or a copy in progress): every part of the open
-# segment (the live tail, at most SEGMENT_STEPS / flush_every parts however long the run) and the
-# newest NEWEST_PARTS before it (older segments were read whole by the store's upkeep when it
-# compacted and rolled them up), so the cost is flat in the run's length. The run-health page
-# parses every part's footer (incrementally).
-NEWEST_PARTS = 2
+# On the Runs page, a run's newest parts are checked for truncation (magic bytes and footer
+# length: a crash, a full disk or a copy in progress): every part of the open segment (the live
+# tail, at most SEGMENT_STEPS / flush_every parts however long the run) and the newest
+# NEWEST_PARTS before it (older segments were read whole by the store's upkeep when it compacted
+# and rolled them up), so the cost is flat in the run's length: by stat() against summary.json's
+# sizes (reader.newest_damaged), or here, for a store without summary.json, listed. The
+# run-health page parses every part's footer (incrementally).
+NEWEST_PARTS = summary.TAIL_BEFORE
 
 
 def _runs_page_parts(parts: list[Path]) -> list[Path]:
@@ -104,18 +120,13 @@ def _runs_page_parts(parts: list[Path]) -> list[Path]:
     return older[-NEWEST_PARTS:] + [p for s, p in named if s >= open_from]
 
 
-def _damaged(path: str, every_part: bool, open_from: int | None = None) -> list[tuple[str, str]]:
-    """(path relative to the run, reason) of each damaged part the check looked at. `open_from`:
-    the open segment's first step (from summary.json): the Runs page lists only the newest parts
-    (layout.newest_part_names), not the 1,000 a table of a month-long run has."""
+def _damaged(path: str, every_part: bool) -> list[tuple[str, str]]:
+    """(path relative to the run, reason) of each damaged part the check looked at: every part's
+    footer, or (a store without summary.json) the newest parts' truncation."""
     found = []
     for t in schema.TABLES:
         if every_part:
             bad = ((p, reader.part_problem(p)) for p in reader.cached_part_files(path, t))
-        elif open_from is not None:
-            d = os.path.join(path, t)
-            names = layout.newest_part_names(d, open_from, NEWEST_PARTS)
-            bad = ((p, reader.part_truncated(p)) for p in (Path(d, n) for n in names))
         else:
             parts = reader.cached_part_files(path, t)
             bad = ((p, reader.part_truncated(p)) for p in _runs_page_parts(parts))

@@ -16,7 +16,7 @@ from typing import Any
 from dashboards.data import status as run_status
 from guard.canary.ab_format import REPORT_DIR, WORKER_RUNS_DIR
 from guard.core import schema
-from guard.store import reader
+from guard.store import reader, summary
 from guard.store.reader import list_runs, read_meta
 
 DEFAULT_STALE_S = 300.0
@@ -111,14 +111,17 @@ class RunInfo:
 
 def run_signature(run_dir: str | Path) -> tuple[int, ...]:
     """Changes whenever the run gains a part file or rewrites meta.json (cache key)."""
-    d = Path(run_dir)
+    base = os.fspath(run_dir) + os.sep
     sig = []
-    for name in (schema.META_FILE, *schema.TABLES):
+    for name in _SIGNED:
         try:
-            sig.append(os.stat(d / name).st_mtime_ns)
+            sig.append(os.stat(base + name).st_mtime_ns)
         except OSError:
             sig.append(0)
     return tuple(sig)
+
+
+_SIGNED = (schema.META_FILE, *schema.TABLES)
 
 
 def run_info(
@@ -126,7 +129,7 @@ def run_info(
 ) -> RunInfo:
     d = Path(run_dir)
     meta = read_meta(d)
-    tables = {t: reader.has_part(d, t) for t in schema.TABLES}
+    tables = run_tables(d)
     if meta is None or not isinstance(meta, dict):
         return RunInfo(
             run_id=d.name,
@@ -167,6 +170,16 @@ def run_info(
         updated_at=last_activity,
         tables=tables,
     )
+
+
+def run_tables(run_dir: str | Path) -> dict[str, bool]:
+    """table -> has at least one part: from summary.json's listing where it is current (no table
+    folder listed: guard/store/summary.py PARTS_KEY), else each folder scanned up to its first part."""
+    doc = summary.read_summary(run_dir)
+    tails = summary.current_tails(doc, run_dir) if doc is not None else None
+    if tails is not None:
+        return {t: bool(tails[t]) for t in schema.TABLES}
+    return {t: reader.has_part(run_dir, t) for t in schema.TABLES}
 
 
 def discover(runs_dir: str | Path, *, stale_after_s: float = DEFAULT_STALE_S) -> list[RunInfo]:

@@ -12,7 +12,8 @@ from pathlib import Path
 import polars as pl
 
 from guard.core import schema
-from guard.store.layout import part_files
+from guard.store import summary
+from guard.store.layout import newest_part_names, part_files
 
 PARQUET_MAGIC = b"PAR1"  # a Parquet file starts and ends with it; the footer length sits before the end
 
@@ -125,6 +126,36 @@ def damaged_parts(run_dir: str | Path) -> list[DamagedPart]:
         for p in part_files(run_dir, t)
         if (why := part_problem(p)) is not None
     ]
+
+
+def newest_damaged(run_dir: str | Path, doc: dict | None) -> list[DamagedPart]:
+    """Damaged parts among each table's newest (the open segment's, from summary.json's
+    last_step, and the summary.TAIL_BEFORE before them): what the Runs page checks, flat in the
+    run's length. Where summary.json lists them and is current (summary.current_tails: no
+    folder changed since the writer listed it), each is checked by one stat(): the size the
+    writer recorded means it is whole, and only a part of another size has its bytes read.
+    Otherwise (an older summary, a live run between its parts and its next save) each table
+    folder is listed and its newest parts checked for truncation (`part_truncated`)."""
+    doc = doc or {}
+    tails = summary.current_tails(doc, run_dir)
+    found = []
+    for t in schema.TABLES:
+        d = os.path.join(run_dir, t)
+        if tails is not None:
+            base = d + os.sep
+            for name, size in tails[t]:
+                try:
+                    same = os.stat(base + name).st_size == size
+                except (OSError, TypeError):
+                    same = False
+                if not same and (why := part_truncated(base + str(name))) is not None:
+                    found.append(DamagedPart(Path(d, str(name)), why))
+            continue
+        open_from = summary.open_segment_start(doc.get("last_step"))
+        for name in newest_part_names(d, open_from, summary.TAIL_BEFORE):
+            if (why := part_truncated(os.path.join(d, name))) is not None:
+                found.append(DamagedPart(Path(d, name), why))
+    return found
 
 
 def forget_checks() -> None:

@@ -1,5 +1,6 @@
-"""A long run's upkeep, done by its one writer as the run goes: summary.json after every write,
-and once a 1,000-step segment is closed (the run is `compact_lag_steps` past it), in this order:
+"""A long run's upkeep, done by its one writer as the run goes: summary.json after every write
+(with each table's newest parts listed for the Runs page, summary.PARTS_KEY), and once a
+1,000-step segment is closed (the run is `compact_lag_steps` past it), in this order:
 
     1. its parts merged into one per table (guard/store/compaction.py), reading each input once;
        the same pass feeds the layers/experts/groups/ranks rows to the segment's rollups;
@@ -153,6 +154,7 @@ class StoreMaintainer:
 
     def save(self) -> None:
         self._refresh_ranges(self.doc)
+        self.doc[summary.PARTS_KEY] = summary.table_tails(self.dir, self.doc.get("last_step"))
         self.doc["updated_at"] = time.time()
         summary.write_summary(self.dir, self.doc)
         self._mtime = self._stat()

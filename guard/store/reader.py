@@ -34,6 +34,7 @@ from guard.store.damage import (  # noqa: F401 (the damage checks, re-exported: 
     forget_checks,
     forget_gone,
     good_parts,
+    newest_damaged,
     part_problem,
     part_truncated,
 )

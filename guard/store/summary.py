@@ -18,12 +18,23 @@ kept (guard/store/retention.py keeps it; readers ask `reader.full_fidelity_range
 `rolled_through`: the last segment (guard/store/layout.py SEGMENT_STEPS) whose rollups and
 compaction are done. A store written before summaries existed has no summary.json:
 `read_summary` returns None and readers fall back to scanning (as they did).
+
+`parts` (PARTS_KEY; written since issue #38's Runs page, still summary_version 1: a key added
+to the document keeps the version, so an older moeguard still reads and resumes the run; a
+summary without it reads as before): {table: {"mtime_ns": the table folder's mtime when the
+writer listed it (0: no folder), "tail": [[part name, size in bytes], ...]}} for every table,
+the tail being the parts the Runs page checks for truncation: the open segment's (from
+`last_step`) and the TAIL_BEFORE newest before it. A reader that stats each table folder and
+finds the same mtimes (no part written, compacted or removed since; `current_tails`) knows the
+run's parts without listing a folder, and checks each tail part by one stat(): a size other
+than the one written means it was cut or rewritten, and only then are its bytes read.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -31,9 +42,11 @@ from typing import Any
 import polars as pl
 
 from guard.core import actions, schema
-from guard.store.layout import atomic_write_bytes
+from guard.store.layout import SEGMENT_STEPS, atomic_write_bytes, newest_part_names
 
 SUMMARY_VERSION = 1
+PARTS_KEY = "parts"
+TAIL_BEFORE = 2  # the Runs page checks the open segment's parts and this many before them
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any] | None:
@@ -137,3 +150,56 @@ def add_events(doc: dict[str, Any], events: pl.DataFrame) -> None:
     bias = events.filter((pl.col("kind") == schema.EV_ACTION) & (pl.col("action") == schema.ACT_BIAS_CORRECT))
     doc["bias_correct_event_steps"] = int(doc.get("bias_correct_event_steps", 0)) + bias["step"].n_unique()
     doc["updated_at"] = time.time()
+
+
+# ---- the Runs page's listing (PARTS_KEY) ---------------------------------------------------
+def open_segment_start(last_step: Any) -> int:
+    """The first step of the segment holding `last_step` (0 when there is no step yet)."""
+    return (last_step // SEGMENT_STEPS) * SEGMENT_STEPS if isinstance(last_step, int) else 0
+
+
+def table_tails(run_dir: str | Path, last_step: Any) -> dict[str, dict[str, Any]]:
+    """PARTS_KEY's value for the run as it is on disk now. Each folder is stat()ed before it is
+    listed: a part landing during the listing leaves a recorded mtime older than the folder's,
+    so readers list it themselves rather than miss the part. (No memo of an unchanged folder:
+    a part renamed in within the same mtime tick as an earlier listing would be missed for good.)"""
+    open_from = open_segment_start(last_step)
+    out: dict[str, dict[str, Any]] = {}
+    for t in schema.TABLES:
+        d = os.path.join(run_dir, t)
+        try:
+            mtime = os.stat(d).st_mtime_ns
+        except OSError:
+            out[t] = {"mtime_ns": 0, "tail": []}
+            continue
+        tail = []
+        for name in newest_part_names(d, open_from, TAIL_BEFORE):
+            try:
+                tail.append([name, os.stat(os.path.join(d, name)).st_size])
+            except OSError:  # removed while listed: the folder's mtime moved, readers list it
+                continue
+        out[t] = {"mtime_ns": mtime, "tail": tail}
+    return out
+
+
+def current_tails(doc: dict[str, Any], run_dir: str | Path) -> dict[str, list[list[Any]]] | None:
+    """table -> the summary's tail ([[part name, size], ...], oldest first) when every table
+    folder is as the writer last listed it (same mtime); None when a folder changed since, or the
+    summary predates PARTS_KEY: then list the folders."""
+    parts = doc.get(PARTS_KEY)
+    if not isinstance(parts, dict):
+        return None
+    out = {}
+    base = os.fspath(run_dir) + os.sep
+    for t in schema.TABLES:
+        rec = parts.get(t)
+        if not isinstance(rec, dict) or not isinstance(tail := rec.get("tail"), list):
+            return None
+        try:
+            mtime = os.stat(base + t).st_mtime_ns
+        except OSError:
+            mtime = 0
+        if mtime != rec.get("mtime_ns"):
+            return None
+        out[t] = tail
+    return out

@@ -176,4 +176,5 @@ def drop_rollups_after(run_dir: str | Path, step: int) -> None:
         doc["incidents"] = [s for s in doc.get("incidents", []) if s <= step]
         doc["incident_count"] = len(doc["granted"]) + sum(hi - lo + 1 for lo, hi in doc["incident_points"])
         doc["recount"] = True
+        doc.pop(summary.PARTS_KEY, None)  # the parts changed: readers list until the next save
         summary.write_summary(d, doc)
