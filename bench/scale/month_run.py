@@ -19,7 +19,8 @@ a fresh process with the run's files evicted from the page cache (posix_fadvise 
 and fits a growth law t = a * steps^b across the sizes (b ~ 0: flat; b ~ 1: linear).
 `--baseline` also builds the store today's layout leaves (bench/scale/big_run.py: one part per 50 steps
 per table, every row raw) and opens it with the code of `--baseline-rev` (a git worktree in
-/tmp), at sizes up to `--baseline-max`.
+/tmp), at sizes up to `--baseline-max`. `--same-store-rev REV` also opens each new-layout store with
+REV's code (a git worktree): a reader change before and after on the very same files.
 
 Writes docs/BENCHMARKS.md › Long runs and store size › Reading a long run
 (`bench/scale/month_run.py`) and › A month at 1M steps, measured (`bench/scale/month_run.py`).
@@ -289,12 +290,17 @@ def markdown(res: dict[str, Any]) -> str:
             r = res["results"].get(f"{label}-{n}")
             if not r:
                 continue
-            m = r["measured"]
-            lines.append(
-                f"| {n:,} ({label}) | {r['store']['total']['bytes'] / 1e6:,.1f} | {r['store']['total']['files']:,} | "
-                + " | ".join(f"{m[p]['wall_s']:.2f} / {m[p]['cpu_s']:.2f}" for p in PAGES)
-                + f" | {m['replay']['peak_rss_mb']:,.0f} | {m['replay']['wall_s']:.1f} / {m['replay'].get('cpu_s', math.nan):.1f} |"
-            )
+            for m, who in (
+                (r["measured"], label),
+                (r.get("measured_rev"), f"same store, {res.get('rev')}'s code"),
+            ):
+                if m is None:
+                    continue
+                lines.append(
+                    f"| {n:,} ({who}) | {r['store']['total']['bytes'] / 1e6:,.1f} | {r['store']['total']['files']:,} | "
+                    + " | ".join(f"{m[p]['wall_s']:.2f} / {m[p]['cpu_s']:.2f}" for p in PAGES)
+                    + f" | {m['replay']['peak_rss_mb']:,.0f} | {m['replay']['wall_s']:.1f} / {m['replay'].get('cpu_s', math.nan):.1f} |"
+                )
     if res.get("growth"):
         lines += ["", "Growth law CPU = a * steps^b (new layout): " + "; ".join(
             f"{k} b = {v['b']:.2f}" for k, v in res["growth"].items() if v)]  # fmt: skip
@@ -332,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         help="largest size today's replay runs at (it holds the whole experts table: ~1.3 GB per 1,000 steps)",
     )
     p.add_argument(
+        "--same-store-rev",
+        help="also open each new-layout store with this git revision's code (before/after on one store)",
+    )
+    p.add_argument(
         "--pages",
         default=",".join((*PAGES, "replay")),
         help="what to measure, comma-separated (default: every page and replay)",
@@ -358,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         ).stdout.strip(),  # fmt: skip
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
         "sizes": sizes,
+        "rev": args.same_store_rev,
         "results": {},
     }
     for n in sizes:
@@ -381,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                     pages,
                 ),
             }
+            if label == "new" and args.same_store_rev:  # the same files, the other revision's code
+                res["results"][f"{label}-{n}"]["measured_rev"] = measure(
+                    run, runs, baseline_tree(args.same_store_rev), args.repeat, True, pages
+                )
             print(
                 json.dumps({label: n, **res["results"][f"{label}-{n}"]["measured"]}, default=float),
                 file=sys.stderr,
