@@ -373,7 +373,7 @@ def test_paired_verdicts() -> None:
 def test_power_bench_replays_the_ab_rule_on_recorded_pairs() -> None:
     """bench/canary/canary_power.py --ab re-judges recorded canaries under other lines: the same sequential
     rule, on the pairs that were measured; a replay that would need more pairs is 'unjudged'."""
-    from bench.canary.canary_power import ab_rejudge
+    from bench.canary.ab_power import ab_rejudge
 
     c = config.CanaryConfig(ab_fail_pct=1.0)
     slow = [0.95, 0.96, 0.94, 0.97, 0.95, 0.96]
