@@ -114,6 +114,7 @@ class Drill:
 class Result:
     drill: Drill
     timeout_s: float = float("nan")  # the collector's learned timeout for the dead rank at the kill
+    killed_at: float | None = None  # time.monotonic() of the kill (a control's SIGTERM)
     latency_s: float | None = None  # kill -> the first page naming it
     named: list[str] = field(default_factory=list)  # ranks HeartbeatLost named for the run
     incidents: int = 0  # HeartbeatLost incidents PagerDuty opened for the run
@@ -192,13 +193,16 @@ class Stack:
     tmp: Path
     sink: RecordingSink
     collector_url: str
+    # one client for every drill's polls (thread-safe): a bare httpx.get builds a client and its
+    # TLS context each call, ~20 ms of CPU, and 4 drills polling 5 times a second cost half a core
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=10))
 
     def run_info(self, run: str) -> dict[str, Any] | None:
-        r = httpx.get(f"{self.collector_url}/v1/runs", headers=_auth(), timeout=10)
+        r = self.http.get(f"{self.collector_url}/v1/runs", headers=_auth())
         return next((x for x in r.json().get("runs", []) if x.get("run") == run), None)
 
     def timeout_of(self, run: str, rank: int) -> float:
-        text = httpx.get(f"{self.collector_url}/metrics", timeout=10).text
+        text = self.http.get(f"{self.collector_url}/metrics").text
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 if s.name == schema.M_HEARTBEAT_TIMEOUT and s.labels == {"run": run, "rank": str(rank)}:
@@ -244,7 +248,9 @@ def stack(tmp: Path) -> Iterator[Stack]:
             prom = start_prometheus(tmp, [col.hostport], am.port, rules, resend_delay_s=RESEND_S)
             procs.append(prom)
             wait_http(f"{prom.url}/-/ready", timeout=60)
-            yield Stack(tmp, sink, col.url)
+            st = Stack(tmp, sink, col.url)
+            with st.http:
+                yield st
         finally:
             for p in reversed(procs):
                 p.stop()
@@ -298,7 +304,9 @@ def kill_all(marker: str) -> None:
 
 
 def drill(st: Stack, d: Drill, start_timeout_s: float = 600.0) -> Result:
-    """Launch, kill at the drill's step, wait for the job to end and the page to come."""
+    """Launch, kill at the drill's step and wait for the job to end. The page is waited for by
+    `await_page` (run_drills calls it once the job's slot is free for the next drill: the kill's
+    time and the page's arrival are both stamped where they happen, so the wait measures nothing)."""
     res = Result(d)
     marker = f"{st.tmp}:{d.run}"
     env = {
@@ -328,10 +336,14 @@ def drill(st: Stack, d: Drill, start_timeout_s: float = 600.0) -> Result:
             time.sleep(0.2)
         pids = job_pids(marker)
         res.timeout_s = st.timeout_of(d.run, d.rank)
-        killed_at = time.monotonic()
+        res.killed_at = time.monotonic()
         if d.rank == PREEMPT:
             os.kill(pids[None], signal.SIGTERM)  # as a scheduler stops the job: torchrun forwards it
-            return _ended_quietly(st, d, job, res, killed_at)
+            try:
+                job.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                res.error = "the preempted job did not end within 120 s"
+            return res
         if d.race == "first":
             os.kill(pids[1 - d.rank], signal.SIGTERM)
         os.kill(pids[d.rank], signal.SIGKILL)
@@ -343,16 +355,6 @@ def drill(st: Stack, d: Drill, start_timeout_s: float = 600.0) -> Result:
             job.wait(timeout=120)
         except subprocess.TimeoutExpired:
             res.error = "the job did not end within 120 s of the kill"
-        wait_until = killed_at + (res.timeout_s if res.timeout_s == res.timeout_s else 60) + ALERT_PATH_S
-        while time.monotonic() < wait_until + 5:  # a little past the bound: measure a late page too
-            if st.hook_alerts(d.run):
-                break
-            time.sleep(0.25)
-        got = st.hook_alerts(d.run)
-        lost = [(t, a) for t, a in got if a["labels"].get("alertname") == "HeartbeatLost"]
-        if lost:
-            res.latency_s = min(t for t, _ in lost) - killed_at
-        res.named = sorted({a["labels"].get("rank", "") for _, a in lost})
     finally:
         kill_all(marker)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -360,13 +362,26 @@ def drill(st: Stack, d: Drill, start_timeout_s: float = 600.0) -> Result:
     return res
 
 
-def _ended_quietly(st: Stack, d: Drill, job: subprocess.Popen, res: Result, t0: float) -> Result:
-    """A control drill: the job ends; wait as long as a kill drill would for a page that must not come."""
-    try:
-        job.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        res.error = "the preempted job did not end within 120 s"
-    time.sleep(max(0.0, t0 + HEARTBEAT_FLOOR_S + ALERT_PATH_S - time.monotonic()))
+def await_page(st: Stack, res: Result) -> Result:
+    """A kill drill: wait for the page (a little past its bound: a late page is measured too) and
+    time it from the kill. A control: wait as long as a kill drill would for a page that must not
+    come (judge looks for it)."""
+    d, killed_at = res.drill, res.killed_at
+    if killed_at is None:  # the job never got to its kill step: res.error says so
+        return res
+    if d.rank == PREEMPT:
+        time.sleep(max(0.0, killed_at + HEARTBEAT_FLOOR_S + ALERT_PATH_S - time.monotonic()))
+        return res
+    wait_until = killed_at + (res.timeout_s if res.timeout_s == res.timeout_s else 60) + ALERT_PATH_S
+    while time.monotonic() < wait_until + 5:
+        if st.hook_alerts(d.run):
+            break
+        time.sleep(0.25)
+    got = st.hook_alerts(d.run)
+    lost = [(t, a) for t, a in got if a["labels"].get("alertname") == "HeartbeatLost"]
+    if lost:
+        res.latency_s = min(t for t, _ in lost) - killed_at
+    res.named = sorted({a["labels"].get("rank", "") for _, a in lost})
     return res
 
 
@@ -390,17 +405,22 @@ def judge(st: Stack, results: list[Result]) -> None:
 
 
 def run_drills(st: Stack, drills: list[Drill], concurrency: int, settle_s: float = 5.0) -> list[Result]:
+    """`concurrency` jobs at a time; a job's slot goes to the next drill as soon as it has ended,
+    and its page (or a control's silence) is awaited off the slots, so no slot sits idle waiting."""
     lock = threading.Lock()
 
-    def one(d: Drill) -> Result:
-        r = drill(st, d)
+    def paged(r: Result) -> Result:
+        await_page(st, r)
         with lock:
             lat = f"{r.latency_s:.1f}" if r.latency_s is not None else "-"
-            print(f"{d.run}: timeout {r.timeout_s:.1f} s, page after {lat} s {r.error}", flush=True)
+            print(f"{r.drill.run}: timeout {r.timeout_s:.1f} s, page after {lat} s {r.error}", flush=True)
         return r
 
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(one, drills))
+    with ThreadPoolExecutor(max_workers=len(drills) or 1) as waits:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            jobs = [pool.submit(drill, st, d) for d in drills]
+            pages = [waits.submit(paged, j.result()) for j in jobs]
+        results = [p.result() for p in pages]
     time.sleep(settle_s)  # a second page would come a group interval later
     judge(st, results)
     return results

@@ -8,9 +8,10 @@ before the kill, so it handles the signal before any collective notices the dead
 agent's order (SIGTERM 0.2 s after), no SIGTERM of ours, with and without a checkpoint before the
 kill; plus one control, the whole job preempted (SIGTERM to torchrun), that must page nothing.
 One collector, Prometheus and Alertmanager for the module (the production rules and config, made
-fast: tests/helpers_alerting.py). Every framework's drills run in one batch, CONCURRENCY at a time
-(one framework's start-ups overlap another's waits for a page), once for the module; each test
-judges its own framework's drills.
+fast: tests/helpers_alerting.py). Every framework's drills run in one batch, CONCURRENCY jobs at a
+time (a job's slot passes to the next drill once it has ended; its wait for the page, or a
+control's for silence, runs off the slots), once for the module; each test judges its own
+framework's drills.
 
 Asserted per drill (bench/drills/paging_drills.py Result.problems): exactly one HeartbeatLost incident
 for the run, naming the dead rank and no other, within the timeout the collector learned for it
