@@ -24,7 +24,7 @@ import pytest
 
 from guard.core import schema
 from tests.conftest import MICRO, REPO
-from tests.guard.test_collector import CollectorProc
+from tests.helpers_collector import CollectorProc
 from tests.helpers_http import http_json, wait_until
 
 PLAYBOOKS = REPO / "playbooks"

@@ -405,7 +405,7 @@ def test_launch_rejects_bad_port(tmp_path: Path, capsys) -> None:
 def test_collector_view_lists_a_live_collectors_runs(tmp_path: Path) -> None:
     """The app reads /v1/runs through guard/wire/runs.py, the type the collector writes: a run
     posted to a real collector shows up (it used to read keys the collector never sent)."""
-    from tests.guard.test_collector import CollectorProc, batch, make_report
+    from tests.helpers_collector import CollectorProc, batch, make_report
 
     c = CollectorProc(tmp_path / "runs").start()
     try:

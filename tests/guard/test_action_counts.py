@@ -17,7 +17,7 @@ from guard.core import actions, schema
 from guard.core.events import Event
 from guard.store.reader import count_actions, read_meta
 from tests.conftest import MICRO, REPO
-from tests.guard.test_collector import CollectorProc
+from tests.helpers_collector import CollectorProc
 from tests.helpers_http import http_json, wait_until
 
 TOKEN = "counts-token"

@@ -24,7 +24,7 @@ from guard.core import schema
 from guard.store.reader import read_meta, read_table
 from tests.conftest import REPO
 from tests.guard.test_api import Net
-from tests.guard.test_collector import TOKEN, CollectorProc
+from tests.helpers_collector import TOKEN, CollectorProc
 from tests.helpers_http import wait_until
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -25,7 +25,7 @@ from guard.collector.metrics import CollectorMetrics
 from guard.core import schema
 from guard.core.limits import CollectorLimits
 from guard.store.reader import read_table
-from tests.guard.test_collector import AUTH, CollectorProc, batch, make_report, wait_steps
+from tests.helpers_collector import AUTH, CollectorProc, batch, make_report, wait_steps
 
 G1 = 1_700_000_000 << 32
 

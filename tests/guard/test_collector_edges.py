@@ -17,7 +17,7 @@ import pytest
 from guard.collector.config import CollectorConfig
 from guard.collector.service import Collector
 from guard.store.reader import read_table
-from tests.guard.test_collector import batch, make_report
+from tests.helpers_collector import batch, make_report
 
 G1, G2 = 1_700_000_000 << 32, 1_700_000_100 << 32
 

@@ -26,7 +26,7 @@ import pytest
 from guard.collector.lograte import RepeatFilter
 from guard.store.reader import read_table
 from guard.wire.conn_guard import ConnectionBudget, http_stack
-from tests.guard.test_collector import AUTH, CollectorProc, batch, make_report
+from tests.helpers_collector import AUTH, CollectorProc, batch, make_report
 
 G1 = 1_700_000_000 << 32
 # uvicorn's two HTTP/1.1 stacks, each under the budget and the header deadline (conn_guard.py)

@@ -16,7 +16,7 @@ from guard.core import schema
 from guard.core.heartbeat import HeartbeatConfig
 from guard.store.reader import read_meta
 from guard.wire.batch import BadRequest, goodbye, parse_batch
-from tests.guard.test_collector import G1, G2, batch, beat, ingest, lost_series, make_report
+from tests.helpers_collector import G1, G2, batch, beat, ingest, lost_series, make_report
 
 FLOOR_S = 0.6
 

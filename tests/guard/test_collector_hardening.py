@@ -27,7 +27,7 @@ from guard.core import schema
 from guard.runtime.exporter import Exporter, ExporterConfig
 from guard.store.layout import part_name
 from guard.store.reader import read_meta, read_table
-from tests.guard.test_collector import AUTH, TOKEN, CollectorProc, batch, make_report, wait_steps
+from tests.helpers_collector import AUTH, TOKEN, CollectorProc, batch, make_report, wait_steps
 
 G1, G2 = 1_700_000_000 << 32, 1_700_000_100 << 32  # exporter generations (seconds << 32)
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from guard.wire.open_files import files_needed, plan_open_files
-from tests.guard.test_collector import AUTH, make_report
 from tests.guard.test_collector_flood import G1, STACKS, _body, collector_under, idle_sockets
+from tests.helpers_collector import AUTH, make_report
 
 
 def _soft_nofile(pid: int) -> tuple[str, str]:

@@ -28,7 +28,7 @@ from guard.core.paging import (
     PageBook,
     alert_labels,
 )
-from tests.guard.test_collector import G1, G2, batch, halt_row, ingest, make_report
+from tests.helpers_collector import G1, G2, batch, halt_row, ingest, make_report
 from tests.helpers_http import Recorded, RecordingSink
 
 RUNBOOKS = "https://runbooks.example/moeguard"

@@ -15,7 +15,7 @@ from guard.collector.config import STATE_DIR, STATE_FILE
 from guard.core import actions, schema
 from guard.core.events import Event
 from guard.store.reader import count_actions
-from tests.guard.test_collector import CollectorProc, batch, make_report
+from tests.helpers_collector import CollectorProc, batch, make_report
 
 pytestmark = pytest.mark.integration
 RUN = "restarted"

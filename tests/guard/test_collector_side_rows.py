@@ -20,7 +20,7 @@ from guard.store.runstore import RunStore
 from guard.wire.batch import BadRequest, Batch, encode_batch, parse_batch
 from tests.dashboards.app_helpers import chart_titled, traces
 from tests.dashboards.conftest import APP
-from tests.guard.test_collector import TOKEN, CollectorProc, make_report
+from tests.helpers_collector import TOKEN, CollectorProc, make_report
 
 HOST_ROW = {
     "step": 3,

@@ -22,7 +22,7 @@ from guard.collector.config import CollectorConfig
 from guard.collector.service import Collector
 from guard.collector.wal import Wal
 from guard.store.reader import read_table
-from tests.guard.test_collector import batch, make_report
+from tests.helpers_collector import batch, make_report
 
 G1 = 1_700_000_000 << 32
 

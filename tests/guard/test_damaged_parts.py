@@ -14,7 +14,7 @@ from guard.core import schema
 from guard.store import reader
 from guard.store.layout import part_files
 from guard.store.runstore import RunStore
-from tests.guard.test_collector import make_report
+from tests.helpers_collector import make_report
 
 
 def write_run(run_dir: Path, steps: int = 100, flush_every: int = 25) -> Path:

@@ -19,7 +19,7 @@ from guard.runtime.exporter import Exporter, ExporterConfig
 from guard.runtime.otel import OtelExporter
 from guard.store.reader import read_table
 from guard.wire.batch import GEN_SHIFT, parse_batch
-from tests.guard.test_collector import AUTH, TOKEN, CollectorProc, free_port, make_report
+from tests.helpers_collector import AUTH, TOKEN, CollectorProc, free_port, make_report
 
 
 def test_submit_never_blocks_and_spills_when_the_queue_is_full(tmp_path: Path) -> None:

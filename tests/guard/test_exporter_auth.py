@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from guard.runtime.exporter import Exporter, ExporterConfig
-from tests.guard.test_collector import CollectorProc, make_report
+from tests.helpers_collector import CollectorProc, make_report
 
 
 def test_repeated_401_is_logged_once_with_a_token_hint(

@@ -28,8 +28,8 @@ from guard.core.events import Event
 from guard.core.paging import RUN_HALTED, PageBook, halted_annotations
 from guard.runtime.session import framework_of
 from tests.conftest import REPO
-from tests.guard.test_collector import G1, batch, beat, ingest, make_report, scrape
 from tests.helpers_alerting import ALERTMANAGER, alerting_stack, am_alert, pagerduty_story
+from tests.helpers_collector import G1, batch, beat, ingest, make_report, scrape
 
 STEP_HEALTH = REPO / "alerts" / "tests" / "step_health.yml"
 

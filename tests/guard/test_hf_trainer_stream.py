@@ -20,7 +20,7 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 from guard.core import schema  # noqa: E402
 from guard.store.reader import read_meta, read_table  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
-from tests.guard.test_collector import AUTH, TOKEN, CollectorProc  # noqa: E402
+from tests.helpers_collector import AUTH, TOKEN, CollectorProc  # noqa: E402
 from tests.helpers_http import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.slow]

@@ -181,7 +181,7 @@ def test_a_silent_rank_is_lost_not_stuck_and_an_ended_rank_is_neither() -> None:
 def test_learned_deadlines_survive_a_collector_restart(tmp_path: Path) -> None:
     """A real collector learns train and checkpoint durations from beats, is restarted, and still
     applies them (state.json), including the learned quiet-phase heartbeat timeout."""
-    from tests.guard.test_collector import CollectorProc
+    from tests.helpers_collector import CollectorProc
 
     c = CollectorProc(
         tmp_path / "runs",

@@ -205,7 +205,7 @@ def test_liveness_is_written_when_ranks_change_not_with_every_checkpoint(tmp_pat
     rank's and is not rewritten while the set of ranks stays the same; a restarted collector
     still knows every rank (none lost, the proof-covered job watched)."""
     from guard.collector.config import LIVENESS_FILE, STATE_DIR, STATE_FILE
-    from tests.guard.test_collector import CollectorProc, batch, make_report
+    from tests.helpers_collector import CollectorProc, batch, make_report
 
     world = 300
     c = CollectorProc(tmp_path / "runs", "--checkpoint-interval", "0.1").start()

@@ -11,7 +11,7 @@ from guard.core import schema
 from guard.core.config import GuardConfig
 from guard.replay import replay
 from guard.store.runstore import RunStore
-from tests.guard.test_collector import make_report
+from tests.helpers_collector import make_report
 
 SPIKE = 150
 

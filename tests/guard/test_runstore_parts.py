@@ -20,7 +20,7 @@ from guard.store.layout import PartName, next_part_seq, parse_part_name, part_fi
 from guard.store.reader import read_meta, read_table
 from guard.store.runstore import RunStore
 from guard.store.writer import report_frames, truncate_after, write_part_file
-from tests.guard.test_collector import CollectorProc, batch, make_report, wait_steps
+from tests.helpers_collector import CollectorProc, batch, make_report, wait_steps
 
 G1, G2 = 1_700_000_000 << 32, 1_700_000_100 << 32
 

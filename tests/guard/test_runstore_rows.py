@@ -13,7 +13,7 @@ from guard.core.rows import expert_columns, layer_columns, reports_from_columns,
 from guard.store.reader import read_reports, read_table
 from guard.store.runstore import RunStore
 from guard.store.writer import report_frames
-from tests.guard.test_collector import make_report
+from tests.helpers_collector import make_report
 
 ARRAYS = (
     "layer_ids_L",

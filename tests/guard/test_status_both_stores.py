@@ -19,7 +19,7 @@ import pytest
 from guard.core import schema
 from guard.store.reader import read_meta
 from tests.conftest import REPO
-from tests.guard.test_collector import TOKEN, CollectorProc
+from tests.helpers_collector import TOKEN, CollectorProc
 from tests.helpers_http import wait_until
 
 LOOP = textwrap.dedent(

@@ -32,7 +32,7 @@ from guard.store.rollup import rollup
 from guard.store.runstore import RunStore
 from guard.store.summary import read_summary
 from guard.store.writer import report_frames, write_parts
-from tests.guard.test_collector import batch, beat, ingest, make_report
+from tests.helpers_collector import batch, beat, ingest, make_report
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = StoreConfig(raw_window_steps=1000, incident_steps=3, r10_window_steps=2000, compact_lag_steps=10)
@@ -169,7 +169,7 @@ from typing import Any
 from guard.store.policy import StoreConfig
 from guard.store.runstore import RunStore
 from guard.store.writer import truncate_after
-from tests.guard.test_collector import make_report
+from tests.helpers_collector import make_report
 run, start = Path(sys.argv[2]), int(sys.argv[3])
 truncate_after(run, start - 1)  # a resume: drop what was written after the last acknowledged step
 store = RunStore(run, flush_every=50, policy=StoreConfig(raw_window_steps=1000, incident_steps=2, compact_lag_steps=5))

@@ -11,7 +11,7 @@ from guard.core.detectors.collapse import CollapseDetector
 from guard.core.detectors.timing import StallDetector, ThroughputDetector
 from guard.core.engine import Engine
 from guard.core.warmup import notices, warmups
-from tests.guard.test_collector import make_report
+from tests.helpers_collector import make_report
 
 
 def arms(cfg: GuardConfig) -> dict[str, int]:

@@ -38,7 +38,6 @@ import pytest
 
 from guard.core import schema
 from guard.core.events import Event
-from tests.guard.test_collector import G1, G2, batch, halt_row, make_report
 from tests.helpers_alerting import (
     ALERTMANAGER,
     HOOK,
@@ -57,6 +56,7 @@ from tests.helpers_alerting import (
     start_collector,
     start_prometheus,
 )
+from tests.helpers_collector import G1, G2, batch, halt_row, make_report
 from tests.helpers_http import http_json, wait_until
 
 pytestmark = [

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from guard.core import schema
 from tests.conftest import MICRO, REPO
-from tests.guard.test_collector import CollectorProc
+from tests.helpers_collector import CollectorProc
 from tests.helpers_http import http_json, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.serial]

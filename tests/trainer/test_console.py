@@ -16,7 +16,7 @@ from guard.core.events import Event
 from guard.runtime.record import verdict_summary
 from guard.store.runstore import RunStore
 from tests.conftest import REPO
-from tests.guard.test_collector import make_report
+from tests.helpers_collector import make_report
 from trainer import console
 
 

@@ -467,7 +467,7 @@ def test_fsdp_matches_ddp_and_its_checkpoint_resumes_on_one_process(
 @pytest.mark.slow
 @pytest.mark.integration
 def test_hung_rank_shows_as_heartbeat_lost_and_operator_commands_apply(tmp_path: Path) -> None:
-    from tests.guard.test_collector import CollectorProc
+    from tests.helpers_collector import CollectorProc
 
     c = CollectorProc(
         tmp_path / "collected",
