@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -252,8 +253,7 @@ def wait_exit(proc: subprocess.Popen, timeout: float) -> int:
 # ---------------------------------------------------------------------------------------
 # 1. halt -> one page (fast path + Alertmanager, one incident) -> resume -> one resolve
 # ---------------------------------------------------------------------------------------
-@pytest.mark.timeout(300)
-def test_guard_halt_pages_once_and_resume_resolves_it(stack: Stack) -> None:
+def guard_halt_pages_once_and_resume_resolves_it(stack: Stack) -> None:
     s, run = stack, "e2e-halt"
     trainer = s.train(run, "--steps", "80", *SPIKES)
 
@@ -325,8 +325,7 @@ def _halt_event_time(run_dir: Path) -> float:
 # ---------------------------------------------------------------------------------------
 # 2. a trainer killed mid-stream -> HeartbeatLost for its run and rank 0
 # ---------------------------------------------------------------------------------------
-@pytest.mark.timeout(240)
-def test_killed_trainer_pages_heartbeat_lost(stack: Stack) -> None:
+def killed_trainer_pages_heartbeat_lost(stack: Stack) -> None:
     s, run = stack, "e2e-kill"
     # No periodic checkpoints: a rank that says it is checkpointing gets the long quiet-phase
     # timeout (by design), and with one every 10 steps the kill at step ~20 could land in one.
@@ -368,8 +367,7 @@ def test_killed_trainer_pages_heartbeat_lost(stack: Stack) -> None:
 # ---------------------------------------------------------------------------------------
 # 3. a step hung in a (simulated) collective, heartbeat alive -> RunStuck, resolved when it moves
 # ---------------------------------------------------------------------------------------
-@pytest.mark.timeout(240)
-def test_hung_step_pages_run_stuck_and_resolves_when_it_moves(stack: Stack) -> None:
+def hung_step_pages_run_stuck_and_resolves_when_it_moves(stack: Stack) -> None:
     s, run, hang_s = stack, "e2e-hang", 20  # the page comes ~8 s into the hang (deadline 4 s + path)
     trainer = s.train(run, "--steps", "40", "--inject", f"hang@25:{hang_s}")
     [trig] = s.sink.wait_for(
@@ -408,3 +406,37 @@ def test_hung_step_pages_run_stuck_and_resolves_when_it_moves(stack: Stack) -> N
     quiet(s)
     mine = s.pd(lambda b: b["dedup_key"] == pd["dedup_key"] or for_run(run, "trigger")(b))
     assert pagerduty_story(mine) == [("page", pd["dedup_key"]), ("resolve", pd["dedup_key"])]
+
+
+# ---------------------------------------------------------------------------------------
+# The three drills run at once, each on its own run (every route, inhibition and page of
+# alerts/alertmanager.yml is per run): their waits (a 20 s hang, a heartbeat timeout, the quiet
+# periods) overlap instead of adding up. Each test judges its own drill.
+# ---------------------------------------------------------------------------------------
+DRILLS: dict[str, Callable[[Stack], None]] = {
+    "hang": hung_step_pages_run_stuck_and_resolves_when_it_moves,  # first: its hang is idle time
+    "kill": killed_trainer_pages_heartbeat_lost,
+    "halt": guard_halt_pages_once_and_resume_resolves_it,
+}
+
+
+@pytest.fixture(scope="module")
+def drills(stack: Stack) -> Iterator[dict[str, Future[None]]]:
+    with ThreadPoolExecutor(max_workers=len(DRILLS), thread_name_prefix="e2e-drill") as pool:
+        yield {name: pool.submit(fn, stack) for name, fn in DRILLS.items()}
+        # leaving the pool waits for every drill (each of its waits is bounded) before the stack stops
+
+
+@pytest.mark.timeout(300)
+def test_guard_halt_pages_once_and_resume_resolves_it(drills: dict[str, Future[None]]) -> None:
+    drills["halt"].result()
+
+
+@pytest.mark.timeout(300)
+def test_killed_trainer_pages_heartbeat_lost(drills: dict[str, Future[None]]) -> None:
+    drills["kill"].result()
+
+
+@pytest.mark.timeout(300)
+def test_hung_step_pages_run_stuck_and_resolves_when_it_moves(drills: dict[str, Future[None]]) -> None:
+    drills["hang"].result()
