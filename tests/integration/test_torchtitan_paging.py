@@ -16,6 +16,7 @@ shortened (60x), as in tests/integration/test_e2e_paging.py. Each rank beats eve
 3. Rank 1 hangs inside a step for 40 s while its process lives (its peer waits in the next
    collective): RunStuck names rank 1 within the learned deadline; no HeartbeatLost. This job starts
    with the stack (its run names no other test's), so its hang overlaps drills 1 and 2.
+   Drills 1 and 2 run at once as well (the `drills` fixture), each on a run of its own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,6 @@ from bench.common.torchtitan_launch import torchrun_command  # noqa: E402
 from guard.core import schema  # noqa: E402
 from guard.store.reader import read_meta  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
-from tests.guard.test_collector import CollectorProc  # noqa: E402
 from tests.helpers_alerting import (  # noqa: E402
     ALERTMANAGER,
     PROMETHEUS,
@@ -48,6 +49,7 @@ from tests.helpers_alerting import (  # noqa: E402
     start_alertmanager,
     start_prometheus,
 )
+from tests.helpers_collector import CollectorProc  # noqa: E402
 from tests.helpers_http import RecordingSink, wait_http, wait_until  # noqa: E402
 from tests.integration.test_torchtitan_ranks import job_pids, kill_job  # noqa: E402
 
@@ -73,6 +75,8 @@ class Stack:
     jobs: list[subprocess.Popen]
     markers: list[str]
     stuck: subprocess.Popen | None = None  # drill 3's job, launched with the stack
+    # one client for the polls (a bare httpx.get builds a client and a TLS context each call)
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=10))
 
     def launch(self, run: str, *args: str, faults: str = "") -> subprocess.Popen:
         marker = f"{self.tmp}:{run}"
@@ -96,7 +100,7 @@ class Stack:
         return p
 
     def run_info(self, run: str) -> dict[str, Any] | None:
-        r = httpx.get(f"{self.collector.url}/v1/runs", headers=AUTH, timeout=10)
+        r = self.http.get(f"{self.collector.url}/v1/runs", headers=AUTH)
         return next((x for x in r.json().get("runs", []) if x.get("run") == run), None)
 
     def notifications(self, alert: str, run: str, status: str) -> list[dict[str, Any]]:
@@ -140,7 +144,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             wait_http(f"{prom.url}/-/ready", timeout=60)
             s = Stack(tmp, sink, collector, jobs, markers)
             s.stuck = s.launch(STUCK, *STUCK_ARGS, faults="hang@30:40/r1")
-            yield s
+            with s.http:
+                yield s
         finally:
             for marker in markers:
                 kill_job(marker)
@@ -179,8 +184,7 @@ def worker_pid(marker: str, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} for {marker}")
 
 
-@pytest.mark.timeout(600)
-def test_an_operators_halt_pages_once_and_the_relaunch_resolves_it(stack: Stack) -> None:
+def an_operators_halt_pages_once_and_the_relaunch_resolves_it(stack: Stack) -> None:
     s, run = stack, "tt-halt"
     # the halt lands ~3 steps after step 10 (0.2 s steps): 50 leaves it room on a loaded box
     job = s.launch(run, "--training.steps", "50", "--checkpoint.interval", "1000")
@@ -206,8 +210,7 @@ def test_an_operators_halt_pages_once_and_the_relaunch_resolves_it(stack: Stack)
     assert meta["status"] == schema.STATUS_FINISHED and meta["restarts"] == 1 and halted_at < 50
 
 
-@pytest.mark.timeout(600)
-def test_kill_9_of_one_rank_pages_heartbeat_lost_naming_it(stack: Stack) -> None:
+def kill_9_of_one_rank_pages_heartbeat_lost_naming_it(stack: Stack) -> None:
     s, run = stack, "tt-killed"
     job = s.launch(run, "--training.steps", "2000", "--checkpoint.interval", "1000")
     wait_until(lambda: streaming(s, run, 10) or job.poll() is not None, timeout=300, interval=0.5)
@@ -225,6 +228,29 @@ def test_kill_9_of_one_rank_pages_heartbeat_lost_naming_it(stack: Stack) -> None
         raise AssertionError(f"{e}; collector timeout {timeout_s:.1f} s; paged {paged()}; {ages}") from None
     meta = read_meta(s.tmp / "runs" / run)  # rank 0 recorded how it ended, torchrun's SIGTERM or not
     assert meta["status"] == schema.STATUS_PEER_LOST and "peer rank is gone" in meta["status_note"], meta
+
+
+@pytest.fixture(scope="module")
+def drills(stack: Stack) -> Iterator[dict[str, Future[None]]]:
+    """Drills 1 and 2 run at once, each on its own run (every route and inhibition of
+    alerts/alertmanager.yml is per run), beside drill 3's job: their start-ups, waits for a page
+    and relaunch overlap instead of adding up. Each test judges its own drill."""
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tt-drill") as pool:
+        yield {
+            "halt": pool.submit(an_operators_halt_pages_once_and_the_relaunch_resolves_it, stack),
+            "kill": pool.submit(kill_9_of_one_rank_pages_heartbeat_lost_naming_it, stack),
+        }
+        # leaving the pool waits for both drills (each of their waits is bounded) before the stack stops
+
+
+@pytest.mark.timeout(600)
+def test_an_operators_halt_pages_once_and_the_relaunch_resolves_it(drills: dict[str, Future[None]]) -> None:
+    drills["halt"].result()
+
+
+@pytest.mark.timeout(600)
+def test_kill_9_of_one_rank_pages_heartbeat_lost_naming_it(drills: dict[str, Future[None]]) -> None:
+    drills["kill"].result()
 
 
 @pytest.mark.timeout(600)
