@@ -128,9 +128,10 @@ def test_a_core_install_trains_guarded_and_streams_to_a_full_install_collector(
 ) -> None:
     py = _venv_python(tmp_path / "core-venv")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, f"torch=={TORCH}"], check=True, env=env, capture_output=True)
-    subprocess.run([*pip, str(wheel)], check=True, env=env, capture_output=True)
+    # one resolution for torch and the wheel; --no-compile: pip would byte-compile every module of
+    # torch (~10 s of CPU with the second resolution) where the few imported compile as they load
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
+    subprocess.run([*pip, f"torch=={TORCH}", str(wheel)], check=True, env=env, capture_output=True)
     work = tmp_path / "work"  # not the checkout: the installed wheel, not this tree, is imported
     work.mkdir()
 
