@@ -14,7 +14,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tests.conftest import MICRO
+from tests.conftest import MICRO, train_micro
 from tests.trainer.test_cli import one_line_error, train
 from trainer.config import load_config
 from trainer.memcheck import check_model_fits, total_params
@@ -86,9 +86,9 @@ def _damage(run: Path, kind: str) -> str:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 3-step run, trained in this process (what is under test is the CLI's resume of it)."""
     run = tmp_path_factory.mktemp("resume") / "r"
-    p = train(run, "--steps", "3", "--no-progress")
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert train_micro(run, overrides={"train.steps": 3, "train.threads": 1}).exit_code == 0
     return run
 
 
