@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -108,7 +109,9 @@ def _screenshot(page, url: str, out: Path, *, min_charts: int, selector: str | N
         "[data-testid=stStatusWidgetRunningManIcon]')",
         timeout=120_000,
     )
-    page.wait_for_timeout(1500)  # let the last charts finish their layout transitions
+    # let the last charts finish their layout transitions: the script has finished and every chart
+    # has drawn by now, what is left is a frame or two of relayout (the text read below is final)
+    page.wait_for_timeout(500)
     # Streamlit scrolls inside its own container: grow the viewport to the content so the
     # full-page screenshot really holds the whole page
     height = page.evaluate(
@@ -116,7 +119,7 @@ def _screenshot(page, url: str, out: Path, *, min_charts: int, selector: str | N
         ".map(e => e.scrollHeight))"
     )
     page.set_viewport_size({"width": 1600, "height": int(height) + 40})
-    page.wait_for_timeout(1500)
+    page.wait_for_timeout(500)  # the charts' relayout to the new viewport
     page.screenshot(path=str(out), full_page=True)
     return {
         "exceptions": page.locator("[data-testid=stException]").count(),
@@ -139,29 +142,44 @@ def _chromium(p):
     return p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
 
 
-def test_pages_render_in_chromium(store: Path, history: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One Chromium for the module's tests (each opens pages of its own)."""
     playwright = pytest.importorskip("playwright.sync_api")
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} not installed")
+    with playwright.sync_playwright() as p:
+        b = _chromium(p)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def app(store: Path, history: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`moeguard app` over the synthetic store, started once for the tests that read it."""
+    with serve(store, history, tmp_path_factory.mktemp("app") / "app.log") as base:
+        yield base
+
+
+def test_pages_render_in_chromium(app: str, browser: Any, tmp_path: Path) -> None:
     keep = ROOT / "test-output" / "app"
     keep.mkdir(parents=True, exist_ok=True)
     results = {}
-    with serve(store, history, tmp_path / "app.log") as base, playwright.sync_playwright() as p:
-        browser = _chromium(p)
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        for name, path, min_charts in (
-            ("health", f"/health?run={GUARDED}", 10),
-            ("health-nonfinite", f"/health?run={NONFINITE}", 8),
-            ("health-preempted", f"/health?run={PREEMPTED}", 8),
-            ("runs", "/", 0),  # the default page lives at /
-            ("compare", f"/compare?runs={GUARDED}&runs={UNGUARDED}&runs={STALE}&runs={CRASHED}", 2),
-            ("canaries", "/canaries", 1),
-        ):
-            page.set_viewport_size({"width": 1600, "height": 1000})
-            shot = tmp_path / f"{name}.png"
-            results[name] = _screenshot(page, base + path, shot, min_charts=min_charts)
-            shutil.copy(shot, keep / shot.name)
-        browser.close()
+    base = app
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    for name, path, min_charts in (
+        ("health", f"/health?run={GUARDED}", 10),
+        ("health-nonfinite", f"/health?run={NONFINITE}", 8),
+        ("health-preempted", f"/health?run={PREEMPTED}", 8),
+        ("runs", "/", 0),  # the default page lives at /
+        ("compare", f"/compare?runs={GUARDED}&runs={UNGUARDED}&runs={STALE}&runs={CRASHED}", 2),
+        ("canaries", "/canaries", 1),
+    ):
+        page.set_viewport_size({"width": 1600, "height": 1000})
+        shot = tmp_path / f"{name}.png"
+        results[name] = _screenshot(page, base + path, shot, min_charts=min_charts)
+        shutil.copy(shot, keep / shot.name)
+    page.close()
     for name, r in results.items():
         assert r["exceptions"] == 0, f"{name}: Streamlit shows an exception"
         assert "Page not found" not in r["text"], name
@@ -186,19 +204,12 @@ def test_pages_render_in_chromium(store: Path, history: Path, tmp_path: Path) ->
     assert "Canary MFU history" in results["canaries"]["text"]
 
 
-def test_live_mode_follows_a_running_run(tmp_path: Path, monkeypatch) -> None:
+def test_live_mode_follows_a_running_run(browser: Any, tmp_path: Path, monkeypatch) -> None:
     """With Live on, a part the trainer flushes shows up without touching the page."""
-    playwright = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} not installed")
     runs = tmp_path / "runs"
     run = write_run(runs, SynthRun(run_id="live", steps=100, faults=[], status=schema.STATUS_RUNNING))
     monkeypatch.setenv("MOEGUARD_APP_LIVE_S", "2")
-    with (
-        serve(runs, tmp_path / "none.jsonl", tmp_path / "app.log") as base,
-        playwright.sync_playwright() as p,
-    ):
-        browser = _chromium(p)
+    with serve(runs, tmp_path / "none.jsonl", tmp_path / "app.log") as base:  # its own: Live's env
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         page.goto(base + "/health?run=live", wait_until="networkidle")
         first_metric = "document.querySelector('[data-testid=stMetricValue]')"
@@ -211,24 +222,20 @@ def test_live_mode_follows_a_running_run(tmp_path: Path, monkeypatch) -> None:
         store.close()
         page.wait_for_function(f"{first_metric}.innerText.trim() === '150'", timeout=30_000)
         assert page.locator("[data-testid=stException]").count() == 0
-        browser.close()
+        page.close()
 
 
-def test_runs_page_opens_at_its_own_url(store: Path, history: Path, tmp_path: Path) -> None:
+def test_runs_page_opens_at_its_own_url(app: str, browser: Any) -> None:
     """Issue #17 item 7: a typed or bookmarked `/runs` opens the Runs page (it said "Page not
     found" while Runs was the default page, served at `/` only); `/` lands on `/runs`."""
-    playwright = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} not installed")
-    with serve(store, history, tmp_path / "app.log") as base, playwright.sync_playwright() as p:
-        browser = _chromium(p)
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        for path in ("/runs", "/"):
-            page.goto(base + path, wait_until="networkidle")
-            page.wait_for_selector("[data-testid=stDataFrame]", timeout=60_000)
-            text = page.inner_text("body")
-            assert "Page not found" not in text and "Runs" in text, path
-            assert page.url.rstrip("/").endswith("/runs"), page.url
-        page.get_by_role("link", name="Compare").first.click()
-        page.wait_for_url("**/compare**", timeout=30_000)
-        browser.close()
+    base = app
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    for path in ("/runs", "/"):
+        page.goto(base + path, wait_until="networkidle")
+        page.wait_for_selector("[data-testid=stDataFrame]", timeout=60_000)
+        text = page.inner_text("body")
+        assert "Page not found" not in text and "Runs" in text, path
+        assert page.url.rstrip("/").endswith("/runs"), page.url
+    page.get_by_role("link", name="Compare").first.click()
+    page.wait_for_url("**/compare**", timeout=30_000)
+    page.close()
