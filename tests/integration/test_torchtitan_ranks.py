@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import polars as pl
@@ -95,6 +94,12 @@ def finish(proc: subprocess.Popen, tmp: Path, run: str, timeout: float = 420) ->
 
 def decisions(tmp: Path, rank: int) -> list[str]:
     return (tmp / "decisions" / f"decisions-r{rank}.txt").read_text().splitlines()
+
+
+def _decided(tmp: Path, step: int) -> bool:
+    """Both ranks have logged their decision for `step`."""
+    logs = [tmp / "decisions" / f"decisions-r{r}.txt" for r in (0, 1)]
+    return all(p.is_file() and f"\n{step} " in "\n" + p.read_text() for p in logs)
 
 
 def guard_state(checkpoint: Path) -> dict:
@@ -180,8 +185,9 @@ def test_kill_9_and_relaunch_resume_from_torchtitans_checkpoint_with_the_guards_
     ckpt = tmp_path / "out" / "checkpoint"
     try:
         # the rows up to the checkpoint are on disk when it exists; the kill lands inside step 25
+        # (hung there): both ranks have decided step 24 (a fixed 3 s sleep waited for this before)
         wait_until(lambda: (ckpt / "step-20").is_dir() or proc.poll() is not None, timeout=600)
-        time.sleep(3.0)
+        wait_until(lambda: _decided(tmp_path, 24) or proc.poll() is not None, timeout=300)
     finally:
         kill_job(str(tmp_path / run))  # the whole job: torchrun's agent and both ranks
     proc.wait(timeout=30)
