@@ -15,6 +15,7 @@ no page and doubles none; restarting it, and the collector, re-pages nothing.
    as Prometheus posts them): ranks fold into one incident resolved by the last rank; warnings go
    to Slack and the webhook, never to PagerDuty; a 429 from PagerDuty is retried and delivered
    once; inhibition keeps a layer's warning quiet while its run's page fires.
+1. runs in the background on its own stack while 2. runs (the `cluster_drill` fixture).
 
 Waits are polls with bounded timeouts; "nothing more" is checked after QUIET_S, longer than a
 group interval (6 s clustered, 1 s alone) plus the peer timeout (1 s) plus the collector's resend
@@ -24,12 +25,14 @@ What the sink received is saved to test-output/alertmanager_paging/.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
 import time
 import urllib.parse
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,8 +121,8 @@ class Cluster:
         )
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+@contextlib.contextmanager
+def cluster_stack(tmp_path: Path) -> Iterator[Cluster]:
     with alerting_stack(tmp_path, n_alertmanagers=2) as st:
         try:
             collector = start_collector(tmp_path, st.urls)
@@ -132,8 +135,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
             save_artifacts(st, "cluster")
 
 
-@pytest.mark.timeout(300)
-def test_one_page_and_one_resolve_through_a_cluster_that_loses_and_regains_a_member(cluster: Cluster) -> None:
+def one_page_and_one_resolve_through_a_cluster_that_loses_and_regains_a_member(cluster: Cluster) -> None:
     c, st = cluster, cluster.st
     # A guard halt: the collector posts RunHalted to both instances the moment it is stored
     t0 = time.monotonic()
@@ -202,7 +204,21 @@ def _title(r: Any) -> str:
 # 2. what the retired pager's tests pinned down, on Alertmanager (alerts posted as Prometheus does)
 # ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AlertingStack]:
+def cluster_drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[None]]:
+    """The cluster test (1.) runs in the background from the first test of the module on, on a
+    stack of its own: its quiet windows overlap the single-instance tests (2.), which share
+    nothing with it but the machine. Its test waits for it and judges it."""
+
+    def drill() -> None:
+        with cluster_stack(tmp_path_factory.mktemp("am-cluster")) as c:
+            one_page_and_one_resolve_through_a_cluster_that_loses_and_regains_a_member(c)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="am-cluster") as pool:
+        yield pool.submit(drill)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, cluster_drill: Future[None]) -> Iterator[AlertingStack]:
     with alerting_stack(tmp_path_factory.mktemp("am-single"), n_alertmanagers=1) as st:
         try:
             yield st
@@ -263,3 +279,10 @@ def test_a_run_page_inhibits_its_layer_warnings(single: AlertingStack) -> None:
     [collapse] = [a for a in body if a["labels"]["alertname"] == "ExpertCollapse"]
     assert collapse["status"]["state"] == "suppressed" and collapse["status"]["inhibitedBy"]
     assert not [r for r in st.slack(run=run) if "ExpertCollapse" in _title(r)]
+
+
+@pytest.mark.timeout(300)
+def test_one_page_and_one_resolve_through_a_cluster_that_loses_and_regains_a_member(
+    cluster_drill: Future[None],
+) -> None:
+    cluster_drill.result()  # (1.) last in the file: the tests above run while it does
