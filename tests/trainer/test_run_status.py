@@ -1,7 +1,8 @@
 """Run status matches what happened: SIGTERM (preemption), Ctrl-C, a run that ended non-finite.
 
 Each test runs the real CLI (`python -m guard train`) on the micro config in a subprocess and
-signals it the way a scheduler or a user would.
+signals it the way a scheduler or a user would (a resume after it, and the guarded twin of the
+non-finite run, are trained in this process).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 from guard.core import schema
 from guard.store.reader import read_meta, read_table
-from tests.conftest import MICRO, REPO
+from tests.conftest import MICRO, REPO, train_micro
 from trainer.checkpoint import list_checkpoints
 from trainer.outcome import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
@@ -79,14 +80,9 @@ def test_sigterm_checkpoints_marks_preempted_and_resume_continues(tmp_path: Path
     assert f"status {schema.STATUS_PREEMPTED}" in out and "SIGTERM" in err
     assert read_table(run, schema.TABLE_STEPS)["step"].sort().to_list() == list(range(stopped))
 
-    r = subprocess.run(
-        train_cmd(run, "--steps", "5000", "--resume", "--until", str(stopped + 3)),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    # the resume in this process (what the signal did is what needed the subprocess)
+    t = train_micro(run, overrides={"train.steps": 5000}, resume=True, until=stopped + 3)
+    assert t.exit_code == 0
     steps = read_table(run, schema.TABLE_STEPS).sort("step")
     assert steps["step"].to_list() == list(range(stopped + 3)), "the resumed run continues where it stopped"
     events = read_table(run, schema.TABLE_EVENTS)
@@ -139,15 +135,8 @@ def test_a_run_that_ended_nonfinite_is_marked_and_its_nan_steps_are_badput(tmp_p
     assert abs(gp["nonfinite_s"] - sum(compute[5:])) < 1e-6
 
     # the same fault with the guard on: skipped, so the run ends finite and "finished"
-    guarded = tmp_path / "guarded"
-    p = subprocess.run(
-        train_cmd(guarded, "--steps", "12", "--inject", "nan@5"),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    guarded = tmp_path / "guarded"  # in this process: its meta.json is what is judged
+    assert train_micro(guarded, overrides={"train.steps": 12}, injections=["nan@5"]).exit_code == 0
     meta = read_meta(guarded)
     assert meta["status"] == schema.STATUS_FINISHED and meta["nonfinite_steps"] == 0
     assert meta["goodput"]["nonfinite_s"] == 0 and meta["goodput"]["skipped_s"] > 0
@@ -205,30 +194,8 @@ def test_sigterm_to_torchrun_stops_every_rank_at_the_same_step_with_one_checkpoi
     [ckpt] = list_checkpoints(run / schema.CHECKPOINT_DIR)
     assert ckpt.name == f"step-{stopped:09d}" and ckpt.name in meta["status_note"]
     assert (ckpt / "rng-r0.pt").is_file() and (ckpt / "rng-r1.pt").is_file(), "both ranks saved"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "guard",
-            "train",
-            "--config",
-            str(MICRO),
-            "--run-dir",
-            str(run),
-            "--no-progress",
-            "--steps",
-            "5000",
-            "--resume",
-            "--until",
-            str(stopped + 2),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    # one process: this one
+    assert train_micro(run, overrides={"train.steps": 5000}, resume=True, until=stopped + 2).exit_code == 0
     assert read_table(run, schema.TABLE_STEPS)["step"].sort().to_list() == list(range(stopped + 2))
 
 
