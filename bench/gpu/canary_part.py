@@ -25,7 +25,9 @@ from bench.gpu.common import PartLog
 REPO = Path(__file__).resolve().parents[2]
 GPU_CONFIG = REPO / "bench" / "gpu" / "canary_gpu.toml"
 DRY_CONFIG = REPO / "configs" / "canary.toml"
-DRY_SETS = ["train.steps=20", "canary.warmup_steps=8", "canary.processes=1", "telemetry.profile=false"]
+# dry: the fewest steps the canary accepts (train.steps > canary.warmup_steps + 5): 6 steady steps a
+# worker, every line of the worker and of the verdict still run
+DRY_SETS = ["train.steps=10", "canary.warmup_steps=4", "canary.processes=1", "telemetry.profile=false"]
 MATRICES = {
     "gpu": [["attention=flash,efficient,math"], ["experts=grouped_mm,loop"]],
     "dry": [["attention=math,flash"]],  # the CPU has no efficient-attention kernel: one cell

@@ -38,7 +38,9 @@ from bench.gpu.tt_registry import LOG_FREQ
 REPO = Path(__file__).resolve().parents[2]
 SYNC_STEPS = (3, 8)  # torchtitan steps (1-based) counted for host syncs: inside the warm-up
 # (config, steps a launch, warm-up steps, most pairs)
-SIZES = {"gpu": ("gpu_moe", 60, 10, 4), "dry": ("dry_moe", 16, 5, 1)}
+# dry: 11 steps, the fewest that hold the sync steps (3-8) and a steady window (steps 5-10, from
+# one log step to the next: 5 intervals) with a torchtitan mfu(%) line in it (step 10)
+SIZES = {"gpu": ("gpu_moe", 60, 10, 4), "dry": ("dry_moe", 11, 5, 1)}
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 LOG_LINE = re.compile(r"step:\s*(\d+)\s.*?mfu:\s*([0-9.]+|N/A)%?")
 
