@@ -16,7 +16,6 @@ shortened (60x), as in tests/integration/test_e2e_paging.py. Each rank beats eve
 3. Rank 1 hangs inside a step for 40 s while its process lives (its peer waits in the next
    collective): RunStuck names rank 1 within the learned deadline; no HeartbeatLost. This job starts
    with the stack (its run names no other test's), so its hang overlaps drills 1 and 2.
-   Drills 1 and 2 run at once as well (the `drills` fixture), each on a run of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,7 +182,8 @@ def worker_pid(marker: str, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} for {marker}")
 
 
-def an_operators_halt_pages_once_and_the_relaunch_resolves_it(stack: Stack) -> None:
+@pytest.mark.timeout(600)
+def test_an_operators_halt_pages_once_and_the_relaunch_resolves_it(stack: Stack) -> None:
     s, run = stack, "tt-halt"
     # the halt lands ~3 steps after step 10 (0.2 s steps): 50 leaves it room on a loaded box
     job = s.launch(run, "--training.steps", "50", "--checkpoint.interval", "1000")
@@ -210,7 +209,11 @@ def an_operators_halt_pages_once_and_the_relaunch_resolves_it(stack: Stack) -> N
     assert meta["status"] == schema.STATUS_FINISHED and meta["restarts"] == 1 and halted_at < 50
 
 
-def kill_9_of_one_rank_pages_heartbeat_lost_naming_it(stack: Stack) -> None:
+@pytest.mark.timeout(600)
+def test_kill_9_of_one_rank_pages_heartbeat_lost_naming_it(stack: Stack) -> None:
+    # Not at once with drill 1 (tried for issue #41: at load 17 torchrun's SIGTERM reached rank 0
+    # before its collective noticed the dead peer, so its note did not say "peer rank is gone"):
+    # it runs after drill 1, as before.
     s, run = stack, "tt-killed"
     job = s.launch(run, "--training.steps", "2000", "--checkpoint.interval", "1000")
     wait_until(lambda: streaming(s, run, 10) or job.poll() is not None, timeout=300, interval=0.5)
@@ -228,29 +231,6 @@ def kill_9_of_one_rank_pages_heartbeat_lost_naming_it(stack: Stack) -> None:
         raise AssertionError(f"{e}; collector timeout {timeout_s:.1f} s; paged {paged()}; {ages}") from None
     meta = read_meta(s.tmp / "runs" / run)  # rank 0 recorded how it ended, torchrun's SIGTERM or not
     assert meta["status"] == schema.STATUS_PEER_LOST and "peer rank is gone" in meta["status_note"], meta
-
-
-@pytest.fixture(scope="module")
-def drills(stack: Stack) -> Iterator[dict[str, Future[None]]]:
-    """Drills 1 and 2 run at once, each on its own run (every route and inhibition of
-    alerts/alertmanager.yml is per run), beside drill 3's job: their start-ups, waits for a page
-    and relaunch overlap instead of adding up. Each test judges its own drill."""
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tt-drill") as pool:
-        yield {
-            "halt": pool.submit(an_operators_halt_pages_once_and_the_relaunch_resolves_it, stack),
-            "kill": pool.submit(kill_9_of_one_rank_pages_heartbeat_lost_naming_it, stack),
-        }
-        # leaving the pool waits for both drills (each of their waits is bounded) before the stack stops
-
-
-@pytest.mark.timeout(600)
-def test_an_operators_halt_pages_once_and_the_relaunch_resolves_it(drills: dict[str, Future[None]]) -> None:
-    drills["halt"].result()
-
-
-@pytest.mark.timeout(600)
-def test_kill_9_of_one_rank_pages_heartbeat_lost_naming_it(drills: dict[str, Future[None]]) -> None:
-    drills["kill"].result()
 
 
 @pytest.mark.timeout(600)
