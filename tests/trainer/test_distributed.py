@@ -29,7 +29,7 @@ import pytest
 
 from guard.core import schema
 from guard.store.reader import read_meta, read_table
-from tests.conftest import MICRO, REPO
+from tests.conftest import MICRO, REPO, train_micro
 
 STEPS = 40  # the restart tests' run length (checkpoints every 10 steps in the micro config)
 slow = [pytest.mark.slow, pytest.mark.integration]
@@ -392,24 +392,9 @@ def test_kill_9_mid_run_then_resume_matches_an_uninterrupted_run(
     assert p.returncode == 0, p.stderr[-3000:]
     _assert_same_trajectory(steps_of(d), reference)
     assert read_meta(d)["restarts"] == 1
-    # 2 -> 1 ranks: DCP reshards, the data position continues in the global stream
-    p = run(
-        [
-            sys.executable,
-            "-m",
-            "guard",
-            "train",
-            "--config",
-            str(MICRO),
-            "--run-dir",
-            str(tmp_path / "one"),
-            "--no-progress",
-            "--steps",
-            str(STEPS),
-            "--resume",
-        ]
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    # 2 -> 1 ranks: DCP reshards, the data position continues in the global stream (one process:
+    # this one)
+    assert train_micro(tmp_path / "one", overrides={"train.steps": STEPS}, resume=True).exit_code == 0
     one = steps_of(tmp_path / "one")
     assert one["step"].to_list() == list(range(STEPS)) and one["loss"].is_finite().all()
     assert one.filter(pl.col("step") < 20)["loss"].to_list() == reference.head(20)["loss"].to_list()
@@ -440,23 +425,8 @@ def test_fsdp_matches_ddp_and_its_checkpoint_resumes_on_one_process(
     # max attention logits: sampled every 10th step, MAX-reduced across ranks (no deadlock)
     logit = got["max_logit"].to_numpy()
     assert np.isfinite(logit[::10]).all() and np.isnan(logit[1:10]).all(), logit
-    p = run(
-        [
-            sys.executable,
-            "-m",
-            "guard",
-            "train",
-            "--config",
-            str(MICRO),
-            "--run-dir",
-            str(d),
-            "--no-progress",
-            "--steps",
-            str(STEPS),
-            "--resume",
-        ]
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    # the FSDP checkpoint resumed on one process: this one
+    assert train_micro(d, overrides={"train.steps": STEPS}, resume=True).exit_code == 0
     assert steps_of(d)["step"].to_list() == list(range(STEPS))
     assert steps_of(d)["loss"].is_finite().all()
 
