@@ -13,6 +13,7 @@ from dashboards import step_axis, ui
 from dashboards.data import (
     config,
     guard_events,
+    health_steps,
     heatmaps,
     loaders,
     mfu_peak,
@@ -45,8 +46,9 @@ if not info.readable or not info.has_steps:
     st.stop()
 
 path, sig = info.path, runs.run_signature(info.path)
-steps = loaders.load_steps(path, sig)
-if steps.height == 0:
+# a long run's step charts read what they show (health_steps); a short one reads its steps whole
+run_span = health_steps.run_span(path, sig)
+if run_span is None:
     st.info(f"Run `{run_id}` has step files but no rows yet.")
     st.stop()
 summ = loaders.load_summary(path, sig, every_part=True)  # every part checked (incrementally)
@@ -121,12 +123,12 @@ if info.compat == runs.COMPAT_OLDER:
         st.caption(f"Not in this run's steps table (older writer): {', '.join(miss)}")
 
 # ---- loss / grad norm with guard marks ------------------------------------------------
-marks, timeline = loaders.load_marks(path, sig)
-first_step = int(steps["step"].min())  # type: ignore[arg-type]
+marks, timeline = health_steps.marks(path, sig)
+first_step, last_step = run_span
 evals = side_tables.load_evals(path, sig) if info.tables.get(schema.TABLE_EVALS) else {}
 # one step axis for every chart of the page: the run's own steps (style.step_range), and any step
 # an evaluation was reported at (one before the first step: an evaluation before training)
-span = (first_step, int(steps["step"].max()))  # type: ignore[arg-type]
+span = (first_step, last_step)
 if (ev_span := side_tables.eval_step_range(evals)) is not None:
     span = (min(span[0], ev_span[0]), max(span[1], ev_span[1]))
 # the zoom (a drag on any step chart, or the sidebar's slider): every step chart draws `view`
@@ -137,7 +139,7 @@ if zoomed:
         f"Zoomed to {step_zoom.describe(view, span)} on every step chart. *Reset zoom* in the sidebar."
     )
 # lines cut to the zoom, so their y-axes fit what is shown (plotly's autorange spans every point)
-series = step_zoom.clip(loaders.load_step_series(path, sig, ("loss", "grad_norm", "lr")), view)
+series = health_steps.series(path, sig, ("loss", "grad_norm", "lr"), view)
 fig = health_timeline(
     series,
     step_zoom.clip(marks, view),
@@ -163,9 +165,11 @@ if warm:
         + "; ".join(warmup_label(s, span[1]) for s in warm)
         + ". Set in the run's guard settings."
     )
-if steps.height > shaping.MAX_LINE_POINTS:
+if res_note := health_steps.resolution_note(path, view):
+    st.caption(f"{last_step - first_step + 1:,} steps: {res_note}.")
+elif last_step - first_step + 1 > shaping.MAX_LINE_POINTS:
     st.caption(
-        f"{steps.height:,} steps drawn as ≤{shaping.MAX_LINE_POINTS:,} points per line: each bucket keeps its first, "
+        f"{last_step - first_step + 1:,} steps drawn as ≤{shaping.MAX_LINE_POINTS:,} points per line: each bucket keeps its first, "
         "last, min and max step, plus every non-finite step and every step with an event."
     )
 
@@ -173,7 +177,7 @@ events = loaders.load_events(path, sig)
 
 # ---- precursors -----------------------------------------------------------------------
 st.subheader("Precursors")
-pre_series = step_zoom.clip(loaders.load_step_series(path, sig, ("update_ratio", "adam_v_ratio")), view)
+pre_series = health_steps.series(path, sig, ("update_ratio", "adam_v_ratio"), view)
 groups = loaders.load_group_series(path, sig, "grad_norm") if info.tables.get(schema.TABLE_GROUPS) else {}
 logits = loaders.load_max_logits(path, sig) if info.tables.get(schema.TABLE_LAYERS) else {}
 groups, logits = step_zoom.clip(groups, view), step_zoom.clip(logits, view)
@@ -185,7 +189,7 @@ if not pre_series["update_ratio"]["update_ratio"].is_finite().any() and not grou
         "probe no optimizer, or `[guard.precursor] enabled = false`."
     )
 else:
-    nonfinite = nonfinite_steps(steps, ("loss", "grad_norm"))
+    nonfinite = nonfinite_steps(health_steps.step_rows(path, sig), ("loss", "grad_norm"))
     step_axis.chart(
         precursor_figure(
             pre_series,
@@ -263,8 +267,8 @@ else:
 # ---- per-layer signals ----------------------------------------------------------------
 st.subheader("Per layer")
 # the heatmaps are read for the steps shown: a zoom gets finer buckets, not wider ones
-lo, hi = max(view[0], first_step), min(view[1], int(steps["step"].max()))  # type: ignore[arg-type]
-lo, hi = (lo, hi) if lo <= hi else (first_step, int(steps["step"].max()))  # type: ignore[arg-type]
+lo, hi = max(view[0], first_step), min(view[1], last_step)
+lo, hi = (lo, hi) if lo <= hi else (first_step, last_step)
 if not info.tables.get(schema.TABLE_LAYERS):
     st.info(
         "This run has no `layers` table (yet): per-layer grad norms and routing statistics are not available."
@@ -331,11 +335,15 @@ def expert_load() -> None:
             exact = b.toggle(
                 "every step",
                 key="expert_exact",
-                help="Read every step of the experts table (slower on long runs); off: a sample of "
-                f"chunks once the table passes {heatmaps.EXPERT_ROW_BUDGET / 1e6:.0f}M rows.",
+                help=heatmaps.EXACT_HELP,
             )
             h = heatmaps.load_expert_share_over_time(
-                path, sig, int(layer), lo, hi, row_budget=10**15 if exact else heatmaps.EXPERT_ROW_BUDGET
+                path,
+                sig,
+                int(layer),
+                lo,
+                hi,
+                row_budget=heatmaps.EXACT_ROWS if exact else heatmaps.EXPERT_ROW_BUDGET,
             )
             if h:
                 n_exp = len(h["y"])
@@ -386,10 +394,9 @@ expert_load()
 
 # ---- throughput -----------------------------------------------------------------------
 st.subheader("Throughput and memory")
-perf = loaders.load_step_series(
-    path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes")
+perf = health_steps.series(
+    path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes"), view
 )
-perf = step_zoom.clip(perf, view)
 step_axis.chart(perf_figure(perf, peak, steps=view), key="perf", span=span)
 st.caption(f"MFU = analytic training FLOPs x tokens/s / (peak x ranks); peak {peak.label()} ({peak.source}).")
 host = side_tables.load_host(path, sig) if info.tables.get(schema.TABLE_HOST) else None

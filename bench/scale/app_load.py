@@ -62,7 +62,7 @@ def page_data_path(run: Path) -> dict[str, float]:
     """Everything page_health.py computes for one run, timed by stage (seconds)."""
     import plotly.io as pio
 
-    from dashboards.data import heatmaps, loaders, runs
+    from dashboards.data import health_steps, heatmaps, loaders, runs
     from dashboards.figures.health import health_timeline, perf_figure
     from dashboards.figures.heatmap import heatmap
     from guard.core import schema
@@ -79,16 +79,20 @@ def page_data_path(run: Path) -> dict[str, float]:
 
     info = runs.run_info(run)
     path, sig = info.path, runs.run_signature(info.path)
-    steps = loaders.load_steps(path, sig)
+    # the page's path: a long run's step charts read at the chart's resolution (health_steps)
+    span = health_steps.run_span(path, sig)
+    assert span is not None
     loaders.load_summary(path, sig)
     lap("steps + summary")
-    series = loaders.load_step_series(path, sig, ("loss", "grad_norm"))
-    marks, timeline = loaders.load_marks(path, sig)
+    series = health_steps.series(path, sig, ("loss", "grad_norm", "lr"), span)
+    marks, timeline = health_steps.marks(path, sig)
     loaders.load_events(path, sig)
+    health_steps.series(path, sig, ("update_ratio", "adam_v_ratio"), span)
+    health_steps.step_rows(path, sig)
     lap("downsample + events")
     figs.append(health_timeline(series, marks, timeline))
     lap("figures")
-    lo, hi = int(steps["step"].min()), int(steps["step"].max())
+    lo, hi = span
     heats = heatmaps.load_layer_heatmaps(path, sig, lo, hi)
     lap("layer heatmaps")
     for name, h in heats.items():
@@ -102,8 +106,8 @@ def page_data_path(run: Path) -> dict[str, float]:
     lap("expert heatmaps")
     figs.append(heatmap(h, title="e", x_title="step", y_title="expert", z_title="share %", z_scale=100))
     figs.append(heatmap(now, title="n", x_title="expert", y_title="layer", z_title="share %", z_scale=100))
-    perf = loaders.load_step_series(
-        path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes")
+    perf = health_steps.series(
+        path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes"), span
     )
     lap("downsample + events")
     figs.append(perf_figure(perf))
@@ -113,8 +117,16 @@ def page_data_path(run: Path) -> dict[str, float]:
     times["total"] = time.perf_counter() - t0
     # not part of opening the page: the "every step" toggle of the expert heatmap
     t = time.perf_counter()
-    heatmaps.load_expert_share_over_time(path, sig, int(layer_ids[0]), lo, hi, row_budget=10**15)
+    heatmaps.load_expert_share_over_time(path, sig, int(layer_ids[0]), lo, hi, row_budget=heatmaps.EXACT_ROWS)
     times["expert_exact_s"] = time.perf_counter() - t
+    # nor a zoom: the last 1,000 steps (raw rows), step charts and heatmaps, as the page reads them
+    t = time.perf_counter()
+    z = (max(lo, hi - 999), hi)
+    health_steps.series(path, sig, ("loss", "grad_norm", "lr"), z)
+    health_steps.series(path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes"), z)
+    heatmaps.load_layer_heatmaps(path, sig, *z)
+    heatmaps.load_expert_share_over_time(path, sig, int(layer_ids[0]), *z)
+    times["zoom_1000_s"] = time.perf_counter() - t
     times["figure_json_bytes"] = float(size)
     times["expert_heatmap_sampled"] = float(bool(h.get("note")))
     return times

@@ -172,7 +172,7 @@ def _scanned_summary(path: str) -> dict[str, Any]:
     return out
 
 
-_STEP_COLS = [
+STEP_COLS = [  # the steps columns the pages draw
     "step",
     "time",
     "loss",
@@ -230,7 +230,7 @@ def load_steps(path: str, sig: tuple[int, ...]) -> pl.DataFrame:
     """The steps table (projected), sorted by step. The steps table is kept whole at every run
     length (one row a step); its blocks are cached (read_blocks)."""
     del sig
-    df = read_blocks(path, schema.TABLE_STEPS, tuple(_STEP_COLS))
+    df = read_blocks(path, schema.TABLE_STEPS, tuple(STEP_COLS))
     # parts arrive in step order; only a resumed or rolled-back run needs the sort
     return df if df["step"].is_sorted() else df.sort("step", "time")
 
