@@ -441,7 +441,13 @@ def test_generations_retries_and_writers(app: Callable[[], Collector]) -> None:
     assert sorted(steps) == list(range(25))
 
 
-@pytest.mark.parametrize("seq", [-1, 2**63 - 1, 2**63, 2**64, (int(time.time()) + 7200) << 32])
+# Fixed ids: the last value is computed from the clock at collection, and pytest-xdist refuses a
+# run whose workers collected different test ids (two workers collecting a second apart did).
+@pytest.mark.parametrize(
+    "seq",
+    [-1, 2**63 - 1, 2**63, 2**64, (int(time.time()) + 7200) << 32],
+    ids=["negative", "int64-max", "2^63", "2^64", "generation-2h-ahead"],
+)
 def test_out_of_range_seq_is_a_400_and_blocks_nothing(app: Callable[[], Collector], seq: int) -> None:
     c = app()
     status, ans = c.ingest(json.dumps(batch("sq", 0, seq, [make_report(0)])).encode())
