@@ -67,7 +67,7 @@ from bench.detection.traces import (
     recorded_families,
     recorded_traces,
 )
-from guard.core.config import SpikeConfig
+from guard.core.config import GuardConfig, SpikeConfig
 from guard.core.detectors.calibrated import CalibratedSpikeDetector
 
 SIZES = (1.5, 2.0, 3.0, 5.0, 10.0, 100.0)
@@ -117,8 +117,11 @@ def set_ours(pairs: Sequence[str]) -> None:
 
 def ours_config(budget: float) -> SpikeConfig:
     """The budget-mode spike rule as the guard ships it for this budget."""
-    # rel_max: the guard's ceiling after the warm-up for grad norm and loss (GuardConfig), 8x the level
-    kw = {"tail_warmup": 200, "rel_min": 1.2, "rel_max": 8.0, "early_rel_max": 20.0, **OURS_EXTRA}
+    # rel_max: the guard's ceiling after the warm-up for grad norm and loss (GuardConfig), 8x the level;
+    # local_z: its local ceiling (issue #39), the same for both
+    local_z = GuardConfig().grad_spike.local_z
+    kw = {"tail_warmup": 200, "rel_min": 1.2, "rel_max": 8.0, "early_rel_max": 20.0, "local_z": local_z}
+    kw.update(OURS_EXTRA)
     return SpikeConfig(budget=budget, **kw)
 
 

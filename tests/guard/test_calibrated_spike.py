@@ -191,7 +191,8 @@ def test_ceiling_catches_10x_while_the_fit_is_young(key, seed):
     # (the loss's early_z may fire on this heavy a start: the ceiling acts after the warm-up)
     assert [i for i, v in enumerate(clean) if v.fired and i >= cfg.tail_warmup] == []
     for ceiling, caught in ((cfg.rel_max, True), (20.0, False)):
-        det = CalibratedSpikeDetector(replace(cfg, rel_max=ceiling))
+        # the fixed ceiling alone (the local one, issue #39, would decide first: test_calibrated_local.py)
+        det = CalibratedSpikeDetector(replace(cfg, rel_max=ceiling, local_z=None))
         _run(det, values[:300])
         level = det.peek(1.0).evidence["median"]
         v = det.update(10.0 * level)

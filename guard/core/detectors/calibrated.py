@@ -13,7 +13,13 @@ It fires when x > abs_max (any time); while fewer than `tail_warmup` values were
 to fit yet) when x > level x early_rel_max or, if `early_z` is set, when s > early_z and
 x > level x rel_min; after that when s > s_p AND x > level x rel_min (a
 minimum effect size: a very steady series does not page on a 3% blip however rare), or when
-x > level x rel_max (a ceiling on the fitted threshold, which is wide while the fit is young).
+x > level x rel_max (a ceiling on the fitted threshold, which is wide while the fit is young),
+or, with `local_z` set, when x > mean + k x std of the last `local_window` accepted values (the
+local ceiling, OLMo-core's statistic: k = local_z x (1e-4 / budget)^(1/3); never below
+level x rel_min). The fit covers the whole run, so its threshold allows for the run's most
+volatile stretch everywhere; a calm window's own spread is the tighter judge there (issue #39:
+on recorded real-model runs the fitted 1e-4 threshold sat above the 8x ceiling at most missed
+x5 spikes, where OLMo-core's 128-step window caught them).
 
 Level shifts (a data-mixture change moves the grad norm to a new plateau): flagged values never
 enter the baseline, so a real shift would be flagged for ever and escalate to a halt. Rule: the
@@ -64,6 +70,9 @@ class CalibratedSpikeDetector:
         self._since_fit = 0
         self._flagged_run: list[float] = []  # log values of the current run of flagged steps
         self._stats: tuple[float, float, float] | None = None
+        # the local ceiling's window of accepted raw values, and its cached mean + k x std
+        self._local = RingBuffer(cfg.local_window) if cfg.local_z is not None else None
+        self._local_ceiling: float | None = None
 
     # ---- baseline ------------------------------------------------------------------
     def _baseline(self) -> tuple[float, float, float]:
@@ -109,6 +118,17 @@ class CalibratedSpikeDetector:
             cap = min(cap, max(cfg.early_rel_floor, math.exp(cfg.tail_margin * top)))
         return cap
 
+    def local_ceiling(self) -> float | None:
+        """mean + k x std (ddof 1) of the last `local_window` accepted values, k from local_z and
+        the budget; None while the window is less than half full (or local_z is None)."""
+        if self._local is None or len(self._local) < self.cfg.local_window // 2:
+            return None
+        if self._local_ceiling is None:
+            a = self._local.values()
+            k = (self.cfg.local_z or 0.0) * (1e-4 / (self.cfg.budget or 1e-4)) ** (1.0 / 3.0)
+            self._local_ceiling = float(a.mean() + k * a.std(ddof=1))
+        return self._local_ceiling
+
     @property
     def threshold_z(self) -> float:
         """The current standardized-residual threshold s_p (inf before the tail is fitted)."""
@@ -135,14 +155,18 @@ class CalibratedSpikeDetector:
                 if math.log(x) > log_thr:
                     return True, "early_z", math.exp(log_thr), s
             return False, "tail_warmup", None, s
-        log_thr = max(level + math.log(cfg.rel_min), level + med_r + self.threshold_z * scale)
+        floor = level + math.log(cfg.rel_min)
+        log_thr, rule = max(floor, level + med_r + self.threshold_z * scale), "budget"
         if cfg.rel_max is not None and log_thr > level + math.log(cfg.rel_max):
             # The fit's ceiling: a few hundred residuals fix the tail shape poorly, and the
             # extrapolation to 1e-5 can sit at z 40 (146x the median on a lognormal series at
             # step 300); rel_max x the median is flagged however wide the fit is.
-            return x > math.exp(level) * cfg.rel_max, "rel_max", math.exp(level) * cfg.rel_max, s
+            log_thr, rule = level + math.log(cfg.rel_max), "rel_max"
+        local = self.local_ceiling()
+        if local is not None and max(floor, math.log(local)) < log_thr:
+            log_thr, rule = max(floor, math.log(local)), "local"
         threshold = math.exp(min(log_thr, 700.0))  # a budget far below the fit's reach: inf-like
-        return x > threshold, "budget", threshold, s
+        return x > threshold, rule, threshold, s
 
     def peek(self, x: float) -> Verdict:
         """The verdict for x against the current baseline; changes no state."""
@@ -199,6 +223,9 @@ class CalibratedSpikeDetector:
         keep = run[-(self._recent.maxlen or 1) :]
         _load(self._recent, keep)
         _load(self._recent_t, [float(self._t - len(keep) + 1 + i) for i in range(len(keep))])
+        if self._local is not None:  # the old level's spread says nothing about the new one
+            self._local.load([math.exp(v) for v in keep])
+            self._local_ceiling = None
         # The residuals of the next few steps are measured against a level still settling on the
         # new plateau: they stay out of the tail (they would fatten it for tail_memory steps).
         self._quiet_until = self._t + self.cfg.level_window
@@ -231,6 +258,9 @@ class CalibratedSpikeDetector:
                     self._since_fit += 1
         self._recent.append(lx)
         self._recent_t.append(float(self._t))
+        if self._local is not None:
+            self._local.push(x)
+            self._local_ceiling = None
         self.n_accepted += 1
         self._stats = None
         if self._since_fit >= self.cfg.refit_every or (self._fit is None and self._since_fit):
@@ -276,6 +306,7 @@ class CalibratedSpikeDetector:
             "flagged_run": list(self._flagged_run),
             "since_fit": self._since_fit,
             "quiet_until": self._quiet_until,
+            "local_x": [] if self._local is None else self._local.ordered(),
             "fit": None
             if self._fit is None
             else [self._fit.u, self._fit.xi, self._fit.sigma, self._fit.n, self._fit.n_u],
@@ -291,6 +322,9 @@ class CalibratedSpikeDetector:
         self._flagged_run = list(d.get("flagged_run", []))
         self._since_fit = int(d.get("since_fit", 0))
         self._quiet_until = int(d.get("quiet_until", 0))
+        if self._local is not None:  # a checkpoint from before the local ceiling: it refills
+            self._local.load(list(d.get("local_x", [])))
+            self._local_ceiling = None
         fit = d.get("fit")
         self._fit = (
             None
