@@ -135,6 +135,21 @@ def store_stats(run: Path) -> dict[str, dict[str, float]]:
     return out
 
 
+def tail_files(run: Path, steps: int) -> dict[str, dict[str, float]]:
+    """Raw parts per table per 1,000 steps of the closed segments (before the last compact_lag_steps
+    and the open segment) and in the live tail, as store_tiers.py --collector counts them."""
+    from guard.store.layout import SEGMENT_STEPS
+    from guard.store.policy import StoreConfig
+
+    closed = (steps - StoreConfig().compact_lag_steps) // SEGMENT_STEPS * SEGMENT_STEPS
+    out: dict[str, dict[str, float]] = {}
+    for t in sorted(p.name for p in run.iterdir() if p.is_dir() and p.name not in ("rollups", "checkpoints")):
+        names = [n for n in os.listdir(run / t) if n.startswith("part-") and n.endswith(".parquet")]
+        old = [n for n in names if int(n.split("-")[1]) < closed]
+        out[t] = {"per_1000_closed": len(old) / max(1, closed / 1000), "live_tail": len(names) - len(old)}
+    return out
+
+
 def runs_dir_with(root: Path, n: int) -> Path:
     """A run store with the run and n - 1 symlinks to it (1,000 runs of one month's size each,
     without 1,000 builds: every run is read through its own path, so nothing is shared in the
@@ -159,11 +174,12 @@ def ensure(root: Path, build: str, shape: dict[str, Any]) -> Path:
     shutil.rmtree(root / "runs", ignore_errors=True)
     t, c = time.perf_counter(), time.process_time()
     print(f"building {build} store: {shape} ...", file=sys.stderr, flush=True)
-    if build == "new":
-        from bench.scale.month_store import write_month_run
+    if build in ("new", "collector"):
+        from bench.scale.month_store import COLLECTOR_FLUSH_EVERY, FLUSH_EVERY, write_month_run
 
         write_month_run(
             run,
+            flush_every=COLLECTOR_FLUSH_EVERY if build == "collector" else FLUSH_EVERY,
             steps=shape["steps"],
             layers=shape["layers"],
             experts=shape["experts"],
@@ -301,6 +317,14 @@ def markdown(res: dict[str, Any]) -> str:
                     + " | ".join(f"{m[p]['wall_s']:.2f} / {m[p]['cpu_s']:.2f}" for p in PAGES)
                     + f" | {m['replay']['peak_rss_mb']:,.0f} | {m['replay']['wall_s']:.1f} / {m['replay'].get('cpu_s', math.nan):.1f} |"
                 )
+    for n in sizes:
+        r = res["results"].get(f"collector-{n}")
+        if r:
+            per = max(v["per_1000_closed"] for v in r["files"].values())
+            lines.append(
+                f"| {n:,} (the collector's copy, one checkpoint a step) | {r['store']['total']['bytes'] / 1e6:,.1f} | "
+                f"{r['store']['total']['files']:,} (<= {per:.2f} a raw table per 1,000 closed steps) | | | | | |"
+            )
     if res.get("growth"):
         lines += ["", "Growth law CPU = a * steps^b (new layout): " + "; ".join(
             f"{k} b = {v['b']:.2f}" for k, v in res["growth"].items() if v)]  # fmt: skip
@@ -345,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         "--pages",
         default=",".join((*PAGES, "replay")),
         help="what to measure, comma-separated (default: every page and replay)",
+    )
+    p.add_argument(
+        "--collector-copy",
+        action="store_true",
+        help="also build the collector's copy (one checkpoint a step through the same StoreMaintainer) "
+        "at each size and record its size and files (no page timings)",
     )
     p.add_argument("--add-step", type=int, default=2000, help="steps of the add_step timing (0: skip)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -398,6 +428,19 @@ def main(argv: list[str] | None = None) -> int:
                 )
             print(
                 json.dumps({label: n, **res["results"][f"{label}-{n}"]["measured"]}, default=float),
+                file=sys.stderr,
+            )
+        if args.collector_copy:
+            root = args.dir / f"collector-{n}"
+            run = ensure(root, "collector", {**shape, "steps": n, "flush_every": 1})
+            build = root / "build.json"
+            res["results"][f"collector-{n}"] = {
+                "build": json.loads(build.read_text()) if build.is_file() else None,
+                "store": store_stats(run),
+                "files": tail_files(run, n),
+            }
+            print(
+                json.dumps({"collector": n, **res["results"][f"collector-{n}"]}, default=float),
                 file=sys.stderr,
             )
     if len(sizes) > 1:

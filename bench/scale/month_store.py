@@ -54,6 +54,10 @@ from guard.store.writer import table_frame, write_part_file
 
 SEGMENT = layout.SEGMENT_STEPS
 FLUSH_EVERY = 50  # RunStore's default flush_every
+# The collector's copy: its checkpoint (every 1 s) writes one part per table of the rows pending; at
+# Trinity's ~3 s step that is one step's rows a checkpoint (guard/collector/journal.py commit:
+# write_parts, then the same StoreMaintainer's `wrote`). A build with flush_every 1 is that path.
+COLLECTOR_FLUSH_EVERY = 1
 THINNED = schema.THINNED_TABLES
 _ROUTING = (schema.TABLE_LAYERS, schema.TABLE_EXPERTS)
 
@@ -257,8 +261,8 @@ class _TiledMaintainer(StoreMaintainer):
 
 
 class _FastBuild:
-    def __init__(self, d: Path, plan: Plan, rows: MonthRows) -> None:
-        self.d, self.plan, self.rows = d, plan, rows
+    def __init__(self, d: Path, plan: Plan, rows: MonthRows, flush_every: int = FLUSH_EVERY) -> None:
+        self.d, self.plan, self.rows, self.flush_every = d, plan, rows, flush_every
         self.seq = 0
         self.maint: _TiledMaintainer | None = None
         self.pieces: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (table, segment) -> (first, seq)
@@ -291,7 +295,7 @@ class _FastBuild:
                     self.first[t] = _first(self.first[t], s)
                 self.reps.append(rep)
                 self.since += 1
-                if self.since >= FLUSH_EVERY or seg.events.get(s):
+                if self.since >= self.flush_every or seg.events.get(s):
                     self.flush()
         self.flush()
 
@@ -431,8 +435,10 @@ def write_month_run(
     fast: bool = True,
     seed: int = 0,
     status: str = schema.STATUS_FINISHED,
+    flush_every: int = FLUSH_EVERY,
 ) -> dict[str, Any]:
     """Build the run as RunStore leaves it under `policy` (default: the `[store]` defaults;
+    `flush_every` steps a flush: FLUSH_EVERY the job's writer, COLLECTOR_FLUSH_EVERY the collector's copy;
     `recent`, `radius`, `r10_window` override raw_window_steps, incident_steps,
     r10_window_steps). Returns {"ranges": full-fidelity ranges (summary.json), "incidents":
     steps, "extremes": {table: {column: (min, max)}} of the raw rows written, "tiled": segments
@@ -448,9 +454,9 @@ def write_month_run(
     meta["config"]["guard"] = {}
     if fast:
         with _no_fsync():
-            extremes = _fast(d, plan, rows, meta, status)
+            extremes = _fast(d, plan, rows, meta, status, flush_every)
     else:
-        extremes = _real(d, plan, rows, meta, status)
+        extremes = _real(d, plan, rows, meta, status, flush_every)
     doc = summary.read_summary(d) or {}
     ext = {t: {c: (lo_hi[0], lo_hi[1]) for c, lo_hi in cols.items()} for t, cols in extremes.items()}
     ranges = [tuple(r) for r in doc.get("full_fidelity", [])]
@@ -469,13 +475,15 @@ def _no_fsync() -> Iterator[None]:
         os.fsync = real
 
 
-def _fast(d: Path, plan: Plan, rows: MonthRows, meta: dict[str, Any], status: str) -> dict[str, Any]:
+def _fast(
+    d: Path, plan: Plan, rows: MonthRows, meta: dict[str, Any], status: str, flush_every: int = FLUSH_EVERY
+) -> dict[str, Any]:
     """The fast path (the module docstring): returns the raw rows' extremes."""
     d.mkdir(parents=True, exist_ok=True)
     for t in schema.TABLES:
         (d / t).mkdir(exist_ok=True)
     layout.atomic_write_json(d / schema.META_FILE, {**meta, "schema_version": schema.SCHEMA_VERSION})
-    b = _FastBuild(d, plan, rows)
+    b = _FastBuild(d, plan, rows, flush_every)
     b.run()
     assert b.maint is not None
     _finish_meta(d, status, b.maint.doc.get("last_loss"))
@@ -491,9 +499,11 @@ def _finish_meta(d: Path, status: str, loss: Any) -> None:
     layout.atomic_write_json(d / schema.META_FILE, meta)
 
 
-def _real(d: Path, plan: Plan, rows: MonthRows, meta: dict[str, Any], status: str) -> dict[str, Any]:
+def _real(
+    d: Path, plan: Plan, rows: MonthRows, meta: dict[str, Any], status: str, flush_every: int = FLUSH_EVERY
+) -> dict[str, Any]:
     """The real writer path over the same rows (tiled segments get their template's routing)."""
-    store = RunStore(d, flush_every=FLUSH_EVERY, policy=plan.policy)
+    store = RunStore(d, flush_every=flush_every, policy=plan.policy)
     store.write_meta(meta)
     extremes: dict[str, dict[str, list[float]]] = {}
     for k in range(len(plan.kinds)):
