@@ -51,5 +51,7 @@ def test_a_stalled_rank_among_512_is_named_and_nothing_is_lost(tmp_path: Path) -
     assert r["failed_requests"] == 0, r["errors"]
     assert r["stuck_named"] == ["77"] and r["false_stuck"] == 0
     assert r["false_heartbeat_lost"] == 0, r["heartbeat_lost_ranks"]
-    assert 12 <= r["stall_detected_after_s"] < 24
+    # the floor runs from the rank's last progress, which is up to one step before the bench's
+    # stall mark (a CI run at load ~9 read 11.63 s with 0.5 s steps); never before it, never late
+    assert 12 - r["step_s"] <= r["stall_detected_after_s"] < 24, r["step_s"]
     assert r["beat_every_s"] == 5.0 and r["offered_rps"] < 512 / 5 + 3  # beats + rank 0's reports
