@@ -101,10 +101,11 @@ def _json_float(v: Any) -> float:
 
 
 # On the Runs page, a run's newest parts are checked for truncation (magic bytes and footer
-# length: a crash, a full disk or a copy in progress): every part of the open segment (the live
+# length: a crash, a full disk or a copy in progress): the parts of the open segment (the live
 # tail, at most SEGMENT_STEPS / flush_every parts however long the run) and the newest
-# NEWEST_PARTS before it (older segments were read whole by the store's upkeep when it compacted
-# and rolled them up), so the cost is flat in the run's length: by stat() against summary.json's
+# NEWEST_PARTS before it, the newest summary.TAIL_MAX of them (older segments were read whole by
+# the store's upkeep when it compacted and rolled them up), so the cost is flat in the run's
+# length and in the collector's checkpoint rate: by stat() against summary.json's
 # sizes (reader.newest_damaged), or here, for a store without summary.json, listed. The
 # run-health page parses every part's footer (incrementally).
 NEWEST_PARTS = summary.TAIL_BEFORE
@@ -117,7 +118,7 @@ def _runs_page_parts(parts: list[Path]) -> list[Path]:
         return parts
     open_from = layout.segment_of(max(s for s, _ in named)) * layout.SEGMENT_STEPS
     older = [p for s, p in named if s < open_from]
-    return older[-NEWEST_PARTS:] + [p for s, p in named if s >= open_from]
+    return (older[-NEWEST_PARTS:] + [p for s, p in named if s >= open_from])[-summary.TAIL_MAX :]
 
 
 def _damaged(path: str, every_part: bool) -> list[tuple[str, str]]:

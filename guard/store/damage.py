@@ -130,7 +130,7 @@ def damaged_parts(run_dir: str | Path) -> list[DamagedPart]:
 
 def newest_damaged(run_dir: str | Path, doc: dict | None) -> list[DamagedPart]:
     """Damaged parts among each table's newest (the open segment's, from summary.json's
-    last_step, and the summary.TAIL_BEFORE before them): what the Runs page checks, flat in the
+    last_step, and the summary.TAIL_BEFORE before them; the newest summary.TAIL_MAX): what the Runs page checks, flat in the
     run's length. Where summary.json lists them and is current (summary.current_tails: no
     folder changed since the writer listed it), each is checked by one stat(): the size the
     writer recorded means it is whole, and only a part of another size has its bytes read.
@@ -152,7 +152,7 @@ def newest_damaged(run_dir: str | Path, doc: dict | None) -> list[DamagedPart]:
                     found.append(DamagedPart(Path(d, str(name)), why))
             continue
         open_from = summary.open_segment_start(doc.get("last_step"))
-        for name in newest_part_names(d, open_from, summary.TAIL_BEFORE):
+        for name in newest_part_names(d, open_from, summary.TAIL_BEFORE, summary.TAIL_MAX):
             if (why := part_truncated(os.path.join(d, name))) is not None:
                 found.append(DamagedPart(Path(d, name), why))
     return found

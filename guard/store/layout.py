@@ -156,12 +156,16 @@ def sorted_part_names(table_dir: str | Path) -> tuple[str, ...]:
     return tuple(name for _, name in sorted(((pi.first_step, pi.seq), n) for pi, n in live))
 
 
-def newest_part_names(table_dir: str | Path, from_step: int, before: int = 0) -> tuple[str, ...]:
+def newest_part_names(
+    table_dir: str | Path, from_step: int, before: int = 0, limit: int | None = None
+) -> tuple[str, ...]:
     """Names of the live parts whose first step is >= `from_step`, and of the `before` newest
     parts before them, in (first step, seq) order: a month-long run's open segment without
-    parsing its 1,000 older names (the Runs page). The folder is listed (os.listdir) and its names
-    sorted as strings (C speed): zero-padded first steps order as numbers below 10**10 steps;
-    past that every name is parsed."""
+    parsing its 1,000 older names (the Runs page). With `limit`, only the newest `limit` of those
+    (the collector's open segment holds a part per checkpoint, up to ~1,000: listing and stat()ing
+    them all at every save made its saves quadratic in the segment). The folder is listed
+    (os.listdir) and its names sorted as strings (C speed): zero-padded first steps order as
+    numbers below 10**10 steps; past that every name is parsed."""
     try:
         names = os.listdir(table_dir)
     except (FileNotFoundError, NotADirectoryError):
@@ -174,13 +178,16 @@ def newest_part_names(table_dir: str | Path, from_step: int, before: int = 0) ->
         j = bisect.bisect_left(names, "part-")  # temp files (".compact-...", ".part-...") sort first
         # a few extra older names: some may be hidden (covered by a compacted part)
         pick = names[max(j, i - 4 * before) :] if before else names[i:]
+        if limit is not None:  # the newest names only, with the same slack for hidden ones
+            pick = pick[-(limit + 4 * before) :]
     infos = [(pi, n) for n in pick if (pi := parse_part(n)) is not None]
     infos = [x for x in infos if os.path.isfile(os.path.join(table_dir, x[1]))]
     live, _ = _split_live(infos)
     ordered = sorted(((pi.first_step, pi.seq), n) for pi, n in live)
     newer = [n for k, n in ordered if k[0] >= from_step]
     older = [n for k, n in ordered if k[0] < from_step][-before:] if before else []
-    return tuple(older + newer)
+    out = older + newer
+    return tuple(out[-limit:] if limit is not None else out)
 
 
 def live_parts(table_dir: str | Path) -> list[tuple[PartInfo, Path]]:

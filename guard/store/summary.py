@@ -24,7 +24,7 @@ to the document keeps the version, so an older moeguard still reads and resumes 
 summary without it reads as before): {table: {"mtime_ns": the table folder's mtime when the
 writer listed it (0: no folder), "tail": [[part name, size in bytes], ...]}} for every table,
 the tail being the parts the Runs page checks for truncation: the open segment's (from
-`last_step`) and the TAIL_BEFORE newest before it. A reader that stats each table folder and
+`last_step`) and the TAIL_BEFORE newest before it, the newest TAIL_MAX of them. A reader that stats each table folder and
 finds the same mtimes (no part written, compacted or removed since; `current_tails`) knows the
 run's parts without listing a folder, and checks each tail part by one stat(): a size other
 than the one written means it was cut or rewritten, and only then are its bytes read.
@@ -47,6 +47,7 @@ from guard.store.layout import SEGMENT_STEPS, atomic_write_bytes, newest_part_na
 SUMMARY_VERSION = 1
 PARTS_KEY = "parts"
 TAIL_BEFORE = 2  # the Runs page checks the open segment's parts and this many before them
+TAIL_MAX = 24  # ... the newest this many of those (a job's open segment has ~20; a collector's up to ~1,000)
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any] | None:
@@ -173,7 +174,7 @@ def table_tails(run_dir: str | Path, last_step: Any) -> dict[str, dict[str, Any]
             out[t] = {"mtime_ns": 0, "tail": []}
             continue
         tail = []
-        for name in newest_part_names(d, open_from, TAIL_BEFORE):
+        for name in newest_part_names(d, open_from, TAIL_BEFORE, TAIL_MAX):
             try:
                 tail.append([name, os.stat(os.path.join(d, name)).st_size])
             except OSError:  # removed while listed: the folder's mtime moved, readers list it

@@ -77,7 +77,7 @@ def test_the_writer_names_each_tables_newest_parts_with_their_sizes(month: Path)
     for t in schema.TABLES:
         d = month / t
         rec = doc[summary.PARTS_KEY][t]
-        names = layout.newest_part_names(d, open_from, summary.TAIL_BEFORE)
+        names = layout.newest_part_names(d, open_from, summary.TAIL_BEFORE, summary.TAIL_MAX)
         assert rec["tail"] == [[n, (d / n).stat().st_size] for n in names], t
         assert rec["mtime_ns"] == (d.stat().st_mtime_ns if d.is_dir() else 0), t
     # the compacted first segment's part is among the steps tail: the newest before the open one

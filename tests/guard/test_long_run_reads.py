@@ -176,3 +176,6 @@ def test_newest_part_names_lists_the_open_segment_and_the_newest_before(month, t
                 [n for n, f in zip(live, firsts, strict=True) if f < from_step][-before:] if before else []
             )
             assert layout.newest_part_names(d / t, from_step, before) == tuple(older + newer), (t, from_step)
+            for limit in (1, 3, 50):  # the newest `limit` of the same names (the collector's long tails)
+                got = layout.newest_part_names(d / t, from_step, before, limit)
+                assert got == tuple((older + newer)[-limit:]), (t, from_step, limit)
