@@ -47,7 +47,7 @@ from guard.store.layout import SEGMENT_STEPS, atomic_write_bytes, newest_part_na
 SUMMARY_VERSION = 1
 PARTS_KEY = "parts"
 TAIL_BEFORE = 2  # the Runs page checks the open segment's parts and this many before them
-TAIL_MAX = 24  # ... the newest this many of those (a job's open segment has ~20; a collector's up to ~1,000)
+TAIL_MAX = 64  # ... the newest this many of those (a job's open segment has ~20; a collector's up to ~1,000)
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any] | None:

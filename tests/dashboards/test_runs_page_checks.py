@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dashboards.data.loaders import NEWEST_PARTS, _runs_page_parts
-from guard.store import layout
+from guard.store import layout, summary
 
 
 def _parts(tmp_path: Path, steps: list[int], *, compacted_upto: int = 0) -> list[Path]:
@@ -26,6 +26,13 @@ def _parts(tmp_path: Path, steps: list[int], *, compacted_upto: int = 0) -> list
 def test_a_short_run_has_every_part_checked(tmp_path: Path) -> None:
     parts = _parts(tmp_path, list(range(0, 80, 3)))  # 27 parts, one open segment
     assert _runs_page_parts(parts) == parts
+
+
+def test_a_collectors_open_segment_has_its_newest_parts_checked(tmp_path: Path) -> None:
+    """A part per checkpoint (the collector's copy): the newest summary.TAIL_MAX, as the writer's
+    summary lists them, not a stat() of up to ~1,000 parts a table per run."""
+    parts = _parts(tmp_path, list(range(0, 900)))
+    assert _runs_page_parts(parts) == parts[-summary.TAIL_MAX :]
 
 
 def _long_run(root: Path, closed_segments: int) -> list[Path]:
