@@ -6,6 +6,7 @@ Set MOEGUARD_REAL_RUNS=/path/to/runs to also run the page smoke test over real t
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 
 import dashboards
 from dashboards.data import config
-from tests.dashboards.synth_store import make_store, write_canary_history
+from tests.dashboards.synth_store import LIVE, make_store, set_meta, write_canary_history
 
 APP = Path(dashboards.__file__).resolve().parent / "app.py"  # the checkout's, or the installed wheel's
 
@@ -23,6 +24,16 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("runs")
     make_store(root)
     return root
+
+
+@pytest.fixture(autouse=True)
+def _live_run_stays_live(request: pytest.FixtureRequest) -> None:
+    """The session's store is written when a worker first needs it, maybe many minutes before a
+    test reads it (CI's parallel phase runs ~17 min); its running run would then read as stale
+    (DEFAULT_STALE_S, 5 min without activity), as a real one does. Each test that uses the store
+    sees that run active just now (its meta.json's updated_at)."""
+    if "store" in request.fixturenames:
+        set_meta(request.getfixturevalue("store") / LIVE, updated_at=time.time())
 
 
 @pytest.fixture(scope="session")
