@@ -4,6 +4,7 @@ guard/wire/batch.py), and an in-process Collector's ingest and scrape."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -235,3 +237,25 @@ def halt_row(step: int) -> dict[str, Any]:
 
 def beat(run: str, rank: int, seq: int, step: int = 0, **extra: Any) -> dict[str, Any]:
     return {"run": run, "rank": rank, "seq": seq, "heartbeat": {"time": time.time(), "step": step}, **extra}
+
+
+@contextlib.contextmanager
+def in_process_collectors(runs_dir: Path, **defaults: Any) -> Iterator[Callable[..., Any]]:
+    """make(**config) -> a started in-process Collector (no HTTP) over one runs folder (a second
+    one is a restart); every one made is closed at the end."""
+    from guard.collector.config import CollectorConfig
+    from guard.collector.service import Collector
+
+    made: list[Any] = []
+
+    def make(**kw: Any) -> Any:
+        c = Collector(CollectorConfig(runs_dir=runs_dir, token=None, **{**defaults, **kw}))
+        c.start()
+        made.append(c)
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.close()

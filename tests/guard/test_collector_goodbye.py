@@ -16,7 +16,16 @@ from guard.core import schema
 from guard.core.heartbeat import HeartbeatConfig
 from guard.store.reader import read_meta
 from guard.wire.batch import BadRequest, goodbye, parse_batch
-from tests.helpers_collector import G1, G2, batch, beat, ingest, lost_series, make_report
+from tests.helpers_collector import (
+    G1,
+    G2,
+    batch,
+    beat,
+    in_process_collectors,
+    ingest,
+    lost_series,
+    make_report,
+)
 
 FLOOR_S = 0.6
 
@@ -24,20 +33,8 @@ FLOOR_S = 0.6
 @pytest.fixture
 def inproc(tmp_path: Path) -> Iterator[Any]:
     """In-process collectors over one runs folder (a second one is a restart), closed at the end."""
-    from guard.collector.config import CollectorConfig
-    from guard.collector.service import Collector
-
-    made = []
-
-    def make(**kw: Any) -> Any:
-        c = Collector(CollectorConfig(runs_dir=tmp_path / "runs", token=None, **kw))
-        c.start()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+    with in_process_collectors(tmp_path / "runs") as make:
+        yield make
 
 
 def bye(run: str, rank: int, seq: int, status: str, note: str = "", **extra: Any) -> dict[str, Any]:

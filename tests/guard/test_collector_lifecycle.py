@@ -23,6 +23,7 @@ from tests.helpers_collector import (
     beat,
     halt_row,
     halted,
+    in_process_collectors,
     ingest,
     lost_series,
     make_report,
@@ -31,20 +32,8 @@ from tests.helpers_collector import (
 
 @pytest.fixture
 def inproc(tmp_path: Path) -> Iterator[Any]:
-    from guard.collector.config import CollectorConfig
-    from guard.collector.service import Collector
-
-    made = []
-
-    def make(**kw: Any) -> Any:
-        c = Collector(CollectorConfig(runs_dir=tmp_path / "runs", token=None, **kw))
-        c.start()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+    with in_process_collectors(tmp_path / "runs") as make:
+        yield make
 
 
 def test_halt_latches_until_the_run_resumes_and_a_later_halt_latches_again(inproc: Any) -> None:
