@@ -398,7 +398,7 @@ perf = health_steps.series(
     path, sig, ("mfu", "tokens_per_s", "step_time_s", "data_wait_s", "mem_peak_bytes"), view
 )
 step_axis.chart(perf_figure(perf, peak, steps=view), key="perf", span=span)
-st.caption(f"MFU = analytic training FLOPs x tokens/s / (peak x ranks); peak {peak.label()} ({peak.source}).")
+st.caption(mfu_peak.formula(info.meta.get("flops_per_token"), env.get("world_size"), peak))
 host = side_tables.load_host(path, sig) if info.tables.get(schema.TABLE_HOST) else None
 if host is not None and host.height and side_tables.host_series(host):
     step_axis.chart(host_figure(step_zoom.clip(host, view), steps=view), key="host", span=span)

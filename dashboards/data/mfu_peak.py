@@ -98,3 +98,32 @@ def mfu_note(mfu: float | None, peak: Peak) -> str:
     if peak.kind == PEAK_SELF:
         return "peak self-measured by the run: compare tokens/s instead"
     return ""
+
+
+def fmt_flops_per_token(v: float) -> str:
+    for unit, n in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if v >= n:
+            return f"{v / n:.3g} {unit}/token"
+    return f"{v:.3g} FLOP/token"
+
+
+def formula(flops_per_token: Any, world: Any, peak: Peak) -> str:
+    """What the run's MFU divides by what, with its own numbers (the MFU chart's caption).
+
+    MFU of one model on one device is comparable; across models it is not a measure of the code:
+    a tiny model's small matmuls reach a few % of a CPU's peak where one 2x wider, with 9x the
+    FLOPs per token, reaches ~4x that (docs/NOTES.md "## App")."""
+    fpt = float(flops_per_token) if isinstance(flops_per_token, int | float) else math.nan
+    ranks = int(world) if isinstance(world, int) and world > 0 else 1
+    what = (
+        f"{fmt_flops_per_token(fpt)} (analytic: 6 x the active matmul parameters + attention, "
+        "meta.json flops_per_token)"
+        if math.isfinite(fpt) and fpt > 0
+        else "FLOPs per token (not recorded for this run)"
+    )
+    rank_s = f"{ranks} rank" + ("s" if ranks != 1 else "")
+    return (
+        f"MFU = {what} x tokens/s / ({peak.label()} x {rank_s}); peak source: {peak.source}. "
+        "A step's time runs from one optimizer decision to the next (the whole step). "
+        "MFU depends on the model's matmul sizes: compare it between runs of one model."
+    )

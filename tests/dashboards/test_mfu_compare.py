@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from dashboards.data import canaries, compare
+from dashboards.data import canaries, compare, mfu_peak
 from dashboards.figures.compare import compare_overlay
 from dashboards.figures.mfu_marks import MFU_ARTEFACT, MFU_META
 from guard.canary import history
@@ -382,3 +382,21 @@ def test_a_cpu_history_names_its_measure_cpu_efficiency(tmp_path: Path, mfu_stor
     assert not at.exception
     labels = [m.label for m in at.metric]
     assert "latest CPU efficiency p50" in labels and not any("MFU" in label for label in labels)
+
+
+def test_the_mfu_caption_says_what_is_divided_by_what(tmp_path: Path, open_page) -> None:
+    """Issue #40: a Trainer run's MFU (22.7%) next to a `moeguard train` run's (~5%) on the same
+    pinned peak; both right (a 9x bigger model per token), and the caption says what was counted."""
+    peak = mfu_peak.run_peak(PINNED_ENV)
+    text = mfu_peak.formula(1781760.0, 1, peak)
+    assert "MFU = 1.78 MFLOP/token (analytic" in text and "x 1 rank)" in text
+    assert "214 GFLOP/s, pinned" in text and "compare it between runs of one model" in text
+    assert "not recorded" in mfu_peak.formula(None, 2, peak) and "x 2 ranks" in mfu_peak.formula(
+        None, 2, peak
+    )
+    run = write_run(tmp_path, SynthRun(run_id="counted", steps=60, faults=[], env=PINNED_ENV, mfu=0.2))
+    meta = json.loads((run / "meta.json").read_text())
+    (run / "meta.json").write_text(json.dumps({**meta, "flops_per_token": 1781760.0}))
+    at = open_page("health", tmp_path, run=run.name)
+    assert not at.exception
+    assert any(c.value.startswith("MFU = 1.78 MFLOP/token (analytic") for c in at.caption)
