@@ -95,6 +95,7 @@ class Windows(BaseDataLoader):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         seed: int = 0
+        infinite: bool = True  # torchtitan's validator sets it; the stream never ends (give it steps > 0)
 
     def __init__(
         self, config: Config, *, seq_len: int, local_batch_size: int, dp_rank: int = 0, **_: Any

@@ -290,11 +290,9 @@ def _cpu_shim(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "0")
 
 
-def test_torchtitans_own_trainer_is_guarded(
-    tmp_path: Path, corpus: np.ndarray, parallel_dims: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import gc
-
+def _tt_config(tmp_path: Path, *, steps: int, **extra: object) -> object:
+    """torchtitan's Trainer.Config for the small model on the CPU: stdlib windows, bytes, no
+    checkpoint; `extra`: more Trainer.Config fields (a validator)."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
@@ -308,20 +306,7 @@ def test_torchtitans_own_trainer_is_guarded(
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.trainer import Trainer
 
-    from guard.integrations.torchtitan import GuardedTrainer
-
-    _cpu_shim(monkeypatch)
-
     from bench.common.torchtitan_registry import Bytes, Windows  # no hub download: bytes, stdlib windows
-
-    class Spiky(GuardedTrainer):  # type: ignore[misc, valid-type]
-        def forward_backward_step(self, **kwargs: object) -> torch.Tensor:
-            loss = super().forward_backward_step(**kwargs)
-            if self.step == 46:  # torchtitan counts steps from 1: the guard's step 45
-                torch._foreach_mul_(
-                    [p.grad for p in self.model_parts[0].parameters() if p.grad is not None], 1000.0
-                )
-            return loss
 
     optimizer = default_adamw(lr=1e-3)
     optimizer.implementation = "foreach"
@@ -334,7 +319,7 @@ def test_torchtitans_own_trainer_is_guarded(
         post_optimizer_build_fn=register_moe_load_balancing_hook,
         state_dict_adapter=None,
     )
-    config = Trainer.Config(
+    return Trainer.Config(
         model_spec=spec,
         hf_assets_path=str(tmp_path),
         dump_folder=str(tmp_path / "out"),
@@ -347,7 +332,7 @@ def test_torchtitans_own_trainer_is_guarded(
         training=TrainingConfig(
             local_batch_size=BATCH,
             seq_len=SEQ,
-            steps=60,
+            steps=steps,
             disable_cuda_graphs=True,
             mixed_precision_param="float32",
             max_norm=1.0,
@@ -355,7 +340,29 @@ def test_torchtitans_own_trainer_is_guarded(
         parallelism=ParallelismConfig(),
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=None,
+        **extra,
     )
+
+
+def test_torchtitans_own_trainer_is_guarded(
+    tmp_path: Path, corpus: np.ndarray, parallel_dims: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+
+    from guard.integrations.torchtitan import GuardedTrainer
+
+    _cpu_shim(monkeypatch)
+
+    class Spiky(GuardedTrainer):  # type: ignore[misc, valid-type]
+        def forward_backward_step(self, **kwargs: object) -> torch.Tensor:
+            loss = super().forward_backward_step(**kwargs)
+            if self.step == 46:  # torchtitan counts steps from 1: the guard's step 45
+                torch._foreach_mul_(
+                    [p.grad for p in self.model_parts[0].parameters() if p.grad is not None], 1000.0
+                )
+            return loss
+
+    config = _tt_config(tmp_path, steps=60)
     torch.manual_seed(0)
     trainer = Spiky(config, run_dir=tmp_path / "run")
     try:
@@ -374,3 +381,38 @@ def test_torchtitans_own_trainer_is_guarded(
     bias = {s: g.sort(["layer", "expert"])["bias"].to_list() for (s,), g in experts.group_by(["step"])}
     moved = [s for s in range(59) if bias[s] != bias[s + 1]]  # torchtitan's own update, applied steps only
     assert moved == [s for s in range(59) if s != 45]
+
+
+def test_torchtitans_validation_loss_lands_in_evals(
+    tmp_path: Path, parallel_dims: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchtitan's own validator (issue #40): its loss, as it logs it, is the run's eval_loss at
+    the guard's step (torchtitan step S is the guard's S - 1)."""
+    import gc
+
+    from torchtitan.components.validate import Validator
+
+    from bench.common.torchtitan_registry import Windows
+    from guard.integrations.torchtitan import GuardedTrainer
+
+    _cpu_shim(monkeypatch)
+    val = Validator.Config(enable=True, freq=2, steps=2, dataloader=Windows.Config(seed=1))
+    config = _tt_config(tmp_path, steps=4, validator=val)
+    torch.manual_seed(0)
+    trainer = GuardedTrainer(config, run_dir=tmp_path / "run")
+    logged: list[tuple[int, float]] = []
+    log = trainer._log_validation  # torchtitan's own, which the guard's hook calls on
+    trainer._log_validation = lambda loss, step, extra_metrics=None: (
+        logged.append((step, loss)) or log(loss=loss, step=step, extra_metrics=extra_metrics)
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        gc.enable()
+    assert [s for s, _ in logged] == [1, 2, 4]  # torchtitan validates at step 1 and every `freq`
+    evals = read_table(tmp_path / "run", "evals").sort("step")
+    assert evals["name"].unique().to_list() == ["eval_loss"]
+    assert evals["step"].to_list() == [0, 1, 3]
+    assert evals["value"].to_list() == pytest.approx([v for _, v in logged], rel=1e-6)
+    assert read_table(tmp_path / "run", "steps").height == 4

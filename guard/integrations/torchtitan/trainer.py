@@ -9,7 +9,8 @@ Nothing of torchtitan's train_step is copied. What changes:
     drops the data window a rollback asks to skip;
   * the checkpointer carries the guard's state (torchtitan's Stateful protocol, key "moeguard"),
     so a resume keeps every baseline; a save beats in the `checkpoint` phase and is an event;
-    torchtitan's validation beats in the `eval` phase;
+    torchtitan's validation beats in the `eval` phase, and the loss it logs
+    (`metrics_processor.log_validation`) lands in the run store's `evals` table as `eval_loss`;
   * a halt stops the loop after a full checkpoint; a non-finite loss the guard skipped does not
     crash the run (torchtitan raises on one at its log steps);
   * GuardedStep streams to the collector (every rank), MFU from torchtitan's own
@@ -142,6 +143,10 @@ def guarded_trainer() -> type:
             if config.validator.enable:
                 self._validate = self.validator.validate
                 self.validator.validate = self._guarded_validate  # type: ignore[method-assign]
+                # the validator's one report of its loss (all-reduced: the same on every rank)
+                mp = self.validator.metrics_processor
+                self._log_validation = mp.log_validation
+                mp.log_validation = self._guarded_log_validation
 
         # ---- the step ----------------------------------------------------------------------
         def batch_generator(
@@ -224,6 +229,20 @@ def guarded_trainer() -> type:
             finally:
                 self.guarded.session.phase(PHASE_TRAIN, beat=True)
                 self.guarded.restart_clock()
+
+        def _guarded_log_validation(
+            self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None
+        ) -> None:
+            """The validation loss goes to the evals table at the last guarded step (0-based, as
+            MoEGuardCallback files the Trainer's eval_loss), numeric extra metrics beside it."""
+            extra = {
+                k: float(v)
+                for k, v in (extra_metrics or {}).items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            }
+            if self.guarded.step_idx > 0:  # an evaluation before any step has no step to sit at
+                self.guarded.log(**{**extra, "eval_loss": float(loss)})
+            self._log_validation(loss=loss, step=step, extra_metrics=extra_metrics)
 
         def close(self) -> None:
             self.guarded.close(*self._ending())
