@@ -247,7 +247,7 @@ else:
 
     ui.dataframe(
         ev.select(
-            "step",
+            guard_events.shown_steps(),  # a checkpoint at the last step it holds, as the chart
             pl.from_epoch(pl.col("time"), time_unit="s").alias("time (UTC)"),
             "kind",
             pl.col("detector").fill_null(""),
@@ -258,6 +258,9 @@ else:
         hide_index=True,
         height=ui.table_height(ev.height, max_rows=20),  # a drill's events fit; a long run's scroll
         column_config={
+            "step": st.column_config.NumberColumn(
+                help="the step the event belongs to; a checkpoint-N at the last step it holds, N - 1"
+            ),
             "detector": st.column_config.TextColumn(width="medium"),  # layer_grad_norm_spike was cut off
             "value": st.column_config.TextColumn(help="the detector's value (empty: the event has none)"),
             "threshold": st.column_config.TextColumn(help="the threshold it crossed (empty: none)"),
@@ -283,10 +286,11 @@ else:
         ("dead_experts", "dead experts", "Reds", False, (0.0, max(1.0, dead_max))),  # all-zero reads white
         ("router_entropy", "nats", "Viridis_r", False, (None, None)),
         ("load_entropy", "load entropy", "Viridis_r", False, (None, None)),
-        ("bias_norm", "bias L2", "Cividis", False, (None, None)),
+        ("bias_norm", "bias L2", "Cividis", False, (0.0, None)),  # a norm: never below 0
         ("update_ratio", "ΔW/W", "Magma", True, (None, None)),
     ]
-    specs = [s for s in specs if s[0] in heats]
+    no_bias = "bias_norm" in heats and heatmaps.all_zero(heats["bias_norm"])
+    specs = [s for s in specs if s[0] in heats and not (s[0] == "bias_norm" and no_bias)]
     for i in range(0, len(specs), 2):
         cols = st.columns(2)
         for col, (name, ztitle, scale, log, (zmin, zmax)) in zip(cols, specs[i : i + 2], strict=False):
@@ -310,6 +314,12 @@ else:
         st.caption(
             f"Each column covers {next(iter(heats.values()))['width']} step(s). Dense layers have no routing "
             "statistics (blank rows in the routing maps)."
+            + (
+                " No expert-bias chart: the expert-bias L2 norm is 0 at every step shown (the model has "
+                "no expert biases, or none was moved)."
+                if no_bias
+                else ""
+            )
         )
 
 

@@ -172,6 +172,23 @@ def _step_decisions(steps: pl.DataFrame, at: pl.Series) -> dict[int, str]:
     return dict(zip(rows["step"].to_list(), rows["action"].to_list(), strict=True))
 
 
+def shown_step(kind: str, step: int) -> int:
+    """The step an event is shown at. checkpoint-N holds steps 0..N-1 and is recorded at step N:
+    it is shown at the last step it holds, so a 20-step run's final checkpoint (step 20) is on the
+    run's axis (style.step_range) and the events table says the step the chart does."""
+    return step - 1 if kind == schema.EV_CHECKPOINT and step > 0 else step
+
+
+def shown_steps() -> pl.Expr:
+    """shown_step over an events frame's rows, as its `step` column."""
+    return (
+        pl.when((pl.col("kind") == schema.EV_CHECKPOINT) & (pl.col("step") > 0))
+        .then(pl.col("step") - 1)
+        .otherwise(pl.col("step"))
+        .alias("step")
+    )
+
+
 def timeline_rows(events: pl.DataFrame) -> pl.DataFrame:
     """Events for the timeline strip: one dot per (step, lane, kind), lane = detector for verdicts
     else kind. Events that would stack on one dot (a detector flagging several layers at one step)
@@ -185,11 +202,8 @@ def timeline_rows(events: pl.DataFrame) -> pl.DataFrame:
         text = evidence_text(r) + (
             f"<br>action: {r['action']}" if r["action"] not in (schema.ACT_NONE, "", None) else ""
         )
-        step = int(r["step"])
-        if r["kind"] == schema.EV_CHECKPOINT and step > 0:
-            # checkpoint-N holds steps 0..N-1: its dot sits on the last step it holds, so a
-            # 20-step run's final checkpoint (step 20) is on the run's axis (style.step_range)
-            step -= 1
+        step = shown_step(r["kind"], int(r["step"]))
+        if step != int(r["step"]):
             text += f"<br>saved after step {step}"
         dots.setdefault((step, lane, r["kind"]), []).append(text)
     return pl.DataFrame(

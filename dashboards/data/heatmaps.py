@@ -97,6 +97,13 @@ def load_layer_heatmaps(
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
+def all_zero(h: dict[str, Any]) -> bool:
+    """No non-zero value in the matrix (NaN cells aside): e.g. the expert-bias norm of a model
+    without expert biases (Mixtral), which drew a grey block on a -0.5..0.5 scale."""
+    z = np.asarray(h["z"], dtype=float)
+    return not bool(np.any(np.nan_to_num(z) != 0))
+
+
 def load_layer_ids(path: str, sig: tuple[int, ...]) -> list[int]:
     """MoE layers (those with expert rows), read from the newest part only."""
     del sig

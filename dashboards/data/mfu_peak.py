@@ -125,5 +125,6 @@ def formula(flops_per_token: Any, world: Any, peak: Peak) -> str:
     return (
         f"MFU = {what} x tokens/s / ({peak.label()} x {rank_s}); peak source: {peak.source}. "
         "A step's time runs from one optimizer decision to the next (the whole step). "
-        "MFU depends on the model's matmul sizes: compare it between runs of one model."
+        "MFU depends on the model's matmul sizes (a small model's use a small share of the peak): "
+        "between runs of different models it does not compare the loops."
     )

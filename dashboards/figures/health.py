@@ -255,7 +255,9 @@ def _add_timeline(fig: go.Figure, timeline: pl.DataFrame, *, row: int) -> None:
             row=row,
             col=1,
         )
-    fig.update_yaxes(categoryorder="array", categoryarray=lanes, row=row, col=1)
+    # the lane names fit in STEP_MARGIN's left margin; plotly's automargin widened it for a long
+    # one (collapse_not_recovered) and moved this chart's step axis off the other step charts'
+    fig.update_yaxes(categoryorder="array", categoryarray=lanes, automargin=False, row=row, col=1)
     for s in timeline.filter(pl.col("kind") == schema.EV_HALT)["step"].to_list():
         fig.add_vline(x=s, line={"color": "#111111", "dash": "dash", "width": 1})
 

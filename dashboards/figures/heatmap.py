@@ -3,12 +3,31 @@ cells to call out (non-finite values) marked."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
+import plotly.colors as pcolors
 import plotly.graph_objects as go
 
 from dashboards.figures.style import MARGIN, fit_step_axis
+
+# Streamlit's plotly theme sends its own colours as placeholders #000001..#000040 and its frontend
+# swaps every such string in the figure for a theme colour: Magma's first stop, #000004, came out
+# light red, so the smallest update ratios (Run health) were drawn pink under a black colour bar end
+_STREAMLIT_PLACEHOLDER = re.compile(r"#0000[0-9]{2}")
+
+
+def safe_colorscale(scale: str | list[Any]) -> list[list[Any]]:
+    """`scale` (a plotly name or [[pos, colour], ...]) with its colours as rgb() strings, so no stop
+    can be one of Streamlit's placeholder colours."""
+    out = []
+    for pos, color in pcolors.get_colorscale(scale) if isinstance(scale, str) else scale:
+        c = str(color)
+        if _STREAMLIT_PLACEHOLDER.fullmatch(c.lower()):
+            c = "rgb({},{},{})".format(*pcolors.hex_to_rgb(c))
+        out.append([pos, c])
+    return out
 
 
 def heatmap(
@@ -18,7 +37,7 @@ def heatmap(
     x_title: str,
     y_title: str,
     z_title: str,
-    colorscale: str = "Viridis",
+    colorscale: str | list[Any] = "Viridis",
     zmid: float | None = None,
     log: bool = False,
     height: int | None = None,
@@ -49,7 +68,7 @@ def heatmap(
             y=np.asarray(h["y"]),
             z=z,
             customdata=np.broadcast_to(x, z.shape) if width > 1 and z.size else None,
-            colorscale=colorscale,
+            colorscale=safe_colorscale(colorscale),
             zmid=zmid,
             zmin=zmin,
             zmax=zmax,

@@ -100,6 +100,9 @@ def _ticks(frames: object, col: str) -> dict[str, object]:
 
 def _line(fig: go.Figure, df: pl.DataFrame, col: str, name: str, color: str, *, row: int) -> None:
     x, y = series_xy(df, col)
+    # every panel here is log-scaled: a 0 (the update ratio of a step after an LR-0 warm-up step)
+    # is a gap, not a line plunging off the panel's bottom edge
+    y = np.where(y > 0, y, np.nan)
     fig.add_trace(
         go.Scatter(
             x=x,

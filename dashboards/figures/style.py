@@ -68,8 +68,11 @@ MARGIN = {"l": 60, "r": 20, "t": 70, "b": 50}
 
 # The full-width step charts of a page (loss, precursors, throughput) share their margins, so the
 # plot areas have one width and a step sits at the same x on each (the legend lives in the right
-# margin; a wider legend had narrowed one chart's plot and put step 10 elsewhere on each chart)
-STEP_MARGIN = {"l": 80, "r": 290, "t": 80, "b": 50}
+# margin; a wider legend had narrowed one chart's plot and put step 10 elsewhere on each chart).
+# The left margin holds the guard timeline's longest lane name (LANE_NAME_MAX characters; the lane
+# axis does not grow it): a lane like collapse_not_recovered had pushed that chart's plot ~90 px right
+LANE_NAME_MAX = 24
+STEP_MARGIN = {"l": 180, "r": 290, "t": 80, "b": 50}
 
 
 def step_range(lo: int, hi: int) -> list[float]:
