@@ -26,7 +26,11 @@ adapter; an action that cannot be applied is never reported as done):
   AuxGradCorrector  models balanced by an aux loss only (Mixtral, Qwen-MoE, OLMoE, GPT-OSS): the
                     gradient of a switch-style balancing loss for the collapsing layer alone is
                     added to that layer's router logits during backward, i.e. a per-layer aux-loss
-                    boost that needs no change to the user's loss.
+                    boost that needs no change to the user's loss, plus the load-shift gradient on
+                    the router's weight (LoadShift) and, on a softmax (logits, weights, ids)
+                    router, a bounded per-expert bias on that layer's logits (LogitBias: the
+                    aux-loss-free push of DeepSeek-V3 / SMEBU, for a family that has no bias of
+                    its own), which acts on the next forward instead of through the optimizer.
 """
 
 from __future__ import annotations
@@ -263,6 +267,146 @@ class LoadShift:
             h.remove()
 
 
+class LogitBias:
+    """A bias term on one bias-free softmax top-k router's logits: aux-loss-free balancing
+    (DeepSeek-V3's expert bias, Trinity's SMEBU) for a family that has no bias of its own
+    (Mixtral, Qwen2/3-MoE, OLMoE), pushed only while a layer is corrected (AuxGradCorrector). A
+    forward hook on the router (prepended, so the counting hook and the family's own router-logit
+    capture see its output) returns logits + bias_E and the top-k ids and weights of their
+    softmax (renormalised when the router renormalises): the router it would be with a bias in its
+    linear layer, e.g. a constant offset on one expert's logit cancelled. `selection_only` is
+    DeepSeek-V3's form instead (the bias picks the ids, the router's unbiased scores weigh them,
+    the logits are left alone); on a saturated softmax it leaves the re-routed tokens' weights at
+    ~e^-offset (Qwen3 does not renormalise), so it is not the default.
+
+    A push (one per applied step of the correction, from the step's per-expert load): the
+    direction is sign((mean - n) / mean), mean-centred; each expert's step starts at rate x the
+    layer's logit spread (per token std over experts, mean over tokens, of the last forward: a
+    softmax router's logits have no fixed scale), grows x1.2 while its direction holds and halves
+    when it flips (Rprop: fast from a far collapse, no limit cycle near balance, still on a noisy
+    balanced load), capped at one spread; the bias is mean-centred and clamped to |b| <= bound
+    spreads. It acts on the next forward, where a gradient on the weight moves a logit by about
+    the learning rate a step (a +10 offset: 96-195 steps, issue #39). Only a corrected layer is
+    ever pushed; the bias stays when the correction ends (the cause it offsets may stay), and a
+    later correction pushes it again, either way.
+
+    The first hooked forward checks that the router's output is this reconstruction at bias 0
+    (the same ids, the same weights); a router whose output is not (another score function, a
+    null expert, grouped routing) is left untouched (`usable` False) and the correction stays
+    gradient-only. At bias 0 the hook returns nothing: the router's own output, exactly."""
+
+    def __init__(
+        self,
+        router: nn.Module,
+        *,
+        n_experts: int,
+        logits_at: int = 0,
+        weights_at: int = 1,
+        ids_at: int = 2,
+        selection_only: bool = False,
+    ) -> None:
+        device = next((p.device for p in router.parameters()), torch.device("cpu"))
+        self.n_experts = n_experts
+        self.at = (logits_at, weights_at, ids_at)
+        self.bias_E = torch.zeros(n_experts, device=device)
+        self.spread = torch.zeros((), device=device)
+        norm = getattr(router, "norm_topk_prob", None)
+        self.renorm: bool | None = None if norm is None else bool(norm)
+        self.usable: bool | None = None  # checked on the first forward
+        self.selection_only = selection_only
+        # per-expert step (logit units) and the last step's direction (push)
+        self.step_E: torch.Tensor | None = None
+        self.sign_E: torch.Tensor | None = None
+        self._handle = router.register_forward_hook(self._hook, prepend=True)
+
+    def _check(self, probs: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> bool:
+        k = idx.shape[-1]
+        top, sel = probs.topk(k, dim=-1)
+        if not torch.equal(sel.sort(-1).values, idx.sort(-1).values.to(sel.dtype)):
+            return False
+        got = w.detach().float().gather(-1, idx.argsort(-1))  # both in expert-id order
+        top = top.gather(-1, sel.argsort(-1))
+        err = {
+            r: float((got - (top / top.sum(-1, keepdim=True) if r else top)).abs().max())
+            for r in (True, False)
+        }
+        if self.renorm is None:  # no attribute says: the closer form (a tie: renormalised)
+            self.renorm = err[True] <= err[False]
+        return err[self.renorm] <= 1e-3 * max(1.0, float(got.abs().max()))
+
+    def _hook(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        la, wa, ia = self.at
+        if self.usable is False or not isinstance(output, tuple | list) or len(output) <= max(self.at):
+            return None
+        logits, w, idx = output[la], output[wa], output[ia]
+        if not isinstance(w, torch.Tensor) or idx.dtype.is_floating_point:
+            self.usable = False
+            return None
+        x_NE = logits.reshape(-1, self.n_experts)
+        probs = x_NE.float().softmax(-1)
+        idx_NK = idx.reshape(x_NE.shape[0], -1)
+        if self.usable is None:
+            self.usable = idx_NK.shape[0] == x_NE.shape[0] and self._check(
+                probs.detach(), w.reshape(idx_NK.shape), idx_NK
+            )
+            if not self.usable:
+                return None
+        with torch.no_grad():
+            xs = x_NE.detach().float()
+            self.spread = xs.std(-1).mean() if xs.shape[0] else self.spread
+            if not bool(self.bias_E.any()):  # bias 0: the router's own output, exactly
+                return None
+        out = list(output)
+        k = idx_NK.shape[-1]
+        if self.selection_only:  # DeepSeek-V3's form: the bias picks, the unbiased scores weigh
+            with torch.no_grad():
+                sel = (xs + self.bias_E).topk(k, dim=-1).indices
+            top = probs.gather(-1, sel)
+        else:  # a bias term on the router's logits: selection, weights and the logits it returns
+            xb_NE = x_NE + self.bias_E.to(x_NE.dtype)
+            top, sel = xb_NE.float().softmax(-1).topk(k, dim=-1)
+            out[la] = xb_NE.reshape(logits.shape)
+        if self.renorm:
+            top = top / top.sum(-1, keepdim=True)
+        out[wa] = top.to(w.dtype).reshape(w.shape)
+        out[ia] = sel.to(idx.dtype).reshape(idx.shape)
+        return tuple(out) if isinstance(output, tuple) else out
+
+    @torch.no_grad()
+    def push(
+        self,
+        load_E: torch.Tensor,
+        *,
+        rate: float,
+        bound: float,
+        kappa: float = 2.0,
+        grow: float = 1.2,
+        shrink: float = 0.5,
+    ) -> None:
+        """One bounded balancing step from this step's per-expert load (see the class docstring)."""
+        if not self.usable:
+            return
+        n_E = load_E.detach().to(self.bias_E.device, torch.float32)
+        mean = n_E.mean().clamp_min(1e-12)
+        d_E = torch.tanh(kappa * (mean - n_E) / mean)
+        sign_E = torch.sign(d_E - d_E.mean())
+        s = self.spread.float()
+        if self.step_E is None:
+            self.step_E, self.sign_E = torch.full_like(d_E, rate) * s, sign_E
+        agree = sign_E * self.sign_E
+        self.step_E = torch.where(
+            agree > 0, self.step_E * grow, torch.where(agree < 0, self.step_E * shrink, self.step_E)
+        )
+        self.step_E = torch.minimum(torch.maximum(self.step_E, 1e-3 * rate * s), s)
+        self.sign_E = sign_E
+        self.bias_E.add_(self.step_E * sign_E)
+        self.bias_E.sub_(self.bias_E.mean())
+        self.bias_E.copy_(torch.maximum(torch.minimum(self.bias_E, bound * s), -bound * s))
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
 BIAS_UPDATES = ("sign", "smebu")
 
 
@@ -351,7 +495,8 @@ def smebu_step(
 
 @dataclass(kw_only=True)
 class AuxGradCorrector:
-    """Arms the routing hooks of collapsing layers with a balancing gradient (see the docstring)."""
+    """Arms the routing hooks of collapsing layers with a balancing gradient and pushes their
+    LogitBias (see the module docstring); logit_rate = 0 leaves the correction gradient-only."""
 
     hooks: dict[int, TopKRoutingHook]
     base_coef: float = 1e-2  # switch-loss weight before the policy's boost
@@ -360,9 +505,20 @@ class AuxGradCorrector:
     balance_coef: float = 0.0
     # The load-shift gradient's norm relative to the router weight's own gradient (LoadShift)
     shift_ratio: float = 1.0
+    # The selection bias on a corrected layer's logits (LogitBias): its step per applied step of
+    # the correction and its bound, both in units of the layer's logit spread; 0: gradient only.
+    logit_rate: float = 0.1
+    logit_max: float = 4.0
+    # A layer once corrected keeps its bias balancing after the correction ends (DeepSeek-V3's
+    # bias is never frozen): the steps shrink to ~0 on a balanced load and grow again when the
+    # layer drifts back (a clean tiny Mixtral's layer 3 relapsed 13 steps after a frozen bias).
+    logit_hold: bool = True
+    order: list[int] = field(default_factory=list)  # layer ids in router (loads_ME row) order
+    logit_bias: dict[int, LogitBias] = field(default_factory=dict)  # the layers ever pushed
     mode: str = MODE_AUX
 
     def __post_init__(self) -> None:
+        self.order = self.order or sorted(self.hooks)
         for hook in self.hooks.values():
             hook.aux_coef = self.balance_coef
 
@@ -371,13 +527,69 @@ class AuxGradCorrector:
             boost = self.base_coef * boosts[layer] if layer in boosts else 0.0
             hook.aux_coef = self.balance_coef + boost
             # ... and the load-shift gradient on the router's weight, which a saturated softmax
-            # does not silence (load_shift_grad_W); both only on a layer under correction
+            # does not silence (load_shift_grad_W), unless the layer's router takes a LogitBias,
+            # which does what that gradient emulates on the logits themselves
+            if boost and self.logit_rate > 0 and layer not in self.logit_bias:
+                lb = self._logit_bias_for(hook)
+                if lb is not None:
+                    self.logit_bias[layer] = lb
+            biased = layer in self.logit_bias and self.logit_bias[layer].usable is not False
             w = getattr(hook.router, "weight", None)
-            if boost and hook.shift is None and isinstance(w, nn.Parameter) and w.ndim == 2:
+            if boost and not biased and hook.shift is None and isinstance(w, nn.Parameter) and w.ndim == 2:
                 hook.shift = LoadShift(hook.router, w, self.shift_ratio)
-            elif not boost and hook.shift is not None:
+            elif (not boost or biased) and hook.shift is not None:
                 hook.shift.remove()
                 hook.shift = None
+        # ... and the selection bias, pushed from this step's load (it acts from the next forward)
+        if loads_ME is None or not applied:
+            return
+        for m, layer in enumerate(self.order):
+            pushed = layer in boosts or self.logit_hold
+            if pushed and layer in self.logit_bias and m < loads_ME.shape[0]:
+                self.logit_bias[layer].push(loads_ME[m], rate=self.logit_rate, bound=self.logit_max)
+
+    @staticmethod
+    def _logit_bias_for(hook: TopKRoutingHook) -> LogitBias | None:
+        """A LogitBias on the hook's router when its output is softmax (logits, weights, ids)."""
+        r = getattr(hook, "reading", None)
+        if r is None:  # a plain TopKRoutingHook: (logits, weights, indices)
+            if hook.score_func != "softmax" or {hook.logits_index, hook.indices_index} != {0, 2}:
+                return None
+            return LogitBias(hook.router, n_experts=hook.n_experts)
+        if (
+            r.score_func != "softmax"
+            or r.form != "indices"
+            or r.weights_at is None
+            or r.logits_at is None
+            or r.ids_at is None
+            or r.null_as is not None
+        ):
+            return None
+        return LogitBias(
+            hook.router,
+            n_experts=r.n_experts,
+            logits_at=r.logits_at,
+            weights_at=r.weights_at,
+            ids_at=r.ids_at,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"logit_bias": {str(k): v.bias_E.tolist() for k, v in self.logit_bias.items()}}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        for k, v in d.get("logit_bias", {}).items():
+            layer = int(k)
+            if layer not in self.logit_bias and layer in self.hooks:
+                lb = self._logit_bias_for(self.hooks[layer])
+                if lb is not None:
+                    self.logit_bias[layer] = lb
+            if layer in self.logit_bias:
+                self.logit_bias[layer].bias_E.copy_(torch.tensor(v, dtype=torch.float32))
+
+    def remove(self) -> None:
+        for lb in self.logit_bias.values():
+            lb.remove()
+        self.logit_bias.clear()
 
 
 @dataclass(kw_only=True)
@@ -408,5 +620,7 @@ class Attachment:
         for _, src in self.routers:
             if hasattr(src, "remove"):
                 src.remove()
+        if hasattr(self.corrector, "remove"):  # e.g. an AuxGradCorrector's selection biases
+            self.corrector.remove()
         while self.undo:
             self.undo.pop()()

@@ -1,7 +1,8 @@
 """The collapse correction on a router without a selection bias (guard/integrations/base.py,
 issue #39): the load-shift gradient reaches the collapsed router's weight only, lowers the
 overloaded expert's logit where the switch loss's gradient has vanished, is zero on a balanced
-layer, and is bounded by the weight's own gradient norm."""
+layer, and is bounded by the weight's own gradient norm. (On a router that takes a LogitBias the
+correction pushes that instead: tests/guard/test_logit_bias.py; here logit_rate = 0.)"""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def h_mean() -> torch.Tensor:
 def grads(offset: float, boost: float, shift: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     router = Router(offset)
     hook = TopKRoutingHook(router, n_experts=8)
-    corr = AuxGradCorrector(hooks={1: hook}, base_coef=1e-2)
+    corr = AuxGradCorrector(hooks={1: hook}, base_coef=1e-2, logit_rate=0.0)  # gradient only
     corr.correct({1: boost} if boost else {}, None, applied=True)
     if not shift and hook.shift is not None:  # the switch-loss boost alone
         hook.shift.remove()
@@ -69,7 +70,7 @@ def test_no_shift_on_a_balanced_layer_or_once_the_correction_ends() -> None:
     assert load_shift_grad_W(counts, torch.randn(256, 16)).abs().max() == 0
     router = Router(0.0)
     hook = TopKRoutingHook(router, n_experts=8)
-    corr = AuxGradCorrector(hooks={1: hook}, base_coef=1e-2)
+    corr = AuxGradCorrector(hooks={1: hook}, base_coef=1e-2, logit_rate=0.0)  # gradient only
     corr.correct({1: 10.0}, None, applied=True)
     assert hook.shift is not None and hook.aux_coef == 0.1
     corr.correct({}, None, applied=True)
