@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return module if _defines_module_fixture(module) else nodeid
 
     return ModuleFixtureScheduling(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """scripts/test's serial phase runs its timing tests two at a time, each xdist worker (and every
+    process it starts: affinity is inherited) on a CPU of its own, so two A/B canaries never share a
+    core (MOEGUARD_PIN_WORKERS=1; one torch thread each, OMP_NUM_THREADS=1)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if os.environ.get("MOEGUARD_PIN_WORKERS") == "1" and worker.startswith("gw"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[int(worker[2:]) % len(cpus)]})
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    """scripts/test's parallel phase (-m "not serial") names the `serial` tests it left out in
+    $MOEGUARD_SERIAL_LIST, so the serial phase collects those modules alone, not the whole suite."""
+    path = os.environ.get("MOEGUARD_SERIAL_LIST")
+    if path:
+        with open(path, "a") as f:
+            f.writelines(f"{it.nodeid}\n" for it in items if it.get_closest_marker("serial"))
