@@ -376,7 +376,12 @@ def expert_load() -> None:
                     st.rerun(scope="app")  # zoomed from this fragment's chart: redraw the whole page
                 st.caption(
                     f"White: the uniform share ({100 / n_exp:.2f}%); red above it, blue below; dark blue is "
-                    f"an expert that got no tokens (0%). Both load-share charts use this one scale. {h['note']}"
+                    f"an expert that got no tokens (0%). Both load-share charts use this one scale. "
+                    # collapse-300 (issue #40 shots): a bias correction flipped a collapsed layer between two
+                    # expert pairs every step; its window share read ~25% each while its MaxVio was 1
+                    "Both sum tokens over steps (a column, the window): a layer collapsed onto different "
+                    "experts from step to step reads near uniform here; MaxVio per layer (above) is per step. "
+                    f"{h['note']}"
                 )
         with right:
             window = st.select_slider(
@@ -411,8 +416,11 @@ step_axis.chart(perf_figure(perf, peak, steps=view), key="perf", span=span)
 st.caption(mfu_peak.formula(info.meta.get("flops_per_token"), env.get("world_size"), peak))
 host = side_tables.load_host(path, sig) if info.tables.get(schema.TABLE_HOST) else None
 if host is not None and host.height and side_tables.host_series(host):
-    step_axis.chart(host_figure(step_zoom.clip(host, view), steps=view), key="host", span=span)
+    shown_host = step_zoom.clip(host, view)
+    step_axis.chart(host_figure(shown_host, steps=view), key="host", span=span)
     st.caption(
+        # a 1-s run has one or two samples: say so, the panel is otherwise mostly empty axes
+        f"{shown_host.height:,} sample{'s' if shown_host.height != 1 else ''} in the steps shown. "
         "Sampled by a thread of its own at most once a second and once a step (MOEGUARD_HOST_EVERY_S), "
         "at the last step finished: CPU is the training process's CPU time over wall time (100% = one core); "
         "GPU utilisation needs pynvml, GPU memory is the device's, every process's."

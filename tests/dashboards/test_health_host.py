@@ -50,6 +50,8 @@ def test_host_panel_beside_throughput(host_store: Path, open_page) -> None:
     assert fig["layout"]["xaxis"]["range"] == perf["layout"]["xaxis"]["range"] == [-0.5, 39.5]
     titles = [str(f["layout"].get("title", {}).get("text", "")) for f in charts(at)]
     assert titles.index(fig["layout"]["title"]["text"]) == titles.index(perf["layout"]["title"]["text"]) + 1
+    # how many samples the panel draws (a 1-s Trainer run had two, at the right edge, and said nothing)
+    assert any(c.value.startswith("10 samples in the steps shown.") for c in at.caption)
 
 
 def test_no_host_panel_without_samples(host_store: Path, open_page) -> None:
