@@ -121,6 +121,7 @@ class Result:
     false_pages: list[str] = field(default_factory=list)  # other pages for the run
     collector_status: str = ""
     job_status: str = ""
+    job_note: str = ""  # meta.json's status_note: why the job says it ended
     error: str = ""
 
     @property
@@ -153,7 +154,18 @@ class Result:
             out.append(f"collector status {self.collector_status!r}")
         if self.job_status != schema.STATUS_PEER_LOST:
             out.append(f"job status {self.job_status!r}")
+        elif not says_rank_gone(self.job_note, d.rank):
+            out.append(f"the job's note does not say rank {d.rank} is gone: {self.job_note[:160]!r}")
         return out
+
+
+def says_rank_gone(note: str, rank: int) -> bool:
+    """The survivor's note says why the job ended: the dead rank by name (no goodbye when SIGTERM
+    came; rank 0 gone, written for it by rank 1), or a collective that lost its peer (the only
+    rank it can mean in a 2-rank job)."""
+    return any(
+        s in note for s in (f"rank {rank} said no goodbye", f"rank {rank} is gone", "a peer rank is gone")
+    )
 
 
 def plan(frameworks: list[str], kills: int) -> list[Drill]:
@@ -401,7 +413,8 @@ def judge(st: Stack, results: list[Result]) -> None:
         )
         r.false_pages += [f"HeartbeatLost rank {k}" for k in r.named if k != str(r.drill.rank)]
         r.collector_status = (read_meta(st.tmp / "collector-runs" / run) or {}).get("status", "")
-        r.job_status = (read_meta(st.tmp / "runs" / run) or {}).get("status", "")
+        job_meta = read_meta(st.tmp / "runs" / run) or {}
+        r.job_status, r.job_note = job_meta.get("status", ""), job_meta.get("status_note") or ""
 
 
 def run_drills(st: Stack, drills: list[Drill], concurrency: int, settle_s: float = 5.0) -> list[Result]:
