@@ -20,14 +20,21 @@ from typing import Any
 import httpx
 import pytest
 
-from guard.collector.config import CollectorConfig
 from guard.collector.service import Collector
 from guard.collector.wal import Wal
 from guard.core import schema
 from guard.runtime.exporter import Exporter, ExporterConfig
 from guard.store.layout import part_name
 from guard.store.reader import read_meta, read_table
-from tests.helpers_collector import AUTH, TOKEN, CollectorProc, batch, make_report, wait_steps
+from tests.helpers_collector import (
+    AUTH,
+    TOKEN,
+    CollectorProc,
+    batch,
+    in_process_collectors,
+    make_report,
+    wait_steps,
+)
 
 G1, G2 = 1_700_000_000 << 32, 1_700_000_100 << 32  # exporter generations (seconds << 32)
 
@@ -179,17 +186,8 @@ def _eight_steps(seq: int = G1 | 1) -> bytes:
 @pytest.fixture
 def app(tmp_path: Path) -> Iterator[Callable[[], Collector]]:
     """make() -> an in-process collector (no HTTP) that checkpoints only when asked, or on close."""
-    made: list[Collector] = []
-
-    def make() -> Collector:
-        c = Collector(CollectorConfig(runs_dir=tmp_path / "runs", token=None, checkpoint_interval_s=3600))
-        c.start()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+    with in_process_collectors(tmp_path / "runs", checkpoint_interval_s=3600) as make:
+        yield make
 
 
 def _fail_once(monkeypatch: pytest.MonkeyPatch, name: str, when: Callable[..., bool]) -> list[int]:
