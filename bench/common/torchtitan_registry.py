@@ -35,6 +35,7 @@ from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.components.validate import Validator
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
 from torchtitan.protocols.model_spec import ModelSpec
@@ -185,6 +186,9 @@ def job(model: str, *, steps: int, batch: int, seq: int, interval: int) -> Train
         # parameter a DTensor on the full mesh, which its CPU attention swap does not give
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
         checkpoint=CheckpointManager.Config(enable=True, interval=interval, last_save_model_only=False),
+        # off unless --validator.enable: then stdlib windows of another seed (no hub download), a
+        # fixed number of batches (the stream never ends: steps -1 would not return)
+        validator=Validator.Config(steps=4, freq=20, dataloader=Windows.Config(seed=1)),
         activation_checkpoint=None,
     )
 

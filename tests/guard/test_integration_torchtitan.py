@@ -416,3 +416,19 @@ def test_torchtitans_validation_loss_lands_in_evals(
     assert evals["step"].to_list() == [0, 1, 3]
     assert evals["value"].to_list() == pytest.approx([v for _, v in logged], rel=1e-6)
     assert read_table(tmp_path / "run", "steps").height == 4
+
+
+def test_the_registrys_jobs_validate_on_stdlib_windows() -> None:
+    """`--validator.enable` on the README's tiny recipe: torchtitan's default validation set is
+    c4 from the hub (a ConnectionError here); the registry's jobs give it windows of another seed
+    and a fixed number of batches (the stream never ends). Checked by hand through torchrun with
+    --validator.enable --validator.freq 3: eval_loss at the guard's steps 0, 2, 5."""
+    from torchtitan.components.validate import Validator
+
+    from bench.common.torchtitan_registry import Windows, debugmodel_cpu, tiny_moe
+
+    for job in (tiny_moe(), debugmodel_cpu()):
+        val = job.validator
+        assert isinstance(val, Validator.Config) and not val.enable  # off unless asked for
+        assert isinstance(val.dataloader, Windows.Config) and val.dataloader.seed != job.dataloader.seed
+        assert val.steps > 0
