@@ -21,7 +21,8 @@ Escalation ladder, per fault kind (docs/escalation.md has the why and the figure
        halt only if the incident diverges: a loss or total grad-norm spike at least
        diverge_ratio x its level (Megatron's spiky-loss line is 10x), which threatens the weights
   routing collapse (dead experts, MaxVio, load or router entropy of one layer)
-    1. correct the layer (selection-bias push, or a per-layer balancing gradient) for
+    1. correct the layer (selection-bias push; on a model without one, a bias on that router's
+       logits and a per-layer balancing gradient: guard/integrations/base.py) for
        bias_boost_steps, then check it recovered
     2. not recovered -> keep correcting (the one action that can help; the push stays bounded and
        acts on that layer only), record a `collapse_not_recovered` verdict once per episode
