@@ -200,15 +200,20 @@ class Spread:
 
 def speed_identity(meta: dict[str, Any]) -> str:
     """What decides a run's speed besides the host: its config (seed, length, telemetry and guard
-    left out) and environment (torch, kernels, compile, device, dtype, ranks, git sha). Runs with
-    the same identity should run at the same speed; their spread is the host's."""
+    left out), environment (torch, kernels, compile, device, dtype, ranks, git sha) and the faults
+    it injected on purpose (meta.json "injections": a drill's stall, skips and rollbacks are not
+    the host's). Runs with the same identity should run at the same speed; their spread is the
+    host's."""
     cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
     cfg = {k: v for k, v in cfg.items() if k not in ("telemetry", "guard", "name")}
     if isinstance(cfg.get("train"), dict):
         cfg["train"] = {k: v for k, v in cfg["train"].items() if k not in ("seed", "steps")}
     env = meta.get("env") if isinstance(meta.get("env"), dict) else {}
     keep = {k: env.get(k) for k in (*ENV_KEYS, "device", "dtype", "world_size", "git_sha")}
-    return json.dumps({"config": cfg, "env": keep}, sort_keys=True, default=str)
+    injected = meta.get("injections") if isinstance(meta.get("injections"), list) else []
+    return json.dumps(
+        {"config": cfg, "env": keep, "injections": sorted(map(str, injected))}, sort_keys=True, default=str
+    )
 
 
 def run_spread(medians: dict[str, float]) -> Spread | None:

@@ -5,6 +5,7 @@ spread of same-config runs when the store has some; otherwise the caveat and the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tests.dashboards.synth_run import ENV_A, SynthRun, write_run
@@ -43,6 +44,19 @@ def test_a_difference_is_set_against_the_spread_of_same_config_runs(tmp_path: Pa
     ), said
     said = verdict(open_page, tmp_path, "a1", "b-small")
     assert said.startswith("No clear") or "is within that" in said, said
+
+
+def test_a_drill_run_is_not_a_same_config_repeat(tmp_path: Path, open_page) -> None:
+    """A run that injected faults on purpose (meta.json "injections": a stall drill here, at half
+    the speed) is not host noise: it does not widen the same-config spread that a1 and a2 make."""
+    write_run(tmp_path, SynthRun(run_id="a1", steps=300, faults=[], mfu=0.40, seed=1))
+    write_run(tmp_path, SynthRun(run_id="a2", steps=300, faults=[], mfu=0.41, seed=2))
+    drill = write_run(tmp_path, SynthRun(run_id="drill", steps=300, faults=[], mfu=0.20, seed=5))
+    meta = json.loads((drill / "meta.json").read_text())
+    (drill / "meta.json").write_text(json.dumps({**meta, "injections": ["stall@100:5"]}))
+    write_run(tmp_path, SynthRun(run_id="b-big", steps=300, faults=[], env=OTHER, mfu=0.48, seed=3))
+    said = verdict(open_page, tmp_path, "a1", "b-big")
+    assert "vary by up to 2.7% run to run (2 runs); this difference is larger" in said, said
 
 
 def test_without_repeats_it_says_drift_is_not_in_the_interval(tmp_path: Path, open_page) -> None:
