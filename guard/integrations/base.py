@@ -267,6 +267,16 @@ class LoadShift:
             h.remove()
 
 
+def _rank_mean(x: torch.Tensor) -> torch.Tensor:
+    """x averaged over the default process group's ranks (x itself on one process)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        n = torch.distributed.get_world_size()
+        if n > 1:
+            torch.distributed.all_reduce(x)
+            x /= n
+    return x
+
+
 class LogitBias:
     """A bias term on one bias-free softmax top-k router's logits: aux-loss-free balancing
     (DeepSeek-V3's expert bias, Trinity's SMEBU) for a family that has no bias of its own
@@ -281,8 +291,8 @@ class LogitBias:
 
     A push (one per applied step of the correction, from the step's per-expert load): the
     direction is sign((mean - n) / mean), mean-centred; each expert's step starts at rate x the
-    layer's logit spread (per token std over experts, mean over tokens, of the last forward: a
-    softmax router's logits have no fixed scale), grows x1.2 while its direction holds and halves
+    layer's logit spread (per token std over experts, mean over tokens, of the forward before the
+    first push, averaged over the ranks: a softmax router's logits have no fixed scale), grows x1.2 while its direction holds and halves
     when it flips (Rprop: fast from a far collapse, no limit cycle near balance, still on a noisy
     balanced load), capped at one spread; the bias is mean-centred and clamped to |b| <= bound
     spreads. It acts on the next forward, where a gradient on the weight moves a logit by about
@@ -314,9 +324,12 @@ class LogitBias:
         self.renorm: bool | None = None if norm is None else bool(norm)
         self.usable: bool | None = None  # checked on the first forward
         self.selection_only = selection_only
-        # per-expert step (logit units) and the last step's direction (push)
+        # per-expert step (logit units) and the last step's direction (push); the unit of both
+        # and of the bound: the logit spread at the first push, the same on every rank (the
+        # loads the pushes follow are reduced, so every rank's bias is the same)
         self.step_E: torch.Tensor | None = None
         self.sign_E: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
         self._handle = router.register_forward_hook(self._hook, prepend=True)
 
     def _check(self, probs: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> bool:
@@ -390,7 +403,9 @@ class LogitBias:
         mean = n_E.mean().clamp_min(1e-12)
         d_E = torch.tanh(kappa * (mean - n_E) / mean)
         sign_E = torch.sign(d_E - d_E.mean())
-        s = self.spread.float()
+        if self.scale is None:  # once: the spread, averaged over the ranks (their biases agree)
+            self.scale = _rank_mean(self.spread.float().clone())
+        s = self.scale
         if self.step_E is None:
             self.step_E, self.sign_E = torch.full_like(d_E, rate) * s, sign_E
         agree = sign_E * self.sign_E
@@ -574,7 +589,14 @@ class AuxGradCorrector:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"logit_bias": {str(k): v.bias_E.tolist() for k, v in self.logit_bias.items()}}
+        return {
+            "logit_bias": {str(k): v.bias_E.tolist() for k, v in self.logit_bias.items()},
+            "logit_push": {
+                str(k): {"scale": float(v.scale), "step": v.step_E.tolist(), "sign": v.sign_E.tolist()}
+                for k, v in self.logit_bias.items()
+                if v.scale is not None and v.step_E is not None and v.sign_E is not None
+            },
+        }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         for k, v in d.get("logit_bias", {}).items():
@@ -584,7 +606,14 @@ class AuxGradCorrector:
                 if lb is not None:
                     self.logit_bias[layer] = lb
             if layer in self.logit_bias:
-                self.logit_bias[layer].bias_E.copy_(torch.tensor(v, dtype=torch.float32))
+                lb = self.logit_bias[layer]
+                lb.bias_E.copy_(torch.tensor(v, dtype=torch.float32))
+                push = d.get("logit_push", {}).get(k)
+                if push is not None:
+                    dev = lb.bias_E.device
+                    lb.scale = torch.tensor(float(push["scale"]), device=dev)
+                    lb.step_E = torch.tensor(push["step"], dtype=torch.float32, device=dev)
+                    lb.sign_E = torch.tensor(push["sign"], dtype=torch.float32, device=dev)
 
     def remove(self) -> None:
         for lb in self.logit_bias.values():

@@ -84,7 +84,7 @@ def test_a_collapsed_router_is_balanced_within_30_pushes_and_stays_bounded() -> 
         n = load(router(inputs(step))[2])  # a fresh batch each step
         seen.append(maxvio(n))
         lb.push(n, rate=0.1, bound=4.0)
-        assert float(lb.bias_E.abs().max()) <= 4.0 * float(lb.spread) + 1e-5
+        assert float(lb.bias_E.abs().max()) <= 4.0 * float(lb.scale) + 1e-5  # the first push's spread
     first = next(i for i, v in enumerate(seen) if v < 1.0)
     assert first <= 30, seen
     assert max(seen[first + 10 :]) < 1.0, seen  # and stays balanced: the steps shrink on flips
@@ -95,7 +95,7 @@ def test_a_balanced_router_keeps_its_bias_near_zero() -> None:
     lb = LogitBias(router, n_experts=8)
     for step in range(50):
         lb.push(load(router(inputs(step))[2]), rate=0.1, bound=4.0)
-    assert float(lb.bias_E.abs().max()) < 0.5 * float(lb.spread)
+    assert float(lb.bias_E.abs().max()) < 0.5 * float(lb.scale)
 
 
 def test_a_router_it_cannot_reproduce_is_left_alone() -> None:
@@ -134,6 +134,9 @@ def test_only_a_corrected_layer_gets_a_bias_which_outlives_the_correction_and_a_
     again = AuxGradCorrector(hooks={k: TopKRoutingHook(Router(), n_experts=8) for k in (1, 2)})
     again.load_state_dict(state)
     assert set(again.logit_bias) == {1} and torch.equal(again.logit_bias[1].bias_E, b)
+    mine, theirs = corr.logit_bias[1], again.logit_bias[1]  # the push resumes where it was
+    assert float(theirs.scale) == float(mine.scale) and torch.equal(theirs.step_E, mine.step_E)
+    assert torch.equal(theirs.sign_E, mine.sign_E)
     corr.remove()
     assert all(len(r._forward_hooks) == 1 for r in routers.values())  # the counting hooks only
 
