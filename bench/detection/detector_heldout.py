@@ -119,8 +119,9 @@ def ours_config(budget: float) -> SpikeConfig:
     """The budget-mode spike rule as the guard ships it for this budget."""
     # rel_max: the guard's ceiling after the warm-up for grad norm and loss (GuardConfig), 8x the level;
     # local_z: its local ceiling (issue #39), the same for both
-    local_z = GuardConfig().grad_spike.local_z
-    kw = {"tail_warmup": 200, "rel_min": 1.2, "rel_max": 8.0, "early_rel_max": 20.0, "local_z": local_z}
+    g = GuardConfig().grad_spike
+    kw = {"tail_warmup": 200, "rel_min": 1.2, "rel_max": 8.0, "early_rel_max": 20.0, "local_z": g.local_z}
+    kw["local_z_max"] = g.local_z_max
     kw.update(OURS_EXTRA)
     return SpikeConfig(budget=budget, **kw)
 
@@ -146,7 +147,10 @@ class Knob:
 
 
 KNOBS = (
-    Knob("ours (budget)", "budget", tuple(10.0**e for e in np.arange(-2.0, -8.01, -0.25)), Ours),
+    # ours: steps of 10^-0.05 (a budget notch moves the local ceiling's k by 6%; OLMo-core's sigma
+    # grid is 0.5 in ~20 at 1e-4). At 10^-0.25 with the old cube root a notch moved k by 21%, and on
+    # recorded runs the calibration landed k at 23.5 where OLMo-core's sigma was 19.5 (issue #39).
+    Knob("ours (budget)", "budget", tuple(10.0**e for e in np.arange(-2.0, -8.0001, -0.05)), Ours),
     Knob(
         "OLMo-core",
         "sigma_factor",

@@ -5,7 +5,6 @@ statistic) judges a calm stretch by its own spread."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -32,7 +31,8 @@ def _fired_after_warmup(det: CalibratedSpikeDetector, values: np.ndarray) -> lis
 
 def test_defaults_carry_the_local_ceiling():
     cfg = GuardConfig()
-    assert cfg.grad_spike.local_z == cfg.loss_spike.local_z == 16.0
+    assert cfg.grad_spike.local_z == cfg.loss_spike.local_z == 12.0
+    assert cfg.grad_spike.local_z_max is None and cfg.loss_spike.local_z_max is None  # see config.py
     assert cfg.layer_grad_spike.local_z is None  # per layer: the fit and the 50x ceiling alone
     assert cfg.grad_spike.local_window == 128
 
@@ -54,18 +54,20 @@ def test_x5_late_in_a_calm_stretch_is_caught_and_the_clean_trace_stays_quiet():
             assert v.fired == caught and v.evidence["rule"] == rule, (seed, local_z, v.evidence)
 
 
-def test_local_ceiling_follows_the_budget_and_survives_a_resume():
+def test_local_ceiling_follows_the_budget_up_to_its_cap_and_survives_a_resume():
     values = _volatile_then_calm(seed=1)
     ks = []
-    for budget in (1e-4, 1e-5):
-        det = CalibratedSpikeDetector(SpikeConfig(budget=budget, tail_warmup=200, rel_min=1.2, local_z=16.0))
+    for budget, cap in ((1e-4, None), (1e-5, None), (1e-5, 20.0), (1e-4, 20.0)):
+        cfg = SpikeConfig(budget=budget, tail_warmup=200, rel_min=1.2, local_z=12.0, local_z_max=cap)
+        det = CalibratedSpikeDetector(cfg)
         for x in values[:600]:
             det.update(float(x))
         a = values[600 - 128 : 600]  # the last 128 values, all accepted (none flagged)
         ceiling = det.local_ceiling()
         assert ceiling is not None
         ks.append((ceiling - a.mean()) / a.std(ddof=1))
-    assert math.isclose(ks[0], 16.0, rel_tol=1e-9) and math.isclose(ks[1], 16.0 * 10 ** (1 / 3), rel_tol=1e-9)
+    # k = local_z x sqrt(1e-4 / budget) (Cantelli's rate), never above local_z_max
+    assert np.allclose(ks, [12.0, 12.0 * 10**0.5, 20.0, 12.0], rtol=1e-9)
     again = CalibratedSpikeDetector(det.cfg)
     again.load_state_dict(det.state_dict())
     assert again.local_ceiling() == det.local_ceiling()
@@ -76,7 +78,7 @@ def test_local_ceiling_follows_the_budget_and_survives_a_resume():
 
 
 def test_off_by_default_in_a_bare_spike_config():
-    assert SpikeConfig().local_z is None
+    assert SpikeConfig().local_z is None and SpikeConfig().local_z_max is None
     det = CalibratedSpikeDetector(SpikeConfig(budget=1e-5, tail_warmup=200))
     for x in _volatile_then_calm()[:300]:
         det.update(float(x))
