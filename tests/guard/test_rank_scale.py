@@ -21,6 +21,7 @@ from guard.core.heartbeat import DECLARED_FACTOR, HeartbeatConfig, beat_interval
 from guard.core.limits import CollectorLimits
 from guard.core.progress import ProgressConfig
 from guard.wire.batch import BadRequest, heartbeat, parse_batch
+from tests.helpers_http import wait_until
 
 RUN = "big"
 WORLD = 16_384
@@ -234,7 +235,9 @@ def test_liveness_is_written_when_ranks_change_not_with_every_checkpoint(tmp_pat
         for s in range(6, 15):  # 0.9 s more of steps: ~9 checkpoints
             assert c.post(batch(RUN, 0, s + 1, [make_report(s)], heartbeat=hb0(s))).status_code == 200
             time.sleep(0.1)
-        state = json.loads((state_dir / STATE_FILE).read_text())
+        # the checkpoint after step 14's post (every 0.1 s; later than that on a loaded box)
+        saved = lambda: (st := json.loads((state_dir / STATE_FILE).read_text()))["last_step"] == 14 and st  # noqa: E731
+        state = wait_until(saved, timeout=10, what="the checkpoint of step 14")
         assert "ranks" not in state and state["last_step"] == 14
         assert (state_dir / LIVENESS_FILE).stat().st_mtime_ns == first  # not rewritten
         c.stop()

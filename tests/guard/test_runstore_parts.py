@@ -21,6 +21,7 @@ from guard.store.reader import read_meta, read_table
 from guard.store.runstore import RunStore
 from guard.store.writer import report_frames, truncate_after, write_part_file
 from tests.helpers_collector import CollectorProc, batch, make_report, wait_steps
+from tests.helpers_http import wait_until
 
 G1, G2 = 1_700_000_000 << 32, 1_700_000_100 << 32
 
@@ -133,8 +134,11 @@ def test_collector_writes_recovers_and_resumes_past_part_999999(tmp_path: Path) 
         assert wait_steps(run, 20).height == 20
         assert c.post(batch("big", 0, G1 | 2, [make_report(s) for s in range(20, 30)])).status_code == 200
         assert wait_steps(run, 30).height == 30
-        seqs = sorted(parse_part_name(p.name).seq for t in schema.TABLES for p in part_files(run, t))
-        assert seqs[0] == 999_998 and seqs[-1] == 1_000_005
+        # a checkpoint writes its tables one after another: the steps table can show all 30 rows
+        # before the last table's part is there (seen at load 12)
+        seqs = lambda: sorted(parse_part_name(p.name).seq for t in schema.TABLES for p in part_files(run, t))  # noqa: E731
+        wait_until(lambda: seqs()[-1] >= 1_000_005, timeout=30, what="the second checkpoint's last part")
+        assert seqs()[0] == 999_998 and seqs()[-1] == 1_000_005
         for name, steps in _readers(run).items():
             assert steps == list(range(30)), name
         # SIGKILL and restart: no committed part is taken for uncommitted, the dedupe holds
