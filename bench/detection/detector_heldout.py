@@ -28,7 +28,7 @@ false positives. FA/1k counts flags per 1,000 steps of the clean test copies. Na
 system here catches NaN/Inf with a separate check (ours, Megatron, Lightning's finite_only), so it
 would measure nothing but that check.
 
-The peers run as re-implementations (bench/detection/detector_quality.py, fast enough for the grid search);
+The peers run as re-implementations (bench/detection/rules.py, fast enough for the grid search);
 `--agreement` drives the peers' real code (ai2-olmo-core's SkipStepOptimizer.get_step_factor,
 zclip's ZClip.step, lightning's SpikeDetection._is_spike/_update_stats as its
 on_train_batch_end calls them) on test traces at the tuned settings and counts differing flags.
@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.detection.detector_quality import Lightning, Megatron, OlmoCore, ZClip, run_detector
+from bench.detection.rules import Lightning, Megatron, OlmoCore, ZClip, run_detector
 from bench.detection.trace_families import FAMILIES, family_traces
 from bench.detection.traces import (
     GRAD_NORM,

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.detection.detector_quality import OlmoCore
+from bench.detection.rules import OlmoCore
 from guard.core import schema
 from guard.core.config import GuardConfig
 from guard.core.detectors.registry import REGISTRY, STAGE_STEP

@@ -3,7 +3,7 @@
 Tiny transformers MoE models (guard.integrations.tiny with the family's own aux loss; attach()
 with a standing per-layer balancing weight of 1e-2, as bench/drills/real_models.py and the family matrix
 balance a from-scratch run; the collapse correction on these bias-free routers is a bounded bias
-on the collapsed layer's logits, LogitBias in guard/integrations/base.py, plus the per-layer
+on the collapsed layer's logits, LogitBias in guard/integrations/router_push.py, plus the per-layer
 balancing gradient), stdlib bytes, AdamW 3e-3, grad clip 1.0, the same
 data and seed for every run. Faults are keyed on the batch drawn from the data stream (a
 rollback's skipped window moves steps, not faults):

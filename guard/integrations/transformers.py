@@ -96,7 +96,7 @@ def attach(
     aux_coef: switch-loss weight of the per-layer correction before the policy's boost (default:
       the model's `router_aux_loss_coef`, at least 1e-2). bias_rate / bias_max: the bias push.
       On a model without a selection bias the correction also pushes a bounded bias on the
-      collapsing layer's logits (guard/integrations/base.py LogitBias; the corrector's
+      collapsing layer's logits (guard/integrations/router_push.py LogitBias; the corrector's
       logit_rate = 0 turns it off).
     balance_coef: > 0 adds a standing per-layer switch balancing gradient of this weight to every
       router without a selection bias. transformers' `router_aux_loss_coef` loss balances the

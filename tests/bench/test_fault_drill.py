@@ -6,7 +6,7 @@ and seed: held-out loss at the end, actions, halts, and the pushed layer's MaxVi
 Stated bounds: the collapse (+10 on expert 0's router logit of layer 1 from batch 60 on) is back
 under the MaxVio line (5 steps running) within BACK_WITHIN steps of its onset on the guarded runs
 (the correction opens at 69-72: the detector's 10 steps over the line; the layer's logit bias,
-guard/integrations/base.py LogitBias, brought it back 19-29 steps after the onset where the
+guard/integrations/router_push.py LogitBias, brought it back 19-29 steps after the onset where the
 gradient-only correction took 40-70) and never on the unguarded ones; a guarded run's final loss (the mean held-out loss at iterations
 160-200) is at most SPREAD above the unguarded run's and, on the NaN and x50 drills, the clean
 run's. SPREAD is what one dropped batch does to these tiny models at 200 iterations, lr 3e-3, with

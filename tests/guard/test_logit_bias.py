@@ -1,5 +1,5 @@
 """The selection bias a collapse correction pushes on a router without one (LogitBias in
-guard/integrations/base.py, issue #39): a no-op at bias 0, the router's own weights at the ids
+guard/integrations/router_push.py, issue #39): a no-op at bias 0, the router's own weights at the ids
 it selects, a collapsed layer balanced within a few dozen pushes, bounded, never installed on a
 layer that was not corrected, still balancing once the correction ends (logit_hold), refused on
 a router whose output it cannot reproduce (which keeps the load-shift gradient), and kept across
