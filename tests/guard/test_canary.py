@@ -85,6 +85,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.unpaired  # its baseline entries are separate runs: a neighbour skews them
 def test_record_appends_a_baseline_entry(recorded: Path) -> None:
     e = json.loads((recorded / "h.jsonl").read_text().splitlines()[0])  # later tests may --append more
     for key in (
@@ -135,6 +136,7 @@ def test_record_appends_a_baseline_entry(recorded: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.unpaired  # its baseline entries are separate runs: a neighbour skews them
 def test_clean_run_passes_and_injected_slowdown_fails(
     recorded: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -170,6 +172,7 @@ def test_clean_run_passes_and_injected_slowdown_fails(
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.unpaired  # its baseline entries are separate runs: a neighbour skews them
 def test_a_baseline_from_one_sitting_widens_the_mfu_line(recorded: Path) -> None:
     """The shipped config's rule: a CPU baseline that spans less than baseline_min_span_h widens the
     MFU fail line (gate.young_fail_line) instead of disarming it; a 40% slowdown still fails."""
@@ -205,6 +208,7 @@ def test_a_baseline_from_one_sitting_widens_the_mfu_line(recorded: Path) -> None
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.unpaired  # its baseline entries are separate runs: a neighbour skews them
 def test_a_fresh_three_entry_history_fails_a_30pct_slowdown_from_the_first_day(
     recorded: Path, tmp_path: Path
 ) -> None:
@@ -239,6 +243,7 @@ def test_a_fresh_three_entry_history_fails_a_30pct_slowdown_from_the_first_day(
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.unpaired  # its baseline entries are separate runs: a neighbour skews them
 def test_reports_carry_the_profile_summary(recorded: Path) -> None:
     rep = json.loads((recorded / "rep-record" / "canary.json").read_text())
     prof = rep["profile"]
