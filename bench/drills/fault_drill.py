@@ -23,6 +23,7 @@ defaults), unguarded (the same loop with mode = "observe": telemetry, no action)
     python -m bench.drills.fault_drill --families mixtral,qwen3_moe --steps 400 --out OUT.jsonl
     python -m bench.drills.fault_drill --table OUT.jsonl
     python -m bench.drills.fault_drill --self-collapse --steps 400 --out OUT.jsonl   # attach() defaults
+    python -m bench.drills.fault_drill --clip-spikes --modes guarded --out OUT.jsonl  # clip, not skip
 
 --self-collapse: clean runs with attach()'s defaults (no standing per-layer balance: the family's
 aux loss pools the load over all layers, and layers 2-3 of the tiny Mixtral collapse on their own
@@ -51,7 +52,7 @@ from torch import nn
 
 from bench.drills.real_models import byte_batches
 from guard.api import GuardedStep
-from guard.core.config import GuardConfig
+from guard.core.config import GuardConfig, PolicyConfig
 from guard.integrations.tiny import build
 from guard.integrations.transformers import attach, decoder_layers
 from guard.store.reader import read_table
@@ -268,6 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--self-collapse", action="store_true", help="clean runs with attach() defaults, guarded vs observe"
     )
+    ap.add_argument(
+        "--clip-spikes",
+        action="store_true",
+        help="guarded runs with PolicyConfig.clip_spikes: a finite grad-norm spike clipped, not skipped",
+    )
+    ap.add_argument(
+        "--modes", default="guarded,unguarded", help="which runs of each fault set (guarded, unguarded)"
+    )
     a = ap.parse_args(argv)
     if a.table:
         rows = [json.loads(line) for p in a.table for line in p.read_text().splitlines() if line.strip()]
@@ -281,9 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     for f in faults:
         if f != "clean" and f not in FAULTS:
             ap.error(f"--faults {f!r}: must be clean or one of {', '.join(FAULTS)}")
+    cfg = GuardConfig(policy=PolicyConfig(clip_spikes=True)) if a.clip_spikes else None
+    modes = [m == "guarded" for m in a.modes.split(",")]
     for fam in a.families.split(","):
         for f in faults:
-            for guarded in (True, False):
+            for guarded in modes:
                 with tempfile.TemporaryDirectory() as tmp:
                     r = run(
                         fam,
@@ -293,9 +304,11 @@ def main(argv: list[str] | None = None) -> int:
                         corpus=corpus,
                         run_dir=Path(tmp) / "r",
                         seed=a.seed,
+                        cfg=cfg,
                         balance_coef=0.0 if a.self_collapse else 1e-2,
                     )
                 r["self_collapse"] = a.self_collapse
+                r["clip_spikes"] = a.clip_spikes
                 print(json.dumps(r, default=str), flush=True)
                 if a.out:
                     with a.out.open("a") as fh:

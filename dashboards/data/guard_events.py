@@ -19,6 +19,7 @@ ACTIVE_ACTIONS = (
     schema.ACT_BIAS_CORRECT,
     schema.ACT_LR_COOLDOWN,
     schema.ACT_HALT,
+    schema.ACT_CLIP,
 )
 
 

@@ -17,6 +17,7 @@ ACTION_STYLE: dict[str, tuple[str, str]] = {
     schema.ACT_BIAS_CORRECT: ("square", "#2ca02c"),
     schema.ACT_LR_COOLDOWN: ("triangle-down", "#ff7f0e"),
     schema.ACT_HALT: ("star", "#111111"),
+    schema.ACT_CLIP: ("x-thin", "#e377c2"),
 }
 
 

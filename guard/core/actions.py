@@ -4,7 +4,8 @@ A guard action is something the guard did that changed training (issue #17: the 
 "skip 2", the app 3, and Prometheus 0 skips for the same run):
 
   * every step whose decision (`steps.action`, `StepReport.action`) is not apply/none:
-    skip, rollback, halt, and bias_correct (issue #28: a step whose update was applied AND on
+    skip, rollback, halt, clip (a finite grad-norm spike applied scaled down to its threshold,
+    PolicyConfig.clip_spikes), and bias_correct (issue #28: a step whose update was applied AND on
     which a collapse correction started: a selection-bias push or a per-layer aux-loss boost).
     One per step: the step's row is the record of what happened to that update (a rollback that
     found no snapshot and skipped counts as the skip it was; two layers whose corrections start
@@ -34,7 +35,13 @@ from typing import Any
 
 from guard.core import schema
 
-STEP_ACTIONS = (schema.ACT_SKIP, schema.ACT_ROLLBACK, schema.ACT_HALT, schema.ACT_BIAS_CORRECT)  # one per row
+STEP_ACTIONS = (  # one per row
+    schema.ACT_SKIP,
+    schema.ACT_ROLLBACK,
+    schema.ACT_HALT,
+    schema.ACT_BIAS_CORRECT,
+    schema.ACT_CLIP,
+)
 EVENT_ACTIONS = (schema.ACT_LR_COOLDOWN,)  # one per `action` event
 GUARD_ACTIONS = (*STEP_ACTIONS, *EVENT_ACTIONS)
 

@@ -371,6 +371,12 @@ class PolicyConfig:
     """What the guard does about verdicts, and when it escalates."""
 
     skip: bool = True  # skip the optimizer step on a step verdict
+    # A step whose only verdicts are finite grad-norm spikes (total, all layers, per layer) is
+    # applied with its gradient scaled down to the detector's threshold (ZClip's answer), not
+    # skipped: the batch is kept (issue #39: a skipped x50 batch is lost where the unguarded run's
+    # clipped step keeps it). Non-finite values and loss spikes are still skipped; a clip counts
+    # towards a rollback like a skip. Off by default (docs/escalation.md has the drill's figures).
+    clip_spikes: bool = False
     rollback: bool = True
     bias_correct: bool = True
     lr_cooldown: bool = True

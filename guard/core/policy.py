@@ -37,6 +37,7 @@ skips never add up to a rollback.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +101,9 @@ class Decision:
         schema.ACT_APPLY
     )  # apply | bias_correct (applied, a correction started) | skip | rollback | halt
     lr_scale: float = 1.0  # multiply this step's LR (cool-down after a rollback)
+    # clip: the gradient is scaled by this before the optimizer's own clip (a spike brought down
+    # to its detector's threshold); 1 otherwise
+    grad_scale: float = 1.0
     bias_boost: dict[int, float] = field(default_factory=dict)  # layer -> bias-rate multiplier
     aux_boost: dict[int, float] = field(default_factory=dict)  # layer -> aux-coef multiplier
     rollback_before: int | None = None  # roll back to the newest snapshot taken before this step
@@ -127,6 +131,27 @@ class _Correction:
 
 # Verdicts of a step fault that threaten the weights when the fault recurs after a rollback.
 _DIVERGING = (schema.DET_LOSS_SPIKE, schema.DET_GRAD_SPIKE)
+# Verdicts on the gradient's size alone: a clip can bring it back under the threshold
+_CLIPPABLE = (schema.DET_GRAD_SPIKE, schema.DET_LAYER_GRAD_SPIKE)
+
+
+def _clip_scale(step_v: list[Verdict]) -> float | None:
+    """The factor that brings every fired grad-norm verdict of the step down to its threshold
+    (the smallest threshold / value), or None when the step cannot be clipped: a verdict on
+    something else (non-finite, loss, LR bound, an operator's skip) or without a finite
+    threshold. A verdict's value scales with the gradient: the total or a layer's norm, or the
+    all-layers rise (every layer's norm over its level, the loss discount a constant)."""
+    scale = 1.0
+    for v in step_v:
+        if v.detector not in _CLIPPABLE:
+            return None
+        x, thr = v.value, v.threshold
+        if not (isinstance(x, int | float) and isinstance(thr, int | float)):
+            return None
+        if not (math.isfinite(x) and math.isfinite(thr) and x > 0 and thr > 0):
+            return None
+        scale = min(scale, thr / x)
+    return scale if step_v else None
 
 
 class Policy:
@@ -183,7 +208,7 @@ class Policy:
                 self._close_incident()
             self.last_fault_step = step
             self.threat = self.threat or any(self._threatens(v) for v in step_v)
-            d.action = self._on_step_verdict(step, d)
+            d.action = self._on_step_verdict(step, d, step_v)
         if acting:
             self._on_collapse(step, collapse_v, d, healthy)
         d.lr_scale = self._lr_scale(step) if acting else 1.0
@@ -225,14 +250,17 @@ class Policy:
         self.skips.clear()
         self.threat = False
 
-    def _on_step_verdict(self, step: int, d: Decision) -> str:
+    def _on_step_verdict(self, step: int, d: Decision, step_v: list[Verdict]) -> str:
         p = self.p
         if self.incident_start is None:
             self.incident_start = step
         self.skips = [s for s in self.skips if s > step - p.skip_window]
         action = schema.ACT_SKIP if p.skip else schema.ACT_APPLY
-        if p.skip:
-            self.skips.append(step)
+        scale = _clip_scale(step_v) if p.clip_spikes else None
+        if scale is not None:
+            action, d.grad_scale = schema.ACT_CLIP, scale
+        if p.skip or scale is not None:
+            self.skips.append(step)  # a clipped spike counts towards a rollback like a skip
         if p.rollback and len(self.skips) >= p.rollback_after_skips:
             reason = f"{len(self.skips)} skips in one incident within {p.skip_window} steps"
             self.rollbacks = [s for s in self.rollbacks if s > step - p.rollback_window]

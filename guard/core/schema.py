@@ -281,10 +281,15 @@ ACT_BIAS_CORRECT = "bias_correct"
 ACT_LR_COOLDOWN = "lr_cooldown"
 ACT_HALT = "halt"
 ACT_NONE = "none"  # observe only (guard off, or a verdict that needs no action)
-ACTIONS = (ACT_APPLY, ACT_SKIP, ACT_ROLLBACK, ACT_BIAS_CORRECT, ACT_LR_COOLDOWN, ACT_HALT, ACT_NONE)
+# A finite grad-norm spike applied with its gradient scaled down to the detector's threshold
+# (PolicyConfig.clip_spikes; off by default: such a spike is skipped)
+ACT_CLIP = "clip"
+# (appended last: ranks exchange a decision as its index here)
+ACTIONS = (ACT_APPLY, ACT_SKIP, ACT_ROLLBACK, ACT_BIAS_CORRECT, ACT_LR_COOLDOWN, ACT_HALT, ACT_NONE, ACT_CLIP)
 # Step decisions whose update was applied: bias_correct is an applied step on which a collapse
-# correction started (guard/core/actions.py counts it from the step's row)
-APPLYING_ACTIONS = (ACT_APPLY, ACT_BIAS_CORRECT)
+# correction started (guard/core/actions.py counts it from the step's row); clip an applied step
+# whose gradient the guard scaled down
+APPLYING_ACTIONS = (ACT_APPLY, ACT_BIAS_CORRECT, ACT_CLIP)
 
 # Event kinds (events.kind)
 EV_VERDICT = "verdict"  # a detector fired

@@ -5,6 +5,8 @@ decision the same way:
 
     apply       clip the gradients to `grad_clip`, step with the LR cooled by `lr_scale`, then
                 put back the exact planned LR (no drift from multiplying back and forth)
+    clip        the same, the gradient first scaled by the decision's `grad_scale` (a finite
+                grad-norm spike brought down to its detector's threshold)
     skip, halt  nothing touches weights or optimizer state (NaN included)
     rollback    the guard restores its newest snapshot before the incident (model, optimizer,
                 the caller's extra); the caller skips the data window (`skip_batches`)
@@ -74,7 +76,7 @@ class DecisionApplier:
                 g["lr"] = lr
         out = Applied(updated=d.applies_update)
         if out.updated:
-            self._update(grad_norm, d.lr_scale)
+            self._update(grad_norm, d.lr_scale, d.grad_scale)
         if d.action == schema.ACT_ROLLBACK:
             out.restored_step, out.restored_extra = self.guard.rollback(d)
         if self.corrector is not None:
@@ -87,12 +89,16 @@ class DecisionApplier:
         self.optimizer.zero_grad(set_to_none=True)
         return out
 
-    def _update(self, grad_norm: float, lr_scale: float) -> None:
-        """Clip, step with the cooled LR, then put back the exact planned LR."""
+    def _update(self, grad_norm: float, lr_scale: float, grad_scale: float = 1.0) -> None:
+        """Clip (to the guard's threshold on a clipped spike, then to `grad_clip`), step with the
+        cooled LR, then put back the exact planned LR."""
         groups = self.optimizer.param_groups
-        if self.grad_clip > 0 and math.isfinite(grad_norm) and grad_norm > self.grad_clip:
+        target = grad_norm * grad_scale if grad_scale < 1.0 else grad_norm
+        if self.grad_clip > 0:
+            target = min(target, self.grad_clip)
+        if math.isfinite(grad_norm) and target < grad_norm:
             grads = [_local(p.grad) for g in groups for p in g["params"] if p.grad is not None]
-            torch._foreach_mul_(grads, self.grad_clip / (grad_norm + 1e-6))
+            torch._foreach_mul_(grads, target / (grad_norm + 1e-6))
         planned = [g["lr"] for g in groups]
         if lr_scale != 1.0:
             for g, lr in zip(groups, planned, strict=True):

@@ -122,3 +122,47 @@ def test_replay_prints_the_ladder_at_the_runs_settings(tmp_path, capsys) -> None
     assert "no second rollback" in lines["spike"] and ">= 20.0x its level" in lines["spike"]
     assert "never a rollback, never a halt" in lines["collapse"]
     assert "grad_norm_spike" in out  # the replay itself still follows
+
+
+def test_clip_spikes_applies_a_finite_grad_norm_spike_scaled_to_its_threshold() -> None:
+    """PolicyConfig.clip_spikes (off by default): a step whose only verdicts are finite grad-norm
+    spikes is applied with the gradient scaled to the tightest threshold; a non-finite value or a
+    loss spike is still skipped; clips count towards a rollback like skips."""
+    from guard.core.config import PolicyConfig
+
+    cfg = GuardConfig(policy=PolicyConfig(clip_spikes=True))
+    layer = Verdict(detector=schema.DET_LAYER_GRAD_SPIKE, fired=True, value=20.0, threshold=4.0, layer=2)
+    ds = drive(
+        Policy(cfg),
+        {
+            10: [spike(50)],
+            30: [spike(6), layer],
+            50: [nan()],
+            70: [spike(50), spike(3, schema.DET_LOSS_SPIKE)],
+        },
+        90,
+    )
+    assert ds[10].action == schema.ACT_CLIP and ds[10].grad_scale == 1.5 / 50 and ds[10].applies_update
+    assert ds[30].action == schema.ACT_CLIP and ds[30].grad_scale == 4.0 / 20
+    assert [e.action for e in ds[10].events if e.kind == schema.EV_VERDICT] == [schema.ACT_CLIP]
+    assert ds[50].action == ds[70].action == schema.ACT_SKIP and ds[50].grad_scale == 1.0
+    assert Policy(GuardConfig()).decide(10, [spike(50)]).action == schema.ACT_SKIP  # the default
+    ds = drive(Policy(cfg), {40: [spike()], 43: [spike()], 46: [spike()]}, 60)
+    assert [ds[s].action for s in (40, 43, 46)] == [schema.ACT_CLIP, schema.ACT_CLIP, schema.ACT_ROLLBACK]
+
+
+def test_a_clip_scales_the_gradient_before_the_optimizers_own_clip() -> None:
+    import torch
+
+    from guard.core.policy import Decision
+    from guard.runtime.apply import DecisionApplier
+    from guard.runtime.guard import Guard
+
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([w], lr=1.0)
+    applier = DecisionApplier(opt, Guard(GuardConfig(), torch.nn.Linear(1, 1), opt), grad_clip=5.0)
+    for scale, clip_to in ((0.1, 2.0), (0.5, 5.0)):  # 20 x 0.1 = 2 < 5; 20 x 0.5 = 10, then 5
+        w.grad = torch.full((4,), 10.0)  # norm 20
+        before = w.detach().clone()
+        applier.apply(Decision(step=0, action=schema.ACT_CLIP, grad_scale=scale), grad_norm=20.0)
+        assert abs(float((before - w.detach()).norm()) - clip_to) < 1e-4
