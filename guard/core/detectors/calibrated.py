@@ -15,8 +15,9 @@ x > level x rel_min; after that when s > s_p AND x > level x rel_min (a
 minimum effect size: a very steady series does not page on a 3% blip however rare), or when
 x > level x rel_max (a ceiling on the fitted threshold, which is wide while the fit is young),
 or, with `local_z` set, when x > mean + k x std of the last `local_window` accepted values (the
-local ceiling, OLMo-core's statistic: k = min(local_z x (1e-4 / budget)^(1/2), local_z_max),
-`local_k`; never below level x rel_min). The fit covers the whole run, so its threshold allows
+local ceiling, OLMo-core's statistic; k: `local_k`, from the series' own record of local z
+when its tail is light, Cantelli's local_z x (1e-4 / budget)^(1/2) at most; never below level x
+rel_min). The fit covers the whole run, so its threshold allows
 for the run's most volatile stretch everywhere; a calm window's own spread is the tighter judge
 there (issue #39: on recorded real-model runs the fitted 1e-4 threshold sat above the 8x ceiling
 at most missed x5 spikes, where OLMo-core's 128-step window caught them).
@@ -47,6 +48,9 @@ from guard.core.detectors.tail import TailFit, fit_tail
 from guard.core.events import Verdict
 
 _NAN = float("nan")
+LOCAL_SEEN = 2.0
+LOCAL_K_MIN = 6.0
+LOCAL_XI_LIGHT = 0.15
 
 
 class CalibratedSpikeDetector:
@@ -72,7 +76,11 @@ class CalibratedSpikeDetector:
         self._stats: tuple[float, float, float] | None = None
         # the local ceiling's window of accepted raw values, and its cached mean + k x std
         self._local = RingBuffer(cfg.local_window) if cfg.local_z is not None else None
-        self._local_ceiling: float | None = None
+        self._local_stats: tuple[float, float] | None = None  # the window's (mean, std), cached
+        # the local z, (x - mean) / std against the window before it, of each accepted value, and
+        # the largest in memory (refreshed at each refit): the series' record sets k (local_k)
+        self._local_z = RingBuffer(cfg.tail_memory) if cfg.local_z is not None else None
+        self._local_max = 0.0
 
     # ---- baseline ------------------------------------------------------------------
     def _baseline(self) -> tuple[float, float, float]:
@@ -119,15 +127,24 @@ class CalibratedSpikeDetector:
         return cap
 
     def local_ceiling(self) -> float | None:
-        """mean + k x std (ddof 1) of the last `local_window` accepted values, k = local_k(cfg);
-        None while the window is less than half full (or local_z is None)."""
+        """mean + k x std (ddof 1) of the last `local_window` accepted values; None while the window
+        is less than half full (or local_z is None). k = local_k: from the series' own record of
+        local z when its fitted tail is light (xi <= LOCAL_XI_LIGHT), else Cantelli's bound alone
+        (a heavy tail's next record can be several times its last: a Student-t(3) series went
+        from 5.4 to 23.6)."""
+        stats = self._local_window_stats()
+        if stats is None:
+            return None
+        light = self._fit is not None and self._fit.xi <= LOCAL_XI_LIGHT
+        return stats[0] + local_k(self.cfg, self._local_max if light else 0.0) * stats[1]
+
+    def _local_window_stats(self) -> tuple[float, float] | None:
         if self._local is None or len(self._local) < self.cfg.local_window // 2:
             return None
-        if self._local_ceiling is None:
-            a = self._local.values()
-            k = local_k(self.cfg)
-            self._local_ceiling = float(a.mean() + k * a.std(ddof=1))
-        return self._local_ceiling
+        if self._local_stats is None:
+            a = np.sort(self._local.values())  # in an order a resume keeps: the same z to the bit
+            self._local_stats = (float(a.mean()), float(a.std(ddof=1)))
+        return self._local_stats
 
     @property
     def threshold_z(self) -> float:
@@ -225,7 +242,7 @@ class CalibratedSpikeDetector:
         _load(self._recent_t, [float(self._t - len(keep) + 1 + i) for i in range(len(keep))])
         if self._local is not None:  # the old level's spread says nothing about the new one
             self._local.load([math.exp(v) for v in keep])
-            self._local_ceiling = None
+            self._local_stats = None
         # The residuals of the next few steps are measured against a level still settling on the
         # new plateau: they stay out of the tail (they would fatten it for tail_memory steps).
         self._quiet_until = self._t + self.cfg.level_window
@@ -259,8 +276,13 @@ class CalibratedSpikeDetector:
         self._recent.append(lx)
         self._recent_t.append(float(self._t))
         if self._local is not None:
+            stats = self._local_window_stats()
+            if stats is not None and stats[1] > 0 and self._local_z is not None:
+                z = (x - stats[0]) / stats[1]
+                self._local_z.push(z)
+                self._local_max = max(self._local_max, z)
             self._local.push(x)
-            self._local_ceiling = None
+            self._local_stats = None
         self.n_accepted += 1
         self._stats = None
         if self._since_fit >= self.cfg.refit_every or (self._fit is None and self._since_fit):
@@ -271,6 +293,8 @@ class CalibratedSpikeDetector:
         if self.n_accepted >= self.cfg.tail_warmup:
             first = self._fit is None
             self._fit = fit_tail(self._tail.values(), xi_max=self.cfg.xi_max)
+            if self._local_z is not None and len(self._local_z):
+                self._local_max = float(self._local_z.values().max())
             if first and self._fit is not None:
                 self._screen_warmup_tail()
 
@@ -307,6 +331,7 @@ class CalibratedSpikeDetector:
             "since_fit": self._since_fit,
             "quiet_until": self._quiet_until,
             "local_x": [] if self._local is None else self._local.ordered(),
+            "local_z": [] if self._local_z is None else self._local_z.ordered(),
             "fit": None
             if self._fit is None
             else [self._fit.u, self._fit.xi, self._fit.sigma, self._fit.n, self._fit.n_u],
@@ -324,7 +349,10 @@ class CalibratedSpikeDetector:
         self._quiet_until = int(d.get("quiet_until", 0))
         if self._local is not None:  # a checkpoint from before the local ceiling: it refills
             self._local.load(list(d.get("local_x", [])))
-            self._local_ceiling = None
+            self._local_stats = None
+        if self._local_z is not None:  # older checkpoints: the local z's tail refills
+            self._local_z.load(list(d.get("local_z", [])))
+            self._local_max = float(self._local_z.values().max()) if len(self._local_z) else 0.0
         fit = d.get("fit")
         self._fit = (
             None
@@ -334,15 +362,16 @@ class CalibratedSpikeDetector:
         self._stats = None
 
 
-def local_k(cfg: SpikeConfig) -> float:
-    """The local ceiling's z: local_z at budget 1e-4, times sqrt(1e-4 / budget) (Cantelli's bound,
-    P(x - mean >= k std) <= 1 / (1 + k^2), moves k with the square root of the false-alarm rate
-    whatever the distribution), never above local_z_max when that is set. (Issue #39: judged whole,
-    the guard's one budget set to 1e-4 false alarms a step on recorded runs sits near 7e-7, where an
-    uncapped k is ~100 and the local ceiling does nothing; a cap of 20 caught x5 at recall 0.90 vs
-    OLMo-core's 0.68 there, but it flags the one-layer bursts of clean synthetic runs, so the
-    guard's defaults leave it off: guard/core/config.py.)"""
-    k = (cfg.local_z or 0.0) * math.sqrt(1e-4 / (cfg.budget or 1e-4))
+def local_k(cfg: SpikeConfig, seen: float = 0.0) -> float:
+    """The local ceiling's z. Cantelli's bound, local_z x sqrt(1e-4 / budget) (P(x - mean >= k std)
+    <= 1 / (1 + k^2) for any distribution: local_z at 1e-4), holds for the heaviest tail; a
+    series' own record says how heavy its is: with `seen` the largest local z of a value it
+    accepted (tail memory), k = LOCAL_SEEN x (1e-4 / budget)^(1/16) x seen when that is lower,
+    never below LOCAL_K_MIN. At most local_z_max when that is set."""
+    budget = cfg.budget or 1e-4
+    k = (cfg.local_z or 0.0) * math.sqrt(1e-4 / budget)
+    if seen > 0:
+        k = min(k, max(LOCAL_K_MIN, LOCAL_SEEN * (1e-4 / budget) ** (1 / 16) * seen))
     return k if cfg.local_z_max is None else min(k, cfg.local_z_max)
 
 
