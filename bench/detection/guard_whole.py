@@ -13,17 +13,19 @@ a live run would:
             unchanged (what `moeguard train --inject gradspike@STEP:F` shows the detectors);
   loss xF   the loss x F, the grad norms unchanged (a bad batch that only the loss shows).
 A copy is caught when any spike rule fires on it (any step verdict is a skip: guard/core/policy.py);
-a clean step that any of them fires on is a false alarm. OLMo-core (the bench's OlmoCore, checked
-flag for flag against the installed SkipStepOptimizer: detector_heldout --agreement) judges the
-same copies as it runs: one window on the grad norm and one on the loss, a step skipped when either
-is out, from step 0 on (its own warm-up).
+a clean step that any of them fires on is a false alarm. The peers are their installed packages,
+each judging the same copies as it runs, from step 0 on (its own warm-up): OLMo-core's
+SkipStepOptimizer (ai2-olmo-core: one window on the grad norm and one on the loss, a step skipped
+when either is out), ZClip (zclip, on the grad norm: a clip counts as a flag) and Lightning's
+SpikeDetection (lightning, on the loss).
 
 Knobs, each set on the clean steps (from 300 on) of the --calib runs alone to the most sensitive
 grid value with at most --target false alarms per clean step, then scored on the --test runs; then
 the sets swap (--one-way: no swap). Ours: one budget for every spike rule (the guard ships 1e-5 for
-each), on a grid of 10^-0.05 steps; OLMo-core: sigma_factor in steps of 0.5. Every step of a test
+each), on a grid of 10^-0.05 steps; OLMo-core: sigma_factor in steps of 0.5; ZClip: z_thresh in
+steps of 0.5; Lightning: rtol in steps of 0.1. Every step of a test
 run from 300 on is a fault site (about 700 a run and size), so recall is measured on many more
-faults than detector_recorded's 3 a run; a what-if does not enter either detector's history.
+faults than detector_recorded's 3 a run; a what-if does not enter any judge's history.
 
 Writes docs/BENCHMARKS.md › Detection › The guard judged whole on recorded real-model traces.
 """
@@ -39,7 +41,6 @@ import argparse
 import copy
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,6 @@ from typing import Any
 
 import numpy as np
 
-from bench.detection.rules import OlmoCore
 from guard.core import schema
 from guard.core.config import GuardConfig
 from guard.core.detectors.registry import REGISTRY, STAGE_STEP
@@ -59,6 +59,8 @@ LOSS_SIZES = (1.5, 2.0, 3.0)
 WHAT_IFS = tuple(("grad", s) for s in GRAD_SIZES) + tuple(("loss", s) for s in LOSS_SIZES)
 OURS_GRID = tuple(10.0**e for e in np.arange(-2.0, -8.0001, -0.05))
 OLMO_GRID = tuple(np.round(np.arange(2.0, 40.01, 0.5), 2))
+ZCLIP_GRID = tuple(np.round(np.arange(1.5, 40.01, 0.5), 2))
+LIGHTNING_GRID = tuple(np.round(np.arange(0.1, 20.01, 0.1), 2))
 SPIKE_RULES = (schema.DET_GRAD_SPIKE, schema.DET_LAYER_GRAD_SPIKE, schema.DET_LOSS_SPIKE)
 
 
@@ -99,23 +101,44 @@ class GuardJudge:
 
 
 class OlmoJudge:
-    """OLMo-core's SkipStepOptimizer: a window on the grad norm and one on the loss."""
+    """OLMo-core's SkipStepOptimizer itself (ai2-olmo-core): its latest_loss and latest_grad_norm
+    set each step as its TransformerTrainModule sets them, a skip when get_step_factor() is 0 (a
+    128-step window on each series, the step skipped when either is out; skipped values stay in)."""
 
     def __init__(self, sigma: float) -> None:
-        self.grad, self.loss = OlmoCore(sigma_factor=sigma), OlmoCore(sigma_factor=sigma)
+        import torch
+        from olmo_core.optim.skip_step_optimizer import SkipStepOptimizer
 
-    @staticmethod
-    def _peek(det: OlmoCore, x: float) -> bool:
-        probe = copy.copy(det)
-        probe.hist = deque(det.hist, maxlen=det.hist.maxlen)
-        return probe.step(x)
-
-    def peek(self, rep: Any) -> bool:
-        return self._peek(self.grad, rep.grad_norm) or self._peek(self.loss, rep.loss)
+        self.torch = torch
+        self.opt = SkipStepOptimizer([torch.zeros(1, requires_grad=True)], {}, sigma_factor=sigma)
 
     def step(self, rep: Any) -> bool:
-        g, lo = self.grad.step(rep.grad_norm), self.loss.step(rep.loss)
-        return g or lo
+        self.opt.latest_loss = self.torch.tensor(float(rep.loss))
+        self.opt.latest_grad_norm = self.torch.tensor(float(rep.grad_norm))
+        return float(self.opt.get_step_factor()) == 0.0
+
+    def peek(self, rep: Any) -> bool:
+        saved = list(self.opt._losses), list(self.opt._grad_norms)
+        try:
+            return self.step(rep)
+        finally:
+            self.opt._losses, self.opt._grad_norms = saved
+
+
+class PeerJudge:
+    """A one-series peer's installed package (detector_heldout.RealPeer): ZClip on the grad norm
+    (a flag is a clip: it never skips), Lightning's SpikeDetection on the loss."""
+
+    def __init__(self, name: str, series: str, value: float) -> None:
+        from bench.detection.detector_heldout import RealPeer
+
+        self.series, self.peer = series, RealPeer(name, value)
+
+    def peek(self, rep: Any) -> bool:
+        return self.peer.peek(float(getattr(rep, self.series)))
+
+    def step(self, rep: Any) -> bool:
+        return self.peer.flag(float(getattr(rep, self.series)))
 
 
 @dataclass(frozen=True)
@@ -129,6 +152,8 @@ class Judge:
 JUDGES = (
     Judge("ours (the guard, every rule)", "budget", OURS_GRID, GuardJudge),
     Judge("OLMo-core (grad norm + loss)", "sigma_factor", OLMO_GRID, OlmoJudge),
+    Judge("ZClip (grad norm)", "z_thresh", ZCLIP_GRID, lambda v: PeerJudge("ZClip", "grad_norm", v)),
+    Judge("Lightning (loss)", "rtol", LIGHTNING_GRID, lambda v: PeerJudge("Lightning", "loss", v)),
 )
 
 
@@ -298,7 +323,8 @@ def report(args: argparse.Namespace, by_target: dict[float, list[Direction]], se
         f"`{cmd.strip()}` ({machine_line()}; {seconds / 60:.1f} min)",
         "",
         "Every step rule of the guard (total grad norm with its local ceiling and the all-layers rule, each "
-        "layer's grad norm, the loss) against OLMo-core's grad-norm and loss windows, each knob set on the "
+        "layer's grad norm, the loss) against the peers' installed code (OLMo-core's SkipStepOptimizer on the "
+        "grad norm and the loss, ZClip on the grad norm, Lightning's SpikeDetection on the loss), each knob set on the "
         "clean steps of one set of runs to the target and scored on the other set (then the swap). At every "
         "test step from 300 on, what-if copies: grad xF (total and every layer's grad norm x F) and loss xF; "
         "recall is the share caught at that step (bench/detection/guard_whole.py).",

@@ -1,4 +1,4 @@
-"""bench/detection/guard_whole.py: the guard's every rule and OLMo-core judge what-if copies of recorded steps."""
+"""bench/detection/guard_whole.py: the guard's every rule and the peers' installed code judge what-if copies of recorded steps."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def runs(tmp_path_factory):
 
 
 def test_a_what_if_changes_nothing_and_a_big_spike_is_caught(runs):
+    pytest.importorskip("olmo_core")  # OLMo-core's judge is its installed SkipStepOptimizer
     reps = runs["fam-0"]
     assert len(reps) == STEPS and len(reps[0].layer_grad_norm_L) == 4
     for make, value in ((gw.GuardJudge, 1e-5), (gw.OlmoJudge, 6.0)):
@@ -60,7 +61,7 @@ def test_every_spike_rule_gets_the_budget():
 
 def test_calibration_meets_the_target_on_the_calibration_runs(runs):
     calib = {"fam-0": runs["fam-0"]}
-    for judge in gw.JUDGES:
+    for judge in gw.JUDGES[:2]:  # ours and OLMo-core (ZClip and Lightning: test_detector_heldout's RealPeer)
         value, fa = gw.calibrate(judge, calib, 1e-3)
         assert fa <= 1e-3 and fa == gw.fa_rate(judge, value, calib), judge.name
 

@@ -51,6 +51,7 @@ _NAN = float("nan")
 LOCAL_SEEN = 2.0
 LOCAL_K_MIN = 6.0
 LOCAL_XI_LIGHT = 0.15
+LOCAL_SEEN_MIN = 256
 
 
 class CalibratedSpikeDetector:
@@ -136,6 +137,7 @@ class CalibratedSpikeDetector:
         if stats is None:
             return None
         light = self._fit is not None and self._fit.xi <= LOCAL_XI_LIGHT
+        light = light and self._local_z is not None and len(self._local_z) >= LOCAL_SEEN_MIN
         return stats[0] + local_k(self.cfg, self._local_max if light else 0.0) * stats[1]
 
     def _local_window_stats(self) -> tuple[float, float] | None:
