@@ -118,14 +118,13 @@ class SpikeConfig:
     shift_band: float = 0.25
     # The local ceiling (budget mode, after the tail warm-up; issue #39): the fitted threshold is
     # also capped at mean + k x std of the last `local_window` accepted raw values (OLMo-core's
-    # statistic, its window 128; flagged values stay out), k = min(local_z x (1e-4 / budget)^(1/2),
-    # local_z_max) (guard/core/detectors/calibrated.py, local_k). Clean grad norms come in
-    # volatile stretches: a tail fitted over the whole run must allow for the worst of them
-    # everywhere (on recorded runs it sat above the 8x ceiling), while a calm window's own spread
-    # says a 5x step is not noise. local_z is the z at budget 1e-4; the square root is Cantelli's
-    # (k moves with the square root of the false-alarm rate whatever the distribution);
-    # local_z_max caps k where the budget is small (the fitted rules carry it there). None: off /
-    # no cap.
+    # statistic, its window 128; flagged values stay out). k (guard/core/detectors/calibrated.py,
+    # local_k) is at most Cantelli's local_z x (1e-4 / budget)^(1/2) (whatever the distribution);
+    # on a light-tailed series (fit xi <= 0.15, 256 local z kept) it is 2 x (1e-4 / budget)^(1/16)
+    # x the largest local z the series has shown on an accepted value (at least 6) when that is
+    # lower. Clean grad norms come in volatile stretches: a tail fitted over the whole run must
+    # allow for the worst of them everywhere (on recorded runs it sat above the 8x ceiling), while a
+    # calm window's own spread says a 5x step is not noise. local_z_max caps k. None: off / no cap.
     local_z: float | None = None
     local_z_max: float | None = None
     local_window: int = 128
@@ -472,12 +471,12 @@ class GuardConfig:
     # (20x before its warm-up, as before), 50x a layer. rel_min is the smallest effect that may
     # page however rare it is. The fixed-z rule: set `budget` to None (and z, tail_margin). Grad
     # norm and loss also carry the local ceiling (issue #39; not per layer): local_z 12 at budget
-    # 1e-4 (k 54 for the total at the guard's 1e-5, which it halves with the all-layers rule; 38 for
-    # the loss), chosen on recorded runs of seed 0 scored on seed 1 (docs/BENCHMARKS.md, "Detection:
-    # where the guard stands against OLMo-core"). No local_z_max: a cap of 20 put the guard judged
-    # whole ahead of OLMo-core at x5 on recorded runs, but flags the one-layer bursts of clean
-    # synthetic runs (tests/guard/test_early_spikes.py; a cap of 40 still does on one seed in four)
-    # and, at 16-20, a clean Student-t(3) series (test_calibrated_spike.py).
+    # 1e-4 (Cantelli's k 54 for the total at the guard's 1e-5, which it halves with the all-layers
+    # rule; 38 for the loss), lower on a light-tailed series from its own record of local z
+    # (docs/BENCHMARKS.md, "Detection: where the guard stands against OLMo-core"). No local_z_max:
+    # a fixed cap of 20 flags the one-layer bursts of clean synthetic runs
+    # (tests/guard/test_early_spikes.py) and, at 16-20, a clean Student-t(3) series
+    # (test_calibrated_spike.py); the record rule leaves heavy tails to Cantelli's k.
     grad_spike: SpikeConfig = field(
         default_factory=lambda: _budget_rule(
             rel_min=1.2, early_cap=100.0, rel_max=8.0, early_floor=50.0, local_z=12.0
