@@ -30,6 +30,7 @@ from guard.runtime.session import framework_of
 from tests.conftest import REPO
 from tests.helpers_alerting import ALERTMANAGER, alerting_stack, am_alert, pagerduty_story
 from tests.helpers_collector import G1, batch, beat, ingest, make_report, scrape
+from tests.helpers_http import wait_until
 
 STEP_HEALTH = REPO / "alerts" / "tests" / "step_health.yml"
 
@@ -174,17 +175,25 @@ def test_one_incident_per_halt_through_real_alertmanager(tmp_path: Path) -> None
         assert first.json["payload"]["class"] == "NonFiniteLoss"
         st.post([am_alert("NonFiniteLoss", run="nan1"), am_alert("GuardRollbackStorm", run="nan1")])
         time.sleep(3)
-        st.post(
-            [
-                am_alert("NonFiniteLoss", run="nan1"),
-                am_alert("GuardRollbackStorm", run="nan1"),
-                am_alert("RunHalted", run="nan1"),
-                am_alert("HeartbeatLost", run="nan1", rank="1"),
-                am_alert("NonFiniteLoss", run="other"),
-            ]
-        )
+        ladder = [
+            am_alert("NonFiniteLoss", run="nan1"),
+            am_alert("GuardRollbackStorm", run="nan1"),
+            am_alert("RunHalted", run="nan1"),
+        ]
+        st.post([*ladder, am_alert("NonFiniteLoss", run="other")])
         st.wait_pd("trigger", run="other", timeout=60)
-        time.sleep(4)  # group_interval 1 s: any further notification of nan1's group is out by now
+        wait_until(
+            lambda: st.pd(run="nan1")[-1].json["payload"]["class"] == "RunHalted",
+            timeout=30,
+            interval=0.2,
+            what="the halt's update of nan1's incident",
+        )
+        # The halted run then stops heartbeating, as a halted job does (its heartbeat timeout after
+        # the halt): HeartbeatLost joins and RunHalted inhibits it.
+        st.post(
+            [*ladder, am_alert("HeartbeatLost", run="nan1", rank="1"), am_alert("NonFiniteLoss", run="other")]
+        )
+        time.sleep(4)  # group_wait and group_interval 1 s: any further notification is out by now
         mine = st.pd(run="nan1")
         assert [what for what, _ in pagerduty_story(mine)] == ["page"], [r.json for r in mine]
         last = mine[-1].json
