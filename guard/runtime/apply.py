@@ -6,7 +6,9 @@ decision the same way:
     apply       clip the gradients to `grad_clip`, step with the LR cooled by `lr_scale`, then
                 put back the exact planned LR (no drift from multiplying back and forth)
     clip        the same, the gradient first scaled by the decision's `grad_scale` (a finite
-                grad-norm spike brought down to its detector's threshold)
+                grad-norm spike brought down to its detector's threshold); when that is no
+                tighter than `grad_clip`, the update is the unguarded one: the step becomes an
+                apply (its verdicts stay, action none), no guard action
     skip, halt  nothing touches weights or optimizer state (NaN included)
     rollback    the guard restores its newest snapshot before the incident (model, optimizer,
                 the caller's extra); the caller skips the data window (`skip_batches`)
@@ -74,6 +76,8 @@ class DecisionApplier:
         if lr is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
+        if d.action == schema.ACT_CLIP and not self._clip_binds(grad_norm, d.grad_scale):
+            _within_grad_clip(d, self.grad_clip)
         out = Applied(updated=d.applies_update)
         if out.updated:
             self._update(grad_norm, d.lr_scale, d.grad_scale)
@@ -88,6 +92,12 @@ class DecisionApplier:
             self.after_step(out.updated)
         self.optimizer.zero_grad(set_to_none=True)
         return out
+
+    def _clip_binds(self, grad_norm: float, grad_scale: float) -> bool:
+        """Is the guard's clip tighter than the optimizer's own `grad_clip`?"""
+        if not math.isfinite(grad_norm):
+            return True
+        return self.grad_clip <= 0 or grad_norm * grad_scale < self.grad_clip
 
     def _update(self, grad_norm: float, lr_scale: float, grad_scale: float = 1.0) -> None:
         """Clip (to the guard's threshold on a clipped spike, then to `grad_clip`), step with the
@@ -109,3 +119,18 @@ class DecisionApplier:
             if lr_scale != 1.0:
                 for g, lr in zip(groups, planned, strict=True):
                     g["lr"] = lr
+
+
+def _within_grad_clip(d: Decision, grad_clip: float) -> None:
+    """A clip the optimizer's own clip makes moot (the spike at its threshold is still above
+    `grad_clip`): the update is the one the run would take without the guard, so the guard did
+    nothing to it and the step is no guard action (guard/core/actions.py). Its verdicts stay
+    (evidence, action none, the clip named); the step's row says apply, or bias_correct when a
+    collapse correction started on it."""
+    started = any(e.kind == schema.EV_ACTION and e.action == schema.ACT_BIAS_CORRECT for e in d.events)
+    d.action = schema.ACT_BIAS_CORRECT if started else schema.ACT_APPLY
+    d.grad_scale = 1.0
+    for e in d.events:
+        if e.action == schema.ACT_CLIP:
+            e.action = schema.ACT_NONE
+            e.detail = {**(e.detail or {}), "within_grad_clip": grad_clip}

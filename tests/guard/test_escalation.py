@@ -154,6 +154,7 @@ def test_clip_spikes_applies_a_finite_grad_norm_spike_scaled_to_its_threshold() 
 def test_a_clip_scales_the_gradient_before_the_optimizers_own_clip() -> None:
     import torch
 
+    from guard.core.events import Event
     from guard.core.policy import Decision
     from guard.runtime.apply import DecisionApplier
     from guard.runtime.guard import Guard
@@ -161,8 +162,16 @@ def test_a_clip_scales_the_gradient_before_the_optimizers_own_clip() -> None:
     w = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([w], lr=1.0)
     applier = DecisionApplier(opt, Guard(GuardConfig(), torch.nn.Linear(1, 1), opt), grad_clip=5.0)
-    for scale, clip_to in ((0.1, 2.0), (0.5, 5.0)):  # 20 x 0.1 = 2 < 5; 20 x 0.5 = 10, then 5
+    verdict = spike(20.0)
+    for scale, clip_to, action in ((0.1, 2.0, schema.ACT_CLIP), (0.5, 5.0, schema.ACT_APPLY)):
+        # 20 x 0.1 = 2 < 5: the guard's clip; 20 x 0.5 = 10, then 5: the optimizer's own clip
+        # would have done as much, so the step is an apply and its verdict's action none
         w.grad = torch.full((4,), 10.0)  # norm 20
         before = w.detach().clone()
-        applier.apply(Decision(step=0, action=schema.ACT_CLIP, grad_scale=scale), grad_norm=20.0)
+        d = Decision(step=0, action=schema.ACT_CLIP, grad_scale=scale)
+        d.events.append(Event.from_verdict(0, verdict, schema.ACT_CLIP))
+        applier.apply(d, grad_norm=20.0)
         assert abs(float((before - w.detach()).norm()) - clip_to) < 1e-4
+        assert d.action == action and d.events[0].action == (
+            schema.ACT_CLIP if action == schema.ACT_CLIP else schema.ACT_NONE
+        )
