@@ -172,6 +172,8 @@ def run(
         "halted_at": halted_at,
         "actions": acts,
         "events": ev.filter(pl.col("kind") != "verdict").select("step", "kind", "action", "detector").rows(),
+        # every verdict with what its step did (a clip within grad_clip: action none)
+        "verdicts": ev.filter(pl.col("kind") == "verdict").select("step", "detector", "action").rows(),
         "s_per_step": round(s_per_step, 4),
         "maxvio_last50": {
             int(k[0]): round(float(g["maxvio"].tail(50).mean()), 3)

@@ -3,17 +3,20 @@ Qwen3-MoE (bench/drills/fault_drill.py, shortened for CI: 200 iterations, faults
 collapse warm-up 40). Guarded vs unguarded (the same loop observing only) vs clean, the same data
 and seed: held-out loss at the end, actions, halts, and the pushed layer's MaxVio.
 
-Stated bounds: the collapse (+10 on expert 0's router logit of layer 1 from batch 60 on) is back
-under the MaxVio line (5 steps running) within BACK_WITHIN steps of its onset on the guarded runs
-(the correction opens at 69-72: the detector's 10 steps over the line; the layer's logit bias,
-guard/integrations/router_push.py LogitBias, brought it back 19-29 steps after the onset where the
-gradient-only correction took 40-70) and never on the unguarded ones; a guarded run's final loss (the mean held-out loss at iterations
-160-200) is at most SPREAD above the unguarded run's and, on the NaN and x50 drills, the clean
-run's. SPREAD is what one dropped batch does to these tiny models at 200 iterations, lr 3e-3, with
-no fault at all: skipping batch 45 (the x50 drill: every weight untouched at the skip) ended Mixtral
-2.3% above the clean run and 2.0% above the unguarded x50 run, whose clipped step keeps the batch;
-skipping batch 30 (NaN) ended it 0.2% below. At 400 iterations (the issue's table,
-`python -m bench.drills.fault_drill`, docs/escalation.md) the runs are judged against 1%.
+Stated bounds (the issue's): no action on the clean runs; the NaN skipped once; the x50 kept:
+flagged, clipped to its threshold and then to the loop's grad_clip 1.0, which is tighter, so the
+step is the unguarded one (PolicyConfig.clip_spikes, which these guarded runs set as the issue's
+drill does; no guard action, its verdict recorded) and "never worse than unguarded" holds
+exactly; both within NEAR (1%) of the clean run. The collapse (+10 on expert 0's router logit of
+layer 1 from batch 60 on): corrected (opens at 69-72, the detector's 10 steps over the line), no
+rollback, no halt, back under the MaxVio line (5 steps running) within BACK_WITHIN steps of its
+onset (the logit bias, guard/integrations/router_push.py LogitBias: 19-29 measured) while the
+unguarded control never is, and its final loss (the mean held-out loss at iterations 160-200)
+within NEAR of the unguarded run's: the correction moves tokens between experts, so the two runs
+cannot be the same, and one perturbed batch moves these tiny models at lr 3e-3 by up to SPREAD at
+200 iterations (skipping batch 45 with no fault ended Mixtral 2.3% above the clean run); the
+three faults together within SPREAD of clean. The 400-iteration drill over seeds 0-2
+(`python -m bench.drills.fault_drill --clip-spikes`, docs/BENCHMARKS.md) has the figures.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ import pytest
 import torch
 
 from bench.drills import fault_drill as fd
-from guard.core.config import CollapseConfig, GuardConfig
+from guard.core import schema
+from guard.core.config import CollapseConfig, GuardConfig, PolicyConfig
 
-STEPS = 200  # the SPREAD figures below were measured at 200 iterations
+STEPS = 200  # the figures in the docstring were measured at 200 iterations
 AT = {"nan": 30, "x50": 45, "collapse": 60}
 BACK_WITHIN = 40
 SPREAD = 0.03
+NEAR = 0.01  # the issue's bound: within 1% of clean on the NaN and x50 drills
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +52,11 @@ def drill_runs(family: str, tmp: Path) -> dict[tuple[str, bool], dict[str, Any]]
 
     torch.set_num_threads(1)
     corpus = stdlib_corpus(4_000_000)
-    cfg = GuardConfig(collapse=CollapseConfig(warmup=40))
-    plan = [
+    cfg = GuardConfig(collapse=CollapseConfig(warmup=40), policy=PolicyConfig(clip_spikes=True))
+    plan = [  # (the unguarded all-three run stops at its NaN: nothing to compare with, not run)
         ("clean", False, STEPS),
         ("clean", True, STEPS),
         ("all", True, STEPS),
-        ("all", False, STEPS),
         ("collapse", True, STEPS),
         ("collapse", False, STEPS),
         ("nan", True, STEPS),
@@ -84,28 +88,38 @@ def test_clean_runs_draw_no_action(drill: dict) -> None:
     assert drill["clean", True]["actions"] == [] and drill["clean", True]["halted_at"] is None
 
 
-def test_nan_and_x50_are_skipped_and_end_near_clean(drill: dict) -> None:
+def test_nan_is_skipped_x50_kept_and_both_end_within_1pct_of_clean(drill: dict) -> None:
     clean = drill["clean", False]["eval_loss"]
-    for fault in ("nan", "x50"):
-        g, u = drill[fault, True], drill[fault, False]
-        assert [tuple(a) for a in g["actions"]] == [(AT[fault], "skip")], (fault, g["actions"])
-        assert worse(g["eval_loss"], clean) <= SPREAD, (fault, g["eval_loss"], clean)
-        assert worse(g["eval_loss"], u["eval_loss"]) <= SPREAD, (fault, g["eval_loss"], u["eval_loss"])
+    g, u = drill["nan", True], drill["nan", False]
+    assert [tuple(a) for a in g["actions"]] == [(AT["nan"], "skip")], g["actions"]
+    assert worse(g["eval_loss"], clean) <= NEAR, (g["eval_loss"], clean)
     # unguarded, the NaN reaches the LM head's weight: every later loss is NaN
-    assert math.isnan(drill["nan", False]["eval_loss"])
+    assert math.isnan(u["eval_loss"])
+    # x50: flagged, clipped to the threshold and then to grad_clip 1.0 like the unguarded step, so
+    # the batch is kept and the run is the unguarded one (not a guard action)
+    g, u = drill["x50", True], drill["x50", False]
+    assert g["actions"] == [], g["actions"]
+    assert [(s, a) for s, d, a in g["verdicts"]] == [(AT["x50"], schema.ACT_NONE)], g["verdicts"]
+    assert g["eval_loss"] <= u["eval_loss"] and worse(g["eval_loss"], clean) <= NEAR, (g, u, clean)
 
 
 @pytest.mark.parametrize("faults", ["collapse", "all"])
 def test_a_collapse_is_corrected_back_with_no_halt_and_no_rollback(drill: dict, faults: str) -> None:
-    g, u = drill[faults, True], drill[faults, False]
+    g = drill[faults, True]
     assert g["halted_at"] is None and not any(a == "rollback" for _, a in g["actions"]), g["actions"]
     corrections = [s for s, a in g["actions"] if a == "bias_correct"]
     assert corrections and AT["collapse"] < corrections[0] <= AT["collapse"] + 12, g["actions"]
     back = g["collapse_back_after"]
     assert back is not None and back <= BACK_WITHIN, back
-    assert worse(g["eval_loss"], u["eval_loss"]) <= SPREAD, (g["eval_loss"], u["eval_loss"])
     if faults == "collapse":  # the control: the cause stays, the layer never comes back alone
+        u = drill[faults, False]
+        # the correction moves tokens between experts, so the guarded run cannot be the unguarded
+        # one: "never worse" within the issue's 1% (measured +0.73% Mixtral, -0.04% Qwen3)
+        assert worse(g["eval_loss"], u["eval_loss"]) <= NEAR, (g["eval_loss"], u["eval_loss"])
         assert u["collapse_back_after"] is None and u["maxvio_last50"][fd.COLLAPSE_LAYER] > 2.5
+    else:  # all three: the unguarded run is NaN from batch 30; against clean (+0.66%, -1.3%)
+        clean = drill["clean", False]["eval_loss"]
+        assert worse(g["eval_loss"], clean) <= SPREAD, (g["eval_loss"], clean)
     # the healthy layers were left alone: none pushed into a collapse by the correction
     assert all(v < 2.0 for k, v in g["maxvio_last50"].items() if k != fd.COLLAPSE_LAYER)
 
