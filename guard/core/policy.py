@@ -15,7 +15,9 @@ Escalation ladder, per fault kind (docs/escalation.md has the why and the figure
     3. it recurs (the same escalation again within rollback_window, after
        halt_after_rollbacks rollbacks) -> halt: checkpoint, critical event, RunHalted page
   spike (grad norm total / per layer / all layers, loss, LR bound)
-    1. skip;  2. roll back as above
+    1. skip (with clip_spikes, a step whose only verdicts are finite grad-norm spikes is applied
+       with the gradient scaled to the tightest threshold instead: the batch is kept);
+    2. roll back as above (clips count like skips)
     3. it recurs after a rollback -> no second rollback: keep skipping each flagged step, record
        a `fault_recurred` verdict (critical: the FaultRecurred page) and let a person decide;
        halt only if the incident diverges: a loss or total grad-norm spike at least
@@ -81,7 +83,17 @@ def ladder(cfg: GuardConfig) -> list[tuple[str, list[str]]]:
         ("non-finite", [skip, rb, f"recurs: {halt}"]),
         (
             "spike",
-            [skip, rb, again, f"diverging (loss or grad norm >= {p.diverge_ratio}x its level): {halt}"],
+            [
+                (
+                    "a grad-norm spike alone: clip the gradient to the detector's threshold and apply "
+                    "(no guard action when grad_clip is tighter); other spikes: " + skip
+                )
+                if p.clip_spikes
+                else skip,
+                rb,
+                again,
+                f"diverging (loss or grad norm >= {p.diverge_ratio}x its level): {halt}",
+            ],
         ),
         (
             "collapse",
