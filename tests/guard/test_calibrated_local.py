@@ -87,22 +87,23 @@ def test_off_by_default_in_a_bare_spike_config():
 
 
 def test_a_light_tailed_series_sets_k_from_its_own_record():
-    """k = min(Cantelli's, max(6, 2 x (1e-4 / budget)^(1/16) x the largest local z accepted)) once the
-    fit is light and 256 local z are kept: a smooth series is judged by what it has shown, not by
-    the worst tail (issue #39: on recorded runs the guard's one budget fell to 7e-7, where
+    """k = min(Cantelli's, max(6, 2 x (1 / (kept x budget))^(1/16) x the largest of the kept local z))
+    once the fit is light and 256 local z are kept: a smooth series is judged by what it has shown,
+    not by the worst tail (issue #39: on recorded runs the guard's one budget fell to 7e-7, where
     Cantelli's k is 143 and the local ceiling did nothing)."""
     rng = np.random.default_rng(3)
     x = (0.5 + 0.5 * np.exp(-np.arange(700) / 300)) * np.exp(rng.normal(0.0, 0.05, 700))
-    cfg = GuardConfig().grad_spike  # budget 1e-5: Cantelli's k 38
+    cfg = replace(GuardConfig().grad_spike, budget=1e-7)  # Cantelli's k 379
     det = CalibratedSpikeDetector(cfg)
     assert _fired_after_warmup(det, x) == []
     assert det._fit is not None and det._fit.xi <= calibrated.LOCAL_XI_LIGHT
     a = x[-128:]
     k = (det.local_ceiling() - a.mean()) / a.std(ddof=1)
-    seen = det._local_z.values().max()
-    assert 6.0 < k < 12.0 * 10**0.5 and np.isclose(k, max(6.0, 2.0 * 10 ** (1 / 16) * seen))
+    kept, seen = len(det._local_z), det._local_z.values().max()
+    assert kept >= calibrated.LOCAL_SEEN_MIN
+    assert 6.0 < k < 20.0 and np.isclose(k, 2.0 * (1.0 / (kept * 1e-7)) ** (1 / 16) * seen)
     spiked = x.copy()
-    spiked[650] *= 3.0  # under the fit's threshold and the 8x ceiling: the local ceiling's
+    spiked[650] *= 3.0  # far under the fit's 1e-7 threshold: the local ceiling's
     det = CalibratedSpikeDetector(cfg)
     verdicts = [det.update(float(v)) for v in spiked]
     assert verdicts[650].fired and verdicts[650].evidence["rule"] == "local"

@@ -136,9 +136,9 @@ class CalibratedSpikeDetector:
         stats = self._local_window_stats()
         if stats is None:
             return None
-        light = self._fit is not None and self._fit.xi <= LOCAL_XI_LIGHT
-        light = light and self._local_z is not None and len(self._local_z) >= LOCAL_SEEN_MIN
-        return stats[0] + local_k(self.cfg, self._local_max if light else 0.0) * stats[1]
+        kept = len(self._local_z) if self._local_z is not None else 0
+        light = self._fit is not None and self._fit.xi <= LOCAL_XI_LIGHT and kept >= LOCAL_SEEN_MIN
+        return stats[0] + local_k(self.cfg, self._local_max if light else 0.0, kept) * stats[1]
 
     def _local_window_stats(self) -> tuple[float, float] | None:
         if self._local is None or len(self._local) < self.cfg.local_window // 2:
@@ -364,16 +364,18 @@ class CalibratedSpikeDetector:
         self._stats = None
 
 
-def local_k(cfg: SpikeConfig, seen: float = 0.0) -> float:
+def local_k(cfg: SpikeConfig, seen: float = 0.0, kept: int = 0) -> float:
     """The local ceiling's z. Cantelli's bound, local_z x sqrt(1e-4 / budget) (P(x - mean >= k std)
     <= 1 / (1 + k^2) for any distribution: local_z at 1e-4), holds for the heaviest tail; a
-    series' own record says how heavy its is: with `seen` the largest local z of a value it
-    accepted (tail memory), k = LOCAL_SEEN x (1e-4 / budget)^(1/16) x seen when that is lower,
-    never below LOCAL_K_MIN. At most local_z_max when that is set."""
+    series' own record says how heavy its is: with `seen` the largest of the `kept` local z of
+    values it accepted, about their 1 - 1 / kept quantile, k = LOCAL_SEEN x (1 / (kept x
+    budget))^(1/16) x seen when that is lower (a young record stands further from the budget's
+    quantile), never below LOCAL_K_MIN. At most local_z_max when that is set."""
     budget = cfg.budget or 1e-4
     k = (cfg.local_z or 0.0) * math.sqrt(1e-4 / budget)
-    if seen > 0:
-        k = min(k, max(LOCAL_K_MIN, LOCAL_SEEN * (1e-4 / budget) ** (1 / 16) * seen))
+    if seen > 0 and kept > 0:
+        reach = max(1.0, 1.0 / (kept * budget)) ** (1 / 16)
+        k = min(k, max(LOCAL_K_MIN, LOCAL_SEEN * reach * seen))
     return k if cfg.local_z_max is None else min(k, cfg.local_z_max)
 
 
