@@ -22,6 +22,7 @@ if str(_ROOT) not in sys.path:
 import streamlit as st  # noqa: E402
 
 from dashboards.data import config, loaders, runs  # noqa: E402
+from guard.store import reader  # noqa: E402
 
 LIVE_EVERY_S = float(os.environ.get("MOEGUARD_APP_LIVE_S", "30"))
 
@@ -82,4 +83,19 @@ if live:
 
     with st.sidebar:
         _live_tick()
-nav.run()
+# A compaction (the collector's or the job's store upkeep, guard/store/compaction.py) may delete
+# the parts it merged between this rerun's listing of a table and its read of them: the read
+# then fails on a part that is gone. That rerun lists again (the merged part holds the same
+# rows); a part still missing after that is a real error and shows as one.
+VANISHED_RERUNS = 3
+
+try:
+    nav.run()
+except FileNotFoundError as e:
+    # polars names the part in its message (shortened), Python's own errors in `filename`
+    if ".parquet" not in str(e.filename or e) or st.session_state.get("_vanished", 0) >= VANISHED_RERUNS:
+        raise
+    st.session_state["_vanished"] = st.session_state.get("_vanished", 0) + 1
+    reader.clear_cache()
+    st.rerun()
+st.session_state["_vanished"] = 0
