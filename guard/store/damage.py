@@ -4,6 +4,7 @@ disk, a copy in progress, not Parquet at all), checked once per file size and mt
 
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 from dataclasses import dataclass
@@ -20,6 +21,16 @@ PARQUET_MAGIC = b"PAR1"  # a Parquet file starts and ends with it; the footer le
 
 class DamagedPartWarning(UserWarning):
     """A part file that is not whole Parquet was skipped (the message names the file)."""
+
+
+class PartGone(FileNotFoundError):
+    """A listed part that is no longer there: merged into a compacted part or retired after the
+    listing (the store's upkeep deletes what it replaced at once: store.grace_s 0). Not damage,
+    and nothing is lost: the reader lists the folder again (the app reruns its page,
+    reader.read_reports re-lists its window)."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(errno.ENOENT, "listed, then compacted or retired: list the folder again", str(path))
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +59,8 @@ def part_problem(path: str | Path) -> str | None:
     global footer_checks
     try:
         st = os.stat(path)
+    except FileNotFoundError:
+        raise PartGone(path) from None
     except OSError as e:
         return f"cannot be read ({e.strerror})"
     folder, name = os.path.split(str(path))
@@ -75,10 +88,11 @@ def part_truncated(path: str | Path) -> str | None:
     the file is not whole Parquet (too short, no magic bytes, no footer), None when it looks
     whole. For listing many runs (the Runs page); readers use part_problem."""
     try:
-        size = os.stat(path).st_size
+        return _check_footer(str(path), os.stat(path).st_size, parse=False)
+    except FileNotFoundError:
+        return None  # compacted or retired since the listing: not damage (PartGone)
     except OSError as e:
         return f"cannot be read ({e.strerror})"
-    return _check_footer(str(path), size, parse=False)
 
 
 def _check_footer(path: str, size: int, *, parse: bool = True) -> str | None:
@@ -89,6 +103,8 @@ def _check_footer(path: str, size: int, *, parse: bool = True) -> str | None:
             head = f.read(4)
             f.seek(size - 8)
             tail = f.read(8)
+    except FileNotFoundError:
+        raise PartGone(path) from None
     except OSError as e:
         return f"cannot be read ({e.strerror})"
     if head != PARQUET_MAGIC:
@@ -120,12 +136,16 @@ def good_parts(parts: list[Path]) -> list[Path]:
 
 def damaged_parts(run_dir: str | Path) -> list[DamagedPart]:
     """Every part of every table of the run that readers skip, with the reason."""
-    return [
-        DamagedPart(p, why)
-        for t in schema.TABLES
-        for p in part_files(run_dir, t)
-        if (why := part_problem(p)) is not None
-    ]
+    found = []
+    for t in schema.TABLES:
+        for p in part_files(run_dir, t):
+            try:
+                why = part_problem(p)
+            except PartGone:
+                continue  # compacted or retired since the listing: not damage
+            if why is not None:
+                found.append(DamagedPart(p, why))
+    return found
 
 
 def newest_damaged(run_dir: str | Path, doc: dict | None) -> list[DamagedPart]:

@@ -16,10 +16,10 @@ import bisect
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import polars as pl
 
@@ -30,6 +30,7 @@ from guard.store import layout, summary
 from guard.store.damage import (  # noqa: F401 (the damage checks, re-exported: readers call reader.X)
     DamagedPart,
     DamagedPartWarning,
+    PartGone,
     damaged_parts,
     forget_checks,
     forget_gone,
@@ -39,6 +40,8 @@ from guard.store.damage import (  # noqa: F401 (the damage checks, re-exported: 
     part_truncated,
 )
 from guard.store.layout import parse_part_name, part_files, polars_schema, sorted_part_names
+
+_T = TypeVar("_T")
 
 
 def read_meta(run_dir: str | Path) -> dict[str, Any] | None:
@@ -425,26 +428,58 @@ def last_step(run_dir: str | Path) -> int:
 REPORT_ROW_BOUND = 1_000_000
 
 
+class Listing:
+    """The part files of some tables of a run, listed once and read many times (a replay streams
+    a run window by window). `read(fn)` runs `fn`, which reads through `parts`; when a part it
+    listed is gone (PartGone, or polars' FileNotFoundError: a compaction of a live run merged or
+    retired it since, guard/store/compaction.py) it lists again and re-runs `fn`, up to
+    `retries` times. A merged part holds the rows of the parts it replaced, so nothing is lost
+    or read twice."""
+
+    def __init__(self, run_dir: str | Path, tables: tuple[str, ...], retries: int = 3) -> None:
+        self.run_dir, self.tables, self.retries = run_dir, tables, retries
+        self.parts = self._list()
+
+    def _list(self) -> dict[str, list[Path]]:
+        return {t: part_files(self.run_dir, t) for t in self.tables}
+
+    def read(self, fn: Callable[[], _T]) -> _T:
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except FileNotFoundError:
+                if attempt == self.retries:
+                    raise
+                self.parts = self._list()
+        raise AssertionError("unreachable")
+
+
 def read_reports(run_dir: str | Path, *, row_bound: int = REPORT_ROW_BOUND) -> Iterator[StepReport]:
     """StepReports rebuilt from the steps, layers, experts and groups tables, in step order
     (guard/core/rows.py is the mapping), streamed: a window of steps at a time, sized so that at
     most about `row_bound` expert rows are held, each table read only from the parts whose names
     say they hold the window (guard/store/layout.py names parts by their first step)."""
-    parts = {t: part_files(run_dir, t) for t in _REPORT_TABLES}
-    steps_all = scan_table(run_dir, schema.TABLE_STEPS, parts[schema.TABLE_STEPS]).select("step")
-    bounds = steps_all.select(pl.col("step").min().alias("lo"), pl.col("step").max().alias("hi")).collect()
-    lo, hi = bounds["lo"][0], bounds["hi"][0]
+    listing = Listing(run_dir, tuple(_REPORT_TABLES))
+
+    def plan() -> tuple[Any, Any, int]:
+        steps_all = scan_table(run_dir, schema.TABLE_STEPS, listing.parts[schema.TABLE_STEPS]).select("step")
+        bounds = steps_all.select(
+            pl.col("step").min().alias("lo"), pl.col("step").max().alias("hi")
+        ).collect()
+        per_step = rows_per_step(run_dir, schema.TABLE_EXPERTS, listing.parts[schema.TABLE_EXPERTS])
+        return bounds["lo"][0], bounds["hi"][0], max(1, row_bound // max(1, per_step))
+
+    lo, hi, window = listing.read(plan)
     if lo is None or hi is None:
         return
-    window = max(
-        1, row_bound // max(1, rows_per_step(run_dir, schema.TABLE_EXPERTS, parts[schema.TABLE_EXPERTS]))
-    )
     for a in range(int(lo), int(hi) + 1, window):
         b = min(a + window - 1, int(hi))
-        got = {
-            t: scan_steps(run_dir, t, a, b, parts=parts[t]).sort("step", *keys).collect()
-            for t, keys in _REPORT_TABLES.items()
-        }
+        got = listing.read(
+            lambda a=a, b=b: {
+                t: scan_steps(run_dir, t, a, b, parts=listing.parts[t]).sort("step", *keys).collect()
+                for t, keys in _REPORT_TABLES.items()
+            }
+        )
         if not got[schema.TABLE_STEPS].height:
             continue
         yield from reports_from_columns(

@@ -17,32 +17,42 @@ from guard.store.layout import part_files, polars_schema
 from tests.dashboards.synth_run import SynthRun, write_run
 
 
-def compact_after_listing(monkeypatch: pytest.MonkeyPatch, run: Path, times: int) -> list[int]:
-    """The first `times` scans of the run's steps table compact the table right after listing it:
-    the scan keeps the names it listed, whose files are then gone."""
+def compact_after_listing(monkeypatch: pytest.MonkeyPatch, run: Path, times: int, when: str) -> list[int]:
+    """The first `times` scans of the run's steps table compact the table right after listing it,
+    before the parts' footer checks (`when` "listed") or after them ("checked"): the scan keeps
+    the names it listed, whose files are then gone."""
     real = reader.good_parts
     done: list[int] = []
+    steps_dir = run / schema.TABLE_STEPS
+
+    def compact(parts: list[Path]) -> None:
+        if len(done) < times and len(parts) > 1 and all(p.parent == steps_dir for p in parts):
+            merged = compact_span(steps_dir, 0, 10**9, polars_schema(schema.TABLE_STEPS), force=True)
+            assert merged is not None and not any(p.exists() for p in parts if p != merged)
+            done.append(len(parts))
 
     def good_parts(parts: list[Path]) -> list[Path]:
+        if when == "listed":
+            compact(parts)
         out = real(parts)
-        steps_dir = run / schema.TABLE_STEPS
-        if len(done) < times and len(out) > 1 and all(p.parent == steps_dir for p in out):
-            merged = compact_span(steps_dir, 0, 10**9, polars_schema(schema.TABLE_STEPS), force=True)
-            assert merged is not None and not any(p.exists() for p in out if p != merged)
-            done.append(len(out))
+        if when == "checked":
+            compact(out)
         return out
 
     monkeypatch.setattr(reader, "good_parts", good_parts)
     return done
 
 
+@pytest.mark.parametrize("when", ["listed", "checked"])
 def test_a_compaction_mid_read_reruns_and_draws_the_whole_run(
-    tmp_path: Path, open_page, monkeypatch: pytest.MonkeyPatch
+    when: str, tmp_path: Path, open_page, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """ "listed": the parts go before the footer checks, which once skipped them as damaged
+    ("cannot be read") and drew the run without their steps; "checked": polars' read fails."""
     run = write_run(tmp_path, SynthRun(run_id="live", steps=300, seed=3))
     n_parts = len(part_files(run, schema.TABLE_STEPS))
     assert n_parts > 1
-    done = compact_after_listing(monkeypatch, run, times=1)
+    done = compact_after_listing(monkeypatch, run, times=1, when=when)
     at = open_page("health", tmp_path, run="live")
     assert done == [n_parts]  # the race happened, on the listed parts
     assert not at.exception, [e.value for e in at.exception]

@@ -179,3 +179,23 @@ def test_newest_part_names_lists_the_open_segment_and_the_newest_before(month, t
             for limit in (1, 3, 50):  # the newest `limit` of the same names (the collector's long tails)
                 got = layout.newest_part_names(d / t, from_step, before, limit)
                 assert got == tuple((older + newer)[-limit:]), (t, from_step, limit)
+
+
+def test_a_replay_of_a_live_run_survives_a_compaction_between_its_windows(tmp_path: Path) -> None:
+    """The store's upkeep compacts a live run while `moeguard replay` streams it: the parts the
+    replay listed are gone for its next window; it lists again and rebuilds every step once, the
+    same reports as a replay with no compaction."""
+    from guard.store.compaction import compact_span
+
+    d = write_big_run(tmp_path / "r", steps=400, layers=4, experts=16, part_steps=50)
+    calm = [(r.step, r.loss, r.load_ME.sum()) for r in reader.read_reports(d, row_bound=400 * 4 * 16 // 8)]
+    it = reader.read_reports(d, row_bound=400 * 4 * 16 // 8)
+    got = [next(it)]  # the first window is read: every table listed
+    for t in (schema.TABLE_STEPS, schema.TABLE_LAYERS, schema.TABLE_EXPERTS):
+        before = layout.part_files(d, t)
+        assert len(before) > 1
+        assert compact_span(d / t, 0, 10**9, layout.polars_schema(t), force=True) is not None
+        assert not any(p.exists() for p in before)  # deleted at once (grace_s 0)
+    got += list(it)
+    assert [(r.step, r.loss, r.load_ME.sum()) for r in got] == calm
+    assert [r.step for r in got] == list(range(400))
