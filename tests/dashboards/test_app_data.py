@@ -192,7 +192,14 @@ def test_summary_and_heatmaps_on_the_guarded_run(store: Path) -> None:
     sig = runs.run_signature(path)
     s = loaders.load_summary(path, sig)
     # guard/core/actions.py: 4 skipped steps + 1 rolled back (step rows) + 2 bias corrections + 1 LR cool-down (events)
-    assert s["action_counts"] == {"skip": 4, "rollback": 1, "halt": 0, "bias_correct": 2, "lr_cooldown": 1}
+    assert s["action_counts"] == {
+        "skip": 4,
+        "rollback": 1,
+        "halt": 0,
+        "bias_correct": 2,
+        "clip": 0,
+        "lr_cooldown": 1,
+    }
     assert s["step"] == 599 and s["actions"] == 8 and s["verdicts"] == 7 and s["halts"] == 0
     heats = heatmaps.load_layer_heatmaps(path, sig, 0, 599, 100)
     mv = heats["maxvio"]

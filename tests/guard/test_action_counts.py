@@ -47,7 +47,7 @@ def test_the_definition_counts_each_thing_once() -> None:
         counts, schema.ACT_HALT, [e.row() for e in (Event(step=62, kind=schema.EV_HALT, action="halt"),)]
     )
     actions.tally(counts, schema.ACT_NONE, [Event(step=70, kind=schema.EV_VERDICT, action=schema.ACT_NONE)])
-    assert counts == {"skip": 2, "rollback": 1, "halt": 1, "bias_correct": 1, "lr_cooldown": 1}
+    assert counts == {"skip": 2, "rollback": 1, "halt": 1, "bias_correct": 1, "clip": 0, "lr_cooldown": 1}
     assert actions.total(counts) == 6
     assert actions.summary_text(counts) == "skip 2, rollback 1, halt 1, bias_correct 1, lr_cooldown 1"
     assert actions.summary_text(actions.zero()) == "none"
