@@ -444,14 +444,12 @@ class Listing:
         return {t: part_files(self.run_dir, t) for t in self.tables}
 
     def read(self, fn: Callable[[], _T]) -> _T:
-        for attempt in range(self.retries + 1):
+        for _ in range(self.retries):
             try:
                 return fn()
             except FileNotFoundError:
-                if attempt == self.retries:
-                    raise
                 self.parts = self._list()
-        raise AssertionError("unreachable")
+        return fn()  # the last try: a part still gone is an error of its own
 
 
 def read_reports(run_dir: str | Path, *, row_bound: int = REPORT_ROW_BOUND) -> Iterator[StepReport]:
