@@ -274,6 +274,11 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or default_run_dir(cfg)
     check_run_id(run_dir)
     check_device(cfg.train.device)
+    if args.resume and int(os.environ.get("RANK", "0")) == 0 and run_dir.is_dir():
+        # a damaged run store too (the Trainer checks it again, on the rank that writes it)
+        from trainer.resume_check import check_store_for_resume
+
+        check_store_for_resume(run_dir)
 
     from guard.runtime.elastic import tell_launcher
     from guard.store.layout import run_dir_problem
