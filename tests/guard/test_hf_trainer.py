@@ -6,13 +6,17 @@ reduced gradients just before the guard decides. What must hold: a spike and a N
 weights, AdamW state, LR and LR schedule bitwise unchanged; the guard decides once per OPTIMIZER
 step and its loss is the loss the Trainer logs; a rollback restores the snapshot and skips the data
 window; a forced collapse is corrected through the model; on 2 ranks (DDP on gloo, real torchrun)
-both ranks decide alike and end with the same weights; the Trainer's clip setting is given back.
+both ranks decide alike and end with the same weights, and a new torchrun launch resumed from that
+run's checkpoint-20 restores the guard's state on both ranks (the 2-rank resume test shares the
+2-rank launch, so it lives here, not in test_hf_trainer_resume.py); the Trainer's clip setting is
+given back.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +24,15 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install accelerate")
 
 from bench.common.hf_trainer_job import main as job  # noqa: E402
 from guard.core import schema  # noqa: E402
-from guard.store.reader import read_table  # noqa: E402
+from guard.integrations.hf_resume import GUARD_STATE_FILE  # noqa: E402
+from guard.store.reader import read_meta, read_table  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -160,9 +166,13 @@ def test_forced_collapse_is_corrected_through_the_model(tmp_path: Path) -> None:
     assert read_table(run, "steps")["action"].is_in(list(schema.APPLYING_ACTIONS)).all()
 
 
-@pytest.mark.integration
-def test_two_ranks_ddp_on_gloo_decide_alike(tmp_path: Path) -> None:
-    out = tmp_path / "out"
+# The 2-rank job: one torchrun launch (each rank pays transformers' import, ~6 CPU-s) whose
+# checkpoint-20 the resume test below also continues (on a copy), instead of a launch of its own.
+DDP = ["--family", "deepseek_v3", "--steps", "60", "--grad-accum", "2", "--save-steps", "20"]
+
+
+def torchrun(out: Path, *args: str) -> list[dict]:
+    """bench/common/hf_trainer_job.py under real torchrun (2 ranks, gloo); each rank's result."""
     cmd = [
         sys.executable,
         "-m",
@@ -170,23 +180,28 @@ def test_two_ranks_ddp_on_gloo_decide_alike(tmp_path: Path) -> None:
         "--standalone",
         "--nproc_per_node=2",
         str(REPO / "bench" / "common" / "hf_trainer_job.py"),
-        "--family",
-        "deepseek_v3",
-        "--steps",
-        "60",
-        "--grad-accum",
-        "2",
+        *DDP,
         "--out",
         str(out),
-        "--inject",
-        "gradspike@45:1000",
-        "--inject",
-        "nan@50",
+        *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The 2-rank run with a spike at 45 and a NaN at 50 (checkpoints at 20, 40, 60): its output_dir
+    and each rank's result. Read-only: a test that resumes it works on a copy."""
+    out = tmp_path_factory.mktemp("ddp") / "out"
+    return out, torchrun(out, "--inject", "gradspike@45:1000", "--inject", "nan@50")
+
+
+@pytest.mark.integration
+def test_two_ranks_ddp_on_gloo_decide_alike(ddp: tuple[Path, list[dict]]) -> None:
+    out, ranks = ddp
     assert [r["world_size"] for r in ranks] == [2, 2]
     for r in ranks:
         assert all(all(c.values()) for c in r["checks"].values()) and set(r["checks"]) == {"45", "50"}
@@ -199,3 +214,26 @@ def test_two_ranks_ddp_on_gloo_decide_alike(tmp_path: Path) -> None:
     rows = read_table(out / "moeguard", "steps").sort("step")
     assert rows.height == 60 and (rows["tokens"] == 2 * 2 * 4 * 64).all()
     np.testing.assert_allclose(rows["loss"].to_numpy(), logged_losses(ranks[0]), rtol=1e-6)
+
+
+@pytest.mark.integration
+def test_two_ranks_resume_with_the_guards_state(ddp: tuple[Path, list[dict]], tmp_path: Path) -> None:
+    """DDP on gloo through torchrun: rank 0 writes the guard's file, both ranks read it back (a new
+    torchrun launch, new processes) and skip the same spike right after the resume, the replicas
+    stay identical. The first attempt is the `ddp` run above, continued from its checkpoint-20."""
+    out = tmp_path / "out"
+    shutil.copytree(ddp[0], out)
+    saved = torch.load(out / "checkpoint-20" / GUARD_STATE_FILE, weights_only=False)
+    assert saved["step"] == 20 and "sync" in saved  # the straggler windows of a 2-rank run
+    ranks = torchrun(out, "--resume", str(out / "checkpoint-20"), "--inject", "gradspike@20:50")
+    for r in ranks:
+        assert r["world_size"] == 2 and r["global_step"] == 60
+        assert r["actions"][0] == schema.ACT_SKIP and set(r["actions"][1:]) == {schema.ACT_APPLY}
+        assert all(r["checks"]["20"].values())
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    run = out / "moeguard"
+    assert read_table(run, schema.TABLE_STEPS).sort("step")["step"].to_list() == list(range(60))
+    meta = read_meta(run)
+    assert meta["restarts"] == 1 and meta["world_size"] == 2
+    resumes = read_table(run, schema.TABLE_EVENTS).filter(pl.col("kind") == schema.EV_RESUME)
+    assert resumes["step"].to_list() == [20]
