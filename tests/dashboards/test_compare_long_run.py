@@ -11,20 +11,17 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from bench.scale.month_store import write_month_run
 from dashboards.data import compare, loaders, runs, shaping
 from guard.core import schema
 from guard.store import layout, reader
-
-SHAPE = {"layers": 2, "experts": 4, "ranks": 0, "incident_every": 5000, "recent": 1000, "radius": 20}
+from tests.dashboards.month_stores import RUN, month_store
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("compare")
-    for n in (3_000, 24_000, 48_000):
-        write_month_run(root / f"r{n}", steps=n, **SHAPE)
-    return root
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """steps -> the run. The 3,000- and 48,000-step runs are test_health_long_run.py's too
+    (month_stores.py: built once a session)."""
+    return {n: month_store(tmp_path_factory, n) / RUN for n in (3_000, 24_000, 48_000)}
 
 
 class Reads:
@@ -50,26 +47,28 @@ def _open(path: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
     return loaders.load_steady_perf(p, sig), compare.load_overlay(p, sig, "loss", "step", 1)
 
 
-def test_a_short_run_reads_as_before(store: Path) -> None:
-    p = str(store / "r3000")
+def test_a_short_run_reads_as_before(stores: dict[int, Path]) -> None:
+    p = str(stores[3_000])
     loaders.clear_caches()
     steps = loaders.load_steps(p, runs.run_signature(p))
-    perf, overlay = _open(store / "r3000")
+    perf, overlay = _open(stores[3_000])
     want = shaping.steady_state(steps).select("step", "mfu", "tokens_per_s")
     assert perf.equals(want.gather_every(math.ceil(want.height / 3000)) if want.height > 3000 else want)
     assert overlay.equals(compare.overlay_series(steps, "loss", "step", 1))
 
 
 @pytest.mark.parametrize("n", [24_000, 48_000])
-def test_a_long_run_reads_a_bounded_sample(store: Path, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_long_run_reads_a_bounded_sample(
+    stores: dict[int, Path], n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reads = Reads(monkeypatch)
-    perf, overlay = _open(store / f"r{n}")
+    perf, overlay = _open(stores[n])
     raw_steps = reads.rows(f"/{schema.TABLE_STEPS}/")
     # the perf sample: at most PERF_SEGMENTS whole segments (and the open one's parts)
     assert raw_steps <= (loaders.PERF_SEGMENTS + 1) * layout.SEGMENT_STEPS
     assert raw_steps < n  # never the whole table
     assert reads.rows("/rollups/") <= 4 * compare.MAX_LINE_POINTS
-    full = reader.read_table(store / f"r{n}", schema.TABLE_STEPS)
+    full = reader.read_table(stores[n], schema.TABLE_STEPS)
     # per-step values of the run's own steady-state steps, thinned to the violins' 3,000
     cut = shaping.warmup_end(0, n - 1)
     got = perf.join(full.select("step", "tokens_per_s", "action"), on="step", suffix="_raw")
@@ -84,8 +83,8 @@ def test_a_long_run_reads_a_bounded_sample(store: Path, n: int, monkeypatch: pyt
     assert overlay["step"].min() == 0 and overlay["step"].max() == n - 1
 
 
-def test_the_long_overlay_on_tokens_and_wall(store: Path) -> None:
-    p = str(store / "r48000")
+def test_the_long_overlay_on_tokens_and_wall(stores: dict[int, Path]) -> None:
+    p = str(stores[48_000])
     loaders.clear_caches()
     sig = runs.run_signature(p)
     full = reader.read_table(p, schema.TABLE_STEPS).sort("step")

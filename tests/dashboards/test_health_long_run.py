@@ -15,23 +15,21 @@ import pytest
 from app_helpers import charts
 from streamlit.testing.v1 import AppTest
 
-from bench.scale.month_store import write_month_run
 from dashboards.data import config, health_steps, heatmaps, loaders, runs
 from guard.core import schema
 from guard.store import layout, reader
 from tests.dashboards.conftest import APP
+from tests.dashboards.month_stores import RUN, month_store
 
 N = 48_000
-RUN = "long"
-SHAPE = {"layers": 2, "experts": 4, "ranks": 0, "incident_every": 5000, "recent": 1000, "radius": 20}
 COLS = ("loss", "grad_norm", "lr")
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("health_long")
-    write_month_run(root / RUN, steps=N, **SHAPE)
-    return root
+    """The root of a store holding the one run RUN, test_compare_long_run.py's 48,000-step run too
+    (month_stores.py: built once a session)."""
+    return month_store(tmp_path_factory, N)
 
 
 class Reads:
@@ -141,9 +139,10 @@ def test_a_spike_in_an_old_rolled_up_segment_is_the_lines_peak_there(store: Path
     assert drawn.height <= 2 * loaders.MAX_LINE_POINTS
 
 
-def test_a_short_run_and_an_old_store_read_as_before(store: Path, tmp_path: Path) -> None:
-    write_month_run(tmp_path / "short", steps=3_000, **SHAPE)
-    for p in (str(tmp_path / "short"),):
+def test_a_short_run_and_an_old_store_read_as_before(
+    store: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    for p in (str(month_store(tmp_path_factory, 3_000) / RUN),):  # test_compare_long_run.py's too
         sig = runs.run_signature(p)
         loaders.clear_caches()
         assert health_steps.long_span(p) is None
