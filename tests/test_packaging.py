@@ -4,8 +4,9 @@ training job, and a part whose extra is missing says which extra in one line.
     build_wheel(tmp)      # `pip wheel` of a clean copy of the working tree (no stale build/)
 
 The core-install test makes a clean venv (no system site-packages), installs torch 2.13.0 (CPU)
-and the core wheel into it, checks that no service or app dependency came along, and runs a
-guarded `moeguard train` there that streams to a collector started from the full install.
+and the core wheel into it (with this interpreter's pip), checks that no service or app
+dependency came along, and runs a guarded `moeguard train` there that streams to a collector
+started from the full install.
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch: pytest.MonkeyPatch) 
 
 
 def _venv_python(root: Path) -> str:
-    venv.EnvBuilder(with_pip=True, system_site_packages=False, clear=True).create(root)
+    """A clean venv without pip of its own: this interpreter's pip installs into it (`pip --python`),
+    which spares ensurepip's install of pip (~3 CPU-s) that nothing here uses."""
+    venv.EnvBuilder(with_pip=False, system_site_packages=False, clear=True).create(root)
     return str(root / "bin" / "python")
 
 
@@ -130,7 +133,8 @@ def test_a_core_install_trains_guarded_and_streams_to_a_full_install_collector(
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     # one resolution for torch and the wheel; --no-compile: pip would byte-compile every module of
     # torch (~10 s of CPU with the second resolution) where the few imported compile as they load
-    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
+    pip = [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--disable-pip-version-check"]
+    pip.append("--no-compile")
     subprocess.run([*pip, f"torch=={TORCH}", str(wheel)], check=True, env=env, capture_output=True)
     work = tmp_path / "work"  # not the checkout: the installed wheel, not this tree, is imported
     work.mkdir()
@@ -153,7 +157,11 @@ def test_a_core_install_trains_guarded_and_streams_to_a_full_install_collector(
         run_env = {**env, schema.ENV_TOKEN: COLLECTOR_TOKEN}
         r = subprocess.run(
             [py, "-m", "guard", "train", "--steps", "12", "--run-dir", str(work / "runs" / "core-run"),
-             "--no-progress", "--collector", collector.url, "--set", "train.threads=1"],
+             "--no-progress", "--collector", collector.url, "--set", "train.threads=1",
+             # the default config (the wheel's configs/tiny.toml) at a quarter of its width and
+             # sequence, half its depth: what is under test is the install, not the model (~3 CPU-s)
+             "--set", "model.d_model=32", "--set", "model.d_expert=32", "--set", "model.n_layers=2",
+             "--set", "data.seq_len=32"],
             cwd=work, env=run_env, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
