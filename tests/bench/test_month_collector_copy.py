@@ -12,7 +12,7 @@ from bench.scale import month_run, store_tiers
 from bench.scale.month_store import COLLECTOR_FLUSH_EVERY, write_month_run
 from guard.core import schema
 
-N = 1_200  # one closed segment and a 200-step live tail: seconds, not minutes
+N = 1_100  # one closed segment (closed at step 1,050: compact_lag_steps) and a 100-step live tail
 SHAPE = {"layers": 4, "experts": 8, "ranks": 0, "incident_every": 0, "recent": 1000, "radius": 20}
 
 
