@@ -7,7 +7,7 @@ weights, AdamW state, LR and LR schedule bitwise unchanged; the guard decides on
 step and its loss is the loss the Trainer logs; a rollback restores the snapshot and skips the data
 window; a forced collapse is corrected through the model; on 2 ranks (DDP on gloo, real torchrun)
 both ranks decide alike and end with the same weights, and a new torchrun launch resumed from that
-run's checkpoint-20 restores the guard's state on both ranks (the 2-rank resume test shares the
+run's checkpoint-40 restores the guard's state on both ranks (the 2-rank resume test shares the
 2-rank launch, so it lives here, not in test_hf_trainer_resume.py); the Trainer's clip setting is
 given back.
 """
@@ -167,8 +167,8 @@ def test_forced_collapse_is_corrected_through_the_model(tmp_path: Path) -> None:
 
 
 # The 2-rank job: one torchrun launch (each rank pays transformers' import, ~6 CPU-s) whose
-# checkpoint-20 the resume test below also continues (on a copy), instead of a launch of its own.
-DDP = ["--family", "deepseek_v3", "--steps", "60", "--grad-accum", "2", "--save-steps", "20"]
+# checkpoint-40 the resume test below also continues (on a copy), instead of a launch of its own.
+DDP = ["--family", "deepseek_v3", "--steps", "60", "--grad-accum", "2", "--save-steps", "40"]
 
 
 def torchrun(out: Path, *args: str) -> list[dict]:
@@ -193,7 +193,7 @@ def torchrun(out: Path, *args: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    """The 2-rank run with a spike at 45 and a NaN at 50 (checkpoints at 20, 40, 60): its output_dir
+    """The 2-rank run with a spike at 45 and a NaN at 50 (a checkpoint at 40): its output_dir
     and each rank's result. Read-only: a test that resumes it works on a copy."""
     out = tmp_path_factory.mktemp("ddp") / "out"
     return out, torchrun(out, "--inject", "gradspike@45:1000", "--inject", "nan@50")
@@ -220,20 +220,21 @@ def test_two_ranks_ddp_on_gloo_decide_alike(ddp: tuple[Path, list[dict]]) -> Non
 def test_two_ranks_resume_with_the_guards_state(ddp: tuple[Path, list[dict]], tmp_path: Path) -> None:
     """DDP on gloo through torchrun: rank 0 writes the guard's file, both ranks read it back (a new
     torchrun launch, new processes) and skip the same spike right after the resume, the replicas
-    stay identical. The first attempt is the `ddp` run above, continued from its checkpoint-20."""
+    stay identical. The first attempt is the `ddp` run above, continued from its checkpoint-40 (40 steps
+    applied: the spike at 45 comes after it) for its last 20 steps."""
     out = tmp_path / "out"
     shutil.copytree(ddp[0], out)
-    saved = torch.load(out / "checkpoint-20" / GUARD_STATE_FILE, weights_only=False)
-    assert saved["step"] == 20 and "sync" in saved  # the straggler windows of a 2-rank run
-    ranks = torchrun(out, "--resume", str(out / "checkpoint-20"), "--inject", "gradspike@20:50")
+    saved = torch.load(out / "checkpoint-40" / GUARD_STATE_FILE, weights_only=False)
+    assert saved["step"] == 40 and "sync" in saved  # the straggler windows of a 2-rank run
+    ranks = torchrun(out, "--resume", str(out / "checkpoint-40"), "--inject", "gradspike@40:50")
     for r in ranks:
         assert r["world_size"] == 2 and r["global_step"] == 60
         assert r["actions"][0] == schema.ACT_SKIP and set(r["actions"][1:]) == {schema.ACT_APPLY}
-        assert all(r["checks"]["20"].values())
+        assert all(r["checks"]["40"].values())
     assert ranks[0]["weights"] == ranks[1]["weights"]
     run = out / "moeguard"
     assert read_table(run, schema.TABLE_STEPS).sort("step")["step"].to_list() == list(range(60))
     meta = read_meta(run)
     assert meta["restarts"] == 1 and meta["world_size"] == 2
     resumes = read_table(run, schema.TABLE_EVENTS).filter(pl.col("kind") == schema.EV_RESUME)
-    assert resumes["step"].to_list() == [20]
+    assert resumes["step"].to_list() == [40]
