@@ -218,6 +218,8 @@ def refuse_reused_run_dir(run_dir: Path, *, rank: int, device: str) -> None:
         box = [held]
         dist.broadcast_object_list(box, src=0)
         held = box[0]
+        if held is not None:  # leave no process group behind: its threads abort the exit
+            dist.destroy_process_group()
     if held is not None:
         raise ConfigError(
             f"--run-dir {str(run_dir)!r} already holds a run ({held}); continue it with --resume, "
@@ -297,8 +299,6 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--run-dir {str(run_dir)!r}: {why}; pass a folder you can write to (nothing was written)"
         )
-    if not resume:
-        refuse_reused_run_dir(run_dir, rank=rank, device=cfg.train.device)
     if (
         not resume
         and restart_count() > 0
@@ -306,6 +306,10 @@ def run(args: argparse.Namespace) -> int:
     ):
         # The guard (or an operator) halted the run and paged a human: a torchrun restart must
         # not carry on past that. Each remaining restart ends here at once; --resume overrides.
+        # Every rank reads meta.json itself, before anything joins a process group: a rank that
+        # left with gloo's threads still running aborted at exit (SIGABRT, "terminate called
+        # without an active exception") about half the time on a loaded host, and torchrun's
+        # report then named that signal as the root cause instead of this line.
         line = (
             f"moeguard train: {run_dir} is halted; not resuming it automatically "
             "(look at its halt event, then rerun with --resume)"
@@ -314,6 +318,8 @@ def run(args: argparse.Namespace) -> int:
         if rank == 0:
             print(line, file=sys.stderr)
         return EXIT_HALTED
+    if not resume:
+        refuse_reused_run_dir(run_dir, rank=rank, device=cfg.train.device)
     if not resume and restart_count() > 0 and latest_checkpoint(run_dir / schema.CHECKPOINT_DIR) is not None:
         resume = True  # torchrun restarted the job after a failure: continue from the last good checkpoint
         if rank == 0:
