@@ -1,5 +1,5 @@
 """A real A/B canary on the Canaries page, in Chromium: `moeguard canary --ab` (the shipped canary
-model run short (50 steps), 2 pairs, B with the loop expert kernel (the config's is bmm) and slowed 25%) writes ab.json where it writes
+model run short, 2 pairs, B with the loop expert kernel (the config's is bmm) and slowed 25%) writes ab.json where it writes
 by default (RUNS/canary-report/), `moeguard app --runs RUNS` finds it there, and the page is saved
 to test-output/screenshots/canaries-ab.png for a person to look at."""
 
@@ -25,11 +25,7 @@ def test_a_real_ab_canary_on_the_canaries_page(tmp_path: Path) -> None:
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} not installed")
     runs = tmp_path / "runs"
-    # 50 steps, not SHORT's 80: 30 steady-state steps after canary.warmup_steps = 20 (the canary
-    # needs more than 25) are enough for a page to show; the ~4 CPU-s per 30 steps over the 4 runs
-    # are CI's (issue #41). What is asserted is the page's, whatever the verdict.
-    sets = [*(s for s in SHORT if not s.startswith("train.steps=")), "train.steps=50"]
-    sets += ["canary.ab_fail_pct=10", "canary.ab_pairs=2", "canary.ab_max_pairs=2"]
+    sets = [*SHORT, "canary.ab_fail_pct=10", "canary.ab_pairs=2", "canary.ab_max_pairs=2"]
     code = main(
         [
             "canary",
