@@ -133,8 +133,17 @@ def test_a_core_install_trains_guarded_and_streams_to_a_full_install_collector(
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     # one resolution for torch and the wheel; --no-compile: pip would byte-compile every module of
     # torch (~10 s of CPU with the second resolution) where the few imported compile as they load
-    pip = [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--disable-pip-version-check"]
-    pip.append("--no-compile")
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        py,
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        "--no-compile",
+    ]
     subprocess.run([*pip, f"torch=={TORCH}", str(wheel)], check=True, env=env, capture_output=True)
     work = tmp_path / "work"  # not the checkout: the installed wheel, not this tree, is imported
     work.mkdir()

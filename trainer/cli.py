@@ -276,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or default_run_dir(cfg)
     check_run_id(run_dir)
     check_device(cfg.train.device)
-    if args.resume and int(os.environ.get("RANK", "0")) == 0 and run_dir.is_dir():
+    rank = int(os.environ.get("RANK", "0"))
+    if args.resume and rank == 0 and run_dir.is_dir():
         # a damaged run store too (the Trainer checks it again, on the rank that writes it)
         from trainer.resume_check import check_store_for_resume
 
@@ -293,7 +294,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.resume and not run_dir.is_dir():
         raise ConfigError(f"--resume: run folder {str(run_dir)!r} does not exist")
-    rank = int(os.environ.get("RANK", "0"))
     resume = args.resume
     if (why := run_dir_problem(run_dir)) is not None:
         raise ConfigError(
