@@ -23,7 +23,7 @@ defaults), unguarded (the same loop with mode = "observe": telemetry, no action)
     python -m bench.drills.fault_drill --families mixtral,qwen3_moe --steps 400 --out OUT.jsonl
     python -m bench.drills.fault_drill --table OUT.jsonl
     python -m bench.drills.fault_drill --self-collapse --steps 400 --out OUT.jsonl   # attach() defaults
-    python -m bench.drills.fault_drill --clip-spikes --modes guarded --out OUT.jsonl  # clip, not skip
+    python -m bench.drills.fault_drill --skip-spikes --modes guarded --out OUT.jsonl  # skip, not clip
 
 --self-collapse: clean runs with attach()'s defaults (no standing per-layer balance: the family's
 aux loss pools the load over all layers, and layers 2-3 of the tiny Mixtral collapse on their own
@@ -272,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         "--self-collapse", action="store_true", help="clean runs with attach() defaults, guarded vs observe"
     )
     ap.add_argument(
-        "--clip-spikes",
+        "--skip-spikes",
         action="store_true",
-        help="guarded runs with PolicyConfig.clip_spikes: a finite grad-norm spike clipped, not skipped",
+        help="guarded runs with PolicyConfig.clip_spikes off (the default before issue #39): a finite "
+        "grad-norm spike skipped, not clipped",
     )
     ap.add_argument(
         "--modes", default="guarded,unguarded", help="which runs of each fault set (guarded, unguarded)"
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in faults:
         if f != "clean" and f not in FAULTS:
             ap.error(f"--faults {f!r}: must be clean or one of {', '.join(FAULTS)}")
-    cfg = GuardConfig(policy=PolicyConfig(clip_spikes=True)) if a.clip_spikes else None
+    cfg = GuardConfig(policy=PolicyConfig(clip_spikes=False)) if a.skip_spikes else None
     modes = [m == "guarded" for m in a.modes.split(",")]
     for fam in a.families.split(","):
         for f in faults:
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                         balance_coef=0.0 if a.self_collapse else 1e-2,
                     )
                 r["self_collapse"] = a.self_collapse
-                r["clip_spikes"] = a.clip_spikes
+                r["clip_spikes"] = not a.skip_spikes
                 print(json.dumps(r, default=str), flush=True)
                 if a.out:
                     with a.out.open("a") as fh:

@@ -4,7 +4,10 @@ tests/guard/test_hf_trainer.py, on CUDA when there is one).
 One guarded run of guard/integrations/tiny.py's Mixtral (fp32) with bench/common/hf_trainer_job.py's
 fault injection (its `Faults` callback: at optimizer step S, into the reduced gradients just
 before the guard decides, with a bitwise copy of weights, AdamW state, LR and schedule taken
-before): a NaN at NAN_AT and a x50 spike at SPIKE_AT must be skipped with all of them unchanged;
+before): a NaN at NAN_AT must be skipped with all of them unchanged; a x50 spike at SPIKE_AT must
+be flagged (a grad-norm verdict at that step) and kept as the unguarded run keeps it (the default
+clip_spikes: clipped to the detector's threshold, then to max_grad_norm 1.0, the tighter, so the
+step is applied: the weights change);
 `force_collapse` at COLLAPSE_AT sends every token of layer LAYER to expert 0, which the guard must
 correct (a bias_correct action after it, a recovered event, the layer's MaxVio back under 1).
 
@@ -89,12 +92,21 @@ def run(log: PartLog, *, dry: bool, deadline: float) -> None:
         ds = ByteWindows(stdlib_corpus(2_000_000), n=STEPS * 4, seq=64, seed=0)
         Trainer(model=model, args=args, train_dataset=ds, callbacks=[faults, guard, rec]).train()
         log.put("model_device", str(next(model.parameters()).device))
-        for name, at in (("nan", NAN_AT), (f"spike x{SPIKE_X:g}", SPIKE_AT)):
+        events = read_table(run_dir, "events")
+        for name, at, want in (
+            ("nan", NAN_AT, schema.ACT_SKIP),
+            (f"spike x{SPIKE_X:g}", SPIKE_AT, schema.ACT_APPLY),
+        ):
             checks: dict[str, Any] = faults.checks.get(at, {})
             action = rec.actions[at] if at < len(rec.actions) else None
-            ok = action == schema.ACT_SKIP and bool(checks) and all(checks.values())
-            log.put(name, {"step": at, "action": action, "unchanged": checks, "ok": ok})
-        events = read_table(run_dir, "events")
+            flagged = sorted(
+                set(events.filter((pl.col("kind") == schema.EV_VERDICT) & (pl.col("step") == at))["detector"])
+            )
+            if want == schema.ACT_SKIP:  # nothing moved
+                ok = action == want and bool(checks) and all(checks.values())
+            else:  # flagged, and the update went in
+                ok = action == want and bool(flagged) and bool(checks) and not checks.get("weights", True)
+            log.put(name, {"step": at, "action": action, "flagged": flagged, "unchanged": checks, "ok": ok})
         layers = read_table(run_dir, "layers").filter(pl.col("layer") == LAYER).sort("step")
         maxvio = layers["maxvio"]
         # what followed the forced collapse (a natural correction before it is not the drill's)

@@ -208,12 +208,12 @@ def _figures(parts: dict[str, Any]) -> list[str]:
                 f"| {r['expected']} |"
             )
     act = parts["acting"]["results"]
-    for key in ("nan", "spike x50"):
+    for key, want in (("nan", "skip, all unchanged"), ("spike x50", "flagged, applied (kept as unguarded)")):
         r = act.get(key)
         if isinstance(r, dict):
             out.append(
                 f"| guard on {key} at step {r['step']} ({act.get('model_device', '?')}) | {r['action']}, "
-                f"unchanged: {', '.join(k for k, v in r['unchanged'].items() if v) or 'none'} | skip, all unchanged |"
+                f"unchanged: {', '.join(k for k, v in r['unchanged'].items() if v) or 'none'} | {want} |"
             )
     c = act.get("collapse")
     if isinstance(c, dict):

@@ -15,8 +15,9 @@ Escalation ladder, per fault kind (docs/escalation.md has the why and the figure
     3. it recurs (the same escalation again within rollback_window, after
        halt_after_rollbacks rollbacks) -> halt: checkpoint, critical event, RunHalted page
   spike (grad norm total / per layer / all layers, loss, LR bound)
-    1. skip (with clip_spikes, a step whose only verdicts are finite grad-norm spikes is applied
-       with the gradient scaled to the tightest threshold instead: the batch is kept);
+    1. a step whose only verdicts are finite grad-norm spikes is applied with the gradient scaled
+       to the tightest threshold (clip_spikes, on by default: the batch is kept); any other
+       spike (loss, LR bound, or clip_spikes off) is skipped;
     2. roll back as above (clips count like skips)
     3. it recurs after a rollback -> no second rollback: keep skipping each flagged step, record
        a `fault_recurred` verdict (critical: the FaultRecurred page) and let a person decide;
@@ -274,7 +275,8 @@ class Policy:
         if p.skip or scale is not None:
             self.skips.append(step)  # a clipped spike counts towards a rollback like a skip
         if p.rollback and len(self.skips) >= p.rollback_after_skips:
-            reason = f"{len(self.skips)} skips in one incident within {p.skip_window} steps"
+            flagged = "skips or clips" if p.clip_spikes else "skips"
+            reason = f"{len(self.skips)} {flagged} in one incident within {p.skip_window} steps"
             self.rollbacks = [s for s in self.rollbacks if s > step - p.rollback_window]
             if not self.rollbacks:
                 return self._rollback(step, d, reason=reason)

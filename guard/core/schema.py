@@ -282,7 +282,7 @@ ACT_LR_COOLDOWN = "lr_cooldown"
 ACT_HALT = "halt"
 ACT_NONE = "none"  # observe only (guard off, or a verdict that needs no action)
 # A finite grad-norm spike applied with its gradient scaled down to the detector's threshold
-# (PolicyConfig.clip_spikes; off by default: such a spike is skipped)
+# (PolicyConfig.clip_spikes, on by default; off, such a spike is skipped)
 ACT_CLIP = "clip"
 # (appended last: ranks exchange a decision as its index here)
 ACTIONS = (ACT_APPLY, ACT_SKIP, ACT_ROLLBACK, ACT_BIAS_CORRECT, ACT_LR_COOLDOWN, ACT_HALT, ACT_NONE, ACT_CLIP)

@@ -5,8 +5,8 @@ and seed: held-out loss at the end, actions, halts, and the pushed layer's MaxVi
 
 Stated bounds (the issue's): no action on the clean runs; the NaN skipped once; the x50 kept:
 flagged, clipped to its threshold and then to the loop's grad_clip 1.0, which is tighter, so the
-step is the unguarded one (PolicyConfig.clip_spikes, which these guarded runs set as the issue's
-drill does; no guard action, its verdict recorded) and "never worse than unguarded" holds
+step is the unguarded one (PolicyConfig.clip_spikes, the default; no guard action, its verdict
+recorded) and "never worse than unguarded" holds
 exactly; both within NEAR (1%) of the clean run. The collapse (+10 on expert 0's router logit of
 layer 1 from batch 60 on): corrected (opens at 69-72, the detector's 10 steps over the line), no
 rollback, no halt, back under the MaxVio line (5 steps running) within BACK_WITHIN steps of its
@@ -16,7 +16,7 @@ within NEAR of the unguarded run's: the correction moves tokens between experts,
 cannot be the same, and one perturbed batch moves these tiny models at lr 3e-3 by up to SPREAD at
 200 iterations (skipping batch 45 with no fault ended Mixtral 2.3% above the clean run); the
 three faults together within SPREAD of clean. The 400-iteration drill over seeds 0-2
-(`python -m bench.drills.fault_drill --clip-spikes`, docs/BENCHMARKS.md) has the figures.
+(`python -m bench.drills.fault_drill`, docs/BENCHMARKS.md) has the figures.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from bench.drills import fault_drill as fd
 from guard.core import schema
-from guard.core.config import CollapseConfig, GuardConfig, PolicyConfig
+from guard.core.config import CollapseConfig, GuardConfig
 
 STEPS = 200  # the figures in the docstring were measured at 200 iterations
 AT = {"nan": 30, "x50": 45, "collapse": 60}
@@ -52,7 +52,7 @@ def drill_runs(family: str, tmp: Path) -> dict[tuple[str, bool], dict[str, Any]]
 
     torch.set_num_threads(1)
     corpus = stdlib_corpus(4_000_000)
-    cfg = GuardConfig(collapse=CollapseConfig(warmup=40), policy=PolicyConfig(clip_spikes=True))
+    cfg = GuardConfig(collapse=CollapseConfig(warmup=40))  # the default policy: clip_spikes on
     plan = [  # (the unguarded all-three run stops at its NaN: nothing to compare with, not run)
         ("clean", False, STEPS),
         ("clean", True, STEPS),

@@ -457,8 +457,8 @@ def test_pages_on_real_trainer_runs(open_page, page: str) -> None:
 @pytest.mark.slow
 @pytest.mark.integration
 def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) -> None:
-    """`moeguard train` with an injected grad spike -> run store -> the skip is marked, with its
-    evidence, on the health page. The trainer's own files, no synthetic writer involved."""
+    """`moeguard train` with an injected grad spike -> run store -> the guard's clip is marked, with
+    its evidence, on the health page. The trainer's own files, no synthetic writer involved."""
     pytest.importorskip("trainer.cli")
     import torch
 
@@ -468,8 +468,9 @@ def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) ->
     runs = tmp_path / "runs"
     # the CLI's own entry point in this process (its exit code is what a subprocess would return;
     # the interpreter's and torch's start-up are not what this test is about); the tiny config's
-    # guard (its fixed 20x early spike cap skips the 50x spike at 40) on a model shrunk to the
-    # micro config's widths: the page reads the run store, whatever the model's size
+    # guard (its fixed 20x early spike cap flags the 50x spike at 40, and the default clips it to
+    # that cap; with no grad clip of the run's own the clip is the guard's action) on a model shrunk
+    # to the micro config's widths: the page reads the run store, whatever the model's size
     threads = torch.get_num_threads()
     try:
         code = main(
@@ -477,7 +478,7 @@ def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) ->
              "--run-dir", str(runs / "drill"), "--no-progress", "--inject", "gradspike@40:50",
              "--set", "data.batch_size=2", "--set", "data.seq_len=32", "--set", "model.d_model=32",
              "--set", "model.d_expert=32", "--set", "model.n_layers=2", "--set", "model.max_seq_len=32",
-             "--set", "train.threads=1"]
+             "--set", "train.threads=1", "--set", "optim.grad_clip=0"]
         )  # fmt: skip
     finally:
         torch.set_num_threads(threads)
@@ -485,11 +486,12 @@ def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) ->
     at = open_page("health", runs, run="drill")
     no_exception(at)
     fig = chart_titled(at, HEALTH_TITLE)
-    skip = traces(fig, "action: skip")
-    assert skip and 40 in skip[0]["x"], "the injected spike was skipped and is marked"
-    assert "grad_norm_spike" in " ".join(skip[0]["hovertext"])
+    clip = traces(fig, "action: clip")
+    assert clip and 40 in clip[0]["x"], "the injected spike was clipped and is marked"
+    assert "grad_norm_spike" in " ".join(clip[0]["hovertext"])
+    assert not traces(fig, "action: skip")
     ev = at.dataframe[0].value
-    assert ((ev["step"] == 40) & (ev["action"] == schema.ACT_SKIP)).any()
+    assert ((ev["step"] == 40) & (ev["action"] == schema.ACT_CLIP)).any()
     runs_page = open_page("runs", runs)
     no_exception(runs_page)
     row = runs_page.dataframe[0].value.iloc[0]

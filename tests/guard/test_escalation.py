@@ -35,10 +35,11 @@ def kinds(ds: dict, detector: str) -> list[int]:  # type: ignore[type-arg]
 def test_two_unrelated_transients_do_not_add_up_to_a_rollback() -> None:
     # issue #39: a x50 batch at 160 and the grad-norm jump of a routing change at 200, 201 made
     # three skips within 50 steps and a rollback at 201; 40 clean steps apart they are two incidents
+    # (the default clips each of them: a clip counts towards a rollback like a skip)
     p = Policy(GuardConfig())
     ds = drive(p, {160: [spike(50)], 200: [spike()], 201: [spike()]}, 260)
     assert [s for s, d in ds.items() if d.action != schema.ACT_APPLY] == [160, 200, 201]
-    assert {ds[s].action for s in (160, 200, 201)} == {schema.ACT_SKIP}
+    assert {ds[s].action for s in (160, 200, 201)} == {schema.ACT_CLIP}
     # three in one incident still roll back
     ds = drive(Policy(GuardConfig()), {40: [spike()], 43: [spike()], 46: [spike()]}, 60)
     assert ds[46].action == schema.ACT_ROLLBACK and ds[46].rollback_before == 40
@@ -51,9 +52,10 @@ def test_a_spike_that_recurs_after_a_rollback_pages_and_is_not_rolled_back_again
     assert ds[42].action == schema.ACT_ROLLBACK
     assert [s for s, d in ds.items() if d.action == schema.ACT_ROLLBACK] == [42]
     assert not any(d.halt for d in ds.values())
-    # each recurrence's third skip pages once; every flagged step is still skipped
+    # each recurrence's third clip pages once; every flagged step is still clipped (skipped with
+    # clip_spikes off: the same ladder)
     assert kinds(ds, schema.DET_FAULT_RECURRED) == [102, 105, 202]
-    assert all(ds[s].action == schema.ACT_SKIP for s in faults if s != 42)
+    assert all(ds[s].action == schema.ACT_CLIP for s in faults if s != 42)
     ev = next(e for e in ds[102].events if e.detector == schema.DET_FAULT_RECURRED)
     assert ev.detail["severity"] == "critical" and ev.detail["rollbacks"] == [42]
     # past rollback_window the fault is a new one: a rollback again
@@ -125,12 +127,13 @@ def test_replay_prints_the_ladder_at_the_runs_settings(tmp_path, capsys) -> None
 
 
 def test_clip_spikes_applies_a_finite_grad_norm_spike_scaled_to_its_threshold() -> None:
-    """PolicyConfig.clip_spikes (off by default): a step whose only verdicts are finite grad-norm
+    """PolicyConfig.clip_spikes (on by default): a step whose only verdicts are finite grad-norm
     spikes is applied with the gradient scaled to the tightest threshold; a non-finite value or a
-    loss spike is still skipped; clips count towards a rollback like skips."""
+    loss spike is still skipped; clips count towards a rollback like skips; clip_spikes=False
+    skips them (the same ladder)."""
     from guard.core.config import PolicyConfig
 
-    cfg = GuardConfig(policy=PolicyConfig(clip_spikes=True))
+    cfg = GuardConfig()
     layer = Verdict(detector=schema.DET_LAYER_GRAD_SPIKE, fired=True, value=20.0, threshold=4.0, layer=2)
     ds = drive(
         Policy(cfg),
@@ -146,9 +149,12 @@ def test_clip_spikes_applies_a_finite_grad_norm_spike_scaled_to_its_threshold() 
     assert ds[30].action == schema.ACT_CLIP and ds[30].grad_scale == 4.0 / 20
     assert [e.action for e in ds[10].events if e.kind == schema.EV_VERDICT] == [schema.ACT_CLIP]
     assert ds[50].action == ds[70].action == schema.ACT_SKIP and ds[50].grad_scale == 1.0
-    assert Policy(GuardConfig()).decide(10, [spike(50)]).action == schema.ACT_SKIP  # the default
     ds = drive(Policy(cfg), {40: [spike()], 43: [spike()], 46: [spike()]}, 60)
     assert [ds[s].action for s in (40, 43, 46)] == [schema.ACT_CLIP, schema.ACT_CLIP, schema.ACT_ROLLBACK]
+    skipping = GuardConfig(policy=PolicyConfig(clip_spikes=False))
+    assert Policy(skipping).decide(10, [spike(50)]).action == schema.ACT_SKIP
+    ds = drive(Policy(skipping), {40: [spike()], 43: [spike()], 46: [spike()]}, 60)
+    assert [ds[s].action for s in (40, 43, 46)] == [schema.ACT_SKIP, schema.ACT_SKIP, schema.ACT_ROLLBACK]
 
 
 def test_a_clip_scales_the_gradient_before_the_optimizers_own_clip() -> None:

@@ -1,5 +1,5 @@
 """The guard acting inside the real training loop (micro config): detection at the faulty step,
-before the optimizer applies it; skip, rollback, bias correction, escalation to halt."""
+before the optimizer applies it; skip, clip, rollback, bias correction, escalation to halt."""
 
 from __future__ import annotations
 
@@ -54,9 +54,19 @@ def _trainer_at(tmp_path: Path, step: int, injections: list[str], **overrides): 
     return t
 
 
-@pytest.mark.parametrize("fault", ["gradspike@45:500", "lrspike@45:100", "nan@45", "badbatch@45"])
-def test_step_fault_is_caught_at_its_step_and_nothing_changes(tmp_path: Path, fault: str) -> None:
-    t = _trainer_at(tmp_path, FAULT_STEP, [fault])
+# gradspike with clip_spikes off: the skip path (what every NaN, loss and LR spike gets); the
+# default keeps a finite grad spike (the next test)
+SKIP_SPIKES = {"guard.policy.clip_spikes": False}
+
+
+@pytest.mark.parametrize(
+    ("fault", "overrides"),
+    [("gradspike@45:500", SKIP_SPIKES), ("lrspike@45:100", {}), ("nan@45", {}), ("badbatch@45", {})],
+)
+def test_step_fault_is_caught_at_its_step_and_nothing_changes(
+    tmp_path: Path, fault: str, overrides: dict
+) -> None:
+    t = _trainer_at(tmp_path, FAULT_STEP, [fault], **overrides)
     before = _state(t)
     rep = t.train_step()
     assert rep.step == FAULT_STEP
@@ -69,6 +79,25 @@ def test_step_fault_is_caught_at_its_step_and_nothing_changes(tmp_path: Path, fa
     rep = t.train_step()
     assert rep.action == schema.ACT_APPLY and torch.isfinite(torch.tensor(rep.loss))
     t.store.close()
+
+
+def test_a_finite_grad_spike_is_kept_as_the_unguarded_run_takes_it(tmp_path: Path) -> None:
+    """The default (clip_spikes): every gradient x500 is flagged at its step and clipped to the
+    detector's threshold, which is looser than the loop's grad_clip 1.0, so the update is bitwise
+    the one the same run observing only applies: the batch is kept, no guard action, the verdict
+    recorded (issue #39: "never worse than unguarded", exactly)."""
+    quiet = {"guard.policy.bias_correct": False}  # no collapse correction: the two runs stay one run
+    guarded = _trainer_at(tmp_path / "g", FAULT_STEP, ["gradspike@45:500"], **quiet)
+    observing = _trainer_at(tmp_path / "o", FAULT_STEP, ["gradspike@45:500"], **{"guard.mode": "observe"})
+    assert _equal(_state(guarded), _state(observing))
+    rep, unguarded = guarded.train_step(), observing.train_step()
+    assert rep.action == unguarded.action == schema.ACT_APPLY
+    spikes = [v for v in guarded.last_decision.verdicts if v.detector == schema.DET_GRAD_SPIKE]
+    assert spikes and spikes[0].value > spikes[0].threshold > 1.0  # past the line; grad_clip 1.0 is tighter
+    assert _equal(_state(guarded), _state(observing))
+    assert all(torch.isfinite(p).all() for p in guarded.model.parameters())
+    guarded.store.close()
+    observing.store.close()
 
 
 def test_unguarded_nan_corrupts_the_model(tmp_path: Path) -> None:
@@ -86,15 +115,18 @@ def test_events_record_verdict_and_action_with_evidence(tmp_path: Path) -> None:
     kinds = ev["kind"].to_list()
     assert schema.EV_INJECT in kinds and schema.EV_VERDICT in kinds
     v = ev.filter(pl.col("kind") == schema.EV_VERDICT).row(0, named=True)
-    assert v["action"] == schema.ACT_SKIP and v["value"] > v["threshold"]
+    # the default clips it to the threshold; grad_clip 1.0 is tighter, so the guard did nothing to
+    # the update (action none) and says why
+    assert v["action"] == schema.ACT_NONE and v["value"] > v["threshold"]
     detail = json.loads(v["detail"])
-    assert "median" in detail and "z" in detail
+    assert "median" in detail and "z" in detail and detail["within_grad_clip"] == 1.0
     steps = read_table(tmp_path / "r", "steps")
-    assert steps.filter(pl.col("step") == 45)["action"].item() == schema.ACT_SKIP
+    assert steps.filter(pl.col("step") == 45)["action"].item() == schema.ACT_APPLY
 
 
 def test_repeated_spikes_escalate_to_rollback_then_halt(tmp_path: Path) -> None:
-    # snapshots every 5 steps; 3 skips within 50 steps -> roll back; 2nd rollback -> halt
+    # snapshots every 5 steps; 3 flagged steps within 50 -> roll back; 2nd rollback -> halt. The
+    # x500 steps before the rollback are kept as the unguarded run keeps them (within grad_clip)
     spikes = [f"gradspike@{s}:500" for s in (45, 47, 49, 55, 57, 59)]
     t = train_micro(
         tmp_path / "r",
@@ -108,7 +140,7 @@ def test_repeated_spikes_escalate_to_rollback_then_halt(tmp_path: Path) -> None:
     assert t.exit_code == 3
     steps = read_table(tmp_path / "r", "steps").sort("step")
     actions = dict(zip(steps["step"].to_list(), steps["action"].to_list(), strict=True))
-    assert actions[45] == actions[47] == schema.ACT_SKIP
+    assert actions[45] == actions[47] == schema.ACT_APPLY
     assert actions[49] == schema.ACT_ROLLBACK
     assert actions[59] == schema.ACT_HALT and steps["step"].max() == 59
     ev = read_table(tmp_path / "r", "events")
@@ -122,8 +154,9 @@ def test_repeated_spikes_escalate_to_rollback_then_halt(tmp_path: Path) -> None:
     assert meta["status"] == schema.STATUS_HALTED
     assert (tmp_path / "r" / "checkpoints").is_dir() and any((tmp_path / "r" / "checkpoints").iterdir())
 
-    # The operator resumes: the ladder starts again from skip, so the next spike is skipped, not
-    # a second halt on the first step it shows up
+    # The operator resumes: the ladder starts again from its first rung, so the next spike is
+    # flagged and kept like the first one (within grad_clip), not a second halt on the first step
+    # it shows up
     r = train_micro(
         tmp_path / "r",
         overrides={
@@ -137,8 +170,10 @@ def test_repeated_spikes_escalate_to_rollback_then_halt(tmp_path: Path) -> None:
     assert r.exit_code == 0
     steps = read_table(tmp_path / "r", "steps").sort("step")
     actions = dict(zip(steps["step"].to_list(), steps["action"].to_list(), strict=True))
-    assert actions[65] == schema.ACT_SKIP and steps["step"].max() == 79
-    assert read_table(tmp_path / "r", "events").filter(pl.col("kind") == schema.EV_HALT).height == 1
+    assert actions[65] == schema.ACT_APPLY and steps["step"].max() == 79
+    ev = read_table(tmp_path / "r", "events")
+    assert ev.filter((pl.col("kind") == schema.EV_VERDICT) & (pl.col("step") == 65)).height >= 1
+    assert ev.filter(pl.col("kind") == schema.EV_HALT).height == 1
 
 
 def test_rollback_restores_the_snapshot_state_exactly(tmp_path: Path) -> None:
