@@ -2,14 +2,15 @@
 
 Each run is bench/common/hf_trainer_job.py: a real Trainer (accelerate's AcceleratedOptimizer, a cosine LR
 schedule with warm-up, max_grad_norm 1.0, gradient accumulation), the faults injected into the
-reduced gradients just before the guard decides. What must hold: a spike and a NaN are skipped with
-weights, AdamW state, LR and LR schedule bitwise unchanged; the guard decides once per OPTIMIZER
-step and its loss is the loss the Trainer logs; a rollback restores the snapshot and skips the data
-window; a forced collapse is corrected through the model; on 2 ranks (DDP on gloo, real torchrun)
-both ranks decide alike and end with the same weights, and a new torchrun launch resumed from that
-run's checkpoint-40 restores the guard's state on both ranks (the 2-rank resume test shares the
-2-rank launch, so it lives here, not in test_hf_trainer_resume.py); the Trainer's clip setting is
-given back.
+reduced gradients just before the guard decides. What must hold: with clip_spikes off, a spike and a
+NaN are skipped with weights, AdamW state, LR and LR schedule bitwise unchanged; the guard decides
+once per OPTIMIZER step and its loss is the loss the Trainer logs; a rollback restores the snapshot
+and skips the data window; a forced collapse is corrected through the model; on 2 ranks (DDP on
+gloo, real torchrun, the default policy) both ranks keep the spike alike (flagged, applied within
+the grad clip) and skip the NaN alike and end with the same weights, and a new torchrun launch
+resumed from that run's checkpoint-40 restores the guard's state on both ranks (the 2-rank resume
+test shares the 2-rank launch, so it lives here, not in test_hf_trainer_resume.py); the Trainer's
+clip setting is given back.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def logged_losses(res: dict) -> list[float]:
     return [h["loss"] for h in res["log_history"] if "loss" in h and "train_loss" not in h]
 
 
+def skip_spikes(tmp_path: Path, extra: str = "") -> Path:
+    """A guard config with clip_spikes off: the skip path, what every NaN and loss spike gets (the
+    default clips a finite grad spike, applied within the grad clip here: nothing to hold still)."""
+    cfg = tmp_path / "skip-spikes.toml"
+    cfg.write_text(f"[policy]\nclip_spikes = false\n{extra}")
+    return cfg
+
+
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
 def test_spike_and_nan_are_skipped_bitwise_with_the_schedule_held(family: str, tmp_path: Path) -> None:
     steps, spike, nan = 60, 45, 50
@@ -59,6 +68,8 @@ def test_spike_and_nan_are_skipped_bitwise_with_the_schedule_held(family: str, t
             f"gradspike@{spike}:1000",
             "--inject",
             f"nan@{nan}",
+            "--guard",
+            str(skip_spikes(tmp_path)),  # the skip path for the spike too (the default keeps it)
         ]
     )
     # every state the step could touch, bitwise (weights, AdamW moments and step, LR, schedule)
@@ -97,8 +108,8 @@ def test_spike_and_nan_are_skipped_bitwise_with_the_schedule_held(family: str, t
 
 
 def test_rollback_restores_the_snapshot_and_skips_the_data_window(tmp_path: Path) -> None:
-    cfg = tmp_path / "guard.toml"
-    cfg.write_text("[policy]\nrollback_skip_batches = 2\n")
+    # skips of the spikes: a clip would count towards the rollback alike, but leave 52 and 53 applied
+    cfg = skip_spikes(tmp_path, "rollback_skip_batches = 2\n")
     spikes = [52, 53, 54]  # three skips inside the skip window -> a rollback at the third
     res = job(
         [
@@ -193,23 +204,38 @@ def torchrun(out: Path, *args: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    """The 2-rank run with a spike at 45 and a NaN at 50 (a checkpoint at 40): its output_dir
-    and each rank's result. Read-only: a test that resumes it works on a copy."""
+    """The 2-rank run with a spike at 45 and a NaN at 50 (a checkpoint at 40), the default policy:
+    its output_dir and each rank's result. Read-only: a test that resumes it works on a copy."""
     out = tmp_path_factory.mktemp("ddp") / "out"
     return out, torchrun(out, "--inject", "gradspike@45:1000", "--inject", "nan@50")
 
 
 @pytest.mark.integration
 def test_two_ranks_ddp_on_gloo_decide_alike(ddp: tuple[Path, list[dict]]) -> None:
+    """The default policy (clip_spikes): the x1000 spike at 45 is flagged on the reduced gradient
+    and kept, its clip at the threshold looser than the Trainer's max_grad_norm (1.0), so the step
+    is the unguarded one (clipped by max_grad_norm alone: the verdict's action none, within the
+    grad clip; test_integration_transformers.py checks such a step against an observing guard's
+    update): applied, the schedule moved on, no guard action. The NaN at 50 is skipped with
+    weights, AdamW state, LR and schedule bitwise unchanged. Both ranks alike."""
     out, ranks = ddp
     assert [r["world_size"] for r in ranks] == [2, 2]
     for r in ranks:
-        assert all(all(c.values()) for c in r["checks"].values()) and set(r["checks"]) == {"45", "50"}
+        assert set(r["checks"]) == {"45", "50"} and all(r["checks"]["50"].values())
+        assert not any(r["checks"]["45"].values()), r["checks"]["45"]  # weights, AdamW, LR, schedule moved
         assert [(i, a) for i, a in enumerate(r["actions"]) if a != schema.ACT_APPLY] == [
-            (45, schema.ACT_SKIP),
-            (50, schema.ACT_SKIP),
+            (50, schema.ACT_SKIP)
         ]
     assert ranks[0]["weights"] == ranks[1]["weights"]  # replicas still identical: the same decisions
+    assert ranks[0]["lrs"] == ranks[1]["lrs"]
+    events = read_table(out / "moeguard", "events")
+    fired = events.filter(pl.col("kind") == schema.EV_VERDICT).sort("step")
+    assert set(fired["step"].to_list()) == {45, 50}, fired
+    spike = fired.filter(pl.col("step") == 45)
+    assert set(spike["detector"].to_list()) <= {schema.DET_GRAD_SPIKE, schema.DET_LAYER_GRAD_SPIKE}, spike
+    assert set(spike["action"].to_list()) == {schema.ACT_NONE}, spike
+    assert all(json.loads(x)["within_grad_clip"] == 1.0 for x in spike["detail"]), spike["detail"]
+    assert schema.DET_NONFINITE in fired.filter(pl.col("step") == 50)["detector"].to_list()
     # only rank 0 wrote the run store; its loss is the Trainer's (mean over ranks), its tokens both ranks'
     rows = read_table(out / "moeguard", "steps").sort("step")
     assert rows.height == 60 and (rows["tokens"] == 2 * 2 * 4 * 64).all()
@@ -219,14 +245,23 @@ def test_two_ranks_ddp_on_gloo_decide_alike(ddp: tuple[Path, list[dict]]) -> Non
 @pytest.mark.integration
 def test_two_ranks_resume_with_the_guards_state(ddp: tuple[Path, list[dict]], tmp_path: Path) -> None:
     """DDP on gloo through torchrun: rank 0 writes the guard's file, both ranks read it back (a new
-    torchrun launch, new processes) and skip the same spike right after the resume, the replicas
+    torchrun launch, new processes) and skip the same spike right after the resume (clip_spikes
+    off: the skip decision both ranks must take alike; the default would apply it), the replicas
     stay identical. The first attempt is the `ddp` run above, continued from its checkpoint-40 (40 steps
     applied: the spike at 45 comes after it) for its last 20 steps."""
     out = tmp_path / "out"
     shutil.copytree(ddp[0], out)
     saved = torch.load(out / "checkpoint-40" / GUARD_STATE_FILE, weights_only=False)
     assert saved["step"] == 40 and "sync" in saved  # the straggler windows of a 2-rank run
-    ranks = torchrun(out, "--resume", str(out / "checkpoint-40"), "--inject", "gradspike@40:50")
+    ranks = torchrun(
+        out,
+        "--resume",
+        str(out / "checkpoint-40"),
+        "--inject",
+        "gradspike@40:50",
+        "--guard",
+        str(skip_spikes(tmp_path)),
+    )
     for r in ranks:
         assert r["world_size"] == 2 and r["global_step"] == 60
         assert r["actions"][0] == schema.ACT_SKIP and set(r["actions"][1:]) == {schema.ACT_APPLY}

@@ -6,7 +6,7 @@ or `resume_from_checkpoint=True`) and trains to 40. What must hold:
 the guard's state comes back exactly as it was saved in checkpoint-20/moeguard_guard.pt; the run
 store holds every step once (the first attempt's rows after 20 dropped), meta.json counts the
 restart and a resume event names the checkpoint; a x50 spike right after the resume is skipped by
-the restored baselines, where the same spike on a guard that lost its state is applied; a
+the restored baselines (clip_spikes off), where the same spike on a guard that lost its state is applied; a
 checkpoint saved without the callback resumes with a warning naming the missing file. (The same
 resume on 2 ranks under torchrun is test_hf_trainer.py's, on its 2-rank run.)
 """
@@ -148,7 +148,11 @@ def test_a_spike_right_after_the_resume_is_skipped_by_the_restored_baselines(
     tmp_path: Path, first_attempt: tuple[Path, dict[str, Any], int]
 ) -> None:
     out, _ = resumable(first_attempt, tmp_path)
-    spike = ["--inject", "gradspike@20:50"]  # the first optimizer step after the resume
+    # clip_spikes off: the skip shows the restored baselines flagged the spike, bitwise (the
+    # default would apply it, clipped within the grad clip, like the guard that lost its state)
+    cfg = tmp_path / "skip-spikes.toml"
+    cfg.write_text("[policy]\nclip_spikes = false\n")
+    spike = ["--inject", "gradspike@20:50", "--guard", str(cfg)]  # the first optimizer step after the resume
     shutil.rmtree(out / "checkpoint-40")  # so `resume_from_checkpoint=True` finds checkpoint-20
     kept = job([*RUN, "--out", str(out), "--resume", "last", *spike])
     assert kept["actions"][0] == schema.ACT_SKIP, kept["actions"]

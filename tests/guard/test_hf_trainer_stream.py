@@ -38,9 +38,14 @@ def test_the_trainer_streams_its_run_to_the_collector(tmp_path: Path) -> None:
             schema.ENV_COLLECTOR: collector.url,
             schema.ENV_TOKEN: TOKEN,
         }
+        # clip_spikes off: the spike is skipped, an action the collector must count (the default
+        # would apply it within the grad clip, no action)
+        cfg = tmp_path / "skip-spikes.toml"
+        cfg.write_text("[policy]\nclip_spikes = false\n")
         cmd = [
             sys.executable, str(REPO / "bench" / "common" / "hf_trainer_job.py"), "--steps", str(STEPS),
             "--out", str(tmp_path / "out"), "--run-dir", str(run_dir), "--inject", f"gradspike@{SPIKE}:1000",
+            "--guard", str(cfg),
         ]  # fmt: skip
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
         assert p.returncode == 0, p.stderr[-3000:]
