@@ -55,25 +55,59 @@ def test_plain_loop_is_guarded_in_a_few_lines(tmp_path: Path) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     routers = [(i, RouterProbe(layer.gate, n_experts=4, top_k=2)) for i, layer in enumerate(model.layers)]
     guarded = GuardedStep(model, opt, run_dir=tmp_path / "run", routers=routers, max_lr=1e-3)
+    fed: list[list[torch.Tensor]] = []  # the gradients each optimizer.step() was given
+    opt.register_step_pre_hook(
+        lambda o, args, kwargs: fed.append([p.grad.clone() for p in model.parameters()])
+    )
     x, y = torch.randn(64, 16), torch.randn(64)
     decisions = []
     for step in range(60):
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
-        if step == 50:  # a gradient spike, as a bad batch would cause
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        if step == 30:  # a NaN in one gradient: skipped whatever the policy
+            next(iter(model.parameters())).grad[0].fill_(float("nan"))
+            exp_avg = [s["exp_avg"].clone() for s in opt.state.values()]
+        if step == 50:  # a finite gradient spike, as a bad batch would cause
             for p in model.parameters():
                 p.grad.mul_(1000.0)
-            before = {k: v.clone() for k, v in model.state_dict().items()}
-            exp_avg = [s["exp_avg"].clone() for s in opt.state.values()]
+            spiked = [p.grad.clone() for p in model.parameters()]
+            n_fed = len(fed)
         decisions.append(guarded.step(loss, tokens=64))
-        if step == 50:
+        if step == 30:  # the skip: no weight and no optimizer state touched, bit for bit
             assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
             assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(exp_avg, opt.state.values(), strict=True))
+        if step == 50:  # the clip: applied, the weights moved and stayed finite
+            assert len(fed) == n_fed + 1
+            assert all(v.isfinite().all() for v in model.state_dict().values())
+            assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     guarded.close()
-    assert decisions[50].action == schema.ACT_SKIP
-    assert [d.action for i, d in enumerate(decisions) if i != 50] == [schema.ACT_APPLY] * 59
-    steps = read_table(tmp_path / "run", "steps")
+    assert decisions[30].action == schema.ACT_SKIP
+    # the default (clip_spikes): a finite grad-norm spike is applied with the gradient scaled
+    # down to the detector's threshold (no grad clip here, so the guard's clip is the one that binds)
+    d = decisions[50]
+    assert d.action == schema.ACT_CLIP, [(v.detector, v.value, v.threshold) for v in d.verdicts]
+    spikes = [v for v in d.verdicts if v.detector in (schema.DET_GRAD_SPIKE, schema.DET_LAYER_GRAD_SPIKE)]
+    assert spikes and len(spikes) == len(d.verdicts)
+    assert 0 < d.grad_scale < 0.1 and d.grad_scale == pytest.approx(
+        min(v.threshold / v.value for v in spikes)
+    )
+    # the optimizer was given the spiked gradient times threshold / value, direction unchanged
+    got = fed[n_fed]
+    assert all(
+        torch.allclose(g, s * d.grad_scale, rtol=1e-5, atol=0) for g, s in zip(got, spiked, strict=True)
+    )
+    assert [(i, dec.action) for i, dec in enumerate(decisions) if dec.action != schema.ACT_APPLY] == [
+        (30, schema.ACT_SKIP),
+        (50, schema.ACT_CLIP),
+    ]
+    # the verdicts are recorded with the action taken; the step's row says clip
+    ev = read_table(tmp_path / "run", "events").filter(pl.col("kind") == schema.EV_VERDICT)
+    assert set(ev.filter(pl.col("step") == 50)["action"].to_list()) == {schema.ACT_CLIP}
+    assert set(ev.filter(pl.col("step") == 30)["action"].to_list()) == {schema.ACT_SKIP}
+    steps = read_table(tmp_path / "run", "steps").sort("step")
     assert steps.height == 60
+    assert (steps["action"][30], steps["action"][50]) == (schema.ACT_SKIP, schema.ACT_CLIP)
     experts = read_table(tmp_path / "run", "experts")
     # the probe saw the third-party routing: 64 tokens x top-2 per layer per step
     per = experts.group_by("step", "layer").agg(pl.col("load").sum())
@@ -105,7 +139,10 @@ def test_rollback_loses_at_most_one_snapshot_interval_and_the_lr_is_restored_exa
     cfg = GuardConfig(policy=PolicyConfig(rollback_skip_batches=2))
     guarded = GuardedStep(model, opt, run_dir=tmp_path / "run", routers=routers, max_lr=lr, config=cfg)
     x, y = torch.randn(64, 16), torch.randn(64)
-    spikes = {60, 61, 62}  # three skips within the skip window -> a rollback at 62
+    # three finite x1000 spikes in one incident: under the default each is a clip (applied, the
+    # gradient scaled to the threshold; no grad clip here), and a clip counts towards a rollback
+    # like a skip -> a rollback at 62
+    spikes = {60, 61, 62}
     decisions = []
     for step in range(70):
         loss = ((model(x) - y) ** 2).mean()
@@ -117,8 +154,8 @@ def test_rollback_loses_at_most_one_snapshot_interval_and_the_lr_is_restored_exa
         assert opt.param_groups[0]["lr"] == lr  # bit-exact after every step, cool-down or not
     guarded.close()
     assert [(i, d.action) for i, d in enumerate(decisions) if d.action != schema.ACT_APPLY] == [
-        (60, schema.ACT_SKIP),
-        (61, schema.ACT_SKIP),
+        (60, schema.ACT_CLIP),
+        (61, schema.ACT_CLIP),
         (62, schema.ACT_ROLLBACK),
         (63, schema.ACT_SKIP),
         (64, schema.ACT_SKIP),
@@ -130,6 +167,7 @@ def test_rollback_loses_at_most_one_snapshot_interval_and_the_lr_is_restored_exa
     step = json.loads(restored[0])["restored_step"]
     every = guarded.cfg.policy.snapshot_every
     assert 60 - every <= step < 60  # the newest snapshot before the incident, not a calm one far back
+    assert all(0 < decisions[s].grad_scale < 1 for s in (60, 61))  # the clipped steps were scaled down
     steps = read_table(tmp_path / "run", "steps").sort("step")
     # the applied (cooled) LR is what the run store shows; a skipped step of the data window applies none
     applied = steps.filter((pl.col("step") > 62) & (pl.col("action") == schema.ACT_APPLY))

@@ -30,7 +30,7 @@ pytest.importorskip(
 from bench.common.torchtitan_model import SMALL_VOCAB, build, one_process_group, small_config  # noqa: E402
 from guard.api import GuardedStep  # noqa: E402
 from guard.core import schema  # noqa: E402
-from guard.core.config import GuardConfig  # noqa: E402
+from guard.core.config import GuardConfig, PolicyConfig  # noqa: E402
 from guard.integrations.torchtitan import attach, force_collapse  # noqa: E402
 from guard.store.reader import read_table  # noqa: E402
 
@@ -110,6 +110,11 @@ def _state(run: Run) -> dict[str, torch.Tensor]:
     return s
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.shape == b.shape
@@ -174,7 +179,10 @@ def test_clean_run_draws_no_action(clean_run) -> None:
 def test_spike_and_nan_are_skipped_bit_exactly(
     tmp_path: Path, corpus: np.ndarray, parallel_dims: object
 ) -> None:
-    run = Run(tmp_path / "faults", corpus, parallel_dims)
+    # clip_spikes off: the skip path, what every NaN, loss and LR spike gets (the default clips a
+    # finite grad spike: test_torchtitans_own_trainer_is_guarded)
+    skipping = GuardConfig(policy=PolicyConfig(clip_spikes=False))
+    run = Run(tmp_path / "faults", corpus, parallel_dims, config=skipping)
     bad = {60: "spike", 70: "nan"}
     for step in range(80):
         loss = run.backward()
@@ -347,24 +355,57 @@ def _tt_config(tmp_path: Path, *, steps: int, **extra: object) -> object:
 def test_torchtitans_own_trainer_is_guarded(
     tmp_path: Path, corpus: np.ndarray, parallel_dims: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The default policy in torchtitan's own Trainer: a finite x1000 grad spike (guard step 45)
+    is flagged and applied as the unguarded step (torchtitan's max_norm, tighter than the guard's
+    clip, makes it the same update: no guard action); a NaN (guard step 30) is skipped, every
+    weight, buffer and AdamW state bit for bit as before."""
     import gc
 
     from guard.integrations.torchtitan import GuardedTrainer
 
     _cpu_shim(monkeypatch)
+    fed: dict[int, list[torch.Tensor]] = {}  # torchtitan step -> the gradients its optimizer stepped on
+    spiked: list[torch.Tensor] = []
+    held: dict[str, torch.Tensor] = {}
+    compared: list[int] = []
 
     class Spiky(GuardedTrainer):  # type: ignore[misc, valid-type]
+        def _grads(self) -> list[torch.Tensor]:
+            return [_local(p.grad) for p in self.model_parts[0].parameters() if p.grad is not None]
+
+        def _held(self) -> dict[str, torch.Tensor]:
+            """Every weight, buffer and AdamW state tensor (the container's optimizers'), copied."""
+            m = self.model_parts[0]
+            s = {f"p.{k}": _local(v).detach().clone() for k, v in m.named_parameters()}
+            s |= {f"b.{k}": _local(v).clone() for k, v in m.named_buffers() if "tokens_per_expert" not in k}
+            for j, opt in enumerate(self.optimizers.optimizers):
+                for i, p in enumerate(m.parameters()):
+                    for k, v in opt.state.get(p, {}).items():
+                        s[f"o{j}.{i}.{k}"] = _local(v).clone() if torch.is_tensor(v) else torch.tensor(v)
+            assert any(k.endswith("expert_bias_E") for k in s) and any(k.startswith("o") for k in s)
+            return s
+
         def forward_backward_step(self, **kwargs: object) -> torch.Tensor:
+            if self.step == 32:  # after the skipped step 31, before anything else moves
+                now = self._held()
+                assert now.keys() == held.keys()
+                assert not [k for k in held if not _bitwise_equal(held[k], now[k])]
+                compared.append(self.step)
             loss = super().forward_backward_step(**kwargs)
-            if self.step == 46:  # torchtitan counts steps from 1: the guard's step 45
-                torch._foreach_mul_(
-                    [p.grad for p in self.model_parts[0].parameters() if p.grad is not None], 1000.0
-                )
+            if self.step == 31:  # torchtitan counts steps from 1: the guard's step 30
+                next(iter(self._grads()))[0].fill_(float("nan"))
+                held.update(self._held())
+            if self.step == 46:  # the guard's step 45
+                torch._foreach_mul_(self._grads(), 1000.0)
+                spiked.extend(g.clone() for g in self._grads())
             return loss
 
     config = _tt_config(tmp_path, steps=60)
     torch.manual_seed(0)
     trainer = Spiky(config, run_dir=tmp_path / "run")
+    trainer.optimizers.register_step_pre_hook(  # the container's own hooks: applied steps only
+        lambda *_: fed.__setitem__(trainer.step, [g.clone() for g in trainer._grads()])
+    )
     try:
         trainer.train()
     finally:
@@ -372,15 +413,31 @@ def test_torchtitans_own_trainer_is_guarded(
         gc.enable()  # torchtitan's Trainer takes the garbage collector over
     steps = read_table(tmp_path / "run", "steps").sort("step")
     assert steps.height == 60
-    assert steps.filter(pl.col("action") != schema.ACT_APPLY)["step"].to_list() == [45]
+    assert steps.filter(pl.col("action") != schema.ACT_APPLY)["step"].to_list() == [30]
+    assert steps["action"][30] == schema.ACT_SKIP and compared == [32]  # bitwise, at the next step
+    assert 31 not in fed and len(fed) == 59  # the skip never reached torchtitan's optimizer
     assert steps["grad_norm"][45] > 100 and config.training.max_norm == float(
         "inf"
     )  # the guard saw it unclipped
+    # the spike's verdicts are recorded; the guard took no action on them: clipped to the
+    # guard's threshold it would still be over torchtitan's max_norm (1.0, now the guard's grad_clip)
+    ev = read_table(tmp_path / "run", "events").filter(
+        (pl.col("step") == 45) & (pl.col("kind") == schema.EV_VERDICT)
+    )
+    assert set(ev["detector"]) <= {schema.DET_GRAD_SPIKE, schema.DET_LAYER_GRAD_SPIKE} and ev.height
+    assert set(ev["action"]) == {schema.ACT_NONE}
+    assert {json.loads(d)["within_grad_clip"] for d in ev["detail"]} == {1.0}
+    # the update applied is the unguarded one: the spiked gradient clipped to max_norm as
+    # torch.nn.utils.clip_grad_norm_ (torchtitan's clip) scales it
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in spiked]))
+    assert float(norm) == pytest.approx(steps["grad_norm"][45], rel=1e-5)
+    coef = 1.0 / (norm + 1e-6)
+    assert all(torch.allclose(g, s * coef, rtol=1e-5, atol=0) for g, s in zip(fed[46], spiked, strict=True))
     loads, experts = _loads(tmp_path / "run"), read_table(tmp_path / "run", "experts")
     assert {sum(v) for v in loads.values()} == {2 * BATCH * SEQ} and len(loads) == 60 * 3
     bias = {s: g.sort(["layer", "expert"])["bias"].to_list() for (s,), g in experts.group_by(["step"])}
     moved = [s for s in range(59) if bias[s] != bias[s + 1]]  # torchtitan's own update, applied steps only
-    assert moved == [s for s in range(59) if s != 45]
+    assert moved == [s for s in range(59) if s != 30]
 
 
 def test_torchtitans_validation_loss_lands_in_evals(

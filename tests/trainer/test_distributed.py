@@ -287,8 +287,10 @@ def test_one_rank_faults_give_identical_decisions_on_every_rank(drill: Any) -> N
     assert before == [ln for ln in r1 if int(ln.split()[0]) < 56], "ranks decided differently"
     assert "DIVERGED" not in "".join(before)
     by_step = {int(ln.split()[0]): ln.split()[1] for ln in before if "snapshot" not in ln}
-    assert by_step[45] == by_step[48] == schema.ACT_SKIP  # caught on both ranks, before any update
-    assert sum(a not in schema.APPLYING_ACTIONS for a in by_step.values()) == 2  # a correction applies
+    # caught on both ranks, before any update: the NaN skipped; the finite spike clipped (the
+    # default policy, clip_spikes), the same decision and fingerprint on every rank
+    assert (by_step[45], by_step[48]) == (schema.ACT_SKIP, schema.ACT_CLIP)
+    assert sum(a not in schema.APPLYING_ACTIONS for a in by_step.values()) == 1  # a correction applies
     assert sum("snapshot" in ln for ln in before) >= 3  # snapshots taken at the same steps too
     ev = events_of(run_dir)
     v = ev.filter(pl.col("kind") == schema.EV_VERDICT)
@@ -300,8 +302,19 @@ def test_one_rank_faults_give_identical_decisions_on_every_rank(drill: Any) -> N
     assert {(45, schema.DET_NONFINITE), (30, schema.DET_STALL)} <= set(
         zip(v["step"].to_list(), v["detector"].to_list(), strict=True)
     )
+    # the micro config's grad_clip is tighter than the guard's clip: step 48 applied the update
+    # the unguarded run takes (no guard action), its verdicts kept with the clip named
+    spikes = (schema.DET_GRAD_SPIKE, schema.DET_LAYER_GRAD_SPIKE)
+    at48 = v.filter((pl.col("step") == 48) & pl.col("detector").is_in(spikes))
+    assert at48.height and set(at48["action"]) == {schema.ACT_NONE}
+    assert all("within_grad_clip" in json.loads(d) for d in at48["detail"])
+    steps = steps_of(run_dir)
+    assert steps.filter(pl.col("step").is_in([45, 48])).sort("step")["action"].to_list() == [
+        schema.ACT_SKIP,
+        schema.ACT_APPLY,
+    ]
     # rank 0's steps row carries the slowest rank's data wait (the step waited for it)
-    assert steps_of(run_dir).filter(pl.col("step") == 30)["data_wait_s"].item() >= 0.8
+    assert steps.filter(pl.col("step") == 30)["data_wait_s"].item() >= 0.8
 
 
 @pytest.mark.slow

@@ -97,12 +97,15 @@ def test_a_crash_loses_at_most_the_last_chunk_and_resume_recovers(tmp_path: Path
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == -9, p.stderr[-2000:]
     steps = read_table(run, "steps")  # every part on disk is readable: nothing corrupted
-    # flush_every = 7: chunks 0-6, 7-13, 14-20 were handed to the writer thread; the last may still
-    # have been in flight when the kill came (it was, 2 of 4 times on a loaded box), so at most
-    # two chunks' worth (14..22) can be missing, never more, and what is there is whole chunks.
+    # The flushes: every flush_every = 7 steps, before each checkpoint (waited for: every row before
+    # a checkpoint is on disk before it exists, guard/runtime/record.py) and on the step after an
+    # event: parts 0-6, 7-9, 10, 11-17, 18-19, then 20 (the checkpoint's event) and 21 (step 20's
+    # collapse-correction events), handed to the writer thread unwaited; 22 was never flushed. The
+    # checkpoint at 20 holds 0-19 on disk; the parts after it may still have been in flight when the
+    # kill came (20 was, 5 of 16 runs on a loaded box, clip_spikes on or off), and what is there is
+    # whole parts.
     got = set(steps["step"].to_list())
-    assert set(range(14)) <= got <= set(range(23))
-    assert got in ({*range(14)}, {*range(21)}, {*range(22)}, {*range(23)}), sorted(got)
+    assert got in ({*range(20)}, {*range(21)}, {*range(22)}), sorted(got)
     assert read_meta(run)["status"] == schema.STATUS_RUNNING  # the process died without a word
     # the resume in this process (the kill -9 above is what needs its own process)
     assert train_micro(run, overrides={"train.steps": 40}, resume=True).exit_code == 0
