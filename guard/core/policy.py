@@ -19,8 +19,9 @@ Escalation ladder, per fault kind (docs/escalation.md has the why and the figure
        to the tightest threshold (clip_spikes, on by default: the batch is kept); any other
        spike (loss, LR bound, or clip_spikes off) is skipped;
     2. roll back as above (clips count like skips)
-    3. it recurs after a rollback -> no second rollback: keep skipping each flagged step, record
-       a `fault_recurred` verdict (critical: the FaultRecurred page) and let a person decide;
+    3. it recurs after a rollback -> no second rollback: keep clipping or skipping each flagged
+       step as in 1, record a `fault_recurred` verdict (critical: the FaultRecurred page) and let
+       a person decide;
        halt only if the incident diverges: a loss or total grad-norm spike at least
        diverge_ratio x its level (Megatron's spiky-loss line is 10x), which threatens the weights
   routing collapse (dead experts, MaxVio, load or router entropy of one layer)
@@ -286,10 +287,10 @@ class Policy:
                 return self._rollback(step, d, reason=reason)
             if self.threat and p.halt:
                 return self._halt(step, d, reason=f"{reason}, after rollback(s) at {self.rollbacks}")
-            self._recurred(step, d, reason)
+            self._recurred(step, d, reason, action)
         return action
 
-    def _recurred(self, step: int, d: Decision, reason: str) -> None:
+    def _recurred(self, step: int, d: Decision, reason: str, action: str) -> None:
         """Record that a fault recurred after a rollback (paged: FaultRecurred); the incident's
         count starts again, so it pages again only if the fault keeps coming."""
         d.events.append(
@@ -299,7 +300,7 @@ class Policy:
                 detector=schema.DET_FAULT_RECURRED,
                 value=len(self.skips),
                 threshold=self.p.rollback_after_skips,
-                action=schema.ACT_SKIP if self.p.skip else schema.ACT_NONE,
+                action=schema.ACT_NONE if action == schema.ACT_APPLY else action,  # the step's skip or clip
                 detail={
                     "severity": "critical",
                     "reason": f"{reason} after rollback(s) at {self.rollbacks}: not rolled back again",

@@ -103,8 +103,8 @@ class Comm:
 def decision_fingerprint(d: Decision) -> int:
     """A 31-bit digest of everything in a decision that changes state on a rank."""
     key = (
-        f"{d.action}|{d.lr_scale:.12g}|{sorted(d.bias_boost.items())}|{sorted(d.aux_boost.items())}|"
-        f"{d.rollback_before}|{d.skip_batches}"
+        f"{d.action}|{d.lr_scale:.12g}|{d.grad_scale:.12g}|{sorted(d.bias_boost.items())}|"
+        f"{sorted(d.aux_boost.items())}|{d.rollback_before}|{d.skip_batches}"
     )
     return zlib.crc32(key.encode()) & 0x7FFFFFFF
 

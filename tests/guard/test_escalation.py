@@ -58,6 +58,7 @@ def test_a_spike_that_recurs_after_a_rollback_pages_and_is_not_rolled_back_again
     assert all(ds[s].action == schema.ACT_CLIP for s in faults if s != 42)
     ev = next(e for e in ds[102].events if e.detector == schema.DET_FAULT_RECURRED)
     assert ev.detail["severity"] == "critical" and ev.detail["rollbacks"] == [42]
+    assert ev.action == schema.ACT_CLIP  # what its step did
     # past rollback_window the fault is a new one: a rollback again
     late = drive(Policy(GuardConfig()), {s: [spike()] for s in (40, 41, 42, 600, 601, 602)}, 610)
     assert [s for s, d in late.items() if d.action == schema.ACT_ROLLBACK] == [42, 602]

@@ -166,9 +166,15 @@ def test_decision_fingerprint_covers_what_changes_state() -> None:
         Decision(step=5, lr_scale=0.5),
         Decision(step=5, bias_boost={1: 10.0}),
         Decision(step=5, skip_batches=20),
+        Decision(step=5, action=schema.ACT_CLIP, grad_scale=0.1),
     ):
         assert decision_fingerprint(other) != decision_fingerprint(a)
     assert 0 <= decision_fingerprint(a) < 2**31
+    # two ranks that both clip must clip by the same factor
+    clip = Decision(step=5, action=schema.ACT_CLIP, grad_scale=0.1)
+    assert decision_fingerprint(clip) != decision_fingerprint(
+        Decision(step=5, action=schema.ACT_CLIP, grad_scale=0.2)
+    )
 
 
 class FakeExporter:
