@@ -24,6 +24,7 @@ defaults), unguarded (the same loop with mode = "observe": telemetry, no action)
     python -m bench.drills.fault_drill --table OUT.jsonl
     python -m bench.drills.fault_drill --self-collapse --steps 400 --out OUT.jsonl   # attach() defaults
     python -m bench.drills.fault_drill --skip-spikes --modes guarded --out OUT.jsonl  # skip, not clip
+    python -m bench.drills.fault_drill --faults x50 --grad-clip 0 --out OUT.jsonl  # the guard's clip binds
 
 --self-collapse: clean runs with attach()'s defaults (no standing per-layer balance: the family's
 aux loss pools the load over all layers, and layers 2-3 of the tiny Mixtral collapse on their own
@@ -113,6 +114,7 @@ def run(
     at: dict[str, int] | None = None,
     balance_coef: float = 1e-2,
     final_evals: int = 5,
+    grad_clip: float = 1.0,
 ) -> dict[str, Any]:
     """One run of `steps` loop iterations; `at` overrides the fault batches (CI's short drill);
     the final loss is the mean held-out loss at the last `final_evals` of every 10th iteration (a
@@ -129,7 +131,7 @@ def run(
     cfg = cfg or GuardConfig()
     if not guarded:
         cfg = GuardConfig(mode="observe")
-    g = GuardedStep(model, opt, attach=att, run_dir=run_dir, config=cfg, max_lr=3e-3, grad_clip=1.0)
+    g = GuardedStep(model, opt, attach=att, run_dir=run_dir, config=cfg, max_lr=3e-3, grad_clip=grad_clip)
     data = enumerate(byte_batches(corpus, batch=4, seq=64, seed=seed))
     halted_at, evals = None, {}
     t0 = time.perf_counter()
@@ -280,7 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--modes", default="guarded,unguarded", help="which runs of each fault set (guarded, unguarded)"
     )
+    ap.add_argument(
+        "--grad-clip",
+        type=float,
+        default=1.0,
+        help="the loop's own grad clip (default 1.0; 0: none, so the guard's clip of a spike binds)",
+    )
     a = ap.parse_args(argv)
+    if a.grad_clip < 0:
+        ap.error(f"--grad-clip {a.grad_clip}: must be >= 0 (0: no grad clip)")
     if a.table:
         rows = [json.loads(line) for p in a.table for line in p.read_text().splitlines() if line.strip()]
         print(table(rows))
@@ -309,9 +319,11 @@ def main(argv: list[str] | None = None) -> int:
                         seed=a.seed,
                         cfg=cfg,
                         balance_coef=0.0 if a.self_collapse else 1e-2,
+                        grad_clip=a.grad_clip,
                     )
                 r["self_collapse"] = a.self_collapse
                 r["clip_spikes"] = not a.skip_spikes
+                r["grad_clip"] = a.grad_clip
                 print(json.dumps(r, default=str), flush=True)
                 if a.out:
                     with a.out.open("a") as fh:
