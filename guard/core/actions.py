@@ -4,8 +4,8 @@ A guard action is something the guard did that changed training (issue #17: the 
 "skip 2", the app 3, and Prometheus 0 skips for the same run):
 
   * every step whose decision (`steps.action`, `StepReport.action`) is not apply/none:
-    skip, rollback, halt, clip (a finite grad-norm spike applied scaled down to its threshold,
-    PolicyConfig.clip_spikes), and bias_correct (issue #28: a step whose update was applied AND on
+    skip, rollback, halt, clip (kept for old run stores: today a clip decision is resolved to an
+    apply or a skip before the update, guard/runtime/apply.py), and bias_correct (issue #28: a step whose update was applied AND on
     which a collapse correction started: a selection-bias push or a per-layer aux-loss boost).
     One per step: the step's row is the record of what happened to that update (a rollback that
     found no snapshot and skipped counts as the skip it was; two layers whose corrections start

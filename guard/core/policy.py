@@ -15,9 +15,11 @@ Escalation ladder, per fault kind (docs/escalation.md has the why and the figure
     3. it recurs (the same escalation again within rollback_window, after
        halt_after_rollbacks rollbacks) -> halt: checkpoint, critical event, RunHalted page
   spike (grad norm total / per layer / all layers, loss, LR bound)
-    1. a step whose only verdicts are finite grad-norm spikes is applied with the gradient scaled
-       to the tightest threshold (clip_spikes, on by default: the batch is kept); any other
-       spike (loss, LR bound, or clip_spikes off) is skipped;
+    1. a step whose only verdicts are finite grad-norm spikes is a clip (clip_spikes, on by
+       default): where the run's own grad clip brings it under the tightest threshold, the step is
+       the unguarded one and the batch is kept (no guard action); where it does not (no grad clip,
+       or a looser one), skipped (guard/runtime/apply.py decides, knowing the grad clip). Any
+       other spike (loss, LR bound, or every spike with clip_spikes off) is skipped;
     2. roll back as above (clips count like skips)
     3. it recurs after a rollback -> no second rollback: keep clipping or skipping each flagged
        step as in 1, record a `fault_recurred` verdict (critical: the FaultRecurred page) and let
@@ -87,8 +89,9 @@ def ladder(cfg: GuardConfig) -> list[tuple[str, list[str]]]:
             "spike",
             [
                 (
-                    "a grad-norm spike alone: clip the gradient to the detector's threshold and apply "
-                    "(no guard action when grad_clip is tighter); other spikes: " + skip
+                    "a grad-norm spike alone: kept when the run's grad_clip bounds it under the "
+                    "detector's threshold (the unguarded step, no guard action), else skipped; "
+                    "other spikes: " + skip
                 )
                 if p.clip_spikes
                 else skip,
@@ -115,8 +118,8 @@ class Decision:
         schema.ACT_APPLY
     )  # apply | bias_correct (applied, a correction started) | skip | rollback | halt
     lr_scale: float = 1.0  # multiply this step's LR (cool-down after a rollback)
-    # clip: the gradient is scaled by this before the optimizer's own clip (a spike brought down
-    # to its detector's threshold); 1 otherwise
+    # clip: the tightest threshold / value of the step's grad-norm spikes (the applier compares
+    # the norm x this with the run's grad clip: bounded there -> apply, else skip); 1 otherwise
     grad_scale: float = 1.0
     bias_boost: dict[int, float] = field(default_factory=dict)  # layer -> bias-rate multiplier
     aux_boost: dict[int, float] = field(default_factory=dict)  # layer -> aux-coef multiplier

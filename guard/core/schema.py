@@ -281,14 +281,15 @@ ACT_BIAS_CORRECT = "bias_correct"
 ACT_LR_COOLDOWN = "lr_cooldown"
 ACT_HALT = "halt"
 ACT_NONE = "none"  # observe only (guard off, or a verdict that needs no action)
-# A finite grad-norm spike applied with its gradient scaled down to the detector's threshold
-# (PolicyConfig.clip_spikes, on by default; off, such a spike is skipped)
+# The policy's decision for a finite grad-norm spike (PolicyConfig.clip_spikes, on by default; off,
+# such a spike is skipped): guard/runtime/apply.py turns it into an apply where the run's own grad
+# clip bounds it under the detector's threshold, else into a skip, so no step's row records it
 ACT_CLIP = "clip"
 # (appended last: ranks exchange a decision as its index here)
 ACTIONS = (ACT_APPLY, ACT_SKIP, ACT_ROLLBACK, ACT_BIAS_CORRECT, ACT_LR_COOLDOWN, ACT_HALT, ACT_NONE, ACT_CLIP)
 # Step decisions whose update was applied: bias_correct is an applied step on which a collapse
-# correction started (guard/core/actions.py counts it from the step's row); clip an applied step
-# whose gradient the guard scaled down
+# correction started (guard/core/actions.py counts it from the step's row); clip is resolved to an
+# apply or a skip before the update
 APPLYING_ACTIONS = (ACT_APPLY, ACT_BIAS_CORRECT, ACT_CLIP)
 
 # Event kinds (events.kind)

@@ -457,8 +457,8 @@ def test_pages_on_real_trainer_runs(open_page, page: str) -> None:
 @pytest.mark.slow
 @pytest.mark.integration
 def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) -> None:
-    """`moeguard train` with an injected grad spike -> run store -> the guard's clip is marked, with
-    its evidence, on the health page. The trainer's own files, no synthetic writer involved."""
+    """`moeguard train` with an injected grad spike -> run store -> the skip is marked, with its
+    evidence, on the health page. The trainer's own files, no synthetic writer involved."""
     pytest.importorskip("trainer.cli")
     import torch
 
@@ -468,9 +468,9 @@ def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) ->
     runs = tmp_path / "runs"
     # the CLI's own entry point in this process (its exit code is what a subprocess would return;
     # the interpreter's and torch's start-up are not what this test is about); the tiny config's
-    # guard (its fixed 20x early spike cap flags the 50x spike at 40, and the default clips it to
-    # that cap; with no grad clip of the run's own the clip is the guard's action) on a model shrunk
-    # to the micro config's widths: the page reads the run store, whatever the model's size
+    # guard (its fixed 20x early spike cap flags the 50x spike at 40; with no grad clip of the run's
+    # own to bound it, the default skips it) on a model shrunk to the micro config's widths: the
+    # page reads the run store, whatever the model's size
     threads = torch.get_num_threads()
     try:
         code = main(
@@ -486,12 +486,11 @@ def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) ->
     at = open_page("health", runs, run="drill")
     no_exception(at)
     fig = chart_titled(at, HEALTH_TITLE)
-    clip = traces(fig, "action: clip")
-    assert clip and 40 in clip[0]["x"], "the injected spike was clipped and is marked"
-    assert "grad_norm_spike" in " ".join(clip[0]["hovertext"])
-    assert not traces(fig, "action: skip")
+    skip = traces(fig, "action: skip")
+    assert skip and 40 in skip[0]["x"], "the injected spike was skipped and is marked"
+    assert "grad_norm_spike" in " ".join(skip[0]["hovertext"])
     ev = at.dataframe[0].value
-    assert ((ev["step"] == 40) & (ev["action"] == schema.ACT_CLIP)).any()
+    assert ((ev["step"] == 40) & (ev["action"] == schema.ACT_SKIP)).any()
     runs_page = open_page("runs", runs)
     no_exception(runs_page)
     row = runs_page.dataframe[0].value.iloc[0]

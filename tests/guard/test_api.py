@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import polars as pl
@@ -71,43 +73,36 @@ def test_plain_loop_is_guarded_in_a_few_lines(tmp_path: Path) -> None:
         if step == 50:  # a finite gradient spike, as a bad batch would cause
             for p in model.parameters():
                 p.grad.mul_(1000.0)
-            spiked = [p.grad.clone() for p in model.parameters()]
             n_fed = len(fed)
         decisions.append(guarded.step(loss, tokens=64))
-        if step == 30:  # the skip: no weight and no optimizer state touched, bit for bit
+        if step in (30, 50):  # the skip: no weight and no optimizer state touched, bit for bit
             assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        if step == 30:
             assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(exp_avg, opt.state.values(), strict=True))
-        if step == 50:  # the clip: applied, the weights moved and stayed finite
-            assert len(fed) == n_fed + 1
-            assert all(v.isfinite().all() for v in model.state_dict().values())
-            assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        if step == 50:  # optimizer.step() never ran
+            assert len(fed) == n_fed
     guarded.close()
     assert decisions[30].action == schema.ACT_SKIP
-    # the default (clip_spikes): a finite grad-norm spike is applied with the gradient scaled
-    # down to the detector's threshold (no grad clip here, so the guard's clip is the one that binds)
+    # The default (clip_spikes) leaves a finite grad-norm spike to the run's own grad clip when
+    # that clip brings it under the detector's threshold; this loop has none, so the spike would
+    # land at the threshold, far above its level: skipped, like the NaN.
     d = decisions[50]
-    assert d.action == schema.ACT_CLIP, [(v.detector, v.value, v.threshold) for v in d.verdicts]
+    assert d.action == schema.ACT_SKIP and d.grad_scale == 1.0, [(v.detector, v.value) for v in d.verdicts]
     spikes = [v for v in d.verdicts if v.detector in (schema.DET_GRAD_SPIKE, schema.DET_LAYER_GRAD_SPIKE)]
-    assert spikes and len(spikes) == len(d.verdicts)
-    assert 0 < d.grad_scale < 0.1 and d.grad_scale == pytest.approx(
-        min(v.threshold / v.value for v in spikes)
-    )
-    # the optimizer was given the spiked gradient times threshold / value, direction unchanged
-    got = fed[n_fed]
-    assert all(
-        torch.allclose(g, s * d.grad_scale, rtol=1e-5, atol=0) for g, s in zip(got, spiked, strict=True)
-    )
+    assert spikes and len(spikes) == len(d.verdicts) and all(math.isfinite(v.value) for v in spikes)
     assert [(i, dec.action) for i, dec in enumerate(decisions) if dec.action != schema.ACT_APPLY] == [
         (30, schema.ACT_SKIP),
-        (50, schema.ACT_CLIP),
+        (50, schema.ACT_SKIP),
     ]
-    # the verdicts are recorded with the action taken; the step's row says clip
+    # the verdicts are recorded with the action taken, and the spike's say why
     ev = read_table(tmp_path / "run", "events").filter(pl.col("kind") == schema.EV_VERDICT)
-    assert set(ev.filter(pl.col("step") == 50)["action"].to_list()) == {schema.ACT_CLIP}
+    at50 = ev.filter(pl.col("step") == 50)
+    assert set(at50["action"].to_list()) == {schema.ACT_SKIP}
+    assert all(json.loads(x)["beyond_grad_clip"] == 0.0 for x in at50["detail"].to_list())
     assert set(ev.filter(pl.col("step") == 30)["action"].to_list()) == {schema.ACT_SKIP}
     steps = read_table(tmp_path / "run", "steps").sort("step")
     assert steps.height == 60
-    assert (steps["action"][30], steps["action"][50]) == (schema.ACT_SKIP, schema.ACT_CLIP)
+    assert (steps["action"][30], steps["action"][50]) == (schema.ACT_SKIP, schema.ACT_SKIP)
     experts = read_table(tmp_path / "run", "experts")
     # the probe saw the third-party routing: 64 tokens x top-2 per layer per step
     per = experts.group_by("step", "layer").agg(pl.col("load").sum())
@@ -139,9 +134,8 @@ def test_rollback_loses_at_most_one_snapshot_interval_and_the_lr_is_restored_exa
     cfg = GuardConfig(policy=PolicyConfig(rollback_skip_batches=2))
     guarded = GuardedStep(model, opt, run_dir=tmp_path / "run", routers=routers, max_lr=lr, config=cfg)
     x, y = torch.randn(64, 16), torch.randn(64)
-    # three finite x1000 spikes in one incident: under the default each is a clip (applied, the
-    # gradient scaled to the threshold; no grad clip here), and a clip counts towards a rollback
-    # like a skip -> a rollback at 62
+    # three finite x1000 spikes in one incident: no grad clip here to bound them, so each is
+    # skipped -> a rollback at 62
     spikes = {60, 61, 62}
     decisions = []
     for step in range(70):
@@ -154,8 +148,8 @@ def test_rollback_loses_at_most_one_snapshot_interval_and_the_lr_is_restored_exa
         assert opt.param_groups[0]["lr"] == lr  # bit-exact after every step, cool-down or not
     guarded.close()
     assert [(i, d.action) for i, d in enumerate(decisions) if d.action != schema.ACT_APPLY] == [
-        (60, schema.ACT_CLIP),
-        (61, schema.ACT_CLIP),
+        (60, schema.ACT_SKIP),
+        (61, schema.ACT_SKIP),
         (62, schema.ACT_ROLLBACK),
         (63, schema.ACT_SKIP),
         (64, schema.ACT_SKIP),
@@ -167,7 +161,6 @@ def test_rollback_loses_at_most_one_snapshot_interval_and_the_lr_is_restored_exa
     step = json.loads(restored[0])["restored_step"]
     every = guarded.cfg.policy.snapshot_every
     assert 60 - every <= step < 60  # the newest snapshot before the incident, not a calm one far back
-    assert all(0 < decisions[s].grad_scale < 1 for s in (60, 61))  # the clipped steps were scaled down
     steps = read_table(tmp_path / "run", "steps").sort("step")
     # the applied (cooled) LR is what the run store shows; a skipped step of the data window applies none
     applied = steps.filter((pl.col("step") > 62) & (pl.col("action") == schema.ACT_APPLY))

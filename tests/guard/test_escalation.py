@@ -128,8 +128,9 @@ def test_replay_prints_the_ladder_at_the_runs_settings(tmp_path, capsys) -> None
 
 
 def test_clip_spikes_applies_a_finite_grad_norm_spike_scaled_to_its_threshold() -> None:
-    """PolicyConfig.clip_spikes (on by default): a step whose only verdicts are finite grad-norm
-    spikes is applied with the gradient scaled to the tightest threshold; a non-finite value or a
+    """PolicyConfig.clip_spikes (on by default): the policy marks a step whose only verdicts are
+    finite grad-norm spikes a clip to the tightest threshold (the applier then leaves it to the
+    run's own grad clip when that clip bounds it, or skips it: the next test); a non-finite value or a
     loss spike is still skipped; clips count towards a rollback like skips; clip_spikes=False
     skips them (the same ladder)."""
     from guard.core.config import PolicyConfig
@@ -158,7 +159,7 @@ def test_clip_spikes_applies_a_finite_grad_norm_spike_scaled_to_its_threshold() 
     assert [ds[s].action for s in (40, 43, 46)] == [schema.ACT_SKIP, schema.ACT_SKIP, schema.ACT_ROLLBACK]
 
 
-def test_a_clip_scales_the_gradient_before_the_optimizers_own_clip() -> None:
+def test_a_spike_is_left_to_the_runs_own_clip_only_when_that_clip_bounds_it() -> None:
     import torch
 
     from guard.core.events import Event
@@ -170,15 +171,21 @@ def test_a_clip_scales_the_gradient_before_the_optimizers_own_clip() -> None:
     opt = torch.optim.SGD([w], lr=1.0)
     applier = DecisionApplier(opt, Guard(GuardConfig(), torch.nn.Linear(1, 1), opt), grad_clip=5.0)
     verdict = spike(20.0)
-    for scale, clip_to, action in ((0.1, 2.0, schema.ACT_CLIP), (0.5, 5.0, schema.ACT_APPLY)):
-        # 20 x 0.1 = 2 < 5: the guard's clip; 20 x 0.5 = 10, then 5: the optimizer's own clip
-        # would have done as much, so the step is an apply and its verdict's action none
+    for scale, moved, action, said in (
+        (0.1, 0.0, schema.ACT_SKIP, schema.ACT_SKIP),
+        (0.5, 5.0, schema.ACT_APPLY, schema.ACT_NONE),
+    ):
+        # threshold 20 x 0.1 = 2 < grad_clip 5: the run's clip would leave the step at 5, over the
+        # detector's line: skipped, nothing moves. Threshold 20 x 0.5 = 10 >= 5: the run's own clip
+        # bounds it, so the step is the unguarded one (moved by 5), an apply, its verdict action none
         w.grad = torch.full((4,), 10.0)  # norm 20
         before = w.detach().clone()
         d = Decision(step=0, action=schema.ACT_CLIP, grad_scale=scale)
         d.events.append(Event.from_verdict(0, verdict, schema.ACT_CLIP))
-        applier.apply(d, grad_norm=20.0)
-        assert abs(float((before - w.detach()).norm()) - clip_to) < 1e-4
-        assert d.action == action and d.events[0].action == (
-            schema.ACT_CLIP if action == schema.ACT_CLIP else schema.ACT_NONE
+        out = applier.apply(d, grad_norm=20.0)
+        assert abs(float((before - w.detach()).norm()) - moved) < 1e-4
+        assert d.action == action and out.updated == (action == schema.ACT_APPLY) and d.grad_scale == 1.0
+        assert d.events[0].action == said
+        assert (
+            d.events[0].detail["beyond_grad_clip" if action == schema.ACT_SKIP else "within_grad_clip"] == 5.0
         )

@@ -82,9 +82,9 @@ def test_step_fault_is_caught_at_its_step_and_nothing_changes(
 
 
 def test_a_finite_grad_spike_is_kept_as_the_unguarded_run_takes_it(tmp_path: Path) -> None:
-    """The default (clip_spikes): every gradient x500 is flagged at its step and clipped to the
-    detector's threshold, which is looser than the loop's grad_clip 1.0, so the update is bitwise
-    the one the same run observing only applies: the batch is kept, no guard action, the verdict
+    """The default (clip_spikes): every gradient x500 is flagged at its step; the loop's grad_clip
+    1.0 brings it under the detector's threshold, so the guard leaves it to that clip and the
+    update is bitwise the one the same run observing only applies: the batch is kept, no guard action, the verdict
     recorded (issue #39: "never worse than unguarded", exactly)."""
     quiet = {"guard.policy.bias_correct": False}  # no collapse correction: the two runs stay one run
     guarded = _trainer_at(tmp_path / "g", FAULT_STEP, ["gradspike@45:500"], **quiet)
@@ -115,8 +115,8 @@ def test_events_record_verdict_and_action_with_evidence(tmp_path: Path) -> None:
     kinds = ev["kind"].to_list()
     assert schema.EV_INJECT in kinds and schema.EV_VERDICT in kinds
     v = ev.filter(pl.col("kind") == schema.EV_VERDICT).row(0, named=True)
-    # the default clips it to the threshold; grad_clip 1.0 is tighter, so the guard did nothing to
-    # the update (action none) and says why
+    # the default leaves it to grad_clip 1.0, which bounds it under the threshold: the guard did
+    # nothing to the update (action none) and says why
     assert v["action"] == schema.ACT_NONE and v["value"] > v["threshold"]
     detail = json.loads(v["detail"])
     assert "median" in detail and "z" in detail and detail["within_grad_clip"] == 1.0
