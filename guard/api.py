@@ -167,6 +167,7 @@ class GuardedStep:
             started_at=started_at,
             autocast=autocast,
             tags=clean_tags(tags),
+            grad_clip=grad_clip,
         )
         # until the first step: a forward under torch.autocast tells the dtype the step computes in
         self._autocast_hook = (
@@ -465,6 +466,7 @@ def _open_session(
     started_at: float | None,
     autocast: torch.dtype | None,
     tags: list[str],
+    grad_clip: float,
 ) -> RunSession:
     """The run around the step: store (rank 0), exporter, meta.json, how the run ends."""
     run_dir = Path(run_dir) if run_dir is not None else None
@@ -485,7 +487,8 @@ def _open_session(
         autocast=autocast,
         meta={
             "integration": {"family": attach.family if attach else type(model).__name__, "correction": mode},
-            "config": {"guard": _asdict(cfg)},
+            # the grad clip, so `moeguard replay` resolves a spike as the run did (guard/replay.py)
+            "config": {"guard": _asdict(cfg), "optim": {"grad_clip": grad_clip}},
             "world_size": ranks.world,
             schema.META_TAGS: tags,
         },

@@ -24,6 +24,7 @@ import polars as pl
 from guard.core import schema
 from guard.core.config import GuardConfig
 from guard.core.engine import Engine
+from guard.core.policy import resolve_clip
 from guard.core.tomlconf import ConfigError, from_dict, load_toml, to_dict
 from guard.store.reader import (
     DamagedPartWarning,
@@ -64,11 +65,20 @@ class ReplayRow:
     did: str
 
 
-def replay(run_dir: Path, cfg: GuardConfig, max_lr: float | None = None) -> list[ReplayRow]:
+def replay(
+    run_dir: Path, cfg: GuardConfig, max_lr: float | None = None, grad_clip: float | None = None
+) -> list[ReplayRow]:
+    """Every verdict the detectors give on the run's recorded steps under `cfg`, with what the
+    policy would do (`would`) and what the run did (`did`). `grad_clip`: the run's own (0: none);
+    with it a finite grad-norm spike resolves as the live run resolves it (kept where that clip
+    bounds it, else skipped: guard/core/policy.py resolve_clip); without it (a run that did not
+    record one) such a spike reads `clip`."""
     engine = Engine(cfg, max_lr=max_lr)
     rows: list[ReplayRow] = []
     for rep in read_reports(run_dir):
         d = engine.decide(rep, rep.lr)
+        if grad_clip is not None:
+            resolve_clip(d, rep.grad_norm, grad_clip)
         for ev in d.events:
             if ev.kind != schema.EV_VERDICT:
                 continue
@@ -102,6 +112,14 @@ def guard_config_of(run_dir: Path, override: Path | None) -> tuple[GuardConfig, 
     return cfg, max_lr
 
 
+def recorded_grad_clip(run_dir: Path) -> float | None:
+    """The run's own grad clip as its meta.json records it (`config.optim.grad_clip`: moeguard's
+    trainer, GuardedStep and the adapters built on it), or None for a run that did not record one."""
+    meta = read_meta(run_dir) or {}
+    value = meta.get("config", {}).get("optim", {}).get("grad_clip")
+    return float(value) if isinstance(value, int | float) else None
+
+
 def changed_keys(before: GuardConfig, after: GuardConfig) -> list[str]:
     """`guard.KEY old -> new` for every setting that differs (nested tables flattened)."""
 
@@ -133,7 +151,7 @@ def _run(args: argparse.Namespace, cfg: GuardConfig, max_lr: float | None) -> in
         print("escalation ladder (guard/core/policy.py, docs/escalation.md):")
         for kind, rungs in ladder(cfg):
             print(f"  {kind}: " + "; ".join(f"{i}. {r}" for i, r in enumerate(rungs, 1)))
-    rows = replay(args.run_dir, cfg, max_lr)
+    rows = replay(args.run_dir, cfg, max_lr, recorded_grad_clip(args.run_dir))
     if args.json:
         for r in rows:
             print(

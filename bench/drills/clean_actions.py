@@ -8,11 +8,11 @@ action a healthy run did not ask for, or a natural spike the rules agree on.
     python -m bench.drills.real_models --observe --seeds 0,1 --steps 1000 --batch 8 --seq 128 --keep DIR
     python -m bench.drills.clean_actions DIR/* [--write-docs]
 
-Ours counts steps where the replay would skip, clip, roll back or halt (grad norm, per-layer grad
-norm, loss, non-finite); a clip (the default for a finite grad-norm spike: applied at the detector's
-threshold) counts although a live run whose own grad clip is tighter takes the unguarded step there
-(no action): the replay does not know the run's grad clip. Routing corrections (bias_correct) are
-counted apart: they change no step.
+Ours counts steps where the replay would skip, roll back or halt (grad norm, per-layer grad norm,
+loss, non-finite). A finite grad-norm spike the run's own grad clip bounds is kept as the unguarded
+step (the default, `clip_spikes`): no action, not counted; the replay reads the grad clip from the
+run's meta.json. A run recorded before GuardedStep recorded it reads such a spike as `clip`, counted
+(an upper bound). Routing corrections (bias_correct) are counted apart: they change no step.
 Peers judge the total grad norm and the loss, each series on its own, from step 0 (their own
 warm-ups apply). "Shared" counts our acting steps that a peer flags too (same step).
 

@@ -152,6 +152,28 @@ _DIVERGING = (schema.DET_LOSS_SPIKE, schema.DET_GRAD_SPIKE)
 _CLIPPABLE = (schema.DET_GRAD_SPIKE, schema.DET_LAYER_GRAD_SPIKE)
 
 
+def resolve_clip(d: Decision, grad_norm: float, grad_clip: float) -> None:
+    """Turn a clip decision (a step whose only verdicts are finite grad-norm spikes) into what the
+    step does, knowing the run's own grad clip (0: none): where that clip brings the norm under the
+    detector's threshold (`grad_scale` x the norm), the unguarded update (apply, its verdicts action
+    none); where it does not, a skip. The applier calls it before the update and `moeguard replay`
+    on the recorded norm, so both say the same. Anything but a clip is left as it is."""
+    if d.action != schema.ACT_CLIP:
+        return
+    bounded = math.isfinite(grad_norm) and grad_clip > 0 and grad_norm * d.grad_scale >= grad_clip
+    if bounded:
+        started = any(e.kind == schema.EV_ACTION and e.action == schema.ACT_BIAS_CORRECT for e in d.events)
+        d.action = schema.ACT_BIAS_CORRECT if started else schema.ACT_APPLY
+    else:
+        d.action = schema.ACT_SKIP
+    said, key = (schema.ACT_NONE, "within_grad_clip") if bounded else (schema.ACT_SKIP, "beyond_grad_clip")
+    d.grad_scale = 1.0
+    for e in d.events:
+        if e.action == schema.ACT_CLIP:
+            e.action = said
+            e.detail = {**(e.detail or {}), key: grad_clip}
+
+
 def _clip_scale(step_v: list[Verdict]) -> float | None:
     """The factor that brings every fired grad-norm verdict of the step down to its threshold
     (the smallest threshold / value), or None when the step cannot be clipped: a verdict on

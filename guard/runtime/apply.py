@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from guard.core import schema
-from guard.core.policy import Decision
+from guard.core.policy import Decision, resolve_clip
 from guard.runtime.guard import Guard
 from guard.runtime.routing import Corrector
 
@@ -80,11 +80,7 @@ class DecisionApplier:
         if lr is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-        if d.action == schema.ACT_CLIP:
-            if self._clip_binds(grad_norm, d.grad_scale):
-                _beyond_grad_clip(d, self.grad_clip)
-            else:
-                _within_grad_clip(d, self.grad_clip)
+        resolve_clip(d, grad_norm, self.grad_clip)
         out = Applied(updated=d.applies_update)
         if out.updated:
             self._update(grad_norm, d.lr_scale)
@@ -99,13 +95,6 @@ class DecisionApplier:
             self.after_step(out.updated)
         self.optimizer.zero_grad(set_to_none=True)
         return out
-
-    def _clip_binds(self, grad_norm: float, grad_scale: float) -> bool:
-        """Would the guard's clip be tighter than the optimizer's own `grad_clip` (so the run's clip
-        leaves the spike above the detector's threshold)?"""
-        if not math.isfinite(grad_norm):
-            return True
-        return self.grad_clip <= 0 or grad_norm * grad_scale < self.grad_clip
 
     def _update(self, grad_norm: float, lr_scale: float) -> None:
         """Clip to `grad_clip`, step with the cooled LR, then put back the exact planned LR."""
@@ -124,29 +113,3 @@ class DecisionApplier:
             if lr_scale != 1.0:
                 for g, lr in zip(groups, planned, strict=True):
                     g["lr"] = lr
-
-
-def _beyond_grad_clip(d: Decision, grad_clip: float) -> None:
-    """A finite grad-norm spike the run's own clip leaves above the detector's threshold (no grad
-    clip, or a looser one): skipped like any other step verdict, its verdicts saying why."""
-    d.action = schema.ACT_SKIP
-    d.grad_scale = 1.0
-    for e in d.events:
-        if e.action == schema.ACT_CLIP:
-            e.action = schema.ACT_SKIP
-            e.detail = {**(e.detail or {}), "beyond_grad_clip": grad_clip}
-
-
-def _within_grad_clip(d: Decision, grad_clip: float) -> None:
-    """A clip the optimizer's own clip makes moot (the spike at its threshold is still above
-    `grad_clip`): the update is the one the run would take without the guard, so the guard did
-    nothing to it and the step is no guard action (guard/core/actions.py). Its verdicts stay
-    (evidence, action none, the clip named); the step's row says apply, or bias_correct when a
-    collapse correction started on it."""
-    started = any(e.kind == schema.EV_ACTION and e.action == schema.ACT_BIAS_CORRECT for e in d.events)
-    d.action = schema.ACT_BIAS_CORRECT if started else schema.ACT_APPLY
-    d.grad_scale = 1.0
-    for e in d.events:
-        if e.action == schema.ACT_CLIP:
-            e.action = schema.ACT_NONE
-            e.detail = {**(e.detail or {}), "within_grad_clip": grad_clip}

@@ -16,10 +16,14 @@ from tests.helpers_collector import make_report
 SPIKE = 150
 
 
-def recorded_run(run_dir: Path) -> Path:
+def recorded_run(run_dir: Path, optim: dict | None = None) -> Path:
     store = RunStore(run_dir, flush_every=25)
     store.write_meta(
-        {"run_id": run_dir.name, "status": "finished", "config": {"guard": {}, "optim": {"lr": 1e-3}}}
+        {
+            "run_id": run_dir.name,
+            "status": "finished",
+            "config": {"guard": {}, "optim": optim or {"lr": 1e-3}},
+        }
     )
     for s in range(200):
         rep = make_report(s, t=1000.0 + s)
@@ -36,6 +40,25 @@ def test_replay_finds_the_spike_the_run_applied(tmp_path: Path) -> None:
     spike = [r for r in rows if r.step == SPIKE]
     assert spike and spike[0].detector == schema.DET_GRAD_SPIKE and spike[0].did == schema.ACT_APPLY
     assert spike[0].would != schema.ACT_APPLY
+
+
+def test_a_grad_spike_replays_as_the_run_resolved_it_with_its_recorded_grad_clip(
+    tmp_path: Path, capsys
+) -> None:
+    """The default keeps a finite grad-norm spike the run's own grad clip bounds under the
+    detector's threshold, and skips it otherwise; replay reads the grad clip from meta.json and
+    says the same as the live run (guard/core/policy.py resolve_clip), `clip` when none is recorded."""
+    for name, optim, want in (
+        ("bounded", {"lr": 1e-3, "grad_clip": 1.0}, schema.ACT_NONE),  # 1000 -> 1.0, under the line
+        ("unclipped", {"lr": 1e-3, "grad_clip": 0.0}, schema.ACT_SKIP),
+        ("unrecorded", {"lr": 1e-3}, schema.ACT_CLIP),
+    ):
+        run = recorded_run(tmp_path / name, optim)
+        capsys.readouterr()
+        assert cli_main(["replay", str(run), "--json"]) == 0
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        spike = [x for x in lines if x["step"] == SPIKE and x["detector"] == schema.DET_GRAD_SPIKE]
+        assert spike and spike[0]["would"] == want, (name, spike)
 
 
 def test_replay_command_prints_json_lines(tmp_path: Path, capsys) -> None:
