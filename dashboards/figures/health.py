@@ -256,8 +256,19 @@ def _add_timeline(fig: go.Figure, timeline: pl.DataFrame, *, row: int) -> None:
             col=1,
         )
     # the lane names fit in STEP_MARGIN's left margin; plotly's automargin widened it for a long
-    # one (collapse_not_recovered) and moved this chart's step axis off the other step charts'
-    fig.update_yaxes(categoryorder="array", categoryarray=lanes, automargin=False, row=row, col=1)
+    # one (collapse_not_recovered) and moved this chart's step axis off the other step charts'.
+    # Every lane named: with 7 lanes plotly's own ticks dropped one (a demo run's maxvio dot sat
+    # on an unlabelled row between nonfinite and lr_spike)
+    fig.update_yaxes(
+        categoryorder="array",
+        categoryarray=lanes,
+        tickmode="array",
+        tickvals=lanes,
+        ticktext=lanes,
+        automargin=False,
+        row=row,
+        col=1,
+    )
     for s in timeline.filter(pl.col("kind") == schema.EV_HALT)["step"].to_list():
         fig.add_vline(x=s, line={"color": "#111111", "dash": "dash", "width": 1})
 

@@ -60,6 +60,29 @@ def test_lane_names_do_not_push_the_loss_charts_step_axis() -> None:
     assert STEP_MARGIN["l"] >= 6 * LANE_NAME_MAX + 30  # ~6 px a character at the tick font, the title
 
 
+def test_every_lane_of_the_timeline_is_named() -> None:
+    """A demo run's Run health (2026-11-29) drew its maxvio verdict on an unlabelled row: with seven
+    lanes plotly's automatic ticks skipped one. Every lane is a tick of its own now."""
+    steps = pl.DataFrame({"step": np.arange(400), "loss": np.linspace(5, 3, 400), "grad_norm": np.ones(400)})
+    lanes = [
+        schema.EV_ACTION,
+        schema.DET_GRAD_SPIKE,
+        schema.DET_LAYER_GRAD_SPIKE,
+        schema.DET_LR,
+        schema.DET_MAXVIO,
+        schema.DET_NONFINITE,
+        schema.DET_THROUGHPUT,
+    ]
+    timeline = pl.DataFrame(
+        {"step": [100 + 20 * i for i in range(len(lanes))], "lane": lanes, "kind": [schema.EV_VERDICT] * 7}
+    ).with_columns(hover=pl.col("lane"))
+    fig = health_timeline({"loss": steps, "grad_norm": steps}, pl.DataFrame(), timeline, steps=(0, 399))
+    (axis,) = [
+        a for k, a in fig.layout.to_plotly_json().items() if k.startswith("yaxis") and a.get("categoryarray")
+    ]
+    assert axis["tickmode"] == "array" and list(axis["tickvals"]) == sorted(lanes) == list(axis["ticktext"])
+
+
 def test_a_zero_update_ratio_is_a_gap_on_the_log_panel() -> None:
     """Step 1's update ratio is 0 after an LR-0 first warm-up step: on the log panel that drew a
     line from step 2's value down off the bottom edge."""
