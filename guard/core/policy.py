@@ -160,13 +160,13 @@ def resolve_clip(d: Decision, grad_norm: float, grad_clip: float) -> None:
     on the recorded norm, so both say the same. Anything but a clip is left as it is."""
     if d.action != schema.ACT_CLIP:
         return
-    bounded = math.isfinite(grad_norm) and grad_clip > 0 and grad_norm * d.grad_scale >= grad_clip
-    if bounded:
+    if math.isfinite(grad_norm) and grad_clip > 0 and grad_norm * d.grad_scale >= grad_clip:
         started = any(e.kind == schema.EV_ACTION and e.action == schema.ACT_BIAS_CORRECT for e in d.events)
         d.action = schema.ACT_BIAS_CORRECT if started else schema.ACT_APPLY
+        said, key = schema.ACT_NONE, "within_grad_clip"
     else:
-        d.action = schema.ACT_SKIP
-    said, key = (schema.ACT_NONE, "within_grad_clip") if bounded else (schema.ACT_SKIP, "beyond_grad_clip")
+        d.action = said = schema.ACT_SKIP
+        key = "beyond_grad_clip"
     d.grad_scale = 1.0
     for e in d.events:
         if e.action == schema.ACT_CLIP:
