@@ -76,6 +76,19 @@ def pytest_configure(config: pytest.Config) -> None:
         os.sched_setaffinity(0, {cpus[int(worker[2:]) % len(cpus)]})
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """scripts/test's pinned serial phase: longest first (each `serial` test's cost=, its seconds on
+    CI), so that its two workers end together. xdist hands a worker its next test while the worker
+    still runs one, so a long test left to the end would run alone while the other CPU idles."""
+    if os.environ.get("MOEGUARD_PIN_WORKERS") == "1":
+        items.sort(key=lambda it: -_serial_cost(it))  # stable: equal costs keep their order
+
+
+def _serial_cost(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("serial")
+    return float(marker.kwargs.get("cost", 0)) if marker else 0.0
+
+
 def pytest_deselected(items: list[pytest.Item]) -> None:
     """scripts/test's parallel phase (-m "not serial") names the `serial` tests it left out in
     $MOEGUARD_SERIAL_LIST, so the serial phase collects those modules alone, not the whole suite."""

@@ -76,7 +76,7 @@ def shell_params() -> list[object]:
     """SHELL as test cases; a recipe that runs `moeguard canary` is `serial` (scripts/test runs it
     alone, after the parallel phase): its "caught" and its clean exit are measured ratios."""
     return [
-        pytest.param(p, c, marks=pytest.mark.serial, id=f"{p}-{i}")
+        pytest.param(p, c, marks=pytest.mark.serial(cost=60), id=f"{p}-{i}")
         if "moeguard canary" in c
         else pytest.param(p, c, id=f"{p}-{i}")
         for i, (p, c) in enumerate(SHELL)

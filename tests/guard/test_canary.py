@@ -173,49 +173,18 @@ def test_clean_run_passes_and_injected_slowdown_fails(
 @pytest.mark.slow
 @pytest.mark.serial
 @pytest.mark.unpaired  # its baseline entries are separate runs: a neighbour skews them
-def test_a_baseline_from_one_sitting_widens_the_mfu_line(recorded: Path) -> None:
-    """The shipped config's rule: a CPU baseline that spans less than baseline_min_span_h widens the
-    MFU fail line (gate.young_fail_line) instead of disarming it; a 40% slowdown still fails."""
-    code = _canary(
-        recorded,
-        "--inject",
-        "slow:40",
-        "--set",
-        "canary.baseline_min_span_h=24",
-        "--set",
-        "canary.mfu_warn_pct=2",
-        "--set",
-        "canary.mfu_fail_pct=3",
-        "--set",
-        "canary.confirm=false",
-        report="rep-young",
-    )
-    rep = json.loads((recorded / "rep-young" / "canary.json").read_text())
-    if rep["timing"] != "cpu":
-        # Only on a GPU host (auto timing = wall clock there), where the rule is off by design
-        # (young_fail_line is unit-tested for that). Forcing timing=cpu would change the config hash
-        # and leave this module's recorded baseline unmatched. CI (CPU) always runs this test.
-        pytest.skip("auto timing is wall clock on this host; the span rule is for CPU timing")
-    mfu_gate = rep["mfu_gate"]
-    assert mfu_gate["widened"] and 10 <= mfu_gate["fail_pct"] <= 20 and mfu_gate["configured_fail_pct"] == 3
-    assert mfu_gate["baseline_span_h"] < 1 and "baseline_min_span_h = 24 h" in mfu_gate["reason"]
-    assert code == 1 and rep["verdict"] == "fail" and keys.MFU_ADJ in rep["regressed_metrics"]
-    mfu = next(r for r in rep["runs"][0]["comparison"] if r["metric"] == keys.MFU_ADJ)
-    assert mfu["fail"] == pytest.approx(mfu_gate["fail_pct"]) and mfu["delta"] < -mfu_gate["fail_pct"]
-    assert rep["notice"].startswith("young baseline: ")
-    assert "- MFU gate: the 1 baseline entries span" in (recorded / "rep-young" / "canary.md").read_text()
-
-
-@pytest.mark.slow
-@pytest.mark.serial
-@pytest.mark.unpaired  # its baseline entries are separate runs: a neighbour skews them
 def test_a_fresh_three_entry_history_fails_a_30pct_slowdown_from_the_first_day(
     recorded: Path, tmp_path: Path
 ) -> None:
     """Issue #15: three --record baselines back to back (span ~minutes, far below the shipped 24 h),
     the shipped MFU lines (-2/-3%), the shipped model run short: --inject slow:30 exits non-zero, a
     clean run exits 0. The first of the three is this module's own --record run (the same model,
-    config hash and host, minutes earlier), so two more are recorded here, not three."""
+    config hash and host, minutes earlier), so two more are recorded here, not three.
+
+    The shipped config's rule on the way: a CPU baseline that spans less than baseline_min_span_h
+    widens the MFU fail line (gate.young_fail_line) instead of disarming it, and says so in the
+    report; the slowdown still fails. (A separate one-entry case of the rule used to cost the
+    serial phase one more canary run; young_fail_line's arithmetic is unit-tested below.)"""
     first = (recorded / "h.jsonl").read_text().splitlines()[0]  # later lines may be --append'ed trend
     (tmp_path / "h.jsonl").write_text(first + "\n")
     young = [
@@ -233,9 +202,20 @@ def test_a_fresh_three_entry_history_fails_a_30pct_slowdown_from_the_first_day(
     assert len(lines) == 3 and all(e["baseline"] for e in lines)
     assert _canary(tmp_path, "--inject", "slow:30", *young, report="slow") != 0
     slow = json.loads((tmp_path / "slow" / "canary.json").read_text())
-    if slow["timing"] == "cpu":
-        assert slow["baseline"]["n"] == 3 and slow["mfu_gate"]["widened"]
-        assert keys.MFU_ADJ in slow["regressed_metrics"]
+    if slow["timing"] == "cpu":  # on a GPU host (wall-clock timing) the span rule is off by design
+        assert slow["baseline"]["n"] == 3 and keys.MFU_ADJ in slow["regressed_metrics"]
+        mfu_gate = slow["mfu_gate"]
+        assert (
+            mfu_gate["widened"] and 10 <= mfu_gate["fail_pct"] <= 20 and mfu_gate["configured_fail_pct"] == 3
+        )
+        assert mfu_gate["baseline_span_h"] < 1 and "baseline_min_span_h = 24 h" in mfu_gate["reason"]
+        for run in slow["runs"]:  # the first run and its confirmation, each judged on the widened line
+            mfu = next(r for r in run["comparison"] if r["metric"] == keys.MFU_ADJ)
+            assert mfu["fail"] == pytest.approx(mfu_gate["fail_pct"]) and mfu["level"] in ("warn", "fail")
+        decision = next(d for d in slow["decision"] if d["metric"] == keys.MFU_ADJ)
+        assert decision["final"] == "fail" and decision["pooled_delta"] < -mfu_gate["fail_pct"]
+        assert slow["notice"].startswith("young baseline: ")
+        assert "- MFU gate: the 3 baseline entries span" in (tmp_path / "slow" / "canary.md").read_text()
     assert _canary(tmp_path, *young, report="clean") == 0
     clean = json.loads((tmp_path / "clean" / "canary.json").read_text())
     assert clean["verdict"] in ("pass", "warn") and clean["baseline"]["n"] == 3

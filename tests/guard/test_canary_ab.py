@@ -47,7 +47,7 @@ def _ab(tmp: Path, a: str, b: str, *extra: str, pairs: int, report: str = "rep")
 
 # ---- real A/B runs ------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.serial
+@pytest.mark.serial(cost=46)
 def test_ab_with_b_slowed_fails_on_the_paired_ratio(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -95,7 +95,7 @@ def test_ab_with_b_slowed_fails_on_the_paired_ratio(
 
 
 @pytest.mark.slow
-@pytest.mark.serial
+@pytest.mark.serial(cost=34)
 def test_a_equals_a_passes_and_a_py_interpreter_runs_the_worker(tmp_path: Path) -> None:
     """A = this interpreter, B = the same interpreter given as py:PATH: no change, so no fail; the
     py: side runs its worker through that interpreter and reports it."""
@@ -132,7 +132,7 @@ def _matrix(tmp: Path, *axes: str, pairs: int, extra: tuple[str, ...] = ()) -> t
 
 
 @pytest.mark.slow
-@pytest.mark.serial
+@pytest.mark.serial(cost=22)
 def test_a_two_cell_matrix_is_an_ab_canary_of_the_cell_against_the_reference(tmp_path: Path) -> None:
     """experts=loop,bmm: the reference (loop) and one cell (bmm, slowed 40% by --inject) measured as
     `--ab set:model.experts_kernel=loop set:model.experts_kernel=bmm`: ABBA worker pairs, the paired

@@ -29,7 +29,7 @@ from tests.conftest import MICRO, REPO
 from tests.helpers_collector import CollectorProc
 from tests.helpers_http import http_json, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.serial(cost=13)]
 
 TOKEN = "stuck-token"
 RUN = "hung"
