@@ -31,10 +31,13 @@ def clone(tmp_path: Path) -> Path:
 
 
 def ci_canary(clone: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    # not the caller's MOEGUARD_CI_CANARY (`MOEGUARD_CI_CANARY=always scripts/test` measures the CI
+    # canary itself): each case here sets what it tests
+    inherited = {k: v for k, v in os.environ.items() if k != "MOEGUARD_CI_CANARY"}
     return subprocess.run(
         [str(clone / "scripts" / "ci-canary"), *args],
         cwd=clone,
-        env={**os.environ, "BASE": "HEAD", "PYTHON": sys.executable, **env},
+        env={**inherited, "BASE": "HEAD", "PYTHON": sys.executable, **env},
         capture_output=True,
         text=True,
         timeout=300,
