@@ -41,7 +41,10 @@ drills = pytest.importorskip("bench.drills.paging_drills")
 KILLS_PER_RANK = 3
 # Two jobs (6 processes) at a time, not 4: the module alone on a quiet 2-core box took 363 CPU-s and
 # 216 s at 2 against 448 CPU-s and 242 s at 4 (start-ups crowding the caches) and 381 / 300 s at 1
-# (2026-11-30, `/usr/bin/time pytest tests/integration/test_paging_drills.py`, one run each).
+# (2026-11-30, `/usr/bin/time pytest tests/integration/test_paging_drills.py`, one run each). Inside
+# the parallel phase, where two other workers crowd the cores anyway, one run at each read 485 CPU-s
+# (457 s) at 2 and 433 (341 s) at 4, within that host's run-to-run spread (the suite's other tests
+# moved 7% between the two runs, the transformers module 20%).
 CONCURRENCY = 2
 NEEDS = {"moeguard": None, "transformers": "transformers", "torchtitan": "torchtitan"}
 
