@@ -6,8 +6,8 @@ and seed: held-out loss at the end, actions, halts, and the pushed layer's MaxVi
 Stated bounds (the issue's): no action on the clean runs; the NaN skipped once; the x50 kept:
 flagged and left to the loop's grad_clip 1.0, which bounds it under the threshold, so the
 step is the unguarded one (PolicyConfig.clip_spikes, the default; no guard action, its verdict
-recorded) and "never worse than unguarded" holds
-exactly, within NEAR (1%) of the clean run; the NaN run, one batch short, within SPREAD of it. The collapse (+10 on expert 0's router logit of
+recorded) and "never worse than unguarded" holds exactly, within NEAR (1%) of the clean run; the
+NaN run, one batch short, within SPREAD of it. The collapse (+10 on expert 0's router logit of
 layer 1 from batch 60 on): corrected (opens at 69-72, the detector's 10 steps over the line), no
 rollback, no halt, back under the MaxVio line (5 steps running) within BACK_WITHIN steps of its
 onset (the logit bias, guard/integrations/router_push.py LogitBias: 19-29 measured) while the

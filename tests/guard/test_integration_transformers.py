@@ -201,6 +201,8 @@ def _spike_and_nan_run(family: str, corpus: np.ndarray, run_dir: Path, config: G
                 all(torch.equal(v, w) for v, w in moments if not v.ndim),  # AdamW's step counts
             )
     guarded.close()
+    # the steps with verdicts and no fault: natural excursions (NATURAL_MAX)
+    out["natural"] = [s for s, d in out["decisions"].items() if s not in FAULTS and d.verdicts]
     out["steps"] = read_table(run_dir, "steps").sort("step")
     out["events"] = read_table(run_dir, "events").filter(pl.col("kind") == schema.EV_VERDICT).sort("step")
     return out
@@ -223,8 +225,7 @@ def test_a_grad_spike_is_kept_and_a_nan_skipped_with_all_state_bitwise_unchanged
     weights, moments, counts = run["unguarded"][40]  # the observing guard's update, to rounding
     assert weights < 1e-7 and moments < 1e-6 and counts, (weights, moments, counts)
     assert nan.action == schema.ACT_SKIP and run["unchanged"][43], (family, nan.action, nan.verdicts)
-    # the natural verdicts (where they fall is the CPU's rounding): few, and kept
-    natural = [s for s, d in run["decisions"].items() if s not in FAULTS and d.verdicts]
+    natural = run["natural"]  # where they fall is the CPU's rounding: few, and kept
     assert natural_ok(natural), (family, natural)
     for step, d in run["decisions"].items():
         if step not in FAULTS:
@@ -249,11 +250,11 @@ def test_spike_and_nan_are_skipped_with_all_state_bitwise_unchanged(
     family: str, corpus: np.ndarray, tmp_path: Path
 ) -> None:
     """The skip path, with clip_spikes off (the default clips a finite grad spike; off restores the
-    skip, and every NaN and loss spike takes it): the spike, the NaN and the natural spike at 21
-    are skipped, every weight, buffer and AdamW state bitwise unchanged at the faults."""
+    skip, and every NaN and loss spike takes it): the spike, the NaN and the natural spikes
+    (NATURAL_MAX) are skipped, every weight, buffer and AdamW state bitwise unchanged at the faults."""
     cfg = GuardConfig(policy=PolicyConfig(clip_spikes=False))
     run = _spike_and_nan_run(family, corpus, tmp_path / "run", cfg)
-    natural = [s for s, d in run["decisions"].items() if s not in FAULTS and d.verdicts]
+    natural = run["natural"]
     assert natural_ok(natural), natural  # olmoe's at 21 where first pinned
     for step, d in run["decisions"].items():
         want = schema.ACT_SKIP if step in FAULTS or step in natural else schema.ACT_APPLY
