@@ -67,9 +67,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """scripts/test's serial phase runs its timing tests two at a time, each xdist worker (and every
-    process it starts: affinity is inherited) on a CPU of its own, so two A/B canaries never share a
-    core (MOEGUARD_PIN_WORKERS=1; one torch thread each, OMP_NUM_THREADS=1)."""
+    """scripts/test's pinned phase runs the A/B tests of moeguard's own canary worker two at a time,
+    each xdist worker (and every process it starts: affinity is inherited) on a CPU of its own, so two
+    A/B canaries never share a core (MOEGUARD_PIN_WORKERS=1; one torch thread each,
+    OMP_NUM_THREADS=1). Not enough for the `unpaired` ones, which run alone afterwards."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if os.environ.get("MOEGUARD_PIN_WORKERS") == "1" and worker.startswith("gw"):
         cpus = sorted(os.sched_getaffinity(0))

@@ -57,6 +57,7 @@ def _own(
 # ---- real commands -------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.serial(cost=15)
+@pytest.mark.unpaired  # --script: CPU time sampled from outside, no reference to normalise a neighbour out
 def test_a_script_with_b_slowed_fails_and_every_run_is_the_commands_own(tmp_path: Path) -> None:
     # Up to 4 pairs, as the canary itself extends an undecided verdict: on a fresh clone's CI the
     # first worker once ran at half the speed of the later A (27k vs 55k tokens/s), and two pairs
@@ -92,6 +93,7 @@ def test_a_script_with_b_slowed_fails_and_every_run_is_the_commands_own(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.serial(cost=26)
+@pytest.mark.unpaired  # --script: CPU time sampled from outside, no reference to normalise a neighbour out
 def test_a_equals_a_on_the_real_trainer_passes_and_a_py_side_runs_the_command(tmp_path: Path) -> None:
     """The real transformers Trainer with MoEGuardCallback (run store from $MOEGUARD_RUN_DIR), A =
     this interpreter, B = the same interpreter as py:PATH ({python} and a bare `python` are it)."""
@@ -211,6 +213,7 @@ def test_torchtitan_job_from_a_toml_file_or_torchtitans_arguments(tmp_path: Path
 
 @pytest.mark.slow
 @pytest.mark.serial(cost=50)
+@pytest.mark.unpaired  # --script: CPU time sampled from outside, no reference to normalise a neighbour out
 @pytest.mark.integration
 def test_torchtitans_own_trainer_with_b_slowed_fails(tmp_path: Path) -> None:
     """torchtitan's Trainer through moeguard's launcher under torchrun, one rank on the CPU
