@@ -192,6 +192,23 @@ def tree_digest(d: Path) -> str:
     return h.hexdigest()
 
 
+def settled_digest(runs: Path, quiet_s: float = 0.2, timeout: float = 60) -> str:
+    """tree_digest(runs) once the collector has checkpointed every batch it acknowledged (no
+    write-ahead-log segment left: a checkpoint deletes the ones it committed) and nothing changed
+    for quiet_s (the upkeep after a commit). A fixed sleep is not enough: on a loaded 2-vCPU CI
+    machine a checkpoint landed more than 0.3 s after its batch was acknowledged, inside the next
+    check's window."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        digest = None if any(runs.rglob("wal-*.log")) else tree_digest(runs)
+        if digest is not None and digest == last:
+            return digest
+        last = digest
+        time.sleep(quiet_s)
+    raise AssertionError(f"the collector's store under {runs} did not settle within {timeout} s")
+
+
 # ---------------------------------------------------------------------------------------
 # the in-process collector (Collector without HTTP): ingest and scrape
 # ---------------------------------------------------------------------------------------

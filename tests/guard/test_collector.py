@@ -38,6 +38,7 @@ from tests.helpers_collector import (
     CollectorProc,
     batch,
     make_report,
+    settled_digest,
     tree_digest,
     wait_steps,
 )
@@ -205,8 +206,7 @@ def test_rejections_leave_stored_data_unchanged(tmp_path: Path) -> None:
     c = CollectorProc(tmp_path / "runs", "--max-body-bytes", "4096", "--checkpoint-interval", "0.1").start()
     try:
         assert c.post(batch("r1", 0, 1, [make_report(0, n_layers=2, n_experts=2)])).status_code == 200
-        time.sleep(0.5)
-        before = tree_digest(c.runs)
+        before = settled_digest(c.runs)
         good = batch("r1", 0, 2, [make_report(1, n_layers=2, n_experts=2)])
         r = c.post(good, headers={})
         assert r.status_code == 401 and "token" in r.json()["error"]
@@ -268,7 +268,7 @@ def test_fuzz_never_5xx_and_rejections_store_nothing(tmp_path_factory: pytest.Te
     client = httpx.Client(headers=AUTH, timeout=10)
     try:
         assert c.post(batch("fz", 0, 1, [make_report(0, n_layers=2, n_experts=2)])).status_code == 200
-        time.sleep(0.3)
+        settled_digest(c.runs)
 
         @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
         @given(body=garbled_bodies())
@@ -281,7 +281,7 @@ def test_fuzz_never_5xx_and_rejections_store_nothing(tmp_path_factory: pytest.Te
                 time.sleep(0.06)  # a checkpoint tick: it must find nothing to write
                 assert tree_digest(c.runs) == before
             else:
-                time.sleep(0.3)  # an accepted mutant: let its checkpoint land before the next digest
+                settled_digest(c.runs)  # an accepted mutant: its checkpoint lands before the next digest
 
         check()
     finally:
