@@ -22,10 +22,13 @@ import numpy as np
 import polars as pl
 from prometheus_client.parser import text_string_to_metric_families
 
+from guard.collector.config import STATE_DIR
+from guard.collector.wal import Wal
 from guard.core import schema
 from guard.core.events import Event
 from guard.core.report import StepReport
 from guard.store.reader import read_table
+from tests.helpers_http import wait_until
 
 TOKEN = "test-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -192,21 +195,27 @@ def tree_digest(d: Path) -> str:
     return h.hexdigest()
 
 
+def _all_checkpointed(runs: Path) -> bool:
+    """No run holds a write-ahead-log segment: a checkpoint deletes the ones it committed."""
+    return not any(Wal(d / STATE_DIR).segments() for d in runs.iterdir() if (d / STATE_DIR).is_dir())
+
+
 def settled_digest(runs: Path, quiet_s: float = 0.2, timeout: float = 60) -> str:
-    """tree_digest(runs) once the collector has checkpointed every batch it acknowledged (no
-    write-ahead-log segment left: a checkpoint deletes the ones it committed) and nothing changed
-    for quiet_s (the upkeep after a commit). A fixed sleep is not enough: on a loaded 2-vCPU CI
-    machine a checkpoint landed more than 0.3 s after its batch was acknowledged, inside the next
-    check's window."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        digest = None if any(runs.rglob("wal-*.log")) else tree_digest(runs)
-        if digest is not None and digest == last:
-            return digest
-        last = digest
-        time.sleep(quiet_s)
-    raise AssertionError(f"the collector's store under {runs} did not settle within {timeout} s")
+    """tree_digest(runs) once the collector has checkpointed every batch it acknowledged and
+    nothing changed for quiet_s (the upkeep after a commit). A fixed sleep is not enough: on a
+    loaded 2-vCPU CI machine a checkpoint landed more than 0.3 s after its batch was acknowledged,
+    inside the next check's window."""
+    seen: list[str | None] = [None]
+
+    def unchanged() -> str | None:
+        digest = tree_digest(runs) if _all_checkpointed(runs) else None
+        steady = digest is not None and digest == seen[-1]
+        seen.append(digest)
+        return digest if steady else None
+
+    return wait_until(
+        unchanged, timeout=timeout, interval=quiet_s, what=f"the collector's store under {runs} to settle"
+    )
 
 
 # ---------------------------------------------------------------------------------------
