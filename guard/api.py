@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from guard.canary.reference import ReferenceLog
 from guard.canary.slow import StepBurner
 from guard.core import actions, schema
 from guard.core.config import GuardConfig, load_guard_config
@@ -204,6 +205,11 @@ class GuardedStep:
         self._data_wait = 0.0  # this rank's seconds in the loader since the last step
         # `moeguard canary --ab ... --inject slow:PCT` on this run: PCT% of each step burnt in step()
         self._burn = StepBurner.from_env(sync=torch.cuda.synchronize if device.type == "cuda" else None)
+        # `moeguard canary --ab --script/--torchtitan` on a CPU: the machine's yardstick after each
+        # step (guard/canary/reference.py), outside the step's clock, so a neighbour divides out
+        self._yardstick = ReferenceLog.from_env(
+            self.session.run_dir, rank=self.ranks.rank, on_cpu=device.type == "cpu"
+        )
         self.last_decision: Decision | None = None
         drills = resolve(inject)
         self.injector = (
@@ -313,6 +319,11 @@ class GuardedStep:
             self._burn()
         now = time.perf_counter()
         rep.step_time_s, self._t_last = now - self._t_last, now
+        if self._yardstick is not None:
+            self._yardstick.time_step(self.step_idx)
+            self._t_last = time.perf_counter()  # the next step's clock starts after it
+            if self._burn is not None:
+                self._burn.restart()  # nor is it a part of the step a slowdown scales
         rep.tokens_per_s = job_tokens / rep.step_time_s if job_tokens else float("nan")
         rep.mfu = self.session.mfu(rep.tokens_per_s) if job_tokens else float("nan")
         rep.mem_peak_bytes = _peak_memory_bytes(self.probe.device)
@@ -431,6 +442,8 @@ class GuardedStep:
             self.pump.close()
         if self.sync is not None:
             self.sync.log.close()
+        if self._yardstick is not None:
+            self._yardstick.close()
         gp = self.goodput.report(time.time())
         self.session.finish(
             status,

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from guard.canary.config import TIMING_CPU, TIMING_WALL, load_setup
+from guard.canary.reference import Reference
 from guard.core import schema
 from guard.store.layout import atomic_write_json
 from guard.store.reader import read_meta
@@ -36,40 +37,6 @@ from trainer.callbacks.canary_timing import CanaryTiming
 from trainer.canary_cli import TRAINER
 from trainer.envinfo import hardware_key
 from trainer.loop import Trainer
-
-
-class _Reference:
-    """A fixed matmul workload (x_ND @ w_DF -> silu -> @ w_DF^T) in numpy, timed in thread CPU time.
-
-    numpy, not torch, on purpose: the reference is the machine's yardstick, so it must not share
-    code with what the canary tests. With a torch matmul as the reference, a torch upgrade that
-    slows its CPU GEMM slows the yardstick too and cancels out of MFU. numpy's own BLAS
-    (OpenBLAS, one thread in the worker) does not change with torch.
-
-    ~10 ms, working set ~1.5 MB (beyond L2, like the canary model's). Chosen over torch's matmul,
-    a memory stream, many small numpy matmuls and a pure-Python workload: under the other core's
-    load (31 processes, docs/NOTES.md) the numpy matmul and torch's tracked the model about equally
-    (run-to-run sd of the ratio 3.0-3.2% at raw 8.6%), the stream worse (5.2%), the small-op and
-    Python workloads far worse unless fitted.
-    """
-
-    N, D, F, REPS = 512, 128, 512, 4
-
-    def __init__(self) -> None:
-        rng = np.random.default_rng(0)
-        self.x_ND = rng.standard_normal((self.N, self.D)).astype(np.float32)
-        self.w_DF = (rng.standard_normal((self.D, self.F)) * 0.1).astype(np.float32)
-        self.w_FD = np.ascontiguousarray(self.w_DF.T)
-        self.flops = float(self.REPS * 2 * (2 * self.N * self.D * self.F))
-        self()  # warm-up
-
-    def __call__(self) -> float:
-        c0 = time.thread_time()
-        for _ in range(self.REPS):
-            h_NF = self.x_ND @ self.w_DF
-            h_NF = h_NF / (1.0 + np.exp(-h_NF))  # silu
-            float((h_NF @ self.w_FD).sum())
-        return time.thread_time() - c0
 
 
 def hardware_id(env: dict[str, Any]) -> str:
@@ -125,7 +92,7 @@ def measure_in_process(spec: dict[str, Any]) -> dict[str, Any]:
     timing = setup.canary.timing
     if timing == "auto":
         timing = TIMING_CPU if trainer.device.type == "cpu" else TIMING_WALL
-    reference = _Reference() if timing == TIMING_CPU else None
+    reference = Reference() if timing == TIMING_CPU else None
     timer.reference = reference
     load0 = os.getloadavg()
     t0 = time.perf_counter()

@@ -14,7 +14,8 @@ against. Each canary is 12-24 fresh Trainer processes: minutes each on a shared 
 
 Writes docs/BENCHMARKS.md › Canaries › A/B canary on your own training (`moeguard canary --ab
 --script`, issue #27) and, with `--torchtitan`, › A/B canary on torchtitan's own Trainer (`moeguard
-canary --ab --torchtitan`, issue #27).
+canary --ab --torchtitan`, issue #27); with `--neighbour` (a bursty process on the other CPUs), the
+same titles with ", beside a neighbour".
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import io
 import json
 import os
 import statistics
+import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +80,49 @@ def one(
         "median": rep["statistic"]["median"],
         "ci": rep["statistic"]["ci"],
         "pairs": [p["ratio"]["speed"] for p in rep["pairs"]],
+        # the same pairs before the yardstick: tokens per CPU-second alone (guard/canary/own.py)
+        "raw_pairs": [p["ratio"]["tokens_per_s"] for p in rep["pairs"]],
         "wall_ratio": (rep["other_ratios"].get("tokens_per_s_wall") or {}).get("median"),
         "timing": rep["timing"],
         "elapsed_s": time.perf_counter() - t0,
         "load": os.getloadavg()[0],
     }
+
+
+BURST_S, REST_S = 2.5, 1.7  # --neighbour's rhythm: on and off out of phase with the ~3-5 s worker runs
+NEIGHBOUR = f"""
+import os, time, numpy as np
+a = np.random.default_rng(0).random((700, 700), dtype=np.float32)
+while True:
+    t = time.monotonic()
+    while time.monotonic() - t < {BURST_S}:
+        a = a @ a
+        a /= np.abs(a).max()
+    time.sleep({REST_S})
+"""
+
+
+@contextlib.contextmanager
+def neighbour(on: bool) -> Iterator[None]:
+    """With `on`: this process (and every canary it starts) on the first CPU, a bursty numpy
+    neighbour on the rest, one BLAS thread; stopped on the way out."""
+    if not on:
+        yield
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--neighbour needs 2 CPUs or more")
+    os.sched_setaffinity(0, {cpus[0]})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    p = subprocess.Popen(
+        [sys.executable, "-c", NEIGHBOUR], env=env, preexec_fn=lambda: os.sched_setaffinity(0, set(cpus[1:]))
+    )
+    try:
+        yield
+    finally:
+        p.kill()
+        p.wait()
+        os.sched_setaffinity(0, set(cpus))
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -97,6 +138,12 @@ def markdown(res: dict[str, Any]) -> str:
         )
     s = res["summary"]
     tt = res["config"].get("torchtitan")
+    neighbour_line = (
+        f"\nBeside a neighbour (`--neighbour`): the canaries pinned to one CPU, bursts of numpy matmuls"
+        f"\non the other ({BURST_S:g} s on, {REST_S:g} s off), as beside a test in scripts/test's pinned phase."
+        if res["config"].get("neighbour")
+        else ""
+    )
     if tt is None:
         title = "A/B canary on your own training (`moeguard canary --ab --script`, issue #27)"
         what = f"""`moeguard canary --ab set: set: --script "python bench/common/hf_trainer_job.py --steps {res["config"]["steps"]}
@@ -107,6 +154,8 @@ step, 1 torch thread) in a fresh process per worker"""
         what = f"""`moeguard canary --ab set: set: --torchtitan "{tt}" --steps {res["config"]["steps"]}`:
 torchtitan 0.3.0's own Trainer under `torchrun` (one rank, gloo, CPU) through moeguard's launcher
 (`python -m guard.integrations.torchtitan`), a fresh torchrun per worker"""
+    if res["config"].get("neighbour"):
+        title = title.replace(" (`moeguard", ", beside a neighbour (`moeguard", 1)
     return f"""## {title}
 
 `{res["command"]}` ({res["machine"]}; {res["date"]}; {res["wall_s"] / 60:.1f} min)
@@ -116,7 +165,7 @@ Each canary: {what}, its steady state (steps from canary.warmup_steps =
 CPU-second of the command's process tree, sampled from /proc (timing: {s["timing"]}); canary settings:
 {", ".join(res["config"]["sets"]) or "the defaults (6 pairs, up to 12 while undecided)"}, fail below 0.99 (canary.ab_fail_pct = 1).
 Clean = A = A; slowed = `--inject slow:{res["config"]["slow"]:g}`
-(B's guard burns {res["config"]["slow"]:g}% more CPU a step, inside the step). Arms interleaved.
+(B's guard burns {res["config"]["slow"]:g}% more CPU a step, inside the step). Arms interleaved.{neighbour_line}
 Verdicts (guard/canary/ab.py): fail = the sign-test interval of the median B/A wholly under the
 line (exit 1, the only verdict that fails CI); warn = the median under the line with the interval
 reaching it, or the interval wholly under 1 but not under the line (exit 0, said in the report).
@@ -127,7 +176,9 @@ reaching it, or the interval wholly under 1 but not under the line (exit 0, said
 
 **False alarms: {s["false_alarms"]} of {s["clean"]} A = A canaries; {s["slow"]:g}% slowdown caught (fail) in
 {s["caught"]} of {s["trials"]}.** Per-pair B/A on the clean arm: median {s["clean_pair_median"]:.4f}, sd
-{s["clean_pair_sd"]:.4f} over {s["clean_pairs"]} pairs (the noise the sign test works against); on the slowed
+{s["clean_pair_sd"]:.4f} over {s["clean_pairs"]} pairs (the noise the sign test works against; the same pairs
+without the yardstick GuardedStep times beside each step, tokens per CPU-second alone: sd
+{s.get("clean_raw_pair_sd", float("nan")):.4f}); on the slowed
 arm median {s["slow_pair_median"]:.4f}. {s["clean"]} A = A canaries bound the false-alarm rate only
 coarsely (0 of 10 is consistent with a rate up to ~26% at 95%); the rule's own bound when every pair must
 fall below the line, n pairs: at most 2^-n when the per-pair ratios are symmetric about 1, 6.3% at 4
@@ -150,6 +201,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="canary torchtitan's Trainer on this job instead of the Trainer script, e.g. "
         '"--module bench.common.torchtitan_registry --config debugmodel_cpu"',
     )
+    ap.add_argument(
+        "--neighbour",
+        action="store_true",
+        help="pin the canaries to the first CPU and run bursts of numpy matmuls on the others "
+        f"({BURST_S:g} s on, {REST_S:g} s off), as a test beside them in scripts/test's pinned phase",
+    )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args(argv)
@@ -161,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         todo += (["clean"] if k < args.clean else []) + (["slow"] if k < args.trials else [])
     t0 = time.perf_counter()
     canaries = []
-    with tempfile.TemporaryDirectory(prefix="moeguard-own-canary-") as tmp:
+    with neighbour(args.neighbour), tempfile.TemporaryDirectory(prefix="moeguard-own-canary-") as tmp:
         for i, arm in enumerate(todo):
             c = one(
                 Path(tmp),
@@ -181,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     clean = [c for c in canaries if c["arm"] == "clean"]
     slow = [c for c in canaries if c["arm"] != "clean"]
     cp = [r for c in clean for r in c["pairs"]]
+    cp_raw = [r for c in clean for r in c["raw_pairs"]]
     sp = [r for c in slow for r in c["pairs"]]
     res = {
         "command": shown_command("bench/canary/canary_own_power.py", sys.argv[1:] if argv is None else argv),
@@ -192,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "slow": args.slow,
             "sets": args.set,
             "torchtitan": args.torchtitan,
+            "neighbour": args.neighbour,
         },
         "wall_s": time.perf_counter() - t0,
         "canaries": canaries,
@@ -204,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "clean_pairs": len(cp),
             "clean_pair_median": statistics.median(cp) if cp else float("nan"),
             "clean_pair_sd": statistics.stdev(cp) if len(cp) > 1 else float("nan"),
+            "clean_raw_pair_sd": statistics.stdev(cp_raw) if len(cp_raw) > 1 else float("nan"),
             "slow_pair_median": statistics.median(sp) if sp else float("nan"),
             "timing": ", ".join(sorted({c["timing"] for c in canaries})),
         },
@@ -213,7 +273,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=1))
     if args.write_docs:
-        write_section("canary_own_power" + ("" if args.torchtitan is None else "_torchtitan"), markdown(res))
+        name = "canary_own_power" + ("" if args.torchtitan is None else "_torchtitan")
+        write_section(name + ("_neighbour" if args.neighbour else ""), markdown(res))
     return res
 
 

@@ -52,3 +52,6 @@ ENV_KEYS = (
 # run_dir; the torchtitan launcher is given --run-dir), how many steps to run when --steps says so,
 # and the injected slowdown (`--inject slow:PCT`, burnt inside GuardedStep.step: guard/canary/slow.py).
 RUN_DIR_ENV, STEPS_ENV, SLOW_ENV = "MOEGUARD_RUN_DIR", "MOEGUARD_CANARY_STEPS", "MOEGUARD_CANARY_SLOW_PCT"
+# ... and, when the canary times on a CPU, asks GuardedStep to time its yardstick after each step
+# (guard/canary/reference.py), so the command's CPU time can be divided by the machine's speed.
+REFERENCE_ENV = "MOEGUARD_CANARY_REFERENCE"

@@ -38,9 +38,12 @@ accelerator the speed is the median of its tokens_per_s (wall clock). On a CPU (
 canary.timing = "cpu") the canary cannot put a CPU clock inside a command it did not write, so it
 samples the CPU time of the command's process tree from outside (guard/canary/proc_cpu.py) and the
 speed is the steady window's tokens per CPU-second: what the code costs, not how long it waited
-for a shared core (wall clock is reported beside it). No reference matmul normalises it, as
-moeguard's own canary worker does, so pairs are noisier; docs/BENCHMARKS.md measures how much.
-MFU where the run recorded it.
+for a shared core (wall clock is reported beside it). As in moeguard's own canary worker, that is
+multiplied by a yardstick's CPU time: the command gets $MOEGUARD_CANARY_REFERENCE, and GuardedStep
+(rank 0) times a fixed numpy workload after every step into the run's canary-reference.jsonl
+(guard/canary/reference.py); its time leaves the command's, and its median divides out a neighbour
+that slowed the core for both (a command without GuardedStep's yardstick is compared raw).
+docs/BENCHMARKS.md measures how much noise is left. MFU where the run recorded it.
 `--inject slow:PCT` sets $MOEGUARD_CANARY_SLOW_PCT for B's runs: GuardedStep burns PCT% of each
 step (guard/canary/slow.py), whichever loop calls it (yours, MoEGuardCallback, the launcher).
 """
@@ -63,9 +66,10 @@ from guard.canary.ab import Side, WorkerFailed, measure_ab, parse_inject, parse_
 from guard.canary.ab_format import MFU_R, SPEED, TPS_RAW, TPS_WALL
 from guard.canary.config import EXIT_FAIL, EXIT_PASS, TIMING_CPU, TIMING_WALL, Setup
 from guard.canary.gate import FAIL
-from guard.canary.keys import RUN_DIR_ENV, SLOW_ENV, STEPS_ENV
+from guard.canary.keys import REFERENCE_ENV, RUN_DIR_ENV, SLOW_ENV, STEPS_ENV
 from guard.canary.measure import new_run_dir, progress
 from guard.canary.proc_cpu import CpuSampler
+from guard.canary.reference import read_reference
 from guard.core.tomlconf import ConfigError
 
 SCRIPT, TORCHTITAN = "script", "torchtitan"
@@ -84,6 +88,7 @@ class Command:
     steps: int | None = None
     job: list[str] | None = None  # TORCHTITAN: torchtitan's own arguments (--module M --config F ...)
     nproc: int = 1  # TORCHTITAN: ranks (torchrun --nproc_per_node)
+    reference: bool = True  # ask GuardedStep for the yardstick (CPU timing; off for canary.timing = "wall")
 
     @property
     def label(self) -> str:
@@ -133,6 +138,9 @@ class Command:
             env[STEPS_ENV] = str(self.steps)
         if side.slow_pct:
             env[SLOW_ENV] = f"{side.slow_pct:g}"
+        env.pop(REFERENCE_ENV, None)
+        if self.reference:
+            env[REFERENCE_ENV] = "1"
         return env
 
 
@@ -257,13 +265,24 @@ def steady(run_dir: Path, warmup: int, cpu: CpuSampler | None = None) -> dict[st
 
     # The window: from the report time of the step before the first steady one to the last step's
     # (a step's row is stamped when the guard reads it), i.e. the steady steps' own work.
-    t0 = float(steps.filter(pl.col("step") < rows["step"][0])["time"][-1])
+    first = int(rows["step"][0])
+    t0 = float(steps.filter(pl.col("step") < first)["time"][-1])
     t1 = float(rows["time"][-1])
     cpu_s = cpu.cpu_between(t0, t1) if cpu is not None else None
+    # The yardstick GuardedStep timed after each step (guard/canary/reference.py): those of steps
+    # first-1 .. last-1 ran inside the window (each after its step's report), so their CPU time
+    # leaves the command's, and the steady steps' median is the machine's speed beside them.
+    ref = read_reference(run_dir) if cpu_s else {}
+    in_window = [ref.get(k) for k in range(first - 1, int(rows["step"][-1]))]
+    ref_ms = None
+    if ref and all(v is not None for v in in_window):
+        cpu_s -= sum(in_window)
+        ref_ms = 1e3 * statistics.median(ref[k] for k in rows["step"].to_list() if k in ref)
     tokens = float(rows["tokens"].sum())
     return {
         "tokens_per_s": med("tokens_per_s"),
-        "tokens_per_cpu_s": tokens / cpu_s if cpu_s else None,
+        "tokens_per_cpu_s": tokens / cpu_s if cpu_s and cpu_s > 0 else None,
+        "ref_cpu_ms": ref_ms,
         "cpu_ms_per_step": 1e3 * cpu_s / rows.height if cpu_s else None,
         "mfu": med("mfu"),
         "step_wall_ms": (med("step_time_s") or 0.0) * 1e3,
@@ -331,6 +350,9 @@ def measure_command(
     # CPU timing on a CPU device (timing = auto) or when asked (cpu); wall clock on an accelerator
     on_cpu = str(env.get("device", "cpu")).startswith("cpu") or setup.canary.timing == TIMING_CPU
     per_cpu = s["tokens_per_cpu_s"] if on_cpu else None
+    ref_ms = s["ref_cpu_ms"] if per_cpu else None
+    # CPU: tokens per CPU-second x the yardstick's seconds, as the canary worker (guard/canary/ab.py)
+    speed = per_cpu * ref_ms / 1e3 if per_cpu and ref_ms else per_cpu
     return {
         "status": "ok",
         "run_id": run_dir.name,
@@ -341,11 +363,11 @@ def measure_command(
         "flops_per_token": meta.get("flops_per_token") or env.get("flops_per_token"),
         "env": {**env, "world_size": meta.get("world_size", env.get("world_size"))},
         "metrics": {
-            SPEED: per_cpu or s["tokens_per_s"],
+            SPEED: speed or s["tokens_per_s"],
             TPS_RAW: per_cpu or s["tokens_per_s"],
             MFU_R: s["mfu"],
             TPS_WALL: s["tokens_per_s"],
-            "ref_cpu_ms": None,
+            "ref_cpu_ms": ref_ms,
             "step_cpu_ms": s["cpu_ms_per_step"],
             "step_wall_ms": s["step_wall_ms"],
             "mem_peak_bytes": s["mem_peak_bytes"],
@@ -360,6 +382,7 @@ def run_own_ab(args: argparse.Namespace, setup: Setup) -> int:
     from guard.canary.ab_report import build_report, print_summary, write_reports
 
     cmd = parse_command(args)
+    cmd.reference = setup.canary.timing != TIMING_WALL
     runs = Path(args.runs).resolve()
     sides = prepare(args, runs)
     c = setup.canary

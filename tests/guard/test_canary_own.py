@@ -5,7 +5,8 @@ own training. The end-to-end tests run real commands: a plain GuardedStep loop
 the steady state back. A large injected slowdown (50%) and a loose line (10%) keep the verdicts
 unambiguous on a loaded 2-core machine; docs/BENCHMARKS.md measures the real defaults. The runs
 whose verdict is a measured ratio (B slowed fails, A = A passes) are `serial`: scripts/test runs
-them alone, after the parallel phase.
+them after the parallel phase, two at a time on a CPU each, their speeds divided by the yardstick
+GuardedStep times beside every step (guard/canary/reference.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +25,8 @@ import pytest
 from guard.canary import own
 from guard.canary.ab import Side
 from guard.canary.ab_format import WORKER_RUNS_DIR, read_report
-from guard.canary.keys import RUN_DIR_ENV, SLOW_ENV, STEPS_ENV
+from guard.canary.keys import REFERENCE_ENV, RUN_DIR_ENV, SLOW_ENV, STEPS_ENV
+from guard.canary.reference import REFERENCE_FILE, Reference, Yardstick, read_reference
 from guard.canary.slow import StepBurner
 from guard.cli import main
 from guard.core.tomlconf import ConfigError
@@ -57,7 +61,6 @@ def _own(
 # ---- real commands -------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.serial(cost=15)
-@pytest.mark.unpaired  # --script: CPU time sampled from outside, no reference to normalise a neighbour out
 def test_a_script_with_b_slowed_fails_and_every_run_is_the_commands_own(tmp_path: Path) -> None:
     # Up to 4 pairs, as the canary itself extends an undecided verdict: on a fresh clone's CI the
     # first worker once ran at half the speed of the later A (27k vs 55k tokens/s), and two pairs
@@ -93,7 +96,6 @@ def test_a_script_with_b_slowed_fails_and_every_run_is_the_commands_own(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.serial(cost=26)
-@pytest.mark.unpaired  # --script: CPU time sampled from outside, no reference to normalise a neighbour out
 def test_a_equals_a_on_the_real_trainer_passes_and_a_py_side_runs_the_command(tmp_path: Path) -> None:
     """The real transformers Trainer with MoEGuardCallback (run store from $MOEGUARD_RUN_DIR), A =
     this interpreter, B = the same interpreter as py:PATH ({python} and a bare `python` are it)."""
@@ -182,6 +184,10 @@ def test_command_placeholders_and_environment(tmp_path: Path) -> None:
         "4",
     ]
     assert "training.local_batch_size" not in tt.env(side_t, run)
+    # the yardstick: asked for by default (CPU timing), not when the canary times wall clock
+    assert env[REFERENCE_ENV] == "1" and env_a[REFERENCE_ENV] == "1"
+    wall = own.Command(kind=own.SCRIPT, text="python t.py", reference=False)
+    assert REFERENCE_ENV not in wall.env(side, run)
 
 
 def test_torchtitan_job_from_a_toml_file_or_torchtitans_arguments(tmp_path: Path) -> None:
@@ -213,7 +219,6 @@ def test_torchtitan_job_from_a_toml_file_or_torchtitans_arguments(tmp_path: Path
 
 @pytest.mark.slow
 @pytest.mark.serial(cost=50)
-@pytest.mark.unpaired  # --script: CPU time sampled from outside, no reference to normalise a neighbour out
 @pytest.mark.integration
 def test_torchtitans_own_trainer_with_b_slowed_fails(tmp_path: Path) -> None:
     """torchtitan's Trainer through moeguard's launcher under torchrun, one rank on the CPU
@@ -273,6 +278,63 @@ def test_step_burner_burns_cpu_time_not_wall_time(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(SLOW_ENV, "fast")
     with pytest.raises(ValueError, match="expected a percentage"):
         StepBurner.from_env()
+
+
+def test_a_restarted_burner_does_not_scale_what_ran_since_its_last_burn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(SLOW_ENV, "100")
+    burn = StepBurner.from_env()
+    assert burn is not None
+    burn()
+    c0 = time.process_time()
+    while time.process_time() < c0 + 0.03:  # the yardstick, say: not the step's work
+        pass
+    burn.restart()
+    c1 = time.process_time()
+    burn()
+    assert time.process_time() - c1 < 0.015  # nothing of the 30 ms was burnt again
+
+
+@pytest.mark.slow
+def test_guarded_step_times_the_yardstick_and_the_steady_state_divides_by_it(tmp_path: Path) -> None:
+    """A real command (tests/guard/own_loop.py) under the canary's sampler with
+    $MOEGUARD_CANARY_REFERENCE: one yardstick line per step on rank 0, its CPU time taken out of
+    the command's, and the speed the A/B compares is tokens per CPU-second x yardstick seconds."""
+    run = tmp_path / "run"
+    env = {**os.environ, REFERENCE_ENV: "1", RUN_DIR_ENV: str(run), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, str(REPO / "tests" / "guard" / "own_loop.py"), "--steps", "30"]
+    rc, tail, cpu = own.run_sampled(argv, env=env, cwd=None, timeout=120, out=run)
+    assert rc == 0 and cpu is not None, tail
+    ref = read_reference(run)
+    assert sorted(ref) == list(range(30)) and all(0 < v < 1 for v in ref.values())
+    s = own.steady(run, 10, cpu)
+    assert s["ref_cpu_ms"] == pytest.approx(1e3 * statistics.median(ref[k] for k in range(10, 30)))
+    (run / REFERENCE_FILE).rename(run / "hidden.jsonl")
+    raw = own.steady(run, 10, cpu)
+    assert raw["ref_cpu_ms"] is None  # a command without the yardstick is compared raw
+    took = sum(ref[k] for k in range(9, 29))
+    assert 1 / s["tokens_per_cpu_s"] == pytest.approx(
+        1 / raw["tokens_per_cpu_s"] - took / (20 * 256), rel=1e-6
+    )
+
+
+def test_the_yardstick_stays_on_one_thread_whatever_the_blas_threads() -> None:
+    """Without OMP_NUM_THREADS the worker's 512x128x512 product may spread over every core, where
+    this thread's CPU time sees only its share; the yardstick's 64x64 products stay on the caller's
+    thread: its process CPU time is its thread CPU time."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: BLAS has no second thread to use")
+    code = (
+        "import time; from guard.canary.reference import Yardstick; y = Yardstick(); "
+        "p0, t0 = time.process_time(), time.thread_time(); [y() for _ in range(20)]; "
+        "print(time.process_time() - p0, time.thread_time() - t0)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    proc_s, thread_s = map(float, out.stdout.split())
+    assert proc_s <= 1.1 * thread_s + 0.002, (proc_s, thread_s)
+    assert Yardstick().flops == 2 * 2 * 2 * 64 * 64**3 and Reference().flops > 0
 
 
 def test_process_tree_cpu_is_sampled_from_proc() -> None:
