@@ -1,6 +1,7 @@
 """The CI canary itself: scripts/ci-canary, the A/B canary between the last landed commit and this
 tree, must pass (exit 1 is a slowdown of the step past canary.ab_fail_pct; a submission that leaves
-guard/, trainer/ and configs/ as they were passes at once, with nothing to time).
+configs/ and the guard/ and trainer/ files its worker loads as they were passes in seconds, with
+nothing to time).
 
 It is a `serial` and `unpaired` test: scripts/test runs it after the parallel phase, one at a time
 with nothing beside it. It once ran as one job of the pinned phase, on a CPU of its own beside the
