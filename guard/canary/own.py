@@ -403,7 +403,8 @@ def run_own_ab(args: argparse.Namespace, setup: Setup) -> int:
     rep = build_report(setup=setup, sides=sides, paired=got)
     rep["config"], rep["config_label"] = cmd.text, cmd.label
     rep["statistic"]["label"] = (
-        "tokens/s (gated; steady state from the command's run store; CPU: per CPU-second of its process tree)"
+        "tokens/s (gated; steady state from the command's run store; CPU: per CPU-second of its process "
+        "tree, times the yardstick GuardedStep timed beside each step)"
     )
     write_reports(rep, Path(args.report_dir))
     print_summary(rep)
