@@ -28,8 +28,27 @@ from guard.canary.keys import REFERENCE_ENV
 REFERENCE_FILE = "canary-reference.jsonl"  # in the run directory: {"step": k, "cpu_s": s} a line
 
 
-class Reference:
-    """The worker's workload: x_ND @ w_DF -> silu -> @ w_DF^T in numpy, timed in thread CPU time.
+class _Workload:
+    """x @ w_in -> silu -> @ w_out, REPS times, timed in this thread's CPU time (seconds)."""
+
+    REPS: int
+
+    def __init__(self, x: np.ndarray, w_in: np.ndarray, w_out: np.ndarray, flops_once: float) -> None:
+        self.x, self.w_in, self.w_out = x, w_in, w_out
+        self.flops = float(self.REPS * flops_once)
+        self()  # warm-up
+
+    def __call__(self) -> float:
+        c0 = time.thread_time()
+        for _ in range(self.REPS):
+            h = self.x @ self.w_in
+            h = h / (1.0 + np.exp(-h))  # silu
+            float((h @ self.w_out).sum())
+        return time.thread_time() - c0
+
+
+class Reference(_Workload):
+    """The worker's workload: x_ND @ w_DF -> silu -> @ w_DF^T.
 
     ~10 ms, working set ~1.5 MB (beyond L2, like the canary model's). Chosen over torch's matmul,
     a memory stream, many small numpy matmuls and a pure-Python workload: under the other core's
@@ -43,22 +62,12 @@ class Reference:
 
     def __init__(self) -> None:
         rng = np.random.default_rng(0)
-        self.x_ND = rng.standard_normal((self.N, self.D)).astype(np.float32)
-        self.w_DF = (rng.standard_normal((self.D, self.F)) * 0.1).astype(np.float32)
-        self.w_FD = np.ascontiguousarray(self.w_DF.T)
-        self.flops = float(self.REPS * 2 * (2 * self.N * self.D * self.F))
-        self()  # warm-up
-
-    def __call__(self) -> float:
-        c0 = time.thread_time()
-        for _ in range(self.REPS):
-            h_NF = self.x_ND @ self.w_DF
-            h_NF = h_NF / (1.0 + np.exp(-h_NF))  # silu
-            float((h_NF @ self.w_FD).sum())
-        return time.thread_time() - c0
+        x_ND = rng.standard_normal((self.N, self.D)).astype(np.float32)
+        w_DF = (rng.standard_normal((self.D, self.F)) * 0.1).astype(np.float32)
+        super().__init__(x_ND, w_DF, np.ascontiguousarray(w_DF.T), 2 * (2 * self.N * self.D * self.F))
 
 
-class Yardstick:
+class Yardstick(_Workload):
     """The same kind of workload for a command the canary did not start: a stack of B 64x64
     matmuls -> silu -> matmul (one numpy call each, working set ~3 MB), ~2 ms.
 
@@ -74,18 +83,9 @@ class Yardstick:
 
     def __init__(self) -> None:
         rng = np.random.default_rng(0)
-        self.x_BNN = rng.standard_normal((self.B, self.N, self.N)).astype(np.float32)
-        self.w_BNN = (rng.standard_normal((self.B, self.N, self.N)) * 0.1).astype(np.float32)
-        self.flops = float(self.REPS * 2 * (2 * self.B * self.N**3))
-        self()  # warm-up
-
-    def __call__(self) -> float:
-        c0 = time.thread_time()
-        for _ in range(self.REPS):
-            h_BNN = self.x_BNN @ self.w_BNN
-            h_BNN = h_BNN / (1.0 + np.exp(-h_BNN))  # silu
-            float((h_BNN @ self.w_BNN).sum())
-        return time.thread_time() - c0
+        x_BNN = rng.standard_normal((self.B, self.N, self.N)).astype(np.float32)
+        w_BNN = (rng.standard_normal((self.B, self.N, self.N)) * 0.1).astype(np.float32)
+        super().__init__(x_BNN, w_BNN, w_BNN, 2 * (2 * self.B * self.N**3))
 
 
 class ReferenceLog:
