@@ -46,19 +46,15 @@ class StepBurner:
             raise ValueError(f"{SLOW_ENV} = {raw!r}: expected a percentage in (0, 1000]") from None
         return cls(pct, sync)
 
-    def __call__(self) -> None:
+    def __call__(self, skip: float = 0.0) -> None:
+        """Burn; `skip`: seconds of this clock since the last burn that were not the step's work
+        (the canary's yardstick), left out of the base."""
         if self.sync is not None:
             self.sync()
         now = self.clock()
         if self._end is not None:
-            until = now + self.frac * (now - self._end)
+            until = now + self.frac * max(0.0, now - self._end - skip)
             x = 0
             while self.clock() < until:
                 x += 1  # a few ns of work per check: the loop itself is the burn
         self._end = self.clock()
-
-    def restart(self) -> None:
-        """Start the next step's base now: what ran since the last burn (the canary's yardstick)
-        is not the step's work, so it is not scaled."""
-        if self._end is not None:
-            self._end = self.clock()
