@@ -3,7 +3,8 @@ run-store compatibility, and the signature that keys every cached loader.
 
 `run_signature()` is the modification time of meta.json and of each table folder: a new part
 file is an atomic rename into its table folder, which moves that folder's mtime, so a live run
-refreshes on the next rerun and a finished one is read once. Pure: no streamlit."""
+refreshes on the next rerun and a finished one is read once (a look within a second of a write
+is keyed apart: reader.settled). Pure: no streamlit."""
 
 from __future__ import annotations
 
@@ -110,7 +111,16 @@ class RunInfo:
 
 
 def run_signature(run_dir: str | Path) -> tuple[int, ...]:
-    """Changes whenever the run gains a part file or rewrites meta.json (cache key)."""
+    """Changes whenever the run gains a part file or rewrites meta.json (cache key): the mtimes
+    of meta.json and of each table folder, then 1 while the newest of them is not yet `settled`
+    (reader.RACY_NS), else 0. A load keyed while a folder could still change within its mtime's
+    tick is keyed apart from the one made after, so a part renamed in that tick is read then."""
+    mtimes = last_writes(run_dir)
+    return (*mtimes, 0 if reader.settled(max(mtimes)) else 1)
+
+
+def last_writes(run_dir: str | Path) -> tuple[int, ...]:
+    """The mtimes (ns) of the run's meta.json and of each table folder (0: not there)."""
     base = os.fspath(run_dir) + os.sep
     sig = []
     for name in _SIGNED:
@@ -154,7 +164,7 @@ def run_info(
     updated = meta.get("updated_at")
     updated = float(updated) if isinstance(updated, int | float) else None
     # the trainer may flush parts without touching meta.json: newest activity counts
-    sig_s = max(run_signature(d)) / 1e9
+    sig_s = max(last_writes(d)) / 1e9
     last_activity = max(updated or 0.0, sig_s) or None
     status = str(meta.get("status", schema.STATUS_RUNNING))
     now = time.time() if now is None else now

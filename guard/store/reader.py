@@ -16,6 +16,7 @@ import bisect
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,8 +76,8 @@ def has_part(run_dir: str | Path, table: str) -> bool:
 
 def cached_part_files(run_dir: str | Path, table: str) -> list[Path]:
     """`part_files`, remembered until the table folder's mtime changes: for a reader that lists
-    the same long run over and over (the app). A part renamed in within the same mtime tick as
-    the previous listing is seen on a later change, so writers and tests use `part_files`."""
+    the same long run over and over (the app). A listing made within RACY_NS of the folder's
+    last change is not reused (`settled`): writers and tests use `part_files`."""
     d = os.path.join(run_dir, table)
     try:
         mtime = os.stat(d).st_mtime_ns
@@ -85,17 +86,33 @@ def cached_part_files(run_dir: str | Path, table: str) -> list[Path]:
     return [Path(d, n) for n in _cached_names(d, mtime)]
 
 
-# table folder -> (mtime_ns, part names): one entry per folder listed (no bound to fall off:
-# the Runs page of 1,000 runs lists 6,000 folders and must not re-list them on every rerun).
-_listings: dict[str, tuple[int, tuple[str, ...]]] = {}
+# A folder's mtime moves in the kernel's clock ticks (a few ms), not per change: a listing taken
+# in the same tick as a part's rename into the folder misses that part, and the folder then keeps
+# the mtime the listing was keyed by. (The app's Live mode hit it: a run's last 50 steps never
+# showed, as nothing wrote to the folder again.) So a listing, or any cache key built on a
+# folder's mtime, is trusted only once it was taken this long after that mtime: git's "racy
+# clean" rule. A second of margin also covers file systems with coarser timestamps than ext4's.
+RACY_NS = 1_000_000_000
+
+
+def settled(mtime_ns: int, now_ns: int | None = None) -> bool:
+    """Whether a look at a folder taken at `now_ns` (default: now) saw every change made in its
+    mtime's tick: a cache keyed by that mtime may reuse what it saw."""
+    return (time.time_ns() if now_ns is None else now_ns) - mtime_ns >= RACY_NS
+
+
+# table folder -> (mtime_ns, part names, settled): one entry per folder listed (no bound to fall
+# off: the Runs page of 1,000 runs lists 6,000 folders and must not re-list them on every rerun).
+_listings: dict[str, tuple[int, tuple[str, ...], bool]] = {}
 
 
 def _cached_names(table_dir: str, mtime_ns: int) -> tuple[str, ...]:
     hit = _listings.get(table_dir)
-    if hit is not None and hit[0] == mtime_ns:
+    if hit is not None and hit[0] == mtime_ns and hit[2]:
         return hit[1]
+    listed_at = time.time_ns()  # before the listing: a rename after it may share mtime_ns's tick
     names = sorted_part_names(table_dir)
-    _listings[table_dir] = (mtime_ns, names)
+    _listings[table_dir] = (mtime_ns, names, settled(mtime_ns, listed_at))
     forget_gone(table_dir, names)
     return names
 

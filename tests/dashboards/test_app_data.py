@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -185,6 +186,42 @@ def test_signature_moves_when_a_part_lands(tmp_path: Path) -> None:
     src = sorted((run / "steps").glob("part-*.parquet"))[-1]
     (run / "steps" / "part-0000000060-000099.parquet").write_bytes(src.read_bytes())
     assert runs.run_signature(run) != before
+
+
+def _land_in_the_same_tick(run: Path, table: str) -> None:
+    """A part renamed into `table` within the mtime tick of the folder's last change: the folder
+    keeps its mtime (a kernel tick is a few ms; os.utime puts it back, as the tick would)."""
+    d = run / table
+    tick = os.stat(d).st_mtime_ns
+    src = sorted(d.glob("part-*.parquet"))[-1]
+    (d / "part-0000000060-000099.parquet").write_bytes(src.read_bytes())
+    os.utime(d, ns=(tick, tick))
+
+
+def test_a_part_landing_in_the_listings_tick_is_seen_once_the_folder_settles(tmp_path: Path) -> None:
+    """The Live-mode miss (a run's last flush never shown): the app's cached listing and its
+    loaders' key, taken within a second of the folder's change, are not reused."""
+    run = write_run(tmp_path, SynthRun(run_id="r", steps=60, faults=[]))
+    d = run / schema.TABLE_STEPS
+    os.utime(d, ns=(time.time_ns(),) * 2)  # written just now, as a live run's folder
+    first = reader.cached_part_files(run, schema.TABLE_STEPS)
+    sig = runs.run_signature(run)
+    assert sig[-1] == 1  # not settled: this key is its own
+    _land_in_the_same_tick(run, schema.TABLE_STEPS)
+    assert len(reader.cached_part_files(run, schema.TABLE_STEPS)) == len(first) + 1
+    # once the folder is a second old, the listing and the key are reused as before
+    old = time.time_ns() - 2 * reader.RACY_NS
+    os.utime(d, ns=(old, old))
+    os.utime(run / schema.META_FILE, ns=(old, old))
+    for t in schema.TABLES:
+        if (run / t).is_dir():
+            os.utime(run / t, ns=(old, old))
+    listed = reader.cached_part_files(run, schema.TABLE_STEPS)
+    settled_sig = runs.run_signature(run)
+    assert settled_sig[-1] == 0 and settled_sig[:-1] == runs.last_writes(run) and settled_sig != sig
+    (d / "part-0000000060-000099.parquet").unlink()
+    os.utime(d, ns=(old, old))  # a change hidden in the settled tick: the listing is reused
+    assert reader.cached_part_files(run, schema.TABLE_STEPS) == listed
 
 
 def test_summary_and_heatmaps_on_the_guarded_run(store: Path) -> None:
