@@ -166,11 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     if not tests:
         ap.error(f"{args.out}: no <worker>.jsonl (was the plugin loaded: -p ci_cpu_profile?)")
     cpu, count, orphans = charge(procs, tests)
-    total = sum(p["cpu"] for p in procs) + sum(t["self"] for ts in tests.values() for t in ts)
+    total = sum(p["cpu"] for p in procs)  # the workers' own records hold their tests' `self` CPU
+    in_tests = sum(t["self"] for ts in tests.values() for t in ts)
+    workers = sum(p["cpu"] for p in procs if p["pid"] in tests)
     mods: dict[str, float] = collections.defaultdict(float)
     for k, v in cpu.items():
         mods[k.split("::")[0]] += v
-    print(f"CPU: {total:,.0f} s in all; charged to tests {sum(cpu.values()):,.0f} s; {len(procs)} processes")
+    print(
+        f"CPU: {total:,.0f} s in all, {len(procs)} processes; charged to tests {sum(cpu.values()):,.0f} s; "
+        f"the workers outside their tests (start-up, collection) {workers - in_tests:,.0f} s"
+    )
     print(f"\nmodules, top {args.top} by CPU (s)")
     for m, v in sorted(mods.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{v:8.1f}  {m}")
