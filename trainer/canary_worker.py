@@ -31,7 +31,6 @@ import torch
 from guard.canary.config import TIMING_CPU, TIMING_WALL, load_setup
 from guard.canary.reference import Reference
 from guard.core import schema
-from guard.core.gc_pause import gc_paused
 from guard.store.layout import atomic_write_json
 from guard.store.reader import read_meta
 from trainer.callbacks.canary_timing import CanaryTiming
@@ -87,8 +86,7 @@ def measure_in_process(spec: dict[str, Any]) -> dict[str, Any]:
     run_dir = Path(spec["run_dir"])
     timer = CanaryTiming(slow_pct=float(spec.get("slow_pct", 0.0)))
     try:
-        with gc_paused():  # the optimizer's torch._dynamo import and the set-up (guard/core/gc_pause.py)
-            trainer = Trainer(cfg, run_dir, progress=False, callbacks=[timer])
+        trainer = Trainer(cfg, run_dir, progress=False, callbacks=[timer])
     except ValueError as e:  # a forced kernel or device this build cannot run (ConfigError too)
         return {"status": "unavailable", "reason": str(e)}
     timing = setup.canary.timing

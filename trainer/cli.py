@@ -38,7 +38,6 @@ from typing import Any
 
 from guard.core import schema
 from guard.core.config import load_guard_config
-from guard.core.gc_pause import gc_paused
 from guard.core.tomlconf import ConfigError
 from guard.resources import resource
 
@@ -284,41 +283,6 @@ def run(args: argparse.Namespace) -> int:
 
         check_store_for_resume(run_dir)
 
-    # torch's import and the model's set-up with the cyclic GC paused (guard/core/gc_pause.py: a CPU-second
-    # or more of every rank's start-up); the training loop runs with it on
-    with gc_paused():
-        started = start(args, cfg, run_dir, rank, injections)
-    if isinstance(started, int):  # halted: not resumed automatically
-        return started
-    trainer, resume = started
-    from guard.runtime.elastic import tell_launcher
-    from guard.store.reader import read_meta
-    from trainer.outcome import EXIT_HALTED
-
-    if rank == 0 and not resume:  # a drill whose fault lands before a detector arms says so
-        # (after the Trainer is built: a config it refuses is the one line the user sees)
-        from guard.core.warmup import notices
-
-        for line in notices(cfg.guard, cfg.train.steps, [(i.kind, i.step, str(i)) for i in injections]):
-            print(f"moeguard train: note: {line}", file=sys.stderr)
-    code = trainer.run(until=args.until)
-    if code == EXIT_HALTED:  # under plain torchrun, its failure report names the halt, not a link
-        note = (read_meta(run_dir) or {}).get("status_note") or "the guard or an operator halted the run"
-        tell_launcher(f"moeguard train: {note} (exit {EXIT_HALTED})")
-    if trainer.dist.main:
-        summarize(trainer, run_dir)
-    if trainer.dist.world > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-    return code
-
-
-def start(
-    args: argparse.Namespace, cfg: Any, run_dir: Path, rank: int, injections: list[Any]
-) -> tuple[Any, bool] | int:
-    """(the Trainer, built, whether it resumes), or EXIT_HALTED for a halted run that a torchrun
-    restart must not carry on."""
     from guard.runtime.elastic import tell_launcher
     from guard.store.layout import run_dir_problem
     from guard.store.reader import read_meta
@@ -369,7 +333,23 @@ def start(
     trainer = Trainer(
         cfg, run_dir, resume=resume, injections=injections, progress=not args.no_progress, exporter=exporter
     )
-    return trainer, resume
+    if rank == 0 and not resume:  # a drill whose fault lands before a detector arms says so
+        # (after the Trainer is built: a config it refuses is the one line the user sees)
+        from guard.core.warmup import notices
+
+        for line in notices(cfg.guard, cfg.train.steps, [(i.kind, i.step, str(i)) for i in injections]):
+            print(f"moeguard train: note: {line}", file=sys.stderr)
+    code = trainer.run(until=args.until)
+    if code == EXIT_HALTED:  # under plain torchrun, its failure report names the halt, not a link
+        note = (read_meta(run_dir) or {}).get("status_note") or "the guard or an operator halted the run"
+        tell_launcher(f"moeguard train: {note} (exit {EXIT_HALTED})")
+    if trainer.dist.main:
+        summarize(trainer, run_dir)
+    if trainer.dist.world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return code
 
 
 def summarize(trainer: Any, run_dir: Path) -> None:

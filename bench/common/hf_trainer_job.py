@@ -36,16 +36,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from guard.core.gc_pause import gc_paused
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-# torch's and transformers' imports with the cyclic GC paused (guard/core/gc_pause.py: ~2 CPU-s of
-# every rank's start-up; the Trainer's steps run with it on)
-with gc_paused():
-    import numpy as np
-    import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from guard.integrations.tiny import FAMILIES, build
+from guard.integrations.tiny import FAMILIES, build
 
 
 class ByteWindows(torch.utils.data.Dataset):

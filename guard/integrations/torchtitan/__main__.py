@@ -140,24 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.torchtitan_help:
         rest = [*rest, "--help"]
 
-    from guard.core.gc_pause import gc_paused
+    import torch
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger
 
-    # torch's and torchtitan's imports with the cyclic GC paused (guard/core/gc_pause.py); not
-    # torchtitan's Trainer, which sets the GC policy of the run itself (training.gc_freq)
-    with gc_paused():
-        import torch
-        import torchtitan.trainer  # noqa: F401  (the heavy import, here rather than at the Trainer's)
-        from torchtitan.config import ConfigManager
-        from torchtitan.tools.logging import init_logger
+    from guard.integrations.torchtitan import cpu
+    from guard.integrations.torchtitan.trainer import guarded_trainer
 
-        from guard.integrations.torchtitan import cpu
-        from guard.integrations.torchtitan.trainer import guarded_trainer
-
-        init_logger()
-        if cpu.needs_cpu():
-            cpu.use_cpu()
-            os.environ.setdefault("LOCAL_RANK", "0")  # torchtitan reads it; torchrun sets it, `python -m` not
-        config = ConfigManager().parse_args(rest)
+    init_logger()
+    if cpu.needs_cpu():
+        cpu.use_cpu()
+        os.environ.setdefault("LOCAL_RANK", "0")  # torchtitan reads it; torchrun sets it, `python -m` not
+    config = ConfigManager().parse_args(rest)
     try:
         check_injections(drills, config.training.steps, more="raise --training.steps")
     except ConfigError as e:
