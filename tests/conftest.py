@@ -57,9 +57,9 @@ def pytest_collection(session: pytest.Session) -> Iterator[None]:
     the 26-30 of collecting the suite (gc.callbacks), paid by every xdist worker of every phase;
     with it off, 17.9 and 18.8 CPU-s against 30.3 and 25.7 (two runs each, side by side). Then
     one full collection (1.1-1.4 CPU-s), which leaves the collected heap in the oldest generation,
-    so the next full one is as rare as before: CPython waits for that heap to grow by a quarter. Not `gc.freeze()`: with the collected heap out of
-    that count, full collections during the tests came often (26 against none on tests/dashboards
-    and two collector modules, 6.9 CPU-s)."""
+    so the next full one is as rare as before: CPython waits for that heap to grow by a quarter.
+    Not `gc.freeze()`: with the collected heap out of that count, full collections during the
+    tests came often (26 against none on tests/dashboards and two collector modules, 6.9 CPU-s)."""
     gc.disable()
     try:
         yield
