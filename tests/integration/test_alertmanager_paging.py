@@ -182,7 +182,8 @@ def one_page_and_one_resolve_through_a_cluster_that_loses_and_regains_a_member(c
     assert pagerduty_story(st.pd(run="halted")) == [("page", key)], "re-paged after a restart"
     assert len(st.pd("trigger", run="nan")) == 1, "re-paged after a restart"
 
-    # The operator resumes the run: the collector resolves at once, the rule a scrape later
+    # The operator resumes the run: the rule resolves a scrape and an evaluation later, the
+    # collector's own resolve follows its resolve delay (8 s here) and changes nothing more
     resume = Event(step=4, kind=schema.EV_RESUME, action=schema.ACT_NONE).row()
     ingest(c.collector.url, batch("halted", 0, G2 | 1, [make_report(4)], [resume]))
     [res] = st.wait_pd("resolve", dedup_key=key, timeout=60)
@@ -209,8 +210,12 @@ def cluster_drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[N
     stack of its own: its quiet windows overlap the single-instance tests (2.), which share
     nothing with it but the machine. Its test waits for it and judges it."""
 
+    # (made here: pytest's tmp_path_factory is not thread-safe, and the single-instance tests make
+    # theirs meanwhile; two first calls at once raced to create the base folder)
+    tmp = tmp_path_factory.mktemp("am-cluster")
+
     def drill() -> None:
-        with cluster_stack(tmp_path_factory.mktemp("am-cluster")) as c:
+        with cluster_stack(tmp) as c:
             one_page_and_one_resolve_through_a_cluster_that_loses_and_regains_a_member(c)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="am-cluster") as pool:

@@ -217,8 +217,9 @@ def save_artifacts(tmp: Path, sink: RecordingSink, t0: float, timings: dict[str,
 
 def quiet(s: Stack) -> None:
     """Whatever Alertmanager was going to send has been sent: longer than its group interval
-    (1 s) plus the collector's resend (1 s) and resolve delay (3 s), with room for a loaded box."""
-    time.sleep(10)
+    (1 s) plus the collector's resend (1 s) and resolve delay (8 s, tests/helpers_alerting.py),
+    with room for a loaded box."""
+    time.sleep(14)
 
 
 def for_run(run: str, action: str | None = None, cls: str | None = None) -> Callable[[dict], bool]:
