@@ -431,6 +431,13 @@ def start_prometheus(
     return p
 
 
+# The collector's resolve delay in these tests: 4x Prometheus's 1 s scrape + 1 s evaluation here, as
+# the production default (120 s) is 4x its 15 s + 15 s. At 3 s, a loaded clone's Prometheus re-sent
+# the firing alert to one instance of the cluster after the collector's resolve, and that instance
+# paged again.
+COLLECTOR_RESOLVE_DELAY_S = 8.0
+
+
 def start_collector(
     tmp: Path,
     alertmanagers: list[str],
@@ -439,10 +446,7 @@ def start_collector(
     python: str = sys.executable,
     cwd: Path = REPO,
     resend_s: float = 1.0,
-    # 4x Prometheus's 1 s scrape + 1 s evaluation here, as the production default (120 s) is 4x its
-    # 15 s + 15 s: at 3 s, a loaded clone's Prometheus re-sent the firing alert to one instance of
-    # the cluster after the collector's resolve, and that instance paged again
-    resolve_delay_s: float = 8.0,
+    resolve_delay_s: float = COLLECTOR_RESOLVE_DELAY_S,
     port: int = 0,
 ) -> Proc:
     """`python -m guard collector` on a free port, posting critical guard alerts to every URL in

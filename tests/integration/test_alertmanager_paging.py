@@ -183,7 +183,7 @@ def one_page_and_one_resolve_through_a_cluster_that_loses_and_regains_a_member(c
     assert len(st.pd("trigger", run="nan")) == 1, "re-paged after a restart"
 
     # The operator resumes the run: the rule resolves a scrape and an evaluation later, the
-    # collector's own resolve follows its resolve delay (8 s here) and changes nothing more
+    # collector's own resolve follows its resolve delay (COLLECTOR_RESOLVE_DELAY_S) and changes nothing more
     resume = Event(step=4, kind=schema.EV_RESUME, action=schema.ACT_NONE).row()
     ingest(c.collector.url, batch("halted", 0, G2 | 1, [make_report(4)], [resume]))
     [res] = st.wait_pd("resolve", dedup_key=key, timeout=60)

@@ -43,6 +43,7 @@ import pytest
 from guard.core import schema
 from tests.helpers_alerting import (
     ALERTMANAGER,
+    COLLECTOR_RESOLVE_DELAY_S,
     COLLECTOR_TOKEN,
     PD,
     PROMETHEUS,
@@ -217,9 +218,8 @@ def save_artifacts(tmp: Path, sink: RecordingSink, t0: float, timings: dict[str,
 
 def quiet(s: Stack) -> None:
     """Whatever Alertmanager was going to send has been sent: longer than its group interval
-    (1 s) plus the collector's resend (1 s) and resolve delay (8 s, tests/helpers_alerting.py),
-    with room for a loaded box."""
-    time.sleep(14)
+    (1 s) plus the collector's resend (1 s) and resolve delay, with room for a loaded box."""
+    time.sleep(1 + 1 + COLLECTOR_RESOLVE_DELAY_S + 4)
 
 
 def for_run(run: str, action: str | None = None, cls: str | None = None) -> Callable[[dict], bool]:
