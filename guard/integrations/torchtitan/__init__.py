@@ -38,14 +38,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from guard.integrations.torchtitan.adapter import MoECounters as MoECounters
-from guard.integrations.torchtitan.adapter import OptimizersView as OptimizersView
-from guard.integrations.torchtitan.adapter import attach as attach
-from guard.integrations.torchtitan.adapter import blocks_of as blocks_of
-from guard.integrations.torchtitan.adapter import force_collapse as force_collapse
+# The adapter's names load on first use (PEP 562), like GuardedTrainer: `python -m
+# guard.integrations.torchtitan` imports this package before its __main__ runs, and the launcher
+# decides how torch and torchtitan are imported (__main__.py: without the cyclic GC).
+_ADAPTER = ("MoECounters", "OptimizersView", "attach", "blocks_of", "force_collapse")
+__all__ = [*_ADAPTER, "GuardedTrainer"]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _ADAPTER:
+        from guard.integrations.torchtitan import adapter
+
+        globals()[name] = value = getattr(adapter, name)
+        return value
     # Built on first use: attach() and the plain-loop path never import torchtitan.trainer.
     if name == "GuardedTrainer":
         from guard.integrations.torchtitan.trainer import guarded_trainer
