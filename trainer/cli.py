@@ -282,7 +282,14 @@ def run(args: argparse.Namespace) -> int:
         from trainer.resume_check import check_store_for_resume
 
         check_store_for_resume(run_dir)
+    from trainer.step_gc import gc_off_through_start_up
 
+    with gc_off_through_start_up(cfg.train.gc_every):
+        return train(args, cfg, injections, run_dir, rank)
+
+
+def train(args: argparse.Namespace, cfg: Any, injections: list[Any], run_dir: Path, rank: int) -> int:
+    """The run itself, once the command line and the config are known to be good."""
     from guard.runtime.elastic import tell_launcher
     from guard.store.layout import run_dir_problem
     from guard.store.reader import read_meta

@@ -76,9 +76,15 @@ class TrainLoopConfig:
     # all-reduce per step; "fsdp" shards parameters, gradients and optimizer state with FSDP2
     # (fully_shard per block, then the root). "none" refuses WORLD_SIZE > 1. See trainer/distributed.py.
     parallel: str = "ddp"
+    # CPython's cyclic GC at step boundaries (trainer/step_gc.py; torchtitan's training.gc_freq,
+    # Megatron's --manual-gc): automatic collections off for the run, the young generations
+    # collected every gc_every steps and everything at each checkpoint, so the ranks pause at the
+    # same step instead of one rank's pause stalling the others. 0: CPython's automatic GC.
+    gc_every: int = 50
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
+        check(self.gc_every >= 0, "train.gc_every", self.gc_every, "must be >= 0 (0: CPython's automatic GC)")
         check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "must be >= 1")
         check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
         check_choice("train.dtype", self.dtype, ("auto", "fp32", "bf16"))

@@ -63,6 +63,7 @@ from trainer.model import MoETransformer
 from trainer.record import RunRecord, run_environment, run_meta
 from trainer.rerun import RerunCheck
 from trainer.resume_check import restore_checked
+from trainer.step_gc import StepGC
 from trainer.train_module import TrainModule, set_deterministic
 
 
@@ -176,6 +177,7 @@ class Trainer:
         self.last_decision: Decision | None = None
         self.last_checkpoint: Path | None = None
         self.preemption = outcome.Preemption()
+        self.step_gc = StepGC(cfg.train.gc_every)
         self.progress = progress and d.main
         self.console = Console(self.run_dir.name, cfg.train.steps)
         self.store = (
@@ -444,6 +446,7 @@ class Trainer:
         self.preemption.install(can_agree=self.dist.world == 1 or self.telemetry)
         end = outcome.Ending(schema.STATUS_FINISHED, 0)
         try:
+            self.step_gc.start()
             while self.step < stop:
                 rep = self.train_step()
                 self.step += 1
@@ -461,6 +464,7 @@ class Trainer:
             end = outcome.crashed(self.step, e)
             raise
         finally:
+            self.step_gc.restore()
             self.callbacks.close()
             self.console.close()
             try:  # a SIGTERM now only sets the flag: torchrun's, after a peer died, must not cut
@@ -495,6 +499,9 @@ class Trainer:
         every = self.cfg.train.checkpoint_every
         if every and self.step % every == 0 and self.step < self.cfg.train.steps:
             self.save_checkpoint()
+            self.step_gc.at_checkpoint()
+        else:
+            self.step_gc.after_step(self.step)
         self.console.advance(self.step, rep, self.state.guard_actions)
 
     def _ran_to_stop(self) -> outcome.Ending:
