@@ -15,6 +15,11 @@ the trainer with it and writes what it measured.
 
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":  # a worker process: no GC through its imports (measure_in_process)
+    gc.disable()
+
 import hashlib
 import json
 import os
@@ -83,6 +88,8 @@ def measure_in_process(spec: dict[str, Any]) -> dict[str, Any]:
     setup = load_setup(spec["config"], spec.get("overrides"), TRAINER)
     cfg = setup.train_config(spec.get("variant"))
     cfg.name = spec["name"]
+    if not cfg.train.gc_every:  # CPython's automatic GC for the run, as configured; otherwise the
+        gc.enable()  # run's StepGC freezes what the worker's imports left, unscanned
     run_dir = Path(spec["run_dir"])
     timer = CanaryTiming(slow_pct=float(spec.get("slow_pct", 0.0)))
     try:
