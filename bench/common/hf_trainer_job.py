@@ -31,11 +31,13 @@ sys.path.insert(0, str(_P(__file__).resolve().parents[2]))  # `python bench/<gro
 
 import gc
 
-if __name__ == "__main__":  # a process of its own: no cyclic GC until the Trainer is built (main())
+# A process of its own (~40 in the suite: drills, canary A/B tests, the GPU dry run; both sides of
+# every comparison run this job): no cyclic GC until the Trainer is built, then its start-up heap
+# frozen (main(start_up_frozen=True); guard/runtime/start_up_gc.py).
+if __name__ == "__main__":
     gc.disable()
 
 import argparse
-import atexit
 import hashlib
 import json
 import os
@@ -47,6 +49,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from guard.integrations.tiny import FAMILIES, build
+from guard.runtime.start_up_gc import freeze_start_up
 
 
 class ByteWindows(torch.utils.data.Dataset):
@@ -232,20 +235,6 @@ def weights_hash(model: torch.nn.Module) -> str:
         h.update(k.encode())
         h.update(v.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def freeze_start_up() -> None:
-    """What this process's start-up left (torch, transformers, the model, the Trainer: ~1M
-    objects, kept to the end anyway) frozen out of the cyclic GC, then the GC back on. The suite
-    starts this job ~40 times (drills, canary A/B tests, the GPU dry run): with the GC on through the
-    imports and the first steps, its full collections rescanned that heap again and again, ~2.3 of
-    a 30-step job's ~8 CPU-s here. Both sides of every comparison run the same job (guarded and
-    plain, A and B), and torchtitan's launcher does the same for its ranks. Unfrozen at exit, where
-    the interpreter's last collection still sees everything (triton's nanobind bindings report
-    frozen objects as leaks)."""
-    gc.freeze()
-    atexit.register(gc.unfreeze)
-    gc.enable()
 
 
 def main(argv: list[str] | None = None, *, start_up_frozen: bool = False) -> dict[str, Any]:

@@ -32,7 +32,6 @@ crashed).
 from __future__ import annotations
 
 import argparse
-import atexit
 import gc
 import os
 import sys
@@ -142,13 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.torchtitan_help:
         rest = [*rest, "--help"]
 
-    gc.disable()  # through the imports: _gc_back_on_for_the_trainer()
+    # The GC off through a rank's imports, its heap frozen before the Trainer is built
+    # (guard/runtime/start_up_gc.py); torchtitan's Trainer then runs the GC as it always does
+    # (automatic collections off for the run, generation 1 every `training.gc_freq` steps).
+    gc.disable()
     import torch
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
 
     from guard.integrations.torchtitan import cpu
     from guard.integrations.torchtitan.trainer import guarded_trainer
+    from guard.runtime.start_up_gc import freeze_start_up
 
     init_logger()
     if cpu.needs_cpu():
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
-    _gc_back_on_for_the_trainer()
+    freeze_start_up()
     if args.no_guard:
         from torchtitan.trainer import Trainer
 
@@ -192,21 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     if rank0 and line:
         print(line, file=sys.stderr, flush=True)
     return EXIT_HALTED if halted else 0
-
-
-def _gc_back_on_for_the_trainer() -> None:
-    """The cyclic GC, off through the rank's imports (main()), back on for the Trainer.
-
-    Left on, it ran ~8 full collections over the growing heap of torch, inductor, datasets and the
-    model modules: ~0.6-0.8 of a rank's ~8.6 CPU-s at start-up here. What the imports left is kept
-    for the process's life, so it is frozen out of later collections before the GC is turned back
-    on; torchtitan's Trainer then runs it as it always does (automatic collections off for the run,
-    generation 1 every `training.gc_freq` steps: tools/utils.py GarbageCollection). Unfrozen at
-    exit, where the interpreter's last collection still sees everything (triton's nanobind
-    bindings report frozen objects as leaks)."""
-    gc.freeze()
-    atexit.register(gc.unfreeze)
-    gc.enable()
 
 
 def ending_line(trainer: Any, config: Any) -> str:
