@@ -3,7 +3,7 @@
 scripts/bootstrap installs with uv when it can (the same resolution in about half the wall time and
 a quarter of the CPU: docs/BENCHMARKS.md, "CI duration"), but uv reads neither pip's config files
 nor its PIP_* variables. This hands uv pip's effective index settings: the index, the extra
-indexes, find-links and constraints, from `pip config list` (which lists the PIP_* variables as
+indexes, find-links, constraints, trusted hosts and no-index, from `pip config list` (which lists the PIP_* variables as
 `:env:` and each file's `global.` / `install.` keys), and a CA bundle as SSL_CERT_FILE.
 
     python scripts/uv_args_from_pip.py          # uv's flags, from `python -m pip config list`
@@ -22,8 +22,10 @@ FLAGS = {
     "extra-index-url": "--extra-index-url",
     "find-links": "--find-links",
     "constraint": "--constraint",
+    "trusted-host": "--allow-insecure-host",  # a mirror without TLS, or with a certificate to skip
 }
-MULTI = {"extra-index-url", "find-links", "constraint"}
+MULTI = {"extra-index-url", "find-links", "constraint", "trusted-host"}
+TRUE = {"1", "true", "yes", "on"}
 # the later wins: the config files' global section, their install section, then the environment
 PRECEDENCE = ("global", "install", ":env:")
 
@@ -51,6 +53,8 @@ def uv_args(options: dict[str, str]) -> list[str]:
         if name in options:
             for value in options[name].split() if name in MULTI else [options[name]]:
                 out += [flag, value]
+    if options.get("no-index", "").lower() in TRUE:  # an air-gapped host: find-links only
+        out.append("--no-index")
     if "extra-index-url" in options or "find-links" in options:
         # pip takes the best version across every index; uv by default stops at the first that has
         # the package, which can miss a newer release another one holds

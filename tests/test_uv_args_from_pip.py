@@ -60,3 +60,19 @@ def test_it_reads_this_interpreters_pip_and_refuses_an_unknown_argument() -> Non
     assert r.stdout.split() == uv_from_pip.uv_args(uv_from_pip.effective(listed))
     bad = subprocess.run([sys.executable, script, "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "'--bogus'" in bad.stderr
+
+
+def test_an_air_gapped_mirror_keeps_pip_off_the_index_and_its_trusted_host() -> None:
+    listed = (
+        "global.no-index='true'\nglobal.find-links='/srv/wheels'\n"
+        "global.trusted-host='mirror.internal other.internal'\n"
+    )
+    args = uv_from_pip.uv_args(uv_from_pip.effective(listed))
+    assert args == [
+        "--find-links", "/srv/wheels",
+        "--allow-insecure-host", "mirror.internal",
+        "--allow-insecure-host", "other.internal",
+        "--no-index",
+        "--index-strategy", "unsafe-best-match",
+    ]  # fmt: skip
+    assert "--no-index" not in uv_from_pip.uv_args(uv_from_pip.effective("global.no-index='false'\n"))
