@@ -2,9 +2,10 @@
 
 scripts/bootstrap installs with uv when it can (the same resolution in about half the wall time and
 a quarter of the CPU: docs/BENCHMARKS.md, "CI duration"), but uv reads neither pip's config files
-nor its PIP_* variables. This hands uv pip's effective index settings: the index, the extra
-indexes, find-links, constraints, trusted hosts and no-index, from `pip config list` (which lists the PIP_* variables as
-`:env:` and each file's `global.` / `install.` keys), and a CA bundle as SSL_CERT_FILE.
+nor its PIP_* variables. This hands uv pip's effective index settings (the index, the extra
+indexes, find-links, constraints, trusted hosts and no-index) from `pip config list`, which lists
+the PIP_* variables as `:env:` and each file's `global.` / `install.` keys, and pip's CA bundle
+for SSL_CERT_FILE.
 
     python scripts/uv_args_from_pip.py          # uv's flags, from `python -m pip config list`
     python scripts/uv_args_from_pip.py --cert   # pip's CA bundle (for SSL_CERT_FILE), if set

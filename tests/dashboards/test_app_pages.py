@@ -17,6 +17,7 @@ from app_helpers import chart_titled, charts, messages, traces
 
 from dashboards import ui
 from guard.core import schema
+from guard.store.reader import read_table
 from tests.dashboards import synth_store as synth
 from tests.dashboards.synth_run import SynthRun, write_run
 
@@ -497,8 +498,6 @@ def test_trainer_drill_shows_up_on_the_health_page(tmp_path: Path, open_page) ->
     row = runs_page.dataframe[0].value.iloc[0]
     # the listing counts the run store's actions: the injected skip, and whatever natural spike this
     # interpreter's stdlib corpus gave the tiny model (none on the corpus the drill was first run on)
-    from guard.store.reader import read_table
-
     acted = read_table(runs / "drill", "steps").filter(pl.col("action") != schema.ACT_APPLY)
     assert 40 in acted["step"].to_list()
     assert (
