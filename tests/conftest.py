@@ -103,6 +103,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     still runs one, so a long test left to the end would run alone while the other CPU idles."""
     if os.environ.get("MOEGUARD_PIN_WORKERS") == "1":
         items.sort(key=lambda it: -_serial_cost(it))  # stable: equal costs keep their order
+    wheel_runs = os.environ.get("MOEGUARD_WHEEL_RUNS", "").split()
+    if wheel_runs:
+        left_out = [it for it in items if runs_against_the_wheel(it, wheel_runs)]
+        if left_out:
+            items[:] = [it for it in items if it not in left_out]
+            config.hook.pytest_deselected(items=left_out)
+
+
+def runs_against_the_wheel(item: pytest.Item, paths: list[str]) -> bool:
+    """scripts/test's parallel phase leaves out what scripts/test-wheel runs beside it against the
+    installed wheel ($MOEGUARD_WHEEL_RUNS: its test paths; their tests not marked `integration`):
+    the same test files over the same source, run once, not twice."""
+    module = item.nodeid.split("::", 1)[0]
+    under = any(module == p or module.startswith(p.rstrip("/") + "/") for p in paths)
+    return under and item.get_closest_marker("integration") is None
 
 
 def _serial_cost(item: pytest.Item) -> float:
