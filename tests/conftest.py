@@ -105,9 +105,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda it: -_serial_cost(it))  # stable: equal costs keep their order
     wheel_runs = os.environ.get("MOEGUARD_WHEEL_RUNS", "").split()
     if wheel_runs:
-        left_out = [it for it in items if runs_against_the_wheel(it, wheel_runs)]
+        kept: list[pytest.Item] = []
+        left_out: list[pytest.Item] = []
+        for it in items:
+            (left_out if runs_against_the_wheel(it, wheel_runs) else kept).append(it)
         if left_out:
-            items[:] = [it for it in items if it not in left_out]
+            items[:] = kept
             config.hook.pytest_deselected(items=left_out)
 
 
